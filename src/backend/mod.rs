@@ -1,0 +1,2 @@
+//! Backends that execute graphs.
+pub mod cpu;
