@@ -13,10 +13,12 @@
 pub mod backend;
 pub mod cache;
 pub mod config;
+pub mod engine;
 pub mod error;
 pub mod graph;
 pub mod model;
 pub mod runner;
+pub mod step;
 pub mod tokenizer;
 pub mod weights;
 

@@ -1,1 +1,244 @@
-//! (being written)
+//! Runs a model's bucketed graphs over one KV root: the CPU form of the graph runner.
+//!
+//! The runner owns the weights (bound to every graph by name), the KV root (bound as input and
+//! aliased output of every graph, updated in place), and one graph per bucket, built on first
+//! use and kept. A batch is padded up to the smallest bucket that holds it.
+
+use std::collections::HashMap;
+
+use candle_core::{DType as CDType, Device, Tensor as CTensor};
+
+use crate::backend::cpu;
+use crate::cache::BlockAllocator;
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::graph::{Graph, InputRole};
+use crate::model::{self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, WeightSpecs};
+use crate::step::{self, DecodeRow, HostArray, HostData, PrefillChunk};
+
+/// Sizes the runner captures graphs for.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunnerConfig {
+    /// Slots per cache block.
+    pub block_size: usize,
+    /// Blocks in the cache, the scratch block included.
+    pub num_blocks: usize,
+    /// Decode batch buckets, ascending.
+    pub batch_buckets: Vec<usize>,
+    /// Context-length buckets, ascending, each a multiple of `block_size`.
+    pub ctx_buckets: Vec<usize>,
+    /// Tokens per prefill chunk.
+    pub prefill_chunk: usize,
+    /// Force one MoE strategy instead of choosing per bucket.
+    pub moe: Option<MoeStrategy>,
+}
+
+impl RunnerConfig {
+    /// Buckets for `max_batch` sequences of up to `max_len` tokens: batch 1, 2, 4, 8, then steps
+    /// of 8; contexts doubling from 64 up to `max_len`; enough blocks for every sequence at full
+    /// length plus scratch.
+    pub fn for_limits(max_batch: usize, max_len: usize) -> Self {
+        let block_size = 16;
+        let max_len = max_len.div_ceil(block_size) * block_size;
+        let mut batch_buckets: Vec<usize> = [1, 2, 4, 8].into_iter().filter(|&b| b < max_batch).collect();
+        let mut b = 8;
+        while b < max_batch {
+            b += 8;
+            if b < max_batch {
+                batch_buckets.push(b);
+            }
+        }
+        batch_buckets.push(max_batch);
+        let mut ctx_buckets = Vec::new();
+        let mut c = 64.min(max_len);
+        while c < max_len {
+            ctx_buckets.push(c);
+            c *= 2;
+        }
+        ctx_buckets.push(max_len);
+        RunnerConfig {
+            block_size,
+            num_blocks: max_batch * (max_len / block_size) + 1,
+            batch_buckets,
+            ctx_buckets,
+            prefill_chunk: 64.min(max_len),
+            moe: None,
+        }
+    }
+
+    /// The longest sequence any bucket holds.
+    pub fn max_len(&self) -> usize {
+        self.ctx_buckets.last().copied().unwrap_or(0)
+    }
+}
+
+/// What one executed step returns.
+#[derive(Debug, Clone)]
+pub struct StepOutput {
+    /// The sampled token of each real row (padding rows dropped).
+    pub next_tokens: Vec<u32>,
+    /// The logits, when the graph returns them: one row per real row (or per real position).
+    pub logits: Option<Vec<Vec<f32>>>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+enum Kind {
+    Decode,
+    Prefill,
+}
+
+/// The CPU graph runner for one model.
+pub struct CpuRunner {
+    cfg: ModelConfig,
+    specs: WeightSpecs,
+    weights: ModelWeights,
+    layout: CacheLayout,
+    root: CTensor,
+    runner_cfg: RunnerConfig,
+    graphs: HashMap<(Kind, usize, usize, LogitsOutput), Graph>,
+    /// The cache's block allocator: callers grow and release sequences' tables through it.
+    pub blocks: BlockAllocator,
+}
+
+fn smallest_fitting(buckets: &[usize], need: usize, what: &str) -> Result<usize> {
+    buckets.iter().copied().find(|&b| b >= need).ok_or_else(|| {
+        Error::InvalidRequest(format!(
+            "{what} {need} exceeds the largest bucket ({})",
+            buckets.last().copied().unwrap_or(0)
+        ))
+    })
+}
+
+impl CpuRunner {
+    /// A runner with a zeroed KV root sized by `runner_cfg`.
+    pub fn new(cfg: ModelConfig, weights: ModelWeights, runner_cfg: RunnerConfig) -> Result<Self> {
+        let layout = CacheLayout {
+            block_size: runner_cfg.block_size,
+            num_slots: runner_cfg.num_blocks * runner_cfg.block_size,
+        };
+        let root = CTensor::zeros(
+            (layout.num_slots, cfg.num_hidden_layers * cfg.kv_cache_width()),
+            CDType::F32,
+            &Device::Cpu,
+        )?;
+        Ok(CpuRunner {
+            specs: WeightSpecs::new(&cfg),
+            blocks: BlockAllocator::new(runner_cfg.num_blocks, runner_cfg.block_size)?,
+            cfg,
+            weights,
+            layout,
+            root,
+            runner_cfg,
+            graphs: HashMap::new(),
+        })
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// The runner's buckets.
+    pub fn runner_config(&self) -> &RunnerConfig {
+        &self.runner_cfg
+    }
+
+    fn graph(&mut self, kind: Kind, rows: usize, ctx: usize, logits: LogitsOutput) -> Result<Graph> {
+        let key = (kind, rows, ctx, logits);
+        if let Some(g) = self.graphs.get(&key) {
+            return Ok(g.clone());
+        }
+        let moe = match (&self.runner_cfg.moe, &self.cfg.routing) {
+            (Some(s), _) => *s,
+            (None, Some(r)) => MoeStrategy::for_tokens(r, rows),
+            (None, None) => MoeStrategy::Dense,
+        };
+        let spec = GraphSpec { rows, ctx, logits, moe };
+        let g = match kind {
+            Kind::Decode => model::build_decode(&self.cfg, &self.specs, &self.layout, &spec)?,
+            Kind::Prefill => model::build_prefill(&self.cfg, &self.specs, &self.layout, &spec)?,
+        };
+        self.graphs.insert(key, g.clone());
+        Ok(g)
+    }
+
+    fn execute(&mut self, graph: &Graph, metadata: &[HostArray], real_rows: usize) -> Result<StepOutput> {
+        let mut inputs = Vec::with_capacity(graph.inputs().len());
+        for decl in graph.inputs() {
+            let t = match decl.role {
+                InputRole::Weight => self.weights.get(&decl.name)?.clone(),
+                InputRole::CacheRoot => self.root.clone(),
+                InputRole::Metadata => {
+                    let a = metadata.iter().find(|a| a.name == decl.name).ok_or_else(|| Error::Binding {
+                        name: decl.name.clone(),
+                        msg: "no metadata given for it".into(),
+                    })?;
+                    let dev = &Device::Cpu;
+                    match &a.data {
+                        HostData::I32(v) => CTensor::from_slice(v, a.shape.as_slice(), dev)?,
+                        HostData::F32(v) => CTensor::from_slice(v, a.shape.as_slice(), dev)?,
+                        HostData::U32(v) => CTensor::from_slice(v, a.shape.as_slice(), dev)?,
+                    }
+                }
+            };
+            inputs.push(t);
+        }
+        let outputs = cpu::run(graph, &inputs)?;
+        let get = |name: &str| graph.output_index(name).map(|i| &outputs[i]);
+        let next = get("next_tokens")
+            .ok_or_else(|| Error::Binding { name: "next_tokens".into(), msg: "missing output".into() })?
+            .to_vec1::<i32>()?;
+        let logits = match get("logits") {
+            Some(t) => {
+                let mut rows = t.to_vec2::<f32>()?;
+                rows.truncate(real_rows);
+                Some(rows)
+            }
+            None => None,
+        };
+        Ok(StepOutput {
+            next_tokens: next.into_iter().take(real_rows).map(|x| x as u32).collect(),
+            logits,
+        })
+    }
+
+    fn check_tokens(&self, tokens: impl IntoIterator<Item = u32>) -> Result<()> {
+        for t in tokens {
+            if t as usize >= self.cfg.vocab_size {
+                return Err(Error::InvalidRequest(format!(
+                    "token id {t} is outside the vocabulary (size {})",
+                    self.cfg.vocab_size
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Runs one prefill chunk (at most `prefill_chunk` tokens). With
+    /// [`LogitsOutput::AllPositions`] the logits of every token of the chunk are returned.
+    pub fn prefill(&mut self, chunk: &PrefillChunk<'_>, logits: LogitsOutput) -> Result<StepOutput> {
+        self.check_tokens(chunk.tokens.iter().copied())?;
+        let n = chunk.tokens.len();
+        let t = self.runner_cfg.prefill_chunk;
+        if n > t {
+            return Err(Error::InvalidRequest(format!("a prefill chunk of {n} tokens exceeds the chunk size {t}")));
+        }
+        let ctx = smallest_fitting(&self.runner_cfg.ctx_buckets, chunk.start + n, "context length")?;
+        let graph = self.graph(Kind::Prefill, t, ctx, logits)?;
+        let meta = step::prefill_step(chunk, t, ctx, self.layout.block_size)?;
+        let real = if logits == LogitsOutput::AllPositions { n } else { 1 };
+        self.execute(&graph, &meta, real)
+    }
+
+    /// Runs one decode step for `rows`, padded to the smallest batch bucket.
+    pub fn decode(&mut self, rows: &[DecodeRow<'_>], logits: bool) -> Result<StepOutput> {
+        self.check_tokens(rows.iter().map(|r| r.token))?;
+        let batch = smallest_fitting(&self.runner_cfg.batch_buckets, rows.len(), "batch size")?;
+        let longest = rows.iter().map(|r| r.position + 1).max().unwrap_or(1);
+        let ctx = smallest_fitting(&self.runner_cfg.ctx_buckets, longest, "context length")?;
+        let want = if logits { LogitsOutput::Sampled } else { LogitsOutput::None };
+        let graph = self.graph(Kind::Decode, batch, ctx, want)?;
+        let meta = step::decode_step(rows, batch, ctx, self.layout.block_size)?;
+        self.execute(&graph, &meta, rows.len())
+    }
+}

@@ -25,7 +25,8 @@ struct BuilderState {
     nodes: Vec<Node>,
     inputs: Vec<InputDecl>,
     outputs: Vec<OutputDecl>,
-    names: HashSet<String>,
+    input_names: HashSet<String>,
+    output_names: HashSet<String>,
 }
 
 /// Builds one [`Graph`]. Cloning yields another handle on the same graph under construction.
@@ -53,7 +54,8 @@ impl GraphBuilder {
             nodes: Vec::new(),
             inputs: Vec::new(),
             outputs: Vec::new(),
-            names: HashSet::new(),
+            input_names: HashSet::new(),
+            output_names: HashSet::new(),
         })))
     }
 
@@ -73,7 +75,8 @@ impl GraphBuilder {
         }
     }
 
-    /// Declares an input. Names are unique across inputs and outputs.
+    /// Declares an input. Input names are unique (outputs have their own namespace, so an
+    /// updated root may keep its input's name).
     pub fn input(
         &self,
         name: impl Into<String>,
@@ -83,7 +86,7 @@ impl GraphBuilder {
     ) -> Result<Tensor> {
         let name = name.into();
         let shape = shape.into();
-        if !self.0.borrow_mut().names.insert(name.clone()) {
+        if !self.0.borrow_mut().input_names.insert(name.clone()) {
             return Err(shape_err("input", format!("duplicate name `{name}`")));
         }
         let index = self.0.borrow().inputs.len();
@@ -217,7 +220,7 @@ impl GraphBuilder {
 
     fn add_output(&self, name: String, value: &Tensor, aliases: Option<usize>) -> Result<()> {
         let mut st = self.0.borrow_mut();
-        if !st.names.insert(name.clone()) {
+        if !st.output_names.insert(name.clone()) {
             return Err(shape_err("output", format!("duplicate name `{name}`")));
         }
         if aliases.is_some() && st.outputs.iter().any(|o| o.aliases == aliases) {

@@ -1,1 +1,269 @@
-//! (being written)
+//! The DeepSeek forward pass, written once as graph builders.
+//!
+//! [`build_decode`] and [`build_prefill`] return a [`Graph`] for one bucket: static shapes, i32
+//! metadata, the KV root as a cache-root input whose updated value is an aliased output. Every
+//! value derived from the step's metadata (rope angles, context slots, masks) is computed inside
+//! the graph. Builders only use the `graph` API; they never name a backend.
+//!
+//! Graph inputs (besides weights, which take their parameter names):
+//!
+//! | name | decode `(b, ctx)` | prefill `(t, ctx)` |
+//! |---|---|---|
+//! | `input_ids` | `[b]` i32 | `[t]` i32 |
+//! | `positions` | `[b]` i32 | `[t]` i32 |
+//! | `slot_mapping` | `[b]` i32 | `[t]` i32 |
+//! | `block_tables` | `[b, ctx / block]` i32 | `[1, ctx / block]` i32 |
+//! | `context_lens` | `[b]` i32 (including the new token) | — |
+//! | `last_index` | — | `[1]` i32: the chunk's last real token |
+//! | `temperature`, `top_p` | `[b]` f32 | `[1]` f32 |
+//! | `top_k` | `[b]` i32 | `[1]` i32 |
+//! | `seeds` | `[b]` u32 | `[1]` u32 |
+//! | `kv_cache` | `[slots, layers * width]` f32, updated in place | same |
+//!
+//! Outputs: `next_tokens` (`[b]` / `[1]` i32), `logits` on request (`[b, vocab]` for decode and
+//! the last position of prefill, or `[t, vocab]` for every position), and `kv_cache`.
+
+pub mod attention;
+pub mod moe;
+pub mod ops;
+pub mod params;
+pub mod rope;
+pub mod sampling;
+
+use std::cell::RefCell;
+use std::collections::HashMap;
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::graph::{DType, Graph, GraphBuilder, InputRole, Tensor};
+
+pub use moe::MoeStrategy;
+pub use params::{ModelWeights, WeightSpecs};
+
+/// Declares weight inputs on first use, so each graph binds only the weights it reads.
+pub struct Weights<'a> {
+    builder: GraphBuilder,
+    specs: &'a WeightSpecs,
+    declared: RefCell<HashMap<String, Tensor>>,
+}
+
+impl<'a> Weights<'a> {
+    /// A weight registry for one graph under construction.
+    pub fn new(builder: &GraphBuilder, specs: &'a WeightSpecs) -> Self {
+        Weights {
+            builder: builder.clone(),
+            specs,
+            declared: RefCell::new(HashMap::new()),
+        }
+    }
+
+    /// The input for weight `name`, declared the first time it is asked for.
+    pub fn get(&self, name: &str) -> Result<Tensor> {
+        if let Some(t) = self.declared.borrow().get(name) {
+            return Ok(t.clone());
+        }
+        let shape = self
+            .specs
+            .shape(name)
+            .ok_or_else(|| Error::shape("weight", format!("the model has no parameter `{name}`")))?;
+        let t = self.builder.input(name, InputRole::Weight, shape.to_vec(), DType::F32)?;
+        self.declared.borrow_mut().insert(name.to_string(), t.clone());
+        Ok(t)
+    }
+}
+
+/// The paged KV-cache geometry a graph is built for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CacheLayout {
+    /// Token slots per block.
+    pub block_size: usize,
+    /// Rows of the KV root (`blocks * block_size`).
+    pub num_slots: usize,
+}
+
+/// Which logits a graph returns besides the sampled tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LogitsOutput {
+    /// Only `next_tokens`.
+    None,
+    /// The logits the sample was drawn from (`[b, vocab]`).
+    Sampled,
+    /// Prefill only: every position's logits (`[t, vocab]`).
+    AllPositions,
+}
+
+/// One bucket's graph: its kind and static sizes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GraphSpec {
+    /// Rows (decode: sequences; prefill: tokens of the chunk).
+    pub rows: usize,
+    /// Context positions visible (a multiple of the block size).
+    pub ctx: usize,
+    /// Which logits to return.
+    pub logits: LogitsOutput,
+    /// MoE evaluation strategy.
+    pub moe: MoeStrategy,
+}
+
+fn metadata(b: &GraphBuilder, name: &str, shape: Vec<usize>, dtype: DType) -> Result<Tensor> {
+    b.input(name, InputRole::Metadata, shape, dtype)
+}
+
+/// Cache slot of every context position: `block_tables[s, j / block] * block + j % block`,
+/// flattened to `[seqs * ctx]`.
+fn context_slots(block_tables: &Tensor, ctx: usize, block: usize) -> Result<Tensor> {
+    let b = block_tables.builder();
+    let seqs = block_tables.dim(0);
+    let j = b.iota([seqs, ctx], DType::I32, 1)?;
+    let blk = j.full_like(block as f64)?;
+    let which = j.div(&blk)?;
+    let blocks = block_tables.gather(&which, 1)?;
+    blocks.mul(&blk)?.add(&j.rem(&blk)?)?.reshape([seqs * ctx])
+}
+
+fn check_spec(cfg: &ModelConfig, spec: &GraphSpec, cache: &CacheLayout) -> Result<()> {
+    if spec.rows == 0 || spec.ctx == 0 || spec.ctx % cache.block_size != 0 {
+        return Err(Error::shape(
+            "bucket",
+            format!(
+                "rows {} and ctx {} (ctx must be a positive multiple of the block size {})",
+                spec.rows, spec.ctx, cache.block_size
+            ),
+        ));
+    }
+    if cfg.routing.is_none() && spec.moe == MoeStrategy::Dense {
+        return Ok(());
+    }
+    Ok(())
+}
+
+fn root_input(cfg: &ModelConfig, b: &GraphBuilder, cache: &CacheLayout) -> Result<Tensor> {
+    b.input(
+        "kv_cache",
+        InputRole::CacheRoot,
+        vec![cache.num_slots, cfg.num_hidden_layers * cfg.kv_cache_width()],
+        DType::F32,
+    )
+}
+
+/// The MLP (dense or MoE) of `layer` on normalized hidden states.
+fn feed_forward(cfg: &ModelConfig, w: &Weights, layer: usize, x: &Tensor, strategy: MoeStrategy) -> Result<Tensor> {
+    match &cfg.routing {
+        Some(r) if cfg.is_moe_layer(layer) => moe::moe(cfg, r, w, layer, x, strategy),
+        _ => {
+            let p = format!("model.layers.{layer}.mlp");
+            ops::mlp(
+                x,
+                &w.get(&format!("{p}.gate_proj.weight"))?,
+                &w.get(&format!("{p}.up_proj.weight"))?,
+                &w.get(&format!("{p}.down_proj.weight"))?,
+            )
+        }
+    }
+}
+
+type AttnFn = fn(&ModelConfig, &Weights, usize, &Tensor, &Tensor, &attention::AttnStep<'_>) -> Result<(Tensor, Tensor)>;
+
+/// Runs every decoder layer; returns the final normalized hidden states and the updated root.
+fn decoder(cfg: &ModelConfig, w: &Weights, mut x: Tensor, mut root: Tensor, step: &attention::AttnStep<'_>, attn: AttnFn, strategy: MoeStrategy) -> Result<(Tensor, Tensor)> {
+    for layer in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{layer}");
+        let h = ops::rms_norm(&x, &w.get(&format!("{p}.input_layernorm.weight"))?, cfg.rms_norm_eps)?;
+        let (a, r) = attn(cfg, w, layer, &h, &root, step)?;
+        root = r;
+        x = x.add(&a)?;
+        let h = ops::rms_norm(&x, &w.get(&format!("{p}.post_attention_layernorm.weight"))?, cfg.rms_norm_eps)?;
+        x = x.add(&feed_forward(cfg, w, layer, &h, strategy)?)?;
+    }
+    let x = ops::rms_norm(&x, &w.get("model.norm.weight")?, cfg.rms_norm_eps)?;
+    Ok((x, root))
+}
+
+/// Declares the per-row sampling inputs and samples from `logits`.
+fn sample_rows(b: &GraphBuilder, logits: &Tensor, positions: &Tensor) -> Result<Tensor> {
+    let rows = logits.dim(0);
+    let temperature = metadata(b, "temperature", vec![rows], DType::F32)?;
+    let top_k = metadata(b, "top_k", vec![rows], DType::I32)?;
+    let top_p = metadata(b, "top_p", vec![rows], DType::F32)?;
+    let seeds = metadata(b, "seeds", vec![rows], DType::U32)?;
+    sampling::sample(
+        logits,
+        &sampling::SamplingInputs {
+            temperature: &temperature,
+            top_k: &top_k,
+            top_p: &top_p,
+            seeds: &seeds,
+            positions,
+        },
+    )
+}
+
+/// The decode graph for `spec.rows` sequences of one new token each, attending to up to
+/// `spec.ctx` positions.
+pub fn build_decode(cfg: &ModelConfig, specs: &WeightSpecs, cache: &CacheLayout, spec: &GraphSpec) -> Result<Graph> {
+    check_spec(cfg, spec, cache)?;
+    let (rows, ctx) = (spec.rows, spec.ctx);
+    let b = GraphBuilder::new(format!("decode_b{rows}_c{ctx}"));
+    let w = Weights::new(&b, specs);
+    let input_ids = metadata(&b, "input_ids", vec![rows], DType::I32)?;
+    let positions = metadata(&b, "positions", vec![rows], DType::I32)?;
+    let slots = metadata(&b, "slot_mapping", vec![rows], DType::I32)?;
+    let block_tables = metadata(&b, "block_tables", vec![rows, ctx / cache.block_size], DType::I32)?;
+    let context_lens = metadata(&b, "context_lens", vec![rows], DType::I32)?;
+    let root = root_input(cfg, &b, cache)?;
+
+    let (cos, sin) = rope::cos_sin(cfg, &positions)?;
+    let ctx_slots = context_slots(&block_tables, ctx, cache.block_size)?;
+    let j = b.iota([rows, ctx], DType::I32, 1)?;
+    let visible = j.lt(&context_lens.unsqueeze(1)?)?;
+    let step = attention::AttnStep { cos: &cos, sin: &sin, slots: &slots, ctx_slots: &ctx_slots, visible: &visible };
+
+    let x = w.get("model.embed_tokens.weight")?.index_select(&input_ids, 0)?;
+    let (x, new_root) = decoder(cfg, &w, x, root.clone(), &step, attention::decode, spec.moe)?;
+    let logits = ops::linear(&x, &w.get(ModelWeights::lm_head_name(cfg))?)?;
+    let next = sample_rows(&b, &logits, &positions)?;
+    b.output("next_tokens", &next)?;
+    if spec.logits != LogitsOutput::None {
+        b.output("logits", &logits)?;
+    }
+    b.output_aliased("kv_cache", &new_root, &root)?;
+    b.finish()
+}
+
+/// The prefill graph for a chunk of up to `spec.rows` tokens of one sequence whose earlier
+/// tokens are already cached, attending to up to `spec.ctx` positions.
+pub fn build_prefill(cfg: &ModelConfig, specs: &WeightSpecs, cache: &CacheLayout, spec: &GraphSpec) -> Result<Graph> {
+    check_spec(cfg, spec, cache)?;
+    let (t, ctx) = (spec.rows, spec.ctx);
+    let b = GraphBuilder::new(format!("prefill_t{t}_c{ctx}"));
+    let w = Weights::new(&b, specs);
+    let input_ids = metadata(&b, "input_ids", vec![t], DType::I32)?;
+    let positions = metadata(&b, "positions", vec![t], DType::I32)?;
+    let slots = metadata(&b, "slot_mapping", vec![t], DType::I32)?;
+    let block_tables = metadata(&b, "block_tables", vec![1, ctx / cache.block_size], DType::I32)?;
+    let last_index = metadata(&b, "last_index", vec![1], DType::I32)?;
+    let root = root_input(cfg, &b, cache)?;
+
+    let (cos, sin) = rope::cos_sin(cfg, &positions)?;
+    let ctx_slots = context_slots(&block_tables, ctx, cache.block_size)?;
+    // Causal: token i sees context positions up to its own.
+    let j = b.iota([t, ctx], DType::I32, 1)?;
+    let visible = j.le(&positions.unsqueeze(1)?)?;
+    let step = attention::AttnStep { cos: &cos, sin: &sin, slots: &slots, ctx_slots: &ctx_slots, visible: &visible };
+
+    let x = w.get("model.embed_tokens.weight")?.index_select(&input_ids, 0)?;
+    let (x, new_root) = decoder(cfg, &w, x, root.clone(), &step, attention::prefill, spec.moe)?;
+    let lm_head = w.get(ModelWeights::lm_head_name(cfg))?;
+    let last = x.index_select(&last_index, 0)?;
+    let last_logits = ops::linear(&last, &lm_head)?;
+    let last_pos = positions.index_select(&last_index, 0)?;
+    let next = sample_rows(&b, &last_logits, &last_pos)?;
+    b.output("next_tokens", &next)?;
+    match spec.logits {
+        LogitsOutput::None => {}
+        LogitsOutput::Sampled => b.output("logits", &last_logits)?,
+        LogitsOutput::AllPositions => b.output("logits", &ops::linear(&x, &lm_head)?)?,
+    }
+    b.output_aliased("kv_cache", &new_root, &root)?;
+    b.finish()
+}

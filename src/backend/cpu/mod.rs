@@ -1,1 +1,276 @@
-//! (being written)
+//! The CPU backend: runs a [`Graph`] on real tensors with candle-core.
+//!
+//! Nodes run in creation order (a topological order). Each op is one candle-core call where
+//! candle has it; [`kernels`] covers what candle lacks (wrapping integer arithmetic, top-k, the
+//! strided row gather and the in-place row scatter of the KV cache). Computation is f32; weights
+//! are upcast when they are loaded, not here.
+//!
+//! Memory: every value is dropped right after its last use. Cache roots are updated in place: a
+//! `scatter_rows` whose root is (a chain of updates of) a cache-root input, and which is that
+//! value's last use, writes into the caller's buffer instead of copying it, so the aliased output
+//! *is* the input tensor and the cache is never copied per step.
+
+mod kernels;
+
+use candle_core::{DType as CDType, Device, Tensor as CTensor};
+
+use crate::error::{Error, Result};
+use crate::graph::{BinaryOp, CmpOp, DType, Graph, InputRole, Literal, Op, ReduceOp, UnaryOp};
+
+/// The candle dtype that holds values of a graph dtype.
+pub fn candle_dtype(dtype: DType) -> CDType {
+    match dtype {
+        DType::F32 => CDType::F32,
+        DType::BF16 => CDType::BF16,
+        DType::F16 => CDType::F16,
+        DType::I32 => CDType::I32,
+        DType::U32 => CDType::U32,
+        DType::U8 | DType::Bool => CDType::U8,
+    }
+}
+
+/// Runs `graph` on `inputs` (one tensor per declared input, in order) and returns one tensor per
+/// declared output. Cache-root inputs are updated in place; their aliased outputs are the same
+/// tensors.
+pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
+    check_inputs(graph, inputs)?;
+    let mut remaining = graph.use_counts();
+    let mut values: Vec<Option<CTensor>> = vec![None; graph.nodes().len()];
+    // For each value that shares a cache root's buffer, the index of that root input.
+    let mut root_of: Vec<Option<usize>> = vec![None; graph.nodes().len()];
+
+    for (i, node) in graph.nodes().iter().enumerate() {
+        let get = |id: crate::graph::NodeId| -> Result<&CTensor> {
+            values[id.0].as_ref().ok_or_else(|| Error::Binding {
+                name: graph.name().to_string(),
+                msg: format!("node %{} read after it was freed", id.0),
+            })
+        };
+        let value = match &node.op {
+            Op::Input(k) => {
+                if graph.inputs()[*k].role == InputRole::CacheRoot {
+                    root_of[i] = Some(*k);
+                }
+                inputs[*k].clone()
+            }
+            Op::Constant(lit) => constant(lit, node.shape.dims())?,
+            Op::Iota { dim } => iota(node.shape.dims(), *dim, node.dtype)?,
+            Op::Unary(op, x) => unary(*op, get(*x)?, node.dtype)?,
+            Op::Binary(op, a, b) => binary(*op, get(*a)?, get(*b)?, node.dtype)?,
+            Op::Compare(op, a, b) => {
+                let (a, b) = (get(*a)?, get(*b)?);
+                let op = match op {
+                    CmpOp::Eq => candle_core::op::CmpOp::Eq,
+                    CmpOp::Ne => candle_core::op::CmpOp::Ne,
+                    CmpOp::Lt => candle_core::op::CmpOp::Lt,
+                    CmpOp::Le => candle_core::op::CmpOp::Le,
+                    CmpOp::Gt => candle_core::op::CmpOp::Gt,
+                    CmpOp::Ge => candle_core::op::CmpOp::Ge,
+                };
+                a.cmp(b, op)?
+            }
+            Op::Select {
+                pred,
+                on_true,
+                on_false,
+            } => get(*pred)?.where_cond(get(*on_true)?, get(*on_false)?)?,
+            Op::Cast(x) => get(*x)?.to_dtype(candle_dtype(node.dtype))?,
+            Op::Broadcast(x) => get(*x)?.broadcast_as(node.shape.dims())?,
+            Op::Reshape(x) => get(*x)?.reshape(node.shape.dims())?,
+            Op::Permute(x, perm) => get(*x)?.permute(perm.as_slice())?,
+            Op::Slice { x, dim, start, len } => {
+                root_of[i] = root_of[x.0];
+                get(*x)?.narrow(*dim, *start, *len)?
+            }
+            Op::Concat(xs, dim) => {
+                let ts = xs.iter().map(|x| get(*x)).collect::<Result<Vec<_>>>()?;
+                CTensor::cat(&ts, *dim)?
+            }
+            Op::MatMul(a, b) => matmul(get(*a)?, get(*b)?)?,
+            Op::Reduce(op, x, dim) => {
+                let x = get(*x)?;
+                match op {
+                    ReduceOp::Sum => x.sum(*dim)?,
+                    ReduceOp::Max => x.max(*dim)?,
+                    ReduceOp::Min => x.min(*dim)?,
+                }
+            }
+            Op::ArgMax(x, dim) => get(*x)?.argmax(*dim)?.to_dtype(CDType::I32)?,
+            Op::TopK(x, k) => {
+                let x = get(*x)?;
+                let n = *x.dims().last().unwrap_or(&1);
+                let data = x.flatten_all()?.to_vec1::<f32>()?;
+                CTensor::from_vec(kernels::topk_rows(&data, n, *k), node.shape.dims(), &Device::Cpu)?
+            }
+            Op::IndexSelect { x, ids, dim } => index_select(get(*x)?, get(*ids)?, *dim)?,
+            Op::Gather { x, ids, dim } => {
+                let ids = get(*ids)?.to_dtype(CDType::U32)?;
+                get(*x)?.contiguous()?.gather(&ids.contiguous()?, *dim)?
+            }
+            Op::ScatterRows {
+                root,
+                rows,
+                col,
+                src,
+            } => {
+                let in_place = root_of[root.0].is_some() && remaining[root.0] == 1;
+                let target = if in_place {
+                    root_of[i] = root_of[root.0];
+                    get(*root)?.clone()
+                } else {
+                    get(*root)?.copy()?
+                };
+                let src = get(*src)?.contiguous()?;
+                let rows = get(*rows)?.contiguous()?;
+                target.inplace_op3(&rows, &src, &kernels::ScatterRowsInPlace { col: *col })?;
+                target
+            }
+        };
+        values[i] = Some(value);
+        for operand in node.op.operands() {
+            remaining[operand.0] -= 1;
+            if remaining[operand.0] == 0 {
+                values[operand.0] = None;
+            }
+        }
+    }
+
+    let mut outputs = Vec::with_capacity(graph.outputs().len());
+    for out in graph.outputs() {
+        let value = values[out.node.0].clone().ok_or_else(|| Error::Binding {
+            name: out.name.clone(),
+            msg: "output was never computed".into(),
+        })?;
+        match out.aliases {
+            // The update went elsewhere (the root was still needed): copy it back so the
+            // caller's buffer holds the new cache, as the alias promises.
+            Some(k) if root_of[out.node.0] != Some(k) => {
+                inputs[k].slice_set(&value.contiguous()?, 0, 0)?;
+                outputs.push(inputs[k].clone());
+            }
+            _ => outputs.push(value),
+        }
+    }
+    Ok(outputs)
+}
+
+fn check_inputs(graph: &Graph, inputs: &[CTensor]) -> Result<()> {
+    if inputs.len() != graph.inputs().len() {
+        return Err(Error::Binding {
+            name: graph.name().to_string(),
+            msg: format!(
+                "{} inputs given, the graph declares {}",
+                inputs.len(),
+                graph.inputs().len()
+            ),
+        });
+    }
+    for (decl, t) in graph.inputs().iter().zip(inputs) {
+        if t.dims() != decl.shape.dims() || t.dtype() != candle_dtype(decl.dtype) {
+            return Err(Error::Binding {
+                name: decl.name.clone(),
+                msg: format!(
+                    "expected {} {}, got {:?} {:?}",
+                    decl.shape,
+                    decl.dtype,
+                    t.dims(),
+                    t.dtype()
+                ),
+            });
+        }
+        if decl.role == InputRole::CacheRoot && !t.is_contiguous() {
+            return Err(Error::Binding {
+                name: decl.name.clone(),
+                msg: "a cache root must be contiguous".into(),
+            });
+        }
+    }
+    Ok(())
+}
+
+fn constant(lit: &Literal, dims: &[usize]) -> Result<CTensor> {
+    let dev = &Device::Cpu;
+    Ok(match lit {
+        Literal::F32(v) => CTensor::from_slice(v, dims, dev)?,
+        Literal::I32(v) => CTensor::from_slice(v, dims, dev)?,
+        Literal::U32(v) => CTensor::from_slice(v, dims, dev)?,
+    })
+}
+
+fn iota(dims: &[usize], dim: usize, dtype: DType) -> Result<CTensor> {
+    let n = dims[dim];
+    let mut line_shape = vec![1; dims.len()];
+    line_shape[dim] = n;
+    let line = match dtype {
+        DType::F32 => CTensor::from_vec((0..n).map(|i| i as f32).collect::<Vec<_>>(), line_shape, &Device::Cpu)?,
+        _ => CTensor::from_vec((0..n).map(|i| i as i32).collect::<Vec<_>>(), line_shape, &Device::Cpu)?,
+    };
+    Ok(line.broadcast_as(dims)?)
+}
+
+fn unary(op: UnaryOp, x: &CTensor, dtype: DType) -> Result<CTensor> {
+    if dtype.is_int() {
+        let v = x.flatten_all()?.to_vec1::<i32>()?;
+        let out: Vec<i32> = match op {
+            UnaryOp::Neg => v.iter().map(|a| a.wrapping_neg()).collect(),
+            _ => v.iter().map(|a| a.wrapping_abs()).collect(),
+        };
+        return Ok(CTensor::from_vec(out, x.dims(), &Device::Cpu)?);
+    }
+    Ok(match op {
+        UnaryOp::Neg => x.neg()?,
+        UnaryOp::Abs => x.abs()?,
+        UnaryOp::Exp => x.exp()?,
+        UnaryOp::Log => x.log()?,
+        UnaryOp::Sqrt => x.sqrt()?,
+        UnaryOp::Rsqrt => x.sqrt()?.recip()?,
+        UnaryOp::Sin => x.sin()?,
+        UnaryOp::Cos => x.cos()?,
+        UnaryOp::Tanh => x.tanh()?,
+        UnaryOp::Sigmoid => (x.neg()?.exp()? + 1.0)?.recip()?,
+        UnaryOp::Silu => x.silu()?,
+    })
+}
+
+fn binary(op: BinaryOp, a: &CTensor, b: &CTensor, dtype: DType) -> Result<CTensor> {
+    let dims = a.dims().to_vec();
+    match dtype {
+        DType::I32 => {
+            let (x, y) = (a.flatten_all()?.to_vec1::<i32>()?, b.flatten_all()?.to_vec1::<i32>()?);
+            return Ok(CTensor::from_vec(kernels::int_binary(op, &x, &y), dims, &Device::Cpu)?);
+        }
+        DType::U32 => {
+            let (x, y) = (a.flatten_all()?.to_vec1::<u32>()?, b.flatten_all()?.to_vec1::<u32>()?);
+            return Ok(CTensor::from_vec(kernels::int_binary(op, &x, &y), dims, &Device::Cpu)?);
+        }
+        _ => {}
+    }
+    Ok(match op {
+        BinaryOp::Add => a.add(b)?,
+        BinaryOp::Sub => a.sub(b)?,
+        BinaryOp::Mul => a.mul(b)?,
+        BinaryOp::Div => a.div(b)?,
+        BinaryOp::Max => a.maximum(b)?,
+        BinaryOp::Min => a.minimum(b)?,
+        other => {
+            return Err(Error::shape(other.name(), format!("float operands {dtype}")));
+        }
+    })
+}
+
+fn matmul(a: &CTensor, b: &CTensor) -> Result<CTensor> {
+    match a.matmul(b) {
+        Ok(t) => Ok(t),
+        // candle accepts plain and transposed layouts; anything else (broadcast batch strides,
+        // odd offsets) is made contiguous first.
+        Err(_) => Ok(a.contiguous()?.matmul(&b.contiguous()?)?),
+    }
+}
+
+fn index_select(x: &CTensor, ids: &CTensor, dim: usize) -> Result<CTensor> {
+    if dim == 0 && x.rank() == 2 && x.dtype() == CDType::F32 {
+        return Ok(x.apply_op2_no_bwd(&ids.contiguous()?, &kernels::RowGather)?);
+    }
+    let ids = ids.to_dtype(CDType::U32)?;
+    Ok(x.contiguous()?.index_select(&ids, dim)?)
+}

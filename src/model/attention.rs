@@ -1,0 +1,146 @@
+//! Multi-head latent attention (MLA) over the paged latent cache.
+//!
+//! Per token and layer the cache holds the normalized latent `c_kv` (`kv_lora_rank`) and the
+//! rotated shared key `k_pe` (`qk_rope_head_dim`): one row of `kv_cache_width` values in the
+//! layer's column range of the KV root. New rows are scattered into the root at their slots
+//! first; the context is then gathered back through the block table, so a token always sees
+//! itself and everything before it, whether it came from this step or an earlier one.
+//!
+//! Decode absorbs the up-projection (`w_uk` into the query, `w_uv` into the output), so it runs
+//! over the latents directly: MQA with one 576-wide key head for V2-Lite/V3. Prefill, where many
+//! queries share each key, decompresses keys and values once (`kv_b_proj`) and runs ordinary
+//! attention: fewer multiply-adds per (query, key) pair. Decode and prefill logits agree; the
+//! tests check it.
+
+use crate::config::ModelConfig;
+use crate::error::Result;
+use crate::graph::Tensor;
+
+use super::ops::{linear, rms_norm, softmax};
+use super::{rope, Weights};
+
+/// What one layer's attention needs from the step.
+pub struct AttnStep<'a> {
+    /// cos/sin of the new tokens' positions, `[n, rope_dim / 2]` each.
+    pub cos: &'a Tensor,
+    /// See `cos`.
+    pub sin: &'a Tensor,
+    /// Cache slots of the new tokens, `[n]`.
+    pub slots: &'a Tensor,
+    /// Cache slots of every context position, `[seqs * ctx]`, row-major by sequence.
+    pub ctx_slots: &'a Tensor,
+    /// Which (query, context position) pairs may attend: `[n, ctx]` bool for prefill (one
+    /// sequence), `[seqs, ctx]` for decode (one query per sequence).
+    pub visible: &'a Tensor,
+}
+
+/// Queries split into their non-rotated part `[n, heads, nope]` and rotated part
+/// `[n, heads, rope]`.
+fn queries(cfg: &ModelConfig, w: &Weights, p: &str, x: &Tensor, step: &AttnStep<'_>) -> Result<(Tensor, Tensor)> {
+    let n = x.dim(0);
+    let heads = cfg.num_attention_heads;
+    let q = match cfg.q_lora_rank {
+        Some(_) => {
+            let qa = linear(x, &w.get(&format!("{p}.q_a_proj.weight"))?)?;
+            let qa = rms_norm(&qa, &w.get(&format!("{p}.q_a_layernorm.weight"))?, cfg.rms_norm_eps)?;
+            linear(&qa, &w.get(&format!("{p}.q_b_proj.weight"))?)?
+        }
+        None => linear(x, &w.get(&format!("{p}.q_proj.weight"))?)?,
+    }
+    .reshape([n, heads, cfg.qk_head_dim()])?;
+    let q_nope = q.narrow(2, 0, cfg.qk_nope_head_dim)?;
+    let q_pe = q.narrow(2, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim)?;
+    Ok((q_nope, rope::apply(&q_pe, step.cos, step.sin)?))
+}
+
+/// Computes this step's cache rows (`[n, width]`) and writes them into the layer's columns of
+/// the root; returns the updated root.
+fn write_cache(cfg: &ModelConfig, w: &Weights, p: &str, layer: usize, x: &Tensor, root: &Tensor, step: &AttnStep<'_>) -> Result<Tensor> {
+    let n = x.dim(0);
+    let kv = linear(x, &w.get(&format!("{p}.kv_a_proj_with_mqa.weight"))?)?;
+    let c_kv = rms_norm(
+        &kv.narrow(1, 0, cfg.kv_lora_rank)?,
+        &w.get(&format!("{p}.kv_a_layernorm.weight"))?,
+        cfg.rms_norm_eps,
+    )?;
+    let k_pe = kv
+        .narrow(1, cfg.kv_lora_rank, cfg.qk_rope_head_dim)?
+        .reshape([n, 1, cfg.qk_rope_head_dim])?;
+    let k_pe = rope::apply(&k_pe, step.cos, step.sin)?.reshape([n, cfg.qk_rope_head_dim])?;
+    let row = x.builder().cat(&[&c_kv, &k_pe], 1)?;
+    root.scatter_rows(step.slots, layer * cfg.kv_cache_width(), &row)
+}
+
+/// Every context row of this layer, `[seqs * ctx, width]`.
+fn read_cache(cfg: &ModelConfig, layer: usize, root: &Tensor, step: &AttnStep<'_>) -> Result<Tensor> {
+    let width = cfg.kv_cache_width();
+    root.narrow(1, layer * width, width)?.index_select(step.ctx_slots, 0)
+}
+
+fn masked_softmax(scores: &Tensor, visible: &Tensor) -> Result<Tensor> {
+    let neg = scores.full_like(f64::NEG_INFINITY)?;
+    let last = scores.rank() - 1;
+    softmax(&visible.broadcast_as(scores.shape().clone())?.where_cond(scores, &neg)?, last)
+}
+
+/// Decode attention for `b` sequences, one new token each (absorbed MLA). Returns the
+/// attention output `[b, hidden]` and the updated root.
+pub fn decode(cfg: &ModelConfig, w: &Weights, layer: usize, x: &Tensor, root: &Tensor, step: &AttnStep<'_>) -> Result<(Tensor, Tensor)> {
+    let p = format!("model.layers.{layer}.self_attn");
+    let b = x.dim(0);
+    let heads = cfg.num_attention_heads;
+    let (width, rank) = (cfg.kv_cache_width(), cfg.kv_lora_rank);
+    let (q_nope, q_pe) = queries(cfg, w, &p, x, step)?;
+    let root = write_cache(cfg, w, &p, layer, x, root, step)?;
+    let ctx = step.visible.dim(1);
+    let kv = read_cache(cfg, layer, &root, step)?.reshape([b, ctx, width])?;
+
+    // q_lat[b, h] = q_nope[b, h] @ w_uk[h]: heads as the batch dimension.
+    let q_lat = q_nope
+        .permute(&[1, 0, 2])?
+        .matmul(&w.get(&format!("{p}.w_uk"))?)?
+        .permute(&[1, 0, 2])?; // [b, heads, rank]
+    let q = x.builder().cat(&[&q_lat, &q_pe], 2)?; // [b, heads, width]
+    let scores = q
+        .matmul(&kv.t()?)? // [b, heads, ctx]
+        .affine(rope::softmax_scale(cfg), 0.0)?;
+    let probs = masked_softmax(&scores, &step.visible.unsqueeze(1)?)?;
+    let o_lat = probs.matmul(&kv.narrow(2, 0, rank)?)?; // [b, heads, rank]
+    let o = o_lat
+        .permute(&[1, 0, 2])?
+        .matmul(&w.get(&format!("{p}.w_uv"))?.t()?)? // [heads, b, v]
+        .permute(&[1, 0, 2])?
+        .reshape([b, heads * cfg.v_head_dim])?;
+    Ok((linear(&o, &w.get(&format!("{p}.o_proj.weight"))?)?, root))
+}
+
+/// Prefill attention for `n` tokens of one sequence (decompressed MLA). Returns the attention
+/// output `[n, hidden]` and the updated root.
+pub fn prefill(cfg: &ModelConfig, w: &Weights, layer: usize, x: &Tensor, root: &Tensor, step: &AttnStep<'_>) -> Result<(Tensor, Tensor)> {
+    let p = format!("model.layers.{layer}.self_attn");
+    let n = x.dim(0);
+    let heads = cfg.num_attention_heads;
+    let (nope, rdim, vdim, rank) = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank);
+    let (q_nope, q_pe) = queries(cfg, w, &p, x, step)?;
+    let root = write_cache(cfg, w, &p, layer, x, root, step)?;
+    let ctx = step.visible.dim(1);
+    let kv = read_cache(cfg, layer, &root, step)?; // [ctx, width]
+    let kv_up = linear(&kv.narrow(1, 0, rank)?, &w.get(&format!("{p}.kv_b_proj.weight"))?)?
+        .reshape([ctx, heads, nope + vdim])?
+        .permute(&[1, 0, 2])?; // [heads, ctx, nope + v]
+    let k_nope = kv_up.narrow(2, 0, nope)?;
+    let v = kv_up.narrow(2, nope, vdim)?;
+    let k_pe = kv.narrow(1, rank, rdim)?; // [ctx, rope]
+
+    let qn = q_nope.permute(&[1, 0, 2])?; // [heads, n, nope]
+    let qp = q_pe.permute(&[1, 0, 2])?.reshape([heads * n, rdim])?;
+    let s_nope = qn.matmul(&k_nope.t()?)?; // [heads, n, ctx]
+    let s_pe = qp.matmul(&k_pe.t()?)?.reshape([heads, n, ctx])?;
+    let scores = s_nope.add(&s_pe)?.affine(rope::softmax_scale(cfg), 0.0)?;
+    let probs = masked_softmax(&scores, &step.visible.unsqueeze(0)?)?;
+    let o = probs
+        .matmul(&v)? // [heads, n, v]
+        .permute(&[1, 0, 2])?
+        .reshape([n, heads * vdim])?;
+    Ok((linear(&o, &w.get(&format!("{p}.o_proj.weight"))?)?, root))
+}

@@ -1,0 +1,156 @@
+//! The MoE block: router, routed experts, shared experts. Dropless: every token gets exactly its
+//! `num_experts_per_tok` experts, whatever the batch.
+//!
+//! Two static strategies compute the same function:
+//! - [`MoeStrategy::Gather`] indexes the stacked expert weights by the selected ids and runs
+//!   only those (reads `tokens * top_k` experts: cheap for small batches);
+//! - [`MoeStrategy::Dense`] runs every expert on every token and weights the results with a
+//!   routing matrix that is zero outside the selection (reads each expert once: cheaper once
+//!   `tokens * top_k` exceeds the number of experts).
+
+use crate::config::{Architecture, ModelConfig, RoutingConfig, ScoringFunc, TopkMethod};
+use crate::error::Result;
+use crate::graph::{DType, Tensor};
+
+use super::ops::{linear, mlp, softmax};
+use super::Weights;
+
+/// How a graph evaluates the routed experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MoeStrategy {
+    /// Gather the selected experts' weights (small batches).
+    Gather,
+    /// All experts under a routing mask (large batches).
+    Dense,
+}
+
+impl MoeStrategy {
+    /// The cheaper strategy for `tokens` tokens: gather while it reads fewer experts.
+    pub fn for_tokens(routing: &RoutingConfig, tokens: usize) -> Self {
+        if tokens * routing.num_experts_per_tok <= routing.n_routed_experts {
+            MoeStrategy::Gather
+        } else {
+            MoeStrategy::Dense
+        }
+    }
+}
+
+/// Expert ids (`[T, k]`, i32) and their weights (`[T, k]`) for each token of `x` (`[T, H]`).
+pub fn route(cfg: &ModelConfig, r: &RoutingConfig, w: &Weights, layer: usize, x: &Tensor) -> Result<(Tensor, Tensor)> {
+    let p = format!("model.layers.{layer}.mlp.gate");
+    let b = x.builder();
+    let t = x.dim(0);
+    let e = r.n_routed_experts;
+    let logits = linear(x, &w.get(&format!("{p}.weight"))?)?;
+    let scores = match r.scoring_func {
+        ScoringFunc::Softmax => softmax(&logits, 1)?,
+        ScoringFunc::Sigmoid => logits.sigmoid()?,
+    };
+    let mut choice = if r.topk_method == TopkMethod::NoauxTc {
+        scores.broadcast_add(&w.get(&format!("{p}.e_score_correction_bias"))?)?
+    } else {
+        scores.clone()
+    };
+    if r.topk_method != TopkMethod::Greedy && r.n_group > 1 {
+        let (g, per) = (r.n_group, e / r.n_group);
+        let grouped = choice.reshape([t * g, per])?;
+        let group_score = if r.topk_method == TopkMethod::NoauxTc {
+            // Sum of the two best experts of each group.
+            let top2 = grouped.topk(2.min(per))?;
+            grouped.gather(&top2, 1)?.sum(1)?
+        } else {
+            grouped.max(1)?
+        }
+        .reshape([t, g])?;
+        let kept = group_score.topk(r.topk_group)?; // [t, topk_group]
+        let group_ids = b.iota([t, r.topk_group, g], DType::I32, 2)?;
+        let hit = kept
+            .unsqueeze(2)?
+            .broadcast_as([t, r.topk_group, g])?
+            .eq(&group_ids)?
+            .to_dtype(DType::F32)?
+            .sum(1)?; // [t, g]: 1 for kept groups
+        let keep = hit
+            .gt(&hit.full_like(0.5)?)?
+            .unsqueeze(2)?
+            .broadcast_as([t, g, per])?
+            .reshape([t, e])?;
+        choice = keep.where_cond(&choice, &choice.full_like(f64::NEG_INFINITY)?)?;
+    }
+    let ids = choice.topk(r.num_experts_per_tok)?;
+    let mut weights = scores.gather(&ids, 1)?;
+    let k = r.num_experts_per_tok;
+    // V3 normalizes (when asked) and then always scales. V2's reference code normalizes when
+    // asked and top_k > 1, and scales only otherwise. (HF's V2 port always scales and never
+    // normalizes; the published V2 configs have norm_topk_prob = false, where all agree.)
+    let normalize = r.norm_topk_prob && (cfg.architecture == Architecture::DeepseekV3 || k > 1);
+    if normalize {
+        let denom = weights.sum_keepdim(1)?.affine(1.0, 1e-20)?;
+        weights = weights.broadcast_div(&denom)?;
+    }
+    if cfg.architecture == Architecture::DeepseekV3 || !normalize {
+        weights = weights.affine(r.routed_scaling_factor, 0.0)?;
+    }
+    Ok((ids, weights))
+}
+
+/// The MoE block on normalized hidden states `x` (`[T, H]`).
+pub fn moe(
+    cfg: &ModelConfig,
+    r: &RoutingConfig,
+    w: &Weights,
+    layer: usize,
+    x: &Tensor,
+    strategy: MoeStrategy,
+) -> Result<Tensor> {
+    let (ids, weights) = route(cfg, r, w, layer, x)?;
+    let p = format!("model.layers.{layer}.mlp");
+    let gate = w.get(&format!("{p}.experts.gate_proj"))?;
+    let up = w.get(&format!("{p}.experts.up_proj"))?;
+    let down = w.get(&format!("{p}.experts.down_proj"))?;
+    let routed = match strategy {
+        MoeStrategy::Gather => gathered_experts(x, &ids, &weights, &gate, &up, &down)?,
+        MoeStrategy::Dense => dense_experts(x, &ids, &weights, &gate, &up, &down)?,
+    };
+    if cfg.n_shared_experts == 0 {
+        return Ok(routed);
+    }
+    let s = format!("{p}.shared_experts");
+    let shared = mlp(
+        x,
+        &w.get(&format!("{s}.gate_proj.weight"))?,
+        &w.get(&format!("{s}.up_proj.weight"))?,
+        &w.get(&format!("{s}.down_proj.weight"))?,
+    )?;
+    routed.add(&shared)
+}
+
+fn gathered_experts(x: &Tensor, ids: &Tensor, weights: &Tensor, gate: &Tensor, up: &Tensor, down: &Tensor) -> Result<Tensor> {
+    let (t, h) = (x.dim(0), x.dim(1));
+    let k = ids.dim(1);
+    let flat = ids.reshape([t * k])?;
+    let xs = x.unsqueeze(1)?.broadcast_as([t, k, h])?.reshape([t * k, 1, h])?;
+    let g = xs.matmul(&gate.index_select(&flat, 0)?.t()?)?.silu()?;
+    let u = xs.matmul(&up.index_select(&flat, 0)?.t()?)?;
+    let y = g.mul(&u)?.matmul(&down.index_select(&flat, 0)?.t()?)?; // [t*k, 1, h]
+    y.reshape([t, k, h])?
+        .broadcast_mul(&weights.unsqueeze(2)?)?
+        .sum(1)
+}
+
+fn dense_experts(x: &Tensor, ids: &Tensor, weights: &Tensor, gate: &Tensor, up: &Tensor, down: &Tensor) -> Result<Tensor> {
+    let (t, h) = (x.dim(0), x.dim(1));
+    let (e, k) = (gate.dim(0), ids.dim(1));
+    let b = x.builder();
+    // routing[t, e] = the weight of expert e for token t (0 when not selected).
+    let expert_ids = b.iota([t, k, e], DType::I32, 2)?;
+    let onehot = ids.unsqueeze(2)?.broadcast_as([t, k, e])?.eq(&expert_ids)?;
+    let routing = onehot
+        .where_cond(&weights.unsqueeze(2)?.broadcast_as([t, k, e])?, &b.full(0.0, [t, k, e], DType::F32)?)?
+        .sum(1)?;
+    let xs = x.unsqueeze(0)?.broadcast_as([e, t, h])?;
+    let g = xs.matmul(&gate.t()?)?.silu()?;
+    let u = xs.matmul(&up.t()?)?;
+    let y = g.mul(&u)?.matmul(&down.t()?)?; // [e, t, h]
+    y.broadcast_mul(&routing.t()?.unsqueeze(2)?)?.sum(0)
+}

@@ -1,0 +1,31 @@
+//! Small composite layers shared by the model builders: linear, RMSNorm, softmax, SwiGLU MLP.
+
+use crate::error::Result;
+use crate::graph::Tensor;
+
+/// `x @ w^T` for a `[rows, in]` input and an HF-layout `[out, in]` weight.
+pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    x.matmul(&w.t()?)
+}
+
+/// RMSNorm over the last dim, in f32: `x * rsqrt(mean(x^2) + eps) * w`.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let last = x.rank() - 1;
+    let n = x.dim(last) as f64;
+    let var = x.mul(x)?.sum_keepdim(last)?.affine(1.0 / n, eps)?;
+    x.broadcast_mul(&var.rsqrt()?)?.broadcast_mul(w)
+}
+
+/// Softmax over `dim`, max-subtracted. Rows that are all `-inf` are not produced by the model
+/// (every query sees at least one key).
+pub fn softmax(x: &Tensor, dim: usize) -> Result<Tensor> {
+    let m = x.max_keepdim(dim)?;
+    let e = x.broadcast_sub(&m)?.exp()?;
+    e.broadcast_div(&e.sum_keepdim(dim)?)
+}
+
+/// The SwiGLU MLP: `down(silu(gate(x)) * up(x))`.
+pub fn mlp(x: &Tensor, gate: &Tensor, up: &Tensor, down: &Tensor) -> Result<Tensor> {
+    let g = linear(x, gate)?.silu()?;
+    linear(&g.mul(&linear(x, up)?)?, down)
+}

@@ -1,0 +1,50 @@
+//! Shared helpers for the integration tests: fixture loading and comparisons.
+#![allow(dead_code)]
+
+use std::path::PathBuf;
+
+use deepinfer::config::ModelConfig;
+use deepinfer::model::{ModelWeights, MoeStrategy};
+use deepinfer::runner::{CpuRunner, RunnerConfig};
+use deepinfer::weights::Checkpoint;
+use serde::Deserialize;
+
+/// The tiny checkpoints `scripts/make_fixtures.py` writes, with transformers' outputs.
+pub const FIXTURES: &[&str] = &["tiny-v3", "tiny-v2-lite", "tiny-v2-group"];
+
+pub fn fixture_dir(name: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures").join(name)
+}
+
+#[derive(Deserialize)]
+pub struct Greedy {
+    pub prompt_token_ids: Vec<u32>,
+    pub generated_token_ids: Vec<u32>,
+}
+
+/// `reference.json`: transformers' float32 logits and greedy continuation.
+#[derive(Deserialize)]
+pub struct Reference {
+    pub token_ids: Vec<u32>,
+    pub logits: Vec<Vec<f32>>,
+    pub greedy: Greedy,
+}
+
+pub fn reference(name: &str) -> Reference {
+    let text = std::fs::read_to_string(fixture_dir(name).join("reference.json")).unwrap();
+    serde_json::from_str(&text).unwrap()
+}
+
+pub fn runner(name: &str, max_batch: usize, moe: Option<MoeStrategy>) -> CpuRunner {
+    let dir = fixture_dir(name);
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let weights = ModelWeights::load(&cfg, &Checkpoint::open(&dir).unwrap()).unwrap();
+    let mut rc = RunnerConfig::for_limits(max_batch, 128);
+    rc.moe = moe;
+    CpuRunner::new(cfg, weights, rc).unwrap()
+}
+
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
