@@ -383,6 +383,11 @@ fn type_name(v: &Value) -> &'static str {
     }
 }
 
+/// "unsupported `key` `value` (`why`)": the one shape of every rejection.
+fn unsupported(key: &str, value: impl std::fmt::Display, why: &str) -> Error {
+    Error::Config(format!("unsupported {key} {value} ({why})"))
+}
+
 /// transformers 5.24's class defaults for one `model_type` (see the module docs' table).
 struct Defaults {
     scoring_func: ScoringFunc,
@@ -506,9 +511,11 @@ fn parse(top: &Obj<'_>) -> Result<ModelConfig> {
         Some(Value::Array(items)) => items
             .iter()
             .map(|v| {
-                v.as_u64().and_then(|n| u32::try_from(n).ok()).ok_or_else(|| {
-                    top.wrong("eos_token_id", "a token id or a list of token ids", v)
-                })
+                v.as_u64()
+                    .and_then(|n| u32::try_from(n).ok())
+                    .ok_or_else(|| {
+                        top.wrong("eos_token_id", "a token id or a list of token ids", v)
+                    })
             })
             .collect::<Result<Vec<u32>>>()?,
         Some(_) => vec![top.u32("eos_token_id")?.unwrap_or_default()],
@@ -544,27 +551,36 @@ fn parse(top: &Obj<'_>) -> Result<ModelConfig> {
 fn reject_unsupported_flags(top: &Obj<'_>) -> Result<()> {
     let hidden_act = top.str("hidden_act")?.unwrap_or("silu");
     if hidden_act != "silu" {
-        return Err(Error::Config(format!(
-            "unsupported hidden_act {hidden_act:?} (deepinfer implements \"silu\")"
-        )));
+        return Err(unsupported(
+            "hidden_act",
+            format!("{hidden_act:?}"),
+            "deepinfer implements \"silu\"",
+        ));
     }
     for key in ["attention_bias", "mlp_bias"] {
         if top.bool(key)? == Some(true) {
-            return Err(Error::Config(format!(
-                "unsupported {key} true (DeepSeek's projections have no bias; deepinfer loads none)"
-            )));
+            return Err(unsupported(
+                key,
+                true,
+                "DeepSeek's projections have no bias; deepinfer loads none",
+            ));
         }
     }
     if top.bool("rope_interleave")? == Some(false) {
-        return Err(Error::Config(
-            "unsupported rope_interleave false (deepinfer rotates DeepSeek's interleaved pairs)"
-                .into(),
+        return Err(unsupported(
+            "rope_interleave",
+            false,
+            "deepinfer rotates DeepSeek's interleaved pairs",
         ));
     }
     Ok(())
 }
 
-fn parse_routing(top: &Obj<'_>, defaults: &Defaults, n_routed_experts: usize) -> Result<RoutingConfig> {
+fn parse_routing(
+    top: &Obj<'_>,
+    defaults: &Defaults,
+    n_routed_experts: usize,
+) -> Result<RoutingConfig> {
     if n_routed_experts == 0 {
         return Err(top.invalid(
             "n_routed_experts",
@@ -577,9 +593,11 @@ fn parse_routing(top: &Obj<'_>, defaults: &Defaults, n_routed_experts: usize) ->
         Some("softmax") => ScoringFunc::Softmax,
         Some("sigmoid") => ScoringFunc::Sigmoid,
         Some(other) => {
-            return Err(Error::Config(format!(
-                "unsupported scoring_func {other:?} (deepinfer implements \"softmax\" and \"sigmoid\")"
-            )))
+            return Err(unsupported(
+                "scoring_func",
+                format!("{other:?}"),
+                "deepinfer implements \"softmax\" and \"sigmoid\"",
+            ))
         }
     };
     let topk_method = match top.str("topk_method")? {
@@ -589,15 +607,18 @@ fn parse_routing(top: &Obj<'_>, defaults: &Defaults, n_routed_experts: usize) ->
         Some("group_limited_greedy") => TopkMethod::GroupLimitedGreedy,
         Some("noaux_tc") => TopkMethod::NoauxTc,
         Some(other) => {
-            return Err(Error::Config(format!(
-                "unsupported topk_method {other:?} (deepinfer implements \"greedy\", \"group_limited_greedy\" and \"noaux_tc\")"
-            )))
+            return Err(unsupported(
+                "topk_method",
+                format!("{other:?}"),
+                "deepinfer implements \"greedy\", \"group_limited_greedy\" and \"noaux_tc\"",
+            ))
         }
     };
     if topk_method == TopkMethod::NoauxTc && scoring_func == ScoringFunc::Softmax {
-        return Err(Error::Config(
-            "unsupported topk_method \"noaux_tc\" with scoring_func \"softmax\" (noaux_tc is defined on sigmoid scores)"
-                .into(),
+        return Err(unsupported(
+            "topk_method",
+            "\"noaux_tc\" with scoring_func \"softmax\"",
+            "noaux_tc is defined on sigmoid scores",
         ));
     }
 
@@ -659,7 +680,8 @@ fn parse_routing(top: &Obj<'_>, defaults: &Defaults, n_routed_experts: usize) ->
                 "n_group",
                 n_group,
                 &format!(
-                    "noaux_tc scores a group by its top two experts, so each group needs at least 2 (n_routed_experts is {n_routed_experts})"
+                    "noaux_tc scores a group by its top two experts, so each group needs at \
+                     least 2 (n_routed_experts is {n_routed_experts})"
                 ),
             ));
         }
@@ -668,7 +690,8 @@ fn parse_routing(top: &Obj<'_>, defaults: &Defaults, n_routed_experts: usize) ->
                 "num_experts_per_tok",
                 num_experts_per_tok,
                 &format!(
-                    "exceeds the {} experts in the topk_group ({topk_group}) groups it may choose from",
+                    "exceeds the {} experts in the topk_group ({topk_group}) groups it may \
+                     choose from",
                     topk_group * group_size
                 ),
             ));
@@ -709,16 +732,19 @@ fn parse_rope(top: &Obj<'_>, max_position_embeddings: usize) -> Result<RopeConfi
     };
     let theta = theta.unwrap_or(10_000.0);
     if theta <= 0.0 {
-        return Err(Error::Config(format!("{theta_key} {theta}: must be positive")));
+        return Err(Error::Config(format!(
+            "{theta_key} {theta}: must be positive"
+        )));
     }
 
     for obj in params.iter().chain(std::iter::once(top)) {
         if let Some(f) = obj.f64("partial_rotary_factor")? {
             if f != 1.0 {
-                return Err(Error::Config(format!(
-                    "unsupported {} {f} (deepinfer rotates the whole qk_rope_head_dim)",
-                    obj.name("partial_rotary_factor")
-                )));
+                return Err(unsupported(
+                    &obj.name("partial_rotary_factor"),
+                    f,
+                    "deepinfer rotates the whole qk_rope_head_dim",
+                ));
             }
         }
     }
@@ -739,25 +765,28 @@ fn parse_rope(top: &Obj<'_>, max_position_embeddings: usize) -> Result<RopeConfi
             theta,
             yarn: Some(parse_yarn(top, &params, max_position_embeddings)?),
         }),
-        other => Err(Error::Config(format!(
-            "unsupported {} {other:?} (deepinfer implements \"default\" and \"yarn\")",
-            params.name(type_key)
-        ))),
+        other => Err(unsupported(
+            &params.name(type_key),
+            format!("{other:?}"),
+            "deepinfer implements \"default\" and \"yarn\"",
+        )),
     }
 }
 
 fn parse_yarn(top: &Obj<'_>, p: &Obj<'_>, max_position_embeddings: usize) -> Result<YarnConfig> {
     if let Some(v) = p.get("attention_factor") {
-        return Err(Error::Config(format!(
-            "unsupported {} {v} (deepinfer derives YaRN's attention scaling from mscale and mscale_all_dim)",
-            p.name("attention_factor")
-        )));
+        return Err(unsupported(
+            &p.name("attention_factor"),
+            v,
+            "deepinfer derives YaRN's attention scaling from mscale and mscale_all_dim",
+        ));
     }
     if p.bool("truncate")? == Some(false) {
-        return Err(Error::Config(format!(
-            "unsupported {} false (deepinfer rounds YaRN's correction range like DeepSeek)",
-            p.name("truncate")
-        )));
+        return Err(unsupported(
+            &p.name("truncate"),
+            false,
+            "deepinfer rounds YaRN's correction range like DeepSeek",
+        ));
     }
     // standardize_rope_params: a top-level original_max_position_embeddings wins, else the one in
     // the rope object, else max_position_embeddings.
@@ -1165,7 +1194,13 @@ mod tests {
     #[test]
     fn transformers5_v2_default_rope_and_null_groups() {
         let c = ModelConfig::from_json_str(HF5_TINY_V2).unwrap();
-        assert_eq!(c.rope, RopeConfig { theta: 10000.0, yarn: None });
+        assert_eq!(
+            c.rope,
+            RopeConfig {
+                theta: 10000.0,
+                yarn: None
+            }
+        );
         let r = c.routing.unwrap();
         assert_eq!(r.topk_method, TopkMethod::Greedy);
         assert_eq!((r.n_group, r.topk_group), (1, 1));
@@ -1202,18 +1237,36 @@ mod tests {
     fn rope_defaults_mirror_transformers() {
         // No RoPE keys at all: plain RoPE with theta 10000.
         let c = parse_edited(V2_LITE, &[("rope_scaling", None), ("rope_theta", None)]).unwrap();
-        assert_eq!(c.rope, RopeConfig { theta: 10000.0, yarn: None });
+        assert_eq!(
+            c.rope,
+            RopeConfig {
+                theta: 10000.0,
+                yarn: None
+            }
+        );
         // rope_scaling null: plain RoPE with the top-level theta.
         let c = parse_edited(
             V2_LITE,
-            &[("rope_scaling", Some(Value::Null)), ("rope_theta", Some(json!(5e5)))],
+            &[
+                ("rope_scaling", Some(Value::Null)),
+                ("rope_theta", Some(json!(5e5))),
+            ],
         )
         .unwrap();
-        assert_eq!(c.rope, RopeConfig { theta: 5e5, yarn: None });
+        assert_eq!(
+            c.rope,
+            RopeConfig {
+                theta: 5e5,
+                yarn: None
+            }
+        );
         // rope_scaling wins over rope_parameters when both are given.
         let c = parse_edited(
             V2_LITE,
-            &[("rope_parameters", Some(json!({"rope_type": "default", "rope_theta": 7.0})))],
+            &[(
+                "rope_parameters",
+                Some(json!({"rope_type": "default", "rope_theta": 7.0})),
+            )],
         )
         .unwrap();
         assert!(c.rope.yarn.is_some());
@@ -1228,7 +1281,10 @@ mod tests {
         // Absent YaRN details: factor from the context ratio, betas 32/1, no mscales.
         let c = parse_edited(
             V2_LITE,
-            &[("rope_scaling", Some(json!({"type": "yarn", "original_max_position_embeddings": 4096})))],
+            &[(
+                "rope_scaling",
+                Some(json!({"type": "yarn", "original_max_position_embeddings": 4096})),
+            )],
         )
         .unwrap();
         assert_eq!(
@@ -1332,9 +1388,15 @@ mod tests {
         // V2 has no default groups: group_limited_greedy without n_group is an error.
         let msg = error(
             V2_LITE,
-            &[("topk_method", Some(json!("group_limited_greedy"))), ("n_group", None)],
+            &[
+                ("topk_method", Some(json!("group_limited_greedy"))),
+                ("n_group", None),
+            ],
         );
-        assert_mentions(&msg, &["missing required key n_group", "group_limited_greedy"]);
+        assert_mentions(
+            &msg,
+            &["missing required key n_group", "group_limited_greedy"],
+        );
     }
 
     #[test]
@@ -1358,7 +1420,9 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert_mentions(&msg, &["not valid JSON", "line 3", "column"]);
-        let msg = ModelConfig::from_json_str("[1, 2]").unwrap_err().to_string();
+        let msg = ModelConfig::from_json_str("[1, 2]")
+            .unwrap_err()
+            .to_string();
         assert_mentions(&msg, &["object", "an array"]);
     }
 
@@ -1384,7 +1448,10 @@ mod tests {
             &[("rope_parameters.rope_type", Some(json!("dynamic")))],
         );
         assert_mentions(&msg, &["rope_parameters.rope_type", "\"dynamic\""]);
-        let msg = error(V2_LITE, &[("rope_scaling.attention_factor", Some(json!(1.2)))]);
+        let msg = error(
+            V2_LITE,
+            &[("rope_scaling.attention_factor", Some(json!(1.2)))],
+        );
         assert_mentions(&msg, &["rope_scaling.attention_factor", "1.2"]);
         let msg = error(V2_LITE, &[("rope_scaling.truncate", Some(json!(false)))]);
         assert_mentions(&msg, &["rope_scaling.truncate", "false"]);
@@ -1412,9 +1479,18 @@ mod tests {
         assert_mentions(&msg, &["topk_group 9", "n_group (8)"]);
         let msg = error(V3, &[("num_experts_per_tok", Some(json!(300)))]);
         assert_mentions(&msg, &["num_experts_per_tok 300", "256"]);
-        let msg = error(V3, &[("n_group", Some(json!(64))), ("topk_group", Some(json!(1)))]);
+        let msg = error(
+            V3,
+            &[("n_group", Some(json!(64))), ("topk_group", Some(json!(1)))],
+        );
         assert_mentions(&msg, &["num_experts_per_tok 8", "4 experts"]);
-        let msg = error(V3, &[("n_group", Some(json!(256))), ("topk_group", Some(json!(8)))]);
+        let msg = error(
+            V3,
+            &[
+                ("n_group", Some(json!(256))),
+                ("topk_group", Some(json!(8))),
+            ],
+        );
         assert_mentions(&msg, &["n_group 256", "at least 2"]);
         let msg = error(V2_LITE, &[("num_experts_per_tok", None)]);
         assert_mentions(&msg, &["missing required key num_experts_per_tok"]);

@@ -1,1 +1,339 @@
-fn main() {}
+//! The `deepinfer` command line: generate, score and benchmark DeepSeek-architecture models.
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Instant;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use deepinfer::config::ModelConfig;
+use deepinfer::engine::{self, StopConditions};
+use deepinfer::model::ModelWeights;
+use deepinfer::runner::{CpuRunner, RunnerConfig};
+use deepinfer::step::{DecodeRow, PrefillChunk, SamplingParams};
+use deepinfer::tokenizer::Tokenizer;
+use deepinfer::weights::Checkpoint;
+
+#[derive(Parser)]
+#[command(
+    name = "deepinfer",
+    version,
+    about = "Serve DeepSeek-architecture models (MLA + MoE) from Rust: Trainium or CPU"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a continuation of a prompt.
+    Generate(GenerateArgs),
+    /// Print the logits of every position of a token sequence as JSON.
+    Score(ScoreArgs),
+    /// Measure decode throughput (tokens/s) at one batch size.
+    Bench(BenchArgs),
+}
+
+/// Where graphs run.
+#[derive(Clone, Copy, ValueEnum)]
+enum Backend {
+    /// candle-core on the host CPU.
+    Cpu,
+}
+
+#[derive(Args)]
+struct ModelArgs {
+    /// Checkpoint directory (config.json, *.safetensors, tokenizer.json). Defaults to the
+    /// embedded default model.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Where graphs run.
+    #[arg(long, value_enum, default_value = "cpu")]
+    backend: Backend,
+}
+
+#[derive(Args)]
+struct GenerateArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The prompt text.
+    #[arg(
+        long,
+        conflicts_with = "token_ids",
+        required_unless_present = "token_ids"
+    )]
+    prompt: Option<String>,
+    /// The prompt as comma-separated token ids.
+    #[arg(long, value_delimiter = ',')]
+    token_ids: Option<Vec<u32>>,
+    /// Wrap the prompt in the model's chat template as one user message.
+    #[arg(long)]
+    chat: bool,
+    /// Tokens to generate at most.
+    #[arg(long, default_value_t = 64)]
+    max_tokens: usize,
+    /// Sampling temperature; 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    /// Nucleus sampling mass; 1 disables it.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    /// Sample among the k most likely tokens; 0 disables it.
+    #[arg(long, default_value_t = 0)]
+    top_k: i32,
+    /// Seed of the sampler.
+    #[arg(long, default_value_t = 0)]
+    seed: u32,
+    /// Print `{"token_ids": [...], "text": "..."}` instead of the text.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Args)]
+struct ScoreArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// The tokens, comma-separated.
+    #[arg(long, value_delimiter = ',', required = true)]
+    token_ids: Vec<u32>,
+}
+
+#[derive(Args)]
+struct BenchArgs {
+    /// Checkpoint directory to benchmark.
+    #[arg(long, conflicts_with = "config", required_unless_present = "config")]
+    model: Option<PathBuf>,
+    /// A config.json to benchmark with random weights instead.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Sequences decoded together.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    /// Prompt tokens prefilled per sequence before timing.
+    #[arg(long, default_value_t = 16)]
+    prompt_len: usize,
+    /// Decode steps timed.
+    #[arg(long, default_value_t = 32)]
+    steps: usize,
+    /// Print one JSON line.
+    #[arg(long)]
+    json: bool,
+}
+
+/// The embedded default model: shipped in the repository, found beside the binary or in the
+/// source tree the binary was built from.
+fn default_model_dir() -> Result<PathBuf> {
+    let mut candidates = Vec::new();
+    if let Ok(exe) = std::env::current_exe() {
+        if let Some(dir) = exe.parent() {
+            candidates.push(dir.join("default-model"));
+        }
+    }
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures");
+    candidates.push(source.join("default-model"));
+    candidates.push(source.join("tiny-v3"));
+    candidates
+        .iter()
+        .find(|d| d.join("config.json").is_file())
+        .cloned()
+        .with_context(|| {
+            format!("no default model found (looked in {candidates:?}); pass --model DIR")
+        })
+}
+
+fn load_runner(dir: &Path, max_batch: usize, max_len: usize) -> Result<CpuRunner> {
+    if !dir.is_dir() {
+        bail!(
+            "model directory {} does not exist or is not a directory",
+            dir.display()
+        );
+    }
+    let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
+    let weights = ModelWeights::load(&cfg, &Checkpoint::open(dir)?)?;
+    let max_len = max_len.min(cfg.max_position_embeddings);
+    Ok(CpuRunner::new(
+        cfg,
+        weights,
+        RunnerConfig::for_limits(max_batch, max_len),
+    )?)
+}
+
+fn model_dir(args: &ModelArgs) -> Result<PathBuf> {
+    let Backend::Cpu = args.backend;
+    match &args.model {
+        Some(d) => Ok(d.clone()),
+        None => default_model_dir(),
+    }
+}
+
+fn generate(args: GenerateArgs) -> Result<()> {
+    let dir = model_dir(&args.model)?;
+    let tokenizer = if dir.join("tokenizer.json").is_file() {
+        Some(Tokenizer::from_dir(&dir)?)
+    } else {
+        None
+    };
+    let prompt = match (&args.prompt, &args.token_ids, &tokenizer) {
+        (_, Some(ids), _) => ids.clone(),
+        (Some(text), None, Some(tok)) if args.chat => {
+            let msg = deepinfer::tokenizer::ChatMessage {
+                role: "user".into(),
+                content: text.clone(),
+            };
+            tok.encode(&tok.apply_chat_template(&[msg], true)?, false)?
+        }
+        (Some(text), None, Some(tok)) => tok.encode(text, true)?,
+        (Some(_), None, None) => bail!(
+            "{} has no tokenizer.json: pass --token-ids instead of --prompt",
+            dir.display()
+        ),
+        (None, None, _) => bail!("pass --prompt or --token-ids"),
+    };
+    let mut runner = load_runner(&dir, 1, prompt.len() + args.max_tokens)?;
+    let eos: Vec<u32> = match &tokenizer {
+        Some(t) => t
+            .eos_token_id()
+            .into_iter()
+            .chain(runner.config().eos_token_ids.iter().copied())
+            .collect(),
+        None => runner.config().eos_token_ids.clone(),
+    };
+    let sampling = SamplingParams {
+        temperature: args.temperature,
+        top_k: args.top_k,
+        top_p: args.top_p,
+        seed: args.seed,
+    };
+    let stop = StopConditions {
+        max_tokens: args.max_tokens,
+        stop_token_ids: eos,
+    };
+    let ids = engine::generate(&mut runner, &prompt, sampling, &stop)?;
+    let text = match &tokenizer {
+        Some(t) => t.decode(&ids, true)?,
+        None => String::new(),
+    };
+    if args.json {
+        emit(&serde_json::json!({ "token_ids": ids, "text": text }).to_string())?;
+    } else if tokenizer.is_some() {
+        emit(&format!("{}{text}", args.prompt.as_deref().unwrap_or("")))?;
+    } else {
+        emit(
+            &ids.iter()
+                .map(|i| i.to_string())
+                .collect::<Vec<_>>()
+                .join(","),
+        )?;
+    }
+    Ok(())
+}
+
+fn score(args: ScoreArgs) -> Result<()> {
+    let dir = model_dir(&args.model)?;
+    let mut runner = load_runner(&dir, 1, args.token_ids.len())?;
+    let logits = engine::score(&mut runner, &args.token_ids)?;
+    emit(&serde_json::json!({ "logits": logits }).to_string())?;
+    Ok(())
+}
+
+fn bench(args: BenchArgs) -> Result<()> {
+    let (cfg, weights) = match (&args.model, &args.config) {
+        (Some(dir), _) => {
+            let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
+            let w = ModelWeights::load(&cfg, &Checkpoint::open(dir)?)?;
+            (cfg, w)
+        }
+        (None, Some(file)) => {
+            let cfg = ModelConfig::from_file(file)?;
+            let w = ModelWeights::random(&cfg, 0)?;
+            (cfg, w)
+        }
+        (None, None) => bail!("pass --model or --config"),
+    };
+    let vocab = cfg.vocab_size as u32;
+    let max_len = args.prompt_len + args.steps + 1;
+    let mut runner = CpuRunner::new(cfg, weights, RunnerConfig::for_limits(args.batch, max_len))?;
+    let mut tables = vec![Vec::new(); args.batch];
+    let mut tokens = Vec::with_capacity(args.batch);
+    for (i, table) in tables.iter_mut().enumerate() {
+        let prompt: Vec<u32> = (0..args.prompt_len as u32)
+            .map(|j| (j * 7 + i as u32 * 13 + 1) % vocab)
+            .collect();
+        runner.blocks.grow(table, args.prompt_len)?;
+        let out = runner.prefill(
+            &PrefillChunk {
+                tokens: &prompt,
+                start: 0,
+                blocks: table,
+                sampling: SamplingParams::GREEDY,
+            },
+            deepinfer::model::LogitsOutput::None,
+        )?;
+        tokens.push(out.next_tokens[0]);
+    }
+    let mut run_step = |step: usize, tokens: &mut Vec<u32>| -> Result<()> {
+        let position = args.prompt_len + step;
+        for t in tables.iter_mut() {
+            runner.blocks.grow(t, position + 1)?;
+        }
+        let rows: Vec<DecodeRow> = tables
+            .iter()
+            .zip(tokens.iter())
+            .map(|(t, &token)| DecodeRow {
+                token,
+                position,
+                blocks: t,
+                sampling: SamplingParams::GREEDY,
+            })
+            .collect();
+        *tokens = runner.decode(&rows, false)?.next_tokens;
+        Ok(())
+    };
+    run_step(0, &mut tokens)?; // builds the decode graph
+    let start = Instant::now();
+    for step in 1..=args.steps {
+        run_step(step, &mut tokens)?;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let tps = (args.batch * args.steps) as f64 / secs;
+    let ms = secs * 1e3 / args.steps as f64;
+    if args.json {
+        emit(
+            &serde_json::json!({ "batch": args.batch, "tokens_per_s": tps, "ms_per_step": ms })
+                .to_string(),
+        )?;
+    } else {
+        emit(&format!(
+            "batch {}: {tps:.1} tokens/s, {ms:.2} ms/step",
+            args.batch
+        ))?;
+    }
+    Ok(())
+}
+
+/// Prints one line to stdout; a closed pipe (`| head`) ends the program quietly, not with a panic.
+fn emit(line: &str) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match writeln!(out, "{line}").and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(0),
+        r => Ok(r?),
+    }
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(a) => generate(a),
+        Command::Score(a) => score(a),
+        Command::Bench(a) => bench(a),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

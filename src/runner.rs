@@ -13,7 +13,9 @@ use crate::cache::BlockAllocator;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::graph::{Graph, InputRole};
-use crate::model::{self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, WeightSpecs};
+use crate::model::{
+    self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, WeightSpecs,
+};
 use crate::step::{self, DecodeRow, HostArray, HostData, PrefillChunk};
 
 /// Sizes the runner captures graphs for.
@@ -40,7 +42,10 @@ impl RunnerConfig {
     pub fn for_limits(max_batch: usize, max_len: usize) -> Self {
         let block_size = 16;
         let max_len = max_len.div_ceil(block_size) * block_size;
-        let mut batch_buckets: Vec<usize> = [1, 2, 4, 8].into_iter().filter(|&b| b < max_batch).collect();
+        let mut batch_buckets: Vec<usize> = [1, 2, 4, 8]
+            .into_iter()
+            .filter(|&b| b < max_batch)
+            .collect();
         let mut b = 8;
         while b < max_batch {
             b += 8;
@@ -117,7 +122,10 @@ impl CpuRunner {
             num_slots: runner_cfg.num_blocks * runner_cfg.block_size,
         };
         let root = CTensor::zeros(
-            (layout.num_slots, cfg.num_hidden_layers * cfg.kv_cache_width()),
+            (
+                layout.num_slots,
+                cfg.num_hidden_layers * cfg.kv_cache_width(),
+            ),
             CDType::F32,
             &Device::Cpu,
         )?;
@@ -143,7 +151,13 @@ impl CpuRunner {
         &self.runner_cfg
     }
 
-    fn graph(&mut self, kind: Kind, rows: usize, ctx: usize, logits: LogitsOutput) -> Result<Graph> {
+    fn graph(
+        &mut self,
+        kind: Kind,
+        rows: usize,
+        ctx: usize,
+        logits: LogitsOutput,
+    ) -> Result<Graph> {
         let key = (kind, rows, ctx, logits);
         if let Some(g) = self.graphs.get(&key) {
             return Ok(g.clone());
@@ -153,7 +167,12 @@ impl CpuRunner {
             (None, Some(r)) => MoeStrategy::for_tokens(r, rows),
             (None, None) => MoeStrategy::Dense,
         };
-        let spec = GraphSpec { rows, ctx, logits, moe };
+        let spec = GraphSpec {
+            rows,
+            ctx,
+            logits,
+            moe,
+        };
         let g = match kind {
             Kind::Decode => model::build_decode(&self.cfg, &self.specs, &self.layout, &spec)?,
             Kind::Prefill => model::build_prefill(&self.cfg, &self.specs, &self.layout, &spec)?,
@@ -162,17 +181,25 @@ impl CpuRunner {
         Ok(g)
     }
 
-    fn execute(&mut self, graph: &Graph, metadata: &[HostArray], real_rows: usize) -> Result<StepOutput> {
+    fn execute(
+        &mut self,
+        graph: &Graph,
+        metadata: &[HostArray],
+        real_rows: usize,
+    ) -> Result<StepOutput> {
         let mut inputs = Vec::with_capacity(graph.inputs().len());
         for decl in graph.inputs() {
             let t = match decl.role {
                 InputRole::Weight => self.weights.get(&decl.name)?.clone(),
                 InputRole::CacheRoot => self.root.clone(),
                 InputRole::Metadata => {
-                    let a = metadata.iter().find(|a| a.name == decl.name).ok_or_else(|| Error::Binding {
-                        name: decl.name.clone(),
-                        msg: "no metadata given for it".into(),
-                    })?;
+                    let a = metadata
+                        .iter()
+                        .find(|a| a.name == decl.name)
+                        .ok_or_else(|| Error::Binding {
+                            name: decl.name.clone(),
+                            msg: "no metadata given for it".into(),
+                        })?;
                     let dev = &Device::Cpu;
                     match &a.data {
                         HostData::I32(v) => CTensor::from_slice(v, a.shape.as_slice(), dev)?,
@@ -186,7 +213,10 @@ impl CpuRunner {
         let outputs = cpu::run(graph, &inputs)?;
         let get = |name: &str| graph.output_index(name).map(|i| &outputs[i]);
         let next = get("next_tokens")
-            .ok_or_else(|| Error::Binding { name: "next_tokens".into(), msg: "missing output".into() })?
+            .ok_or_else(|| Error::Binding {
+                name: "next_tokens".into(),
+                msg: "missing output".into(),
+            })?
             .to_vec1::<i32>()?;
         let logits = match get("logits") {
             Some(t) => {
@@ -216,17 +246,31 @@ impl CpuRunner {
 
     /// Runs one prefill chunk (at most `prefill_chunk` tokens). With
     /// [`LogitsOutput::AllPositions`] the logits of every token of the chunk are returned.
-    pub fn prefill(&mut self, chunk: &PrefillChunk<'_>, logits: LogitsOutput) -> Result<StepOutput> {
+    pub fn prefill(
+        &mut self,
+        chunk: &PrefillChunk<'_>,
+        logits: LogitsOutput,
+    ) -> Result<StepOutput> {
         self.check_tokens(chunk.tokens.iter().copied())?;
         let n = chunk.tokens.len();
         let t = self.runner_cfg.prefill_chunk;
         if n > t {
-            return Err(Error::InvalidRequest(format!("a prefill chunk of {n} tokens exceeds the chunk size {t}")));
+            return Err(Error::InvalidRequest(format!(
+                "a prefill chunk of {n} tokens exceeds the chunk size {t}"
+            )));
         }
-        let ctx = smallest_fitting(&self.runner_cfg.ctx_buckets, chunk.start + n, "context length")?;
+        let ctx = smallest_fitting(
+            &self.runner_cfg.ctx_buckets,
+            chunk.start + n,
+            "context length",
+        )?;
         let graph = self.graph(Kind::Prefill, t, ctx, logits)?;
         let meta = step::prefill_step(chunk, t, ctx, self.layout.block_size)?;
-        let real = if logits == LogitsOutput::AllPositions { n } else { 1 };
+        let real = if logits == LogitsOutput::AllPositions {
+            n
+        } else {
+            1
+        };
         self.execute(&graph, &meta, real)
     }
 
@@ -236,7 +280,11 @@ impl CpuRunner {
         let batch = smallest_fitting(&self.runner_cfg.batch_buckets, rows.len(), "batch size")?;
         let longest = rows.iter().map(|r| r.position + 1).max().unwrap_or(1);
         let ctx = smallest_fitting(&self.runner_cfg.ctx_buckets, longest, "context length")?;
-        let want = if logits { LogitsOutput::Sampled } else { LogitsOutput::None };
+        let want = if logits {
+            LogitsOutput::Sampled
+        } else {
+            LogitsOutput::None
+        };
         let graph = self.graph(Kind::Decode, batch, ctx, want)?;
         let meta = step::decode_step(rows, batch, ctx, self.layout.block_size)?;
         self.execute(&graph, &meta, rows.len())

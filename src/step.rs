@@ -80,10 +80,26 @@ pub struct PrefillChunk<'a> {
 fn sampling_arrays(params: &[SamplingParams]) -> [HostArray; 4] {
     let n = params.len();
     [
-        HostArray { name: "temperature", shape: vec![n], data: HostData::F32(params.iter().map(|p| p.temperature).collect()) },
-        HostArray { name: "top_k", shape: vec![n], data: HostData::I32(params.iter().map(|p| p.top_k).collect()) },
-        HostArray { name: "top_p", shape: vec![n], data: HostData::F32(params.iter().map(|p| p.top_p).collect()) },
-        HostArray { name: "seeds", shape: vec![n], data: HostData::U32(params.iter().map(|p| p.seed).collect()) },
+        HostArray {
+            name: "temperature",
+            shape: vec![n],
+            data: HostData::F32(params.iter().map(|p| p.temperature).collect()),
+        },
+        HostArray {
+            name: "top_k",
+            shape: vec![n],
+            data: HostData::I32(params.iter().map(|p| p.top_k).collect()),
+        },
+        HostArray {
+            name: "top_p",
+            shape: vec![n],
+            data: HostData::F32(params.iter().map(|p| p.top_p).collect()),
+        },
+        HostArray {
+            name: "seeds",
+            shape: vec![n],
+            data: HostData::U32(params.iter().map(|p| p.seed).collect()),
+        },
     ]
 }
 
@@ -100,9 +116,17 @@ fn block_row(blocks: &[u32], width: usize) -> Result<Vec<i32>> {
 }
 
 /// The metadata of a decode step for `rows`, padded to `batch` rows and a context of `ctx`.
-pub fn decode_step(rows: &[DecodeRow<'_>], batch: usize, ctx: usize, block_size: usize) -> Result<Vec<HostArray>> {
+pub fn decode_step(
+    rows: &[DecodeRow<'_>],
+    batch: usize,
+    ctx: usize,
+    block_size: usize,
+) -> Result<Vec<HostArray>> {
     if rows.len() > batch {
-        return Err(Error::InvalidRequest(format!("{} rows do not fit a batch of {batch}", rows.len())));
+        return Err(Error::InvalidRequest(format!(
+            "{} rows do not fit a batch of {batch}",
+            rows.len()
+        )));
     }
     let width = ctx / block_size;
     let mut ids = Vec::with_capacity(batch);
@@ -113,7 +137,10 @@ pub fn decode_step(rows: &[DecodeRow<'_>], batch: usize, ctx: usize, block_size:
     let mut params = Vec::with_capacity(batch);
     for r in rows {
         if r.position >= ctx {
-            return Err(Error::InvalidRequest(format!("position {} is beyond the context bucket {ctx}", r.position)));
+            return Err(Error::InvalidRequest(format!(
+                "position {} is beyond the context bucket {ctx}",
+                r.position
+            )));
         }
         ids.push(r.token as i32);
         positions.push(r.position as i32);
@@ -131,18 +158,43 @@ pub fn decode_step(rows: &[DecodeRow<'_>], batch: usize, ctx: usize, block_size:
         params.push(SamplingParams::GREEDY);
     }
     let mut out = vec![
-        HostArray { name: "input_ids", shape: vec![batch], data: HostData::I32(ids) },
-        HostArray { name: "positions", shape: vec![batch], data: HostData::I32(positions) },
-        HostArray { name: "slot_mapping", shape: vec![batch], data: HostData::I32(slots) },
-        HostArray { name: "block_tables", shape: vec![batch, width], data: HostData::I32(tables) },
-        HostArray { name: "context_lens", shape: vec![batch], data: HostData::I32(lens) },
+        HostArray {
+            name: "input_ids",
+            shape: vec![batch],
+            data: HostData::I32(ids),
+        },
+        HostArray {
+            name: "positions",
+            shape: vec![batch],
+            data: HostData::I32(positions),
+        },
+        HostArray {
+            name: "slot_mapping",
+            shape: vec![batch],
+            data: HostData::I32(slots),
+        },
+        HostArray {
+            name: "block_tables",
+            shape: vec![batch, width],
+            data: HostData::I32(tables),
+        },
+        HostArray {
+            name: "context_lens",
+            shape: vec![batch],
+            data: HostData::I32(lens),
+        },
     ];
     out.extend(sampling_arrays(&params));
     Ok(out)
 }
 
 /// The metadata of a prefill step for one chunk, padded to `t` tokens and a context of `ctx`.
-pub fn prefill_step(chunk: &PrefillChunk<'_>, t: usize, ctx: usize, block_size: usize) -> Result<Vec<HostArray>> {
+pub fn prefill_step(
+    chunk: &PrefillChunk<'_>,
+    t: usize,
+    ctx: usize,
+    block_size: usize,
+) -> Result<Vec<HostArray>> {
     let n = chunk.tokens.len();
     if n == 0 || n > t || chunk.start + n > ctx {
         return Err(Error::InvalidRequest(format!(
@@ -163,11 +215,31 @@ pub fn prefill_step(chunk: &PrefillChunk<'_>, t: usize, ctx: usize, block_size: 
     }
     let width = ctx / block_size;
     let mut out = vec![
-        HostArray { name: "input_ids", shape: vec![t], data: HostData::I32(ids) },
-        HostArray { name: "positions", shape: vec![t], data: HostData::I32(positions) },
-        HostArray { name: "slot_mapping", shape: vec![t], data: HostData::I32(slots) },
-        HostArray { name: "block_tables", shape: vec![1, width], data: HostData::I32(block_row(chunk.blocks, width)?) },
-        HostArray { name: "last_index", shape: vec![1], data: HostData::I32(vec![n as i32 - 1]) },
+        HostArray {
+            name: "input_ids",
+            shape: vec![t],
+            data: HostData::I32(ids),
+        },
+        HostArray {
+            name: "positions",
+            shape: vec![t],
+            data: HostData::I32(positions),
+        },
+        HostArray {
+            name: "slot_mapping",
+            shape: vec![t],
+            data: HostData::I32(slots),
+        },
+        HostArray {
+            name: "block_tables",
+            shape: vec![1, width],
+            data: HostData::I32(block_row(chunk.blocks, width)?),
+        },
+        HostArray {
+            name: "last_index",
+            shape: vec![1],
+            data: HostData::I32(vec![n as i32 - 1]),
+        },
     ];
     out.extend(sampling_arrays(&[chunk.sampling]));
     Ok(out)

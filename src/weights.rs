@@ -125,7 +125,10 @@ impl Checkpoint {
                 )));
             };
             let mut parts = Path::new(file).components();
-            if !matches!((parts.next(), parts.next()), (Some(Component::Normal(_)), None)) {
+            if !matches!(
+                (parts.next(), parts.next()),
+                (Some(Component::Normal(_)), None)
+            ) {
                 return Err(Error::Weights(format!(
                     "{}: shard {file:?} (for tensor `{name}`) is not a plain file name in the checkpoint directory",
                     index_path.display()
@@ -396,7 +399,12 @@ mod tests {
         write(
             &dir.join(SINGLE_FILE),
             &[
-                ("a.f32", Dtype::F32, vec![2, 3], vec![1.5, -2.0, 3.25, 0.1, 1e-8, 7.0]),
+                (
+                    "a.f32",
+                    Dtype::F32,
+                    vec![2, 3],
+                    vec![1.5, -2.0, 3.25, 0.1, 1e-8, 7.0],
+                ),
                 ("b.bf16", Dtype::BF16, vec![3, 2], vals.clone()),
                 ("c.f16", Dtype::F16, vec![6], vals.clone()),
                 ("d.i32", Dtype::I32, vec![2], vec![1.0, 2.0]),
@@ -429,7 +437,10 @@ mod tests {
         let dir = temp_dir("large");
         let n = READ_CHUNK_BYTES / 2 + 3; // bf16: more than one chunk, with a ragged tail
         let vals: Vec<f32> = (0..n).map(|i| (i % 251) as f32 - 125.0).collect();
-        write(&dir.join(SINGLE_FILE), &[("w", Dtype::BF16, vec![n], vals.clone())]);
+        write(
+            &dir.join(SINGLE_FILE),
+            &[("w", Dtype::BF16, vec![n], vals.clone())],
+        );
         let ckpt = Checkpoint::open(&dir).unwrap();
         assert_eq!(values(&ckpt.tensor_f32("w", &[n]).unwrap()), vals);
         std::fs::remove_dir_all(&dir).unwrap();
@@ -438,7 +449,10 @@ mod tests {
     #[test]
     fn missing_and_misshaped_tensors() {
         let dir = temp_dir("shape");
-        write(&dir.join(SINGLE_FILE), &[("w", Dtype::F32, vec![2, 2], vec![0.0; 4])]);
+        write(
+            &dir.join(SINGLE_FILE),
+            &[("w", Dtype::F32, vec![2, 2], vec![0.0; 4])],
+        );
         let ckpt = Checkpoint::open(&dir).unwrap();
         let msg = err(ckpt.tensor_f32("model.layers.0.self_attn.q_proj.weight", &[48, 64]));
         assert_eq!(
@@ -477,7 +491,10 @@ mod tests {
         let ckpt = Checkpoint::open(&dir).unwrap();
         assert_eq!(ckpt.names(), vec!["a", "b", "c"]);
         assert_eq!(values(&ckpt.tensor_f32("a", &[2]).unwrap()), vec![1.0, 2.0]);
-        assert_eq!(values(&ckpt.tensor_f32("b", &[1, 2]).unwrap()), vec![3.0, 4.0]);
+        assert_eq!(
+            values(&ckpt.tensor_f32("b", &[1, 2]).unwrap()),
+            vec![3.0, 4.0]
+        );
         assert_eq!(values(&ckpt.tensor_f32("c", &[1]).unwrap()), vec![5.0]);
 
         // The index names a shard that is not there.
@@ -496,7 +513,10 @@ mod tests {
         let index = serde_json::json!({"weight_map": {"b": "model-00001-of-00002.safetensors"}});
         std::fs::write(dir.join(INDEX_FILE), index.to_string()).unwrap();
         let msg = err(Checkpoint::open(&dir));
-        assert!(msg.contains("`b`") && msg.contains("model-00001-of-00002"), "{msg}");
+        assert!(
+            msg.contains("`b`") && msg.contains("model-00001-of-00002"),
+            "{msg}"
+        );
 
         // A shard outside the directory.
         let index = serde_json::json!({"weight_map": {"a": "../elsewhere.safetensors"}});
@@ -520,21 +540,33 @@ mod tests {
 
         std::fs::write(&path, &full[..full.len() - 3]).unwrap();
         let msg = err(Checkpoint::open(&dir));
-        assert!(msg.contains(SINGLE_FILE) && msg.contains("truncated"), "{msg}");
+        assert!(
+            msg.contains(SINGLE_FILE) && msg.contains("truncated"),
+            "{msg}"
+        );
 
         std::fs::write(&path, &full[..20]).unwrap();
         let msg = err(Checkpoint::open(&dir));
-        assert!(msg.contains(SINGLE_FILE) && msg.contains("truncated"), "{msg}");
+        assert!(
+            msg.contains(SINGLE_FILE) && msg.contains("truncated"),
+            "{msg}"
+        );
 
         std::fs::write(&path, &full[..5]).unwrap();
         let msg = err(Checkpoint::open(&dir));
-        assert!(msg.contains(SINGLE_FILE) && msg.contains("too short"), "{msg}");
+        assert!(
+            msg.contains(SINGLE_FILE) && msg.contains("too short"),
+            "{msg}"
+        );
 
         let mut garbage = full.clone();
         garbage[8] = b'!';
         std::fs::write(&path, &garbage).unwrap();
         let msg = err(Checkpoint::open(&dir));
-        assert!(msg.contains(SINGLE_FILE) && msg.contains("corrupt"), "{msg}");
+        assert!(
+            msg.contains(SINGLE_FILE) && msg.contains("corrupt"),
+            "{msg}"
+        );
 
         let mut longer = full.clone();
         longer.extend_from_slice(&[0, 0]);

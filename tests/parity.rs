@@ -18,7 +18,11 @@ fn prefill_logits_match_transformers_at_every_position() {
         let mut run = runner(name, 1, None);
         let logits = engine::score(&mut run, &r.token_ids).unwrap();
         assert_eq!(logits.len(), r.logits.len());
-        let worst = logits.iter().zip(&r.logits).map(|(a, b)| max_abs_diff(a, b)).fold(0.0, f32::max);
+        let worst = logits
+            .iter()
+            .zip(&r.logits)
+            .map(|(a, b)| max_abs_diff(a, b))
+            .fold(0.0, f32::max);
         eprintln!("{name}: max |logit - transformers| = {worst:e}");
         assert!(worst < TOL, "{name}: {worst}");
     }
@@ -29,8 +33,17 @@ fn greedy_continuation_matches_transformers() {
     for name in FIXTURES {
         let r = reference(name);
         let mut run = runner(name, 1, None);
-        let stop = StopConditions { max_tokens: r.greedy.generated_token_ids.len(), stop_token_ids: vec![] };
-        let got = engine::generate(&mut run, &r.greedy.prompt_token_ids, SamplingParams::GREEDY, &stop).unwrap();
+        let stop = StopConditions {
+            max_tokens: r.greedy.generated_token_ids.len(),
+            stop_token_ids: vec![],
+        };
+        let got = engine::generate(
+            &mut run,
+            &r.greedy.prompt_token_ids,
+            SamplingParams::GREEDY,
+            &stop,
+        )
+        .unwrap();
         assert_eq!(got, r.greedy.generated_token_ids, "{name}");
     }
 }
@@ -51,7 +64,12 @@ fn decode_matches_prefill(name: &str, rows: usize) {
         }
         let batch: Vec<DecodeRow> = active
             .iter()
-            .map(|&i| DecodeRow { token: r.token_ids[step - i], position: step - i, blocks: &tables[i], sampling: SamplingParams::GREEDY })
+            .map(|&i| DecodeRow {
+                token: r.token_ids[step - i],
+                position: step - i,
+                blocks: &tables[i],
+                sampling: SamplingParams::GREEDY,
+            })
             .collect();
         let out = run.decode(&batch, true).unwrap();
         for (row, &i) in active.iter().enumerate() {
@@ -76,9 +94,18 @@ fn decode_one_token_at_a_time_matches_at_batch_1_3_and_8() {
 fn both_moe_strategies_agree() {
     for name in FIXTURES {
         let r = reference(name);
-        let a = engine::score(&mut runner(name, 1, Some(MoeStrategy::Gather)), &r.token_ids).unwrap();
-        let b = engine::score(&mut runner(name, 1, Some(MoeStrategy::Dense)), &r.token_ids).unwrap();
-        let worst = a.iter().zip(&b).map(|(x, y)| max_abs_diff(x, y)).fold(0.0, f32::max);
+        let a = engine::score(
+            &mut runner(name, 1, Some(MoeStrategy::Gather)),
+            &r.token_ids,
+        )
+        .unwrap();
+        let b =
+            engine::score(&mut runner(name, 1, Some(MoeStrategy::Dense)), &r.token_ids).unwrap();
+        let worst = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| max_abs_diff(x, y))
+            .fold(0.0, f32::max);
         assert!(worst < 1e-5, "{name}: {worst}");
     }
 }
@@ -87,13 +114,24 @@ fn both_moe_strategies_agree() {
 fn same_seed_reproduces_and_different_seeds_differ() {
     let name = "tiny-v3";
     let r = reference(name);
-    let stop = StopConditions { max_tokens: 24, stop_token_ids: vec![] };
-    let params = |seed| SamplingParams { temperature: 1.0, top_k: 50, top_p: 0.95, seed };
+    let stop = StopConditions {
+        max_tokens: 24,
+        stop_token_ids: vec![],
+    };
+    let params = |seed| SamplingParams {
+        temperature: 1.0,
+        top_k: 50,
+        top_p: 0.95,
+        seed,
+    };
     let mut run = runner(name, 1, None);
     let a = engine::generate(&mut run, &r.greedy.prompt_token_ids, params(7), &stop).unwrap();
     let b = engine::generate(&mut run, &r.greedy.prompt_token_ids, params(7), &stop).unwrap();
     let c = engine::generate(&mut run, &r.greedy.prompt_token_ids, params(8), &stop).unwrap();
     assert_eq!(a, b);
     assert_ne!(a, c);
-    assert_ne!(a, r.greedy.generated_token_ids, "sampling at temperature 1 should not be greedy");
+    assert_ne!(
+        a, r.greedy.generated_token_ids,
+        "sampling at temperature 1 should not be greedy"
+    );
 }

@@ -32,13 +32,24 @@ fn check_prompt(runner: &CpuRunner, prompt: &[u32], extra: usize) -> Result<()> 
 }
 
 /// Prefills `prompt` chunk by chunk into `blocks`; returns the last chunk's output.
-fn prefill(runner: &mut CpuRunner, prompt: &[u32], blocks: &mut Vec<u32>, sampling: SamplingParams, logits: LogitsOutput) -> Result<Vec<crate::runner::StepOutput>> {
+fn prefill(
+    runner: &mut CpuRunner,
+    prompt: &[u32],
+    blocks: &mut Vec<u32>,
+    sampling: SamplingParams,
+    logits: LogitsOutput,
+) -> Result<Vec<crate::runner::StepOutput>> {
     let chunk = runner.runner_config().prefill_chunk;
     runner.blocks.grow(blocks, prompt.len())?;
     let mut outs = Vec::new();
     for (i, tokens) in prompt.chunks(chunk).enumerate() {
         outs.push(runner.prefill(
-            &PrefillChunk { tokens, start: i * chunk, blocks, sampling },
+            &PrefillChunk {
+                tokens,
+                start: i * chunk,
+                blocks,
+                sampling,
+            },
             logits,
         )?);
     }
@@ -46,7 +57,12 @@ fn prefill(runner: &mut CpuRunner, prompt: &[u32], blocks: &mut Vec<u32>, sampli
 }
 
 /// Generates up to `stop.max_tokens` tokens after `prompt`.
-pub fn generate(runner: &mut CpuRunner, prompt: &[u32], sampling: SamplingParams, stop: &StopConditions) -> Result<Vec<u32>> {
+pub fn generate(
+    runner: &mut CpuRunner,
+    prompt: &[u32],
+    sampling: SamplingParams,
+    stop: &StopConditions,
+) -> Result<Vec<u32>> {
     check_prompt(runner, prompt, stop.max_tokens)?;
     let mut blocks = Vec::new();
     let result = generate_into(runner, prompt, sampling, stop, &mut blocks);
@@ -54,13 +70,22 @@ pub fn generate(runner: &mut CpuRunner, prompt: &[u32], sampling: SamplingParams
     result
 }
 
-fn generate_into(runner: &mut CpuRunner, prompt: &[u32], sampling: SamplingParams, stop: &StopConditions, blocks: &mut Vec<u32>) -> Result<Vec<u32>> {
+fn generate_into(
+    runner: &mut CpuRunner,
+    prompt: &[u32],
+    sampling: SamplingParams,
+    stop: &StopConditions,
+    blocks: &mut Vec<u32>,
+) -> Result<Vec<u32>> {
     let mut out = Vec::new();
     if stop.max_tokens == 0 {
         return Ok(out);
     }
     let first = prefill(runner, prompt, blocks, sampling, LogitsOutput::None)?;
-    let mut token = first.last().and_then(|o| o.next_tokens.first().copied()).unwrap_or(0);
+    let mut token = first
+        .last()
+        .and_then(|o| o.next_tokens.first().copied())
+        .unwrap_or(0);
     loop {
         out.push(token);
         if out.len() >= stop.max_tokens || stop.stop_token_ids.contains(&token) {
@@ -68,7 +93,15 @@ fn generate_into(runner: &mut CpuRunner, prompt: &[u32], sampling: SamplingParam
         }
         let position = prompt.len() + out.len() - 1;
         runner.blocks.grow(blocks, position + 1)?;
-        let step = runner.decode(&[DecodeRow { token, position, blocks, sampling }], false)?;
+        let step = runner.decode(
+            &[DecodeRow {
+                token,
+                position,
+                blocks,
+                sampling,
+            }],
+            false,
+        )?;
         token = step.next_tokens.first().copied().unwrap_or(0);
     }
 }
@@ -77,7 +110,16 @@ fn generate_into(runner: &mut CpuRunner, prompt: &[u32], sampling: SamplingParam
 pub fn score(runner: &mut CpuRunner, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
     check_prompt(runner, tokens, 0)?;
     let mut blocks = Vec::new();
-    let result = prefill(runner, tokens, &mut blocks, SamplingParams::GREEDY, LogitsOutput::AllPositions);
+    let result = prefill(
+        runner,
+        tokens,
+        &mut blocks,
+        SamplingParams::GREEDY,
+        LogitsOutput::AllPositions,
+    );
     runner.blocks.release(&mut blocks);
-    Ok(result?.into_iter().flat_map(|o| o.logits.unwrap_or_default()).collect())
+    Ok(result?
+        .into_iter()
+        .flat_map(|o| o.logits.unwrap_or_default())
+        .collect())
 }

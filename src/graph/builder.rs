@@ -120,17 +120,29 @@ impl GraphBuilder {
 
     /// A scalar f32 constant.
     pub fn scalar_f32(&self, v: f32) -> Tensor {
-        self.push(Op::Constant(Literal::F32(vec![v])), Shape(vec![]), DType::F32)
+        self.push(
+            Op::Constant(Literal::F32(vec![v])),
+            Shape(vec![]),
+            DType::F32,
+        )
     }
 
     /// A scalar i32 constant.
     pub fn scalar_i32(&self, v: i32) -> Tensor {
-        self.push(Op::Constant(Literal::I32(vec![v])), Shape(vec![]), DType::I32)
+        self.push(
+            Op::Constant(Literal::I32(vec![v])),
+            Shape(vec![]),
+            DType::I32,
+        )
     }
 
     /// A scalar u32 constant.
     pub fn scalar_u32(&self, v: u32) -> Tensor {
-        self.push(Op::Constant(Literal::U32(vec![v])), Shape(vec![]), DType::U32)
+        self.push(
+            Op::Constant(Literal::U32(vec![v])),
+            Shape(vec![]),
+            DType::U32,
+        )
     }
 
     /// A scalar constant of any numeric dtype, broadcast to `shape`.
@@ -170,7 +182,11 @@ impl GraphBuilder {
         }
         for x in &xs[1..] {
             let same_rest = x.shape.rank() == dims.len()
-                && x.shape.0.iter().enumerate().all(|(i, &d)| i == dim || d == dims[i]);
+                && x.shape
+                    .0
+                    .iter()
+                    .enumerate()
+                    .all(|(i, &d)| i == dim || d == dims[i]);
             if !same_rest || x.dtype != first.dtype {
                 return Err(shape_err(
                     "concat",
@@ -204,7 +220,12 @@ impl GraphBuilder {
             .inputs
             .iter()
             .position(|i| i.node == root.id && i.role == InputRole::CacheRoot)
-            .ok_or_else(|| shape_err("output", "an alias target must be a cache-root input".into()))?;
+            .ok_or_else(|| {
+                shape_err(
+                    "output",
+                    "an alias target must be a cache-root input".into(),
+                )
+            })?;
         drop(st);
         if value.shape != root.shape || value.dtype != root.dtype {
             return Err(shape_err(
@@ -239,7 +260,10 @@ impl GraphBuilder {
     pub fn finish(self) -> Result<Graph> {
         let st = self.0.borrow();
         if st.outputs.is_empty() {
-            return Err(shape_err("finish", format!("graph `{}` has no output", st.name)));
+            return Err(shape_err(
+                "finish",
+                format!("graph `{}` has no output", st.name),
+            ));
         }
         Ok(Graph(Arc::new(GraphInner {
             name: st.name.clone(),
@@ -267,8 +291,16 @@ fn broadcast_shape(a: &Shape, b: &Shape) -> Option<Shape> {
     let rank = a.rank().max(b.rank());
     let mut out = vec![0; rank];
     for (i, o) in out.iter_mut().enumerate() {
-        let da = if i + a.rank() >= rank { a.0[i + a.rank() - rank] } else { 1 };
-        let db = if i + b.rank() >= rank { b.0[i + b.rank() - rank] } else { 1 };
+        let da = if i + a.rank() >= rank {
+            a.0[i + a.rank() - rank]
+        } else {
+            1
+        };
+        let db = if i + b.rank() >= rank {
+            b.0[i + b.rank() - rank]
+        } else {
+            1
+        };
         *o = match (da, db) {
             (x, y) if x == y => x,
             (1, y) => y,
@@ -325,7 +357,10 @@ impl Tensor {
             _ => self.dtype.is_float(),
         };
         if !ok {
-            return Err(shape_err(op.name(), format!("operand of dtype {}", self.dtype)));
+            return Err(shape_err(
+                op.name(),
+                format!("operand of dtype {}", self.dtype),
+            ));
         }
         Ok(self.push(Op::Unary(op, self.id), self.shape.clone(), self.dtype))
     }
@@ -391,9 +426,16 @@ impl Tensor {
             self.dtype != DType::Bool
         };
         if !ok {
-            return Err(shape_err(op.name(), format!("operands of dtype {}", self.dtype)));
+            return Err(shape_err(
+                op.name(),
+                format!("operands of dtype {}", self.dtype),
+            ));
         }
-        Ok(self.push(Op::Binary(op, self.id, rhs.id), self.shape.clone(), self.dtype))
+        Ok(self.push(
+            Op::Binary(op, self.id, rhs.id),
+            self.shape.clone(),
+            self.dtype,
+        ))
     }
 
     /// Both operands broadcast to their common shape first.
@@ -604,7 +646,12 @@ impl Tensor {
         if shape.elem_count() != self.shape.elem_count() {
             return Err(shape_err(
                 "reshape",
-                format!("{} has {} elements, {shape} has {}", self.shape, self.shape.elem_count(), shape.elem_count()),
+                format!(
+                    "{} has {} elements, {shape} has {}",
+                    self.shape,
+                    self.shape.elem_count(),
+                    shape.elem_count()
+                ),
             ));
         }
         Ok(self.push(Op::Reshape(self.id), shape, self.dtype))
@@ -614,7 +661,10 @@ impl Tensor {
     pub fn unsqueeze(&self, dim: usize) -> Result<Tensor> {
         let mut d = self.shape.0.clone();
         if dim > d.len() {
-            return Err(shape_err("reshape", format!("unsqueeze {dim} of {}", self.shape)));
+            return Err(shape_err(
+                "reshape",
+                format!("unsqueeze {dim} of {}", self.shape),
+            ));
         }
         d.insert(dim, 1);
         self.reshape(d)
@@ -624,7 +674,10 @@ impl Tensor {
     pub fn squeeze(&self, dim: usize) -> Result<Tensor> {
         let mut d = self.shape.0.clone();
         if dim >= d.len() || d[dim] != 1 {
-            return Err(shape_err("reshape", format!("squeeze {dim} of {}", self.shape)));
+            return Err(shape_err(
+                "reshape",
+                format!("squeeze {dim} of {}", self.shape),
+            ));
         }
         d.remove(dim);
         self.reshape(d)
@@ -634,11 +687,16 @@ impl Tensor {
     pub fn permute(&self, perm: &[usize]) -> Result<Tensor> {
         let mut seen = vec![false; self.rank()];
         if perm.len() != self.rank()
-            || perm.iter().any(|&p| p >= seen.len() || std::mem::replace(&mut seen[p], true))
+            || perm
+                .iter()
+                .any(|&p| p >= seen.len() || std::mem::replace(&mut seen[p], true))
         {
             return Err(shape_err(
                 "permute",
-                format!("{perm:?} is not a permutation of the dims of {}", self.shape),
+                format!(
+                    "{perm:?} is not a permutation of the dims of {}",
+                    self.shape
+                ),
             ));
         }
         if perm.iter().enumerate().all(|(i, &p)| i == p) {
@@ -652,7 +710,10 @@ impl Tensor {
     pub fn transpose(&self, d1: usize, d2: usize) -> Result<Tensor> {
         let mut perm: Vec<usize> = (0..self.rank()).collect();
         if d1 >= perm.len() || d2 >= perm.len() {
-            return Err(shape_err("permute", format!("transpose {d1},{d2} of {}", self.shape)));
+            return Err(shape_err(
+                "permute",
+                format!("transpose {d1},{d2} of {}", self.shape),
+            ));
         }
         perm.swap(d1, d2);
         self.permute(&perm)
@@ -704,7 +765,10 @@ impl Tensor {
         if !ok {
             return Err(shape_err(
                 "matmul",
-                format!("{} {} x {} {}", self.shape, self.dtype, rhs.shape, rhs.dtype),
+                format!(
+                    "{} {} x {} {}",
+                    self.shape, self.dtype, rhs.shape, rhs.dtype
+                ),
             ));
         }
         let mut d = a.clone();
@@ -715,7 +779,10 @@ impl Tensor {
 
     fn reduce(&self, op: ReduceOp, dim: usize) -> Result<Tensor> {
         if dim >= self.rank() || self.dtype == DType::Bool {
-            return Err(shape_err(op.name(), format!("dim {dim} of {} {}", self.shape, self.dtype)));
+            return Err(shape_err(
+                op.name(),
+                format!("dim {dim} of {} {}", self.shape, self.dtype),
+            ));
         }
         let mut d = self.shape.0.clone();
         d.remove(dim);
@@ -746,7 +813,10 @@ impl Tensor {
     /// Index of the first maximum over `dim` (i32), which is removed.
     pub fn argmax(&self, dim: usize) -> Result<Tensor> {
         if dim >= self.rank() || !self.dtype.is_float() {
-            return Err(shape_err("argmax", format!("dim {dim} of {} {}", self.shape, self.dtype)));
+            return Err(shape_err(
+                "argmax",
+                format!("dim {dim} of {} {}", self.shape, self.dtype),
+            ));
         }
         let mut d = self.shape.0.clone();
         d.remove(dim);
@@ -757,7 +827,10 @@ impl Tensor {
     pub fn topk(&self, k: usize) -> Result<Tensor> {
         let r = self.rank();
         if r == 0 || k == 0 || k > self.shape.0[r - 1] || !self.dtype.is_float() {
-            return Err(shape_err("topk", format!("k={k} of {} {}", self.shape, self.dtype)));
+            return Err(shape_err(
+                "topk",
+                format!("k={k} of {} {}", self.shape, self.dtype),
+            ));
         }
         let mut d = self.shape.0.clone();
         d[r - 1] = k;
@@ -769,7 +842,10 @@ impl Tensor {
         if dim >= self.rank() || ids.rank() != 1 || ids.dtype != DType::I32 {
             return Err(shape_err(
                 "index_select",
-                format!("ids {} {} into dim {dim} of {}", ids.shape, ids.dtype, self.shape),
+                format!(
+                    "ids {} {} into dim {dim} of {}",
+                    ids.shape, ids.dtype, self.shape
+                ),
             ));
         }
         let mut d = self.shape.0.clone();
@@ -790,11 +866,20 @@ impl Tensor {
         let ok = dim < self.rank()
             && ids.rank() == self.rank()
             && ids.dtype == DType::I32
-            && ids.shape.0.iter().zip(&self.shape.0).enumerate().all(|(i, (a, b))| i == dim || a == b);
+            && ids
+                .shape
+                .0
+                .iter()
+                .zip(&self.shape.0)
+                .enumerate()
+                .all(|(i, (a, b))| i == dim || a == b);
         if !ok {
             return Err(shape_err(
                 "gather",
-                format!("ids {} {} into dim {dim} of {}", ids.shape, ids.dtype, self.shape),
+                format!(
+                    "ids {} {} into dim {dim} of {}",
+                    ids.shape, ids.dtype, self.shape
+                ),
             ));
         }
         Ok(self.push(

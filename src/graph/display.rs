@@ -9,7 +9,12 @@ impl fmt::Display for Graph {
         writeln!(f, "graph {} {{", self.name())?;
         for (i, node) in self.nodes().iter().enumerate() {
             write!(f, "  %{i} = {}", node.op.name())?;
-            let operands: Vec<String> = node.op.operands().iter().map(|o| format!("%{}", o.0)).collect();
+            let operands: Vec<String> = node
+                .op
+                .operands()
+                .iter()
+                .map(|o| format!("%{}", o.0))
+                .collect();
             match &node.op {
                 Op::Input(k) => {
                     let decl = &self.inputs()[*k];
@@ -20,9 +25,13 @@ impl fmt::Display for Graph {
                 Op::Iota { dim } => write!(f, " dim={dim}")?,
                 Op::Compare(c, ..) => write!(f, " {}({})", c.name(), operands.join(", "))?,
                 Op::Permute(_, perm) => write!(f, "({}) perm={perm:?}", operands.join(", "))?,
-                Op::Slice { dim, start, len, .. } => {
-                    write!(f, "({}) dim={dim} start={start} len={len}", operands.join(", "))?
-                }
+                Op::Slice {
+                    dim, start, len, ..
+                } => write!(
+                    f,
+                    "({}) dim={dim} start={start} len={len}",
+                    operands.join(", ")
+                )?,
                 Op::Concat(_, dim)
                 | Op::Reduce(_, _, dim)
                 | Op::ArgMax(_, dim)

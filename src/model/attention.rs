@@ -36,13 +36,23 @@ pub struct AttnStep<'a> {
 
 /// Queries split into their non-rotated part `[n, heads, nope]` and rotated part
 /// `[n, heads, rope]`.
-fn queries(cfg: &ModelConfig, w: &Weights, p: &str, x: &Tensor, step: &AttnStep<'_>) -> Result<(Tensor, Tensor)> {
+fn queries(
+    cfg: &ModelConfig,
+    w: &Weights,
+    p: &str,
+    x: &Tensor,
+    step: &AttnStep<'_>,
+) -> Result<(Tensor, Tensor)> {
     let n = x.dim(0);
     let heads = cfg.num_attention_heads;
     let q = match cfg.q_lora_rank {
         Some(_) => {
             let qa = linear(x, &w.get(&format!("{p}.q_a_proj.weight"))?)?;
-            let qa = rms_norm(&qa, &w.get(&format!("{p}.q_a_layernorm.weight"))?, cfg.rms_norm_eps)?;
+            let qa = rms_norm(
+                &qa,
+                &w.get(&format!("{p}.q_a_layernorm.weight"))?,
+                cfg.rms_norm_eps,
+            )?;
             linear(&qa, &w.get(&format!("{p}.q_b_proj.weight"))?)?
         }
         None => linear(x, &w.get(&format!("{p}.q_proj.weight"))?)?,
@@ -55,7 +65,15 @@ fn queries(cfg: &ModelConfig, w: &Weights, p: &str, x: &Tensor, step: &AttnStep<
 
 /// Computes this step's cache rows (`[n, width]`) and writes them into the layer's columns of
 /// the root; returns the updated root.
-fn write_cache(cfg: &ModelConfig, w: &Weights, p: &str, layer: usize, x: &Tensor, root: &Tensor, step: &AttnStep<'_>) -> Result<Tensor> {
+fn write_cache(
+    cfg: &ModelConfig,
+    w: &Weights,
+    p: &str,
+    layer: usize,
+    x: &Tensor,
+    root: &Tensor,
+    step: &AttnStep<'_>,
+) -> Result<Tensor> {
     let n = x.dim(0);
     let kv = linear(x, &w.get(&format!("{p}.kv_a_proj_with_mqa.weight"))?)?;
     let c_kv = rms_norm(
@@ -72,20 +90,38 @@ fn write_cache(cfg: &ModelConfig, w: &Weights, p: &str, layer: usize, x: &Tensor
 }
 
 /// Every context row of this layer, `[seqs * ctx, width]`.
-fn read_cache(cfg: &ModelConfig, layer: usize, root: &Tensor, step: &AttnStep<'_>) -> Result<Tensor> {
+fn read_cache(
+    cfg: &ModelConfig,
+    layer: usize,
+    root: &Tensor,
+    step: &AttnStep<'_>,
+) -> Result<Tensor> {
     let width = cfg.kv_cache_width();
-    root.narrow(1, layer * width, width)?.index_select(step.ctx_slots, 0)
+    root.narrow(1, layer * width, width)?
+        .index_select(step.ctx_slots, 0)
 }
 
 fn masked_softmax(scores: &Tensor, visible: &Tensor) -> Result<Tensor> {
     let neg = scores.full_like(f64::NEG_INFINITY)?;
     let last = scores.rank() - 1;
-    softmax(&visible.broadcast_as(scores.shape().clone())?.where_cond(scores, &neg)?, last)
+    softmax(
+        &visible
+            .broadcast_as(scores.shape().clone())?
+            .where_cond(scores, &neg)?,
+        last,
+    )
 }
 
 /// Decode attention for `b` sequences, one new token each (absorbed MLA). Returns the
 /// attention output `[b, hidden]` and the updated root.
-pub fn decode(cfg: &ModelConfig, w: &Weights, layer: usize, x: &Tensor, root: &Tensor, step: &AttnStep<'_>) -> Result<(Tensor, Tensor)> {
+pub fn decode(
+    cfg: &ModelConfig,
+    w: &Weights,
+    layer: usize,
+    x: &Tensor,
+    root: &Tensor,
+    step: &AttnStep<'_>,
+) -> Result<(Tensor, Tensor)> {
     let p = format!("model.layers.{layer}.self_attn");
     let b = x.dim(0);
     let heads = cfg.num_attention_heads;
@@ -116,18 +152,33 @@ pub fn decode(cfg: &ModelConfig, w: &Weights, layer: usize, x: &Tensor, root: &T
 
 /// Prefill attention for `n` tokens of one sequence (decompressed MLA). Returns the attention
 /// output `[n, hidden]` and the updated root.
-pub fn prefill(cfg: &ModelConfig, w: &Weights, layer: usize, x: &Tensor, root: &Tensor, step: &AttnStep<'_>) -> Result<(Tensor, Tensor)> {
+pub fn prefill(
+    cfg: &ModelConfig,
+    w: &Weights,
+    layer: usize,
+    x: &Tensor,
+    root: &Tensor,
+    step: &AttnStep<'_>,
+) -> Result<(Tensor, Tensor)> {
     let p = format!("model.layers.{layer}.self_attn");
     let n = x.dim(0);
     let heads = cfg.num_attention_heads;
-    let (nope, rdim, vdim, rank) = (cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank);
+    let (nope, rdim, vdim, rank) = (
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+        cfg.kv_lora_rank,
+    );
     let (q_nope, q_pe) = queries(cfg, w, &p, x, step)?;
     let root = write_cache(cfg, w, &p, layer, x, root, step)?;
     let ctx = step.visible.dim(1);
     let kv = read_cache(cfg, layer, &root, step)?; // [ctx, width]
-    let kv_up = linear(&kv.narrow(1, 0, rank)?, &w.get(&format!("{p}.kv_b_proj.weight"))?)?
-        .reshape([ctx, heads, nope + vdim])?
-        .permute(&[1, 0, 2])?; // [heads, ctx, nope + v]
+    let kv_up = linear(
+        &kv.narrow(1, 0, rank)?,
+        &w.get(&format!("{p}.kv_b_proj.weight"))?,
+    )?
+    .reshape([ctx, heads, nope + vdim])?
+    .permute(&[1, 0, 2])?; // [heads, ctx, nope + v]
     let k_nope = kv_up.narrow(2, 0, nope)?;
     let v = kv_up.narrow(2, nope, vdim)?;
     let k_pe = kv.narrow(1, rank, rdim)?; // [ctx, rope]

@@ -62,12 +62,15 @@ impl<'a> Weights<'a> {
         if let Some(t) = self.declared.borrow().get(name) {
             return Ok(t.clone());
         }
-        let shape = self
-            .specs
-            .shape(name)
-            .ok_or_else(|| Error::shape("weight", format!("the model has no parameter `{name}`")))?;
-        let t = self.builder.input(name, InputRole::Weight, shape.to_vec(), DType::F32)?;
-        self.declared.borrow_mut().insert(name.to_string(), t.clone());
+        let shape = self.specs.shape(name).ok_or_else(|| {
+            Error::shape("weight", format!("the model has no parameter `{name}`"))
+        })?;
+        let t = self
+            .builder
+            .input(name, InputRole::Weight, shape.to_vec(), DType::F32)?;
+        self.declared
+            .borrow_mut()
+            .insert(name.to_string(), t.clone());
         Ok(t)
     }
 }
@@ -141,13 +144,22 @@ fn root_input(cfg: &ModelConfig, b: &GraphBuilder, cache: &CacheLayout) -> Resul
     b.input(
         "kv_cache",
         InputRole::CacheRoot,
-        vec![cache.num_slots, cfg.num_hidden_layers * cfg.kv_cache_width()],
+        vec![
+            cache.num_slots,
+            cfg.num_hidden_layers * cfg.kv_cache_width(),
+        ],
         DType::F32,
     )
 }
 
 /// The MLP (dense or MoE) of `layer` on normalized hidden states.
-fn feed_forward(cfg: &ModelConfig, w: &Weights, layer: usize, x: &Tensor, strategy: MoeStrategy) -> Result<Tensor> {
+fn feed_forward(
+    cfg: &ModelConfig,
+    w: &Weights,
+    layer: usize,
+    x: &Tensor,
+    strategy: MoeStrategy,
+) -> Result<Tensor> {
     match &cfg.routing {
         Some(r) if cfg.is_moe_layer(layer) => moe::moe(cfg, r, w, layer, x, strategy),
         _ => {
@@ -162,17 +174,40 @@ fn feed_forward(cfg: &ModelConfig, w: &Weights, layer: usize, x: &Tensor, strate
     }
 }
 
-type AttnFn = fn(&ModelConfig, &Weights, usize, &Tensor, &Tensor, &attention::AttnStep<'_>) -> Result<(Tensor, Tensor)>;
+type AttnFn = fn(
+    &ModelConfig,
+    &Weights,
+    usize,
+    &Tensor,
+    &Tensor,
+    &attention::AttnStep<'_>,
+) -> Result<(Tensor, Tensor)>;
 
 /// Runs every decoder layer; returns the final normalized hidden states and the updated root.
-fn decoder(cfg: &ModelConfig, w: &Weights, mut x: Tensor, mut root: Tensor, step: &attention::AttnStep<'_>, attn: AttnFn, strategy: MoeStrategy) -> Result<(Tensor, Tensor)> {
+fn decoder(
+    cfg: &ModelConfig,
+    w: &Weights,
+    mut x: Tensor,
+    mut root: Tensor,
+    step: &attention::AttnStep<'_>,
+    attn: AttnFn,
+    strategy: MoeStrategy,
+) -> Result<(Tensor, Tensor)> {
     for layer in 0..cfg.num_hidden_layers {
         let p = format!("model.layers.{layer}");
-        let h = ops::rms_norm(&x, &w.get(&format!("{p}.input_layernorm.weight"))?, cfg.rms_norm_eps)?;
+        let h = ops::rms_norm(
+            &x,
+            &w.get(&format!("{p}.input_layernorm.weight"))?,
+            cfg.rms_norm_eps,
+        )?;
         let (a, r) = attn(cfg, w, layer, &h, &root, step)?;
         root = r;
         x = x.add(&a)?;
-        let h = ops::rms_norm(&x, &w.get(&format!("{p}.post_attention_layernorm.weight"))?, cfg.rms_norm_eps)?;
+        let h = ops::rms_norm(
+            &x,
+            &w.get(&format!("{p}.post_attention_layernorm.weight"))?,
+            cfg.rms_norm_eps,
+        )?;
         x = x.add(&feed_forward(cfg, w, layer, &h, strategy)?)?;
     }
     let x = ops::rms_norm(&x, &w.get("model.norm.weight")?, cfg.rms_norm_eps)?;
@@ -200,7 +235,12 @@ fn sample_rows(b: &GraphBuilder, logits: &Tensor, positions: &Tensor) -> Result<
 
 /// The decode graph for `spec.rows` sequences of one new token each, attending to up to
 /// `spec.ctx` positions.
-pub fn build_decode(cfg: &ModelConfig, specs: &WeightSpecs, cache: &CacheLayout, spec: &GraphSpec) -> Result<Graph> {
+pub fn build_decode(
+    cfg: &ModelConfig,
+    specs: &WeightSpecs,
+    cache: &CacheLayout,
+    spec: &GraphSpec,
+) -> Result<Graph> {
     check_spec(cfg, spec, cache)?;
     let (rows, ctx) = (spec.rows, spec.ctx);
     let b = GraphBuilder::new(format!("decode_b{rows}_c{ctx}"));
@@ -208,7 +248,12 @@ pub fn build_decode(cfg: &ModelConfig, specs: &WeightSpecs, cache: &CacheLayout,
     let input_ids = metadata(&b, "input_ids", vec![rows], DType::I32)?;
     let positions = metadata(&b, "positions", vec![rows], DType::I32)?;
     let slots = metadata(&b, "slot_mapping", vec![rows], DType::I32)?;
-    let block_tables = metadata(&b, "block_tables", vec![rows, ctx / cache.block_size], DType::I32)?;
+    let block_tables = metadata(
+        &b,
+        "block_tables",
+        vec![rows, ctx / cache.block_size],
+        DType::I32,
+    )?;
     let context_lens = metadata(&b, "context_lens", vec![rows], DType::I32)?;
     let root = root_input(cfg, &b, cache)?;
 
@@ -216,9 +261,17 @@ pub fn build_decode(cfg: &ModelConfig, specs: &WeightSpecs, cache: &CacheLayout,
     let ctx_slots = context_slots(&block_tables, ctx, cache.block_size)?;
     let j = b.iota([rows, ctx], DType::I32, 1)?;
     let visible = j.lt(&context_lens.unsqueeze(1)?)?;
-    let step = attention::AttnStep { cos: &cos, sin: &sin, slots: &slots, ctx_slots: &ctx_slots, visible: &visible };
+    let step = attention::AttnStep {
+        cos: &cos,
+        sin: &sin,
+        slots: &slots,
+        ctx_slots: &ctx_slots,
+        visible: &visible,
+    };
 
-    let x = w.get("model.embed_tokens.weight")?.index_select(&input_ids, 0)?;
+    let x = w
+        .get("model.embed_tokens.weight")?
+        .index_select(&input_ids, 0)?;
     let (x, new_root) = decoder(cfg, &w, x, root.clone(), &step, attention::decode, spec.moe)?;
     let logits = ops::linear(&x, &w.get(ModelWeights::lm_head_name(cfg))?)?;
     let next = sample_rows(&b, &logits, &positions)?;
@@ -232,7 +285,12 @@ pub fn build_decode(cfg: &ModelConfig, specs: &WeightSpecs, cache: &CacheLayout,
 
 /// The prefill graph for a chunk of up to `spec.rows` tokens of one sequence whose earlier
 /// tokens are already cached, attending to up to `spec.ctx` positions.
-pub fn build_prefill(cfg: &ModelConfig, specs: &WeightSpecs, cache: &CacheLayout, spec: &GraphSpec) -> Result<Graph> {
+pub fn build_prefill(
+    cfg: &ModelConfig,
+    specs: &WeightSpecs,
+    cache: &CacheLayout,
+    spec: &GraphSpec,
+) -> Result<Graph> {
     check_spec(cfg, spec, cache)?;
     let (t, ctx) = (spec.rows, spec.ctx);
     let b = GraphBuilder::new(format!("prefill_t{t}_c{ctx}"));
@@ -240,7 +298,12 @@ pub fn build_prefill(cfg: &ModelConfig, specs: &WeightSpecs, cache: &CacheLayout
     let input_ids = metadata(&b, "input_ids", vec![t], DType::I32)?;
     let positions = metadata(&b, "positions", vec![t], DType::I32)?;
     let slots = metadata(&b, "slot_mapping", vec![t], DType::I32)?;
-    let block_tables = metadata(&b, "block_tables", vec![1, ctx / cache.block_size], DType::I32)?;
+    let block_tables = metadata(
+        &b,
+        "block_tables",
+        vec![1, ctx / cache.block_size],
+        DType::I32,
+    )?;
     let last_index = metadata(&b, "last_index", vec![1], DType::I32)?;
     let root = root_input(cfg, &b, cache)?;
 
@@ -249,10 +312,26 @@ pub fn build_prefill(cfg: &ModelConfig, specs: &WeightSpecs, cache: &CacheLayout
     // Causal: token i sees context positions up to its own.
     let j = b.iota([t, ctx], DType::I32, 1)?;
     let visible = j.le(&positions.unsqueeze(1)?)?;
-    let step = attention::AttnStep { cos: &cos, sin: &sin, slots: &slots, ctx_slots: &ctx_slots, visible: &visible };
+    let step = attention::AttnStep {
+        cos: &cos,
+        sin: &sin,
+        slots: &slots,
+        ctx_slots: &ctx_slots,
+        visible: &visible,
+    };
 
-    let x = w.get("model.embed_tokens.weight")?.index_select(&input_ids, 0)?;
-    let (x, new_root) = decoder(cfg, &w, x, root.clone(), &step, attention::prefill, spec.moe)?;
+    let x = w
+        .get("model.embed_tokens.weight")?
+        .index_select(&input_ids, 0)?;
+    let (x, new_root) = decoder(
+        cfg,
+        &w,
+        x,
+        root.clone(),
+        &step,
+        attention::prefill,
+        spec.moe,
+    )?;
     let lm_head = w.get(ModelWeights::lm_head_name(cfg))?;
     let last = x.index_select(&last_index, 0)?;
     let last_logits = ops::linear(&last, &lm_head)?;

@@ -36,7 +36,13 @@ impl MoeStrategy {
 }
 
 /// Expert ids (`[T, k]`, i32) and their weights (`[T, k]`) for each token of `x` (`[T, H]`).
-pub fn route(cfg: &ModelConfig, r: &RoutingConfig, w: &Weights, layer: usize, x: &Tensor) -> Result<(Tensor, Tensor)> {
+pub fn route(
+    cfg: &ModelConfig,
+    r: &RoutingConfig,
+    w: &Weights,
+    layer: usize,
+    x: &Tensor,
+) -> Result<(Tensor, Tensor)> {
     let p = format!("model.layers.{layer}.mlp.gate");
     let b = x.builder();
     let t = x.dim(0);
@@ -125,11 +131,21 @@ pub fn moe(
     routed.add(&shared)
 }
 
-fn gathered_experts(x: &Tensor, ids: &Tensor, weights: &Tensor, gate: &Tensor, up: &Tensor, down: &Tensor) -> Result<Tensor> {
+fn gathered_experts(
+    x: &Tensor,
+    ids: &Tensor,
+    weights: &Tensor,
+    gate: &Tensor,
+    up: &Tensor,
+    down: &Tensor,
+) -> Result<Tensor> {
     let (t, h) = (x.dim(0), x.dim(1));
     let k = ids.dim(1);
     let flat = ids.reshape([t * k])?;
-    let xs = x.unsqueeze(1)?.broadcast_as([t, k, h])?.reshape([t * k, 1, h])?;
+    let xs = x
+        .unsqueeze(1)?
+        .broadcast_as([t, k, h])?
+        .reshape([t * k, 1, h])?;
     let g = xs.matmul(&gate.index_select(&flat, 0)?.t()?)?.silu()?;
     let u = xs.matmul(&up.index_select(&flat, 0)?.t()?)?;
     let y = g.mul(&u)?.matmul(&down.index_select(&flat, 0)?.t()?)?; // [t*k, 1, h]
@@ -138,7 +154,14 @@ fn gathered_experts(x: &Tensor, ids: &Tensor, weights: &Tensor, gate: &Tensor, u
         .sum(1)
 }
 
-fn dense_experts(x: &Tensor, ids: &Tensor, weights: &Tensor, gate: &Tensor, up: &Tensor, down: &Tensor) -> Result<Tensor> {
+fn dense_experts(
+    x: &Tensor,
+    ids: &Tensor,
+    weights: &Tensor,
+    gate: &Tensor,
+    up: &Tensor,
+    down: &Tensor,
+) -> Result<Tensor> {
     let (t, h) = (x.dim(0), x.dim(1));
     let (e, k) = (gate.dim(0), ids.dim(1));
     let b = x.builder();
@@ -146,7 +169,10 @@ fn dense_experts(x: &Tensor, ids: &Tensor, weights: &Tensor, gate: &Tensor, up: 
     let expert_ids = b.iota([t, k, e], DType::I32, 2)?;
     let onehot = ids.unsqueeze(2)?.broadcast_as([t, k, e])?.eq(&expert_ids)?;
     let routing = onehot
-        .where_cond(&weights.unsqueeze(2)?.broadcast_as([t, k, e])?, &b.full(0.0, [t, k, e], DType::F32)?)?
+        .where_cond(
+            &weights.unsqueeze(2)?.broadcast_as([t, k, e])?,
+            &b.full(0.0, [t, k, e], DType::F32)?,
+        )?
         .sum(1)?;
     let xs = x.unsqueeze(0)?.broadcast_as([e, t, h])?;
     let g = xs.matmul(&gate.t()?)?.silu()?;

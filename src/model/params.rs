@@ -42,21 +42,42 @@ impl WeightSpecs {
                 Some(r) => {
                     m.insert(format!("{a}.q_a_proj.weight"), vec![r, h]);
                     m.insert(format!("{a}.q_a_layernorm.weight"), vec![r]);
-                    m.insert(format!("{a}.q_b_proj.weight"), vec![heads * cfg.qk_head_dim(), r]);
+                    m.insert(
+                        format!("{a}.q_b_proj.weight"),
+                        vec![heads * cfg.qk_head_dim(), r],
+                    );
                 }
                 None => {
-                    m.insert(format!("{a}.q_proj.weight"), vec![heads * cfg.qk_head_dim(), h]);
+                    m.insert(
+                        format!("{a}.q_proj.weight"),
+                        vec![heads * cfg.qk_head_dim(), h],
+                    );
                 }
             }
-            m.insert(format!("{a}.kv_a_proj_with_mqa.weight"), vec![cfg.kv_cache_width(), h]);
+            m.insert(
+                format!("{a}.kv_a_proj_with_mqa.weight"),
+                vec![cfg.kv_cache_width(), h],
+            );
             m.insert(format!("{a}.kv_a_layernorm.weight"), vec![cfg.kv_lora_rank]);
             m.insert(
                 format!("{a}.kv_b_proj.weight"),
-                vec![heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank],
+                vec![
+                    heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                    cfg.kv_lora_rank,
+                ],
             );
-            m.insert(format!("{a}.w_uk"), vec![heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank]);
-            m.insert(format!("{a}.w_uv"), vec![heads, cfg.v_head_dim, cfg.kv_lora_rank]);
-            m.insert(format!("{a}.o_proj.weight"), vec![h, heads * cfg.v_head_dim]);
+            m.insert(
+                format!("{a}.w_uk"),
+                vec![heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank],
+            );
+            m.insert(
+                format!("{a}.w_uv"),
+                vec![heads, cfg.v_head_dim, cfg.kv_lora_rank],
+            );
+            m.insert(
+                format!("{a}.o_proj.weight"),
+                vec![h, heads * cfg.v_head_dim],
+            );
             let mp = format!("{p}.mlp");
             match &cfg.routing {
                 Some(r) if cfg.is_moe_layer(l) => {
@@ -120,11 +141,16 @@ impl ModelWeights {
             let t = if let Some(a) = name.strip_suffix(".w_uk").or(name.strip_suffix(".w_uv")) {
                 let kv_b = ckpt.tensor_f32(
                     &format!("{a}.kv_b_proj.weight"),
-                    specs.shape(&format!("{a}.kv_b_proj.weight")).unwrap_or_default(),
+                    specs
+                        .shape(&format!("{a}.kv_b_proj.weight"))
+                        .unwrap_or_default(),
                 )?;
                 split_kv_b(cfg, &kv_b, name.ends_with(".w_uk"))?
             } else if let Some((prefix, proj)) = stacked_expert(name) {
-                let r = cfg.routing.as_ref().ok_or_else(|| Error::Config("routing".into()))?;
+                let r = cfg
+                    .routing
+                    .as_ref()
+                    .ok_or_else(|| Error::Config("routing".into()))?;
                 let per: Vec<CTensor> = (0..r.n_routed_experts)
                     .map(|e| ckpt.tensor_f32(&format!("{prefix}.{e}.{proj}.weight"), &shape[1..]))
                     .collect::<Result<_>>()?;
@@ -158,10 +184,19 @@ impl ModelWeights {
                     state ^= state >> 7;
                     state ^= state << 17;
                     let u = (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5;
-                    if is_norm { 1.0 + u * scale } else if name.ends_with("correction_bias") { 0.0 } else { u * scale * 2.0 }
+                    if is_norm {
+                        1.0 + u * scale
+                    } else if name.ends_with("correction_bias") {
+                        0.0
+                    } else {
+                        u * scale * 2.0
+                    }
                 })
                 .collect();
-            tensors.insert(name.to_string(), CTensor::from_vec(data, shape, &Device::Cpu)?);
+            tensors.insert(
+                name.to_string(),
+                CTensor::from_vec(data, shape, &Device::Cpu)?,
+            );
         }
         Ok(ModelWeights { tensors })
     }

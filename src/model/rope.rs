@@ -50,7 +50,10 @@ pub fn rope_tables(cfg: &ModelConfig) -> (Vec<f32>, f32) {
     let Some(y) = &cfg.rope.yarn else {
         return (extrapolation, 1.0);
     };
-    (yarn_inv_freq(y, dim, cfg.rope.theta, &pos_freqs), yarn_attention_factor(y))
+    (
+        yarn_inv_freq(y, dim, cfg.rope.theta, &pos_freqs),
+        yarn_attention_factor(y),
+    )
 }
 
 fn yarn_attention_factor(y: &YarnConfig) -> f32 {

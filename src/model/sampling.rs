@@ -52,7 +52,11 @@ pub fn uniform(seeds: &Tensor, positions: &Tensor, n: usize) -> Result<Tensor> {
     let key = fmix32(&seeds.bitxor(&fmix32(&pos.add(&pos.full_like(0x9e37_79b9u32 as f64)?)?)?)?)?;
     let idx = b.iota([rows, n], DType::I32, 1)?.to_dtype(DType::U32)?;
     let golden = idx.full_like(0x27d4_eb2fu32 as f64)?;
-    let x = fmix32(&key.unsqueeze(1)?.broadcast_as([rows, n])?.bitxor(&idx.mul(&golden)?)?)?;
+    let x = fmix32(
+        &key.unsqueeze(1)?
+            .broadcast_as([rows, n])?
+            .bitxor(&idx.mul(&golden)?)?,
+    )?;
     // 24 random bits, centred in their interval so 0 and 1 are never produced.
     let bits = x.shr(&x.full_like(8.0)?)?.to_dtype(DType::F32)?;
     bits.affine(1.0 / (1u32 << 24) as f64, 0.5 / (1u32 << 24) as f64)
@@ -96,7 +100,8 @@ pub fn sample(logits: &Tensor, p: &SamplingInputs<'_>) -> Result<Tensor> {
     let kept = kept.gt(&kept.full_like(0.5)?)?;
     let inf = cand_z.full_like(f64::INFINITY)?;
     let cut = kept.where_cond(&cand_z, &inf)?.min(1)?; // smallest kept candidate
-    let restricted = top_p_on.where_cond(&p.top_p.full_like(1.0)?, &top_k_on.to_dtype(DType::F32)?)?;
+    let restricted =
+        top_p_on.where_cond(&p.top_p.full_like(1.0)?, &top_k_on.to_dtype(DType::F32)?)?;
     let restricted = restricted.gt(&restricted.full_like(0.5)?)?;
     let threshold = restricted.where_cond(&cut, &cut.full_like(f64::NEG_INFINITY)?)?;
     let allowed = z.ge(&threshold.unsqueeze(1)?)?;

@@ -11,7 +11,11 @@ use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, InplaceOp3, La
 
 use crate::graph::BinaryOp;
 
-fn ids_as_usize(ids: &CpuStorage, layout: &Layout, bound: usize) -> candle_core::Result<Vec<usize>> {
+fn ids_as_usize(
+    ids: &CpuStorage,
+    layout: &Layout,
+    bound: usize,
+) -> candle_core::Result<Vec<usize>> {
     let (start, end) = layout
         .contiguous_offsets()
         .ok_or_else(|| candle_core::Error::Msg("row ids must be contiguous".into()))?;
@@ -52,7 +56,9 @@ impl CustomOp2 for RowGather {
         let (rows, cols) = src_l.shape().dims2()?;
         let stride = src_l.stride();
         if cols > 1 && stride[1] != 1 {
-            return Err(candle_core::Error::Msg("row-gather needs unit column stride".into()));
+            return Err(candle_core::Error::Msg(
+                "row-gather needs unit column stride".into(),
+            ));
         }
         let ids = ids_as_usize(ids, ids_l, rows)?;
         let CpuStorage::F32(data) = src else {
@@ -95,11 +101,15 @@ impl InplaceOp3 for ScatterRowsInPlace {
         let (Some((d0, _)), Some((s0, s1))) =
             (dst_l.contiguous_offsets(), src_l.contiguous_offsets())
         else {
-            return Err(candle_core::Error::Msg("scatter-rows needs contiguous operands".into()));
+            return Err(candle_core::Error::Msg(
+                "scatter-rows needs contiguous operands".into(),
+            ));
         };
         let ids = ids_as_usize(ids, ids_l, rows)?;
         if ids.len() != n || self.col + w > cols {
-            return Err(candle_core::Error::Msg("scatter-rows shape mismatch".into()));
+            return Err(candle_core::Error::Msg(
+                "scatter-rows shape mismatch".into(),
+            ));
         }
         match (dst, src) {
             (CpuStorage::F32(d), CpuStorage::F32(s)) => {
@@ -227,7 +237,10 @@ mod tests {
 
     #[test]
     fn int_ops_wrap_like_hlo() {
-        assert_eq!(int_binary(BinaryOp::Mul, &[u32::MAX], &[3]), vec![u32::MAX - 2]);
+        assert_eq!(
+            int_binary(BinaryOp::Mul, &[u32::MAX], &[3]),
+            vec![u32::MAX - 2]
+        );
         assert_eq!(int_binary(BinaryOp::Shr, &[-8i32], &[28]), vec![15]);
         assert_eq!(int_binary(BinaryOp::Div, &[7i32], &[0]), vec![-1]);
     }

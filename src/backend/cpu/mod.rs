@@ -100,7 +100,11 @@ pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
                 let x = get(*x)?;
                 let n = *x.dims().last().unwrap_or(&1);
                 let data = x.flatten_all()?.to_vec1::<f32>()?;
-                CTensor::from_vec(kernels::topk_rows(&data, n, *k), node.shape.dims(), &Device::Cpu)?
+                CTensor::from_vec(
+                    kernels::topk_rows(&data, n, *k),
+                    node.shape.dims(),
+                    &Device::Cpu,
+                )?
             }
             Op::IndexSelect { x, ids, dim } => index_select(get(*x)?, get(*ids)?, *dim)?,
             Op::Gather { x, ids, dim } => {
@@ -202,8 +206,16 @@ fn iota(dims: &[usize], dim: usize, dtype: DType) -> Result<CTensor> {
     let mut line_shape = vec![1; dims.len()];
     line_shape[dim] = n;
     let line = match dtype {
-        DType::F32 => CTensor::from_vec((0..n).map(|i| i as f32).collect::<Vec<_>>(), line_shape, &Device::Cpu)?,
-        _ => CTensor::from_vec((0..n).map(|i| i as i32).collect::<Vec<_>>(), line_shape, &Device::Cpu)?,
+        DType::F32 => CTensor::from_vec(
+            (0..n).map(|i| i as f32).collect::<Vec<_>>(),
+            line_shape,
+            &Device::Cpu,
+        )?,
+        _ => CTensor::from_vec(
+            (0..n).map(|i| i as i32).collect::<Vec<_>>(),
+            line_shape,
+            &Device::Cpu,
+        )?,
     };
     Ok(line.broadcast_as(dims)?)
 }
@@ -236,12 +248,26 @@ fn binary(op: BinaryOp, a: &CTensor, b: &CTensor, dtype: DType) -> Result<CTenso
     let dims = a.dims().to_vec();
     match dtype {
         DType::I32 => {
-            let (x, y) = (a.flatten_all()?.to_vec1::<i32>()?, b.flatten_all()?.to_vec1::<i32>()?);
-            return Ok(CTensor::from_vec(kernels::int_binary(op, &x, &y), dims, &Device::Cpu)?);
+            let (x, y) = (
+                a.flatten_all()?.to_vec1::<i32>()?,
+                b.flatten_all()?.to_vec1::<i32>()?,
+            );
+            return Ok(CTensor::from_vec(
+                kernels::int_binary(op, &x, &y),
+                dims,
+                &Device::Cpu,
+            )?);
         }
         DType::U32 => {
-            let (x, y) = (a.flatten_all()?.to_vec1::<u32>()?, b.flatten_all()?.to_vec1::<u32>()?);
-            return Ok(CTensor::from_vec(kernels::int_binary(op, &x, &y), dims, &Device::Cpu)?);
+            let (x, y) = (
+                a.flatten_all()?.to_vec1::<u32>()?,
+                b.flatten_all()?.to_vec1::<u32>()?,
+            );
+            return Ok(CTensor::from_vec(
+                kernels::int_binary(op, &x, &y),
+                dims,
+                &Device::Cpu,
+            )?);
         }
         _ => {}
     }
@@ -253,7 +279,10 @@ fn binary(op: BinaryOp, a: &CTensor, b: &CTensor, dtype: DType) -> Result<CTenso
         BinaryOp::Max => a.maximum(b)?,
         BinaryOp::Min => a.minimum(b)?,
         other => {
-            return Err(Error::shape(other.name(), format!("float operands {dtype}")));
+            return Err(Error::shape(
+                other.name(),
+                format!("float operands {dtype}"),
+            ));
         }
     })
 }
