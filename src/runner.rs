@@ -162,11 +162,10 @@ impl CpuRunner {
         if let Some(g) = self.graphs.get(&key) {
             return Ok(g.clone());
         }
-        let moe = match (&self.runner_cfg.moe, &self.cfg.routing) {
-            (Some(s), _) => *s,
-            (None, Some(r)) => MoeStrategy::for_tokens(r, rows),
-            (None, None) => MoeStrategy::Dense,
-        };
+        // On the CPU the fused gather reads only the selected experts and computes only their
+        // rows, so it wins at every batch size; the dense strategy only pays off on a device
+        // whose bottleneck is memory traffic, not arithmetic (see `MoeStrategy::for_tokens`).
+        let moe = self.runner_cfg.moe.unwrap_or(MoeStrategy::Gather);
         let spec = GraphSpec {
             rows,
             ctx,

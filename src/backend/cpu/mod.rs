@@ -15,7 +15,9 @@ mod kernels;
 use candle_core::{DType as CDType, Device, Tensor as CTensor};
 
 use crate::error::{Error, Result};
-use crate::graph::{BinaryOp, CmpOp, DType, Graph, InputRole, Literal, Op, ReduceOp, UnaryOp};
+use crate::graph::{
+    BinaryOp, CmpOp, DType, Graph, InputRole, Literal, NodeId, Op, ReduceOp, UnaryOp,
+};
 
 /// The candle dtype that holds values of a graph dtype.
 pub fn candle_dtype(dtype: DType) -> CDType {
@@ -34,13 +36,17 @@ pub fn candle_dtype(dtype: DType) -> CDType {
 /// tensors.
 pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
     check_inputs(graph, inputs)?;
-    let mut remaining = graph.use_counts();
+    let plan = Plan::new(graph);
+    let mut remaining = plan.use_counts.clone();
     let mut values: Vec<Option<CTensor>> = vec![None; graph.nodes().len()];
     // For each value that shares a cache root's buffer, the index of that root input.
     let mut root_of: Vec<Option<usize>> = vec![None; graph.nodes().len()];
 
     for (i, node) in graph.nodes().iter().enumerate() {
-        let get = |id: crate::graph::NodeId| -> Result<&CTensor> {
+        if plan.skipped[i] {
+            continue;
+        }
+        let get = |id: NodeId| -> Result<&CTensor> {
             values[id.0].as_ref().ok_or_else(|| Error::Binding {
                 name: graph.name().to_string(),
                 msg: format!("node %{} read after it was freed", id.0),
@@ -86,7 +92,10 @@ pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
                 let ts = xs.iter().map(|x| get(*x)).collect::<Result<Vec<_>>>()?;
                 CTensor::cat(&ts, *dim)?
             }
-            Op::MatMul(a, b) => matmul(get(*a)?, get(*b)?)?,
+            Op::MatMul(a, b) => match plan.gathered_rhs[i] {
+                Some((w, ids)) => gathered_matmul(get(*a)?, get(w)?, get(ids)?)?,
+                None => matmul(get(*a)?, get(*b)?)?,
+            },
             Op::Reduce(op, x, dim) => {
                 let x = get(*x)?;
                 match op {
@@ -131,7 +140,7 @@ pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
             }
         };
         values[i] = Some(value);
-        for operand in node.op.operands() {
+        for operand in plan.operands(graph, i) {
             remaining[operand.0] -= 1;
             if remaining[operand.0] == 0 {
                 values[operand.0] = None;
@@ -156,6 +165,92 @@ pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
         }
     }
     Ok(outputs)
+}
+
+/// How the nodes of a graph are executed: which ones are fused away, and the resulting use
+/// counts.
+///
+/// One fusion matters on the CPU: `matmul(a, permute(index_select(w, ids, 0), [0, 2, 1]))`, the
+/// gather MoE strategy. Executed literally it copies every selected expert's weights each step
+/// (tens of MB per layer); fused, each row multiplies against its expert's slice of the stacked
+/// weight in place, reading only what it needs.
+struct Plan {
+    /// `gathered_rhs[m] = Some((w, ids))` for a fused matmul `m`.
+    gathered_rhs: Vec<Option<(NodeId, NodeId)>>,
+    /// Nodes computed inside a fused node instead of on their own.
+    skipped: Vec<bool>,
+    /// Reads of each node by executed nodes and outputs.
+    use_counts: Vec<usize>,
+}
+
+impl Plan {
+    fn new(graph: &Graph) -> Self {
+        let n = graph.nodes().len();
+        let counts = graph.use_counts();
+        let mut plan = Plan {
+            gathered_rhs: vec![None; n],
+            skipped: vec![false; n],
+            use_counts: vec![0; n],
+        };
+        for (m, node) in graph.nodes().iter().enumerate() {
+            let Op::MatMul(_, p) = node.op else { continue };
+            let Op::Permute(s, ref perm) = graph.node(p).op else {
+                continue;
+            };
+            let Op::IndexSelect { x, ids, dim: 0 } = graph.node(s).op else {
+                continue;
+            };
+            let fusable = perm == &[0, 2, 1]
+                && graph.node(x).shape.rank() == 3
+                && graph.node(x).dtype == DType::F32
+                && counts[p.0] == 1
+                && counts[s.0] == 1;
+            if fusable {
+                plan.gathered_rhs[m] = Some((x, ids));
+                plan.skipped[p.0] = true;
+                plan.skipped[s.0] = true;
+            }
+        }
+        for i in 0..n {
+            for operand in plan.operands(graph, i) {
+                plan.use_counts[operand.0] += 1;
+            }
+        }
+        for out in graph.outputs() {
+            plan.use_counts[out.node.0] += 1;
+        }
+        plan
+    }
+
+    /// The values node `i` reads as executed.
+    fn operands(&self, graph: &Graph, i: usize) -> Vec<NodeId> {
+        if self.skipped[i] {
+            return vec![];
+        }
+        match (self.gathered_rhs[i], &graph.nodes()[i].op) {
+            (Some((w, ids)), Op::MatMul(a, _)) => vec![*a, w, ids],
+            _ => graph.nodes()[i].op.operands(),
+        }
+    }
+}
+
+/// `out[i] = a[i] @ w[ids[i]]^T` for `a: [n, m, k]`, `w: [experts, out, k]`, `ids: [n]`.
+fn gathered_matmul(a: &CTensor, w: &CTensor, ids: &CTensor) -> Result<CTensor> {
+    let ids = ids.to_vec1::<i32>()?;
+    let experts = w.dim(0)?;
+    let rows = ids
+        .iter()
+        .enumerate()
+        .map(|(i, &e)| {
+            if e < 0 || e as usize >= experts {
+                return Err(Error::InvalidRequest(format!(
+                    "expert index {e} out of range 0..{experts}"
+                )));
+            }
+            Ok(a.get(i)?.matmul(&w.get(e as usize)?.t()?)?)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(CTensor::stack(&rows, 0)?)
 }
 
 fn check_inputs(graph: &Graph, inputs: &[CTensor]) -> Result<()> {

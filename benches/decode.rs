@@ -1,0 +1,68 @@
+//! CPU decode-step latency on the synthetic ~300M-parameter "medium" DeepSeek-V3 config
+//! (`fixtures/configs/medium-bench.json`: 64 experts, top-6, noaux_tc routing) at batch 1, 8
+//! and 32, with random weights. Each iteration re-runs one decode step at a fixed position
+//! (context 17), so every sample does the same work.
+//!
+//! Run with `cargo bench --bench decode`. `scripts/bench_vs_transformers.py` compares the same
+//! config against transformers' eager CPU decode.
+
+use std::path::Path;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use deepinfer::config::ModelConfig;
+use deepinfer::model::{LogitsOutput, ModelWeights};
+use deepinfer::runner::{CpuRunner, RunnerConfig};
+use deepinfer::step::{DecodeRow, PrefillChunk, SamplingParams};
+
+const PROMPT: usize = 16;
+
+fn decode_step(c: &mut Criterion) {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/configs/medium-bench.json");
+    let cfg = ModelConfig::from_file(&path).expect("medium config");
+    let weights = ModelWeights::random(&cfg, 0).expect("random weights");
+    let mut group = c.benchmark_group("cpu_decode_step_medium");
+    group.sample_size(10);
+    for batch in [1usize, 8, 32] {
+        let mut runner = CpuRunner::new(
+            cfg.clone(),
+            weights.clone(),
+            RunnerConfig::for_limits(batch, 64),
+        )
+        .expect("runner");
+        let mut tables = vec![Vec::new(); batch];
+        for (i, table) in tables.iter_mut().enumerate() {
+            let prompt: Vec<u32> = (0..PROMPT as u32)
+                .map(|j| (j * 7 + i as u32 * 13 + 1) % 32000)
+                .collect();
+            runner.blocks.grow(table, PROMPT + 1).expect("blocks");
+            runner
+                .prefill(
+                    &PrefillChunk {
+                        tokens: &prompt,
+                        start: 0,
+                        blocks: table,
+                        sampling: SamplingParams::GREEDY,
+                    },
+                    LogitsOutput::None,
+                )
+                .expect("prefill");
+        }
+        let rows: Vec<DecodeRow> = tables
+            .iter()
+            .map(|t| DecodeRow {
+                token: 5,
+                position: PROMPT,
+                blocks: t,
+                sampling: SamplingParams::GREEDY,
+            })
+            .collect();
+        group.throughput(Throughput::Elements(batch as u64));
+        group.bench_with_input(BenchmarkId::from_parameter(batch), &batch, |b, _| {
+            b.iter(|| runner.decode(&rows, false).expect("decode"))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, decode_step);
+criterion_main!(benches);
