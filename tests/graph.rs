@@ -7,24 +7,41 @@ use deepinfer::graph::{DType, GraphBuilder, InputRole};
 #[test]
 fn shape_mismatches_name_the_op_and_both_shapes() {
     let b = GraphBuilder::new("t");
-    let x = b.input("x", InputRole::Metadata, [2, 3], DType::F32).unwrap();
-    let y = b.input("y", InputRole::Metadata, [3, 2], DType::F32).unwrap();
+    let x = b
+        .input("x", InputRole::Metadata, [2, 3], DType::F32)
+        .unwrap();
+    let y = b
+        .input("y", InputRole::Metadata, [3, 2], DType::F32)
+        .unwrap();
     let err = x.add(&y).unwrap_err().to_string();
-    assert!(err.contains("add") && err.contains("[2, 3]") && err.contains("[3, 2]"), "{err}");
+    assert!(
+        err.contains("add") && err.contains("[2, 3]") && err.contains("[3, 2]"),
+        "{err}"
+    );
     let err = x.matmul(&x).unwrap_err().to_string();
-    assert!(err.contains("matmul") && err.contains("[2, 3] f32 x [2, 3] f32"), "{err}");
+    assert!(
+        err.contains("matmul") && err.contains("[2, 3] f32 x [2, 3] f32"),
+        "{err}"
+    );
     let i = b.input("i", InputRole::Metadata, [2], DType::I32).unwrap();
     assert!(x.index_select(&i.to_dtype(DType::F32).unwrap(), 0).is_err());
-    assert!(b.input("x", InputRole::Metadata, [1], DType::F32).is_err(), "duplicate input name");
+    assert!(
+        b.input("x", InputRole::Metadata, [1], DType::F32).is_err(),
+        "duplicate input name"
+    );
 }
 
 #[test]
 fn only_cache_roots_of_the_same_shape_can_be_aliased() {
     let b = GraphBuilder::new("t");
     let w = b.input("w", InputRole::Weight, [4, 2], DType::F32).unwrap();
-    let root = b.input("root", InputRole::CacheRoot, [4, 2], DType::F32).unwrap();
+    let root = b
+        .input("root", InputRole::CacheRoot, [4, 2], DType::F32)
+        .unwrap();
     assert!(b.output_aliased("bad", &w, &w).is_err());
-    assert!(b.output_aliased("bad", &w.narrow(0, 0, 2).unwrap(), &root).is_err());
+    assert!(b
+        .output_aliased("bad", &w.narrow(0, 0, 2).unwrap(), &root)
+        .is_err());
     b.output_aliased("root", &w, &root).unwrap();
     let g = b.finish().unwrap();
     assert_eq!(g.outputs()[0].aliases, Some(1));
@@ -35,11 +52,21 @@ fn only_cache_roots_of_the_same_shape_can_be_aliased() {
 #[test]
 fn cache_root_is_updated_in_place_not_copied() {
     let b = GraphBuilder::new("t");
-    let root = b.input("root", InputRole::CacheRoot, [4, 3], DType::F32).unwrap();
-    let rows = b.input("rows", InputRole::Metadata, [2], DType::I32).unwrap();
-    let src = b.input("src", InputRole::Metadata, [2, 2], DType::F32).unwrap();
+    let root = b
+        .input("root", InputRole::CacheRoot, [4, 3], DType::F32)
+        .unwrap();
+    let rows = b
+        .input("rows", InputRole::Metadata, [2], DType::I32)
+        .unwrap();
+    let src = b
+        .input("src", InputRole::Metadata, [2, 2], DType::F32)
+        .unwrap();
     let updated = root.scatter_rows(&rows, 1, &src).unwrap();
-    let read = updated.narrow(1, 1, 2).unwrap().index_select(&rows, 0).unwrap();
+    let read = updated
+        .narrow(1, 1, 2)
+        .unwrap()
+        .index_select(&rows, 0)
+        .unwrap();
     b.output("read", &read).unwrap();
     b.output_aliased("root", &updated, &root).unwrap();
     let g = b.finish().unwrap();
@@ -50,8 +77,16 @@ fn cache_root_is_updated_in_place_not_copied() {
     let src_t = CTensor::new(&[[1f32, 2.], [3., 4.]], dev).unwrap();
     let out = cpu::run(&g, &[root_t.clone(), rows_t, src_t]).unwrap();
     // The caller's own tensor holds the update: the root was written in place.
-    let expect = vec![vec![0f32, 0., 0.], vec![0., 3., 4.], vec![0., 0., 0.], vec![0., 1., 2.]];
+    let expect = vec![
+        vec![0f32, 0., 0.],
+        vec![0., 3., 4.],
+        vec![0., 0., 0.],
+        vec![0., 1., 2.],
+    ];
     assert_eq!(root_t.to_vec2::<f32>().unwrap(), expect);
     assert_eq!(out[1].to_vec2::<f32>().unwrap(), expect);
-    assert_eq!(out[0].to_vec2::<f32>().unwrap(), vec![vec![1f32, 2.], vec![3., 4.]]);
+    assert_eq!(
+        out[0].to_vec2::<f32>().unwrap(),
+        vec![vec![1f32, 2.], vec![3., 4.]]
+    );
 }
