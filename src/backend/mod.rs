@@ -1,2 +1,3 @@
 //! Backends that execute graphs.
 pub mod cpu;
+pub mod neuron;
