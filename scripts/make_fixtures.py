@@ -31,8 +31,14 @@ DeepSeek-V2 code normalises the top-k weights when top_k > 1 and norm_topk_prob 
 The V2 references are therefore computed with the routers switched to the official rule
 (see `use_official_v2_routing`); for tiny-v2-lite (norm_topk_prob false) this is a no-op.
 
-Every weight comes from a seeded torch.Generator, so reruns reproduce the weight files
-byte for byte; logits are computed on one CPU thread.
+Checks run on every fixture before it counts as written: the files hold exactly the published
+tensor names/shapes/dtype; transformers reloads the directory without missing or unexpected keys
+and gives bit-identical logits to the in-memory model; the greedy continuation (KV cache) equals
+the argmax of a cache-free forward and has no near-ties; and scripts/official_reference.py (an
+independent float64 implementation of the official math) reproduces logits and continuation.
+
+Every weight comes from a seeded torch.Generator and logits are computed on one CPU thread:
+reruns reproduce every file byte for byte.
 
 How to run (from the repository root, with the reference venv of scripts/requirements-ref.txt):
 

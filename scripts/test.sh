@@ -1,7 +1,29 @@
 #!/usr/bin/env bash
-# The whole test suite, from a fresh clone: everything the tests need comes from the
-# registries (crates through cargo). The fixtures the tests read are committed; regenerating
-# them (scripts/make_fixtures.py) needs the reference venv, which the tests do not.
+# The whole test suite, from a fresh clone.
+#
+# 1. `cargo test --workspace`: everything in Rust (parity with transformers on the committed
+#    fixtures, the CLI, the graph, the compile driver, ...).
+# 2. XLA conformance: every graph we emit for every fixture (prefill, and decode at batch 1, 2, 4
+#    and 8) runs in XLA itself (jaxlib on the CPU) and must match our CPU backend, and the decode
+#    logits must match transformers' reference. jax is installed into .venv from PyPI.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
 cargo test --workspace
+
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import jax, safetensors" 2>/dev/null; then
+    python3 -m venv .venv
+    .venv/bin/pip install --quiet -r scripts/requirements-test.txt
+fi
+cargo build --release --quiet
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+status=0
+for fixture in tiny-v3 tiny-v2-lite tiny-v2-group; do
+    ids=$(.venv/bin/python -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['token_ids'])))" "fixtures/$fixture/reference.json")
+    target/release/deepinfer lower --model "fixtures/$fixture" --out "$out/$fixture" \
+        --batch-sizes 1,2,4,8 --ctx 64 --inputs-from-token-ids "$ids" > /dev/null
+    echo "== XLA conformance: $fixture"
+    .venv/bin/python scripts/xla_check.py "$out/$fixture" --reference "fixtures/$fixture/reference.json" || status=1
+done
+exit $status

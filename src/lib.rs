@@ -16,6 +16,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod graph;
+pub mod lowering;
 pub mod model;
 pub mod runner;
 pub mod step;

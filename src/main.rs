@@ -33,6 +33,8 @@ enum Command {
     Score(ScoreArgs),
     /// Measure decode throughput (tokens/s) at one batch size.
     Bench(BenchArgs),
+    /// Lower the model's bucket graphs to XLA HLO files with a manifest.
+    Lower(LowerArgs),
 }
 
 /// Where graphs run.
@@ -119,6 +121,26 @@ struct BenchArgs {
     /// Print one JSON line.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Args)]
+struct LowerArgs {
+    /// Checkpoint directory (only config.json is needed unless --inputs-from-token-ids is given).
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Output directory.
+    #[arg(long)]
+    out: PathBuf,
+    /// Decode batch sizes, one graph each.
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    batch_sizes: Vec<usize>,
+    /// Context bucket of every graph (a multiple of 16).
+    #[arg(long, default_value_t = 128)]
+    ctx: usize,
+    /// Also write each graph's inputs (and CPU outputs) for the step that decodes the last of
+    /// these tokens in row 0 after the others were prefilled.
+    #[arg(long, value_delimiter = ',')]
+    inputs_from_token_ids: Option<Vec<u32>>,
 }
 
 /// The embedded default model: shipped in the repository, found beside the binary or in the
@@ -322,12 +344,30 @@ fn emit(line: &str) -> Result<()> {
     }
 }
 
+fn lower(args: LowerArgs) -> Result<()> {
+    let dir = match &args.model {
+        Some(d) => d.clone(),
+        None => default_model_dir()?,
+    };
+    let opts = deepinfer::lowering::LowerOptions {
+        batch_sizes: args.batch_sizes,
+        ctx: args.ctx,
+        inputs_from_token_ids: args.inputs_from_token_ids,
+    };
+    let manifest = deepinfer::lowering::lower(&dir, &args.out, &opts)?;
+    for g in &manifest.graphs {
+        emit(&format!("{} -> {}", g.name, args.out.join(&g.hlo).display()))?;
+    }
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(a) => generate(a),
         Command::Score(a) => score(a),
         Command::Bench(a) => bench(a),
+        Command::Lower(a) => lower(a),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -289,3 +289,20 @@ impl CpuRunner {
         self.execute(&graph, &meta, rows.len())
     }
 }
+
+impl CpuRunner {
+    /// The KV root (for tools that snapshot the cache, e.g. `deepinfer lower`).
+    pub fn kv_root(&self) -> &CTensor {
+        &self.root
+    }
+
+    /// The prepared weights.
+    pub fn weights(&self) -> &ModelWeights {
+        &self.weights
+    }
+
+    /// The cache geometry graphs are built for.
+    pub fn cache_layout(&self) -> CacheLayout {
+        self.layout
+    }
+}

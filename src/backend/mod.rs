@@ -1,3 +1,4 @@
 //! Backends that execute graphs.
 pub mod cpu;
+pub mod hlo;
 pub mod neuron;

@@ -1,0 +1,262 @@
+//! `deepinfer lower`: a model's bucket graphs as HLO files, a manifest, and optionally the
+//! inputs (and CPU-backend outputs) of one real step, so anyone can run our HLO in XLA and compare.
+//!
+//! Layout of the output directory, per graph `NAME` (`decode_b{B}_c{CTX}`, `prefill_t{T}_c{CTX}`):
+//! `NAME.hlo.pb` (the `HloModuleProto`), `NAME.hlo.txt` (for humans), and with token ids
+//! `NAME.inputs.safetensors` (every parameter's value, keyed by parameter name) and
+//! `NAME.outputs.safetensors` (what the CPU backend computes from them, keyed by output name).
+//! `manifest.json` lists every graph's parameters (HLO parameter order), outputs (root tuple
+//! order) and aliases.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::Tensor as CTensor;
+use serde::Serialize;
+
+use crate::backend::{cpu, hlo};
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::graph::{Graph, InputRole};
+use crate::model::{self, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, WeightSpecs};
+use crate::runner::{CpuRunner, RunnerConfig};
+use crate::step::{self, DecodeRow, HostArray, HostData, PrefillChunk, SamplingParams};
+use crate::weights::Checkpoint;
+
+/// What to lower.
+#[derive(Debug, Clone)]
+pub struct LowerOptions {
+    /// Decode batch sizes, one graph each.
+    pub batch_sizes: Vec<usize>,
+    /// The context bucket every graph is built for (a multiple of the block size).
+    pub ctx: usize,
+    /// When set: prefill all but the last of these tokens, then decode the last in row 0, and
+    /// write each graph's inputs and CPU outputs for that step.
+    pub inputs_from_token_ids: Option<Vec<u32>>,
+}
+
+/// One parameter in the manifest.
+#[derive(Debug, Clone, Serialize)]
+pub struct ManifestParam {
+    /// HLO parameter number.
+    pub index: usize,
+    /// Parameter name (`neff_input_names`).
+    pub name: String,
+    /// `weight`, `metadata` or `cache_root`.
+    pub role: &'static str,
+    /// Element type.
+    pub dtype: &'static str,
+    /// Shape.
+    pub shape: Vec<usize>,
+}
+
+/// One output in the manifest.
+#[derive(Debug, Clone, Serialize)]
+pub struct ManifestOutput {
+    /// Root tuple index.
+    pub index: usize,
+    /// Output name (`neff_output_names`).
+    pub name: String,
+    /// Element type.
+    pub dtype: &'static str,
+    /// Shape.
+    pub shape: Vec<usize>,
+}
+
+/// An output that updates a parameter in place.
+#[derive(Debug, Clone, Serialize)]
+pub struct ManifestAlias {
+    /// Root tuple index.
+    pub output: usize,
+    /// Parameter number.
+    pub parameter: usize,
+}
+
+/// One lowered graph.
+#[derive(Debug, Clone, Serialize)]
+pub struct ManifestGraph {
+    /// Graph name (file stem).
+    pub name: String,
+    /// `decode` or `prefill`.
+    pub kind: &'static str,
+    /// Rows (sequences for decode, tokens for prefill).
+    pub batch: usize,
+    /// Context bucket.
+    pub ctx: usize,
+    /// The `.hlo.pb` file.
+    pub hlo: String,
+    /// The inputs file, when written.
+    pub inputs: Option<String>,
+    /// The CPU backend's outputs for those inputs, when written.
+    pub cpu_outputs: Option<String>,
+    /// Parameters in HLO order.
+    pub parameters: Vec<ManifestParam>,
+    /// Outputs in root-tuple order.
+    pub outputs: Vec<ManifestOutput>,
+    /// In-place updates.
+    pub aliases: Vec<ManifestAlias>,
+}
+
+/// `manifest.json`.
+#[derive(Debug, Clone, Serialize)]
+pub struct Manifest {
+    /// Every lowered graph.
+    pub graphs: Vec<ManifestGraph>,
+}
+
+fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
+    move |source| Error::Io {
+        path: path.to_path_buf(),
+        source,
+    }
+}
+
+fn describe(graph: &Graph, kind: &'static str, batch: usize, ctx: usize) -> ManifestGraph {
+    ManifestGraph {
+        name: graph.name().to_string(),
+        kind,
+        batch,
+        ctx,
+        hlo: format!("{}.hlo.pb", graph.name()),
+        inputs: None,
+        cpu_outputs: None,
+        parameters: graph
+            .inputs()
+            .iter()
+            .enumerate()
+            .map(|(index, d)| ManifestParam {
+                index,
+                name: d.name.clone(),
+                role: d.role.name(),
+                dtype: d.dtype.name(),
+                shape: d.shape.dims().to_vec(),
+            })
+            .collect(),
+        outputs: graph
+            .outputs()
+            .iter()
+            .enumerate()
+            .map(|(index, o)| {
+                let n = graph.node(o.node);
+                ManifestOutput {
+                    index,
+                    name: o.name.clone(),
+                    dtype: n.dtype.name(),
+                    shape: n.shape.dims().to_vec(),
+                }
+            })
+            .collect(),
+        aliases: graph
+            .outputs()
+            .iter()
+            .enumerate()
+            .filter_map(|(output, o)| o.aliases.map(|parameter| ManifestAlias { output, parameter }))
+            .collect(),
+    }
+}
+
+fn host_tensor(a: &HostArray) -> Result<CTensor> {
+    let dev = &candle_core::Device::Cpu;
+    Ok(match &a.data {
+        HostData::I32(v) => CTensor::from_slice(v, a.shape.as_slice(), dev)?,
+        HostData::F32(v) => CTensor::from_slice(v, a.shape.as_slice(), dev)?,
+        HostData::U32(v) => CTensor::from_slice(v, a.shape.as_slice(), dev)?,
+    })
+}
+
+/// Binds every input of `graph` (weights, `metadata`, a copy of `root`), runs it on the CPU
+/// backend, and writes both the inputs and the outputs as safetensors.
+fn write_step(graph: &Graph, weights: &ModelWeights, metadata: &[HostArray], root: &CTensor, out: &Path, entry: &mut ManifestGraph) -> Result<()> {
+    let mut inputs = Vec::new();
+    let mut named = HashMap::new();
+    for d in graph.inputs() {
+        let t = match d.role {
+            InputRole::Weight => weights.get(&d.name)?.clone(),
+            InputRole::CacheRoot => root.copy()?,
+            InputRole::Metadata => {
+                let a = metadata.iter().find(|a| a.name == d.name).ok_or_else(|| Error::Binding {
+                    name: d.name.clone(),
+                    msg: "no metadata for it".into(),
+                })?;
+                host_tensor(a)?
+            }
+        };
+        named.insert(d.name.clone(), t.clone());
+        inputs.push(t);
+    }
+    let inputs_file = format!("{}.inputs.safetensors", graph.name());
+    candle_core::safetensors::save(&named, out.join(&inputs_file))?;
+    let outputs = cpu::run(graph, &inputs)?;
+    let named_out: HashMap<String, CTensor> = graph.outputs().iter().map(|o| o.name.clone()).zip(outputs).collect();
+    let outputs_file = format!("{}.outputs.safetensors", graph.name());
+    candle_core::safetensors::save(&named_out, out.join(&outputs_file))?;
+    entry.inputs = Some(inputs_file);
+    entry.cpu_outputs = Some(outputs_file);
+    Ok(())
+}
+
+/// Lowers the model in `model_dir` into `out`; see the module docs for the layout.
+pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manifest> {
+    let cfg = ModelConfig::from_file(&model_dir.join("config.json"))?;
+    let max_batch = opts.batch_sizes.iter().copied().max().unwrap_or(1);
+    let rc = RunnerConfig::for_limits(max_batch, opts.ctx);
+    if rc.max_len() != opts.ctx {
+        return Err(Error::InvalidRequest(format!("--ctx {} must be a multiple of the block size {}", opts.ctx, rc.block_size)));
+    }
+    std::fs::create_dir_all(out).map_err(io_err(out))?;
+    let specs = WeightSpecs::new(&cfg);
+    let moe = |rows: usize| cfg.routing.as_ref().map_or(MoeStrategy::Dense, |r| MoeStrategy::for_tokens(r, rows));
+    let with_logits = if opts.inputs_from_token_ids.is_some() { LogitsOutput::Sampled } else { LogitsOutput::None };
+    let layout = model::CacheLayout { block_size: rc.block_size, num_slots: rc.num_blocks * rc.block_size };
+
+    let mut graphs = Vec::new();
+    let t = rc.prefill_chunk;
+    let prefill = model::build_prefill(&cfg, &specs, &layout, &GraphSpec { rows: t, ctx: opts.ctx, logits: with_logits, moe: moe(t) })?;
+    graphs.push((prefill, "prefill", t));
+    for &b in &opts.batch_sizes {
+        let g = model::build_decode(&cfg, &specs, &layout, &GraphSpec { rows: b, ctx: opts.ctx, logits: with_logits, moe: moe(b) })?;
+        graphs.push((g, "decode", b));
+    }
+
+    let mut manifest = Manifest { graphs: Vec::new() };
+    for (g, kind, rows) in &graphs {
+        let module = hlo::emit::emit(g)?;
+        let pb = out.join(format!("{}.hlo.pb", g.name()));
+        std::fs::write(&pb, hlo::emit::to_bytes(&module)).map_err(io_err(&pb))?;
+        let txt = out.join(format!("{}.hlo.txt", g.name()));
+        std::fs::write(&txt, hlo::text::render(&module)).map_err(io_err(&txt))?;
+        manifest.graphs.push(describe(g, kind, *rows, opts.ctx));
+    }
+
+    if let Some(tokens) = &opts.inputs_from_token_ids {
+        if tokens.len() < 2 || tokens.len() > opts.ctx.min(t + 1) {
+            return Err(Error::InvalidRequest(format!(
+                "--inputs-from-token-ids needs 2 to {} tokens (one prefill chunk, then one decode step)",
+                opts.ctx.min(t + 1)
+            )));
+        }
+        let weights = ModelWeights::load(&cfg, &Checkpoint::open(model_dir)?)?;
+        let mut runner = CpuRunner::new(cfg.clone(), weights, rc.clone())?;
+        let (prompt, last) = tokens.split_at(tokens.len() - 1);
+        let mut blocks = Vec::new();
+        runner.blocks.grow(&mut blocks, tokens.len())?;
+        let chunk = PrefillChunk { tokens: prompt, start: 0, blocks: &blocks, sampling: SamplingParams::GREEDY };
+        let prefill_meta = step::prefill_step(&chunk, t, opts.ctx, rc.block_size)?;
+        let empty_root = runner.kv_root().copy()?;
+        runner.prefill(&chunk, LogitsOutput::None)?;
+        let root = runner.kv_root().copy()?;
+        for ((g, kind, rows), entry) in graphs.iter().zip(manifest.graphs.iter_mut()) {
+            if *kind == "prefill" {
+                write_step(g, runner.weights(), &prefill_meta, &empty_root, out, entry)?;
+            } else {
+                let row = DecodeRow { token: last[0], position: prompt.len(), blocks: &blocks, sampling: SamplingParams::GREEDY };
+                let meta = step::decode_step(&[row], *rows, opts.ctx, rc.block_size)?;
+                write_step(g, runner.weights(), &meta, &root, out, entry)?;
+            }
+        }
+    }
+    let path = out.join("manifest.json");
+    let json = serde_json::to_string_pretty(&manifest).map_err(|e| Error::InvalidRequest(e.to_string()))?;
+    std::fs::write(&path, json).map_err(io_err(&path))?;
+    Ok(manifest)
+}
