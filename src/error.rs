@@ -57,6 +57,9 @@ pub enum Error {
     /// The cache has no free block left.
     #[error("out of KV-cache blocks: {0}")]
     OutOfBlocks(String),
+    /// Compiling a graph with neuronx-cc failed (or the compiler is missing).
+    #[error(transparent)]
+    Compile(#[from] crate::backend::neuron::compile::CompileError),
     /// An error inside candle-core while running a graph on the CPU.
     #[error("cpu backend: {0}")]
     Candle(#[from] candle_core::Error),

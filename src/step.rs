@@ -103,16 +103,13 @@ fn sampling_arrays(params: &[SamplingParams]) -> [HostArray; 4] {
     ]
 }
 
-fn block_row(blocks: &[u32], width: usize) -> Result<Vec<i32>> {
-    if blocks.len() > width {
-        return Err(Error::InvalidRequest(format!(
-            "a sequence of {} blocks does not fit a context bucket of {width} blocks",
-            blocks.len()
-        )));
-    }
-    let mut row: Vec<i32> = blocks.iter().map(|&b| b as i32).collect();
+/// A sequence's block table cut or padded (with the scratch block) to `width` entries. Blocks
+/// past the context bucket hold no position the step can see (positions are checked against the
+/// bucket by the callers), so they are left out.
+fn block_row(blocks: &[u32], width: usize) -> Vec<i32> {
+    let mut row: Vec<i32> = blocks.iter().take(width).map(|&b| b as i32).collect();
     row.resize(width, SCRATCH_BLOCK as i32);
-    Ok(row)
+    row
 }
 
 /// The metadata of a decode step for `rows`, padded to `batch` rows and a context of `ctx`.
@@ -145,7 +142,7 @@ pub fn decode_step(
         ids.push(r.token as i32);
         positions.push(r.position as i32);
         slots.push(slot(r.blocks, block_size, r.position)?);
-        tables.extend(block_row(r.blocks, width)?);
+        tables.extend(block_row(r.blocks, width));
         lens.push(r.position as i32 + 1);
         params.push(r.sampling);
     }
@@ -233,7 +230,7 @@ pub fn prefill_step(
         HostArray {
             name: "block_tables",
             shape: vec![1, width],
-            data: HostData::I32(block_row(chunk.blocks, width)?),
+            data: HostData::I32(block_row(chunk.blocks, width)),
         },
         HostArray {
             name: "last_index",

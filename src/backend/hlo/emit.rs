@@ -261,12 +261,17 @@ impl Emitter<'_> {
         let v = |n: &crate::graph::NodeId| self.value[n.0];
         Ok(match op {
             Op::Input(k) => {
-                let name = self.graph.inputs()[*k].name.clone();
+                let decl = &self.graph.inputs()[*k];
+                // `deepinfer_role` lets the importer restore the input's role; other consumers
+                // ignore unknown frontend attributes.
+                let map = [
+                    ("neff_input_names".to_string(), decl.name.clone()),
+                    ("deepinfer_role".to_string(), decl.role.name().to_string()),
+                ]
+                .into();
                 self.push("parameter", shape, &[], |i| {
                     i.parameter_number = *k as i64;
-                    i.frontend_attributes = Some(FrontendAttributes {
-                        map: [("neff_input_names".to_string(), name)].into(),
-                    });
+                    i.frontend_attributes = Some(FrontendAttributes { map });
                 })
             }
             Op::Constant(lit) => {
