@@ -244,7 +244,7 @@ impl ModelConfig {
     pub fn is_moe_layer(&self, layer: usize) -> bool {
         self.routing.is_some()
             && layer >= self.first_k_dense_replace
-            && layer % self.moe_layer_freq.max(1) == 0
+            && layer.is_multiple_of(self.moe_layer_freq.max(1))
     }
 }
 
@@ -660,7 +660,7 @@ fn parse_routing(
             Some(g) => g,
             None => default_group("topk_group", |g| g.1)?,
         };
-        if n_group == 0 || n_routed_experts % n_group != 0 {
+        if n_group == 0 || !n_routed_experts.is_multiple_of(n_group) {
             return Err(top.invalid(
                 "n_group",
                 n_group,

@@ -17,7 +17,9 @@ use serde::Serialize;
 use crate::backend::{cpu, hlo};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
+use crate::graph::stats::{stats, GraphStats};
 use crate::graph::{Graph, InputRole};
+use crate::model::cost::{decode_floor, DecodeFloor};
 use crate::model::{self, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, WeightSpecs};
 use crate::runner::{CpuRunner, RunnerConfig};
 use crate::step::{self, DecodeRow, HostArray, HostData, PrefillChunk, SamplingParams};
@@ -102,6 +104,62 @@ pub struct ManifestGraph {
 pub struct Manifest {
     /// Every lowered graph.
     pub graphs: Vec<ManifestGraph>,
+    /// Each graph's static cost, in the same order (printed by `--stats`, not written).
+    #[serde(skip)]
+    pub costs: Vec<GraphCost>,
+}
+
+/// The static cost of one lowered graph, next to the decode floor.
+#[derive(Debug, Clone)]
+pub struct GraphCost {
+    /// Graph name.
+    pub name: String,
+    /// HLO instructions in the module (all computations).
+    pub instructions: usize,
+    /// Reads, writes and FLOPs of one step.
+    pub stats: GraphStats,
+    /// Bytes of metadata inputs.
+    pub metadata_bytes: u64,
+    /// For decode graphs: the unavoidable reads at the graph's dtypes.
+    pub floor: Option<DecodeFloor>,
+}
+
+impl GraphCost {
+    /// Bytes read per step.
+    pub fn bytes_read(&self) -> u64 {
+        self.stats.bytes_read(self.metadata_bytes)
+    }
+}
+
+/// The `--stats` table.
+pub fn stats_table(costs: &[GraphCost]) -> String {
+    let mb = |b: f64| b / 1e6;
+    let mut out = format!(
+        "{:<22} {:>7} {:>12} {:>12} {:>11} {:>10} {:>12} {:>10}\n",
+        "graph", "instrs", "params MB", "read MB", "written MB", "GFLOP", "floor MB", "read/floor"
+    );
+    for c in costs {
+        let written = c.stats.cache_bytes_written + c.stats.output_bytes_written;
+        let (floor, ratio) = match c.floor {
+            Some(f) => (
+                format!("{:.1}", mb(f.total())),
+                format!("{:.3}", c.bytes_read() as f64 / f.total()),
+            ),
+            None => ("-".into(), "-".into()),
+        };
+        out.push_str(&format!(
+            "{:<22} {:>7} {:>12.1} {:>12.1} {:>11.2} {:>10.2} {:>12} {:>10}\n",
+            c.name,
+            c.instructions,
+            mb(c.stats.parameter_bytes as f64),
+            mb(c.bytes_read() as f64),
+            mb(written as f64),
+            c.stats.flops as f64 / 1e9,
+            floor,
+            ratio
+        ));
+    }
+    out
 }
 
 fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
@@ -150,7 +208,10 @@ fn describe(graph: &Graph, kind: &'static str, batch: usize, ctx: usize) -> Mani
             .outputs()
             .iter()
             .enumerate()
-            .filter_map(|(output, o)| o.aliases.map(|parameter| ManifestAlias { output, parameter }))
+            .filter_map(|(output, o)| {
+                o.aliases
+                    .map(|parameter| ManifestAlias { output, parameter })
+            })
             .collect(),
     }
 }
@@ -166,28 +227,43 @@ fn host_tensor(a: &HostArray) -> Result<CTensor> {
 
 /// Binds every input of `graph` (weights, `metadata`, a copy of `root`), runs it on the CPU
 /// backend, and writes both the inputs and the outputs as safetensors.
-fn write_step(graph: &Graph, weights: &ModelWeights, metadata: &[HostArray], root: &CTensor, out: &Path, entry: &mut ManifestGraph) -> Result<()> {
+fn write_step(
+    graph: &Graph,
+    weights: &ModelWeights,
+    metadata: &[HostArray],
+    root: &CTensor,
+    out: &Path,
+    entry: &mut ManifestGraph,
+) -> Result<()> {
     let mut inputs = Vec::new();
     let mut named = HashMap::new();
     for d in graph.inputs() {
-        let t = match d.role {
-            InputRole::Weight => weights.get(&d.name)?.clone(),
-            InputRole::CacheRoot => root.copy()?,
-            InputRole::Metadata => {
-                let a = metadata.iter().find(|a| a.name == d.name).ok_or_else(|| Error::Binding {
-                    name: d.name.clone(),
-                    msg: "no metadata for it".into(),
-                })?;
-                host_tensor(a)?
-            }
-        };
+        let t =
+            match d.role {
+                InputRole::Weight => weights.get(&d.name)?.clone(),
+                InputRole::CacheRoot => root.copy()?,
+                InputRole::Metadata => {
+                    let a = metadata.iter().find(|a| a.name == d.name).ok_or_else(|| {
+                        Error::Binding {
+                            name: d.name.clone(),
+                            msg: "no metadata for it".into(),
+                        }
+                    })?;
+                    host_tensor(a)?
+                }
+            };
         named.insert(d.name.clone(), t.clone());
         inputs.push(t);
     }
     let inputs_file = format!("{}.inputs.safetensors", graph.name());
     candle_core::safetensors::save(&named, out.join(&inputs_file))?;
     let outputs = cpu::run(graph, &inputs)?;
-    let named_out: HashMap<String, CTensor> = graph.outputs().iter().map(|o| o.name.clone()).zip(outputs).collect();
+    let named_out: HashMap<String, CTensor> = graph
+        .outputs()
+        .iter()
+        .map(|o| o.name.clone())
+        .zip(outputs)
+        .collect();
     let outputs_file = format!("{}.outputs.safetensors", graph.name());
     candle_core::safetensors::save(&named_out, out.join(&outputs_file))?;
     entry.inputs = Some(inputs_file);
@@ -201,26 +277,80 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
     let max_batch = opts.batch_sizes.iter().copied().max().unwrap_or(1);
     let rc = RunnerConfig::for_limits(max_batch, opts.ctx);
     if rc.max_len() != opts.ctx {
-        return Err(Error::InvalidRequest(format!("--ctx {} must be a multiple of the block size {}", opts.ctx, rc.block_size)));
+        return Err(Error::InvalidRequest(format!(
+            "--ctx {} must be a multiple of the block size {}",
+            opts.ctx, rc.block_size
+        )));
     }
     std::fs::create_dir_all(out).map_err(io_err(out))?;
     let specs = WeightSpecs::new(&cfg);
-    let moe = |rows: usize| cfg.routing.as_ref().map_or(MoeStrategy::Dense, |r| MoeStrategy::for_tokens(r, rows));
-    let with_logits = if opts.inputs_from_token_ids.is_some() { LogitsOutput::Sampled } else { LogitsOutput::None };
-    let layout = model::CacheLayout { block_size: rc.block_size, num_slots: rc.num_blocks * rc.block_size };
+    let moe = |rows: usize| {
+        cfg.routing
+            .as_ref()
+            .map_or(MoeStrategy::Dense, |r| MoeStrategy::for_tokens(r, rows))
+    };
+    let with_logits = if opts.inputs_from_token_ids.is_some() {
+        LogitsOutput::Sampled
+    } else {
+        LogitsOutput::None
+    };
+    let layout = model::CacheLayout {
+        block_size: rc.block_size,
+        num_slots: rc.num_blocks * rc.block_size,
+    };
 
     let mut graphs = Vec::new();
     let t = rc.prefill_chunk;
-    let prefill = model::build_prefill(&cfg, &specs, &layout, &GraphSpec { rows: t, ctx: opts.ctx, logits: with_logits, moe: moe(t) })?;
+    let prefill = model::build_prefill(
+        &cfg,
+        &specs,
+        &layout,
+        &GraphSpec {
+            rows: t,
+            ctx: opts.ctx,
+            logits: with_logits,
+            moe: moe(t),
+        },
+    )?;
     graphs.push((prefill, "prefill", t));
     for &b in &opts.batch_sizes {
-        let g = model::build_decode(&cfg, &specs, &layout, &GraphSpec { rows: b, ctx: opts.ctx, logits: with_logits, moe: moe(b) })?;
+        let g = model::build_decode(
+            &cfg,
+            &specs,
+            &layout,
+            &GraphSpec {
+                rows: b,
+                ctx: opts.ctx,
+                logits: with_logits,
+                moe: moe(b),
+            },
+        )?;
         graphs.push((g, "decode", b));
     }
 
-    let mut manifest = Manifest { graphs: Vec::new() };
+    let mut manifest = Manifest {
+        graphs: Vec::new(),
+        costs: Vec::new(),
+    };
     for (g, kind, rows) in &graphs {
         let module = hlo::emit::emit(g)?;
+        let metadata_bytes = g
+            .inputs()
+            .iter()
+            .filter(|d| d.role == InputRole::Metadata)
+            .map(|d| (d.shape.elem_count() * d.dtype.size_in_bytes()) as u64)
+            .sum();
+        manifest.costs.push(GraphCost {
+            name: g.name().to_string(),
+            instructions: module
+                .computations
+                .iter()
+                .map(|c| c.instructions.len())
+                .sum(),
+            stats: stats(g),
+            metadata_bytes,
+            floor: (*kind == "decode").then(|| decode_floor(&cfg, *rows, opts.ctx, 4)),
+        });
         let pb = out.join(format!("{}.hlo.pb", g.name()));
         std::fs::write(&pb, hlo::emit::to_bytes(&module)).map_err(io_err(&pb))?;
         let txt = out.join(format!("{}.hlo.txt", g.name()));
@@ -240,7 +370,12 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
         let (prompt, last) = tokens.split_at(tokens.len() - 1);
         let mut blocks = Vec::new();
         runner.blocks.grow(&mut blocks, tokens.len())?;
-        let chunk = PrefillChunk { tokens: prompt, start: 0, blocks: &blocks, sampling: SamplingParams::GREEDY };
+        let chunk = PrefillChunk {
+            tokens: prompt,
+            start: 0,
+            blocks: &blocks,
+            sampling: SamplingParams::GREEDY,
+        };
         let prefill_meta = step::prefill_step(&chunk, t, opts.ctx, rc.block_size)?;
         let empty_root = runner.kv_root().copy()?;
         runner.prefill(&chunk, LogitsOutput::None)?;
@@ -249,14 +384,20 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
             if *kind == "prefill" {
                 write_step(g, runner.weights(), &prefill_meta, &empty_root, out, entry)?;
             } else {
-                let row = DecodeRow { token: last[0], position: prompt.len(), blocks: &blocks, sampling: SamplingParams::GREEDY };
+                let row = DecodeRow {
+                    token: last[0],
+                    position: prompt.len(),
+                    blocks: &blocks,
+                    sampling: SamplingParams::GREEDY,
+                };
                 let meta = step::decode_step(&[row], *rows, opts.ctx, rc.block_size)?;
                 write_step(g, runner.weights(), &meta, &root, out, entry)?;
             }
         }
     }
     let path = out.join("manifest.json");
-    let json = serde_json::to_string_pretty(&manifest).map_err(|e| Error::InvalidRequest(e.to_string()))?;
+    let json = serde_json::to_string_pretty(&manifest)
+        .map_err(|e| Error::InvalidRequest(e.to_string()))?;
     std::fs::write(&path, json).map_err(io_err(&path))?;
     Ok(manifest)
 }

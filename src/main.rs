@@ -141,6 +141,10 @@ struct LowerArgs {
     /// these tokens in row 0 after the others were prefilled.
     #[arg(long, value_delimiter = ',')]
     inputs_from_token_ids: Option<Vec<u32>>,
+    /// Print each graph's instruction count, bytes read/written and FLOPs per step, next to the
+    /// decode floor (works from config.json alone).
+    #[arg(long)]
+    stats: bool,
 }
 
 /// The embedded default model: shipped in the repository, found beside the binary or in the
@@ -355,8 +359,16 @@ fn lower(args: LowerArgs) -> Result<()> {
         inputs_from_token_ids: args.inputs_from_token_ids,
     };
     let manifest = deepinfer::lowering::lower(&dir, &args.out, &opts)?;
-    for g in &manifest.graphs {
-        emit(&format!("{} -> {}", g.name, args.out.join(&g.hlo).display()))?;
+    if args.stats {
+        emit(deepinfer::lowering::stats_table(&manifest.costs).trim_end())?;
+    } else {
+        for g in &manifest.graphs {
+            emit(&format!(
+                "{} -> {}",
+                g.name,
+                args.out.join(&g.hlo).display()
+            ))?;
+        }
     }
     Ok(())
 }

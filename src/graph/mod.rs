@@ -16,6 +16,7 @@ mod display;
 mod dtype;
 mod op;
 mod shape;
+pub mod stats;
 
 use std::sync::Arc;
 

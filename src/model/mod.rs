@@ -24,6 +24,7 @@
 //! the last position of prefill, or `[t, vocab]` for every position), and `kv_cache`.
 
 pub mod attention;
+pub mod cost;
 pub mod moe;
 pub mod ops;
 pub mod params;
@@ -124,8 +125,8 @@ fn context_slots(block_tables: &Tensor, ctx: usize, block: usize) -> Result<Tens
     blocks.mul(&blk)?.add(&j.rem(&blk)?)?.reshape([seqs * ctx])
 }
 
-fn check_spec(cfg: &ModelConfig, spec: &GraphSpec, cache: &CacheLayout) -> Result<()> {
-    if spec.rows == 0 || spec.ctx == 0 || spec.ctx % cache.block_size != 0 {
+fn check_spec(spec: &GraphSpec, cache: &CacheLayout) -> Result<()> {
+    if spec.rows == 0 || spec.ctx == 0 || !spec.ctx.is_multiple_of(cache.block_size) {
         return Err(Error::shape(
             "bucket",
             format!(
@@ -133,9 +134,6 @@ fn check_spec(cfg: &ModelConfig, spec: &GraphSpec, cache: &CacheLayout) -> Resul
                 spec.rows, spec.ctx, cache.block_size
             ),
         ));
-    }
-    if cfg.routing.is_none() && spec.moe == MoeStrategy::Dense {
-        return Ok(());
     }
     Ok(())
 }
@@ -241,7 +239,7 @@ pub fn build_decode(
     cache: &CacheLayout,
     spec: &GraphSpec,
 ) -> Result<Graph> {
-    check_spec(cfg, spec, cache)?;
+    check_spec(spec, cache)?;
     let (rows, ctx) = (spec.rows, spec.ctx);
     let b = GraphBuilder::new(format!("decode_b{rows}_c{ctx}"));
     let w = Weights::new(&b, specs);
@@ -291,7 +289,7 @@ pub fn build_prefill(
     cache: &CacheLayout,
     spec: &GraphSpec,
 ) -> Result<Graph> {
-    check_spec(cfg, spec, cache)?;
+    check_spec(spec, cache)?;
     let (t, ctx) = (spec.rows, spec.ctx);
     let b = GraphBuilder::new(format!("prefill_t{t}_c{ctx}"));
     let w = Weights::new(&b, specs);
