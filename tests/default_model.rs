@@ -21,10 +21,12 @@ struct Heldout {
 #[test]
 fn heldout_perplexity_matches_transformers_within_a_tenth_of_a_percent() {
     let dir = fixture_dir("default-model");
-    let h: Heldout = serde_json::from_str(&std::fs::read_to_string(dir.join("heldout.json")).unwrap()).unwrap();
+    let h: Heldout =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("heldout.json")).unwrap()).unwrap();
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let weights = ModelWeights::load(&cfg, &Checkpoint::open(&dir).unwrap()).unwrap();
-    let mut runner = CpuRunner::new(cfg, weights, RunnerConfig::for_limits(1, h.token_ids.len())).unwrap();
+    let mut runner =
+        CpuRunner::new(cfg, weights, RunnerConfig::for_limits(1, h.token_ids.len())).unwrap();
     let logits = engine::score(&mut runner, &h.token_ids).unwrap();
     let mut nll = 0.0f64;
     for (row, &next) in logits.iter().zip(&h.token_ids[1..]) {
@@ -34,18 +36,35 @@ fn heldout_perplexity_matches_transformers_within_a_tenth_of_a_percent() {
     }
     let ppl = (nll / (h.token_ids.len() - 1) as f64).exp();
     let rel = (ppl - h.perplexity).abs() / h.perplexity;
-    eprintln!("perplexity: deepinfer {ppl:.6}, transformers {:.6}, relative difference {rel:.2e}", h.perplexity);
+    eprintln!(
+        "perplexity: deepinfer {ppl:.6}, transformers {:.6}, relative difference {rel:.2e}",
+        h.perplexity
+    );
     assert!(rel < 1e-3, "{ppl} vs {}", h.perplexity);
 }
 
 #[test]
 fn generate_without_model_uses_the_default_model() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_deepinfer"))
-        .args(["generate", "--prompt", "ROMEO:", "--max-tokens", "12", "--json"])
+        .args([
+            "generate",
+            "--prompt",
+            "ROMEO:",
+            "--max-tokens",
+            "12",
+            "--json",
+        ])
         .output()
         .unwrap();
-    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     let text = v["text"].as_str().unwrap();
-    assert!(text.chars().filter(|c| c.is_ascii_alphabetic()).count() > 10, "{text:?}");
+    assert!(
+        text.chars().filter(|c| c.is_ascii_alphabetic()).count() > 10,
+        "{text:?}"
+    );
 }

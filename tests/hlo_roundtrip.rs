@@ -11,23 +11,58 @@ use deepinfer::lowering::{lower, LowerOptions};
 #[test]
 fn emit_import_run_is_bit_identical_for_every_fixture_graph() {
     for name in FIXTURES {
-        let out = std::env::temp_dir().join(format!("deepinfer-roundtrip-{}-{name}", std::process::id()));
-        let opts = LowerOptions { batch_sizes: vec![1, 2, 4, 8], ctx: 64, inputs_from_token_ids: Some(reference(name).token_ids) };
+        let out =
+            std::env::temp_dir().join(format!("deepinfer-roundtrip-{}-{name}", std::process::id()));
+        let opts = LowerOptions {
+            batch_sizes: vec![1, 2, 4, 8],
+            ctx: 64,
+            inputs_from_token_ids: Some(reference(name).token_ids),
+        };
         let manifest = lower(&fixture_dir(name), &out, &opts).unwrap();
         assert_eq!(manifest.graphs.len(), 5);
         for g in &manifest.graphs {
             let bytes = std::fs::read(out.join(&g.hlo)).unwrap();
             let imported = hlo::import::import_bytes(&bytes).unwrap();
-            let inputs = candle_core::safetensors::load(out.join(g.inputs.as_ref().unwrap()), &Device::Cpu).unwrap();
-            let want = candle_core::safetensors::load(out.join(g.cpu_outputs.as_ref().unwrap()), &Device::Cpu).unwrap();
-            let args: Vec<Tensor> = imported.inputs().iter().map(|d| inputs[&d.name].clone()).collect();
+            let inputs =
+                candle_core::safetensors::load(out.join(g.inputs.as_ref().unwrap()), &Device::Cpu)
+                    .unwrap();
+            let want = candle_core::safetensors::load(
+                out.join(g.cpu_outputs.as_ref().unwrap()),
+                &Device::Cpu,
+            )
+            .unwrap();
+            let args: Vec<Tensor> = imported
+                .inputs()
+                .iter()
+                .map(|d| inputs[&d.name].clone())
+                .collect();
             let got = cpu::run(&imported, &args).unwrap();
             assert_eq!(imported.outputs().len(), want.len(), "{}", g.name);
             for (decl, t) in imported.outputs().iter().zip(&got) {
                 let w = &want[&decl.name];
-                let (a, b) = (t.flatten_all().unwrap().to_dtype(candle_core::DType::F64).unwrap(), w.flatten_all().unwrap().to_dtype(candle_core::DType::F64).unwrap());
-                let diff: f64 = (a - b).unwrap().abs().unwrap().max(0).unwrap().to_scalar().unwrap();
-                assert_eq!(diff, 0.0, "{} output {} differs after the round trip", g.name, decl.name);
+                let (a, b) = (
+                    t.flatten_all()
+                        .unwrap()
+                        .to_dtype(candle_core::DType::F64)
+                        .unwrap(),
+                    w.flatten_all()
+                        .unwrap()
+                        .to_dtype(candle_core::DType::F64)
+                        .unwrap(),
+                );
+                let diff: f64 = (a - b)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .max(0)
+                    .unwrap()
+                    .to_scalar()
+                    .unwrap();
+                assert_eq!(
+                    diff, 0.0,
+                    "{} output {} differs after the round trip",
+                    g.name, decl.name
+                );
             }
         }
         let _ = std::fs::remove_dir_all(&out);
@@ -37,13 +72,24 @@ fn emit_import_run_is_bit_identical_for_every_fixture_graph() {
 #[test]
 fn corrupt_or_foreign_modules_are_errors_not_panics() {
     assert!(hlo::import::import_bytes(b"definitely not a protobuf \xff\xff\xff").is_err());
-    assert!(hlo::import::import_bytes(&[]).is_err(), "an empty module has no entry computation");
-    let out = std::env::temp_dir().join(format!("deepinfer-roundtrip-trunc-{}", std::process::id()));
-    let opts = LowerOptions { batch_sizes: vec![1], ctx: 64, inputs_from_token_ids: None };
+    assert!(
+        hlo::import::import_bytes(&[]).is_err(),
+        "an empty module has no entry computation"
+    );
+    let out =
+        std::env::temp_dir().join(format!("deepinfer-roundtrip-trunc-{}", std::process::id()));
+    let opts = LowerOptions {
+        batch_sizes: vec![1],
+        ctx: 64,
+        inputs_from_token_ids: None,
+    };
     let manifest = lower(&fixture_dir("tiny-v3"), &out, &opts).unwrap();
     let bytes = std::fs::read(out.join(&manifest.graphs[1].hlo)).unwrap();
     for cut in [bytes.len() / 3, bytes.len() / 2, bytes.len() - 7] {
-        assert!(hlo::import::import_bytes(&bytes[..cut]).is_err(), "truncated at {cut}");
+        assert!(
+            hlo::import::import_bytes(&bytes[..cut]).is_err(),
+            "truncated at {cut}"
+        );
     }
     let _ = std::fs::remove_dir_all(&out);
 }

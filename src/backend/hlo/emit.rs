@@ -111,7 +111,13 @@ impl Emitter<'_> {
     }
 
     /// Appends an entry instruction, letting `f` fill extra fields; returns its id.
-    fn push(&mut self, opcode: &str, shape: ShapeProto, operands: &[i64], f: impl FnOnce(&mut HloInstructionProto)) -> i64 {
+    fn push(
+        &mut self,
+        opcode: &str,
+        shape: ShapeProto,
+        operands: &[i64],
+        f: impl FnOnce(&mut HloInstructionProto),
+    ) -> i64 {
         let id = self.id();
         let mut inst = Self::make(opcode, id, shape, operands);
         f(&mut inst);
@@ -161,7 +167,9 @@ impl Emitter<'_> {
         let off = to.len() - from.len();
         // Keep the operand dims that are not expanded; reshape the others away, since HLO's
         // broadcast maps each operand dim to an output dim of the same size.
-        let kept: Vec<usize> = (0..from.len()).filter(|&i| from[i] == to[off + i]).collect();
+        let kept: Vec<usize> = (0..from.len())
+            .filter(|&i| from[i] == to[off + i])
+            .collect();
         let mut operand = x;
         if kept.len() != from.len() {
             let dims: Vec<usize> = kept.iter().map(|&i| from[i]).collect();
@@ -184,7 +192,11 @@ impl Emitter<'_> {
         for p in 0..nparams {
             let id = self.id();
             // The comparator's second pair is the i32 index.
-            let shape = if f == ScalarFn::Greater && p >= 2 { array_shape(&[], PrimitiveType::S32) } else { s.clone() };
+            let shape = if f == ScalarFn::Greater && p >= 2 {
+                array_shape(&[], PrimitiveType::S32)
+            } else {
+                s.clone()
+            };
             let mut inst = Self::make("parameter", id, shape.clone(), &[]);
             inst.parameter_number = p as i64;
             insts.push(inst);
@@ -210,7 +222,10 @@ impl Emitter<'_> {
                 id
             }
         };
-        let result = insts.iter().find(|i| i.id == root).and_then(|i| i.shape.clone());
+        let result = insts
+            .iter()
+            .find(|i| i.id == root)
+            .and_then(|i| i.shape.clone());
         let id = self.id();
         let name = match f {
             ScalarFn::Add => "add",
@@ -332,7 +347,11 @@ impl Emitter<'_> {
                     i.comparison_type = ct.into();
                 })
             }
-            Op::Select { pred, on_true, on_false } => {
+            Op::Select {
+                pred,
+                on_true,
+                on_false,
+            } => {
                 let ops = [v(pred), v(on_true), v(on_false)];
                 self.push("select", shape, &ops, |_| {})
             }
@@ -352,7 +371,9 @@ impl Emitter<'_> {
             }
             Op::Permute(x, perm) => {
                 let x = v(x);
-                self.push("transpose", shape, &[x], |i| i.dimensions = perm.iter().map(|&p| p as i64).collect())
+                self.push("transpose", shape, &[x], |i| {
+                    i.dimensions = perm.iter().map(|&p| p as i64).collect()
+                })
             }
             Op::Slice { x, dim, start, len } => {
                 let dims = self.dims_of(x.0).to_vec();
@@ -362,15 +383,25 @@ impl Emitter<'_> {
                         .iter()
                         .enumerate()
                         .map(|(d, &n)| {
-                            let (s, l) = if d == *dim { (*start, start + len) } else { (0, n) };
-                            SliceDimensions { start: s as i64, limit: l as i64, stride: 1 }
+                            let (s, l) = if d == *dim {
+                                (*start, start + len)
+                            } else {
+                                (0, n)
+                            };
+                            SliceDimensions {
+                                start: s as i64,
+                                limit: l as i64,
+                                stride: 1,
+                            }
                         })
                         .collect();
                 })
             }
             Op::Concat(xs, dim) => {
                 let ops: Vec<i64> = xs.iter().map(v).collect();
-                self.push("concatenate", shape, &ops, |i| i.dimensions = vec![*dim as i64])
+                self.push("concatenate", shape, &ops, |i| {
+                    i.dimensions = vec![*dim as i64]
+                })
             }
             Op::MatMul(a, b) => {
                 let r = self.dims_of(a.0).len() as i64;
@@ -402,16 +433,31 @@ impl Emitter<'_> {
                 let mut reduced = dims.clone();
                 reduced.remove(*dim);
                 let maxb = self.push("broadcast", array_shape(&dims, xt), &[max], |i| {
-                    i.dimensions = (0..dims.len()).filter(|d| d != dim).map(|d| d as i64).collect();
+                    i.dimensions = (0..dims.len())
+                        .filter(|d| d != dim)
+                        .map(|d| d as i64)
+                        .collect();
                 });
-                let is_max = self.push("compare", array_shape(&dims, PrimitiveType::Pred), &[x, maxb], |i| {
-                    i.comparison_direction = "EQ".into();
-                    i.comparison_type = comparison_type(xt).into();
+                let is_max = self.push(
+                    "compare",
+                    array_shape(&dims, PrimitiveType::Pred),
+                    &[x, maxb],
+                    |i| {
+                        i.comparison_direction = "EQ".into();
+                        i.comparison_type = comparison_type(xt).into();
+                    },
+                );
+                let iota = self.push("iota", array_shape(&dims, PrimitiveType::S32), &[], |i| {
+                    i.dimensions = vec![*dim as i64]
                 });
-                let iota = self.push("iota", array_shape(&dims, PrimitiveType::S32), &[], |i| i.dimensions = vec![*dim as i64]);
                 let big = self.scalar(PrimitiveType::S32, i32::MAX as f64);
                 let bigb = self.broadcast(big, &[], &dims, PrimitiveType::S32);
-                let sel = self.push("select", array_shape(&dims, PrimitiveType::S32), &[is_max, iota, bigb], |_| {});
+                let sel = self.push(
+                    "select",
+                    array_shape(&dims, PrimitiveType::S32),
+                    &[is_max, iota, bigb],
+                    |_| {},
+                );
                 self.reduce(sel, &dims, *dim, ScalarFn::Min, PrimitiveType::S32)
             }
             Op::TopK(x, k) => {
@@ -419,11 +465,16 @@ impl Emitter<'_> {
                 let xt = primitive_type(self.dtype_of(x.0));
                 let last = dims.len() - 1;
                 let x = v(x);
-                let iota = self.push("iota", array_shape(&dims, PrimitiveType::S32), &[], |i| i.dimensions = vec![last as i64]);
+                let iota = self.push("iota", array_shape(&dims, PrimitiveType::S32), &[], |i| {
+                    i.dimensions = vec![last as i64]
+                });
                 let cmp = self.scalar_fn(ScalarFn::Greater, xt);
                 let sorted = self.push(
                     "sort",
-                    tuple_shape(vec![array_shape(&dims, xt), array_shape(&dims, PrimitiveType::S32)]),
+                    tuple_shape(vec![
+                        array_shape(&dims, xt),
+                        array_shape(&dims, PrimitiveType::S32),
+                    ]),
                     &[x, iota],
                     |i| {
                         i.dimensions = vec![last as i64];
@@ -431,12 +482,21 @@ impl Emitter<'_> {
                         i.is_stable = true;
                     },
                 );
-                let idx = self.push("get-tuple-element", array_shape(&dims, PrimitiveType::S32), &[sorted], |i| i.tuple_index = 1);
+                let idx = self.push(
+                    "get-tuple-element",
+                    array_shape(&dims, PrimitiveType::S32),
+                    &[sorted],
+                    |i| i.tuple_index = 1,
+                );
                 self.push("slice", shape, &[idx], |i| {
                     i.slice_dimensions = dims
                         .iter()
                         .enumerate()
-                        .map(|(d, &n)| SliceDimensions { start: 0, limit: if d == last { *k } else { n } as i64, stride: 1 })
+                        .map(|(d, &n)| SliceDimensions {
+                            start: 0,
+                            limit: if d == last { *k } else { n } as i64,
+                            stride: 1,
+                        })
                         .collect();
                 })
             }
@@ -444,12 +504,19 @@ impl Emitter<'_> {
                 let dims = self.dims_of(x.0).to_vec();
                 let n = self.dims_of(ids.0)[0];
                 let (x, ids) = (v(x), v(ids));
-                let idx = self.push("reshape", array_shape(&[n, 1], PrimitiveType::S32), &[ids], |_| {});
+                let idx = self.push(
+                    "reshape",
+                    array_shape(&[n, 1], PrimitiveType::S32),
+                    &[ids],
+                    |_| {},
+                );
                 let mut sizes: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
                 sizes[*dim] = 1;
                 self.push("gather", shape, &[x, idx], |i| {
                     i.gather_dimension_numbers = Some(GatherDimensionNumbers {
-                        offset_dims: (0..dims.len() as i64).filter(|&d| d != *dim as i64).collect(),
+                        offset_dims: (0..dims.len() as i64)
+                            .filter(|&d| d != *dim as i64)
+                            .collect(),
                         collapsed_slice_dims: vec![*dim as i64],
                         start_index_map: vec![*dim as i64],
                         index_vector_dim: 1,
@@ -468,15 +535,30 @@ impl Emitter<'_> {
                 let mut coords = Vec::new();
                 for d in 0..r {
                     let c = if d == *dim {
-                        self.push("reshape", array_shape(&coord_dims, PrimitiveType::S32), &[ids], |_| {})
+                        self.push(
+                            "reshape",
+                            array_shape(&coord_dims, PrimitiveType::S32),
+                            &[ids],
+                            |_| {},
+                        )
                     } else {
-                        self.push("iota", array_shape(&coord_dims, PrimitiveType::S32), &[], |i| i.dimensions = vec![d as i64])
+                        self.push(
+                            "iota",
+                            array_shape(&coord_dims, PrimitiveType::S32),
+                            &[],
+                            |i| i.dimensions = vec![d as i64],
+                        )
                     };
                     coords.push(c);
                 }
                 let mut all = out.clone();
                 all.push(r);
-                let index = self.push("concatenate", array_shape(&all, PrimitiveType::S32), &coords, |i| i.dimensions = vec![r as i64]);
+                let index = self.push(
+                    "concatenate",
+                    array_shape(&all, PrimitiveType::S32),
+                    &coords,
+                    |i| i.dimensions = vec![r as i64],
+                );
                 self.push("gather", shape, &[x, index], |i| {
                     i.gather_dimension_numbers = Some(GatherDimensionNumbers {
                         offset_dims: vec![],
@@ -488,13 +570,28 @@ impl Emitter<'_> {
                     i.gather_slice_sizes = vec![1; r];
                 })
             }
-            Op::ScatterRows { root, rows, col, src } => {
+            Op::ScatterRows {
+                root,
+                rows,
+                col,
+                src,
+            } => {
                 let n = self.dims_of(rows.0)[0];
                 let (root, rows, src) = (v(root), v(rows), v(src));
-                let r = self.push("reshape", array_shape(&[n, 1], PrimitiveType::S32), &[rows], |_| {});
+                let r = self.push(
+                    "reshape",
+                    array_shape(&[n, 1], PrimitiveType::S32),
+                    &[rows],
+                    |_| {},
+                );
                 let c = self.scalar(PrimitiveType::S32, *col as f64);
                 let cb = self.broadcast(c, &[], &[n, 1], PrimitiveType::S32);
-                let idx = self.push("concatenate", array_shape(&[n, 2], PrimitiveType::S32), &[r, cb], |i| i.dimensions = vec![1]);
+                let idx = self.push(
+                    "concatenate",
+                    array_shape(&[n, 2], PrimitiveType::S32),
+                    &[r, cb],
+                    |i| i.dimensions = vec![1],
+                );
                 let assign = self.scalar_fn(ScalarFn::Second, t);
                 self.push("scatter", shape, &[root, idx, src], |i| {
                     i.scatter_dimension_numbers = Some(ScatterDimensionNumbers {
@@ -512,9 +609,22 @@ impl Emitter<'_> {
 
     fn finish(mut self) -> Result<HloModuleProto> {
         let graph = self.graph;
-        let outs: Vec<i64> = graph.outputs().iter().map(|o| self.value[o.node.0]).collect();
-        let out_shapes: Vec<ShapeProto> = graph.outputs().iter().map(|o| self.shape_of(o.node.0)).collect();
-        let names = graph.outputs().iter().map(|o| o.name.as_str()).collect::<Vec<_>>().join(",");
+        let outs: Vec<i64> = graph
+            .outputs()
+            .iter()
+            .map(|o| self.value[o.node.0])
+            .collect();
+        let out_shapes: Vec<ShapeProto> = graph
+            .outputs()
+            .iter()
+            .map(|o| self.shape_of(o.node.0))
+            .collect();
+        let names = graph
+            .outputs()
+            .iter()
+            .map(|o| o.name.as_str())
+            .collect::<Vec<_>>()
+            .join(",");
         let root = self.push("tuple", tuple_shape(out_shapes.clone()), &outs, |i| {
             i.frontend_attributes = Some(FrontendAttributes {
                 map: [("neff_output_names".to_string(), names)].into(),
@@ -560,7 +670,8 @@ impl Emitter<'_> {
             host_program_shape: Some(program),
             id: 1,
             entry_computation_id: entry_id,
-            input_output_alias: (!aliases.is_empty()).then_some(HloInputOutputAliasProto { entries: aliases }),
+            input_output_alias: (!aliases.is_empty())
+                .then_some(HloInputOutputAliasProto { entries: aliases }),
         })
     }
 }

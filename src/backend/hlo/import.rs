@@ -16,7 +16,9 @@ use std::collections::HashMap;
 use prost::Message;
 
 use super::dtype_of;
-use super::proto::{HloComputationProto, HloInstructionProto, HloModuleProto, PrimitiveType, ShapeProto};
+use super::proto::{
+    HloComputationProto, HloInstructionProto, HloModuleProto, PrimitiveType, ShapeProto,
+};
 use crate::error::{Error, Result};
 use crate::graph::{DType, Graph, GraphBuilder, InputRole, Literal, Tensor};
 
@@ -26,7 +28,8 @@ fn bad(msg: impl Into<String>) -> Error {
 
 /// Parses serialized module bytes and imports them.
 pub fn import_bytes(bytes: &[u8]) -> Result<Graph> {
-    let module = HloModuleProto::decode(bytes).map_err(|e| bad(format!("not an HloModuleProto: {e}")))?;
+    let module =
+        HloModuleProto::decode(bytes).map_err(|e| bad(format!("not an HloModuleProto: {e}")))?;
     import(&module)
 }
 
@@ -55,47 +58,88 @@ struct Importer<'m> {
 
 impl<'m> Importer<'m> {
     fn inst(&self, id: i64) -> Result<&'m HloInstructionProto> {
-        self.insts.get(&id).copied().ok_or_else(|| bad(format!("unknown instruction id {id}")))
+        self.insts
+            .get(&id)
+            .copied()
+            .ok_or_else(|| bad(format!("unknown instruction id {id}")))
     }
 
     fn val(&self, id: i64) -> Result<Tensor> {
-        self.values.get(&id).cloned().ok_or_else(|| bad(format!("instruction {id} used before it is defined")))
+        self.values
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| bad(format!("instruction {id} used before it is defined")))
     }
 
     fn operand(&self, i: &HloInstructionProto, k: usize) -> Result<Tensor> {
-        let id = *i.operand_ids.get(k).ok_or_else(|| bad(format!("{}: missing operand {k}", i.name)))?;
+        let id = *i
+            .operand_ids
+            .get(k)
+            .ok_or_else(|| bad(format!("{}: missing operand {k}", i.name)))?;
         self.val(id)
     }
 
     fn shape(i: &HloInstructionProto) -> Result<&ShapeProto> {
-        i.shape.as_ref().ok_or_else(|| bad(format!("{}: no shape", i.name)))
+        i.shape
+            .as_ref()
+            .ok_or_else(|| bad(format!("{}: no shape", i.name)))
     }
 
     /// The root opcode of a called scalar computation.
     fn called_root(&self, i: &HloInstructionProto) -> Result<&'m str> {
-        let id = *i.called_computation_ids.first().ok_or_else(|| bad(format!("{}: no called computation", i.name)))?;
-        let c = self.comps.get(&id).ok_or_else(|| bad(format!("{}: unknown computation {id}", i.name)))?;
-        let root = c.instructions.iter().find(|x| x.id == c.root_id).ok_or_else(|| bad(format!("computation {} has no root", c.name)))?;
+        let id = *i
+            .called_computation_ids
+            .first()
+            .ok_or_else(|| bad(format!("{}: no called computation", i.name)))?;
+        let c = self
+            .comps
+            .get(&id)
+            .ok_or_else(|| bad(format!("{}: unknown computation {id}", i.name)))?;
+        let root = c
+            .instructions
+            .iter()
+            .find(|x| x.id == c.root_id)
+            .ok_or_else(|| bad(format!("computation {} has no root", c.name)))?;
         Ok(root.opcode.as_str())
     }
 
     fn scalar_constant(&self, id: i64) -> Result<i64> {
         let mut i = self.inst(id)?;
         while i.opcode == "broadcast" || i.opcode == "reshape" {
-            i = self.inst(*i.operand_ids.first().ok_or_else(|| bad("broadcast without operand"))?)?;
+            i = self.inst(
+                *i.operand_ids
+                    .first()
+                    .ok_or_else(|| bad("broadcast without operand"))?,
+            )?;
         }
-        let lit = i.literal.as_ref().filter(|_| i.opcode == "constant").ok_or_else(|| bad(format!("{}: expected a constant", i.name)))?;
-        lit.s32s.first().map(|&v| v as i64).ok_or_else(|| bad(format!("{}: expected an s32 constant", i.name)))
+        let lit = i
+            .literal
+            .as_ref()
+            .filter(|_| i.opcode == "constant")
+            .ok_or_else(|| bad(format!("{}: expected a constant", i.name)))?;
+        lit.s32s
+            .first()
+            .map(|&v| v as i64)
+            .ok_or_else(|| bad(format!("{}: expected an s32 constant", i.name)))
     }
 
     fn convert(&mut self, i: &'m HloInstructionProto) -> Result<Tensor> {
         let shape = Self::shape(i)?;
-        let out_dims = if i.opcode == "tuple" || i.opcode == "sort" { vec![] } else { dims(shape)? };
+        let out_dims = if i.opcode == "tuple" || i.opcode == "sort" {
+            vec![]
+        } else {
+            dims(shape)?
+        };
         let x = || self.operand(i, 0);
-        let binary = |f: fn(&Tensor, &Tensor) -> Result<Tensor>| -> Result<Tensor> { f(&self.operand(i, 0)?, &self.operand(i, 1)?) };
+        let binary = |f: fn(&Tensor, &Tensor) -> Result<Tensor>| -> Result<Tensor> {
+            f(&self.operand(i, 0)?, &self.operand(i, 1)?)
+        };
         Ok(match i.opcode.as_str() {
             "constant" => {
-                let lit = i.literal.as_ref().ok_or_else(|| bad(format!("{}: no literal", i.name)))?;
+                let lit = i
+                    .literal
+                    .as_ref()
+                    .ok_or_else(|| bad(format!("{}: no literal", i.name)))?;
                 let l = match elem(shape)? {
                     DType::F32 => Literal::F32(lit.f32s.clone()),
                     DType::I32 => Literal::I32(lit.s32s.clone()),
@@ -104,7 +148,11 @@ impl<'m> Importer<'m> {
                 };
                 self.b.constant(l, out_dims)?
             }
-            "iota" => self.b.iota(out_dims, elem(shape)?, *i.dimensions.first().unwrap_or(&0) as usize)?,
+            "iota" => self.b.iota(
+                out_dims,
+                elem(shape)?,
+                *i.dimensions.first().unwrap_or(&0) as usize,
+            )?,
             "negate" => x()?.neg()?,
             "abs" => x()?.abs()?,
             "exponential" => x()?.exp()?,
@@ -116,8 +164,11 @@ impl<'m> Importer<'m> {
             "tanh" => x()?.tanh()?,
             "logistic" => x()?.sigmoid()?,
             "multiply" => {
-                let second = self.inst(*i.operand_ids.get(1).ok_or_else(|| bad("multiply arity"))?)?;
-                if second.opcode == "logistic" && second.operand_ids.first() == i.operand_ids.first() {
+                let second =
+                    self.inst(*i.operand_ids.get(1).ok_or_else(|| bad("multiply arity"))?)?;
+                if second.opcode == "logistic"
+                    && second.operand_ids.first() == i.operand_ids.first()
+                {
                     x()?.silu()?
                 } else {
                     binary(Tensor::mul)?
@@ -145,15 +196,22 @@ impl<'m> Importer<'m> {
                     d => return Err(bad(format!("{}: comparison direction {d:?}", i.name))),
                 }
             }
-            "select" => self.operand(i, 0)?.where_cond(&self.operand(i, 1)?, &self.operand(i, 2)?)?,
+            "select" => self
+                .operand(i, 0)?
+                .where_cond(&self.operand(i, 1)?, &self.operand(i, 2)?)?,
             "convert" => x()?.to_dtype(elem(shape)?)?,
             "reshape" => x()?.reshape(out_dims)?,
-            "transpose" => x()?.permute(&i.dimensions.iter().map(|&d| d as usize).collect::<Vec<_>>())?,
+            "transpose" => {
+                x()?.permute(&i.dimensions.iter().map(|&d| d as usize).collect::<Vec<_>>())?
+            }
             "broadcast" => {
                 let x = x()?;
                 let map: Vec<usize> = i.dimensions.iter().map(|&d| d as usize).collect();
                 if map.windows(2).any(|w| w[0] >= w[1]) || map.len() != x.rank() {
-                    return Err(bad(format!("{}: broadcast dimensions {map:?} are not increasing", i.name)));
+                    return Err(bad(format!(
+                        "{}: broadcast dimensions {map:?} are not increasing",
+                        i.name
+                    )));
                 }
                 // Put each operand dim where it maps, with 1s elsewhere, then expand.
                 let mut padded = vec![1; out_dims.len()];
@@ -173,23 +231,42 @@ impl<'m> Importer<'m> {
                 t
             }
             "concatenate" => {
-                let ts = i.operand_ids.iter().map(|&o| self.val(o)).collect::<Result<Vec<_>>>()?;
+                let ts = i
+                    .operand_ids
+                    .iter()
+                    .map(|&o| self.val(o))
+                    .collect::<Result<Vec<_>>>()?;
                 let refs: Vec<&Tensor> = ts.iter().collect();
-                self.b.cat(&refs, *i.dimensions.first().unwrap_or(&0) as usize)?
+                self.b
+                    .cat(&refs, *i.dimensions.first().unwrap_or(&0) as usize)?
             }
             "dot" => {
-                let dn = i.dot_dimension_numbers.as_ref().ok_or_else(|| bad(format!("{}: no dot dimensions", i.name)))?;
+                let dn = i
+                    .dot_dimension_numbers
+                    .as_ref()
+                    .ok_or_else(|| bad(format!("{}: no dot dimensions", i.name)))?;
                 let a = self.operand(i, 0)?;
                 let r = a.rank() as i64;
                 let batch: Vec<i64> = (0..r - 2).collect();
-                if dn.lhs_contracting_dimensions != [r - 1] || dn.rhs_contracting_dimensions != [r - 2] || dn.lhs_batch_dimensions != batch || dn.rhs_batch_dimensions != batch {
-                    return Err(bad(format!("{}: dot dimension numbers {dn:?} are not a batched matmul", i.name)));
+                if dn.lhs_contracting_dimensions != [r - 1]
+                    || dn.rhs_contracting_dimensions != [r - 2]
+                    || dn.lhs_batch_dimensions != batch
+                    || dn.rhs_batch_dimensions != batch
+                {
+                    return Err(bad(format!(
+                        "{}: dot dimension numbers {dn:?} are not a batched matmul",
+                        i.name
+                    )));
                 }
                 a.matmul(&self.operand(i, 1)?)?
             }
             "reduce" => {
                 let x = x()?;
-                let d = *i.dimensions.first().ok_or_else(|| bad(format!("{}: no reduce dimension", i.name)))? as usize;
+                let d = *i
+                    .dimensions
+                    .first()
+                    .ok_or_else(|| bad(format!("{}: no reduce dimension", i.name)))?
+                    as usize;
                 match self.called_root(i)? {
                     "add" => x.sum(d)?,
                     "maximum" => x.max(d)?,
@@ -204,14 +281,18 @@ impl<'m> Importer<'m> {
             }
             "get-tuple-element" => {
                 let src = self.inst(*i.operand_ids.first().ok_or_else(|| bad("gte arity"))?)?;
-                if src.opcode != "sort" || i.tuple_index != 1 || self.called_root(src)? != "compare" {
+                if src.opcode != "sort" || i.tuple_index != 1 || self.called_root(src)? != "compare"
+                {
                     return Err(bad(format!("{}: unsupported get-tuple-element", i.name)));
                 }
                 let keys = self.val(src.id)?;
                 keys.topk(*keys.dims().last().unwrap_or(&1))?
             }
             "gather" => {
-                let gd = i.gather_dimension_numbers.as_ref().ok_or_else(|| bad(format!("{}: no gather dimensions", i.name)))?;
+                let gd = i
+                    .gather_dimension_numbers
+                    .as_ref()
+                    .ok_or_else(|| bad(format!("{}: no gather dimensions", i.name)))?;
                 let x = x()?;
                 let idx_inst = self.inst(i.operand_ids[1])?;
                 if gd.collapsed_slice_dims.len() == 1 && gd.index_vector_dim == 1 {
@@ -223,8 +304,12 @@ impl<'m> Importer<'m> {
                         .operand_ids
                         .iter()
                         .position(|&o| self.inst(o).map(|c| c.opcode != "iota").unwrap_or(false))
-                        .ok_or_else(|| bad(format!("{}: gather coordinates without ids", i.name)))?;
-                    let ids = self.val(idx_inst.operand_ids[d])?.reshape(out_dims.clone())?;
+                        .ok_or_else(|| {
+                            bad(format!("{}: gather coordinates without ids", i.name))
+                        })?;
+                    let ids = self
+                        .val(idx_inst.operand_ids[d])?
+                        .reshape(out_dims.clone())?;
                     x.gather(&ids, d)?
                 } else {
                     return Err(bad(format!("{}: unsupported gather form", i.name)));
@@ -247,30 +332,55 @@ impl<'m> Importer<'m> {
 
 /// Imports a module.
 pub fn import(m: &HloModuleProto) -> Result<Graph> {
-    let comps: HashMap<i64, &HloComputationProto> = m.computations.iter().map(|c| (c.id, c)).collect();
-    let entry: &HloComputationProto = comps.get(&m.entry_computation_id).copied().ok_or_else(|| bad("no entry computation"))?;
+    let comps: HashMap<i64, &HloComputationProto> =
+        m.computations.iter().map(|c| (c.id, c)).collect();
+    let entry: &HloComputationProto = comps
+        .get(&m.entry_computation_id)
+        .copied()
+        .ok_or_else(|| bad("no entry computation"))?;
     let aliased: HashMap<i64, usize> = m
         .input_output_alias
         .iter()
         .flat_map(|a| a.entries.iter())
-        .filter_map(|e| e.output_shape_index.first().map(|&o| (e.parameter_number, o as usize)))
+        .filter_map(|e| {
+            e.output_shape_index
+                .first()
+                .map(|&o| (e.parameter_number, o as usize))
+        })
         .collect();
     let mut imp = Importer {
-        b: GraphBuilder::new(if m.name.is_empty() { "imported" } else { &m.name }),
+        b: GraphBuilder::new(if m.name.is_empty() {
+            "imported"
+        } else {
+            &m.name
+        }),
         insts: entry.instructions.iter().map(|i| (i.id, i)).collect(),
         comps,
         values: HashMap::new(),
         params: Vec::new(),
     };
-    let mut params: Vec<&HloInstructionProto> = entry.instructions.iter().filter(|i| i.opcode == "parameter").collect();
+    let mut params: Vec<&HloInstructionProto> = entry
+        .instructions
+        .iter()
+        .filter(|i| i.opcode == "parameter")
+        .collect();
     params.sort_by_key(|i| i.parameter_number);
     for (k, p) in params.iter().enumerate() {
         if p.parameter_number != k as i64 {
-            return Err(bad(format!("parameter numbers are not 0..{}", params.len())));
+            return Err(bad(format!(
+                "parameter numbers are not 0..{}",
+                params.len()
+            )));
         }
         let attrs = p.frontend_attributes.as_ref().map(|f| &f.map);
-        let name = attrs.and_then(|a| a.get("neff_input_names")).cloned().unwrap_or_else(|| format!("input{k}"));
-        let role = match attrs.and_then(|a| a.get("deepinfer_role")).map(|s| s.as_str()) {
+        let name = attrs
+            .and_then(|a| a.get("neff_input_names"))
+            .cloned()
+            .unwrap_or_else(|| format!("input{k}"));
+        let role = match attrs
+            .and_then(|a| a.get("deepinfer_role"))
+            .map(|s| s.as_str())
+        {
             Some("weight") => InputRole::Weight,
             Some("cache_root") => InputRole::CacheRoot,
             _ if aliased.contains_key(&(k as i64)) => InputRole::CacheRoot,
@@ -297,8 +407,16 @@ pub fn import(m: &HloModuleProto) -> Result<Graph> {
         .as_ref()
         .and_then(|f| f.map.get("neff_output_names"))
         .map(|s| s.split(',').map(str::to_string).collect())
-        .unwrap_or_else(|| (0..root.operand_ids.len()).map(|k| format!("output{k}")).collect());
-    let outs: Vec<i64> = if root.opcode == "tuple" { root.operand_ids.clone() } else { vec![root.id] };
+        .unwrap_or_else(|| {
+            (0..root.operand_ids.len())
+                .map(|k| format!("output{k}"))
+                .collect()
+        });
+    let outs: Vec<i64> = if root.opcode == "tuple" {
+        root.operand_ids.clone()
+    } else {
+        vec![root.id]
+    };
     if names.len() != outs.len() {
         return Err(bad("neff_output_names does not match the root tuple"));
     }
@@ -307,7 +425,10 @@ pub fn import(m: &HloModuleProto) -> Result<Graph> {
         let v = imp.val(*id)?;
         match by_output.get(&k) {
             Some(&p) => {
-                let param = imp.params.get(p as usize).ok_or_else(|| bad(format!("alias to unknown parameter {p}")))?;
+                let param = imp
+                    .params
+                    .get(p as usize)
+                    .ok_or_else(|| bad(format!("alias to unknown parameter {p}")))?;
                 imp.b.output_aliased(name, &v, param)?
             }
             None => imp.b.output(name, &v)?,

@@ -16,9 +16,27 @@ fn shape_text(s: &ShapeProto) -> String {
     let layout = s
         .layout
         .as_ref()
-        .map(|l| format!("{{{}}}", l.minor_to_major.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",")))
+        .map(|l| {
+            format!(
+                "{{{}}}",
+                l.minor_to_major
+                    .iter()
+                    .map(|d| d.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            )
+        })
         .unwrap_or_default();
-    format!("{}[{}]{}", t.as_str_name().to_lowercase(), dims.join(","), if dims.is_empty() { String::new() } else { layout })
+    format!(
+        "{}[{}]{}",
+        t.as_str_name().to_lowercase(),
+        dims.join(","),
+        if dims.is_empty() {
+            String::new()
+        } else {
+            layout
+        }
+    )
 }
 
 /// Renders a module as text.
@@ -32,23 +50,42 @@ pub fn render(m: &HloModuleProto) -> String {
     }
     let mut out = format!("HloModule {}\n", m.name);
     for c in &m.computations {
-        let entry = if c.id == m.entry_computation_id { "ENTRY " } else { "" };
+        let entry = if c.id == m.entry_computation_id {
+            "ENTRY "
+        } else {
+            ""
+        };
         let _ = writeln!(out, "\n{entry}%{} {{", c.name);
         for i in &c.instructions {
             let root = if i.id == c.root_id { "ROOT " } else { "" };
-            let ops: Vec<String> = i.operand_ids.iter().map(|o| format!("%{}", names.get(o).cloned().unwrap_or_default())).collect();
+            let ops: Vec<String> = i
+                .operand_ids
+                .iter()
+                .map(|o| format!("%{}", names.get(o).cloned().unwrap_or_default()))
+                .collect();
             let mut attrs = Vec::new();
             if i.opcode == "parameter" {
                 attrs.push(format!("{}", i.parameter_number));
             }
             if !i.dimensions.is_empty() {
-                attrs.push(format!("dimensions={{{}}}", i.dimensions.iter().map(|d| d.to_string()).collect::<Vec<_>>().join(",")));
+                attrs.push(format!(
+                    "dimensions={{{}}}",
+                    i.dimensions
+                        .iter()
+                        .map(|d| d.to_string())
+                        .collect::<Vec<_>>()
+                        .join(",")
+                ));
             }
             if !i.comparison_direction.is_empty() {
                 attrs.push(format!("direction={}", i.comparison_direction));
             }
             if !i.called_computation_ids.is_empty() {
-                let called: Vec<String> = i.called_computation_ids.iter().map(|c| format!("%{}", names.get(c).cloned().unwrap_or_default())).collect();
+                let called: Vec<String> = i
+                    .called_computation_ids
+                    .iter()
+                    .map(|c| format!("%{}", names.get(c).cloned().unwrap_or_default()))
+                    .collect();
                 attrs.push(format!("calls={}", called.join(",")));
             }
             if let Some(fa) = &i.frontend_attributes {
@@ -78,7 +115,11 @@ pub fn render(m: &HloModuleProto) -> String {
     }
     if let Some(a) = &m.input_output_alias {
         for e in &a.entries {
-            let _ = writeln!(out, "// output {:?} must-alias parameter {}", e.output_shape_index, e.parameter_number);
+            let _ = writeln!(
+                out,
+                "// output {:?} must-alias parameter {}",
+                e.output_shape_index, e.parameter_number
+            );
         }
     }
     out
