@@ -60,6 +60,9 @@ pub enum Error {
     /// Compiling a graph with neuronx-cc failed (or the compiler is missing).
     #[error(transparent)]
     Compile(#[from] crate::backend::neuron::compile::CompileError),
+    /// The Neuron runtime (libnrt) is missing or a call into it failed.
+    #[error(transparent)]
+    Neuron(#[from] neuron_sys::Error),
     /// An error inside candle-core while running a graph on the CPU.
     #[error("cpu backend: {0}")]
     Candle(#[from] candle_core::Error),

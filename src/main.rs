@@ -35,6 +35,8 @@ enum Command {
     Bench(BenchArgs),
     /// Lower the model's bucket graphs to XLA HLO files with a manifest.
     Lower(LowerArgs),
+    /// Report whether the Neuron backend can run here: libnrt, NeuronCores, neuronx-cc.
+    Doctor,
 }
 
 /// Where graphs run.
@@ -380,6 +382,14 @@ fn main() -> ExitCode {
         Command::Score(a) => score(a),
         Command::Bench(a) => bench(a),
         Command::Lower(a) => lower(a),
+        Command::Doctor => {
+            let report = deepinfer::backend::neuron::runtime::doctor_report();
+            match emit(report.to_string().trim_end()) {
+                Ok(()) if report.neuron_ready() => Ok(()),
+                Ok(()) => return ExitCode::FAILURE,
+                Err(e) => Err(e),
+            }
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

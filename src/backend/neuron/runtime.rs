@@ -1,1 +1,485 @@
-//! (being written)
+//! The libnrt runtime, through `neuron-sys`, and `deepinfer doctor`'s checks.
+//!
+//! All `unsafe` lives in `neuron-sys` (this crate is `forbid(unsafe_code)`); this module
+//! re-exports its safe level and returns its error type, [`NeuronError`], unchanged (for
+//! [`crate::Error`] to wrap). It adds:
+//!
+//! - [`open_runtime`]: load libnrt (`NEURON_RT_LIB`, then `libnrt.so.1`, then
+//!   `/opt/aws/neuron/lib/libnrt.so.1`) and initialise it over a NeuronCore range;
+//! - [`doctor_report`]: what a Neuron run needs on this machine (libnrt, visible
+//!   NeuronCores, `neuronx-cc`), found or missing, and for each missing one how to get it.
+//!   It never initialises the runtime (that would claim NeuronCores) and never panics.
+
+use std::ffi::OsStr;
+use std::fmt;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub use neuron_sys::{
+    execute, Candidate, Error as NeuronError, Library, Model, ModelIo, Placement, Runtime, Tensor,
+    TensorInfo, TensorSet, TensorUsage, Version,
+};
+
+/// Results of this module: libnrt's errors as `neuron-sys` reports them.
+pub type Result<T, E = NeuronError> = std::result::Result<T, E>;
+
+/// Loads libnrt and initialises it (`nrt_init`) over the NeuronCores
+/// `start_nc .. start_nc + nc_count` (relative to `NEURON_RT_VISIBLE_CORES`), or returns
+/// the runtime already initialised over the same cores.
+pub fn open_runtime(start_nc: u32, nc_count: u32) -> Result<Runtime> {
+    Runtime::shared(Library::load()?, start_nc, nc_count)
+}
+
+// === doctor ===
+
+/// How to install libnrt.
+const FIX_LIBNRT: &str = "install the `aws-neuronx-runtime-lib` package from the AWS Neuron apt \
+     (or yum) repository (`apt-get install aws-neuronx-runtime-lib`; on a Trainium host also \
+     `aws-neuronx-dkms`, the driver), or set NEURON_RT_LIB to the path of libnrt.so.1; without \
+     Neuron, run with `--backend cpu` or `--backend sim`";
+
+/// How to install neuronx-cc.
+const FIX_NEURONX_CC: &str = "install the compiler from the AWS Neuron pip repository: \
+     `python -m pip install neuronx-cc --extra-index-url=https://pip.repos.neuron.amazonaws.com` \
+     (it is a Python package, not an apt one), then put its `bin` directory on PATH";
+
+/// How long `neuronx-cc --version` may take (it is a Python program; about a second).
+const VERSION_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// Something the Neuron backend needs that is absent or unusable, and how to fix it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Missing {
+    /// What is wrong, on one line.
+    pub problem: String,
+    /// What to do about it.
+    pub fix: String,
+}
+
+/// libnrt as found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LibnrtInfo {
+    /// What was loaded (`NEURON_RT_LIB`'s value, `libnrt.so.1`, or the install path).
+    pub library: String,
+    /// The file the loader mapped, when it can be told (from `/proc/self/maps`).
+    pub file: Option<PathBuf>,
+    /// `nrt_get_version`'s answer, when the runtime has it.
+    pub version: Option<String>,
+}
+
+/// neuronx-cc as found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CompilerInfo {
+    /// The executable found on `PATH`.
+    pub path: PathBuf,
+    /// The version line of `neuronx-cc --version`, or why it could not be had.
+    pub version: std::result::Result<String, String>,
+}
+
+/// What `deepinfer doctor` reports: one entry per thing a Neuron run needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DoctorReport {
+    /// The runtime library.
+    pub libnrt: std::result::Result<LibnrtInfo, Missing>,
+    /// NeuronCores visible to this process: `Ok(Some(n))` with `n > 0`, or `Ok(None)` when
+    /// the runtime cannot count them (it lacks `nrt_get_visible_(v)nc_count`).
+    pub neuron_cores: std::result::Result<Option<u32>, Missing>,
+    /// The compiler.
+    pub neuronx_cc: std::result::Result<CompilerInfo, Missing>,
+}
+
+impl DoctorReport {
+    /// Whether everything `--backend neuron` needs was found.
+    pub fn neuron_ready(&self) -> bool {
+        self.libnrt.is_ok() && self.neuron_cores.is_ok() && self.neuronx_cc.is_ok()
+    }
+}
+
+impl fmt::Display for DoctorReport {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fn missing(f: &mut fmt::Formatter<'_>, label: &str, m: &Missing) -> fmt::Result {
+            writeln!(f, "{label:<12} MISSING: {}. To fix: {}.", m.problem, m.fix)
+        }
+        match &self.libnrt {
+            Ok(info) => {
+                write!(f, "{:<12} ok: {}", "libnrt", info.library)?;
+                if let Some(file) = info
+                    .file
+                    .as_ref()
+                    .filter(|p| p.as_os_str() != info.library.as_str())
+                {
+                    write!(f, " ({})", file.display())?;
+                }
+                match &info.version {
+                    Some(v) => writeln!(f, ", version {v}")?,
+                    None => writeln!(f, ", version unknown (no nrt_get_version)")?,
+                }
+            }
+            Err(m) => missing(f, "libnrt", m)?,
+        }
+        match &self.neuron_cores {
+            Ok(Some(n)) => {
+                write!(f, "{:<12} ok: {n} visible", "NeuronCores")?;
+                match std::env::var("NEURON_RT_VISIBLE_CORES") {
+                    Ok(v) => writeln!(f, " (NEURON_RT_VISIBLE_CORES={v})")?,
+                    Err(_) => writeln!(f)?,
+                }
+            }
+            Ok(None) => writeln!(
+                f,
+                "{:<12} ok: not counted (this libnrt has no nrt_get_visible_nc_count)",
+                "NeuronCores"
+            )?,
+            Err(m) => missing(f, "NeuronCores", m)?,
+        }
+        match &self.neuronx_cc {
+            Ok(info) => match &info.version {
+                Ok(v) => writeln!(f, "{:<12} ok: {}, {v}", "neuronx-cc", info.path.display()),
+                Err(e) => writeln!(
+                    f,
+                    "{:<12} ok: {} (but `--version` failed: {e})",
+                    "neuronx-cc",
+                    info.path.display()
+                ),
+            },
+            Err(m) => missing(f, "neuronx-cc", m),
+        }
+    }
+}
+
+/// Checks this machine: libnrt from the usual places ([`Library::candidates`]) and
+/// `neuronx-cc` on `PATH`. Never panics; never calls `nrt_init`.
+pub fn doctor_report() -> DoctorReport {
+    doctor_report_with(&Library::candidates(), std::env::var_os("PATH").as_deref())
+}
+
+/// [`doctor_report`] with the places to look given explicitly: libnrt `candidates`, and
+/// `path` in `PATH`'s syntax for neuronx-cc.
+pub fn doctor_report_with(candidates: &[Candidate], path: Option<&OsStr>) -> DoctorReport {
+    let (libnrt, neuron_cores) = check_libnrt(candidates);
+    DoctorReport {
+        libnrt,
+        neuron_cores,
+        neuronx_cc: check_neuronx_cc(path),
+    }
+}
+
+type CoresCheck = std::result::Result<Option<u32>, Missing>;
+
+fn check_libnrt(
+    candidates: &[Candidate],
+) -> (std::result::Result<LibnrtInfo, Missing>, CoresCheck) {
+    let lib = match Library::load_from(candidates) {
+        Ok(lib) => lib,
+        Err(e) => {
+            let problem = match &e {
+                NeuronError::LibraryNotFound { tried } => {
+                    let places: Vec<String> = tried
+                        .iter()
+                        .map(|t| format!("{}: {}", t.place, t.reason))
+                        .collect();
+                    format!("not found; tried {}", places.join("; "))
+                }
+                NeuronError::MissingSymbol { library, symbol } => {
+                    format!(
+                        "{library} is not a usable libnrt: required symbol `{symbol}` is missing"
+                    )
+                }
+                other => other.to_string(),
+            };
+            let cores = Missing {
+                problem: "cannot be counted without libnrt".into(),
+                fix: "install libnrt first".into(),
+            };
+            return (
+                Err(Missing {
+                    problem,
+                    fix: FIX_LIBNRT.into(),
+                }),
+                Err(cores),
+            );
+        }
+    };
+    let version = match lib.version() {
+        Ok(v) => v.map(|v| v.to_string()),
+        Err(e) => Some(format!("unknown ({e})")),
+    };
+    let info = LibnrtInfo {
+        library: lib.name().to_string(),
+        file: mapped_file(lib.name()),
+        version,
+    };
+    let cores = match lib.visible_nc_count() {
+        Ok(Some(0)) => Err(Missing {
+            problem: "libnrt sees no NeuronCores".into(),
+            fix: "run on a Trainium (trn1) instance with the Neuron driver (aws-neuronx-dkms) \
+                  loaded, and check that NEURON_RT_VISIBLE_CORES does not exclude every core"
+                .into(),
+        }),
+        Ok(n) => Ok(n),
+        Err(e) => Err(Missing {
+            problem: format!("counting NeuronCores failed: {e}"),
+            fix: "check the Neuron driver (aws-neuronx-dkms) with `neuron-ls`".into(),
+        }),
+    };
+    (Ok(info), cores)
+}
+
+/// The file the loader mapped for a library opened by bare soname (`libnrt.so.1`), found in
+/// `/proc/self/maps`; a name with a `/` is returned as is. Best effort: `None` elsewhere.
+fn mapped_file(name: &str) -> Option<PathBuf> {
+    if name.contains('/') {
+        return Some(PathBuf::from(name));
+    }
+    let stem = name.split(".so").next().filter(|s| !s.is_empty())?;
+    let maps = std::fs::read_to_string("/proc/self/maps").ok()?;
+    maps.lines()
+        .filter_map(|line| line.split_whitespace().nth(5))
+        .filter(|p| p.starts_with('/'))
+        .find(|p| {
+            Path::new(p)
+                .file_name()
+                .and_then(OsStr::to_str)
+                .is_some_and(|f| f.starts_with(&format!("{stem}.so")))
+        })
+        .map(PathBuf::from)
+}
+
+fn check_neuronx_cc(path: Option<&OsStr>) -> std::result::Result<CompilerInfo, Missing> {
+    match find_on_path("neuronx-cc", path) {
+        Some(exe) => {
+            let version = run_version(&exe);
+            Ok(CompilerInfo { path: exe, version })
+        }
+        None => {
+            let mut fix = FIX_NEURONX_CC.to_string();
+            if let Some(venv) = neuron_venv_with_compiler(Path::new("/opt")) {
+                fix = format!(
+                    "it is installed in {} but not on PATH: `source {}/bin/activate`; or {fix}",
+                    venv.display(),
+                    venv.display()
+                );
+            }
+            Err(Missing {
+                problem: "`neuronx-cc` is not on PATH".into(),
+                fix,
+            })
+        }
+    }
+}
+
+/// The first executable file called `name` in the directories of `path` (`PATH` syntax).
+fn find_on_path(name: &str, path: Option<&OsStr>) -> Option<PathBuf> {
+    std::env::split_paths(path?)
+        .filter(|dir| !dir.as_os_str().is_empty())
+        .map(|dir| dir.join(name))
+        .find(|candidate| is_executable(candidate))
+}
+
+fn is_executable(p: &Path) -> bool {
+    let Ok(meta) = std::fs::metadata(p) else {
+        return false;
+    };
+    if !meta.is_file() {
+        return false;
+    }
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::PermissionsExt;
+        meta.permissions().mode() & 0o111 != 0
+    }
+    #[cfg(not(unix))]
+    {
+        true
+    }
+}
+
+/// A Neuron DLAMI virtual environment (`/opt/aws_neuronx_venv_*`) that has neuronx-cc.
+fn neuron_venv_with_compiler(root: &Path) -> Option<PathBuf> {
+    let mut venvs: Vec<PathBuf> = std::fs::read_dir(root)
+        .ok()?
+        .filter_map(|e| e.ok())
+        .map(|e| e.path())
+        .filter(|p| {
+            p.file_name()
+                .and_then(OsStr::to_str)
+                .is_some_and(|n| n.starts_with("aws_neuronx_venv"))
+        })
+        .filter(|p| is_executable(&p.join("bin/neuronx-cc")))
+        .collect();
+    venvs.sort();
+    venvs.into_iter().next()
+}
+
+/// The version line of `<exe> --version` (the `NeuronX Compiler version …` line when there
+/// is one), or why there is none. Killed after [`VERSION_TIMEOUT`].
+fn run_version(exe: &Path) -> std::result::Result<String, String> {
+    let mut cmd = Command::new(exe);
+    cmd.arg("--version")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    // ETXTBSY: a just-written script can be briefly "busy" while another thread's fork
+    // still holds it open for writing; retrying is the standard remedy.
+    let mut attempts = 0;
+    let mut child = loop {
+        match cmd.spawn() {
+            Ok(child) => break child,
+            Err(e) if e.raw_os_error() == Some(26) && attempts < 10 => {
+                attempts += 1;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            Err(e) => return Err(format!("cannot start it: {e}")),
+        }
+    };
+    // Drain both pipes on threads, so a chatty program cannot block on a full pipe.
+    let readers: Vec<_> = [
+        child
+            .stdout
+            .take()
+            .map(|r| Box::new(r) as Box<dyn Read + Send>),
+        child
+            .stderr
+            .take()
+            .map(|r| Box::new(r) as Box<dyn Read + Send>),
+    ]
+    .into_iter()
+    .flatten()
+    .map(|mut r| {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            let _ = r.read_to_end(&mut buf);
+            buf
+        })
+    })
+    .collect();
+    let start = Instant::now();
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(status)) => break Ok(status),
+            Ok(None) if start.elapsed() >= VERSION_TIMEOUT => {
+                let _ = child.kill();
+                let _ = child.wait();
+                break Err(format!("no answer within {} s", VERSION_TIMEOUT.as_secs()));
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
+            Err(e) => break Err(format!("cannot wait for it: {e}")),
+        }
+    };
+    let mut text = String::new();
+    for r in readers {
+        text.push_str(&String::from_utf8_lossy(&r.join().unwrap_or_default()));
+    }
+    let status = status?;
+    if !status.success() {
+        return Err(format!("exited with {status}"));
+    }
+    let line = text
+        .lines()
+        .map(str::trim)
+        .find(|l| l.contains("NeuronX Compiler version"))
+        .or_else(|| text.lines().map(str::trim).find(|l| !l.is_empty()))
+        .ok_or_else(|| "it printed nothing".to_string())?;
+    Ok(line.chars().take(200).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::ffi::OsString;
+
+    fn empty_dir(tag: &str) -> PathBuf {
+        let dir =
+            std::env::temp_dir().join(format!("deepinfer-doctor-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).expect("temp dir");
+        dir
+    }
+
+    #[test]
+    fn neither_libnrt_nor_neuronx_cc_reports_both_missing_with_fixes() {
+        let dir = empty_dir("none");
+        let candidates = [
+            Candidate::new(
+                "/nonexistent/deepinfer-doctor/libnrt.so.1",
+                "from NEURON_RT_LIB",
+            ),
+            Candidate::new(dir.join("libnrt.so.1"), "test"),
+        ];
+        let path = OsString::from(dir.as_os_str());
+        let report = doctor_report_with(&candidates, Some(&path));
+        assert!(!report.neuron_ready());
+        let lib = report.libnrt.as_ref().unwrap_err();
+        assert!(
+            lib.problem
+                .contains("/nonexistent/deepinfer-doctor/libnrt.so.1"),
+            "{lib:?}"
+        );
+        assert!(lib.fix.contains("aws-neuronx-runtime-lib"), "{lib:?}");
+        assert!(report.neuron_cores.is_err());
+        let cc = report.neuronx_cc.as_ref().unwrap_err();
+        assert!(cc.fix.contains("neuronx-cc"), "{cc:?}");
+        assert!(cc.fix.contains("pip"), "{cc:?}");
+
+        let text = report.to_string();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3, "{text}");
+        assert!(
+            lines[0].starts_with("libnrt") && lines[0].contains("MISSING"),
+            "{text}"
+        );
+        assert!(
+            lines[1].starts_with("NeuronCores") && lines[1].contains("MISSING"),
+            "{text}"
+        );
+        assert!(
+            lines[2].starts_with("neuronx-cc") && lines[2].contains("MISSING"),
+            "{text}"
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_wrong_library_is_reported_by_its_missing_symbol() {
+        let candidates = [Candidate::new("libm.so.6", "test")];
+        let report = doctor_report_with(&candidates, None);
+        let lib = report.libnrt.as_ref().unwrap_err();
+        assert!(lib.problem.contains("nrt_init"), "{lib:?}");
+        assert!(!report.neuron_ready());
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn neuronx_cc_on_path_is_found_and_asked_its_version() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = empty_dir("cc");
+        let exe = dir.join("neuronx-cc");
+        std::fs::write(
+            &exe,
+            "#!/bin/sh\necho 'some banner'\necho 'NeuronX Compiler version 2.99.1.0+test'\n",
+        )
+        .expect("write fake compiler");
+        std::fs::set_permissions(&exe, std::fs::Permissions::from_mode(0o755)).expect("chmod");
+        let path =
+            std::env::join_paths([PathBuf::from("/nonexistent-dir"), dir.clone()]).expect("PATH");
+        let cc = check_neuronx_cc(Some(&path)).expect("found");
+        assert_eq!(cc.path, exe);
+        assert_eq!(
+            cc.version.as_deref(),
+            Ok("NeuronX Compiler version 2.99.1.0+test")
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn doctor_on_this_machine_does_not_panic() {
+        let report = doctor_report();
+        let text = report.to_string();
+        assert_eq!(text.lines().count(), 3, "{text}");
+        if report.libnrt.is_err() {
+            assert!(!report.neuron_ready());
+            assert!(text.contains("aws-neuronx-runtime-lib"), "{text}");
+        }
+    }
+}

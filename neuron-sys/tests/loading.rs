@@ -1,0 +1,144 @@
+//! Finding and opening libnrt, without libnrt: the error paths.
+
+use neuron_sys::{Candidate, Error, Library, OPTIONAL_SYMBOLS, REQUIRED_SYMBOLS};
+
+#[test]
+fn nothing_found_lists_every_place_tried_and_how_to_get_libnrt() {
+    let candidates = [
+        Candidate::new(
+            "/nonexistent/deepinfer-test/libnrt.so.1",
+            "from NEURON_RT_LIB",
+        ),
+        Candidate::new(
+            "libdeepinfer-test-no-such-lib.so.1",
+            "dynamic loader search path",
+        ),
+    ];
+    let err = Library::load_from(&candidates).unwrap_err();
+    assert!(err.is_library_missing());
+    let Error::LibraryNotFound { tried } = &err else {
+        panic!("expected LibraryNotFound, got {err:?}");
+    };
+    assert_eq!(tried.len(), 2);
+    assert!(tried[0]
+        .place
+        .contains("/nonexistent/deepinfer-test/libnrt.so.1"));
+    assert!(tried[0].place.contains("NEURON_RT_LIB"));
+    assert!(tried[1]
+        .place
+        .contains("libdeepinfer-test-no-such-lib.so.1"));
+    let text = err.to_string();
+    assert!(
+        text.contains("/nonexistent/deepinfer-test/libnrt.so.1"),
+        "{text}"
+    );
+    assert!(
+        text.contains("libdeepinfer-test-no-such-lib.so.1"),
+        "{text}"
+    );
+    assert!(text.contains("aws-neuronx-runtime-lib"), "{text}");
+    assert!(text.contains("NEURON_RT_LIB"), "{text}");
+    assert!(text.contains("--backend cpu"), "{text}");
+    // One line per candidate, after the first line.
+    assert_eq!(
+        text.lines().filter(|l| l.starts_with("  ")).count(),
+        2,
+        "{text}"
+    );
+}
+
+#[test]
+fn default_candidates_are_the_documented_order() {
+    let c = Library::candidates();
+    let paths: Vec<String> = c
+        .iter()
+        .map(|c| c.path.to_string_lossy().into_owned())
+        .collect();
+    let n = paths.len();
+    assert!(n >= 2);
+    assert_eq!(paths[n - 2], "libnrt.so.1");
+    assert_eq!(paths[n - 1], "/opt/aws/neuron/lib/libnrt.so.1");
+    if let Some(env) = std::env::var_os("NEURON_RT_LIB").filter(|v| !v.is_empty()) {
+        assert_eq!(n, 3);
+        assert_eq!(c[0].path, env);
+    } else {
+        assert_eq!(n, 2);
+    }
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_library_that_is_not_libnrt_reports_the_first_missing_symbol() {
+    for wrong in ["libm.so.6", "libc.so.6"] {
+        let err = Library::open(wrong).unwrap_err();
+        match &err {
+            Error::MissingSymbol { library, symbol } => {
+                assert_eq!(library, wrong);
+                assert_eq!(*symbol, "nrt_init");
+            }
+            other => panic!("{wrong}: expected MissingSymbol, got {other:?}"),
+        }
+        let text = err.to_string();
+        assert!(text.contains("`nrt_init`"), "{text}");
+        assert!(text.contains(wrong), "{text}");
+    }
+}
+
+#[cfg(target_os = "linux")]
+#[test]
+fn a_wrong_library_after_a_missing_one_stops_the_search() {
+    // The first candidate is absent, the second opens but is not libnrt: the error is about
+    // the second, not a "not found" that would hide it.
+    let candidates = [
+        Candidate::new("/nonexistent/libnrt.so.1", "test"),
+        Candidate::new("libm.so.6", "test"),
+        Candidate::new("/nonexistent/other/libnrt.so.1", "test"),
+    ];
+    let err = Library::load_from(&candidates).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::MissingSymbol {
+                symbol: "nrt_init",
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+}
+
+#[test]
+fn symbol_lists() {
+    assert_eq!(REQUIRED_SYMBOLS.len(), 14);
+    assert_eq!(REQUIRED_SYMBOLS[0], "nrt_init");
+    for s in [
+        "nrt_init",
+        "nrt_close",
+        "nrt_load",
+        "nrt_unload",
+        "nrt_tensor_allocate",
+        "nrt_tensor_free",
+        "nrt_tensor_read",
+        "nrt_tensor_write",
+        "nrt_tensor_get_size",
+        "nrt_allocate_tensor_set",
+        "nrt_destroy_tensor_set",
+        "nrt_add_tensor_to_tensor_set",
+        "nrt_get_tensor_from_tensor_set",
+        "nrt_execute",
+    ] {
+        assert!(REQUIRED_SYMBOLS.contains(&s), "{s}");
+    }
+    for s in [
+        "nrt_load_collectives",
+        "nrt_get_model_tensor_info",
+        "nrt_free_model_tensor_info",
+        "nrt_tensor_allocate_slice",
+        "nrt_get_version",
+        "nrt_get_total_nc_count",
+        "nrt_get_visible_nc_count",
+        "nrt_get_status_as_str",
+    ] {
+        assert!(OPTIONAL_SYMBOLS.contains(&s), "{s}");
+    }
+}
