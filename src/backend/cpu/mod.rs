@@ -235,22 +235,40 @@ impl Plan {
 }
 
 /// `out[i] = a[i] @ w[ids[i]]^T` for `a: [n, m, k]`, `w: [experts, out, k]`, `ids: [n]`.
+///
+/// Rows that chose the same expert are multiplied together, so each selected expert's weights
+/// are read once per step (as a grouped MoE kernel would), not once per (token, choice).
 fn gathered_matmul(a: &CTensor, w: &CTensor, ids: &CTensor) -> Result<CTensor> {
     let ids = ids.to_vec1::<i32>()?;
-    let experts = w.dim(0)?;
-    let rows = ids
-        .iter()
-        .enumerate()
-        .map(|(i, &e)| {
-            if e < 0 || e as usize >= experts {
-                return Err(Error::InvalidRequest(format!(
-                    "expert index {e} out of range 0..{experts}"
-                )));
-            }
-            Ok(a.get(i)?.matmul(&w.get(e as usize)?.t()?)?)
-        })
-        .collect::<Result<Vec<_>>>()?;
-    Ok(CTensor::stack(&rows, 0)?)
+    let (n, m, k) = a.dims3()?;
+    let (experts, out) = (w.dim(0)?, w.dim(1)?);
+    let mut groups: Vec<(usize, Vec<u32>)> = Vec::new();
+    for (i, &e) in ids.iter().enumerate() {
+        if e < 0 || e as usize >= experts {
+            return Err(Error::InvalidRequest(format!(
+                "expert index {e} out of range 0..{experts}"
+            )));
+        }
+        match groups.iter_mut().find(|(g, _)| *g == e as usize) {
+            Some((_, rows)) => rows.push(i as u32),
+            None => groups.push((e as usize, vec![i as u32])),
+        }
+    }
+    let mut pieces = Vec::with_capacity(groups.len());
+    let mut order = Vec::with_capacity(n);
+    for (e, rows) in &groups {
+        let idx = CTensor::new(rows.as_slice(), &Device::Cpu)?;
+        let x = a.index_select(&idx, 0)?.reshape((rows.len() * m, k))?;
+        pieces.push(x.matmul(&w.get(*e)?.t()?)?.reshape((rows.len(), m, out))?);
+        order.extend_from_slice(rows);
+    }
+    let grouped = CTensor::cat(&pieces, 0)?;
+    // Row `order[j]` of the output is row `j` of `grouped`: invert the permutation.
+    let mut inverse = vec![0u32; n];
+    for (j, &i) in order.iter().enumerate() {
+        inverse[i as usize] = j as u32;
+    }
+    Ok(grouped.index_select(&CTensor::new(inverse.as_slice(), &Device::Cpu)?, 0)?)
 }
 
 fn check_inputs(graph: &Graph, inputs: &[CTensor]) -> Result<()> {
