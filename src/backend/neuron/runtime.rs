@@ -12,10 +12,8 @@
 
 use std::ffi::OsStr;
 use std::fmt;
-use std::io::Read;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 pub use neuron_sys::{
     execute, Candidate, Error as NeuronError, Library, Model, ModelIo, Placement, Runtime, Tensor,
@@ -312,76 +310,15 @@ fn neuron_venv_with_compiler(root: &Path) -> Option<PathBuf> {
     venvs.into_iter().next()
 }
 
-/// The version line of `<exe> --version` (the `NeuronX Compiler version …` line when there
-/// is one), or why there is none. Killed after [`VERSION_TIMEOUT`].
+/// `<exe> --version`, parsed as the compile driver does (one implementation of running the
+/// compiler, with its timeout and pipe handling), or why there is none.
 fn run_version(exe: &Path) -> std::result::Result<String, String> {
-    let mut cmd = Command::new(exe);
-    cmd.arg("--version")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    // ETXTBSY: a just-written script can be briefly "busy" while another thread's fork
-    // still holds it open for writing; retrying is the standard remedy.
-    let mut attempts = 0;
-    let mut child = loop {
-        match cmd.spawn() {
-            Ok(child) => break child,
-            Err(e) if e.raw_os_error() == Some(26) && attempts < 10 => {
-                attempts += 1;
-                std::thread::sleep(Duration::from_millis(20));
-            }
-            Err(e) => return Err(format!("cannot start it: {e}")),
-        }
+    let cfg = super::compile::CompilerConfig {
+        program: exe.to_path_buf(),
+        timeout: VERSION_TIMEOUT,
+        ..Default::default()
     };
-    // Drain both pipes on threads, so a chatty program cannot block on a full pipe.
-    let readers: Vec<_> = [
-        child
-            .stdout
-            .take()
-            .map(|r| Box::new(r) as Box<dyn Read + Send>),
-        child
-            .stderr
-            .take()
-            .map(|r| Box::new(r) as Box<dyn Read + Send>),
-    ]
-    .into_iter()
-    .flatten()
-    .map(|mut r| {
-        std::thread::spawn(move || {
-            let mut buf = Vec::new();
-            let _ = r.read_to_end(&mut buf);
-            buf
-        })
-    })
-    .collect();
-    let start = Instant::now();
-    let status = loop {
-        match child.try_wait() {
-            Ok(Some(status)) => break Ok(status),
-            Ok(None) if start.elapsed() >= VERSION_TIMEOUT => {
-                let _ = child.kill();
-                let _ = child.wait();
-                break Err(format!("no answer within {} s", VERSION_TIMEOUT.as_secs()));
-            }
-            Ok(None) => std::thread::sleep(Duration::from_millis(20)),
-            Err(e) => break Err(format!("cannot wait for it: {e}")),
-        }
-    };
-    let mut text = String::new();
-    for r in readers {
-        text.push_str(&String::from_utf8_lossy(&r.join().unwrap_or_default()));
-    }
-    let status = status?;
-    if !status.success() {
-        return Err(format!("exited with {status}"));
-    }
-    let line = text
-        .lines()
-        .map(str::trim)
-        .find(|l| l.contains("NeuronX Compiler version"))
-        .or_else(|| text.lines().map(str::trim).find(|l| !l.is_empty()))
-        .ok_or_else(|| "it printed nothing".to_string())?;
-    Ok(line.chars().take(200).collect())
+    super::compile::compiler_version(&cfg).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
@@ -465,10 +402,7 @@ mod tests {
             std::env::join_paths([PathBuf::from("/nonexistent-dir"), dir.clone()]).expect("PATH");
         let cc = check_neuronx_cc(Some(&path)).expect("found");
         assert_eq!(cc.path, exe);
-        assert_eq!(
-            cc.version.as_deref(),
-            Ok("NeuronX Compiler version 2.99.1.0+test")
-        );
+        assert_eq!(cc.version.as_deref(), Ok("2.99.1.0+test"));
         let _ = std::fs::remove_dir_all(&dir);
     }
 
