@@ -231,6 +231,71 @@ fn sample_rows(b: &GraphBuilder, logits: &Tensor, positions: &Tensor) -> Result<
     )
 }
 
+/// The inputs every step graph declares, and what the forward derives from them.
+struct StepInputs {
+    input_ids: Tensor,
+    positions: Tensor,
+    root: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    slots: Tensor,
+    ctx_slots: Tensor,
+}
+
+/// Declares the shared metadata for `rows` new tokens of `seqs` sequences (one block-table row
+/// each) over a context of `ctx`, and derives the rope angles and context slots from it.
+fn step_inputs(
+    b: &GraphBuilder,
+    cfg: &ModelConfig,
+    cache: &CacheLayout,
+    rows: usize,
+    seqs: usize,
+    ctx: usize,
+) -> Result<StepInputs> {
+    let input_ids = metadata(b, "input_ids", vec![rows], DType::I32)?;
+    let positions = metadata(b, "positions", vec![rows], DType::I32)?;
+    let slots = metadata(b, "slot_mapping", vec![rows], DType::I32)?;
+    let width = ctx / cache.block_size;
+    let block_tables = metadata(b, "block_tables", vec![seqs, width], DType::I32)?;
+    let root = root_input(cfg, b, cache)?;
+    let (cos, sin) = rope::cos_sin(cfg, &positions)?;
+    let ctx_slots = context_slots(&block_tables, ctx, cache.block_size)?;
+    Ok(StepInputs {
+        input_ids,
+        positions,
+        root,
+        cos,
+        sin,
+        slots,
+        ctx_slots,
+    })
+}
+
+impl StepInputs {
+    /// Embeds the tokens and runs every layer with `attn`; returns the final normalized hidden
+    /// states and the updated root.
+    fn forward(
+        &self,
+        cfg: &ModelConfig,
+        w: &Weights,
+        visible: &Tensor,
+        attn: AttnFn,
+        strategy: MoeStrategy,
+    ) -> Result<(Tensor, Tensor)> {
+        let step = attention::AttnStep {
+            cos: &self.cos,
+            sin: &self.sin,
+            slots: &self.slots,
+            ctx_slots: &self.ctx_slots,
+            visible,
+        };
+        let x = w
+            .get("model.embed_tokens.weight")?
+            .index_select(&self.input_ids, 0)?;
+        decoder(cfg, w, x, self.root.clone(), &step, attn, strategy)
+    }
+}
+
 /// The decode graph for `spec.rows` sequences of one new token each, attending to up to
 /// `spec.ctx` positions.
 pub fn build_decode(
@@ -243,41 +308,18 @@ pub fn build_decode(
     let (rows, ctx) = (spec.rows, spec.ctx);
     let b = GraphBuilder::new(format!("decode_b{rows}_c{ctx}"));
     let w = Weights::new(&b, specs);
-    let input_ids = metadata(&b, "input_ids", vec![rows], DType::I32)?;
-    let positions = metadata(&b, "positions", vec![rows], DType::I32)?;
-    let slots = metadata(&b, "slot_mapping", vec![rows], DType::I32)?;
-    let block_tables = metadata(
-        &b,
-        "block_tables",
-        vec![rows, ctx / cache.block_size],
-        DType::I32,
-    )?;
+    let s = step_inputs(&b, cfg, cache, rows, rows, ctx)?;
     let context_lens = metadata(&b, "context_lens", vec![rows], DType::I32)?;
-    let root = root_input(cfg, &b, cache)?;
-
-    let (cos, sin) = rope::cos_sin(cfg, &positions)?;
-    let ctx_slots = context_slots(&block_tables, ctx, cache.block_size)?;
     let j = b.iota([rows, ctx], DType::I32, 1)?;
     let visible = j.lt(&context_lens.unsqueeze(1)?)?;
-    let step = attention::AttnStep {
-        cos: &cos,
-        sin: &sin,
-        slots: &slots,
-        ctx_slots: &ctx_slots,
-        visible: &visible,
-    };
-
-    let x = w
-        .get("model.embed_tokens.weight")?
-        .index_select(&input_ids, 0)?;
-    let (x, new_root) = decoder(cfg, &w, x, root.clone(), &step, attention::decode, spec.moe)?;
+    let (x, new_root) = s.forward(cfg, &w, &visible, attention::decode, spec.moe)?;
     let logits = ops::linear(&x, &w.get(ModelWeights::lm_head_name(cfg))?)?;
-    let next = sample_rows(&b, &logits, &positions)?;
+    let next = sample_rows(&b, &logits, &s.positions)?;
     b.output("next_tokens", &next)?;
     if spec.logits != LogitsOutput::None {
         b.output("logits", &logits)?;
     }
-    b.output_aliased("kv_cache", &new_root, &root)?;
+    b.output_aliased("kv_cache", &new_root, &s.root)?;
     b.finish()
 }
 
@@ -293,47 +335,15 @@ pub fn build_prefill(
     let (t, ctx) = (spec.rows, spec.ctx);
     let b = GraphBuilder::new(format!("prefill_t{t}_c{ctx}"));
     let w = Weights::new(&b, specs);
-    let input_ids = metadata(&b, "input_ids", vec![t], DType::I32)?;
-    let positions = metadata(&b, "positions", vec![t], DType::I32)?;
-    let slots = metadata(&b, "slot_mapping", vec![t], DType::I32)?;
-    let block_tables = metadata(
-        &b,
-        "block_tables",
-        vec![1, ctx / cache.block_size],
-        DType::I32,
-    )?;
+    let s = step_inputs(&b, cfg, cache, t, 1, ctx)?;
     let last_index = metadata(&b, "last_index", vec![1], DType::I32)?;
-    let root = root_input(cfg, &b, cache)?;
-
-    let (cos, sin) = rope::cos_sin(cfg, &positions)?;
-    let ctx_slots = context_slots(&block_tables, ctx, cache.block_size)?;
     // Causal: token i sees context positions up to its own.
     let j = b.iota([t, ctx], DType::I32, 1)?;
-    let visible = j.le(&positions.unsqueeze(1)?)?;
-    let step = attention::AttnStep {
-        cos: &cos,
-        sin: &sin,
-        slots: &slots,
-        ctx_slots: &ctx_slots,
-        visible: &visible,
-    };
-
-    let x = w
-        .get("model.embed_tokens.weight")?
-        .index_select(&input_ids, 0)?;
-    let (x, new_root) = decoder(
-        cfg,
-        &w,
-        x,
-        root.clone(),
-        &step,
-        attention::prefill,
-        spec.moe,
-    )?;
+    let visible = j.le(&s.positions.unsqueeze(1)?)?;
+    let (x, new_root) = s.forward(cfg, &w, &visible, attention::prefill, spec.moe)?;
     let lm_head = w.get(ModelWeights::lm_head_name(cfg))?;
-    let last = x.index_select(&last_index, 0)?;
-    let last_logits = ops::linear(&last, &lm_head)?;
-    let last_pos = positions.index_select(&last_index, 0)?;
+    let last_logits = ops::linear(&x.index_select(&last_index, 0)?, &lm_head)?;
+    let last_pos = s.positions.index_select(&last_index, 0)?;
     let next = sample_rows(&b, &last_logits, &last_pos)?;
     b.output("next_tokens", &next)?;
     match spec.logits {
@@ -341,6 +351,6 @@ pub fn build_prefill(
         LogitsOutput::Sampled => b.output("logits", &last_logits)?,
         LogitsOutput::AllPositions => b.output("logits", &ops::linear(&x, &lm_head)?)?,
     }
-    b.output_aliased("kv_cache", &new_root, &root)?;
+    b.output_aliased("kv_cache", &new_root, &s.root)?;
     b.finish()
 }
