@@ -4,6 +4,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let proto = "proto/xla_hlo_subset.proto";
     println!("cargo:rerun-if-changed={proto}");
     let descriptors = protox::compile([proto], ["proto"])?;
-    prost_build::Config::new().compile_fds(descriptors)?;
+    // BTreeMap: map fields (frontend attributes) serialize in a fixed order, so the same graph
+    // always gives the same bytes, and the NEFF cache key (a hash of them) is stable.
+    prost_build::Config::new()
+        .btree_map(["."])
+        .compile_fds(descriptors)?;
     Ok(())
 }

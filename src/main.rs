@@ -147,6 +147,21 @@ struct LowerArgs {
     /// decode floor (works from config.json alone).
     #[arg(long)]
     stats: bool,
+    /// Also compile every graph with neuronx-cc into `NAME.neff` (through the NEFF cache).
+    #[arg(long)]
+    compile: bool,
+    /// The neuronx-cc executable.
+    #[arg(long, default_value = "neuronx-cc")]
+    neuronx_cc: PathBuf,
+    /// neuronx-cc's `--target`.
+    #[arg(long, default_value = "trn1")]
+    neuron_target: String,
+    /// Compiler processes run at once (default: one per 8 CPUs).
+    #[arg(long)]
+    compile_jobs: Option<usize>,
+    /// The NEFF cache directory.
+    #[arg(long, env = "DEEPINFER_NEFF_CACHE")]
+    neff_cache: Option<PathBuf>,
 }
 
 /// The embedded default model: shipped in the repository, found beside the binary or in the
@@ -361,6 +376,39 @@ fn lower(args: LowerArgs) -> Result<()> {
         inputs_from_token_ids: args.inputs_from_token_ids,
     };
     let manifest = deepinfer::lowering::lower(&dir, &args.out, &opts)?;
+    if args.compile {
+        use deepinfer::backend::neuron::compile::{compile_all, CompileJob, CompilerConfig};
+        let mut cfg = CompilerConfig {
+            program: args.neuronx_cc.clone(),
+            target: args.neuron_target.clone(),
+            ..Default::default()
+        };
+        if let Some(j) = args.compile_jobs {
+            cfg.jobs = j.max(1);
+        }
+        if let Some(d) = &args.neff_cache {
+            cfg.cache_dir = d.clone();
+        }
+        let jobs = manifest
+            .graphs
+            .iter()
+            .map(|g| {
+                let hlo = std::fs::read(args.out.join(&g.hlo))
+                    .with_context(|| format!("reading {}", g.hlo))?;
+                Ok(CompileJob {
+                    name: g.name.clone(),
+                    hlo,
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        for neff in compile_all(&cfg, &jobs)? {
+            let path = args.out.join(format!("{}.neff", neff.name));
+            std::fs::write(&path, &neff.neff)
+                .with_context(|| format!("writing {}", path.display()))?;
+            let how = if neff.cache_hit { "cached" } else { "compiled" };
+            emit(&format!("{} -> {} ({how})", neff.name, path.display()))?;
+        }
+    }
     if args.stats {
         emit(deepinfer::lowering::stats_table(&manifest.costs).trim_end())?;
     } else {

@@ -93,3 +93,23 @@ fn corrupt_or_foreign_modules_are_errors_not_panics() {
     }
     let _ = std::fs::remove_dir_all(&out);
 }
+
+#[test]
+fn emitting_the_same_graph_twice_gives_the_same_bytes() {
+    // The NEFF cache is keyed by these bytes: any nondeterminism (map order, ids) would make
+    // every run a cache miss and a recompile.
+    let out = std::env::temp_dir().join(format!("deepinfer-roundtrip-det-{}", std::process::id()));
+    let opts = LowerOptions {
+        batch_sizes: vec![2],
+        ctx: 64,
+        inputs_from_token_ids: None,
+    };
+    let first = lower(&fixture_dir("tiny-v3"), &out.join("a"), &opts).unwrap();
+    lower(&fixture_dir("tiny-v3"), &out.join("b"), &opts).unwrap();
+    for g in &first.graphs {
+        let a = std::fs::read(out.join("a").join(&g.hlo)).unwrap();
+        let b = std::fs::read(out.join("b").join(&g.hlo)).unwrap();
+        assert!(a == b, "{} differs between two emissions", g.name);
+    }
+    let _ = std::fs::remove_dir_all(&out);
+}

@@ -437,7 +437,7 @@ fn run_version(cfg: &CompilerConfig, graphs: &str) -> Result<String, CompileErro
         status,
         output,
     };
-    let mut cmd = Command::new(&cfg.program);
+    let mut cmd = Command::new(program_path(&cfg.program));
     cmd.arg("--version")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
@@ -744,7 +744,7 @@ impl Ctx<'_> {
             .try_clone()
             .map_err(|e| cache_err("create", &log, e))?;
 
-        let mut cmd = Command::new(&cfg.program);
+        let mut cmd = Command::new(program_path(&cfg.program));
         cmd.args(&args)
             .current_dir(&workdir)
             .stdin(Stdio::null())
@@ -849,6 +849,16 @@ fn try_lock(file: &File) -> Result<(), fs::TryLockError> {
 
 fn lock_blocking(file: &File) -> io::Result<()> {
     file.lock()
+}
+
+/// The compiler runs in a scratch directory, so a relative path with a directory part
+/// (`tools/neuronx-cc`) is made absolute first; a bare name is still looked up on PATH.
+fn program_path(program: &Path) -> PathBuf {
+    if program.components().count() > 1 {
+        std::path::absolute(program).unwrap_or_else(|_| program.to_path_buf())
+    } else {
+        program.to_path_buf()
+    }
 }
 
 /// Reads and verifies one entry.
