@@ -1,1 +1,160 @@
-//! (being written)
+//! nrt-sim: a libnrt-compatible shared library (`libnrt_sim.so`) for tests.
+//!
+//! It exports the C functions `neuron_sys::Library` resolves — every one of
+//! `neuron_sys::REQUIRED_SYMBOLS` and `neuron_sys::OPTIONAL_SYMBOLS`, with the signatures of
+//! `neuron-sys/include/nrt_deepinfer.h` (checked at compile time against neuron-sys's
+//! function-pointer types) — so tests take the real loading path: `dlopen`, `dlsym`, raw C
+//! calls, tensor sets, slices, aliasing. Point `NEURON_RT_LIB` at it, or open it with
+//! `neuron_sys::Library::open(path)`.
+//!
+//! # The "compiler" is a copy
+//!
+//! A NEFF for nrt-sim is deepinfer's serialized `HloModuleProto` (`NAME.hlo.pb` from
+//! `deepinfer lower`). `nrt_load` imports it back into a graph
+//! ([`deepinfer::backend::hlo::import::import_bytes`]); `nrt_execute` copies the bound input
+//! bytes into candle tensors, runs [`deepinfer::backend::cpu::run`], and copies each output
+//! into the tensor bound under its name. The NEFF I/O names are the HLO's
+//! `neff_input_names` / `neff_output_names` (the graph's input and output names). A tensor
+//! bound both as a cache-root input and as its aliased output (the same `nrt_tensor_t*` in
+//! both sets) holds the updated value afterwards; no second buffer visible to the caller is
+//! ever involved.
+//!
+//! # What it reports
+//!
+//! | Call | Answer |
+//! |---|---|
+//! | `nrt_get_version` | [`VERSION`] = 2.34.0.0, `git_hash` `"nrt-sim"`, `rt_detail` naming the crate |
+//! | `nrt_get_{total,visible}_{nc,vnc}_count` | [`TOTAL_NC_COUNT`] = [`VISIBLE_NC_COUNT`] = 2 |
+//! | `nrt_get_model_tensor_info` | inputs (usage input, parameter order) then outputs (usage output, result order): name, bytes, dtype code, shape |
+//! | `nrt_get_status_as_str` | the name from neuron-sys's status table, or `NRT_STATUS_UNKNOWN` |
+//!
+//! **dtype codes**: the *hardware-code* encoding (`neuron_sys::sys::dtype::hw`: FLOAT32 =
+//! 0xA, BFLOAT16 = 0x6, FLOAT16 = 0x7, INT32 = 0x8, UINT32 = 0x9, UINT8 = 0x3; a `pred`
+//! is reported as UINT8, as libnrt does), see [`dtype_code`]. That is the table
+//! `neuron_sys::sys::dtype::DtypeEncoding::for_runtime(2, 34)` picks for the version nrt-sim
+//! reports, so a reader that follows neuron-sys's rule decodes it right. 2.34 is the
+//! runtime whose headers the bindings' layouts were checked against.
+//!
+//! # Status codes for each misuse
+//!
+//! | Misuse | Status |
+//! |---|---|
+//! | any call (other than version, core counts, status names) before `nrt_init` | `NRT_UNINITIALIZED` (13) |
+//! | … after `nrt_close` | `NRT_CLOSED` (14) |
+//! | `nrt_init` twice without `nrt_close`; a malformed `NRT_SIM_*` value | `NRT_INVALID` (2) |
+//! | a null, freed (use after free, double free) or foreign tensor / set / model handle | `NRT_INVALID_HANDLE` (3) |
+//! | `nrt_tensor_free` / `nrt_destroy_tensor_set` of a freed handle (they return `void`) | recorded as `NRT_INVALID_HANDLE` in the counters, otherwise ignored |
+//! | `nrt_tensor_get_size` of a freed tensor (returns `size_t`) | 0, recorded as `NRT_INVALID_HANDLE` |
+//! | `nrt_free_model_tensor_info` twice, or of a pointer it did not return | `NRT_INVALID_HANDLE` |
+//! | read / write / slice range outside the tensor; null buffer or out-pointer | `NRT_INVALID` |
+//! | device tensor on a core outside `0..2`; unknown placement | `NRT_INVALID` |
+//! | `nrt_get_tensor_from_tensor_set` of an unbound name | `NRT_FAILURE` (1), as libnrt reports it |
+//! | tensor names of 256 bytes or more | `NRT_INVALID` |
+//! | `nrt_load` of bytes that are not a deepinfer HLO module (corrupt, truncated, empty) | `NRT_INVALID` |
+//! | `nrt_load` on a core outside the visible ones | `NRT_LOAD_NOT_ENOUGH_NC` (9) |
+//! | `nrt_execute` with an input or output not bound, or bound to a tensor of the wrong size | `NRT_INVALID` (libnrt: "input tensor name/size does not match the model"); nothing is written |
+//! | `nrt_execute` with a freed tensor still bound in a set | `NRT_INVALID_HANDLE` |
+//! | the CPU backend rejects the data (say, a token id outside the vocabulary) | `NRT_EXEC_BAD_INPUT` (1002) |
+//! | out of host memory for an allocation | `NRT_RESOURCE` (4) |
+//! | a panic inside nrt-sim (a bug) | `NRT_FAILURE`, caught at the boundary |
+//!
+//! Every failure also increments `errors` in the counters and sets `last_error` to a
+//! message naming the call, the status and what was wrong (`nrt_execute: NRT_INVALID (2):
+//! input `kv_cache` is bound to a tensor of 16 bytes; model `decode_b1_c64` needs 130560
+//! (f32 [272, 120])`), which is the first thing to look at when a test fails.
+//!
+//! Handles are generation-checked registry slots, not pointers (see the `handle` module):
+//! misuse is detected and answered with a status, never undefined behaviour.
+//!
+//! # Faults on demand
+//!
+//! Read from the environment at `nrt_init` (each `nrt_init` re-reads them and restarts
+//! their counts; libnrt reads its `NEURON_RT_*` variables there too). A malformed value
+//! makes `nrt_init` fail with `NRT_INVALID`, so a typo cannot silently disable a fault.
+//!
+//! | Variable | Effect |
+//! |---|---|
+//! | `NRT_SIM_FAIL_EXECUTE=N` | the N-th execution (1-based, counting `nrt_execute` calls whose bindings validated) returns `NRT_EXEC_COMPLETED_WITH_ERR` (1004) and writes nothing; later ones succeed |
+//! | `NRT_SIM_FAIL_LOAD=N` | the N-th load of a valid module (1-based) returns `NRT_RESOURCE` (4, what a real load that runs out of device memory returns); later ones succeed. `NRT_SIM_FAIL_LOAD=1` fails the first load |
+//! | `NRT_SIM_SLOW_EXECUTE_MS=n` | every execution sleeps n ms after validating its bindings |
+//! | `NRT_SIM_FREE_EXECUTE=1` | executions validate their bindings (names, sizes, handles) and return success without copying or computing anything: outputs are left as they were. For measuring host overhead |
+//!
+//! `0` or empty disables a variable. Because libnrt allows one `nrt_init` per process at a
+//! time and tests run in threads, fault tests run in a child process with the variable set
+//! (see `tests/faults.rs`).
+//!
+//! # Counters
+//!
+//! Two extra C functions, and a Rust reader for them:
+//!
+//! - `size_t nrt_sim_counters_json(char *buf, size_t len)`: the counters as JSON, written
+//!   like `snprintf` (returns the full length; retry with a bigger buffer if it is `>= len`).
+//! - `void nrt_sim_reset_counters(void)`: clears the cumulative counters.
+//!
+//! JSON rather than a `#[repr(C)]` struct because the counters are keyed by tensor and model
+//! names. The fields are [`Counters`]: bytes written and read per tensor name (through
+//! `nrt_tensor_write` / `nrt_tensor_read`), executions per model name and per live model
+//! handle, live tensors / sets / models / info arrays / bytes, total bytes allocated, loads,
+//! execute calls and failures, errors, invalid-handle uses, the last error, and what was
+//! alive at the last `nrt_close`. From Rust, [`SimLibrary::open`] the same `.so` the test
+//! loaded and call [`SimLibrary::counters`] / [`SimLibrary::reset`];
+//! [`library_next_to_current_exe`] finds the file cargo built.
+//!
+//! # Limits
+//!
+//! - Each execution copies every input (weights included) into candle and every output back:
+//!   fine for the tiny fixtures; use `NRT_SIM_FREE_EXECUTE` to measure host overhead alone.
+//! - Device memory is host memory, zeroed at allocation, with no capacity limit but the
+//!   host's. Placement and cores are checked, not simulated.
+//! - No collectives and no asynchronous API (`nrta_*`), which neuron-sys does not bind.
+
+#![deny(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![deny(clippy::undocumented_unsafe_blocks)]
+
+mod counters;
+mod exec;
+pub mod ffi;
+mod handle;
+mod state;
+
+use deepinfer::graph::DType;
+use neuron_sys::sys::dtype::hw;
+
+pub use counters::{library_next_to_current_exe, Counters, Error, Live, ModelCounters, SimLibrary};
+pub use state::{ENV_FAIL_EXECUTE, ENV_FAIL_LOAD, ENV_FREE_EXECUTE, ENV_SLOW_EXECUTE_MS};
+
+/// The runtime version `nrt_get_version` reports: `[major, minor, patch, maintenance]`.
+/// 2.34 selects the hardware-code dtype table in neuron-sys (see [`dtype_code`]).
+pub const VERSION: [u64; 4] = [2, 34, 0, 0];
+/// `nrt_version_t::git_hash`: identifies the simulator (`deepinfer doctor` prints it).
+pub const VERSION_GIT_HASH: &str = "nrt-sim";
+/// `nrt_version_t::rt_detail`.
+pub const VERSION_DETAIL: &str = concat!(
+    "nrt-sim ",
+    env!("CARGO_PKG_VERSION"),
+    ": deepinfer HLO on the CPU backend"
+);
+/// NeuronCores on the simulated instance.
+pub const TOTAL_NC_COUNT: u32 = 2;
+/// NeuronCores visible to this process (core indices `0..2`).
+pub const VISIBLE_NC_COUNT: u32 = 2;
+
+/// The `nrt_dtype_t` code nrt-sim reports for a graph dtype: the hardware-code encoding
+/// (`neuron_sys::sys::dtype::hw`). `Bool` (HLO `pred`, one byte) is reported as UINT8.
+pub fn dtype_code(dtype: DType) -> u32 {
+    match dtype {
+        DType::F32 => hw::FLOAT32,
+        DType::BF16 => hw::BFLOAT16,
+        DType::F16 => hw::FLOAT16,
+        DType::I32 => hw::INT32,
+        DType::U32 => hw::UINT32,
+        DType::U8 | DType::Bool => hw::UINT8,
+    }
+}
+
+/// Clears the cumulative counters of the nrt-sim copy linked into the caller (the Rust
+/// twin of `nrt_sim_reset_counters`; for a `dlopen`ed library use [`SimLibrary::reset`]).
+pub fn reset_counters() {
+    state::state().reset_counters();
+}
