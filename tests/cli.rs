@@ -207,3 +207,64 @@ fn checkpoints_without_tokenizer_work_with_token_ids() {
         3
     );
 }
+
+/// The simulator `cargo test --workspace` builds (nrt-sim's cdylib).
+fn nrt_sim_library() -> PathBuf {
+    let target = PathBuf::from(env!("CARGO_BIN_EXE_deepinfer"));
+    let profile_dir = target.parent().unwrap();
+    [
+        profile_dir.join("deps/libnrt_sim.so"),
+        profile_dir.join("libnrt_sim.so"),
+    ]
+    .into_iter()
+    .find(|p| p.is_file())
+    .expect("libnrt_sim.so not built: run `cargo test --workspace` (or `cargo build -p nrt-sim`)")
+}
+
+#[test]
+fn doctor_reports_missing_runtime_and_finds_nrt_sim_through_neuron_rt_lib() {
+    let missing = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
+        .arg("doctor")
+        .env("NEURON_RT_LIB", "/nonexistent/libnrt.so.1")
+        .env("PATH", "/nonexistent")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&missing.stdout);
+    assert!(!missing.status.success());
+    assert!(
+        text.contains("libnrt")
+            && text.contains("MISSING")
+            && text.contains("aws-neuronx-runtime-lib"),
+        "{text}"
+    );
+    assert!(
+        text.contains("neuronx-cc") && text.contains("pip install neuronx-cc"),
+        "{text}"
+    );
+
+    let sim = nrt_sim_library();
+    let found = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
+        .arg("doctor")
+        .env("NEURON_RT_LIB", &sim)
+        .env("PATH", "/nonexistent")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&found.stdout);
+    let libnrt_line = text
+        .lines()
+        .find(|l| l.starts_with("libnrt"))
+        .unwrap_or_default();
+    assert!(
+        libnrt_line.contains("ok") && libnrt_line.contains("nrt-sim"),
+        "{text}"
+    );
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("NeuronCores") && l.contains("2 visible")),
+        "{text}"
+    );
+    assert!(
+        !found.status.success(),
+        "neuronx-cc is still missing, so the backend cannot run"
+    );
+}
