@@ -198,6 +198,14 @@ impl ModelWeights {
                 CTensor::from_vec(data, shape, &Device::Cpu)?,
             );
         }
+        // The absorbed matrices are views of kv_b_proj, as at load: prefill (which reads
+        // kv_b_proj) and decode (which reads w_uk / w_uv) must compute the same function.
+        for l in 0..cfg.num_hidden_layers {
+            let a = format!("model.layers.{l}.self_attn");
+            let kv_b = tensors[&format!("{a}.kv_b_proj.weight")].clone();
+            tensors.insert(format!("{a}.w_uk"), split_kv_b(cfg, &kv_b, true)?);
+            tensors.insert(format!("{a}.w_uv"), split_kv_b(cfg, &kv_b, false)?);
+        }
         Ok(ModelWeights { tensors })
     }
 
