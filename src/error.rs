@@ -63,6 +63,14 @@ pub enum Error {
     /// The Neuron runtime (libnrt) is missing or a call into it failed.
     #[error(transparent)]
     Neuron(#[from] neuron_sys::Error),
+    /// A libnrt call made for one captured graph failed (load, bind or execute).
+    #[error("graph `{graph}`: {source}")]
+    Device {
+        /// The graph (`decode_b8_c256`, `prefill_t64_c128`, or `capture` for shared buffers).
+        graph: String,
+        /// The runtime's error, naming the C call and the NRT status.
+        source: neuron_sys::Error,
+    },
     /// An error inside candle-core while running a graph on the CPU.
     #[error("cpu backend: {0}")]
     Candle(#[from] candle_core::Error),

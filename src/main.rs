@@ -9,7 +9,9 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use deepinfer::config::ModelConfig;
 use deepinfer::engine::{self, StopConditions};
 use deepinfer::model::ModelWeights;
-use deepinfer::runner::{CpuRunner, RunnerConfig};
+use deepinfer::runner::{
+    CpuRunner, DeviceOptions, DeviceRunner, GraphRunner, Runner, RunnerConfig,
+};
 use deepinfer::step::{DecodeRow, PrefillChunk, SamplingParams};
 use deepinfer::tokenizer::Tokenizer;
 use deepinfer::weights::Checkpoint;
@@ -40,10 +42,14 @@ enum Command {
 }
 
 /// Where graphs run.
-#[derive(Clone, Copy, ValueEnum)]
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
 enum Backend {
     /// candle-core on the host CPU.
     Cpu,
+    /// nrt-sim (libnrt_sim.so): the device runner over a simulated NeuronCore.
+    Sim,
+    /// libnrt on a NeuronCore, graphs compiled with neuronx-cc.
+    Neuron,
 }
 
 #[derive(Args)]
@@ -52,9 +58,9 @@ struct ModelArgs {
     /// embedded default model.
     #[arg(long)]
     model: Option<PathBuf>,
-    /// Where graphs run.
-    #[arg(long, value_enum, default_value = "cpu")]
-    backend: Backend,
+    /// Where graphs run: `neuron` when libnrt and a NeuronCore are present, else `cpu`.
+    #[arg(long, value_enum)]
+    backend: Option<Backend>,
 }
 
 #[derive(Args)]
@@ -185,7 +191,33 @@ fn default_model_dir() -> Result<PathBuf> {
         })
 }
 
-fn load_runner(dir: &Path, max_batch: usize, max_len: usize) -> Result<CpuRunner> {
+/// The backend to use: the one asked for, else `neuron` when libnrt loads and sees a
+/// NeuronCore, else `cpu`.
+fn choose_backend(asked: Option<Backend>) -> Backend {
+    if let Some(b) = asked {
+        return b;
+    }
+    match neuron_sys::Library::load() {
+        // NEURON_RT_LIB naming nrt-sim: the simulator, whose "NEFF" is our HLO.
+        Ok(lib) if matches!(lib.version(), Ok(Some(v)) if v.git_hash == nrt_sim_git_hash()) => {
+            Backend::Sim
+        }
+        Ok(lib) if matches!(lib.visible_nc_count(), Ok(Some(n)) if n > 0) => Backend::Neuron,
+        _ => Backend::Cpu,
+    }
+}
+
+/// The `git_hash` nrt-sim reports from `nrt_get_version`.
+fn nrt_sim_git_hash() -> &'static str {
+    "nrt-sim"
+}
+
+fn load_runner(
+    dir: &Path,
+    max_batch: usize,
+    max_len: usize,
+    backend: Option<Backend>,
+) -> Result<GraphRunner> {
     if !dir.is_dir() {
         bail!(
             "model directory {} does not exist or is not a directory",
@@ -195,15 +227,36 @@ fn load_runner(dir: &Path, max_batch: usize, max_len: usize) -> Result<CpuRunner
     let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
     let weights = ModelWeights::load(&cfg, &Checkpoint::open(dir)?)?;
     let max_len = max_len.min(cfg.max_position_embeddings);
-    Ok(CpuRunner::new(
-        cfg,
-        weights,
-        RunnerConfig::for_limits(max_batch, max_len),
-    )?)
+    let rc = RunnerConfig::for_limits(max_batch, max_len);
+    Ok(match choose_backend(backend) {
+        Backend::Cpu => GraphRunner::Cpu(Box::new(CpuRunner::new(cfg, weights, rc)?)),
+        Backend::Sim => {
+            let path = deepinfer::runner::find_sim_library()?;
+            let lib = neuron_sys::Library::open(&path)
+                .with_context(|| format!("loading nrt-sim from {}", path.display()))?;
+            GraphRunner::Device(Box::new(DeviceRunner::new(
+                cfg,
+                weights,
+                rc,
+                lib,
+                DeviceOptions::sim(),
+            )?))
+        }
+        Backend::Neuron => {
+            let lib = neuron_sys::Library::load()?;
+            let cc = deepinfer::backend::neuron::compile::CompilerConfig::default();
+            GraphRunner::Device(Box::new(DeviceRunner::new(
+                cfg,
+                weights,
+                rc,
+                lib,
+                DeviceOptions::neuron(cc),
+            )?))
+        }
+    })
 }
 
 fn model_dir(args: &ModelArgs) -> Result<PathBuf> {
-    let Backend::Cpu = args.backend;
     match &args.model {
         Some(d) => Ok(d.clone()),
         None => default_model_dir(),
@@ -233,7 +286,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
         ),
         (None, None, _) => bail!("pass --prompt or --token-ids"),
     };
-    let mut runner = load_runner(&dir, 1, prompt.len() + args.max_tokens)?;
+    let mut runner = load_runner(&dir, 1, prompt.len() + args.max_tokens, args.model.backend)?;
     let eos: Vec<u32> = match &tokenizer {
         Some(t) => t
             .eos_token_id()
@@ -274,7 +327,7 @@ fn generate(args: GenerateArgs) -> Result<()> {
 
 fn score(args: ScoreArgs) -> Result<()> {
     let dir = model_dir(&args.model)?;
-    let mut runner = load_runner(&dir, 1, args.token_ids.len())?;
+    let mut runner = load_runner(&dir, 1, args.token_ids.len(), args.model.backend)?;
     let logits = engine::score(&mut runner, &args.token_ids)?;
     emit(&serde_json::json!({ "logits": logits }).to_string())?;
     Ok(())

@@ -123,13 +123,15 @@ impl Error {
 
 fn not_found_message(tried: &[LoadAttempt]) -> String {
     use std::fmt::Write as _;
-    let mut msg = String::from("libnrt (the AWS Neuron runtime) could not be loaded; tried:");
-    for attempt in tried {
-        let _ = write!(msg, "\n  {}: {}", attempt.place, attempt.reason);
+    // One line: it is what a user sees when `--backend neuron` cannot start.
+    let mut msg = String::from("libnrt (the AWS Neuron runtime) could not be loaded; tried");
+    for (i, attempt) in tried.iter().enumerate() {
+        let sep = if i == 0 { " " } else { "; " };
+        let _ = write!(msg, "{sep}{}: {}", attempt.place, attempt.reason);
     }
     let _ = write!(
         msg,
-        "\nTo fix: {HOW_TO_GET_LIBNRT}. (If libnrt is installed but a library it needs is not \
+        ". To fix: {HOW_TO_GET_LIBNRT}. (If libnrt is installed but a library it needs is not \
          found, add /opt/aws/neuron/lib to LD_LIBRARY_PATH.)"
     );
     msg

@@ -5,7 +5,7 @@
 
 use crate::error::{Error, Result};
 use crate::model::LogitsOutput;
-use crate::runner::CpuRunner;
+use crate::runner::Runner;
 use crate::step::{DecodeRow, PrefillChunk, SamplingParams};
 
 /// When generation stops.
@@ -17,7 +17,7 @@ pub struct StopConditions {
     pub stop_token_ids: Vec<u32>,
 }
 
-fn check_prompt(runner: &CpuRunner, prompt: &[u32], extra: usize) -> Result<()> {
+fn check_prompt<R: Runner + ?Sized>(runner: &R, prompt: &[u32], extra: usize) -> Result<()> {
     if prompt.is_empty() {
         return Err(Error::InvalidRequest("the prompt is empty".into()));
     }
@@ -32,15 +32,15 @@ fn check_prompt(runner: &CpuRunner, prompt: &[u32], extra: usize) -> Result<()> 
 }
 
 /// Prefills `prompt` chunk by chunk into `blocks`; returns the last chunk's output.
-fn prefill(
-    runner: &mut CpuRunner,
+fn prefill<R: Runner + ?Sized>(
+    runner: &mut R,
     prompt: &[u32],
     blocks: &mut Vec<u32>,
     sampling: SamplingParams,
     logits: LogitsOutput,
 ) -> Result<Vec<crate::runner::StepOutput>> {
     let chunk = runner.runner_config().prefill_chunk;
-    runner.blocks.grow(blocks, prompt.len())?;
+    runner.blocks_mut().grow(blocks, prompt.len())?;
     let mut outs = Vec::new();
     for (i, tokens) in prompt.chunks(chunk).enumerate() {
         outs.push(runner.prefill(
@@ -56,9 +56,10 @@ fn prefill(
     Ok(outs)
 }
 
-/// Generates up to `stop.max_tokens` tokens after `prompt`.
-pub fn generate(
-    runner: &mut CpuRunner,
+/// Generates up to `stop.max_tokens` tokens after `prompt`, on any [`Runner`] (the CPU twin,
+/// a device runner, or a [`crate::runner::GraphRunner`]).
+pub fn generate<R: Runner + ?Sized>(
+    runner: &mut R,
     prompt: &[u32],
     sampling: SamplingParams,
     stop: &StopConditions,
@@ -66,12 +67,12 @@ pub fn generate(
     check_prompt(runner, prompt, stop.max_tokens)?;
     let mut blocks = Vec::new();
     let result = generate_into(runner, prompt, sampling, stop, &mut blocks);
-    runner.blocks.release(&mut blocks);
+    runner.blocks_mut().release(&mut blocks);
     result
 }
 
-fn generate_into(
-    runner: &mut CpuRunner,
+fn generate_into<R: Runner + ?Sized>(
+    runner: &mut R,
     prompt: &[u32],
     sampling: SamplingParams,
     stop: &StopConditions,
@@ -92,7 +93,7 @@ fn generate_into(
             return Ok(out);
         }
         let position = prompt.len() + out.len() - 1;
-        runner.blocks.grow(blocks, position + 1)?;
+        runner.blocks_mut().grow(blocks, position + 1)?;
         let step = runner.decode(
             &[DecodeRow {
                 token,
@@ -107,7 +108,7 @@ fn generate_into(
 }
 
 /// The logits of every position of `tokens` (`[len][vocab]`), through prefill graphs.
-pub fn score(runner: &mut CpuRunner, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+pub fn score<R: Runner + ?Sized>(runner: &mut R, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
     check_prompt(runner, tokens, 0)?;
     let mut blocks = Vec::new();
     let result = prefill(
@@ -117,7 +118,7 @@ pub fn score(runner: &mut CpuRunner, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
         SamplingParams::GREEDY,
         LogitsOutput::AllPositions,
     );
-    runner.blocks.release(&mut blocks);
+    runner.blocks_mut().release(&mut blocks);
     Ok(result?
         .into_iter()
         .flat_map(|o| o.logits.unwrap_or_default())

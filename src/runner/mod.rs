@@ -1,8 +1,18 @@
-//! Runs a model's bucketed graphs over one KV root: the CPU form of the graph runner.
+//! Runs a model's bucketed graphs over one KV root.
 //!
-//! The runner owns the weights (bound to every graph by name), the KV root (bound as input and
-//! aliased output of every graph, updated in place), and one graph per bucket, built on first
-//! use and kept. A batch is padded up to the smallest bucket that holds it.
+//! Two runners share one API (the [`Runner`] trait, and the [`GraphRunner`] enum over both):
+//!
+//! - [`CpuRunner`]: the CPU twin. It owns the weights (bound to every graph by name), the KV
+//!   root (bound as input and aliased output of every graph, updated in place), and one graph
+//!   per bucket, built on first use and kept.
+//! - [`DeviceRunner`] (in [`device`]): every bucket's graph captured once over libnrt or nrt-sim
+//!   and replayed with persistent device tensors (see DESIGN.md, "The runner contract").
+//!
+//! A batch is padded up to the smallest bucket that holds it.
+
+pub mod device;
+
+use std::path::PathBuf;
 
 use std::collections::HashMap;
 
@@ -17,6 +27,8 @@ use crate::model::{
     self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, WeightSpecs,
 };
 use crate::step::{self, DecodeRow, HostArray, HostData, PrefillChunk};
+
+pub use device::{CaptureStats, DeviceOptions, DeviceRunner, NeffSource};
 
 /// Sizes the runner captures graphs for.
 #[derive(Debug, Clone, PartialEq)]
@@ -305,4 +317,154 @@ impl CpuRunner {
     pub fn cache_layout(&self) -> CacheLayout {
         self.layout
     }
+}
+
+/// What the engine drives: prefill chunks and decode steps over a block allocator.
+pub trait Runner {
+    /// The model's configuration.
+    fn config(&self) -> &ModelConfig;
+    /// The runner's buckets.
+    fn runner_config(&self) -> &RunnerConfig;
+    /// The cache's block allocator.
+    fn blocks_mut(&mut self) -> &mut BlockAllocator;
+    /// Runs one prefill chunk (see [`CpuRunner::prefill`]).
+    fn prefill(&mut self, chunk: &PrefillChunk<'_>, logits: LogitsOutput) -> Result<StepOutput>;
+    /// Runs one decode step (see [`CpuRunner::decode`]).
+    fn decode(&mut self, rows: &[DecodeRow<'_>], logits: bool) -> Result<StepOutput>;
+}
+
+impl Runner for CpuRunner {
+    fn config(&self) -> &ModelConfig {
+        CpuRunner::config(self)
+    }
+    fn runner_config(&self) -> &RunnerConfig {
+        CpuRunner::runner_config(self)
+    }
+    fn blocks_mut(&mut self) -> &mut BlockAllocator {
+        &mut self.blocks
+    }
+    fn prefill(&mut self, chunk: &PrefillChunk<'_>, logits: LogitsOutput) -> Result<StepOutput> {
+        CpuRunner::prefill(self, chunk, logits)
+    }
+    fn decode(&mut self, rows: &[DecodeRow<'_>], logits: bool) -> Result<StepOutput> {
+        CpuRunner::decode(self, rows, logits)
+    }
+}
+
+impl Runner for DeviceRunner {
+    fn config(&self) -> &ModelConfig {
+        DeviceRunner::config(self)
+    }
+    fn runner_config(&self) -> &RunnerConfig {
+        DeviceRunner::runner_config(self)
+    }
+    fn blocks_mut(&mut self) -> &mut BlockAllocator {
+        &mut self.blocks
+    }
+    fn prefill(&mut self, chunk: &PrefillChunk<'_>, logits: LogitsOutput) -> Result<StepOutput> {
+        DeviceRunner::prefill(self, chunk, logits)
+    }
+    fn decode(&mut self, rows: &[DecodeRow<'_>], logits: bool) -> Result<StepOutput> {
+        DeviceRunner::decode(self, rows, logits)
+    }
+}
+
+/// A graph runner on any backend: the CPU twin or a device (nrt-sim or a NeuronCore).
+#[derive(Debug)]
+pub enum GraphRunner {
+    /// candle-core on the host.
+    Cpu(Box<CpuRunner>),
+    /// libnrt (or nrt-sim) with captured graphs.
+    Device(Box<DeviceRunner>),
+}
+
+impl std::fmt::Debug for CpuRunner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuRunner")
+            .field("runner_cfg", &self.runner_cfg)
+            .field("graphs", &self.graphs.len())
+            .finish()
+    }
+}
+
+impl GraphRunner {
+    /// The backend's name: `cpu` or `device`.
+    pub fn backend_name(&self) -> &'static str {
+        match self {
+            GraphRunner::Cpu(_) => "cpu",
+            GraphRunner::Device(_) => "device",
+        }
+    }
+
+    fn inner(&self) -> &dyn Runner {
+        match self {
+            GraphRunner::Cpu(r) => r.as_ref(),
+            GraphRunner::Device(r) => r.as_ref(),
+        }
+    }
+
+    fn inner_mut(&mut self) -> &mut dyn Runner {
+        match self {
+            GraphRunner::Cpu(r) => r.as_mut(),
+            GraphRunner::Device(r) => r.as_mut(),
+        }
+    }
+}
+
+impl Runner for GraphRunner {
+    fn config(&self) -> &ModelConfig {
+        self.inner().config()
+    }
+    fn runner_config(&self) -> &RunnerConfig {
+        self.inner().runner_config()
+    }
+    fn blocks_mut(&mut self) -> &mut BlockAllocator {
+        self.inner_mut().blocks_mut()
+    }
+    fn prefill(&mut self, chunk: &PrefillChunk<'_>, logits: LogitsOutput) -> Result<StepOutput> {
+        self.inner_mut().prefill(chunk, logits)
+    }
+    fn decode(&mut self, rows: &[DecodeRow<'_>], logits: bool) -> Result<StepOutput> {
+        self.inner_mut().decode(rows, logits)
+    }
+}
+
+/// The file name of nrt-sim's shared library.
+pub const SIM_LIBRARY_FILE: &str = "libnrt_sim.so";
+
+/// Where `--backend sim` looks for nrt-sim, in order: `NEURON_RT_LIB` when it names a file
+/// called `libnrt_sim.so`, then beside the executable, then its `deps/` directory, then the
+/// executable's parent directory (for tests and benches, which live in `deps/`).
+pub fn sim_library_candidates() -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if let Some(p) = std::env::var_os(neuron_sys::NEURON_RT_LIB).filter(|v| !v.is_empty()) {
+        out.push(PathBuf::from(p));
+    }
+    if let Ok(exe) = std::env::current_exe() {
+        if let Some(dir) = exe.parent() {
+            out.push(dir.join(SIM_LIBRARY_FILE));
+            out.push(dir.join("deps").join(SIM_LIBRARY_FILE));
+            if let Some(up) = dir.parent() {
+                out.push(up.join(SIM_LIBRARY_FILE));
+            }
+        }
+    }
+    out
+}
+
+/// The first of [`sim_library_candidates`] that exists, or an error listing where it looked.
+pub fn find_sim_library() -> Result<PathBuf> {
+    let candidates = sim_library_candidates();
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .ok_or_else(|| {
+            let places: Vec<String> = candidates.iter().map(|p| p.display().to_string()).collect();
+            Error::InvalidRequest(format!(
+                "nrt-sim ({SIM_LIBRARY_FILE}) not found; looked in {}. Build it with \
+                 `cargo build -p nrt-sim`, or set NEURON_RT_LIB to its path, or use `--backend cpu`",
+                places.join(", ")
+            ))
+        })
 }

@@ -1,0 +1,208 @@
+//! Host cost of the device runner.
+//!
+//! - `replay_sim/batch_N`: host time of one decode replay on nrt-sim with
+//!   `NRT_SIM_FREE_EXECUTE=1` (executions validate their bindings and return at once, so the
+//!   device is excluded): pad, write the bucket's metadata, execute, read `next_tokens`. Prints
+//!   the host↔device bytes of one step. Target: ≤ 50 µs at batch 64.
+//! - `capture/…`: build + lower time of one bucket graph of `fixtures/configs/deepseek-v2-lite.json`
+//!   (config only; no weights).
+//! - `decode_step/…` (only with `DEEPINFER_BENCH_BACKEND=cpu|sim|neuron`): one real decode step
+//!   of the tiny-v3 fixture at batch 8 on the chosen backend.
+//!
+//! Needs `libnrt_sim.so` beside the bench binary: `cargo build -p nrt-sim` (or `cargo test
+//! --workspace`) first.
+
+use std::path::{Path, PathBuf};
+
+use criterion::{criterion_group, criterion_main, Criterion};
+use deepinfer::backend::hlo::emit;
+use deepinfer::config::ModelConfig;
+use deepinfer::model::{
+    self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, WeightSpecs,
+};
+use deepinfer::runner::{
+    CpuRunner, DeviceOptions, DeviceRunner, GraphRunner, Runner, RunnerConfig,
+};
+use deepinfer::step::{DecodeRow, SamplingParams};
+use deepinfer::weights::Checkpoint;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+fn sim_lib() -> Option<PathBuf> {
+    nrt_sim::library_next_to_current_exe()
+        .or_else(|| Some(root().join("target/release/libnrt_sim.so")).filter(|p| p.is_file()))
+}
+
+fn tiny() -> (ModelConfig, ModelWeights) {
+    let dir = root().join("fixtures/tiny-v3");
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).expect("config");
+    let w = ModelWeights::load(&cfg, &Checkpoint::open(&dir).expect("checkpoint")).expect("w");
+    (cfg, w)
+}
+
+fn replay_config() -> RunnerConfig {
+    RunnerConfig {
+        block_size: 16,
+        num_blocks: 64 * 4 + 1,
+        batch_buckets: vec![1, 8, 32, 64],
+        ctx_buckets: vec![64],
+        prefill_chunk: 16,
+        moe: None,
+    }
+}
+
+fn replay(c: &mut Criterion) {
+    let Some(path) = sim_lib() else {
+        eprintln!("replay_sim skipped: libnrt_sim.so not found (cargo build -p nrt-sim)");
+        return;
+    };
+    // Read at nrt_init: set before the runtime exists (nothing else runs yet).
+    std::env::set_var(nrt_sim::ENV_FREE_EXECUTE, "1");
+    let (cfg, weights) = tiny();
+    let lib = neuron_sys::Library::open(&path).expect("nrt-sim");
+    let hooks = nrt_sim::SimLibrary::open(&path).expect("hooks");
+    let mut runner = DeviceRunner::new(cfg, weights, replay_config(), lib, DeviceOptions::sim())
+        .expect("capture");
+    if let Some(st) = runner.capture_stats() {
+        println!(
+            "capture on nrt-sim (tiny-v3, {} graphs): {:?} total, {} B uploaded",
+            st.graphs.len(),
+            st.total,
+            st.bytes_uploaded
+        );
+        for (name, t, bytes) in &st.graphs {
+            println!("  {name}: build + lower {t:?}, {bytes} B NEFF");
+        }
+    }
+    let mut tables: Vec<Vec<u32>> = vec![Vec::new(); 64];
+    for t in tables.iter_mut() {
+        runner.blocks.grow(t, 40).expect("blocks");
+    }
+    let mut group = c.benchmark_group("replay_sim");
+    for batch in [1usize, 8, 32, 64] {
+        let rows: Vec<DecodeRow> = tables[..batch]
+            .iter()
+            .enumerate()
+            .map(|(i, t)| DecodeRow {
+                token: (i % 50) as u32 + 1,
+                position: 30 + i % 9,
+                blocks: t,
+                sampling: SamplingParams::GREEDY,
+            })
+            .collect();
+        hooks.reset();
+        runner.decode(&rows, false).expect("replay");
+        let counters = hooks.counters().expect("counters");
+        let written: u64 = counters.tensor_bytes_written.values().sum();
+        let read: u64 = counters.tensor_bytes_read.values().sum();
+        println!(
+            "replay_sim batch {batch}: host->device {written} B, device->host {read} B per step"
+        );
+        group.bench_function(format!("batch_{batch}"), |b| {
+            b.iter(|| runner.decode(&rows, false).expect("replay"))
+        });
+    }
+    group.finish();
+    drop(runner);
+    std::env::remove_var(nrt_sim::ENV_FREE_EXECUTE);
+}
+
+fn capture(c: &mut Criterion) {
+    let path = root().join("fixtures/configs/deepseek-v2-lite.json");
+    let cfg = ModelConfig::from_file(Path::new(&path)).expect("deepseek-v2-lite config");
+    let specs = WeightSpecs::new(&cfg);
+    let layout = CacheLayout {
+        block_size: 16,
+        num_slots: 64 * 256 + 16,
+    };
+    let mut group = c.benchmark_group("capture");
+    group.sample_size(10);
+    for (prefill, rows, ctx) in [
+        (false, 1usize, 4096usize),
+        (false, 8, 4096),
+        (false, 64, 4096),
+        (true, 64, 4096),
+    ] {
+        let spec = GraphSpec {
+            rows,
+            ctx,
+            logits: if prefill {
+                LogitsOutput::AllPositions
+            } else {
+                LogitsOutput::Sampled
+            },
+            moe: MoeStrategy::Gather,
+        };
+        let name = if prefill {
+            format!("prefill_t{rows}_c{ctx}")
+        } else {
+            format!("decode_b{rows}_c{ctx}")
+        };
+        group.bench_function(name, |b| {
+            b.iter(|| {
+                let g = if prefill {
+                    model::build_prefill(&cfg, &specs, &layout, &spec)
+                } else {
+                    model::build_decode(&cfg, &specs, &layout, &spec)
+                }
+                .expect("build");
+                emit::to_bytes(&emit::emit(&g).expect("lower")).len()
+            })
+        });
+    }
+    group.finish();
+}
+
+fn decode_step(c: &mut Criterion) {
+    let Ok(backend) = std::env::var("DEEPINFER_BENCH_BACKEND") else {
+        return;
+    };
+    let (cfg, weights) = tiny();
+    let rc = RunnerConfig::for_limits(8, 128);
+    let mut runner = match backend.as_str() {
+        "cpu" => GraphRunner::Cpu(Box::new(CpuRunner::new(cfg, weights, rc).expect("cpu"))),
+        "sim" | "neuron" => {
+            let (lib, opts) = if backend == "sim" {
+                let path = sim_lib().expect("libnrt_sim.so (cargo build -p nrt-sim)");
+                (
+                    neuron_sys::Library::open(&path).expect("nrt-sim"),
+                    DeviceOptions::sim(),
+                )
+            } else {
+                match neuron_sys::Library::load() {
+                    Ok(lib) => (lib, DeviceOptions::neuron(Default::default())),
+                    Err(e) => {
+                        eprintln!("decode_step/neuron skipped: {e}");
+                        return;
+                    }
+                }
+            };
+            GraphRunner::Device(Box::new(
+                DeviceRunner::new(cfg, weights, rc, lib, opts).expect("capture"),
+            ))
+        }
+        other => panic!("DEEPINFER_BENCH_BACKEND={other}: expected cpu, sim or neuron"),
+    };
+    let mut tables: Vec<Vec<u32>> = vec![Vec::new(); 8];
+    for t in tables.iter_mut() {
+        runner.blocks_mut().grow(t, 40).expect("blocks");
+    }
+    let rows: Vec<DecodeRow> = tables
+        .iter()
+        .enumerate()
+        .map(|(i, t)| DecodeRow {
+            token: i as u32 + 1,
+            position: 32 + i,
+            blocks: t,
+            sampling: SamplingParams::GREEDY,
+        })
+        .collect();
+    c.bench_function(&format!("decode_step/{backend}/batch_8"), |b| {
+        b.iter(|| runner.decode(&rows, false).expect("decode"))
+    });
+}
+
+criterion_group!(benches, replay, capture, decode_step);
+criterion_main!(benches);

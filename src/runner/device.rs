@@ -1,0 +1,803 @@
+//! The device graph runner: every bucket's graph captured once over libnrt (or nrt-sim), then
+//! replayed with persistent device tensors.
+//!
+//! [`DeviceRunner::capture`] builds each bucket's graph (decode per batch bucket × context
+//! bucket, prefill per context bucket), lowers it to HLO, turns it into a NEFF (neuronx-cc
+//! through the NEFF cache, or for nrt-sim the HLO bytes themselves) and loads it, largest
+//! first. It uploads the weights once, allocates the KV root once and binds it as input and
+//! aliased output `kv_cache` of every model, and allocates the step metadata buffers once per
+//! context bucket at the largest batch: the model for batch `b` binds slices of their first `b`
+//! rows. Outputs (`next_tokens`, `logits`) are persistent too.
+//!
+//! A replay pads the step (see [`crate::step`]), writes only the chosen bucket's metadata
+//! bytes, executes, and reads `next_tokens` (and the logits only when asked). It allocates no
+//! device tensor and never touches the KV root from the host.
+//!
+//! [`DeviceRunner::destroy`] unloads every model and frees every tensor; it is idempotent, runs
+//! on drop, and [`DeviceRunner::capture`] works again afterwards.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use neuron_sys::{Library, Model, Runtime, Tensor, TensorSet};
+
+use super::{smallest_fitting, Kind, RunnerConfig, StepOutput};
+use crate::backend::hlo::emit;
+use crate::backend::neuron::compile::{compile_all, CompileJob, CompilerConfig};
+use crate::cache::BlockAllocator;
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::graph::{Graph, InputRole};
+use crate::model::{
+    self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, WeightSpecs,
+};
+use crate::step::{self, DecodeRow, HostArray, HostData, PrefillChunk};
+
+/// How a device runner turns a lowered graph into the bytes `nrt_load` takes.
+#[derive(Debug, Clone)]
+pub enum NeffSource {
+    /// nrt-sim: the NEFF is the serialized `HloModuleProto` itself.
+    Hlo,
+    /// neuronx-cc, through the NEFF cache ([`compile_all`]).
+    Compile(CompilerConfig),
+}
+
+/// Where and how a [`DeviceRunner`] runs.
+#[derive(Debug, Clone)]
+pub struct DeviceOptions {
+    /// How NEFFs are made.
+    pub neff: NeffSource,
+    /// The NeuronCore (relative to the visible set) models and tensors live on.
+    pub nc: u32,
+}
+
+impl DeviceOptions {
+    /// nrt-sim on core 0.
+    pub fn sim() -> Self {
+        DeviceOptions {
+            neff: NeffSource::Hlo,
+            nc: 0,
+        }
+    }
+
+    /// A NeuronCore (core 0) with neuronx-cc configured by `cfg`.
+    pub fn neuron(cfg: CompilerConfig) -> Self {
+        DeviceOptions {
+            neff: NeffSource::Compile(cfg),
+            nc: 0,
+        }
+    }
+}
+
+/// What one capture cost, per graph.
+#[derive(Debug, Clone)]
+pub struct CaptureStats {
+    /// Per graph, largest first: its name, build + lower time, and NEFF bytes.
+    pub graphs: Vec<(String, Duration, usize)>,
+    /// The whole capture, compile and load included.
+    pub total: Duration,
+    /// Bytes written to the device at capture (weights, and zeroing the KV root).
+    pub bytes_uploaded: u64,
+}
+
+/// One metadata input's persistent buffer, at the bucket's largest row count.
+struct MetaBuf {
+    name: &'static str,
+    tensor: Tensor,
+    row_bytes: usize,
+}
+
+/// One loaded model and its bindings.
+struct Loaded {
+    name: String,
+    model: Model,
+    inputs: TensorSet,
+    outputs: TensorSet,
+    /// Index into the context bucket's metadata buffers.
+    ctx_index: usize,
+}
+
+/// Everything capture allocates; dropping it unloads the models and frees the tensors.
+struct Captured {
+    // Field order is drop order: models (and their sets) first, then the tensors they bind.
+    graphs: HashMap<(Kind, usize, usize), Loaded>,
+    decode_meta: Vec<Vec<MetaBuf>>,
+    prefill_meta: Vec<Vec<MetaBuf>>,
+    decode_next: Tensor,
+    decode_logits: Tensor,
+    prefill_next: Tensor,
+    prefill_logits: Tensor,
+    root: Tensor,
+    weights: HashMap<String, Tensor>,
+}
+
+/// The graph runner over libnrt (a NeuronCore, or nrt-sim).
+pub struct DeviceRunner {
+    cfg: ModelConfig,
+    specs: WeightSpecs,
+    weights: ModelWeights,
+    layout: CacheLayout,
+    runner_cfg: RunnerConfig,
+    opts: DeviceOptions,
+    rt: Runtime,
+    state: Option<Captured>,
+    stats: Option<CaptureStats>,
+    /// The cache's block allocator: callers grow and release sequences' tables through it.
+    pub blocks: BlockAllocator,
+}
+
+impl std::fmt::Debug for DeviceRunner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceRunner")
+            .field("runner_cfg", &self.runner_cfg)
+            .field("opts", &self.opts)
+            .field("captured", &self.state.is_some())
+            .finish()
+    }
+}
+
+fn dev(graph: &str) -> impl FnOnce(neuron_sys::Error) -> Error + '_ {
+    move |source| Error::Device {
+        graph: graph.to_string(),
+        source,
+    }
+}
+
+fn host_bytes(a: &HostArray) -> &[u8] {
+    match &a.data {
+        HostData::I32(v) => bytemuck::cast_slice(v),
+        HostData::F32(v) => bytemuck::cast_slice(v),
+        HostData::U32(v) => bytemuck::cast_slice(v),
+    }
+}
+
+/// A slice of the first `bytes` of `t`, or `t` itself when that is all of it.
+fn first_bytes(t: &Tensor, bytes: usize, graph: &str) -> Result<Tensor> {
+    if bytes == t.size() {
+        Ok(t.clone())
+    } else {
+        t.slice(0, bytes).map_err(dev(graph))
+    }
+}
+
+impl DeviceRunner {
+    /// A runner over `lib` (libnrt or nrt-sim), initialising (or sharing) the runtime over
+    /// core `opts.nc`, then capturing every graph.
+    pub fn new(
+        cfg: ModelConfig,
+        weights: ModelWeights,
+        runner_cfg: RunnerConfig,
+        lib: Arc<Library>,
+        opts: DeviceOptions,
+    ) -> Result<Self> {
+        if runner_cfg.batch_buckets.is_empty() || runner_cfg.ctx_buckets.is_empty() {
+            return Err(Error::InvalidRequest(
+                "the runner needs at least one batch bucket and one context bucket".into(),
+            ));
+        }
+        let rt = Runtime::shared(lib, opts.nc, 1)?;
+        let layout = CacheLayout {
+            block_size: runner_cfg.block_size,
+            num_slots: runner_cfg.num_blocks * runner_cfg.block_size,
+        };
+        let mut r = DeviceRunner {
+            specs: WeightSpecs::new(&cfg),
+            blocks: BlockAllocator::new(runner_cfg.num_blocks, runner_cfg.block_size)?,
+            cfg,
+            weights,
+            layout,
+            runner_cfg,
+            opts,
+            rt,
+            state: None,
+            stats: None,
+        };
+        r.capture()?;
+        Ok(r)
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    /// The runner's buckets.
+    pub fn runner_config(&self) -> &RunnerConfig {
+        &self.runner_cfg
+    }
+
+    /// The cache geometry graphs are built for.
+    pub fn cache_layout(&self) -> CacheLayout {
+        self.layout
+    }
+
+    /// The runtime the models are loaded in.
+    pub fn runtime(&self) -> &Runtime {
+        &self.rt
+    }
+
+    /// What the last capture cost, if one happened.
+    pub fn capture_stats(&self) -> Option<&CaptureStats> {
+        self.stats.as_ref()
+    }
+
+    /// How many weight tensors live on the device (0 when not captured).
+    pub fn device_weight_count(&self) -> usize {
+        self.state.as_ref().map_or(0, |s| s.weights.len())
+    }
+
+    /// Whether the graphs are captured (false after [`DeviceRunner::destroy`]).
+    pub fn is_captured(&self) -> bool {
+        self.state.is_some()
+    }
+
+    /// Names of the loaded graphs, largest first.
+    pub fn graph_names(&self) -> Vec<String> {
+        self.stats
+            .as_ref()
+            .filter(|_| self.state.is_some())
+            .map(|s| s.graphs.iter().map(|g| g.0.clone()).collect())
+            .unwrap_or_default()
+    }
+
+    fn moe_for(&self, tokens: usize) -> MoeStrategy {
+        if let Some(m) = self.runner_cfg.moe {
+            return m;
+        }
+        match (&self.opts.neff, &self.cfg.routing) {
+            // The simulator runs on the CPU backend, where the gather wins (see CpuRunner).
+            (NeffSource::Hlo, _) | (_, None) => MoeStrategy::Gather,
+            (NeffSource::Compile(_), Some(r)) => MoeStrategy::for_tokens(r, tokens),
+        }
+    }
+
+    /// The graphs of every bucket, largest first: decode per (batch, ctx) bucket with the
+    /// sampled logits as an output, prefill per ctx bucket with every position's logits.
+    fn specs_largest_first(&self) -> Vec<(Kind, GraphSpec)> {
+        let rc = &self.runner_cfg;
+        let mut out = Vec::new();
+        for &ctx in &rc.ctx_buckets {
+            for &b in &rc.batch_buckets {
+                out.push((
+                    Kind::Decode,
+                    GraphSpec {
+                        rows: b,
+                        ctx,
+                        logits: LogitsOutput::Sampled,
+                        moe: self.moe_for(b),
+                    },
+                ));
+            }
+            out.push((
+                Kind::Prefill,
+                GraphSpec {
+                    rows: rc.prefill_chunk,
+                    ctx,
+                    logits: LogitsOutput::AllPositions,
+                    moe: self.moe_for(rc.prefill_chunk),
+                },
+            ));
+        }
+        out.sort_by_key(|(k, s)| {
+            (
+                std::cmp::Reverse(s.rows * s.ctx),
+                std::cmp::Reverse(s.ctx),
+                *k == Kind::Decode,
+            )
+        });
+        out
+    }
+
+    /// Builds, lowers, compiles and loads every bucket's graph, uploads the weights and
+    /// allocates every persistent tensor. Does nothing when already captured.
+    pub fn capture(&mut self) -> Result<()> {
+        if self.state.is_some() {
+            return Ok(());
+        }
+        let t0 = Instant::now();
+        let specs = self.specs_largest_first();
+        let mut graphs = Vec::with_capacity(specs.len());
+        let mut jobs = Vec::with_capacity(specs.len());
+        let mut timings = Vec::with_capacity(specs.len());
+        for (kind, spec) in &specs {
+            let t = Instant::now();
+            let g = match kind {
+                Kind::Decode => model::build_decode(&self.cfg, &self.specs, &self.layout, spec)?,
+                Kind::Prefill => model::build_prefill(&self.cfg, &self.specs, &self.layout, spec)?,
+            };
+            let hlo = emit::to_bytes(&emit::emit(&g)?);
+            timings.push(t.elapsed());
+            jobs.push(CompileJob {
+                name: g.name().to_string(),
+                hlo,
+            });
+            graphs.push((*kind, *spec, g));
+        }
+        let neffs: Vec<Vec<u8>> = match &self.opts.neff {
+            NeffSource::Hlo => jobs.iter().map(|j| j.hlo.clone()).collect(),
+            NeffSource::Compile(cc) => compile_all(cc, &jobs)?
+                .into_iter()
+                .map(|c| c.neff)
+                .collect(),
+        };
+        let (captured, uploaded) = self.allocate_and_load(&graphs, &neffs)?;
+        self.state = Some(captured);
+        self.stats = Some(CaptureStats {
+            graphs: graphs
+                .iter()
+                .zip(&timings)
+                .zip(&neffs)
+                .map(|(((_, _, g), t), n)| (g.name().to_string(), *t, n.len()))
+                .collect(),
+            total: t0.elapsed(),
+            bytes_uploaded: uploaded,
+        });
+        Ok(())
+    }
+
+    fn allocate_and_load(
+        &self,
+        graphs: &[(Kind, GraphSpec, Graph)],
+        neffs: &[Vec<u8>],
+    ) -> Result<(Captured, u64)> {
+        const CAP: &str = "capture";
+        let rt = &self.rt;
+        let nc = self.opts.nc;
+        let rc = &self.runner_cfg;
+        let mut uploaded = 0u64;
+
+        // Weights: once, under the graph input's name.
+        let mut weights: HashMap<String, Tensor> = HashMap::new();
+        for (_, _, g) in graphs {
+            for decl in g.inputs().iter().filter(|d| d.role == InputRole::Weight) {
+                if weights.contains_key(&decl.name) {
+                    continue;
+                }
+                let host = self
+                    .weights
+                    .get(&decl.name)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()?;
+                let bytes: &[u8] = bytemuck::cast_slice(&host);
+                let t = Tensor::device(rt, nc, bytes.len(), &decl.name).map_err(dev(CAP))?;
+                t.write(0, bytes).map_err(dev(CAP))?;
+                uploaded += bytes.len() as u64;
+                weights.insert(decl.name.clone(), t);
+            }
+        }
+
+        // The KV root, zeroed once (device memory is not zeroed by the allocator).
+        let root_bytes =
+            self.layout.num_slots * self.cfg.num_hidden_layers * self.cfg.kv_cache_width() * 4;
+        let root = Tensor::device(rt, nc, root_bytes, "kv_cache").map_err(dev(CAP))?;
+        let zeros = vec![0u8; root_bytes.min(1 << 20)];
+        let mut off = 0;
+        while off < root_bytes {
+            let n = zeros.len().min(root_bytes - off);
+            root.write(off, &zeros[..n]).map_err(dev(CAP))?;
+            off += n;
+        }
+        uploaded += root_bytes as u64;
+
+        // Metadata buffers per ctx bucket, at the largest batch (decode) / chunk (prefill).
+        let max_batch = rc.batch_buckets.iter().copied().max().unwrap_or(1);
+        let mut decode_meta = Vec::with_capacity(rc.ctx_buckets.len());
+        let mut prefill_meta = Vec::with_capacity(rc.ctx_buckets.len());
+        for &ctx in &rc.ctx_buckets {
+            for (kind, rows, out) in [
+                (Kind::Decode, max_batch, &mut decode_meta),
+                (Kind::Prefill, rc.prefill_chunk, &mut prefill_meta),
+            ] {
+                let g = graphs
+                    .iter()
+                    .find(|(k, s, _)| *k == kind && s.rows == rows && s.ctx == ctx)
+                    .map(|(_, _, g)| g)
+                    .ok_or_else(|| Error::Binding {
+                        name: format!("{kind:?} rows {rows} ctx {ctx}"),
+                        msg: "no captured graph".into(),
+                    })?;
+                let prefix = match kind {
+                    Kind::Decode => "decode",
+                    Kind::Prefill => "prefill",
+                };
+                let mut bufs = Vec::new();
+                for decl in g.inputs().iter().filter(|d| d.role == InputRole::Metadata) {
+                    let dims = decl.shape.dims();
+                    let lead = dims.first().copied().unwrap_or(1).max(1);
+                    let total = dims.iter().product::<usize>() * decl.dtype.size_in_bytes();
+                    let name = metadata_name(&decl.name).ok_or_else(|| Error::Binding {
+                        name: decl.name.clone(),
+                        msg: format!("graph `{}`: unknown metadata input", g.name()),
+                    })?;
+                    let tensor = Tensor::device(rt, nc, total, &format!("{prefix}_c{ctx}/{name}"))
+                        .map_err(dev(CAP))?;
+                    bufs.push(MetaBuf {
+                        name,
+                        tensor,
+                        row_bytes: total / lead,
+                    });
+                }
+                out.push(bufs);
+            }
+        }
+
+        // Persistent outputs.
+        let vocab = self.cfg.vocab_size;
+        let t = rc.prefill_chunk;
+        let decode_next =
+            Tensor::device(rt, nc, max_batch * 4, "decode/next_tokens").map_err(dev(CAP))?;
+        let decode_logits =
+            Tensor::device(rt, nc, max_batch * vocab * 4, "decode/logits").map_err(dev(CAP))?;
+        let prefill_next = Tensor::device(rt, nc, 4, "prefill/next_tokens").map_err(dev(CAP))?;
+        let prefill_logits =
+            Tensor::device(rt, nc, t * vocab * 4, "prefill/logits").map_err(dev(CAP))?;
+
+        let mut loaded = HashMap::new();
+        for ((kind, spec, g), neff) in graphs.iter().zip(neffs) {
+            let name = g.name();
+            let ctx_index = rc
+                .ctx_buckets
+                .iter()
+                .position(|&c| c == spec.ctx)
+                .unwrap_or(0);
+            let meta = match kind {
+                Kind::Decode => &decode_meta[ctx_index],
+                Kind::Prefill => &prefill_meta[ctx_index],
+            };
+            let mut inputs = TensorSet::new(rt).map_err(dev(name))?;
+            let mut in_sizes = HashMap::new();
+            let mut out_sizes = HashMap::new();
+            for decl in g.inputs() {
+                let want = decl.shape.dims().iter().product::<usize>() * decl.dtype.size_in_bytes();
+                let t = match decl.role {
+                    InputRole::Weight => {
+                        weights
+                            .get(&decl.name)
+                            .cloned()
+                            .ok_or_else(|| Error::Binding {
+                                name: decl.name.clone(),
+                                msg: format!("graph `{name}`: weight not uploaded"),
+                            })?
+                    }
+                    InputRole::CacheRoot => root.clone(),
+                    InputRole::Metadata => {
+                        let buf = meta.iter().find(|b| b.name == decl.name).ok_or_else(|| {
+                            Error::Binding {
+                                name: decl.name.clone(),
+                                msg: format!("graph `{name}`: no metadata buffer"),
+                            }
+                        })?;
+                        first_bytes(&buf.tensor, want, name)?
+                    }
+                };
+                if t.size() != want {
+                    return Err(Error::Binding {
+                        name: decl.name.clone(),
+                        msg: format!(
+                            "graph `{name}` needs {want} bytes, the device tensor has {}",
+                            t.size()
+                        ),
+                    });
+                }
+                in_sizes.insert(decl.name.as_str(), t.size());
+                inputs.add(&decl.name, &t).map_err(dev(name))?;
+            }
+            let mut outputs = TensorSet::new(rt).map_err(dev(name))?;
+            for decl in g.outputs() {
+                let t = match (kind, decl.name.as_str()) {
+                    (_, "kv_cache") => root.clone(),
+                    (Kind::Decode, "next_tokens") => {
+                        first_bytes(&decode_next, spec.rows * 4, name)?
+                    }
+                    (Kind::Decode, "logits") => {
+                        first_bytes(&decode_logits, spec.rows * vocab * 4, name)?
+                    }
+                    (Kind::Prefill, "next_tokens") => prefill_next.clone(),
+                    (Kind::Prefill, "logits") => prefill_logits.clone(),
+                    (_, other) => {
+                        return Err(Error::Binding {
+                            name: other.to_string(),
+                            msg: format!("graph `{name}`: unexpected output"),
+                        })
+                    }
+                };
+                out_sizes.insert(decl.name.as_str(), t.size());
+                outputs.add(&decl.name, &t).map_err(dev(name))?;
+            }
+            let model = Model::load(rt, neff, Some(nc), None).map_err(dev(name))?;
+            check_io(&model, name, &in_sizes, &out_sizes)?;
+            loaded.insert(
+                (*kind, spec.rows, spec.ctx),
+                Loaded {
+                    name: name.to_string(),
+                    model,
+                    inputs,
+                    outputs,
+                    ctx_index,
+                },
+            );
+        }
+        Ok((
+            Captured {
+                graphs: loaded,
+                decode_meta,
+                prefill_meta,
+                decode_next,
+                decode_logits,
+                prefill_next,
+                prefill_logits,
+                root,
+                weights,
+            },
+            uploaded,
+        ))
+    }
+
+    /// Unloads every model and frees every tensor. Idempotent; [`DeviceRunner::capture`]
+    /// works again afterwards. Returns the first error libnrt reported while unloading.
+    pub fn destroy(&mut self) -> Result<()> {
+        if let Some(state) = self.state.take() {
+            drop(state);
+            if let Some(e) = self.rt.take_deferred_errors().into_iter().next() {
+                return Err(Error::Device {
+                    graph: "destroy".into(),
+                    source: e,
+                });
+            }
+        }
+        Ok(())
+    }
+
+    fn captured(&self) -> Result<&Captured> {
+        self.state.as_ref().ok_or_else(|| {
+            Error::InvalidRequest(
+                "the device runner was destroyed: call capture() before replaying".into(),
+            )
+        })
+    }
+
+    fn check_tokens(&self, tokens: impl IntoIterator<Item = u32>) -> Result<()> {
+        for t in tokens {
+            if t as usize >= self.cfg.vocab_size {
+                return Err(Error::InvalidRequest(format!(
+                    "token id {t} is outside the vocabulary (size {})",
+                    self.cfg.vocab_size
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Writes `meta` into the bucket's persistent buffers (only the bucket's rows).
+    fn write_meta(bufs: &[MetaBuf], meta: &[HostArray], graph: &str) -> Result<()> {
+        for a in meta {
+            let buf = bufs
+                .iter()
+                .find(|b| b.name == a.name)
+                .ok_or_else(|| Error::Binding {
+                    name: a.name.to_string(),
+                    msg: format!("graph `{graph}`: no device buffer"),
+                })?;
+            let bytes = host_bytes(a);
+            if bytes.len() > buf.tensor.size() || !bytes.len().is_multiple_of(buf.row_bytes.max(1))
+            {
+                return Err(Error::Binding {
+                    name: a.name.to_string(),
+                    msg: format!(
+                        "graph `{graph}`: {} bytes do not fit the {}-byte buffer",
+                        bytes.len(),
+                        buf.tensor.size()
+                    ),
+                });
+            }
+            buf.tensor.write(0, bytes).map_err(dev(graph))?;
+        }
+        Ok(())
+    }
+
+    fn read_outputs(
+        next: &Tensor,
+        logits: Option<(&Tensor, usize, usize)>,
+        real_rows: usize,
+        vocab: usize,
+        graph: &str,
+    ) -> Result<StepOutput> {
+        let mut tokens = vec![0u32; real_rows];
+        next.read(0, bytemuck::cast_slice_mut(&mut tokens))
+            .map_err(dev(graph))?;
+        let logits = match logits {
+            Some((t, first_row, rows)) => {
+                let mut flat = vec![0f32; rows * vocab];
+                t.read(first_row * vocab * 4, bytemuck::cast_slice_mut(&mut flat))
+                    .map_err(dev(graph))?;
+                Some(flat.chunks(vocab.max(1)).map(<[f32]>::to_vec).collect())
+            }
+            None => None,
+        };
+        Ok(StepOutput {
+            next_tokens: tokens,
+            logits,
+        })
+    }
+
+    /// Runs one prefill chunk (at most `prefill_chunk` tokens). With
+    /// [`LogitsOutput::AllPositions`] the logits of every token of the chunk are returned.
+    pub fn prefill(
+        &mut self,
+        chunk: &PrefillChunk<'_>,
+        logits: LogitsOutput,
+    ) -> Result<StepOutput> {
+        self.prefill_with(chunk, logits, false)
+    }
+
+    /// [`DeviceRunner::prefill`]; with `input_on_device` the metadata copy is skipped (the
+    /// caller already wrote the buffers).
+    pub fn prefill_with(
+        &mut self,
+        chunk: &PrefillChunk<'_>,
+        logits: LogitsOutput,
+        input_on_device: bool,
+    ) -> Result<StepOutput> {
+        let st = self.captured()?;
+        self.check_tokens(chunk.tokens.iter().copied())?;
+        let n = chunk.tokens.len();
+        let t = self.runner_cfg.prefill_chunk;
+        if n > t {
+            return Err(Error::InvalidRequest(format!(
+                "a prefill chunk of {n} tokens exceeds the chunk size {t}"
+            )));
+        }
+        let ctx = smallest_fitting(
+            &self.runner_cfg.ctx_buckets,
+            chunk.start + n,
+            "context length",
+        )?;
+        let g = st
+            .graphs
+            .get(&(Kind::Prefill, t, ctx))
+            .ok_or_else(|| Error::InvalidRequest(format!("no prefill graph for context {ctx}")))?;
+        if !input_on_device {
+            let meta = step::prefill_step(chunk, t, ctx, self.layout.block_size)?;
+            Self::write_meta(&st.prefill_meta[g.ctx_index], &meta, &g.name)?;
+        }
+        g.model
+            .execute(&g.inputs, &g.outputs)
+            .map_err(dev(&g.name))?;
+        let want = match logits {
+            LogitsOutput::None => None,
+            LogitsOutput::Sampled => Some((&st.prefill_logits, n.saturating_sub(1), 1)),
+            LogitsOutput::AllPositions => Some((&st.prefill_logits, 0, n)),
+        };
+        Self::read_outputs(&st.prefill_next, want, 1, self.cfg.vocab_size, &g.name)
+    }
+
+    /// Runs one decode step for `rows`, padded to the smallest batch bucket.
+    pub fn decode(&mut self, rows: &[DecodeRow<'_>], logits: bool) -> Result<StepOutput> {
+        self.decode_with(rows, logits, false)
+    }
+
+    /// [`DeviceRunner::decode`]; with `input_on_device` the metadata copy is skipped (the
+    /// caller already wrote the buffers).
+    pub fn decode_with(
+        &mut self,
+        rows: &[DecodeRow<'_>],
+        logits: bool,
+        input_on_device: bool,
+    ) -> Result<StepOutput> {
+        let st = self.captured()?;
+        self.check_tokens(rows.iter().map(|r| r.token))?;
+        let batch = smallest_fitting(&self.runner_cfg.batch_buckets, rows.len(), "batch size")?;
+        let longest = rows.iter().map(|r| r.position + 1).max().unwrap_or(1);
+        let ctx = smallest_fitting(&self.runner_cfg.ctx_buckets, longest, "context length")?;
+        let g = st.graphs.get(&(Kind::Decode, batch, ctx)).ok_or_else(|| {
+            Error::InvalidRequest(format!("no decode graph for batch {batch}, context {ctx}"))
+        })?;
+        if !input_on_device {
+            let meta = step::decode_step(rows, batch, ctx, self.layout.block_size)?;
+            Self::write_meta(&st.decode_meta[g.ctx_index], &meta, &g.name)?;
+        }
+        g.model
+            .execute(&g.inputs, &g.outputs)
+            .map_err(dev(&g.name))?;
+        let want = logits.then_some((&st.decode_logits, 0, rows.len()));
+        Self::read_outputs(
+            &st.decode_next,
+            want,
+            rows.len(),
+            self.cfg.vocab_size,
+            &g.name,
+        )
+    }
+
+    /// The persistent device buffer of metadata input `name` (`input_ids`, `block_tables`, …)
+    /// for the decode (or, with `prefill`, the prefill) graphs of context bucket `ctx`, sized
+    /// for the largest batch: a caller that fills it itself replays with `input_on_device`.
+    pub fn metadata_buffer(&self, prefill: bool, ctx: usize, name: &str) -> Option<Tensor> {
+        let st = self.state.as_ref()?;
+        let i = self.runner_cfg.ctx_buckets.iter().position(|&c| c == ctx)?;
+        let bufs = if prefill {
+            st.prefill_meta.get(i)?
+        } else {
+            st.decode_meta.get(i)?
+        };
+        bufs.iter()
+            .find(|b| b.name == name)
+            .map(|b| b.tensor.clone())
+    }
+
+    /// The KV root copied to the host (`[slots, layers * width]` f32); for tests and tools.
+    pub fn read_kv_root(&self) -> Result<Vec<f32>> {
+        let st = self.captured()?;
+        let mut v = vec![0f32; st.root.size() / 4];
+        st.root
+            .read(0, bytemuck::cast_slice_mut(&mut v))
+            .map_err(dev("kv_cache"))?;
+        Ok(v)
+    }
+}
+
+/// Checks the loaded NEFF's I/O (when the runtime reports it) against what the runner bound:
+/// every NEFF input and output bound under its name, with the same byte size. A mismatch is a
+/// clear error at capture instead of a failed execution at the first replay.
+fn check_io(
+    model: &Model,
+    graph: &str,
+    inputs: &HashMap<&str, usize>,
+    outputs: &HashMap<&str, usize>,
+) -> Result<()> {
+    let io = match model.io() {
+        Ok(io) => io,
+        Err(neuron_sys::Error::Unsupported { .. }) => return Ok(()),
+        Err(e) => return Err(dev(graph)(e)),
+    };
+    for (what, infos, bound) in [
+        ("input", io.inputs().collect::<Vec<_>>(), inputs),
+        ("output", io.outputs().collect::<Vec<_>>(), outputs),
+    ] {
+        for info in infos {
+            match bound.get(info.name.as_str()) {
+                Some(&size) if size == info.size => {}
+                Some(&size) => {
+                    return Err(Error::Binding {
+                        name: info.name.clone(),
+                        msg: format!(
+                        "graph `{graph}`: the NEFF {what} takes {} bytes, the runner bound {size}",
+                        info.size
+                    ),
+                    })
+                }
+                None => {
+                    return Err(Error::Binding {
+                        name: info.name.clone(),
+                        msg: format!("graph `{graph}`: the NEFF {what} is not bound by the runner"),
+                    })
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The `'static` name of a metadata input (the names [`crate::step`] produces).
+fn metadata_name(name: &str) -> Option<&'static str> {
+    const NAMES: [&str; 10] = [
+        "input_ids",
+        "positions",
+        "slot_mapping",
+        "block_tables",
+        "context_lens",
+        "last_index",
+        "temperature",
+        "top_k",
+        "top_p",
+        "seeds",
+    ];
+    NAMES.into_iter().find(|n| *n == name)
+}
+
+impl Drop for DeviceRunner {
+    fn drop(&mut self) {
+        let _ = self.destroy();
+    }
+}

@@ -1,0 +1,704 @@
+//! The device runner on nrt-sim against the CPU twin: identical greedy tokens and logits within
+//! 1e-5 through mixed batches and context buckets; the runner contract checked through the
+//! simulator's counters (weights written once, no cache-root traffic, exactly the bucket's
+//! metadata bytes per replay); an injected execute failure; destroy and recapture; bad inputs.
+//!
+//! The simulated runtime and its counters are process-global, so tests run one at a time
+//! (`serial`), and fault tests run in a child process with the variable set.
+
+mod common;
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use deepinfer::config::ModelConfig;
+use deepinfer::error::Error;
+use deepinfer::model::{LogitsOutput, ModelWeights};
+use deepinfer::runner::{
+    CpuRunner, DeviceOptions, DeviceRunner, GraphRunner, Runner, RunnerConfig, StepOutput,
+};
+use deepinfer::step::{DecodeRow, PrefillChunk, SamplingParams};
+use deepinfer::weights::Checkpoint;
+use neuron_sys::Library;
+use nrt_sim::SimLibrary;
+
+const CHILD: &str = "DEEPINFER_RUNNER_SIM_CHILD";
+
+fn serial() -> MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+fn sim_path() -> PathBuf {
+    nrt_sim::library_next_to_current_exe()
+        .expect("libnrt_sim.so next to the test binary (cargo test --workspace builds it)")
+}
+
+fn hooks() -> SimLibrary {
+    SimLibrary::open(sim_path()).expect("nrt-sim hooks")
+}
+
+/// Small buckets so a short workload crosses them: batches 1, 2, 4; contexts 32, 64; chunks of
+/// 16 tokens.
+fn small_config() -> RunnerConfig {
+    RunnerConfig {
+        block_size: 16,
+        num_blocks: 4 * 4 + 1,
+        batch_buckets: vec![1, 2, 4],
+        ctx_buckets: vec![32, 64],
+        prefill_chunk: 16,
+        moe: None,
+    }
+}
+
+fn load(name: &str) -> (ModelConfig, ModelWeights) {
+    let dir = common::fixture_dir(name);
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let weights = ModelWeights::load(&cfg, &Checkpoint::open(&dir).unwrap()).unwrap();
+    (cfg, weights)
+}
+
+fn device(name: &str, rc: RunnerConfig) -> DeviceRunner {
+    let (cfg, weights) = load(name);
+    let lib = Library::open(sim_path()).expect("load nrt-sim");
+    DeviceRunner::new(cfg, weights, rc, lib, DeviceOptions::sim()).expect("capture on nrt-sim")
+}
+
+fn cpu(name: &str, rc: RunnerConfig) -> CpuRunner {
+    let (cfg, weights) = load(name);
+    CpuRunner::new(cfg, weights, rc).unwrap()
+}
+
+/// Everything one workload produced, step by step.
+type Trace = Vec<StepOutput>;
+
+fn prompt(len: usize, salt: u32, vocab: u32) -> Vec<u32> {
+    (0..len as u32)
+        .map(|j| (j * 7 + salt * 13 + 3) % vocab)
+        .collect()
+}
+
+/// Three sequences (prompts of 5, 20 and 27 tokens, prefilled in 16-token chunks), then decode
+/// steps over changing subsets (batches 1, 2, 3 padded to 4) until the longest crosses the
+/// 32-token context bucket.
+fn workload(r: &mut dyn Runner) -> Trace {
+    let vocab = r.config().vocab_size as u32;
+    let chunk = r.runner_config().prefill_chunk;
+    let lens = [5usize, 20, 27];
+    let mut tables: Vec<Vec<u32>> = vec![Vec::new(); lens.len()];
+    let mut last = vec![0u32; lens.len()];
+    let mut pos = lens.to_vec();
+    let mut trace = Vec::new();
+    for (s, &len) in lens.iter().enumerate() {
+        let p = prompt(len, s as u32, vocab);
+        r.blocks_mut().grow(&mut tables[s], len).unwrap();
+        for (i, tokens) in p.chunks(chunk).enumerate() {
+            let logits = if i == 0 {
+                LogitsOutput::AllPositions
+            } else {
+                LogitsOutput::Sampled
+            };
+            let out = r
+                .prefill(
+                    &PrefillChunk {
+                        tokens,
+                        start: i * chunk,
+                        blocks: &tables[s],
+                        sampling: SamplingParams::GREEDY,
+                    },
+                    logits,
+                )
+                .unwrap();
+            last[s] = out.next_tokens[0];
+            trace.push(out);
+        }
+    }
+    let subsets: [&[usize]; 5] = [&[0, 1, 2], &[0], &[2, 0], &[1, 2], &[2, 1, 0]];
+    for step in 0..12 {
+        let active = subsets[step % subsets.len()];
+        for &s in active {
+            r.blocks_mut().grow(&mut tables[s], pos[s] + 1).unwrap();
+        }
+        let rows: Vec<DecodeRow> = active
+            .iter()
+            .map(|&s| DecodeRow {
+                token: last[s],
+                position: pos[s],
+                blocks: &tables[s],
+                sampling: SamplingParams::GREEDY,
+            })
+            .collect();
+        let out = r.decode(&rows, step % 2 == 0).unwrap();
+        for (i, &s) in active.iter().enumerate() {
+            last[s] = out.next_tokens[i];
+            pos[s] += 1;
+        }
+        trace.push(out);
+    }
+    assert!(pos[2] > 32, "the workload crosses the first context bucket");
+    for t in &mut tables {
+        r.blocks_mut().release(t);
+    }
+    trace
+}
+
+fn assert_same(a: &Trace, b: &Trace, what: &str) {
+    assert_eq!(a.len(), b.len());
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        assert_eq!(x.next_tokens, y.next_tokens, "{what}: step {i} tokens");
+        match (&x.logits, &y.logits) {
+            (None, None) => {}
+            (Some(p), Some(q)) => {
+                assert_eq!(p.len(), q.len(), "{what}: step {i} logits rows");
+                for (r, (u, v)) in p.iter().zip(q).enumerate() {
+                    let d = common::max_abs_diff(u, v);
+                    assert!(d <= 1e-5, "{what}: step {i} row {r}: logits differ by {d}");
+                }
+            }
+            _ => panic!("{what}: step {i}: logits present on one side only"),
+        }
+    }
+}
+
+#[test]
+fn sim_and_cpu_agree_on_tokens_and_logits() {
+    let _g = serial();
+    for name in ["tiny-v3", "tiny-v2-lite", "tiny-v2-group"] {
+        let mut c = cpu(name, small_config());
+        let want = workload(&mut c);
+        let mut d = GraphRunner::Device(Box::new(device(name, small_config())));
+        let got = workload(&mut d);
+        assert_same(&want, &got, name);
+        // Replays are repeatable: the same workload again (blocks were released) matches.
+        let again = workload(&mut d);
+        assert_same(&want, &again, name);
+    }
+}
+
+#[test]
+fn generate_and_score_match_the_cpu_twin() {
+    let _g = serial();
+    let name = "tiny-v3";
+    let rc = RunnerConfig::for_limits(1, 128);
+    let mut c = GraphRunner::Cpu(Box::new(cpu(name, rc.clone())));
+    let mut d = GraphRunner::Device(Box::new(device(name, rc)));
+    let r = common::reference(name);
+    let stop = deepinfer::engine::StopConditions {
+        max_tokens: r.greedy.generated_token_ids.len(),
+        stop_token_ids: vec![],
+    };
+    let p = &r.greedy.prompt_token_ids;
+    let a = deepinfer::engine::generate(&mut c, p, SamplingParams::GREEDY, &stop).unwrap();
+    let b = deepinfer::engine::generate(&mut d, p, SamplingParams::GREEDY, &stop).unwrap();
+    assert_eq!(a, b);
+    let la = deepinfer::engine::score(&mut c, &r.token_ids).unwrap();
+    let lb = deepinfer::engine::score(&mut d, &r.token_ids).unwrap();
+    assert_eq!(la.len(), lb.len());
+    for (u, v) in la.iter().zip(&lb) {
+        assert!(common::max_abs_diff(u, v) <= 1e-5);
+    }
+}
+
+fn meta_bytes_decode(b: usize, ctx: usize) -> u64 {
+    // input_ids, positions, slot_mapping, context_lens, temperature, top_k, top_p, seeds: [b];
+    // block_tables: [b, ctx / 16]. All four bytes an element.
+    (8 * b * 4 + b * (ctx / 16) * 4) as u64
+}
+
+fn meta_bytes_prefill(t: usize, ctx: usize) -> u64 {
+    // input_ids, positions, slot_mapping: [t]; block_tables [1, ctx / 16]; last_index and the
+    // four sampling arrays: [1].
+    (3 * t * 4 + (ctx / 16) * 4 + 5 * 4) as u64
+}
+
+#[test]
+fn counters_show_weights_once_no_root_traffic_and_exact_metadata_bytes() {
+    let _g = serial();
+    let sim = hooks();
+    sim.reset();
+    let mut d = device("tiny-v3", small_config());
+    let c = sim.counters().unwrap();
+    let (cfg, weights) = load("tiny-v3");
+    // Every weight the graphs bind is written exactly once, in full.
+    let mut weight_tensors = 0;
+    for name in deepinfer::model::WeightSpecs::new(&cfg).names() {
+        let bytes = weights.get(name).unwrap().elem_count() as u64 * 4;
+        let written = c.bytes_written(name);
+        if written > 0 {
+            weight_tensors += 1;
+            assert_eq!(written, bytes, "weight {name} written once");
+        }
+    }
+    assert_eq!(weight_tensors, d.device_weight_count());
+    assert!(weight_tensors > 0);
+    let live_after_capture = c.live.clone();
+    let loads = c.loads;
+    assert_eq!(loads as usize, d.graph_names().len());
+    assert_eq!(d.graph_names().len(), 3 * 2 + 2);
+    // Loaded largest first: rows × context never grows along the list.
+    let size = |n: &str| -> usize {
+        let nums: Vec<usize> = n
+            .split(|ch: char| !ch.is_ascii_digit())
+            .filter_map(|x| x.parse().ok())
+            .collect();
+        nums.iter().product()
+    };
+    let names = d.graph_names();
+    assert_eq!(names[0], "prefill_t16_c64", "{names:?}");
+    assert!(
+        names.windows(2).all(|w| size(&w[0]) >= size(&w[1])),
+        "{names:?}"
+    );
+
+    let vocab = cfg.vocab_size as u32;
+    let mut table = Vec::new();
+    let mut tables: Vec<Vec<u32>> = vec![Vec::new(); 4];
+    // A prefill at context 32, then decodes at batches 1..4 in both context buckets.
+    sim.reset();
+    let p = prompt(10, 1, vocab);
+    d.blocks.grow(&mut table, 10).unwrap();
+    d.prefill(
+        &PrefillChunk {
+            tokens: &p,
+            start: 0,
+            blocks: &table,
+            sampling: SamplingParams::GREEDY,
+        },
+        LogitsOutput::AllPositions,
+    )
+    .unwrap();
+    let c = sim.counters().unwrap();
+    let total: u64 = c.tensor_bytes_written.values().sum();
+    assert_eq!(
+        total,
+        meta_bytes_prefill(16, 32),
+        "{:?}",
+        c.tensor_bytes_written
+    );
+    assert!(c
+        .tensor_bytes_written
+        .keys()
+        .all(|k| k.starts_with("prefill_c32/")));
+    assert_eq!(c.bytes_read("kv_cache"), 0);
+    assert_eq!(c.bytes_written("kv_cache"), 0);
+    assert_eq!(c.executions_of("prefill_t16_c32"), 1);
+
+    for (n, position, bucket, ctx) in [
+        (1usize, 10usize, 1usize, 32usize),
+        (3, 11, 4, 32),
+        (2, 40, 2, 64),
+        (4, 41, 4, 64),
+    ] {
+        for t in tables.iter_mut().take(n) {
+            d.blocks.grow(t, position + 1).unwrap();
+        }
+        let rows: Vec<DecodeRow> = tables[..n]
+            .iter()
+            .map(|t| DecodeRow {
+                token: 5,
+                position,
+                blocks: t,
+                sampling: SamplingParams::GREEDY,
+            })
+            .collect();
+        sim.reset();
+        let out = d.decode(&rows, true).unwrap();
+        assert_eq!(out.next_tokens.len(), n);
+        assert_eq!(out.logits.as_ref().map(Vec::len), Some(n));
+        let c = sim.counters().unwrap();
+        let total: u64 = c.tensor_bytes_written.values().sum();
+        assert_eq!(
+            total,
+            meta_bytes_decode(bucket, ctx),
+            "batch {n} -> bucket {bucket}, ctx {ctx}: {:?}",
+            c.tensor_bytes_written
+        );
+        let prefix = format!("decode_c{ctx}/");
+        assert!(c
+            .tensor_bytes_written
+            .keys()
+            .all(|k| k.starts_with(&prefix)));
+        assert_eq!(c.bytes_read("kv_cache"), 0);
+        assert_eq!(c.bytes_written("kv_cache"), 0);
+        // Reads: the real rows' tokens and logits, nothing else.
+        let read: u64 = c.tensor_bytes_read.values().sum();
+        assert_eq!(read, (n * 4 + n * vocab as usize * 4) as u64);
+        assert_eq!(c.executions_of(&format!("decode_b{bucket}_c{ctx}")), 1);
+        assert_eq!(c.tensors_allocated, 0, "replay allocates no device tensor");
+        assert_eq!(c.live, live_after_capture);
+        // Without logits nothing but the tokens is read.
+        sim.reset();
+        d.decode(&rows, false).unwrap();
+        let read: u64 = sim.counters().unwrap().tensor_bytes_read.values().sum();
+        assert_eq!(read, (n * 4) as u64);
+    }
+    // input_on_device: no metadata copy at all.
+    sim.reset();
+    let rows = [DecodeRow {
+        token: 5,
+        position: 41,
+        blocks: &tables[0],
+        sampling: SamplingParams::GREEDY,
+    }];
+    d.decode_with(&rows, false, true).unwrap();
+    let c = sim.counters().unwrap();
+    assert_eq!(c.tensor_bytes_written.values().sum::<u64>(), 0);
+    assert_eq!(c.executions_of("decode_b1_c64"), 1);
+}
+
+#[test]
+fn input_on_device_replays_what_the_caller_wrote() {
+    let _g = serial();
+    let mut d = device("tiny-v3", small_config());
+    let mut c = cpu("tiny-v3", small_config());
+    let mut table = Vec::new();
+    d.blocks.grow(&mut table, 4).unwrap();
+    let p = [3u32, 4, 5];
+    let chunk = PrefillChunk {
+        tokens: &p,
+        start: 0,
+        blocks: &table,
+        sampling: SamplingParams::GREEDY,
+    };
+    let want = c.prefill(&chunk, LogitsOutput::Sampled).unwrap();
+    // The caller writes the prefill metadata into the runner's buffers itself.
+    let meta = deepinfer::step::prefill_step(&chunk, 16, 32, 16).unwrap();
+    for a in &meta {
+        let buf = d.metadata_buffer(true, 32, a.name).expect(a.name);
+        let bytes: Vec<u8> = match &a.data {
+            deepinfer::step::HostData::I32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            deepinfer::step::HostData::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            deepinfer::step::HostData::U32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        };
+        buf.write(0, &bytes).unwrap();
+    }
+    let got = d.prefill_with(&chunk, LogitsOutput::Sampled, true).unwrap();
+    assert_eq!(got.next_tokens, want.next_tokens);
+    let diff = common::max_abs_diff(&got.logits.unwrap()[0], &want.logits.unwrap()[0]);
+    assert!(diff <= 1e-5, "{diff}");
+    assert!(d.metadata_buffer(false, 48, "input_ids").is_none());
+}
+
+#[test]
+fn destroy_is_idempotent_and_capture_works_again() {
+    let _g = serial();
+    let sim = hooks();
+    let mut d = device("tiny-v3", small_config());
+    let mut c = cpu("tiny-v3", small_config());
+    let want = workload(&mut c);
+    d.destroy().unwrap();
+    assert!(!d.is_captured());
+    let live = sim.counters().unwrap().live;
+    assert_eq!((live.models, live.tensors, live.tensor_sets), (0, 0, 0));
+    d.destroy().unwrap();
+    let mut table = Vec::new();
+    d.blocks.grow(&mut table, 1).unwrap();
+    let err = d
+        .decode(
+            &[DecodeRow {
+                token: 1,
+                position: 0,
+                blocks: &table,
+                sampling: SamplingParams::GREEDY,
+            }],
+            false,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("destroyed"), "{err}");
+    d.blocks.release(&mut table);
+    d.capture().unwrap();
+    assert!(d.is_captured());
+    // The recaptured root starts from zero again; the workload matches the CPU twin.
+    let got = workload(&mut d);
+    assert_same(&want, &got, "after recapture");
+    drop(d);
+    let live = sim.counters().unwrap().live;
+    assert_eq!((live.models, live.tensors, live.tensor_sets), (0, 0, 0));
+}
+
+#[test]
+fn bad_inputs_are_clear_errors_and_the_runner_keeps_working() {
+    let _g = serial();
+    let mut d = device("tiny-v3", small_config());
+    let vocab = d.config().vocab_size as u32;
+    let mut tables: Vec<Vec<u32>> = vec![Vec::new(); 5];
+    for t in tables.iter_mut() {
+        d.blocks.grow(t, 1).unwrap();
+    }
+    let rows: Vec<DecodeRow> = tables
+        .iter()
+        .map(|t| DecodeRow {
+            token: 1,
+            position: 0,
+            blocks: t,
+            sampling: SamplingParams::GREEDY,
+        })
+        .collect();
+    let err = d.decode(&rows, false).unwrap_err();
+    assert!(matches!(err, Error::InvalidRequest(_)), "{err}");
+    assert!(err.to_string().contains("batch size 5"), "{err}");
+
+    let mut long = Vec::new();
+    d.blocks.grow(&mut long, 65).unwrap();
+    let err = d
+        .decode(
+            &[DecodeRow {
+                token: 1,
+                position: 64,
+                blocks: &long,
+                sampling: SamplingParams::GREEDY,
+            }],
+            false,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("context length 65"), "{err}");
+    let err = d
+        .prefill(
+            &PrefillChunk {
+                tokens: &[1, 2],
+                start: 63,
+                blocks: &long,
+                sampling: SamplingParams::GREEDY,
+            },
+            LogitsOutput::None,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("context length 65"), "{err}");
+    d.decode(&rows[..1], false).unwrap();
+    let err = d
+        .decode(
+            &[DecodeRow {
+                token: vocab,
+                position: 0,
+                blocks: &tables[0],
+                sampling: SamplingParams::GREEDY,
+            }],
+            false,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("vocabulary"), "{err}");
+    let err = d
+        .prefill(
+            &PrefillChunk {
+                tokens: &[1; 17],
+                start: 0,
+                blocks: &long,
+                sampling: SamplingParams::GREEDY,
+            },
+            LogitsOutput::None,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("chunk size 16"), "{err}");
+    // Still works.
+    let out = d.decode(&rows[..4], true).unwrap();
+    assert_eq!(out.next_tokens.len(), 4);
+}
+
+// === Faults, in a child process ===
+
+fn is_child() -> bool {
+    std::env::var_os(CHILD).is_some()
+}
+
+fn run_child(name: &str, env: &[(&str, &str)]) {
+    let exe = std::env::current_exe().unwrap();
+    let mut cmd = Command::new(exe);
+    cmd.args([
+        name,
+        "--exact",
+        "--ignored",
+        "--nocapture",
+        "--test-threads=1",
+    ]);
+    for (k, _) in std::env::vars_os() {
+        if k.to_string_lossy().starts_with("NRT_SIM_") {
+            cmd.env_remove(k);
+        }
+    }
+    cmd.env(CHILD, "1").envs(env.iter().copied());
+    let out = cmd.output().expect("spawn the test binary");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "child test {name} with {env:?} failed ({}):\n--- stdout\n{stdout}\n--- stderr\n{stderr}",
+        out.status
+    );
+}
+
+#[test]
+fn an_injected_execute_failure_names_the_graph_and_status_then_replay_works() {
+    run_child("child_execute_fault", &[(nrt_sim::ENV_FAIL_EXECUTE, "2")]);
+}
+
+#[test]
+#[ignore = "runs in a child process started by its parent test"]
+fn child_execute_fault() {
+    if !is_child() {
+        return;
+    }
+    let mut d = device("tiny-v3", small_config());
+    let mut c = cpu("tiny-v3", small_config());
+    let mut table = Vec::new();
+    d.blocks.grow(&mut table, 3).unwrap();
+    // Both allocators are fresh: the CPU twin is given the device's table.
+    let chunk = PrefillChunk {
+        tokens: &[3, 4, 5],
+        start: 0,
+        blocks: &table,
+        sampling: SamplingParams::GREEDY,
+    };
+    // Execution 1 succeeds.
+    let want = c.prefill(&chunk, LogitsOutput::Sampled).unwrap();
+    let first = d.prefill(&chunk, LogitsOutput::Sampled).unwrap();
+    assert_eq!(first.next_tokens, want.next_tokens);
+    d.blocks.grow(&mut table, 4).unwrap();
+    let rows = [DecodeRow {
+        token: first.next_tokens[0],
+        position: 3,
+        blocks: &table,
+        sampling: SamplingParams::GREEDY,
+    }];
+    // Execution 2 is the injected failure.
+    let err = d.decode(&rows, true).unwrap_err();
+    let msg = err.to_string();
+    assert!(msg.contains("decode_b1_c32"), "{msg}");
+    assert!(msg.contains("NRT_EXEC_COMPLETED_WITH_ERR"), "{msg}");
+    assert!(matches!(err, Error::Device { .. }), "{err:?}");
+    // The next replay works and matches the CPU twin.
+    let got = d.decode(&rows, true).unwrap();
+    let want = c.decode(&rows, true).unwrap();
+    assert_eq!(got.next_tokens, want.next_tokens);
+    let diff = common::max_abs_diff(&got.logits.unwrap()[0], &want.logits.unwrap()[0]);
+    assert!(diff <= 1e-5, "{diff}");
+}
+
+#[test]
+fn an_injected_load_failure_is_an_error_naming_the_graph() {
+    run_child("child_load_fault", &[(nrt_sim::ENV_FAIL_LOAD, "3")]);
+}
+
+#[test]
+#[ignore = "runs in a child process started by its parent test"]
+fn child_load_fault() {
+    if !is_child() {
+        return;
+    }
+    let (cfg, weights) = load("tiny-v3");
+    let lib = Library::open(sim_path()).unwrap();
+    let err = DeviceRunner::new(cfg, weights, small_config(), lib, DeviceOptions::sim())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("graph `"), "{err}");
+    assert!(err.contains("NRT_RESOURCE"), "{err}");
+    let live = hooks().counters().unwrap().live;
+    assert_eq!(
+        (live.models, live.tensors),
+        (0, 0),
+        "a failed capture leaks nothing"
+    );
+}
+
+// === The CLI's --backend ===
+
+fn cli(args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> std::process::Output {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_deepinfer"));
+    cmd.args(args).env_remove("NEURON_RT_LIB");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    cmd.output().expect("run deepinfer")
+}
+
+fn stdout_ok(out: &std::process::Output) -> String {
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+#[test]
+fn cli_generate_and_score_agree_on_cpu_and_sim() {
+    let model = common::fixture_dir("tiny-v2-lite");
+    let model = model.to_str().unwrap();
+    let gen = |backend: &str| {
+        let mut args = vec![
+            "generate",
+            "--model",
+            model,
+            "--token-ids",
+            "3,9,27,4,1,7",
+            "--max-tokens",
+            "12",
+            "--json",
+        ];
+        if !backend.is_empty() {
+            args.extend(["--backend", backend]);
+        }
+        args.into_iter().map(String::from).collect::<Vec<_>>()
+    };
+    let run = |args: Vec<String>, env: &[(&str, &std::ffi::OsStr)]| {
+        let refs: Vec<&str> = args.iter().map(String::as_str).collect();
+        stdout_ok(&cli(&refs, env))
+    };
+    let cpu_out = run(gen("cpu"), &[]);
+    assert!(cpu_out.contains("token_ids"), "{cpu_out}");
+    assert_eq!(run(gen("sim"), &[]), cpu_out);
+    // No --backend, NEURON_RT_LIB naming nrt-sim: the simulator is chosen.
+    let sim = sim_path();
+    assert_eq!(run(gen(""), &[("NEURON_RT_LIB", sim.as_os_str())]), cpu_out);
+    // No --backend and no libnrt: cpu.
+    let none = std::ffi::OsStr::new("/nonexistent/libnrt.so.1");
+    assert_eq!(run(gen(""), &[("NEURON_RT_LIB", none)]), cpu_out);
+
+    let score = |backend: &str| -> Vec<Vec<f32>> {
+        let text = stdout_ok(&cli(
+            &[
+                "score",
+                "--model",
+                model,
+                "--token-ids",
+                "3,9,27,4,1,7",
+                "--backend",
+                backend,
+            ],
+            &[],
+        ));
+        let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+        serde_json::from_value(v["logits"].clone()).unwrap()
+    };
+    let (a, b) = (score("cpu"), score("sim"));
+    assert_eq!(a.len(), 6);
+    for (u, v) in a.iter().zip(&b) {
+        assert!(common::max_abs_diff(u, v) <= 1e-5);
+    }
+}
+
+#[test]
+fn cli_neuron_without_libnrt_is_one_clear_error() {
+    let model = common::fixture_dir("tiny-v3");
+    let out = cli(
+        &[
+            "generate",
+            "--backend",
+            "neuron",
+            "--model",
+            model.to_str().unwrap(),
+            "--token-ids",
+            "1,2",
+        ],
+        &[(
+            "NEURON_RT_LIB",
+            std::ffi::OsStr::new("/nonexistent/libnrt.so.1"),
+        )],
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("libnrt"), "{err}");
+    assert!(err.contains("/nonexistent/libnrt.so.1"), "{err}");
+    assert!(err.contains("--backend cpu"), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+}
