@@ -155,11 +155,35 @@ fn capture(c: &mut Criterion) {
     group.finish();
 }
 
+/// The checkpoint the decode-step bench runs: `DEEPINFER_BENCH_MODEL`, else the tiny fixture.
+fn bench_model() -> (String, ModelConfig, ModelWeights) {
+    let dir = std::env::var_os("DEEPINFER_BENCH_MODEL")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| root().join("fixtures/tiny-v3"));
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).expect("config");
+    let w = ModelWeights::load(&cfg, &Checkpoint::open(&dir).expect("checkpoint")).expect("w");
+    let name = dir
+        .file_name()
+        .map_or("model".into(), |n| n.to_string_lossy().into_owned());
+    (name, cfg, w)
+}
+
+/// One real decode step per batch bucket, on the backend `DEEPINFER_BENCH_BACKEND` names, or
+/// by default on the Neuron backend when libnrt loads and sees a NeuronCore (on a trn1 instance,
+/// `cargo bench` thus measures the device). Throughput is tokens per second.
 fn decode_step(c: &mut Criterion) {
-    let Ok(backend) = std::env::var("DEEPINFER_BENCH_BACKEND") else {
-        return;
+    let backend = match std::env::var("DEEPINFER_BENCH_BACKEND") {
+        Ok(b) => b,
+        Err(_) => match neuron_sys::Library::load().and_then(|lib| lib.visible_nc_count()) {
+            Ok(Some(n)) if n > 0 => "neuron".to_string(),
+            _ => {
+                eprintln!("decode_step: no libnrt with a NeuronCore here; set DEEPINFER_BENCH_BACKEND=cpu|sim|neuron to run it");
+                return;
+            }
+        },
     };
-    let (cfg, weights) = tiny();
+    let (model, cfg, weights) = bench_model();
+    let batches = [1usize, 8];
     let rc = RunnerConfig::for_limits(8, 128);
     let mut runner = match backend.as_str() {
         "cpu" => GraphRunner::Cpu(Box::new(CpuRunner::new(cfg, weights, rc).expect("cpu"))),
@@ -189,19 +213,25 @@ fn decode_step(c: &mut Criterion) {
     for t in tables.iter_mut() {
         runner.blocks_mut().grow(t, 40).expect("blocks");
     }
-    let rows: Vec<DecodeRow> = tables
-        .iter()
-        .enumerate()
-        .map(|(i, t)| DecodeRow {
-            token: i as u32 + 1,
-            position: 32 + i,
-            blocks: t,
-            sampling: SamplingParams::GREEDY,
-        })
-        .collect();
-    c.bench_function(&format!("decode_step/{backend}/batch_8"), |b| {
-        b.iter(|| runner.decode(&rows, false).expect("decode"))
-    });
+    let mut group = c.benchmark_group(format!("decode_step/{backend}/{model}"));
+    for batch in batches {
+        let rows: Vec<DecodeRow> = tables
+            .iter()
+            .take(batch)
+            .enumerate()
+            .map(|(i, t)| DecodeRow {
+                token: i as u32 + 1,
+                position: 32 + i,
+                blocks: t,
+                sampling: SamplingParams::GREEDY,
+            })
+            .collect();
+        group.throughput(criterion::Throughput::Elements(batch as u64));
+        group.bench_function(format!("batch_{batch}"), |b| {
+            b.iter(|| runner.decode(&rows, false).expect("decode"))
+        });
+    }
+    group.finish();
 }
 
 criterion_group!(benches, replay, capture, decode_step);

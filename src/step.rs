@@ -77,39 +77,250 @@ pub struct PrefillChunk<'a> {
     pub sampling: SamplingParams,
 }
 
-fn sampling_arrays(params: &[SamplingParams]) -> [HostArray; 4] {
-    let n = params.len();
-    [
-        HostArray {
-            name: "temperature",
-            shape: vec![n],
-            data: HostData::F32(params.iter().map(|p| p.temperature).collect()),
-        },
-        HostArray {
-            name: "top_k",
-            shape: vec![n],
-            data: HostData::I32(params.iter().map(|p| p.top_k).collect()),
-        },
-        HostArray {
-            name: "top_p",
-            shape: vec![n],
-            data: HostData::F32(params.iter().map(|p| p.top_p).collect()),
-        },
-        HostArray {
-            name: "seeds",
-            shape: vec![n],
-            data: HostData::U32(params.iter().map(|p| p.seed).collect()),
-        },
-    ]
+/// Reusable host arrays of one kind of step. Each call overwrites them in place: after the
+/// first step of a given bucket shape nothing is allocated, so a replay loop that keeps one
+/// `StepArrays` allocates nothing on the host either.
+#[derive(Debug, Clone, Default)]
+pub struct StepArrays {
+    arrays: Vec<HostArray>,
+}
+
+impl StepArrays {
+    /// The current contents, one array per metadata input.
+    pub fn arrays(&self) -> &[HostArray] {
+        &self.arrays
+    }
+
+    /// Array `i`, named `name` with `shape`, emptied and typed like `empty`, ready to be filled.
+    fn slot(
+        &mut self,
+        i: usize,
+        name: &'static str,
+        shape: &[usize],
+        empty: HostData,
+    ) -> &mut HostData {
+        if self.arrays.len() <= i {
+            self.arrays.push(HostArray {
+                name,
+                shape: Vec::new(),
+                data: empty.clone(),
+            });
+        }
+        let a = &mut self.arrays[i];
+        a.name = name;
+        a.shape.clear();
+        a.shape.extend_from_slice(shape);
+        match (&mut a.data, &empty) {
+            (HostData::I32(v), HostData::I32(_)) => v.clear(),
+            (HostData::F32(v), HostData::F32(_)) => v.clear(),
+            (HostData::U32(v), HostData::U32(_)) => v.clear(),
+            (d, _) => *d = empty,
+        }
+        &mut a.data
+    }
+
+    fn i32s(
+        &mut self,
+        i: usize,
+        name: &'static str,
+        shape: &[usize],
+        values: impl Iterator<Item = i32>,
+    ) {
+        if let HostData::I32(v) = self.slot(i, name, shape, HostData::I32(Vec::new())) {
+            v.extend(values);
+        }
+    }
+
+    fn f32s(
+        &mut self,
+        i: usize,
+        name: &'static str,
+        shape: &[usize],
+        values: impl Iterator<Item = f32>,
+    ) {
+        if let HostData::F32(v) = self.slot(i, name, shape, HostData::F32(Vec::new())) {
+            v.extend(values);
+        }
+    }
+
+    fn u32s(
+        &mut self,
+        i: usize,
+        name: &'static str,
+        shape: &[usize],
+        values: impl Iterator<Item = u32>,
+    ) {
+        if let HostData::U32(v) = self.slot(i, name, shape, HostData::U32(Vec::new())) {
+            v.extend(values);
+        }
+    }
+
+    /// The per-row sampling inputs, at array indices `first..first + 4`.
+    fn sampling(&mut self, first: usize, params: impl Iterator<Item = SamplingParams> + Clone) {
+        let n = [params.clone().count()];
+        self.f32s(
+            first,
+            "temperature",
+            &n,
+            params.clone().map(|p| p.temperature),
+        );
+        self.i32s(first + 1, "top_k", &n, params.clone().map(|p| p.top_k));
+        self.f32s(first + 2, "top_p", &n, params.clone().map(|p| p.top_p));
+        self.u32s(first + 3, "seeds", &n, params.map(|p| p.seed));
+        self.arrays.truncate(first + 4);
+    }
+
+    /// Fills the metadata of a decode step for `rows`, padded to `batch` rows and a context of
+    /// `ctx`. On error the arrays are left unspecified.
+    pub fn fill_decode(
+        &mut self,
+        rows: &[DecodeRow<'_>],
+        batch: usize,
+        ctx: usize,
+        block_size: usize,
+    ) -> Result<()> {
+        if rows.len() > batch {
+            return Err(Error::InvalidRequest(format!(
+                "{} rows do not fit a batch of {batch}",
+                rows.len()
+            )));
+        }
+        for r in rows {
+            if r.position >= ctx {
+                return Err(Error::InvalidRequest(format!(
+                    "position {} is beyond the context bucket {ctx}",
+                    r.position
+                )));
+            }
+            // Checked before anything is written, so a bad row fails the whole step.
+            slot(r.blocks, block_size, r.position)?;
+        }
+        let width = ctx / block_size;
+        let pad = batch - rows.len();
+        let scratch = (SCRATCH_BLOCK as usize * block_size) as i32;
+        let b = [batch];
+        self.i32s(
+            0,
+            "input_ids",
+            &b,
+            rows.iter()
+                .map(|r| r.token as i32)
+                .chain(std::iter::repeat_n(0, pad)),
+        );
+        self.i32s(
+            1,
+            "positions",
+            &b,
+            rows.iter()
+                .map(|r| r.position as i32)
+                .chain(std::iter::repeat_n(0, pad)),
+        );
+        self.i32s(
+            2,
+            "slot_mapping",
+            &b,
+            rows.iter()
+                .map(|r| slot(r.blocks, block_size, r.position).unwrap_or(scratch))
+                .chain(std::iter::repeat_n(scratch, pad)),
+        );
+        self.i32s(
+            3,
+            "block_tables",
+            &[batch, width],
+            rows.iter()
+                .flat_map(|r| block_row(r.blocks, width))
+                .chain(std::iter::repeat_n(SCRATCH_BLOCK as i32, pad * width)),
+        );
+        self.i32s(
+            4,
+            "context_lens",
+            &b,
+            rows.iter()
+                .map(|r| r.position as i32 + 1)
+                .chain(std::iter::repeat_n(1, pad)),
+        );
+        self.sampling(
+            5,
+            rows.iter()
+                .map(|r| r.sampling)
+                .chain(std::iter::repeat_n(SamplingParams::GREEDY, pad)),
+        );
+        Ok(())
+    }
+
+    /// Fills the metadata of a prefill step for one chunk, padded to `t` tokens and a context of
+    /// `ctx`. On error the arrays are left unspecified.
+    pub fn fill_prefill(
+        &mut self,
+        chunk: &PrefillChunk<'_>,
+        t: usize,
+        ctx: usize,
+        block_size: usize,
+    ) -> Result<()> {
+        let n = chunk.tokens.len();
+        if n == 0 || n > t || chunk.start + n > ctx {
+            return Err(Error::InvalidRequest(format!(
+                "a chunk of {n} tokens at position {} does not fit {t} tokens and a context of {ctx}",
+                chunk.start
+            )));
+        }
+        for p in chunk.start..chunk.start + n {
+            slot(chunk.blocks, block_size, p)?;
+        }
+        let width = ctx / block_size;
+        let pad = t - n;
+        let base = SCRATCH_BLOCK as usize * block_size;
+        let tt = [t];
+        self.i32s(
+            0,
+            "input_ids",
+            &tt,
+            chunk
+                .tokens
+                .iter()
+                .map(|&x| x as i32)
+                .chain(std::iter::repeat_n(0, pad)),
+        );
+        self.i32s(
+            1,
+            "positions",
+            &tt,
+            (chunk.start..chunk.start + n)
+                .map(|p| p as i32)
+                .chain(std::iter::repeat_n(0, pad)),
+        );
+        self.i32s(
+            2,
+            "slot_mapping",
+            &tt,
+            (chunk.start..chunk.start + n)
+                .map(|p| slot(chunk.blocks, block_size, p).unwrap_or(base as i32))
+                .chain((n..t).map(|i| (base + i % block_size) as i32)),
+        );
+        self.i32s(
+            3,
+            "block_tables",
+            &[1, width],
+            block_row(chunk.blocks, width),
+        );
+        self.i32s(4, "last_index", &[1], std::iter::once(n as i32 - 1));
+        self.sampling(5, std::iter::once(chunk.sampling));
+        Ok(())
+    }
 }
 
 /// A sequence's block table cut or padded (with the scratch block) to `width` entries. Blocks
 /// past the context bucket hold no position the step can see (positions are checked against the
 /// bucket by the callers), so they are left out.
-fn block_row(blocks: &[u32], width: usize) -> Vec<i32> {
-    let mut row: Vec<i32> = blocks.iter().take(width).map(|&b| b as i32).collect();
-    row.resize(width, SCRATCH_BLOCK as i32);
-    row
+fn block_row(blocks: &[u32], width: usize) -> impl Iterator<Item = i32> + '_ {
+    blocks
+        .iter()
+        .take(width)
+        .map(|&b| b as i32)
+        .chain(std::iter::repeat_n(
+            SCRATCH_BLOCK as i32,
+            width.saturating_sub(blocks.len()),
+        ))
 }
 
 /// The metadata of a decode step for `rows`, padded to `batch` rows and a context of `ctx`.
@@ -119,70 +330,9 @@ pub fn decode_step(
     ctx: usize,
     block_size: usize,
 ) -> Result<Vec<HostArray>> {
-    if rows.len() > batch {
-        return Err(Error::InvalidRequest(format!(
-            "{} rows do not fit a batch of {batch}",
-            rows.len()
-        )));
-    }
-    let width = ctx / block_size;
-    let mut ids = Vec::with_capacity(batch);
-    let mut positions = Vec::with_capacity(batch);
-    let mut slots = Vec::with_capacity(batch);
-    let mut tables = Vec::with_capacity(batch * width);
-    let mut lens = Vec::with_capacity(batch);
-    let mut params = Vec::with_capacity(batch);
-    for r in rows {
-        if r.position >= ctx {
-            return Err(Error::InvalidRequest(format!(
-                "position {} is beyond the context bucket {ctx}",
-                r.position
-            )));
-        }
-        ids.push(r.token as i32);
-        positions.push(r.position as i32);
-        slots.push(slot(r.blocks, block_size, r.position)?);
-        tables.extend(block_row(r.blocks, width));
-        lens.push(r.position as i32 + 1);
-        params.push(r.sampling);
-    }
-    for _ in rows.len()..batch {
-        ids.push(0);
-        positions.push(0);
-        slots.push((SCRATCH_BLOCK as usize * block_size) as i32);
-        tables.extend(std::iter::repeat_n(SCRATCH_BLOCK as i32, width));
-        lens.push(1);
-        params.push(SamplingParams::GREEDY);
-    }
-    let mut out = vec![
-        HostArray {
-            name: "input_ids",
-            shape: vec![batch],
-            data: HostData::I32(ids),
-        },
-        HostArray {
-            name: "positions",
-            shape: vec![batch],
-            data: HostData::I32(positions),
-        },
-        HostArray {
-            name: "slot_mapping",
-            shape: vec![batch],
-            data: HostData::I32(slots),
-        },
-        HostArray {
-            name: "block_tables",
-            shape: vec![batch, width],
-            data: HostData::I32(tables),
-        },
-        HostArray {
-            name: "context_lens",
-            shape: vec![batch],
-            data: HostData::I32(lens),
-        },
-    ];
-    out.extend(sampling_arrays(&params));
-    Ok(out)
+    let mut s = StepArrays::default();
+    s.fill_decode(rows, batch, ctx, block_size)?;
+    Ok(s.arrays)
 }
 
 /// The metadata of a prefill step for one chunk, padded to `t` tokens and a context of `ctx`.
@@ -192,52 +342,56 @@ pub fn prefill_step(
     ctx: usize,
     block_size: usize,
 ) -> Result<Vec<HostArray>> {
-    let n = chunk.tokens.len();
-    if n == 0 || n > t || chunk.start + n > ctx {
-        return Err(Error::InvalidRequest(format!(
-            "a chunk of {n} tokens at position {} does not fit {t} tokens and a context of {ctx}",
-            chunk.start
-        )));
+    let mut s = StepArrays::default();
+    s.fill_prefill(chunk, t, ctx, block_size)?;
+    Ok(s.arrays)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ptrs(s: &StepArrays) -> Vec<usize> {
+        s.arrays()
+            .iter()
+            .map(|a| match &a.data {
+                HostData::I32(v) => v.as_ptr() as usize,
+                HostData::F32(v) => v.as_ptr() as usize,
+                HostData::U32(v) => v.as_ptr() as usize,
+            })
+            .collect()
     }
-    let mut ids: Vec<i32> = chunk.tokens.iter().map(|&x| x as i32).collect();
-    let mut positions: Vec<i32> = (chunk.start..chunk.start + n).map(|p| p as i32).collect();
-    let mut slots = positions
-        .iter()
-        .map(|&p| slot(chunk.blocks, block_size, p as usize))
-        .collect::<Result<Vec<_>>>()?;
-    for i in n..t {
-        ids.push(0);
-        positions.push(0);
-        slots.push((SCRATCH_BLOCK as usize * block_size + i % block_size) as i32);
+
+    #[test]
+    fn refilling_reuses_the_buffers_and_pads_to_scratch() {
+        let blocks = [3u32, 4];
+        let row = |token, position| DecodeRow {
+            token,
+            position,
+            blocks: &blocks,
+            sampling: SamplingParams::GREEDY,
+        };
+        let mut s = StepArrays::default();
+        s.fill_decode(&[row(7, 5), row(8, 17)], 4, 32, 16).unwrap();
+        let first = ptrs(&s);
+        s.fill_decode(&[row(9, 6)], 4, 32, 16).unwrap();
+        assert_eq!(
+            ptrs(&s),
+            first,
+            "a second step of the same bucket must not reallocate"
+        );
+        let a = s.arrays();
+        assert_eq!(a[0].data, HostData::I32(vec![9, 0, 0, 0]));
+        assert_eq!(
+            a[2].data,
+            HostData::I32(vec![3 * 16 + 6, 0, 0, 0]),
+            "padding writes the scratch slot"
+        );
+        assert_eq!(a[3].data, HostData::I32(vec![3, 4, 0, 0, 0, 0, 0, 0]));
+        assert_eq!(a[4].data, HostData::I32(vec![7, 1, 1, 1]));
+        assert!(
+            s.fill_decode(&[row(1, 40)], 4, 32, 16).is_err(),
+            "beyond the context bucket"
+        );
     }
-    let width = ctx / block_size;
-    let mut out = vec![
-        HostArray {
-            name: "input_ids",
-            shape: vec![t],
-            data: HostData::I32(ids),
-        },
-        HostArray {
-            name: "positions",
-            shape: vec![t],
-            data: HostData::I32(positions),
-        },
-        HostArray {
-            name: "slot_mapping",
-            shape: vec![t],
-            data: HostData::I32(slots),
-        },
-        HostArray {
-            name: "block_tables",
-            shape: vec![1, width],
-            data: HostData::I32(block_row(chunk.blocks, width)),
-        },
-        HostArray {
-            name: "last_index",
-            shape: vec![1],
-            data: HostData::I32(vec![n as i32 - 1]),
-        },
-    ];
-    out.extend(sampling_arrays(&[chunk.sampling]));
-    Ok(out)
 }

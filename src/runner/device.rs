@@ -123,6 +123,8 @@ pub struct DeviceRunner {
     rt: Runtime,
     state: Option<Captured>,
     stats: Option<CaptureStats>,
+    /// Host staging for step metadata, refilled in place each replay (no allocation).
+    staging: step::StepArrays,
     /// The cache's block allocator: callers grow and release sequences' tables through it.
     pub blocks: BlockAllocator,
 }
@@ -192,6 +194,7 @@ impl DeviceRunner {
             rt,
             state: None,
             stats: None,
+            staging: step::StepArrays::default(),
         };
         r.capture()?;
         Ok(r)
@@ -300,7 +303,14 @@ impl DeviceRunner {
         let mut graphs = Vec::with_capacity(specs.len());
         let mut jobs = Vec::with_capacity(specs.len());
         let mut timings = Vec::with_capacity(specs.len());
+        // Drawn only on a terminal (indicatif hides itself otherwise).
+        let progress = indicatif::ProgressBar::new(specs.len() as u64).with_style(
+            indicatif::ProgressStyle::with_template("capturing {pos}/{len} graphs {wide_msg}")
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+        );
         for (kind, spec) in &specs {
+            progress.set_message(format!("{kind:?} rows {} ctx {}", spec.rows, spec.ctx));
+            progress.inc(1);
             let t = Instant::now();
             let g = match kind {
                 Kind::Decode => model::build_decode(&self.cfg, &self.specs, &self.layout, spec)?,
@@ -321,7 +331,13 @@ impl DeviceRunner {
                 .map(|c| c.neff)
                 .collect(),
         };
-        let (captured, uploaded) = self.allocate_and_load(&graphs, &neffs)?;
+        progress.set_message(format!(
+            "loading {} models, uploading weights",
+            graphs.len()
+        ));
+        let loaded = self.allocate_and_load(&graphs, &neffs);
+        progress.finish_and_clear();
+        let (captured, uploaded) = loaded?;
         self.state = Some(captured);
         self.stats = Some(CaptureStats {
             graphs: graphs
@@ -639,7 +655,7 @@ impl DeviceRunner {
         logits: LogitsOutput,
         input_on_device: bool,
     ) -> Result<StepOutput> {
-        let st = self.captured()?;
+        self.captured()?;
         self.check_tokens(chunk.tokens.iter().copied())?;
         let n = chunk.tokens.len();
         let t = self.runner_cfg.prefill_chunk;
@@ -653,13 +669,21 @@ impl DeviceRunner {
             chunk.start + n,
             "context length",
         )?;
+        if !input_on_device {
+            self.staging
+                .fill_prefill(chunk, t, ctx, self.layout.block_size)?;
+        }
+        let st = self.captured()?;
         let g = st
             .graphs
             .get(&(Kind::Prefill, t, ctx))
             .ok_or_else(|| Error::InvalidRequest(format!("no prefill graph for context {ctx}")))?;
         if !input_on_device {
-            let meta = step::prefill_step(chunk, t, ctx, self.layout.block_size)?;
-            Self::write_meta(&st.prefill_meta[g.ctx_index], &meta, &g.name)?;
+            Self::write_meta(
+                &st.prefill_meta[g.ctx_index],
+                self.staging.arrays(),
+                &g.name,
+            )?;
         }
         g.model
             .execute(&g.inputs, &g.outputs)
@@ -685,17 +709,21 @@ impl DeviceRunner {
         logits: bool,
         input_on_device: bool,
     ) -> Result<StepOutput> {
-        let st = self.captured()?;
+        self.captured()?;
         self.check_tokens(rows.iter().map(|r| r.token))?;
         let batch = smallest_fitting(&self.runner_cfg.batch_buckets, rows.len(), "batch size")?;
         let longest = rows.iter().map(|r| r.position + 1).max().unwrap_or(1);
         let ctx = smallest_fitting(&self.runner_cfg.ctx_buckets, longest, "context length")?;
+        if !input_on_device {
+            self.staging
+                .fill_decode(rows, batch, ctx, self.layout.block_size)?;
+        }
+        let st = self.captured()?;
         let g = st.graphs.get(&(Kind::Decode, batch, ctx)).ok_or_else(|| {
             Error::InvalidRequest(format!("no decode graph for batch {batch}, context {ctx}"))
         })?;
         if !input_on_device {
-            let meta = step::decode_step(rows, batch, ctx, self.layout.block_size)?;
-            Self::write_meta(&st.decode_meta[g.ctx_index], &meta, &g.name)?;
+            Self::write_meta(&st.decode_meta[g.ctx_index], self.staging.arrays(), &g.name)?;
         }
         g.model
             .execute(&g.inputs, &g.outputs)
