@@ -531,7 +531,10 @@ mod tests {
     const EOS: &str = "<｜end▁of▁sentence｜>";
 
     /// DeepSeek-V3's chat template (tokenizer_config.json, without the R1 `<think>` parts).
-    const DEEPSEEK_V3_TEMPLATE: &str = r#"{% if not add_generation_prompt is defined %}{% set add_generation_prompt = false %}{% endif %}{% set ns = namespace(is_first=false, is_tool=false, is_output_first=true, system_prompt='', is_first_sp=true) %}{%- for message in messages %}{%- if message['role'] == 'system' %}{%- if ns.is_first_sp %}{% set ns.system_prompt = ns.system_prompt + message['content'] %}{% set ns.is_first_sp = false %}{%- else %}{% set ns.system_prompt = ns.system_prompt + '\n\n' + message['content'] %}{%- endif %}{%- endif %}{%- endfor %}{{bos_token}}{{ns.system_prompt}}{%- for message in messages %}{%- if message['role'] == 'user' %}{%- set ns.is_tool = false -%}{{'<｜User｜>' + message['content']}}{%- endif %}{%- if message['role'] == 'assistant' and message['content'] is none %}{%- set ns.is_tool = false -%}{%- for tool in message['tool_calls']%}{%- if not ns.is_first %}{{'<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\n' + '```json' + '\n' + tool['function']['arguments'] + '\n' + '```' + '<｜tool▁call▁end｜>'}}{%- set ns.is_first = true -%}{%- else %}{{'\n' + '<｜tool▁call▁begin｜>' + tool['type'] + '<｜tool▁sep｜>' + tool['function']['name'] + '\n' + '```json' + '\n' + tool['function']['arguments'] + '\n' + '```' + '<｜tool▁call▁end｜>'}}{{'<｜tool▁calls▁end｜><｜end▁of▁sentence｜>'}}{%- endif %}{%- endfor %}{%- endif %}{%- if message['role'] == 'assistant' and message['content'] is not none %}{%- if ns.is_tool %}{{'<｜tool▁outputs▁end｜>' + message['content'] + '<｜end▁of▁sentence｜>'}}{%- set ns.is_tool = false -%}{%- else %}{% set content = message['content'] %}{% if '</think>' in content %}{% set content = content.split('</think>')[-1] %}{% endif %}{{'<｜Assistant｜>' + content + '<｜end▁of▁sentence｜>'}}{%- endif %}{%- endif %}{%- if message['role'] == 'tool' %}{%- set ns.is_tool = true -%}{%- if ns.is_output_first %}{{'<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}{%- set ns.is_output_first = false %}{%- else %}{{'\n<｜tool▁output▁begin｜>' + message['content'] + '<｜tool▁output▁end｜>'}}{%- endif %}{%- endif %}{%- endfor -%}{% if ns.is_tool %}{{'<｜tool▁outputs▁end｜>'}}{% endif %}{% if add_generation_prompt and not ns.is_tool %}{{'<｜Assistant｜>'}}{% endif %}"#;
+    /// A chat template written for these tests in the style of DeepSeek's (system prompts first,
+    /// joined by a blank line; role markers; reasoning stripped from earlier replies; a
+    /// generation prompt). It exercises namespaces, loops, `in`, `.split()` and indexing.
+    const DEEPSEEK_STYLE_TEMPLATE: &str = r#"{% set ns = namespace(system='', first=true) %}{% for m in messages %}{% if m['role'] == 'system' %}{% if ns.first %}{% set ns.system = m['content'] %}{% set ns.first = false %}{% else %}{% set ns.system = ns.system + '\n\n' + m['content'] %}{% endif %}{% endif %}{% endfor %}{{ bos_token }}{{ ns.system }}{% for m in messages %}{% if m['role'] == 'user' %}{{ '<｜User｜>' + m['content'] }}{% elif m['role'] == 'assistant' %}{% set reply = m['content'] %}{% if '</think>' in reply %}{% set reply = reply.split('</think>')[-1] %}{% endif %}{{ '<｜Assistant｜>' + reply + eos_token }}{% endif %}{% endfor %}{% if add_generation_prompt %}{{ '<｜Assistant｜>' }}{% endif %}"#;
 
     /// A Llama-2/Mistral-style template: `raise_exception`, `.strip()`, loop.index0, and
     /// trim_blocks/lstrip_blocks on a multi-line layout.
@@ -649,7 +652,7 @@ mod tests {
             "eos_token": EOS,
             "clean_up_tokenization_spaces": false,
             "tokenizer_class": "LlamaTokenizerFast",
-            "chat_template": DEEPSEEK_V3_TEMPLATE
+            "chat_template": DEEPSEEK_STYLE_TEMPLATE
         })
     }
 
@@ -724,7 +727,7 @@ mod tests {
     }
 
     #[test]
-    fn deepseek_v3_chat_template() {
+    fn deepseek_style_chat_template() {
         let dir = model_dir("v3template", true, Some(deepseek_config()));
         let tok = Tokenizer::from_dir(&dir).unwrap();
         let messages = [
