@@ -83,10 +83,7 @@ fn generate_into<R: Runner + ?Sized>(
         return Ok(out);
     }
     let first = prefill(runner, prompt, blocks, sampling, LogitsOutput::None)?;
-    let mut token = first
-        .last()
-        .and_then(|o| o.next_tokens.first().copied())
-        .unwrap_or(0);
+    let mut token = sampled(first.last())?;
     loop {
         out.push(token);
         if out.len() >= stop.max_tokens || stop.stop_token_ids.contains(&token) {
@@ -103,8 +100,14 @@ fn generate_into<R: Runner + ?Sized>(
             }],
             false,
         )?;
-        token = step.next_tokens.first().copied().unwrap_or(0);
+        token = sampled(Some(&step))?;
     }
+}
+
+/// The token a step sampled for its single row.
+fn sampled(step: Option<&crate::runner::StepOutput>) -> Result<u32> {
+    step.and_then(|o| o.next_tokens.first().copied())
+        .ok_or_else(|| Error::InvalidRequest("the step returned no sampled token".into()))
 }
 
 /// The logits of every position of `tokens` (`[len][vocab]`), through prefill graphs.
