@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use neuron_sys::{Library, Model, Runtime, Tensor, TensorSet};
 
-use super::{smallest_fitting, Kind, RunnerConfig, StepOutput};
+use super::{Kind, RunnerConfig, StepOutput};
 use crate::backend::hlo::emit;
 use crate::backend::neuron::compile::{compile_all, CompileJob, CompilerConfig};
 use crate::cache::BlockAllocator;
@@ -573,18 +573,6 @@ impl DeviceRunner {
         })
     }
 
-    fn check_tokens(&self, tokens: impl IntoIterator<Item = u32>) -> Result<()> {
-        for t in tokens {
-            if t as usize >= self.cfg.vocab_size {
-                return Err(Error::InvalidRequest(format!(
-                    "token id {t} is outside the vocabulary (size {})",
-                    self.cfg.vocab_size
-                )));
-            }
-        }
-        Ok(())
-    }
-
     /// Writes `meta` into the bucket's persistent buffers (only the bucket's rows).
     fn write_meta(bufs: &[MetaBuf], meta: &[HostArray], graph: &str) -> Result<()> {
         for a in meta {
@@ -656,19 +644,8 @@ impl DeviceRunner {
         input_on_device: bool,
     ) -> Result<StepOutput> {
         self.captured()?;
-        self.check_tokens(chunk.tokens.iter().copied())?;
+        let (t, ctx) = self.runner_cfg.prefill_bucket(chunk, self.cfg.vocab_size)?;
         let n = chunk.tokens.len();
-        let t = self.runner_cfg.prefill_chunk;
-        if n > t {
-            return Err(Error::InvalidRequest(format!(
-                "a prefill chunk of {n} tokens exceeds the chunk size {t}"
-            )));
-        }
-        let ctx = smallest_fitting(
-            &self.runner_cfg.ctx_buckets,
-            chunk.start + n,
-            "context length",
-        )?;
         if !input_on_device {
             self.staging
                 .fill_prefill(chunk, t, ctx, self.layout.block_size)?;
@@ -710,10 +687,7 @@ impl DeviceRunner {
         input_on_device: bool,
     ) -> Result<StepOutput> {
         self.captured()?;
-        self.check_tokens(rows.iter().map(|r| r.token))?;
-        let batch = smallest_fitting(&self.runner_cfg.batch_buckets, rows.len(), "batch size")?;
-        let longest = rows.iter().map(|r| r.position + 1).max().unwrap_or(1);
-        let ctx = smallest_fitting(&self.runner_cfg.ctx_buckets, longest, "context length")?;
+        let (batch, ctx) = self.runner_cfg.decode_bucket(rows, self.cfg.vocab_size)?;
         if !input_on_device {
             self.staging
                 .fill_decode(rows, batch, ctx, self.layout.block_size)?;

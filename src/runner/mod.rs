@@ -87,6 +87,39 @@ impl RunnerConfig {
     pub fn max_len(&self) -> usize {
         self.ctx_buckets.last().copied().unwrap_or(0)
     }
+
+    /// The (chunk size, context) bucket of a prefill chunk, checking its tokens against `vocab`.
+    pub fn prefill_bucket(&self, chunk: &PrefillChunk<'_>, vocab: usize) -> Result<(usize, usize)> {
+        check_tokens(chunk.tokens.iter().copied(), vocab)?;
+        let (n, t) = (chunk.tokens.len(), self.prefill_chunk);
+        if n > t {
+            return Err(Error::InvalidRequest(format!(
+                "a prefill chunk of {n} tokens exceeds the chunk size {t}"
+            )));
+        }
+        let ctx = smallest_fitting(&self.ctx_buckets, chunk.start + n, "context length")?;
+        Ok((t, ctx))
+    }
+
+    /// The (batch, context) bucket of a decode step, checking its tokens against `vocab`.
+    pub fn decode_bucket(&self, rows: &[DecodeRow<'_>], vocab: usize) -> Result<(usize, usize)> {
+        check_tokens(rows.iter().map(|r| r.token), vocab)?;
+        let batch = smallest_fitting(&self.batch_buckets, rows.len(), "batch size")?;
+        let longest = rows.iter().map(|r| r.position + 1).max().unwrap_or(1);
+        let ctx = smallest_fitting(&self.ctx_buckets, longest, "context length")?;
+        Ok((batch, ctx))
+    }
+}
+
+fn check_tokens(tokens: impl IntoIterator<Item = u32>, vocab: usize) -> Result<()> {
+    for t in tokens {
+        if t as usize >= vocab {
+            return Err(Error::InvalidRequest(format!(
+                "token id {t} is outside the vocabulary (size {vocab})"
+            )));
+        }
+    }
+    Ok(())
 }
 
 /// What one executed step returns.
@@ -243,18 +276,6 @@ impl CpuRunner {
         })
     }
 
-    fn check_tokens(&self, tokens: impl IntoIterator<Item = u32>) -> Result<()> {
-        for t in tokens {
-            if t as usize >= self.cfg.vocab_size {
-                return Err(Error::InvalidRequest(format!(
-                    "token id {t} is outside the vocabulary (size {})",
-                    self.cfg.vocab_size
-                )));
-            }
-        }
-        Ok(())
-    }
-
     /// Runs one prefill chunk (at most `prefill_chunk` tokens). With
     /// [`LogitsOutput::AllPositions`] the logits of every token of the chunk are returned.
     pub fn prefill(
@@ -262,19 +283,8 @@ impl CpuRunner {
         chunk: &PrefillChunk<'_>,
         logits: LogitsOutput,
     ) -> Result<StepOutput> {
-        self.check_tokens(chunk.tokens.iter().copied())?;
+        let (t, ctx) = self.runner_cfg.prefill_bucket(chunk, self.cfg.vocab_size)?;
         let n = chunk.tokens.len();
-        let t = self.runner_cfg.prefill_chunk;
-        if n > t {
-            return Err(Error::InvalidRequest(format!(
-                "a prefill chunk of {n} tokens exceeds the chunk size {t}"
-            )));
-        }
-        let ctx = smallest_fitting(
-            &self.runner_cfg.ctx_buckets,
-            chunk.start + n,
-            "context length",
-        )?;
         let graph = self.graph(Kind::Prefill, t, ctx, logits)?;
         let meta = step::prefill_step(chunk, t, ctx, self.layout.block_size)?;
         let real = if logits == LogitsOutput::AllPositions {
@@ -287,10 +297,7 @@ impl CpuRunner {
 
     /// Runs one decode step for `rows`, padded to the smallest batch bucket.
     pub fn decode(&mut self, rows: &[DecodeRow<'_>], logits: bool) -> Result<StepOutput> {
-        self.check_tokens(rows.iter().map(|r| r.token))?;
-        let batch = smallest_fitting(&self.runner_cfg.batch_buckets, rows.len(), "batch size")?;
-        let longest = rows.iter().map(|r| r.position + 1).max().unwrap_or(1);
-        let ctx = smallest_fitting(&self.runner_cfg.ctx_buckets, longest, "context length")?;
+        let (batch, ctx) = self.runner_cfg.decode_bucket(rows, self.cfg.vocab_size)?;
         let want = if logits {
             LogitsOutput::Sampled
         } else {
