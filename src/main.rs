@@ -39,6 +39,8 @@ enum Command {
     Lower(LowerArgs),
     /// Report whether the Neuron backend can run here: libnrt, NeuronCores, neuronx-cc.
     Doctor,
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(ServeArgs),
 }
 
 /// Where graphs run.
@@ -98,6 +100,42 @@ struct GenerateArgs {
     /// Print `{"token_ids": [...], "text": "..."}` instead of the text.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Address to bind; the default serves this machine only.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to bind; 0 picks a free one (the ready line on stderr says which).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on /v1 routes.
+    #[arg(long, env = "DEEPINFER_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// The model name clients pass (default: the model directory's name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Sequences decoded together at most (the largest batch bucket).
+    #[arg(long, default_value_t = 32)]
+    max_batch: usize,
+    /// Longest sequence, prompt plus completion (default: the model's, at most 2048).
+    #[arg(long)]
+    max_len: Option<usize>,
+    /// KV-cache blocks of 16 tokens (default: enough for --max-batch sequences of --max-len).
+    #[arg(long)]
+    kv_blocks: Option<usize>,
+    /// Requests that may wait for a batch slot before new ones get 429.
+    #[arg(long, default_value_t = 256)]
+    max_waiting: usize,
+    /// Largest request body accepted, in bytes.
+    #[arg(long, default_value_t = 1 << 20)]
+    max_body_bytes: usize,
+    /// Seconds shutdown waits for requests in flight before ending them.
+    #[arg(long, default_value_t = 30)]
+    drain_timeout_secs: u64,
 }
 
 #[derive(Args)]
@@ -218,16 +256,31 @@ fn load_runner(
     max_len: usize,
     backend: Option<Backend>,
 ) -> Result<GraphRunner> {
+    check_model_dir(dir)?;
+    let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
+    let max_len = max_len.min(cfg.max_position_embeddings);
+    let rc = RunnerConfig::for_limits(max_batch, max_len);
+    open_runner(dir, cfg, rc, backend)
+}
+
+fn check_model_dir(dir: &Path) -> Result<()> {
     if !dir.is_dir() {
         bail!(
             "model directory {} does not exist or is not a directory",
             dir.display()
         );
     }
-    let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
+    Ok(())
+}
+
+/// Loads the weights and builds the runner for `rc` on the chosen backend.
+fn open_runner(
+    dir: &Path,
+    cfg: ModelConfig,
+    rc: RunnerConfig,
+    backend: Option<Backend>,
+) -> Result<GraphRunner> {
     let weights = ModelWeights::load(&cfg, &Checkpoint::open(dir)?)?;
-    let max_len = max_len.min(cfg.max_position_embeddings);
-    let rc = RunnerConfig::for_limits(max_batch, max_len);
     Ok(match choose_backend(backend) {
         Backend::Cpu => GraphRunner::Cpu(Box::new(CpuRunner::new(cfg, weights, rc)?)),
         Backend::Sim => {
@@ -476,6 +529,95 @@ fn lower(args: LowerArgs) -> Result<()> {
     Ok(())
 }
 
+fn serve(args: ServeArgs) -> Result<()> {
+    use deepinfer::engine::{Engine, EngineOptions};
+    use deepinfer::server::{AppState, ServerConfig};
+    use std::sync::Arc;
+
+    let dir = model_dir(&args.model)?;
+    check_model_dir(&dir)?;
+    let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
+    let tokenizer = if dir.join("tokenizer.json").is_file() {
+        Some(Arc::new(Tokenizer::from_dir(&dir)?))
+    } else {
+        None
+    };
+    if args.max_batch == 0 {
+        bail!("--max-batch must be at least 1");
+    }
+    let max_len = args
+        .max_len
+        .unwrap_or(2048)
+        .min(cfg.max_position_embeddings);
+    let mut rc = RunnerConfig::for_limits(args.max_batch, max_len);
+    if let Some(blocks) = args.kv_blocks {
+        let one_sequence = rc.max_len().div_ceil(rc.block_size) + 1;
+        if blocks < one_sequence {
+            bail!(
+                "--kv-blocks {blocks} cannot hold even one sequence of {} tokens: at least \
+                 {one_sequence} blocks are needed (or lower --max-len)",
+                rc.max_len()
+            );
+        }
+        rc.num_blocks = blocks;
+    }
+    let eos: Vec<u32> = tokenizer
+        .as_ref()
+        .and_then(|t| t.eos_token_id())
+        .into_iter()
+        .chain(cfg.eos_token_ids.iter().copied())
+        .collect();
+    let served_model_name = match args.served_model_name {
+        Some(n) => n,
+        None => dir
+            .canonicalize()
+            .ok()
+            .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "model".into()),
+    };
+    let metrics = Arc::new(deepinfer::metrics::Metrics::new());
+    let backend = args.model.backend;
+    let runner_dir = dir.clone();
+    let engine = Engine::start(
+        move || {
+            open_runner(&runner_dir, cfg, rc, backend)
+                .map_err(|e| deepinfer::Error::InvalidRequest(format!("{e:#}")))
+        },
+        tokenizer.clone(),
+        EngineOptions {
+            max_waiting: args.max_waiting,
+            eos_token_ids: eos,
+        },
+        metrics,
+    )?;
+    let engine = Arc::new(engine);
+    let backend_name = engine.info().backend;
+    let config = ServerConfig {
+        served_model_name: served_model_name.clone(),
+        api_key: args.api_key.filter(|k| !k.is_empty()),
+        max_body_bytes: args.max_body_bytes,
+        drain_timeout: std::time::Duration::from_secs(args.drain_timeout_secs),
+    };
+    let state = Arc::new(AppState::new(config, engine, tokenizer));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr}"))?;
+        deepinfer::server::serve(listener, state, |bound| {
+            eprintln!(
+                "deepinfer: serving \"{served_model_name}\" on http://{bound} (backend {backend_name})"
+            );
+        })
+        .await
+        .context("serving")
+    })
+}
+
 /// candle-core asks for its thread count on every matrix product, and without
 /// `RAYON_NUM_THREADS` that means parsing `/proc/cpuinfo` each time (several percent of a
 /// decode step). Setting it once, before any thread starts, makes the answer an env lookup.
@@ -494,6 +636,7 @@ fn main() -> ExitCode {
         Command::Score(a) => score(a),
         Command::Bench(a) => bench(a),
         Command::Lower(a) => lower(a),
+        Command::Serve(a) => serve(a),
         Command::Doctor => {
             let report = deepinfer::backend::neuron::runtime::doctor_report();
             match emit(report.to_string().trim_end()) {

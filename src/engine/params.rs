@@ -1,0 +1,51 @@
+//! What a request asks of the engine, and how it ended.
+
+use crate::step::SamplingParams;
+
+/// Per-request generation settings (OpenAI's plus vLLM's `stop_token_ids` and `ignore_eos`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct GenerationParams {
+    /// How each token is drawn (the seed makes sampling reproducible per request, whatever the
+    /// batch it runs in).
+    pub sampling: SamplingParams,
+    /// Generate at most this many tokens (at least 1).
+    pub max_tokens: usize,
+    /// Stop when the text contains any of these; the match is cut from the output.
+    pub stop: Vec<String>,
+    /// Stop after any of these tokens (counted, not shown).
+    pub stop_token_ids: Vec<u32>,
+    /// Keep going past the model's end-of-sequence tokens.
+    pub ignore_eos: bool,
+}
+
+impl GenerationParams {
+    /// Greedy decoding of up to `max_tokens` tokens, stopping at end of sequence.
+    pub fn greedy(max_tokens: usize) -> Self {
+        GenerationParams {
+            sampling: SamplingParams::GREEDY,
+            max_tokens,
+            stop: Vec::new(),
+            stop_token_ids: Vec::new(),
+            ignore_eos: false,
+        }
+    }
+}
+
+/// Why a sequence stopped, as OpenAI's `finish_reason` spells it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishReason {
+    /// An end-of-sequence token, a stop token or a stop string.
+    Stop,
+    /// `max_tokens` tokens were generated.
+    Length,
+}
+
+impl FinishReason {
+    /// `"stop"` or `"length"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+        }
+    }
+}

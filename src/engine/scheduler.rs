@@ -1,0 +1,471 @@
+//! Continuous batching over one runner.
+//!
+//! Each call to [`Scheduler::step`] is one iteration:
+//!
+//! 1. **Decode**: every sequence that has finished its prefill feeds its last token in one
+//!    decode step (the runner pads the batch to a captured bucket). Each needs room for one more
+//!    slot; when the cache cannot give it, the most recently admitted sequence is preempted: its
+//!    blocks are freed and it goes back to the head of the queue, to be recomputed (prompt and
+//!    generated tokens prefilled again) once blocks free up. Nothing is dropped.
+//! 2. **Prefill**: one chunk of the oldest sequence still prefilling, admitting the head of the
+//!    queue first if none is, when a batch slot and blocks for its whole prompt are free.
+//!
+//! So prompts enter chunk by chunk between decode steps and the running streams keep flowing.
+//! A failed step (a device fault) fails exactly the sequences in it; the rest go on.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use crate::error::{Error, Result};
+use crate::model::LogitsOutput;
+use crate::runner::Runner;
+use crate::step::{DecodeRow, PrefillChunk};
+use crate::tokenizer::Tokenizer;
+
+use super::detokenize::{IncrementalDecoder, StopStrings};
+use super::params::{FinishReason, GenerationParams};
+
+/// Identifies a request inside the engine.
+pub type RequestId = u64;
+
+/// One generated token of a request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TokenEvent {
+    /// The token id.
+    pub token: u32,
+    /// The text it releases (empty while a character or a possible stop string is incomplete;
+    /// never the text of a stop token).
+    pub text: String,
+    /// Set on the request's last token.
+    pub finish: Option<FinishReason>,
+}
+
+/// What happened to a request in a step.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    /// It produced a token.
+    Token(TokenEvent),
+    /// It failed (a device or runtime error in its step); it holds no blocks any more.
+    Failed(String),
+}
+
+/// An event of one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Output {
+    /// The request.
+    pub id: RequestId,
+    /// What happened.
+    pub event: Event,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Its tokens (prompt, and generated ones after a preemption) are going into the cache.
+    Prefill,
+    /// Every token but the last is in the cache; the last is fed next.
+    Decode,
+}
+
+#[derive(Debug)]
+struct Sequence {
+    id: RequestId,
+    /// Prompt then generated tokens.
+    tokens: Vec<u32>,
+    prompt_len: usize,
+    /// Tokens whose keys and values are in the cache.
+    computed: usize,
+    blocks: Vec<u32>,
+    phase: Phase,
+    params: GenerationParams,
+    decoder: Option<IncrementalDecoder>,
+    stops: StopStrings,
+}
+
+impl Sequence {
+    fn generated(&self) -> usize {
+        self.tokens.len() - self.prompt_len
+    }
+}
+
+/// The continuous-batching scheduler: owns the runner, the queue and the running sequences.
+#[derive(Debug)]
+pub struct Scheduler<R: Runner> {
+    runner: R,
+    tokenizer: Option<Arc<Tokenizer>>,
+    eos_token_ids: Vec<u32>,
+    max_running: usize,
+    waiting: VecDeque<Sequence>,
+    /// In admission order: preemption takes from the back.
+    running: Vec<Sequence>,
+    preemptions: u64,
+}
+
+impl<R: Runner> Scheduler<R> {
+    /// A scheduler over `runner`. With a tokenizer, token events carry text and stop strings
+    /// work; `eos_token_ids` end a sequence unless it asks to ignore them.
+    pub fn new(runner: R, tokenizer: Option<Arc<Tokenizer>>, eos_token_ids: Vec<u32>) -> Self {
+        let max_running = runner
+            .runner_config()
+            .batch_buckets
+            .last()
+            .copied()
+            .unwrap_or(1);
+        Scheduler {
+            runner,
+            tokenizer,
+            eos_token_ids,
+            max_running,
+            waiting: VecDeque::new(),
+            running: Vec::new(),
+            preemptions: 0,
+        }
+    }
+
+    /// The runner.
+    pub fn runner(&self) -> &R {
+        &self.runner
+    }
+
+    /// The longest sequence (prompt plus generated tokens) the runner holds.
+    pub fn max_len(&self) -> usize {
+        self.runner.runner_config().max_len()
+    }
+
+    /// Checks a request against the model without queueing it.
+    pub fn validate(&self, prompt: &[u32], params: &GenerationParams) -> Result<()> {
+        validate(
+            prompt,
+            params,
+            self.max_len(),
+            self.runner.config().vocab_size,
+        )
+    }
+
+    /// Queues a request; it is admitted in arrival order.
+    pub fn add(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<u32>,
+        params: GenerationParams,
+    ) -> Result<()> {
+        self.validate(&prompt, &params)?;
+        let decoder = self
+            .tokenizer
+            .as_ref()
+            .map(|t| IncrementalDecoder::new(t.clone(), &prompt, true));
+        self.waiting.push_back(Sequence {
+            id,
+            prompt_len: prompt.len(),
+            tokens: prompt,
+            computed: 0,
+            blocks: Vec::new(),
+            phase: Phase::Prefill,
+            stops: StopStrings::new(&params.stop),
+            params,
+            decoder,
+        });
+        Ok(())
+    }
+
+    /// Drops a request wherever it is, returning its blocks at once. False if it is unknown
+    /// (already finished).
+    pub fn cancel(&mut self, id: RequestId) -> bool {
+        if let Some(i) = self.waiting.iter().position(|s| s.id == id) {
+            self.waiting.remove(i);
+            return true;
+        }
+        if let Some(i) = self.running.iter().position(|s| s.id == id) {
+            let mut seq = self.running.remove(i);
+            self.runner.blocks_mut().release(&mut seq.blocks);
+            return true;
+        }
+        false
+    }
+
+    /// Ends every request with [`Event::Failed`] carrying `message`.
+    pub fn abort_all(&mut self, message: &str) -> Vec<Output> {
+        let mut out = Vec::new();
+        let all: Vec<Sequence> = self.running.drain(..).chain(self.waiting.drain(..)).collect();
+        for mut seq in all {
+            self.runner.blocks_mut().release(&mut seq.blocks);
+            out.push(Output {
+                id: seq.id,
+                event: Event::Failed(message.to_owned()),
+            });
+        }
+        out
+    }
+
+    /// Nothing queued or running.
+    pub fn is_idle(&self) -> bool {
+        self.waiting.is_empty() && self.running.is_empty()
+    }
+
+    /// Sequences being prefilled or decoded.
+    pub fn num_running(&self) -> usize {
+        self.running.len()
+    }
+
+    /// Requests waiting for admission (preempted sequences included).
+    pub fn num_waiting(&self) -> usize {
+        self.waiting.len()
+    }
+
+    /// Blocks held by sequences.
+    pub fn blocks_in_use(&mut self) -> usize {
+        let a = self.runner.blocks_mut();
+        a.num_blocks() - 1 - a.num_free()
+    }
+
+    /// Preemptions so far.
+    pub fn preemptions(&self) -> u64 {
+        self.preemptions
+    }
+
+    /// One iteration: a decode step over every decoding sequence, then one prefill chunk.
+    pub fn step(&mut self) -> Vec<Output> {
+        let mut out = Vec::new();
+        self.decode_step(&mut out);
+        self.prefill_step(&mut out);
+        out
+    }
+
+    /// Moves the most recently admitted sequence back to the head of the queue, freeing its
+    /// blocks; it will be prefilled again (prompt and generated tokens) when admitted.
+    fn preempt_newest(&mut self) -> bool {
+        let Some(mut seq) = self.running.pop() else {
+            return false;
+        };
+        self.runner.blocks_mut().release(&mut seq.blocks);
+        seq.computed = 0;
+        seq.phase = Phase::Prefill;
+        self.waiting.push_front(seq);
+        self.preemptions += 1;
+        true
+    }
+
+    fn decode_step(&mut self, out: &mut Vec<Output>) {
+        // Room for one more slot each, preempting from the newest until it fits.
+        loop {
+            let alloc = self.runner.blocks_mut();
+            let need: usize = self
+                .running
+                .iter()
+                .filter(|s| s.phase == Phase::Decode)
+                .map(|s| alloc.blocks_for(s.tokens.len()).saturating_sub(s.blocks.len()))
+                .sum();
+            if need <= alloc.num_free() || !self.preempt_newest() {
+                break;
+            }
+        }
+        let mut batch: Vec<usize> = Vec::new();
+        for (i, seq) in self.running.iter_mut().enumerate() {
+            if seq.phase == Phase::Decode
+                && self
+                    .runner
+                    .blocks_mut()
+                    .grow(&mut seq.blocks, seq.tokens.len())
+                    .is_ok()
+            {
+                batch.push(i);
+            }
+        }
+        if batch.is_empty() {
+            return;
+        }
+        let rows: Vec<DecodeRow<'_>> = batch
+            .iter()
+            .map(|&i| {
+                let s = &self.running[i];
+                DecodeRow {
+                    token: s.tokens[s.tokens.len() - 1],
+                    position: s.tokens.len() - 1,
+                    blocks: &s.blocks,
+                    sampling: s.params.sampling,
+                }
+            })
+            .collect();
+        let result = self.runner.decode(&rows, false);
+        drop(rows);
+        match result.and_then(|o| sampled_rows(o.next_tokens, batch.len())) {
+            Ok(tokens) => {
+                for (&i, token) in batch.iter().zip(tokens) {
+                    let seq = &mut self.running[i];
+                    seq.computed += 1;
+                    out.push(accept(seq, token, &self.eos_token_ids));
+                }
+            }
+            Err(e) => {
+                let message = format!("decode step failed: {e}");
+                let failed: Vec<RequestId> = batch.iter().map(|&i| self.running[i].id).collect();
+                for &id in &failed {
+                    out.push(Output {
+                        id,
+                        event: Event::Failed(message.clone()),
+                    });
+                }
+                self.remove_where(|s| failed.contains(&s.id));
+            }
+        }
+        self.remove_finished(out);
+    }
+
+    fn prefill_step(&mut self, out: &mut Vec<Output>) {
+        let i = match self.running.iter().position(|s| s.phase == Phase::Prefill) {
+            Some(i) => i,
+            None => match self.admit() {
+                Some(i) => i,
+                None => return,
+            },
+        };
+        let chunk_size = self.runner.runner_config().prefill_chunk;
+        let seq = &self.running[i];
+        let end = (seq.computed + chunk_size).min(seq.tokens.len());
+        let chunk = PrefillChunk {
+            tokens: &seq.tokens[seq.computed..end],
+            start: seq.computed,
+            blocks: &seq.blocks,
+            sampling: seq.params.sampling,
+        };
+        let result = self.runner.prefill(&chunk, LogitsOutput::None);
+        match result.and_then(|o| sampled_rows(o.next_tokens, 1)) {
+            Ok(tokens) => {
+                let seq = &mut self.running[i];
+                seq.computed = end;
+                if end == seq.tokens.len() {
+                    seq.phase = Phase::Decode;
+                    out.push(accept(seq, tokens[0], &self.eos_token_ids));
+                    self.remove_finished(out);
+                }
+            }
+            Err(e) => {
+                let mut seq = self.running.remove(i);
+                self.runner.blocks_mut().release(&mut seq.blocks);
+                out.push(Output {
+                    id: seq.id,
+                    event: Event::Failed(format!("prefill step failed: {e}")),
+                });
+            }
+        }
+    }
+
+    /// Admits the head of the queue when a batch slot and blocks for all its tokens are free.
+    fn admit(&mut self) -> Option<usize> {
+        if self.running.len() >= self.max_running {
+            return None;
+        }
+        let seq = self.waiting.front_mut()?;
+        self.runner
+            .blocks_mut()
+            .grow(&mut seq.blocks, seq.tokens.len())
+            .ok()?;
+        let seq = self.waiting.pop_front()?;
+        self.running.push(seq);
+        Some(self.running.len() - 1)
+    }
+
+    /// Drops the sequences whose last event finished them (the last output of each id).
+    fn remove_finished(&mut self, out: &[Output]) {
+        let finished: Vec<RequestId> = out
+            .iter()
+            .filter(|o| matches!(&o.event, Event::Token(t) if t.finish.is_some()))
+            .map(|o| o.id)
+            .collect();
+        if !finished.is_empty() {
+            self.remove_where(|s| finished.contains(&s.id));
+        }
+    }
+
+    fn remove_where(&mut self, pred: impl Fn(&Sequence) -> bool) {
+        let mut i = 0;
+        while i < self.running.len() {
+            if pred(&self.running[i]) {
+                let mut seq = self.running.remove(i);
+                self.runner.blocks_mut().release(&mut seq.blocks);
+            } else {
+                i += 1;
+            }
+        }
+    }
+}
+
+/// The sampled tokens of a step with `rows` real rows.
+fn sampled_rows(tokens: Vec<u32>, rows: usize) -> Result<Vec<u32>> {
+    if tokens.len() < rows {
+        return Err(Error::InvalidRequest(format!(
+            "the step returned {} sampled tokens for {rows} rows",
+            tokens.len()
+        )));
+    }
+    Ok(tokens)
+}
+
+/// Appends a sampled token to `seq` and decides whether it ends the sequence.
+fn accept(seq: &mut Sequence, token: u32, eos: &[u32]) -> Output {
+    seq.tokens.push(token);
+    let stop_token = seq.params.stop_token_ids.contains(&token)
+        || (!seq.params.ignore_eos && eos.contains(&token));
+    let at_limit = seq.generated() >= seq.params.max_tokens;
+    let mut text = String::new();
+    let mut stop_string = false;
+    if !stop_token {
+        let piece = match seq.decoder.as_mut().map(|d| d.push(token)) {
+            Some(Ok(p)) => p,
+            // A token the tokenizer cannot decode shows as nothing rather than failing the request.
+            Some(Err(_)) | None => String::new(),
+        };
+        let check = seq.stops.push(&piece);
+        text = check.text;
+        stop_string = check.stopped;
+    }
+    let finish = if stop_token || stop_string {
+        Some(FinishReason::Stop)
+    } else if at_limit {
+        Some(FinishReason::Length)
+    } else {
+        None
+    };
+    if finish.is_some() && !stop_string {
+        // Ended for another reason than a stop string: release what was held back.
+        if let Some(Ok(rest)) = seq.decoder.as_mut().map(|d| d.flush()) {
+            text.push_str(&seq.stops.push(&rest).text);
+        }
+        text.push_str(&seq.stops.flush());
+    }
+    Output {
+        id: seq.id,
+        event: Event::Token(TokenEvent {
+            token,
+            text,
+            finish,
+        }),
+    }
+}
+
+/// Checks a request against a model with a context of `max_len` tokens and `vocab` tokens.
+pub(crate) fn validate(
+    prompt: &[u32],
+    params: &GenerationParams,
+    max_len: usize,
+    vocab: usize,
+) -> Result<()> {
+    if prompt.is_empty() {
+        return Err(Error::InvalidRequest("the prompt is empty".into()));
+    }
+    if params.max_tokens == 0 {
+        return Err(Error::InvalidRequest("max_tokens must be at least 1".into()));
+    }
+    if let Some(t) = prompt.iter().find(|&&t| t as usize >= vocab) {
+        return Err(Error::InvalidRequest(format!(
+            "token id {t} is outside the vocabulary (size {vocab})"
+        )));
+    }
+    if prompt.len() + params.max_tokens > max_len {
+        return Err(Error::InvalidRequest(format!(
+            "this model's context is {max_len} tokens; the prompt has {} and max_tokens asks for {} more",
+            prompt.len(),
+            params.max_tokens
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,406 @@
+//! The scheduler on a thread of its own, for the async server.
+//!
+//! The runner is built and owned by the engine thread (a device runner's handles never cross
+//! threads). Requests arrive over a channel; each gets an unbounded channel of its own for its
+//! events, so the engine never waits on a slow client. The thread sleeps while there is nothing
+//! to do and otherwise loops: take new requests and cancellations, run one scheduler iteration,
+//! route the events, update the metrics.
+//!
+//! A [`RequestStream`] dropped before its request finished (a client that went away) cancels
+//! the request, which frees its blocks before the next step.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use tokio::sync::mpsc as async_mpsc;
+
+use crate::error::{Error, Result};
+use crate::metrics::{Metrics, Outcome};
+use crate::runner::{GraphRunner, Runner};
+use crate::tokenizer::Tokenizer;
+
+use super::params::{FinishReason, GenerationParams};
+use super::scheduler::{validate, Event, RequestId, Scheduler};
+
+/// Limits of the engine's queue.
+#[derive(Debug, Clone)]
+pub struct EngineOptions {
+    /// Requests that may wait for admission before new ones are refused.
+    pub max_waiting: usize,
+    /// End-of-sequence tokens (unless a request ignores them).
+    pub eos_token_ids: Vec<u32>,
+}
+
+/// What the server needs to know about the loaded model.
+#[derive(Debug, Clone)]
+pub struct EngineInfo {
+    /// The longest sequence (prompt plus generated tokens).
+    pub max_len: usize,
+    /// The vocabulary size.
+    pub vocab_size: usize,
+    /// Sequences decoded together at most.
+    pub max_batch: usize,
+    /// `cpu` or `device`.
+    pub backend: &'static str,
+}
+
+/// Why a request was not queued.
+#[derive(Debug, thiserror::Error)]
+pub enum SubmitError {
+    /// The request cannot be served by this model (empty prompt, beyond the context, ...).
+    #[error("{0}")]
+    Invalid(String),
+    /// `max_waiting` requests are already queued.
+    #[error("the server is at capacity: {0} requests are already waiting; retry later")]
+    QueueFull(usize),
+    /// The server is shutting down.
+    #[error("the server is shutting down and takes no new requests")]
+    Draining,
+}
+
+enum Command {
+    Add {
+        id: RequestId,
+        prompt: Vec<u32>,
+        params: GenerationParams,
+        events: async_mpsc::UnboundedSender<Event>,
+        arrival: Instant,
+    },
+    Cancel(RequestId),
+    AbortAll(String),
+    Shutdown,
+}
+
+/// State shared by the handle and the engine thread.
+#[derive(Debug)]
+struct Shared {
+    waiting: AtomicUsize,
+    draining: AtomicBool,
+    metrics: Arc<Metrics>,
+}
+
+/// A handle on the engine thread; the server shares one behind an `Arc`.
+#[derive(Debug)]
+pub struct Engine {
+    commands: mpsc::Sender<Command>,
+    shared: Arc<Shared>,
+    info: EngineInfo,
+    options: EngineOptions,
+    next_id: AtomicU64,
+    thread: std::sync::Mutex<Option<JoinHandle<()>>>,
+}
+
+/// The events of one request, in order; the last is a [`Event::Token`] with a finish reason or
+/// an [`Event::Failed`]. Dropping it early cancels the request.
+#[derive(Debug)]
+pub struct RequestStream {
+    id: RequestId,
+    prompt_tokens: usize,
+    events: async_mpsc::UnboundedReceiver<Event>,
+    commands: mpsc::Sender<Command>,
+    done: bool,
+}
+
+impl RequestStream {
+    /// The engine's id of the request.
+    pub fn id(&self) -> RequestId {
+        self.id
+    }
+
+    /// Tokens in the prompt, for the usage count.
+    pub fn prompt_tokens(&self) -> usize {
+        self.prompt_tokens
+    }
+
+    /// The next event; `None` after the last one (or if the engine stopped).
+    pub async fn next(&mut self) -> Option<Event> {
+        if self.done {
+            return None;
+        }
+        let event = self.events.recv().await;
+        match &event {
+            Some(Event::Token(t)) if t.finish.is_none() => {}
+            _ => self.done = true,
+        }
+        event
+    }
+}
+
+impl Drop for RequestStream {
+    fn drop(&mut self) {
+        if !self.done {
+            // The engine may already be gone; then there is nothing to free.
+            let _ = self.commands.send(Command::Cancel(self.id));
+        }
+    }
+}
+
+impl Engine {
+    /// Starts the engine thread. `make_runner` runs on that thread (a device runner is created,
+    /// captured and used there); its error is returned here, before anything is served.
+    pub fn start<F>(
+        make_runner: F,
+        tokenizer: Option<Arc<Tokenizer>>,
+        options: EngineOptions,
+        metrics: Arc<Metrics>,
+    ) -> Result<Engine>
+    where
+        F: FnOnce() -> Result<GraphRunner> + Send + 'static,
+    {
+        let (commands, inbox) = mpsc::channel();
+        let (ready_tx, ready_rx) = mpsc::sync_channel(1);
+        let shared = Arc::new(Shared {
+            waiting: AtomicUsize::new(0),
+            draining: AtomicBool::new(false),
+            metrics,
+        });
+        let thread_shared = shared.clone();
+        let eos = options.eos_token_ids.clone();
+        let thread = std::thread::Builder::new()
+            .name("deepinfer-engine".into())
+            .spawn(move || {
+                let runner = match make_runner() {
+                    Ok(r) => r,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
+                let rc = runner.runner_config();
+                let info = EngineInfo {
+                    max_len: rc.max_len(),
+                    vocab_size: runner.config().vocab_size,
+                    max_batch: rc.batch_buckets.last().copied().unwrap_or(1),
+                    backend: runner.backend_name(),
+                };
+                let mut scheduler = Scheduler::new(runner, tokenizer, eos);
+                if ready_tx.send(Ok(info)).is_err() {
+                    return;
+                }
+                run_loop(&mut scheduler, &inbox, &thread_shared);
+            })
+            .map_err(|e| Error::InvalidRequest(format!("cannot start the engine thread: {e}")))?;
+        let info = match ready_rx.recv() {
+            Ok(r) => r?,
+            Err(_) => {
+                return Err(Error::InvalidRequest(
+                    "the engine thread ended while loading the model".into(),
+                ))
+            }
+        };
+        Ok(Engine {
+            commands,
+            shared,
+            info,
+            options,
+            next_id: AtomicU64::new(1),
+            thread: std::sync::Mutex::new(Some(thread)),
+        })
+    }
+
+    /// The loaded model's limits.
+    pub fn info(&self) -> &EngineInfo {
+        &self.info
+    }
+
+    /// The metrics the engine updates.
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.shared.metrics
+    }
+
+    /// Queues a request. It is checked against the model here, so a bad one is refused before it
+    /// costs anything.
+    pub fn submit(
+        &self,
+        prompt: Vec<u32>,
+        params: GenerationParams,
+    ) -> std::result::Result<RequestStream, SubmitError> {
+        if self.shared.draining.load(Ordering::SeqCst) {
+            return Err(SubmitError::Draining);
+        }
+        validate(&prompt, &params, self.info.max_len, self.info.vocab_size)
+            .map_err(|e| SubmitError::Invalid(e.to_string()))?;
+        // Reserve a place in the queue; the engine thread gives it back on admission.
+        let waiting = self.shared.waiting.fetch_add(1, Ordering::SeqCst);
+        if waiting >= self.options.max_waiting {
+            self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(SubmitError::QueueFull(waiting));
+        }
+        let id = self.next_id.fetch_add(1, Ordering::Relaxed);
+        let (tx, rx) = async_mpsc::unbounded_channel();
+        let prompt_tokens = prompt.len();
+        let sent = self.commands.send(Command::Add {
+            id,
+            prompt,
+            params,
+            events: tx,
+            arrival: Instant::now(),
+        });
+        if sent.is_err() {
+            self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+            return Err(SubmitError::Draining);
+        }
+        Ok(RequestStream {
+            id,
+            prompt_tokens,
+            events: rx,
+            commands: self.commands.clone(),
+            done: false,
+        })
+    }
+
+    /// Refuses new requests from now on; queued and running ones go on.
+    pub fn begin_drain(&self) {
+        self.shared.draining.store(true, Ordering::SeqCst);
+    }
+
+    /// Whether [`Engine::begin_drain`] was called.
+    pub fn is_draining(&self) -> bool {
+        self.shared.draining.load(Ordering::SeqCst)
+    }
+
+    /// Ends every queued and running request with an error carrying `message`.
+    pub fn abort_all(&self, message: &str) {
+        let _ = self.commands.send(Command::AbortAll(message.to_owned()));
+    }
+
+    /// Stops the engine thread (failing whatever is still in flight) and waits for it.
+    pub fn shutdown(&self) {
+        let _ = self.commands.send(Command::Shutdown);
+        let handle = self.thread.lock().ok().and_then(|mut t| t.take());
+        if let Some(h) = handle {
+            let _ = h.join();
+        }
+    }
+}
+
+/// A request the engine thread is serving.
+struct Client {
+    events: async_mpsc::UnboundedSender<Event>,
+    arrival: Instant,
+    last_token: Option<Instant>,
+}
+
+fn run_loop(scheduler: &mut Scheduler<GraphRunner>, inbox: &mpsc::Receiver<Command>, shared: &Shared) {
+    let metrics = &shared.metrics;
+    let mut clients: HashMap<RequestId, Client> = HashMap::new();
+    {
+        let total = scheduler.runner().runner_config().num_blocks.saturating_sub(1);
+        metrics.kv_blocks_total.set(total as i64);
+    }
+    loop {
+        // Sleep while idle; otherwise take whatever arrived since the last step.
+        let mut pending: Vec<Command> = Vec::new();
+        if scheduler.is_idle() {
+            match inbox.recv() {
+                Ok(c) => pending.push(c),
+                Err(_) => return,
+            }
+        }
+        pending.extend(inbox.try_iter());
+        let mut outputs = Vec::new();
+        for command in pending {
+            match command {
+                Command::Add {
+                    id,
+                    prompt,
+                    params,
+                    events,
+                    arrival,
+                } => {
+                    shared.waiting.fetch_sub(1, Ordering::SeqCst);
+                    let n = prompt.len();
+                    match scheduler.add(id, prompt, params) {
+                        Ok(()) => {
+                            metrics.prompt_tokens.inc_by(n as u64);
+                            clients.insert(
+                                id,
+                                Client {
+                                    events,
+                                    arrival,
+                                    last_token: None,
+                                },
+                            );
+                        }
+                        Err(e) => {
+                            metrics.record_outcome(Outcome::Rejected);
+                            let _ = events.send(Event::Failed(e.to_string()));
+                        }
+                    }
+                }
+                Command::Cancel(id) => {
+                    if clients.remove(&id).is_some() {
+                        scheduler.cancel(id);
+                        metrics.record_outcome(Outcome::Cancelled);
+                    }
+                }
+                Command::AbortAll(message) => outputs.extend(scheduler.abort_all(&message)),
+                Command::Shutdown => {
+                    outputs.extend(scheduler.abort_all("the server shut down"));
+                    route(outputs, &mut clients, scheduler, metrics);
+                    return;
+                }
+            }
+        }
+        if !scheduler.is_idle() {
+            outputs.extend(scheduler.step());
+        }
+        route(outputs, &mut clients, scheduler, metrics);
+        metrics.running.set(scheduler.num_running() as i64);
+        metrics.waiting.set(
+            (scheduler.num_waiting() + shared.waiting.load(Ordering::SeqCst)) as i64,
+        );
+        metrics.kv_blocks_in_use.set(scheduler.blocks_in_use() as i64);
+    }
+}
+
+/// Sends each output to its request, recording timings and outcomes; a request whose client
+/// has gone is cancelled on the spot.
+fn route(
+    outputs: Vec<super::scheduler::Output>,
+    clients: &mut HashMap<RequestId, Client>,
+    scheduler: &mut Scheduler<GraphRunner>,
+    metrics: &Metrics,
+) {
+    let now = Instant::now();
+    for out in outputs {
+        let Some(client) = clients.get_mut(&out.id) else {
+            continue;
+        };
+        let outcome = match &out.event {
+            Event::Token(t) => {
+                metrics.generation_tokens.inc();
+                match client.last_token {
+                    None => metrics
+                        .time_to_first_token
+                        .observe((now - client.arrival).as_secs_f64()),
+                    Some(last) => metrics
+                        .time_per_output_token
+                        .observe((now - last).as_secs_f64()),
+                }
+                client.last_token = Some(now);
+                t.finish.map(|f| match f {
+                    FinishReason::Stop => Outcome::Stop,
+                    FinishReason::Length => Outcome::Length,
+                })
+            }
+            Event::Failed(_) => Some(Outcome::Error),
+        };
+        let delivered = client.events.send(out.event).is_ok();
+        if let Some(outcome) = outcome {
+            clients.remove(&out.id);
+            metrics.record_outcome(if delivered {
+                outcome
+            } else {
+                Outcome::Cancelled
+            });
+        } else if !delivered {
+            clients.remove(&out.id);
+            scheduler.cancel(out.id);
+            metrics.record_outcome(Outcome::Cancelled);
+        }
+    }
+}

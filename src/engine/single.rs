@@ -1,0 +1,129 @@
+//! Driving a runner for one sequence: chunked prefill, then decode until a stop.
+//!
+//! These single-sequence drivers serve the CLI's `generate` and `score`; the server's
+//! [`super::Scheduler`] makes the same runner calls for many sequences at once.
+
+use crate::error::{Error, Result};
+use crate::model::LogitsOutput;
+use crate::runner::Runner;
+use crate::step::{DecodeRow, PrefillChunk, SamplingParams};
+
+/// When generation stops.
+#[derive(Debug, Clone, Default)]
+pub struct StopConditions {
+    /// Generate at most this many tokens.
+    pub max_tokens: usize,
+    /// Stop after producing any of these (it is included in the output).
+    pub stop_token_ids: Vec<u32>,
+}
+
+fn check_prompt<R: Runner + ?Sized>(runner: &R, prompt: &[u32], extra: usize) -> Result<()> {
+    if prompt.is_empty() {
+        return Err(Error::InvalidRequest("the prompt is empty".into()));
+    }
+    let max_len = runner.runner_config().max_len();
+    if prompt.len() + extra > max_len {
+        return Err(Error::InvalidRequest(format!(
+            "the prompt ({} tokens) plus {extra} new tokens exceeds the context of {max_len} tokens",
+            prompt.len()
+        )));
+    }
+    Ok(())
+}
+
+/// Prefills `prompt` chunk by chunk into `blocks`; returns the last chunk's output.
+fn prefill<R: Runner + ?Sized>(
+    runner: &mut R,
+    prompt: &[u32],
+    blocks: &mut Vec<u32>,
+    sampling: SamplingParams,
+    logits: LogitsOutput,
+) -> Result<Vec<crate::runner::StepOutput>> {
+    let chunk = runner.runner_config().prefill_chunk;
+    runner.blocks_mut().grow(blocks, prompt.len())?;
+    let mut outs = Vec::new();
+    for (i, tokens) in prompt.chunks(chunk).enumerate() {
+        outs.push(runner.prefill(
+            &PrefillChunk {
+                tokens,
+                start: i * chunk,
+                blocks,
+                sampling,
+            },
+            logits,
+        )?);
+    }
+    Ok(outs)
+}
+
+/// Generates up to `stop.max_tokens` tokens after `prompt`, on any [`Runner`] (the CPU twin,
+/// a device runner, or a [`crate::runner::GraphRunner`]).
+pub fn generate<R: Runner + ?Sized>(
+    runner: &mut R,
+    prompt: &[u32],
+    sampling: SamplingParams,
+    stop: &StopConditions,
+) -> Result<Vec<u32>> {
+    check_prompt(runner, prompt, stop.max_tokens)?;
+    let mut blocks = Vec::new();
+    let result = generate_into(runner, prompt, sampling, stop, &mut blocks);
+    runner.blocks_mut().release(&mut blocks);
+    result
+}
+
+fn generate_into<R: Runner + ?Sized>(
+    runner: &mut R,
+    prompt: &[u32],
+    sampling: SamplingParams,
+    stop: &StopConditions,
+    blocks: &mut Vec<u32>,
+) -> Result<Vec<u32>> {
+    let mut out = Vec::new();
+    if stop.max_tokens == 0 {
+        return Ok(out);
+    }
+    let first = prefill(runner, prompt, blocks, sampling, LogitsOutput::None)?;
+    let mut token = sampled(first.last())?;
+    loop {
+        out.push(token);
+        if out.len() >= stop.max_tokens || stop.stop_token_ids.contains(&token) {
+            return Ok(out);
+        }
+        let position = prompt.len() + out.len() - 1;
+        runner.blocks_mut().grow(blocks, position + 1)?;
+        let step = runner.decode(
+            &[DecodeRow {
+                token,
+                position,
+                blocks,
+                sampling,
+            }],
+            false,
+        )?;
+        token = sampled(Some(&step))?;
+    }
+}
+
+/// The token a step sampled for its single row.
+fn sampled(step: Option<&crate::runner::StepOutput>) -> Result<u32> {
+    step.and_then(|o| o.next_tokens.first().copied())
+        .ok_or_else(|| Error::InvalidRequest("the step returned no sampled token".into()))
+}
+
+/// The logits of every position of `tokens` (`[len][vocab]`), through prefill graphs.
+pub fn score<R: Runner + ?Sized>(runner: &mut R, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
+    check_prompt(runner, tokens, 0)?;
+    let mut blocks = Vec::new();
+    let result = prefill(
+        runner,
+        tokens,
+        &mut blocks,
+        SamplingParams::GREEDY,
+        LogitsOutput::AllPositions,
+    );
+    runner.blocks_mut().release(&mut blocks);
+    Ok(result?
+        .into_iter()
+        .flat_map(|o| o.logits.unwrap_or_default())
+        .collect())
+}

@@ -1,0 +1,138 @@
+//! The serving metrics, exposed by `GET /metrics` in Prometheus' text format.
+//!
+//! The engine thread updates them as requests arrive, produce tokens and end; the server only
+//! encodes them. Names follow vLLM's where one exists (`time_to_first_token_seconds`,
+//! `time_per_output_token_seconds`, `num_requests_running`), under a `deepinfer_` prefix.
+
+use prometheus_client::encoding::prometheus_text;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+
+/// How a request ended, the label of `deepinfer_requests_total`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    /// Finished on an end-of-sequence token, a stop token or a stop string.
+    Stop,
+    /// Finished on `max_tokens`.
+    Length,
+    /// The client went away (or the server shut down) before it finished.
+    Cancelled,
+    /// A device or runtime failure in one of its steps.
+    Error,
+    /// Refused before it reached the engine: a malformed request, a full queue, a draining server.
+    Rejected,
+}
+
+impl Outcome {
+    const ALL: [Outcome; 5] = [
+        Outcome::Stop,
+        Outcome::Length,
+        Outcome::Cancelled,
+        Outcome::Error,
+        Outcome::Rejected,
+    ];
+
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Stop => "stop",
+            Outcome::Length => "length",
+            Outcome::Cancelled => "cancelled",
+            Outcome::Error => "error",
+            Outcome::Rejected => "rejected",
+        }
+    }
+}
+
+type OutcomeLabel = [(&'static str, &'static str); 1];
+
+/// Every metric the server exports, and the registry that encodes them.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<OutcomeLabel, Counter>,
+    /// Prompt tokens of admitted requests.
+    pub prompt_tokens: Counter,
+    /// Tokens generated.
+    pub generation_tokens: Counter,
+    /// Seconds from a request's arrival to its first generated token.
+    pub time_to_first_token: Histogram,
+    /// Seconds between consecutive generated tokens of one request.
+    pub time_per_output_token: Histogram,
+    /// Sequences being prefilled or decoded.
+    pub running: Gauge,
+    /// Requests queued for admission (preempted sequences included).
+    pub waiting: Gauge,
+    /// KV-cache blocks held by sequences (the scratch block excluded).
+    pub kv_blocks_in_use: Gauge,
+    /// KV-cache blocks sequences can hold.
+    pub kv_blocks_total: Gauge,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// All metrics at zero, every outcome label present from the start (so a scrape sees a
+    /// counter go from 0 to 1, not appear).
+    pub fn new() -> Self {
+        let mut registry = Registry::with_prefix("deepinfer");
+        let requests = Family::<OutcomeLabel, Counter>::default();
+        for o in Outcome::ALL {
+            drop(requests.get_or_create(&[("outcome", o.as_str())]));
+        }
+        let m = Metrics {
+            requests,
+            prompt_tokens: Counter::default(),
+            generation_tokens: Counter::default(),
+            // 1 ms .. ~65 s.
+            time_to_first_token: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
+            // 0.5 ms .. ~16 s.
+            time_per_output_token: Histogram::new(exponential_buckets(0.0005, 2.0, 16)),
+            running: Gauge::default(),
+            waiting: Gauge::default(),
+            kv_blocks_in_use: Gauge::default(),
+            kv_blocks_total: Gauge::default(),
+            registry: Registry::default(),
+        };
+        registry.register("requests", "Requests that ended, by outcome", m.requests.clone());
+        registry.register("prompt_tokens", "Prompt tokens of requests admitted to the engine", m.prompt_tokens.clone());
+        registry.register("generation_tokens", "Tokens generated", m.generation_tokens.clone());
+        registry.register("time_to_first_token_seconds", "Time from a request's arrival to its first generated token", m.time_to_first_token.clone());
+        registry.register("time_per_output_token_seconds", "Time between consecutive generated tokens of a request", m.time_per_output_token.clone());
+        registry.register("num_requests_running", "Sequences being prefilled or decoded", m.running.clone());
+        registry.register("num_requests_waiting", "Requests waiting for admission, preempted ones included", m.waiting.clone());
+        registry.register("kv_blocks_in_use", "KV-cache blocks held by sequences", m.kv_blocks_in_use.clone());
+        registry.register("kv_blocks_total", "KV-cache blocks sequences can hold", m.kv_blocks_total.clone());
+        Metrics { registry, ..m }
+    }
+
+    /// Counts one request that ended with `outcome`.
+    pub fn record_outcome(&self, outcome: Outcome) {
+        self.requests.get_or_create(&[("outcome", outcome.as_str())]).inc();
+    }
+
+    /// How many requests ended with `outcome` so far.
+    pub fn outcome_count(&self, outcome: Outcome) -> u64 {
+        self.requests
+            .get_or_create(&[("outcome", outcome.as_str())])
+            .get()
+    }
+
+    /// The Prometheus text exposition (format 0.0.4) of every metric.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// The `Content-Type` of [`Metrics::encode`]'s output.
+pub const CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";

@@ -1,0 +1,258 @@
+//! The OpenAI request bodies we accept, and their checks.
+//!
+//! Fields we do not implement but that change what a client gets (`n > 1`, `echo`, `logprobs`,
+//! penalties, `logit_bias`, ...) are refused with a 400 naming the field rather than silently
+//! ignored; unknown fields are ignored, as OpenAI's SDKs send new ones over time.
+
+use serde::Deserialize;
+
+use super::error::ApiError;
+
+/// `prompt` of a completion request.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Prompt {
+    /// One text.
+    Text(String),
+    /// Token ids.
+    Tokens(Vec<u32>),
+    /// Texts (only one is served per request).
+    Texts(Vec<String>),
+}
+
+/// `stop`: one string or a list.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    /// One stop string.
+    One(String),
+    /// Several.
+    Many(Vec<String>),
+}
+
+/// `stream_options`.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct StreamOptions {
+    /// Send a last chunk with the usage counts.
+    #[serde(default)]
+    pub include_usage: bool,
+}
+
+/// Sampling and stopping fields shared by both endpoints.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct SamplingFields {
+    /// Defaults to 1.
+    pub temperature: Option<f32>,
+    /// Defaults to 1.
+    pub top_p: Option<f32>,
+    /// vLLM's extension; 0 or -1 is off.
+    pub top_k: Option<i32>,
+    /// Makes sampling reproducible.
+    pub seed: Option<i64>,
+    /// Stop strings (at most 4).
+    pub stop: Option<Stop>,
+    /// vLLM's extension: stop after any of these tokens.
+    pub stop_token_ids: Option<Vec<u32>>,
+    /// vLLM's extension: keep going past end-of-sequence.
+    #[serde(default)]
+    pub ignore_eos: bool,
+    /// Stream over SSE.
+    #[serde(default)]
+    pub stream: bool,
+    /// Streaming options.
+    pub stream_options: Option<StreamOptions>,
+    /// Only 1 is served.
+    pub n: Option<i64>,
+    /// Refused unless 0.
+    pub presence_penalty: Option<f32>,
+    /// Refused unless 0.
+    pub frequency_penalty: Option<f32>,
+    /// Refused unless empty.
+    pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
+    /// Refused unless absent, null, false or 0.
+    pub logprobs: Option<serde_json::Value>,
+    /// Ignored (OpenAI uses it for abuse monitoring).
+    pub user: Option<String>,
+}
+
+/// `POST /v1/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct CompletionRequest {
+    /// Must be the served model's name.
+    pub model: String,
+    /// The prompt.
+    pub prompt: Prompt,
+    /// Defaults to 16, as OpenAI's.
+    pub max_tokens: Option<i64>,
+    /// Refused when true.
+    #[serde(default)]
+    pub echo: bool,
+    /// Refused unless 1.
+    pub best_of: Option<i64>,
+    /// Refused unless empty.
+    pub suffix: Option<String>,
+    /// The sampling fields.
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+}
+
+/// One part of a multi-part message content.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ContentPart {
+    /// Only `text` is served.
+    #[serde(rename = "type")]
+    pub kind: String,
+    /// The text of a `text` part.
+    pub text: Option<String>,
+}
+
+/// A message's `content`.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    /// Plain text.
+    Text(String),
+    /// Parts; the text parts are joined.
+    Parts(Vec<ContentPart>),
+}
+
+/// One chat message.
+#[derive(Debug, Clone, Deserialize)]
+pub struct Message {
+    /// `system`, `user`, `assistant`, ...
+    pub role: String,
+    /// The text (null for an assistant turn that only called tools, which we do not serve).
+    pub content: Option<Content>,
+}
+
+/// `POST /v1/chat/completions`.
+#[derive(Debug, Clone, Deserialize)]
+pub struct ChatRequest {
+    /// Must be the served model's name.
+    pub model: String,
+    /// The conversation.
+    pub messages: Vec<Message>,
+    /// Defaults to the rest of the context.
+    pub max_tokens: Option<i64>,
+    /// OpenAI's newer name for `max_tokens`.
+    pub max_completion_tokens: Option<i64>,
+    /// The sampling fields.
+    #[serde(flatten)]
+    pub sampling: SamplingFields,
+}
+
+impl SamplingFields {
+    /// Refuses the fields we do not implement, and values outside their ranges.
+    pub fn check(&self) -> Result<(), ApiError> {
+        if let Some(t) = self.temperature {
+            if !(0.0..=2.0).contains(&t) {
+                return Err(ApiError::invalid_field(
+                    "temperature",
+                    format!("temperature must be between 0 and 2, got {t}"),
+                ));
+            }
+        }
+        if let Some(p) = self.top_p {
+            if !(p > 0.0 && p <= 1.0) {
+                return Err(ApiError::invalid_field(
+                    "top_p",
+                    format!("top_p must be in (0, 1], got {p}"),
+                ));
+            }
+        }
+        if let Some(k) = self.top_k {
+            if k < -1 {
+                return Err(ApiError::invalid_field(
+                    "top_k",
+                    format!("top_k must be -1, 0 (off) or positive, got {k}"),
+                ));
+            }
+        }
+        if let Some(n) = self.n {
+            if n != 1 {
+                return Err(ApiError::invalid_field(
+                    "n",
+                    format!("only n = 1 is supported, got {n}; send one request per choice"),
+                ));
+            }
+        }
+        if let Some(Stop::Many(v)) = &self.stop {
+            if v.len() > 4 {
+                return Err(ApiError::invalid_field(
+                    "stop",
+                    format!("at most 4 stop strings are allowed, got {}", v.len()),
+                ));
+            }
+        }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if v.is_some_and(|v| v != 0.0) {
+                return Err(ApiError::invalid_field(
+                    name,
+                    format!("{name} is not supported (only 0)"),
+                ));
+            }
+        }
+        if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
+            return Err(ApiError::invalid_field(
+                "logit_bias",
+                "logit_bias is not supported",
+            ));
+        }
+        let logprobs_off = match &self.logprobs {
+            None | Some(serde_json::Value::Null) | Some(serde_json::Value::Bool(false)) => true,
+            Some(serde_json::Value::Number(n)) => n.as_u64() == Some(0),
+            Some(_) => false,
+        };
+        if !logprobs_off {
+            return Err(ApiError::invalid_field(
+                "logprobs",
+                "logprobs are not supported",
+            ));
+        }
+        Ok(())
+    }
+
+    /// The stop strings.
+    pub fn stop_strings(&self) -> Vec<String> {
+        match &self.stop {
+            None => Vec::new(),
+            Some(Stop::One(s)) => vec![s.clone()],
+            Some(Stop::Many(v)) => v.clone(),
+        }
+    }
+
+    /// Whether a streamed response ends with a usage chunk.
+    pub fn include_usage(&self) -> bool {
+        self.stream_options
+            .as_ref()
+            .is_some_and(|o| o.include_usage)
+    }
+}
+
+impl Message {
+    /// The message's text: the content, or its text parts joined.
+    pub fn text(&self, index: usize) -> Result<String, ApiError> {
+        match &self.content {
+            None => Ok(String::new()),
+            Some(Content::Text(t)) => Ok(t.clone()),
+            Some(Content::Parts(parts)) => {
+                let mut out = String::new();
+                for p in parts {
+                    match (p.kind.as_str(), &p.text) {
+                        ("text", Some(t)) => out.push_str(t),
+                        (kind, _) => {
+                            return Err(ApiError::invalid_field(
+                                &format!("messages[{index}].content"),
+                                format!("content parts of type `{kind}` are not supported (text only)"),
+                            ))
+                        }
+                    }
+                }
+                Ok(out)
+            }
+        }
+    }
+}
