@@ -101,21 +101,59 @@ impl Metrics {
             kv_blocks_total: Gauge::default(),
             registry: Registry::default(),
         };
-        registry.register("requests", "Requests that ended, by outcome", m.requests.clone());
-        registry.register("prompt_tokens", "Prompt tokens of requests admitted to the engine", m.prompt_tokens.clone());
-        registry.register("generation_tokens", "Tokens generated", m.generation_tokens.clone());
-        registry.register("time_to_first_token_seconds", "Time from a request's arrival to its first generated token", m.time_to_first_token.clone());
-        registry.register("time_per_output_token_seconds", "Time between consecutive generated tokens of a request", m.time_per_output_token.clone());
-        registry.register("num_requests_running", "Sequences being prefilled or decoded", m.running.clone());
-        registry.register("num_requests_waiting", "Requests waiting for admission, preempted ones included", m.waiting.clone());
-        registry.register("kv_blocks_in_use", "KV-cache blocks held by sequences", m.kv_blocks_in_use.clone());
-        registry.register("kv_blocks_total", "KV-cache blocks sequences can hold", m.kv_blocks_total.clone());
+        registry.register(
+            "requests",
+            "Requests that ended, by outcome",
+            m.requests.clone(),
+        );
+        registry.register(
+            "prompt_tokens",
+            "Prompt tokens of requests admitted to the engine",
+            m.prompt_tokens.clone(),
+        );
+        registry.register(
+            "generation_tokens",
+            "Tokens generated",
+            m.generation_tokens.clone(),
+        );
+        registry.register(
+            "time_to_first_token_seconds",
+            "Time from a request's arrival to its first generated token",
+            m.time_to_first_token.clone(),
+        );
+        registry.register(
+            "time_per_output_token_seconds",
+            "Time between consecutive generated tokens of a request",
+            m.time_per_output_token.clone(),
+        );
+        registry.register(
+            "num_requests_running",
+            "Sequences being prefilled or decoded",
+            m.running.clone(),
+        );
+        registry.register(
+            "num_requests_waiting",
+            "Requests waiting for admission, preempted ones included",
+            m.waiting.clone(),
+        );
+        registry.register(
+            "kv_blocks_in_use",
+            "KV-cache blocks held by sequences",
+            m.kv_blocks_in_use.clone(),
+        );
+        registry.register(
+            "kv_blocks_total",
+            "KV-cache blocks sequences can hold",
+            m.kv_blocks_total.clone(),
+        );
         Metrics { registry, ..m }
     }
 
     /// Counts one request that ended with `outcome`.
     pub fn record_outcome(&self, outcome: Outcome) {
-        self.requests.get_or_create(&[("outcome", outcome.as_str())]).inc();
+        self.requests
+            .get_or_create(&[("outcome", outcome.as_str())])
+            .inc();
     }
 
     /// How many requests ended with `outcome` so far.

@@ -178,7 +178,10 @@ mod tests {
 
     #[test]
     fn stop_string_split_over_pieces_is_cut() {
-        assert_eq!(run(&["\n\n"], &["Hi", "\n", "\nthere"]), ("Hi".into(), true));
+        assert_eq!(
+            run(&["\n\n"], &["Hi", "\n", "\nthere"]),
+            ("Hi".into(), true)
+        );
         assert_eq!(run(&["END"], &["abcE", "N", "Dxyz"]), ("abc".into(), true));
     }
 

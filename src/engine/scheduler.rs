@@ -142,12 +142,7 @@ impl<R: Runner> Scheduler<R> {
     }
 
     /// Queues a request; it is admitted in arrival order.
-    pub fn add(
-        &mut self,
-        id: RequestId,
-        prompt: Vec<u32>,
-        params: GenerationParams,
-    ) -> Result<()> {
+    pub fn add(&mut self, id: RequestId, prompt: Vec<u32>, params: GenerationParams) -> Result<()> {
         self.validate(&prompt, &params)?;
         let decoder = self
             .tokenizer
@@ -185,7 +180,11 @@ impl<R: Runner> Scheduler<R> {
     /// Ends every request with [`Event::Failed`] carrying `message`.
     pub fn abort_all(&mut self, message: &str) -> Vec<Output> {
         let mut out = Vec::new();
-        let all: Vec<Sequence> = self.running.drain(..).chain(self.waiting.drain(..)).collect();
+        let all: Vec<Sequence> = self
+            .running
+            .drain(..)
+            .chain(self.waiting.drain(..))
+            .collect();
         for mut seq in all {
             self.runner.blocks_mut().release(&mut seq.blocks);
             out.push(Output {
@@ -252,7 +251,11 @@ impl<R: Runner> Scheduler<R> {
                 .running
                 .iter()
                 .filter(|s| s.phase == Phase::Decode)
-                .map(|s| alloc.blocks_for(s.tokens.len()).saturating_sub(s.blocks.len()))
+                .map(|s| {
+                    alloc
+                        .blocks_for(s.tokens.len())
+                        .saturating_sub(s.blocks.len())
+                })
                 .sum();
             if need <= alloc.num_free() || !self.preempt_newest() {
                 break;
@@ -453,7 +456,9 @@ pub(crate) fn validate(
         return Err(Error::InvalidRequest("the prompt is empty".into()));
     }
     if params.max_tokens == 0 {
-        return Err(Error::InvalidRequest("max_tokens must be at least 1".into()));
+        return Err(Error::InvalidRequest(
+            "max_tokens must be at least 1".into(),
+        ));
     }
     if let Some(t) = prompt.iter().find(|&&t| t as usize >= vocab) {
         return Err(Error::InvalidRequest(format!(

@@ -284,11 +284,19 @@ struct Client {
     last_token: Option<Instant>,
 }
 
-fn run_loop(scheduler: &mut Scheduler<GraphRunner>, inbox: &mpsc::Receiver<Command>, shared: &Shared) {
+fn run_loop(
+    scheduler: &mut Scheduler<GraphRunner>,
+    inbox: &mpsc::Receiver<Command>,
+    shared: &Shared,
+) {
     let metrics = &shared.metrics;
     let mut clients: HashMap<RequestId, Client> = HashMap::new();
     {
-        let total = scheduler.runner().runner_config().num_blocks.saturating_sub(1);
+        let total = scheduler
+            .runner()
+            .runner_config()
+            .num_blocks
+            .saturating_sub(1);
         metrics.kv_blocks_total.set(total as i64);
     }
     loop {
@@ -350,10 +358,12 @@ fn run_loop(scheduler: &mut Scheduler<GraphRunner>, inbox: &mpsc::Receiver<Comma
         }
         route(outputs, &mut clients, scheduler, metrics);
         metrics.running.set(scheduler.num_running() as i64);
-        metrics.waiting.set(
-            (scheduler.num_waiting() + shared.waiting.load(Ordering::SeqCst)) as i64,
-        );
-        metrics.kv_blocks_in_use.set(scheduler.blocks_in_use() as i64);
+        metrics
+            .waiting
+            .set((scheduler.num_waiting() + shared.waiting.load(Ordering::SeqCst)) as i64);
+        metrics
+            .kv_blocks_in_use
+            .set(scheduler.blocks_in_use() as i64);
     }
 }
 

@@ -106,7 +106,10 @@ pub async fn completions(
             return Err(ApiError::invalid_field("echo", "echo is not supported"));
         }
         if req.best_of.is_some_and(|b| b != 1) {
-            return Err(ApiError::invalid_field("best_of", "only best_of = 1 is supported"));
+            return Err(ApiError::invalid_field(
+                "best_of",
+                "only best_of = 1 is supported",
+            ));
         }
         if req.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::invalid_field("suffix", "suffix is not supported"));
@@ -125,7 +128,13 @@ pub async fn completions(
             }
             Prompt::Tokens(ids) => ids.clone(),
         };
-        let params = generation_params(&state, &req.sampling, req.max_tokens, Some(16), prompt.len())?;
+        let params = generation_params(
+            &state,
+            &req.sampling,
+            req.max_tokens,
+            Some(16),
+            prompt.len(),
+        )?;
         Ok(Prepared {
             flavor: Flavor::Completion,
             prompt,
@@ -341,7 +350,12 @@ async fn respond(state: Arc<AppState>, p: Prepared) -> Response {
             return reject(&state, err);
         }
     };
-    let id = format!("{}-{}{}", p.flavor.id_prefix(), state.id_prefix, stream.id());
+    let id = format!(
+        "{}-{}{}",
+        p.flavor.id_prefix(),
+        state.id_prefix,
+        stream.id()
+    );
     let header = Header {
         id,
         created: unix_now(),
@@ -469,13 +483,16 @@ fn sse_events(
                             return Some((Ok(data(&ApiError::device(m).body())), StreamState::End))
                         }
                         None => {
-                            let e = ApiError::device("the engine stopped before the request finished");
+                            let e =
+                                ApiError::device("the engine stopped before the request finished");
                             return Some((Ok(data(&e.body())), StreamState::End));
                         }
                     }
                 },
                 StreamState::Usage(u) => Some((Ok(data(&u)), StreamState::Done)),
-                StreamState::Done => Some((Ok(SseEvent::default().data("[DONE]")), StreamState::End)),
+                StreamState::Done => {
+                    Some((Ok(SseEvent::default().data("[DONE]")), StreamState::End))
+                }
                 StreamState::End => None,
             }
         }

@@ -83,7 +83,10 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/completions", post(generate::completions))
         .route("/chat/completions", post(generate::chat_completions))
         .route("/models", get(models))
-        .layer(middleware::from_fn_with_state(state.clone(), require_api_key));
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ));
     Router::new()
         .nest("/v1", v1)
         .route("/health", get(health))

@@ -246,7 +246,9 @@ impl Message {
                         (kind, _) => {
                             return Err(ApiError::invalid_field(
                                 &format!("messages[{index}].content"),
-                                format!("content parts of type `{kind}` are not supported (text only)"),
+                                format!(
+                                    "content parts of type `{kind}` are not supported (text only)"
+                                ),
                             ))
                         }
                     }

@@ -1,0 +1,383 @@
+//! The continuous-batching scheduler: batched, chunked and preempted sequences produce exactly
+//! the tokens transformers' greedy decoding does; stop conditions, cancellation and a device
+//! fault affect only the sequences they concern.
+
+mod common;
+
+use std::collections::HashMap;
+use std::process::Command;
+use std::sync::Arc;
+
+use common::fixture_dir;
+use deepinfer::config::ModelConfig;
+use deepinfer::engine::{
+    self, Event, FinishReason, GenerationParams, Output, RequestId, Scheduler, StopConditions,
+};
+use deepinfer::model::ModelWeights;
+use deepinfer::runner::{CpuRunner, DeviceOptions, DeviceRunner, Runner, RunnerConfig};
+use deepinfer::step::SamplingParams;
+use deepinfer::tokenizer::Tokenizer;
+use deepinfer::weights::Checkpoint;
+
+/// What one request produced.
+#[derive(Debug, Default, Clone, PartialEq)]
+struct Result {
+    tokens: Vec<u32>,
+    text: String,
+    finish: Option<FinishReason>,
+    failed: Option<String>,
+}
+
+fn collect(outputs: Vec<Output>, results: &mut HashMap<RequestId, Result>) {
+    for o in outputs {
+        let r = results.entry(o.id).or_default();
+        assert!(
+            r.finish.is_none() && r.failed.is_none(),
+            "event after the end: {o:?}"
+        );
+        match o.event {
+            Event::Token(t) => {
+                r.tokens.push(t.token);
+                r.text.push_str(&t.text);
+                r.finish = t.finish;
+            }
+            Event::Failed(m) => r.failed = Some(m),
+        }
+    }
+}
+
+fn run_to_end<R: Runner>(s: &mut Scheduler<R>, results: &mut HashMap<RequestId, Result>) {
+    for _ in 0..10_000 {
+        if s.is_idle() {
+            return;
+        }
+        collect(s.step(), results);
+    }
+    panic!("the scheduler did not finish");
+}
+
+fn load(name: &str) -> (ModelConfig, ModelWeights) {
+    let dir = fixture_dir(name);
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let weights = ModelWeights::load(&cfg, &Checkpoint::open(&dir).unwrap()).unwrap();
+    (cfg, weights)
+}
+
+/// tiny-v3 with prompts prefilled 3 tokens at a time, batches up to 8.
+fn tiny_config() -> RunnerConfig {
+    let mut rc = RunnerConfig::for_limits(8, 64);
+    rc.prefill_chunk = 3;
+    rc
+}
+
+fn greedy(max_tokens: usize) -> GenerationParams {
+    GenerationParams::greedy(max_tokens)
+}
+
+/// Adds six copies of transformers' greedy prompt at staggered times and checks every one
+/// continues exactly as transformers did.
+fn six_staggered_copies_match_transformers(rc: RunnerConfig) -> u64 {
+    let reference = common::reference("tiny-v3").greedy;
+    let (cfg, weights) = load("tiny-v3");
+    let runner = CpuRunner::new(cfg, weights, rc).unwrap();
+    let mut s = Scheduler::new(runner, None, Vec::new());
+    let n = reference.generated_token_ids.len();
+    let mut results = HashMap::new();
+    for id in 0..6u64 {
+        s.add(id, reference.prompt_token_ids.clone(), greedy(n))
+            .unwrap();
+        // Later arrivals join while the earlier ones are mid-prefill or decoding.
+        for _ in 0..id {
+            collect(s.step(), &mut results);
+        }
+    }
+    run_to_end(&mut s, &mut results);
+    for id in 0..6u64 {
+        let r = &results[&id];
+        assert_eq!(r.tokens, reference.generated_token_ids, "request {id}");
+        assert_eq!(r.finish, Some(FinishReason::Length), "request {id}");
+    }
+    assert_eq!(s.blocks_in_use(), 0);
+    s.preemptions()
+}
+
+#[test]
+fn batched_and_chunked_sequences_match_transformers_greedy() {
+    let preemptions = six_staggered_copies_match_transformers(tiny_config());
+    assert_eq!(preemptions, 0);
+}
+
+#[test]
+fn preempted_sequences_are_recomputed_to_the_same_tokens() {
+    // 8 + 24 tokens need 2 blocks of 16 each; 7 usable blocks cannot hold all six.
+    let mut rc = tiny_config();
+    rc.num_blocks = 8;
+    let preemptions = six_staggered_copies_match_transformers(rc);
+    assert!(
+        preemptions > 0,
+        "the cache was large enough: nothing tested"
+    );
+}
+
+fn default_model(max_batch: usize) -> (CpuRunner, Arc<Tokenizer>, Vec<u32>) {
+    let dir = fixture_dir("default-model");
+    let (cfg, weights) = load("default-model");
+    let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
+    let eos: Vec<u32> = tok.eos_token_id().into_iter().collect();
+    let runner = CpuRunner::new(cfg, weights, RunnerConfig::for_limits(max_batch, 256)).unwrap();
+    (runner, tok, eos)
+}
+
+const PROMPTS: &[&str] = &[
+    "ROMEO:",
+    "JULIET:\nO",
+    "KING HENRY:\nOnce more",
+    "First Citizen:\nBefore we proceed",
+    "HAMLET:\nTo be",
+    "LADY MACBETH:",
+    "Enter a Messenger",
+    "MERCUTIO:\nNay",
+];
+
+#[test]
+fn distinct_prompts_batched_give_what_each_gives_alone() {
+    let (mut alone, tok, _) = default_model(1);
+    let (runner, _, _) = default_model(8);
+    let prompts: Vec<Vec<u32>> = PROMPTS
+        .iter()
+        .map(|p| tok.encode(p, true).unwrap())
+        .collect();
+    let stop = StopConditions {
+        max_tokens: 12,
+        stop_token_ids: Vec::new(),
+    };
+    let want: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| engine::generate(&mut alone, p, SamplingParams::GREEDY, &stop).unwrap())
+        .collect();
+    let mut s = Scheduler::new(runner, Some(tok.clone()), Vec::new());
+    for (i, p) in prompts.iter().enumerate() {
+        s.add(i as u64, p.clone(), greedy(12)).unwrap();
+    }
+    let mut results = HashMap::new();
+    run_to_end(&mut s, &mut results);
+    for (i, w) in want.iter().enumerate() {
+        let r = &results[&(i as u64)];
+        assert_eq!(&r.tokens, w, "prompt {:?}", PROMPTS[i]);
+        // The streamed pieces add up to the tokenizer's decode of the whole.
+        assert_eq!(
+            r.text,
+            tok.decode(w, true).unwrap(),
+            "prompt {:?}",
+            PROMPTS[i]
+        );
+    }
+}
+
+#[test]
+fn sampled_sequences_are_reproducible_per_seed_whatever_the_batch() {
+    let (alone, tok, _) = default_model(1);
+    let (runner, _, _) = default_model(8);
+    let params = |seed| GenerationParams {
+        sampling: SamplingParams {
+            temperature: 0.9,
+            top_k: 40,
+            top_p: 0.95,
+            seed,
+        },
+        ..greedy(16)
+    };
+    let prompt = tok.encode("ROMEO:", true).unwrap();
+    let mut one = Scheduler::new(alone, None, Vec::new());
+    one.add(0, prompt.clone(), params(7)).unwrap();
+    let mut solo = HashMap::new();
+    run_to_end(&mut one, &mut solo);
+    let mut many = Scheduler::new(runner, None, Vec::new());
+    for id in 0..4 {
+        many.add(id, prompt.clone(), params(7 + id as u32)).unwrap();
+    }
+    let mut batched = HashMap::new();
+    run_to_end(&mut many, &mut batched);
+    assert_eq!(batched[&0].tokens, solo[&0].tokens);
+    assert_ne!(
+        batched[&0].tokens, batched[&1].tokens,
+        "seeds 7 and 8 drew alike"
+    );
+}
+
+#[test]
+fn stop_strings_stop_tokens_eos_and_max_tokens() {
+    let (runner, tok, eos) = default_model(4);
+    let prompt = tok.encode("ROMEO:", true).unwrap();
+    let mut s = Scheduler::new(runner, Some(tok.clone()), eos.clone());
+    s.add(0, prompt.clone(), greedy(20)).unwrap();
+    let mut base = HashMap::new();
+    run_to_end(&mut s, &mut base);
+    let base = base.remove(&0).unwrap();
+    assert_eq!(base.tokens.len(), 20);
+    assert_eq!(base.finish, Some(FinishReason::Length));
+    assert_eq!(base.text, tok.decode(&base.tokens, true).unwrap());
+
+    // A stop string taken from the middle of the text: the text ends right before it.
+    let at = base.text.len() / 2;
+    let at = (at..).find(|&i| base.text.is_char_boundary(i)).unwrap();
+    let stop: String = base.text[at..].chars().take(3).collect();
+    let cut = base.text.find(&stop).unwrap();
+    // A stop token: the 6th generated one (its text is not shown, it is counted).
+    let stop_token = base.tokens[5];
+    let first_stop = base.tokens.iter().position(|&t| t == stop_token).unwrap();
+    s.add(
+        1,
+        prompt.clone(),
+        GenerationParams {
+            stop: vec![stop.clone()],
+            ..greedy(20)
+        },
+    )
+    .unwrap();
+    s.add(
+        2,
+        prompt.clone(),
+        GenerationParams {
+            stop_token_ids: vec![stop_token],
+            ..greedy(20)
+        },
+    )
+    .unwrap();
+    // The eos token as a stop token: it never appears, so length wins.
+    s.add(3, prompt.clone(), greedy(7)).unwrap();
+    let mut r = HashMap::new();
+    run_to_end(&mut s, &mut r);
+    assert_eq!(r[&1].text, base.text[..cut]);
+    assert_eq!(r[&1].finish, Some(FinishReason::Stop));
+    assert_eq!(r[&2].tokens, base.tokens[..=first_stop]);
+    assert_eq!(
+        r[&2].text,
+        tok.decode(&base.tokens[..first_stop], true).unwrap()
+    );
+    assert_eq!(r[&2].finish, Some(FinishReason::Stop));
+    assert_eq!(r[&3].tokens, base.tokens[..7]);
+    assert_eq!(r[&3].finish, Some(FinishReason::Length));
+    assert_eq!(s.blocks_in_use(), 0);
+}
+
+#[test]
+fn eos_ends_a_sequence_unless_ignored() {
+    let (runner, tok, _) = default_model(2);
+    let prompt = tok.encode("ROMEO:", true).unwrap();
+    // Declare the 3rd greedy token an end-of-sequence token.
+    let mut probe = Scheduler::new(runner, None, Vec::new());
+    probe.add(0, prompt.clone(), greedy(5)).unwrap();
+    let mut base = HashMap::new();
+    run_to_end(&mut probe, &mut base);
+    let eos = base[&0].tokens[2];
+    let first = base[&0].tokens.iter().position(|&t| t == eos).unwrap();
+    let (runner, _, _) = default_model(2);
+    let mut s = Scheduler::new(runner, None, vec![eos]);
+    s.add(0, prompt.clone(), greedy(5)).unwrap();
+    s.add(
+        1,
+        prompt,
+        GenerationParams {
+            ignore_eos: true,
+            ..greedy(5)
+        },
+    )
+    .unwrap();
+    let mut r = HashMap::new();
+    run_to_end(&mut s, &mut r);
+    assert_eq!(r[&0].tokens, base[&0].tokens[..=first]);
+    assert_eq!(r[&0].finish, Some(FinishReason::Stop));
+    assert_eq!(r[&1].tokens, base[&0].tokens);
+    assert_eq!(r[&1].finish, Some(FinishReason::Length));
+}
+
+#[test]
+fn cancelling_frees_blocks_at_once_and_the_rest_finish() {
+    let (runner, tok, _) = default_model(4);
+    let prompt = tok.encode("ROMEO:", true).unwrap();
+    let mut s = Scheduler::new(runner, None, Vec::new());
+    for id in 0..3 {
+        s.add(id, prompt.clone(), greedy(40)).unwrap();
+    }
+    let mut r = HashMap::new();
+    for _ in 0..6 {
+        collect(s.step(), &mut r);
+    }
+    assert_eq!(s.num_running(), 3);
+    let before = s.blocks_in_use();
+    assert!(s.cancel(1));
+    assert!(s.blocks_in_use() < before);
+    assert!(!s.cancel(1), "cancelled twice");
+    run_to_end(&mut s, &mut r);
+    assert_eq!(r[&0].tokens.len(), 40);
+    assert_eq!(r[&2].tokens, r[&0].tokens);
+    assert!(r[&1].tokens.len() < 40 && r[&1].finish.is_none());
+    assert_eq!(s.blocks_in_use(), 0);
+}
+
+#[test]
+fn requests_beyond_the_context_or_vocabulary_are_refused() {
+    let (runner, _, _) = default_model(1);
+    let mut s = Scheduler::new(runner, None, Vec::new());
+    let err = s.add(0, vec![5; 250], greedy(10)).unwrap_err();
+    assert!(err.to_string().contains("context is 256 tokens"), "{err}");
+    let err = s.add(0, vec![4096], greedy(1)).unwrap_err();
+    assert!(err.to_string().contains("outside the vocabulary"), "{err}");
+    assert!(s.add(0, Vec::new(), greedy(1)).is_err());
+    assert!(s.add(0, vec![5], greedy(0)).is_err());
+    assert!(s.is_idle());
+}
+
+// === A device fault, in a child process (nrt-sim reads its fault variables at init) ===
+
+const CHILD: &str = "DEEPINFER_SCHEDULER_CHILD";
+
+#[test]
+fn a_device_fault_fails_only_the_requests_in_that_step() {
+    let exe = std::env::current_exe().unwrap();
+    let out = Command::new(exe)
+        .args(["child_device_fault", "--exact", "--ignored", "--nocapture"])
+        .env(CHILD, "1")
+        .env(nrt_sim::ENV_FAIL_EXECUTE, "4")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+#[ignore = "runs in a child process started by its parent test"]
+fn child_device_fault() {
+    if std::env::var_os(CHILD).is_none() {
+        return;
+    }
+    let reference = common::reference("tiny-v3").greedy;
+    let (cfg, weights) = load("tiny-v3");
+    let lib = neuron_sys::Library::open(nrt_sim::library_next_to_current_exe().unwrap()).unwrap();
+    let mut rc = RunnerConfig::for_limits(4, 64);
+    rc.ctx_buckets = vec![64];
+    let runner = DeviceRunner::new(cfg, weights, rc, lib, DeviceOptions::sim()).unwrap();
+    let mut s = Scheduler::new(runner, None, Vec::new());
+    for id in 0..4 {
+        s.add(id, reference.prompt_token_ids.clone(), greedy(5))
+            .unwrap();
+    }
+    // Executions: 1 prefill A; 2 decode [A], 3 prefill B; 4 decode [A, B] (fails);
+    // then C and D go on alone.
+    let mut r = HashMap::new();
+    run_to_end(&mut s, &mut r);
+    for id in [0, 1] {
+        let m = r[&id].failed.as_deref().expect("A and B fail");
+        assert!(m.contains("NRT_EXEC_COMPLETED_WITH_ERR"), "{m}");
+    }
+    for id in [2, 3] {
+        assert_eq!(r[&id].failed, None);
+        assert_eq!(r[&id].tokens, reference.generated_token_ids[..5]);
+    }
+    assert_eq!(s.blocks_in_use(), 0);
+}
