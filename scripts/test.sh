@@ -6,16 +6,19 @@
 # 2. XLA conformance: every graph we emit for every fixture (prefill, and decode at batch 1, 2, 4
 #    and 8) runs in XLA itself (jaxlib on the CPU) and must match our CPU backend, and the decode
 #    logits must match transformers' reference. jax is installed into .venv from PyPI.
+# 3. The server end to end (tests/server, pytest): the official `openai` client drives a live
+#    `deepinfer serve` on the default model; transformers' tokenizer and `deepinfer generate`
+#    are the references. Installed into .venv from PyPI with the rest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 cargo test --workspace
 
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import jax, safetensors" 2>/dev/null; then
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import jax, safetensors, openai, pytest, httpx, transformers, jinja2" 2>/dev/null; then
     python3 -m venv .venv
     .venv/bin/pip install --quiet -r scripts/requirements-test.txt
 fi
-cargo build --release --quiet
+cargo build --release --workspace --quiet
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 status=0
@@ -26,4 +29,6 @@ for fixture in tiny-v3 tiny-v2-lite tiny-v2-group; do
     echo "== XLA conformance: $fixture"
     .venv/bin/python scripts/xla_check.py "$out/$fixture" --reference "fixtures/$fixture/reference.json" || status=1
 done
+echo "== server end to end (tests/server)"
+.venv/bin/python -m pytest tests/server -q || status=1
 exit $status

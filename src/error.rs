@@ -71,6 +71,9 @@ pub enum Error {
         /// The runtime's error, naming the C call and the NRT status.
         source: neuron_sys::Error,
     },
+    /// The engine thread could not start, or the model failed to load on it.
+    #[error("engine: {0}")]
+    Engine(String),
     /// An error inside candle-core while running a graph on the CPU.
     #[error("cpu backend: {0}")]
     Candle(#[from] candle_core::Error),

@@ -576,13 +576,10 @@ fn serve(args: ServeArgs) -> Result<()> {
             .unwrap_or_else(|| "model".into()),
     };
     let metrics = Arc::new(deepinfer::metrics::Metrics::new());
-    let backend = args.model.backend;
+    let backend = choose_backend(args.model.backend);
     let runner_dir = dir.clone();
     let engine = Engine::start(
-        move || {
-            open_runner(&runner_dir, cfg, rc, backend)
-                .map_err(|e| deepinfer::Error::InvalidRequest(format!("{e:#}")))
-        },
+        move || open_runner(&runner_dir, cfg, rc, Some(backend)),
         tokenizer.clone(),
         EngineOptions {
             max_waiting: args.max_waiting,
@@ -591,7 +588,11 @@ fn serve(args: ServeArgs) -> Result<()> {
         metrics,
     )?;
     let engine = Arc::new(engine);
-    let backend_name = engine.info().backend;
+    let backend_name = match backend {
+        Backend::Cpu => "cpu",
+        Backend::Sim => "sim",
+        Backend::Neuron => "neuron",
+    };
     let config = ServerConfig {
         served_model_name: served_model_name.clone(),
         api_key: args.api_key.filter(|k| !k.is_empty()),

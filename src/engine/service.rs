@@ -77,7 +77,10 @@ enum Command {
 /// State shared by the handle and the engine thread.
 #[derive(Debug)]
 struct Shared {
-    waiting: AtomicUsize,
+    /// Submitted, not yet taken by the engine thread.
+    in_transit: AtomicUsize,
+    /// In the scheduler's queue (as of the last iteration, plus arrivals since).
+    queued: AtomicUsize,
     draining: AtomicBool,
     metrics: Arc<Metrics>,
 }
@@ -141,19 +144,21 @@ impl Drop for RequestStream {
 impl Engine {
     /// Starts the engine thread. `make_runner` runs on that thread (a device runner is created,
     /// captured and used there); its error is returned here, before anything is served.
-    pub fn start<F>(
+    pub fn start<F, E>(
         make_runner: F,
         tokenizer: Option<Arc<Tokenizer>>,
         options: EngineOptions,
         metrics: Arc<Metrics>,
     ) -> Result<Engine>
     where
-        F: FnOnce() -> Result<GraphRunner> + Send + 'static,
+        F: FnOnce() -> std::result::Result<GraphRunner, E> + Send + 'static,
+        E: std::fmt::Display,
     {
         let (commands, inbox) = mpsc::channel();
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
         let shared = Arc::new(Shared {
-            waiting: AtomicUsize::new(0),
+            in_transit: AtomicUsize::new(0),
+            queued: AtomicUsize::new(0),
             draining: AtomicBool::new(false),
             metrics,
         });
@@ -165,7 +170,7 @@ impl Engine {
                 let runner = match make_runner() {
                     Ok(r) => r,
                     Err(e) => {
-                        let _ = ready_tx.send(Err(e));
+                        let _ = ready_tx.send(Err(Error::Engine(format!("{e:#}"))));
                         return;
                     }
                 };
@@ -182,11 +187,11 @@ impl Engine {
                 }
                 run_loop(&mut scheduler, &inbox, &thread_shared);
             })
-            .map_err(|e| Error::InvalidRequest(format!("cannot start the engine thread: {e}")))?;
+            .map_err(|e| Error::Engine(format!("cannot start the engine thread: {e}")))?;
         let info = match ready_rx.recv() {
             Ok(r) => r?,
             Err(_) => {
-                return Err(Error::InvalidRequest(
+                return Err(Error::Engine(
                     "the engine thread ended while loading the model".into(),
                 ))
             }
@@ -223,10 +228,11 @@ impl Engine {
         }
         validate(&prompt, &params, self.info.max_len, self.info.vocab_size)
             .map_err(|e| SubmitError::Invalid(e.to_string()))?;
-        // Reserve a place in the queue; the engine thread gives it back on admission.
-        let waiting = self.shared.waiting.fetch_add(1, Ordering::SeqCst);
+        // Reserve a place in the queue; it is freed when the request gets a batch slot.
+        let in_transit = self.shared.in_transit.fetch_add(1, Ordering::SeqCst);
+        let waiting = in_transit + self.shared.queued.load(Ordering::SeqCst);
         if waiting >= self.options.max_waiting {
-            self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+            self.shared.in_transit.fetch_sub(1, Ordering::SeqCst);
             return Err(SubmitError::QueueFull(waiting));
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
@@ -240,7 +246,7 @@ impl Engine {
             arrival: Instant::now(),
         });
         if sent.is_err() {
-            self.shared.waiting.fetch_sub(1, Ordering::SeqCst);
+            self.shared.in_transit.fetch_sub(1, Ordering::SeqCst);
             return Err(SubmitError::Draining);
         }
         Ok(RequestStream {
@@ -319,7 +325,9 @@ fn run_loop(
                     events,
                     arrival,
                 } => {
-                    shared.waiting.fetch_sub(1, Ordering::SeqCst);
+                    // Counted as queued before it stops counting as in transit.
+                    shared.queued.fetch_add(1, Ordering::SeqCst);
+                    shared.in_transit.fetch_sub(1, Ordering::SeqCst);
                     let n = prompt.len();
                     match scheduler.add(id, prompt, params) {
                         Ok(()) => {
@@ -357,10 +365,13 @@ fn run_loop(
             outputs.extend(scheduler.step());
         }
         route(outputs, &mut clients, scheduler, metrics);
+        shared
+            .queued
+            .store(scheduler.num_waiting(), Ordering::SeqCst);
         metrics.running.set(scheduler.num_running() as i64);
         metrics
             .waiting
-            .set((scheduler.num_waiting() + shared.waiting.load(Ordering::SeqCst)) as i64);
+            .set((scheduler.num_waiting() + shared.in_transit.load(Ordering::SeqCst)) as i64);
         metrics
             .kv_blocks_in_use
             .set(scheduler.blocks_in_use() as i64);

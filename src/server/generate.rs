@@ -99,9 +99,11 @@ pub async fn completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let result = async {
-        let req: CompletionRequest = parse_body(&state, body)?;
+        let body = read_json(&state, body)?;
+        let req: CompletionRequest = from_json(&body)?;
+        let sampling: SamplingFields = from_json(&body)?;
         check_model(&state, &req.model)?;
-        req.sampling.check()?;
+        sampling.check()?;
         if req.echo {
             return Err(ApiError::invalid_field("echo", "echo is not supported"));
         }
@@ -114,9 +116,9 @@ pub async fn completions(
         if req.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
             return Err(ApiError::invalid_field("suffix", "suffix is not supported"));
         }
-        let prompt = match &req.prompt {
-            Prompt::Text(t) => encode(&state, t, true)?,
-            Prompt::Texts(v) if v.len() == 1 => encode(&state, &v[0], true)?,
+        let text = match &req.prompt {
+            Prompt::Text(t) => Some(t),
+            Prompt::Texts(v) if v.len() == 1 => Some(&v[0]),
             Prompt::Texts(v) => {
                 return Err(ApiError::invalid_field(
                     "prompt",
@@ -126,21 +128,23 @@ pub async fn completions(
                     ),
                 ))
             }
-            Prompt::Tokens(ids) => ids.clone(),
+            Prompt::Tokens(_) => None,
         };
-        let params = generation_params(
-            &state,
-            &req.sampling,
-            req.max_tokens,
-            Some(16),
-            prompt.len(),
-        )?;
+        let prompt = match (text, &req.prompt) {
+            (Some(t), _) if t.is_empty() => {
+                return Err(ApiError::invalid_field("prompt", "the prompt is empty"))
+            }
+            (Some(t), _) => encode(&state, t, true)?,
+            (None, Prompt::Tokens(ids)) => ids.clone(),
+            (None, _) => Vec::new(),
+        };
+        let params = generation_params(&state, &sampling, req.max_tokens, Some(16), prompt.len())?;
         Ok(Prepared {
             flavor: Flavor::Completion,
             prompt,
             params,
-            stream: req.sampling.stream,
-            include_usage: req.sampling.include_usage(),
+            stream: sampling.stream,
+            include_usage: sampling.include_usage(),
         })
     }
     .await;
@@ -156,9 +160,11 @@ pub async fn chat_completions(
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
     let result = async {
-        let req: ChatRequest = parse_body(&state, body)?;
+        let body = read_json(&state, body)?;
+        let req: ChatRequest = from_json(&body)?;
+        let sampling: SamplingFields = from_json(&body)?;
         check_model(&state, &req.model)?;
-        req.sampling.check()?;
+        sampling.check()?;
         if req.messages.is_empty() {
             return Err(ApiError::invalid_field(
                 "messages",
@@ -174,7 +180,7 @@ pub async fn chat_completions(
             .enumerate()
             .map(|(i, m)| {
                 Ok(ChatMessage {
-                    role: m.role.clone(),
+                    role: m.template_role(i)?.to_owned(),
                     content: m.text(i)?,
                 })
             })
@@ -185,13 +191,13 @@ pub async fn chat_completions(
         // The template writes the bos token itself.
         let prompt = encode(&state, &text, false)?;
         let max_tokens = req.max_completion_tokens.or(req.max_tokens);
-        let params = generation_params(&state, &req.sampling, max_tokens, None, prompt.len())?;
+        let params = generation_params(&state, &sampling, max_tokens, None, prompt.len())?;
         Ok(Prepared {
             flavor: Flavor::Chat,
             prompt,
             params,
-            stream: req.sampling.stream,
-            include_usage: req.sampling.include_usage(),
+            stream: sampling.stream,
+            include_usage: sampling.include_usage(),
         })
     }
     .await;
@@ -207,11 +213,8 @@ fn reject(state: &AppState, e: ApiError) -> Response {
     e.into_response()
 }
 
-/// Parses a JSON body, naming the field at fault when a value has the wrong type.
-fn parse_body<T: DeserializeOwned>(
-    state: &AppState,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<T, ApiError> {
+/// Reads the body as JSON.
+fn read_json(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Value, ApiError> {
     let bytes = body.map_err(|e| {
         if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::too_large(state.config.max_body_bytes)
@@ -219,13 +222,23 @@ fn parse_body<T: DeserializeOwned>(
             ApiError::bad_request(format!("cannot read the request body: {e}"))
         }
     })?;
-    let de = &mut serde_json::Deserializer::from_slice(&bytes);
-    serde_path_to_error::deserialize(de).map_err(|e| {
+    let value: Value = serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
+    if !value.is_object() {
+        return Err(ApiError::bad_request(
+            "the request body must be a JSON object",
+        ));
+    }
+    Ok(value)
+}
+
+/// Reads a request type out of the body, naming the field at fault when a value has the
+/// wrong type.
+fn from_json<T: DeserializeOwned>(body: &Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(body).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
-        if inner.is_syntax() || inner.is_eof() {
-            ApiError::bad_request(format!("the request body is not valid JSON: {inner}"))
-        } else if path == "." {
+        if path == "." {
             ApiError::bad_request(format!("invalid request: {inner}"))
         } else {
             ApiError::invalid_field(&path, format!("invalid value for `{path}`: {inner}"))

@@ -207,6 +207,10 @@ pub async fn serve(
         let engine = engine.clone();
         async move {
             shutdown_signal().await;
+            eprintln!(
+                "deepinfer: shutting down; finishing the requests in flight (at most {}s)",
+                drain_timeout.as_secs()
+            );
             engine.begin_drain();
             let _ = drained_tx.send(true);
         }

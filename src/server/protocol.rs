@@ -10,7 +10,10 @@ use super::error::ApiError;
 
 /// `prompt` of a completion request.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[serde(
+    untagged,
+    expecting = "a string, a list of one string, or a list of token ids"
+)]
 pub enum Prompt {
     /// One text.
     Text(String),
@@ -22,7 +25,7 @@ pub enum Prompt {
 
 /// `stop`: one string or a list.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "a string or a list of strings")]
 pub enum Stop {
     /// One stop string.
     One(String),
@@ -38,7 +41,9 @@ pub struct StreamOptions {
     pub include_usage: bool,
 }
 
-/// Sampling and stopping fields shared by both endpoints.
+/// Sampling and stopping fields shared by both endpoints, read from the same body as the
+/// endpoint's own fields (not `#[serde(flatten)]`ed, which would lose the field names from
+/// type errors).
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct SamplingFields {
     /// Defaults to 1.
@@ -91,9 +96,6 @@ pub struct CompletionRequest {
     pub best_of: Option<i64>,
     /// Refused unless empty.
     pub suffix: Option<String>,
-    /// The sampling fields.
-    #[serde(flatten)]
-    pub sampling: SamplingFields,
 }
 
 /// One part of a multi-part message content.
@@ -108,7 +110,7 @@ pub struct ContentPart {
 
 /// A message's `content`.
 #[derive(Debug, Clone, Deserialize)]
-#[serde(untagged)]
+#[serde(untagged, expecting = "a string or a list of content parts")]
 pub enum Content {
     /// Plain text.
     Text(String),
@@ -136,9 +138,6 @@ pub struct ChatRequest {
     pub max_tokens: Option<i64>,
     /// OpenAI's newer name for `max_tokens`.
     pub max_completion_tokens: Option<i64>,
-    /// The sampling fields.
-    #[serde(flatten)]
-    pub sampling: SamplingFields,
 }
 
 impl SamplingFields {
@@ -233,6 +232,22 @@ impl SamplingFields {
 }
 
 impl Message {
+    /// The role as the chat template knows it: `system`, `user` or `assistant` (OpenAI's
+    /// `developer` is its newer name for `system`).
+    pub fn template_role(&self, index: usize) -> Result<&'static str, ApiError> {
+        match self.role.as_str() {
+            "system" | "developer" => Ok("system"),
+            "user" => Ok("user"),
+            "assistant" => Ok("assistant"),
+            other => Err(ApiError::invalid_field(
+                &format!("messages[{index}].role"),
+                format!(
+                    "unsupported role `{other}`: use `system`, `developer`, `user` or `assistant`"
+                ),
+            )),
+        }
+    }
+
     /// The message's text: the content, or its text parts joined.
     pub fn text(&self, index: usize) -> Result<String, ApiError> {
         match &self.content {
