@@ -58,6 +58,8 @@ pub struct Metrics {
     pub prompt_tokens: Counter,
     /// Tokens generated.
     pub generation_tokens: Counter,
+    /// Sequences preempted (blocks freed, recomputed later) because the KV cache was full.
+    pub preemptions: Counter,
     /// Seconds from a request's arrival to its first generated token.
     pub time_to_first_token: Histogram,
     /// Seconds between consecutive generated tokens of one request.
@@ -91,6 +93,7 @@ impl Metrics {
             requests,
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
+            preemptions: Counter::default(),
             // 1 ms .. ~65 s.
             time_to_first_token: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
             // 0.5 ms .. ~16 s.
@@ -115,6 +118,11 @@ impl Metrics {
             "generation_tokens",
             "Tokens generated",
             m.generation_tokens.clone(),
+        );
+        registry.register(
+            "num_preemptions",
+            "Sequences preempted for lack of KV-cache blocks, to be recomputed",
+            m.preemptions.clone(),
         );
         registry.register(
             "time_to_first_token_seconds",

@@ -362,7 +362,11 @@ fn run_loop(
             }
         }
         if !scheduler.is_idle() {
+            let preempted = scheduler.preemptions();
             outputs.extend(scheduler.step());
+            metrics
+                .preemptions
+                .inc_by(scheduler.preemptions() - preempted);
         }
         route(outputs, &mut clients, scheduler, metrics);
         shared
