@@ -127,6 +127,10 @@ struct ServeArgs {
     /// KV-cache blocks of 16 tokens (default: enough for --max-batch sequences of --max-len).
     #[arg(long)]
     kv_blocks: Option<usize>,
+    /// Prompt tokens per prefill step (one graph per context bucket is built for this size;
+    /// smaller chunks answer short prompts sooner, larger ones take long prompts in fewer steps).
+    #[arg(long, default_value_t = 64)]
+    prefill_chunk: usize,
     /// Requests that may wait for a batch slot before new ones get 429.
     #[arg(long, default_value_t = 256)]
     max_waiting: usize,
@@ -561,6 +565,10 @@ fn serve(args: ServeArgs) -> Result<()> {
         }
         rc.num_blocks = blocks;
     }
+    if args.prefill_chunk == 0 {
+        bail!("--prefill-chunk must be at least 1");
+    }
+    rc.prefill_chunk = args.prefill_chunk.min(rc.max_len());
     let eos: Vec<u32> = tokenizer
         .as_ref()
         .and_then(|t| t.eos_token_id())
