@@ -381,3 +381,18 @@ fn child_device_fault() {
     }
     assert_eq!(s.blocks_in_use(), 0);
 }
+
+#[test]
+fn a_request_larger_than_the_whole_cache_is_refused_not_queued_forever() {
+    let (cfg, weights) = load("tiny-v3");
+    let mut rc = tiny_config();
+    rc.num_blocks = 3; // two usable blocks of 16: 32 tokens
+    let runner = CpuRunner::new(cfg, weights, rc).unwrap();
+    let mut s = Scheduler::new(runner, None, Vec::new());
+    let err = s.add(0, vec![5; 8], greedy(30)).unwrap_err();
+    assert!(err.to_string().contains("KV-cache blocks"), "{err}");
+    s.add(1, vec![5; 8], greedy(24)).unwrap();
+    let mut r = HashMap::new();
+    run_to_end(&mut s, &mut r);
+    assert_eq!(r[&1].tokens.len(), 24);
+}

@@ -131,14 +131,28 @@ impl<R: Runner> Scheduler<R> {
         self.runner.runner_config().max_len()
     }
 
-    /// Checks a request against the model without queueing it.
+    /// Checks a request against the model and the cache without queueing it.
     pub fn validate(&self, prompt: &[u32], params: &GenerationParams) -> Result<()> {
         validate(
             prompt,
             params,
             self.max_len(),
             self.runner.config().vocab_size,
-        )
+        )?;
+        // A sequence the whole cache cannot hold would wait for admission forever.
+        let rc = self.runner.runner_config();
+        let need = (prompt.len() + params.max_tokens).div_ceil(rc.block_size);
+        let usable = rc.num_blocks.saturating_sub(1);
+        if need > usable {
+            return Err(Error::InvalidRequest(format!(
+                "the prompt ({} tokens) plus max_tokens ({}) needs {need} KV-cache blocks of {}, \
+                 more than the cache's {usable}",
+                prompt.len(),
+                params.max_tokens,
+                rc.block_size
+            )));
+        }
+        Ok(())
     }
 
     /// Queues a request; it is admitted in arrival order.

@@ -263,6 +263,15 @@ impl Engine {
         self.shared.draining.store(true, Ordering::SeqCst);
     }
 
+    /// Whether the engine thread is still running (false after a shutdown, or if it died).
+    pub fn is_alive(&self) -> bool {
+        self.thread
+            .lock()
+            .ok()
+            .and_then(|t| t.as_ref().map(|h| !h.is_finished()))
+            .unwrap_or(false)
+    }
+
     /// Whether [`Engine::begin_drain`] was called.
     pub fn is_draining(&self) -> bool {
         self.shared.draining.load(Ordering::SeqCst)

@@ -98,60 +98,7 @@ pub async fn completions(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let result = async {
-        let body = read_json(&state, body)?;
-        let req: CompletionRequest = from_json(&body)?;
-        let sampling: SamplingFields = from_json(&body)?;
-        check_model(&state, &req.model)?;
-        sampling.check()?;
-        if req.echo {
-            return Err(ApiError::invalid_field("echo", "echo is not supported"));
-        }
-        if req.best_of.is_some_and(|b| b != 1) {
-            return Err(ApiError::invalid_field(
-                "best_of",
-                "only best_of = 1 is supported",
-            ));
-        }
-        if req.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
-            return Err(ApiError::invalid_field("suffix", "suffix is not supported"));
-        }
-        let text = match &req.prompt {
-            Prompt::Text(t) => Some(t),
-            Prompt::Texts(v) if v.len() == 1 => Some(&v[0]),
-            Prompt::Texts(v) => {
-                return Err(ApiError::invalid_field(
-                    "prompt",
-                    format!(
-                        "{} prompts in one request are not supported; send one request per prompt",
-                        v.len()
-                    ),
-                ))
-            }
-            Prompt::Tokens(_) => None,
-        };
-        let prompt = match (text, &req.prompt) {
-            (Some(t), _) if t.is_empty() => {
-                return Err(ApiError::invalid_field("prompt", "the prompt is empty"))
-            }
-            (Some(t), _) => encode(&state, t, true)?,
-            (None, Prompt::Tokens(ids)) => ids.clone(),
-            (None, _) => Vec::new(),
-        };
-        let params = generation_params(&state, &sampling, req.max_tokens, Some(16), prompt.len())?;
-        Ok(Prepared {
-            flavor: Flavor::Completion,
-            prompt,
-            params,
-            stream: sampling.stream,
-            include_usage: sampling.include_usage(),
-        })
-    }
-    .await;
-    match result {
-        Ok(p) => respond(state, p).await,
-        Err(e) => reject(&state, e),
-    }
+    answer(state, body, prepare_completion).await
 }
 
 /// `POST /v1/chat/completions`.
@@ -159,52 +106,117 @@ pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    let result = async {
-        let body = read_json(&state, body)?;
-        let req: ChatRequest = from_json(&body)?;
-        let sampling: SamplingFields = from_json(&body)?;
-        check_model(&state, &req.model)?;
-        sampling.check()?;
-        if req.messages.is_empty() {
-            return Err(ApiError::invalid_field(
-                "messages",
-                "messages must contain at least one message",
-            ));
-        }
-        let tokenizer = state.tokenizer.as_ref().ok_or_else(|| {
-            ApiError::bad_request("this model has no tokenizer, so it cannot serve chat requests")
-        })?;
-        let messages = req
-            .messages
-            .iter()
-            .enumerate()
-            .map(|(i, m)| {
-                Ok(ChatMessage {
-                    role: m.template_role(i)?.to_owned(),
-                    content: m.text(i)?,
-                })
-            })
-            .collect::<Result<Vec<_>, ApiError>>()?;
-        let text = tokenizer
-            .apply_chat_template(&messages, true)
-            .map_err(|e| ApiError::invalid_field("messages", e.to_string()))?;
-        // The template writes the bos token itself.
-        let prompt = encode(&state, &text, false)?;
-        let max_tokens = req.max_completion_tokens.or(req.max_tokens);
-        let params = generation_params(&state, &sampling, max_tokens, None, prompt.len())?;
-        Ok(Prepared {
-            flavor: Flavor::Chat,
-            prompt,
-            params,
-            stream: sampling.stream,
-            include_usage: sampling.include_usage(),
-        })
-    }
-    .await;
-    match result {
+    answer(state, body, prepare_chat).await
+}
+
+/// Reads the body, prepares the request with `prepare`, and answers it (or the error).
+async fn answer(
+    state: Arc<AppState>,
+    body: Result<Bytes, BytesRejection>,
+    prepare: fn(&AppState, &Value) -> Result<Prepared, ApiError>,
+) -> Response {
+    match read_json(&state, body).and_then(|v| prepare(&state, &v)) {
         Ok(p) => respond(state, p).await,
         Err(e) => reject(&state, e),
     }
+}
+
+/// The sampling fields of a request for `model`, checked.
+fn checked_sampling(
+    state: &AppState,
+    body: &Value,
+    model: &str,
+) -> Result<SamplingFields, ApiError> {
+    let sampling: SamplingFields = from_json(body)?;
+    check_model(state, model)?;
+    sampling.check()?;
+    Ok(sampling)
+}
+
+fn prepare_completion(state: &AppState, body: &Value) -> Result<Prepared, ApiError> {
+    let req: CompletionRequest = from_json(body)?;
+    let sampling = checked_sampling(state, body, &req.model)?;
+    if req.echo {
+        return Err(ApiError::invalid_field("echo", "echo is not supported"));
+    }
+    if req.best_of.is_some_and(|b| b != 1) {
+        return Err(ApiError::invalid_field(
+            "best_of",
+            "only best_of = 1 is supported",
+        ));
+    }
+    if req.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+        return Err(ApiError::invalid_field("suffix", "suffix is not supported"));
+    }
+    let text = match &req.prompt {
+        Prompt::Text(t) => Some(t),
+        Prompt::Texts(v) if v.len() == 1 => Some(&v[0]),
+        Prompt::Texts(v) => {
+            return Err(ApiError::invalid_field(
+                "prompt",
+                format!(
+                    "{} prompts in one request are not supported; send one request per prompt",
+                    v.len()
+                ),
+            ))
+        }
+        Prompt::Tokens(_) => None,
+    };
+    let prompt = match (text, &req.prompt) {
+        (Some(t), _) if t.is_empty() => {
+            return Err(ApiError::invalid_field("prompt", "the prompt is empty"))
+        }
+        (Some(t), _) => encode(state, t, true)?,
+        (None, Prompt::Tokens(ids)) => ids.clone(),
+        (None, _) => Vec::new(),
+    };
+    let params = generation_params(state, &sampling, req.max_tokens, Some(16), prompt.len())?;
+    Ok(Prepared {
+        flavor: Flavor::Completion,
+        prompt,
+        params,
+        stream: sampling.stream,
+        include_usage: sampling.include_usage(),
+    })
+}
+
+fn prepare_chat(state: &AppState, body: &Value) -> Result<Prepared, ApiError> {
+    let req: ChatRequest = from_json(body)?;
+    let sampling = checked_sampling(state, body, &req.model)?;
+    if req.messages.is_empty() {
+        return Err(ApiError::invalid_field(
+            "messages",
+            "messages must contain at least one message",
+        ));
+    }
+    let tokenizer = state.tokenizer.as_ref().ok_or_else(|| {
+        ApiError::bad_request("this model has no tokenizer, so it cannot serve chat requests")
+    })?;
+    let messages = req
+        .messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            Ok(ChatMessage {
+                role: m.template_role(i)?.to_owned(),
+                content: m.text(i)?,
+            })
+        })
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    let text = tokenizer
+        .apply_chat_template(&messages, true)
+        .map_err(|e| ApiError::invalid_field("messages", e.to_string()))?;
+    // The template writes the bos token itself.
+    let prompt = encode(state, &text, false)?;
+    let max_tokens = req.max_completion_tokens.or(req.max_tokens);
+    let params = generation_params(state, &sampling, max_tokens, None, prompt.len())?;
+    Ok(Prepared {
+        flavor: Flavor::Chat,
+        prompt,
+        params,
+        stream: sampling.stream,
+        include_usage: sampling.include_usage(),
+    })
 }
 
 /// Counts a refused request and turns the error into its response.

@@ -146,7 +146,13 @@ async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
 }
 
 async fn health(State(state): State<Arc<AppState>>) -> Response {
-    if state.engine.is_draining() {
+    if !state.engine.is_alive() {
+        (
+            StatusCode::SERVICE_UNAVAILABLE,
+            Json(json!({"status": "engine stopped"})),
+        )
+            .into_response()
+    } else if state.engine.is_draining() {
         (
             StatusCode::SERVICE_UNAVAILABLE,
             Json(json!({"status": "draining"})),
