@@ -177,6 +177,53 @@ fn sim_and_cpu_agree_on_tokens_and_logits() {
 }
 
 #[test]
+fn every_prefill_bucket_agrees_with_the_cpu_twin() {
+    let _g = serial();
+    let name = "tiny-v3";
+    // Chunks of up to 64 tokens: graphs of 16 and 64 per context bucket.
+    let rc = RunnerConfig {
+        prefill_chunk: 64,
+        ctx_buckets: vec![64, 128],
+        num_blocks: 6 * 8 + 1,
+        ..small_config()
+    };
+    assert_eq!(rc.prefill_buckets(), vec![16, 64]);
+    let mut c = cpu(name, rc.clone());
+    let mut d = device(name, rc);
+    let names = d.graph_names();
+    for g in [
+        "prefill_t16_c64",
+        "prefill_t64_c64",
+        "prefill_t16_c128",
+        "prefill_t64_c128",
+    ] {
+        assert!(names.iter().any(|n| n == g), "{g} not captured: {names:?}");
+    }
+    let vocab = c.config().vocab_size as u32;
+    for (s, len) in [1usize, 5, 16, 17, 40, 64, 100].into_iter().enumerate() {
+        let p = prompt(len, s as u32, vocab);
+        let mut table = Vec::new();
+        d.blocks.grow(&mut table, len).unwrap();
+        for (i, tokens) in p.chunks(64).enumerate() {
+            let chunk = PrefillChunk {
+                tokens,
+                start: i * 64,
+                blocks: &table,
+                sampling: SamplingParams::GREEDY,
+            };
+            let want = c.prefill(&chunk, LogitsOutput::AllPositions).unwrap();
+            let got = d.prefill(&chunk, LogitsOutput::AllPositions).unwrap();
+            assert_same(
+                &vec![want],
+                &vec![got],
+                &format!("prompt of {len}, chunk {i}"),
+            );
+        }
+        d.blocks.release(&mut table);
+    }
+}
+
+#[test]
 fn generate_and_score_match_the_cpu_twin() {
     let _g = serial();
     let name = "tiny-v3";

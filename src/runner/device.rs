@@ -256,7 +256,8 @@ impl DeviceRunner {
     }
 
     /// The graphs of every bucket, largest first: decode per (batch, ctx) bucket with the
-    /// sampled logits as an output, prefill per ctx bucket with every position's logits.
+    /// sampled logits as an output, prefill per (chunk, ctx) bucket with every position's
+    /// logits. Smaller buckets bind prefixes of the largest one's metadata and output buffers.
     fn specs_largest_first(&self) -> Vec<(Kind, GraphSpec)> {
         let rc = &self.runner_cfg;
         let mut out = Vec::new();
@@ -272,15 +273,17 @@ impl DeviceRunner {
                     },
                 ));
             }
-            out.push((
-                Kind::Prefill,
-                GraphSpec {
-                    rows: rc.prefill_chunk,
-                    ctx,
-                    logits: LogitsOutput::AllPositions,
-                    moe: self.moe_for(rc.prefill_chunk),
-                },
-            ));
+            for t in rc.prefill_buckets() {
+                out.push((
+                    Kind::Prefill,
+                    GraphSpec {
+                        rows: t,
+                        ctx,
+                        logits: LogitsOutput::AllPositions,
+                        moe: self.moe_for(t),
+                    },
+                ));
+            }
         }
         out.sort_by_key(|(k, s)| {
             (
@@ -510,7 +513,9 @@ impl DeviceRunner {
                         first_bytes(&decode_logits, spec.rows * vocab * 4, name)?
                     }
                     (Kind::Prefill, "next_tokens") => prefill_next.clone(),
-                    (Kind::Prefill, "logits") => prefill_logits.clone(),
+                    (Kind::Prefill, "logits") => {
+                        first_bytes(&prefill_logits, spec.rows * vocab * 4, name)?
+                    }
                     (_, other) => {
                         return Err(Error::Binding {
                             name: other.to_string(),
