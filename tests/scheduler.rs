@@ -396,3 +396,56 @@ fn a_request_larger_than_the_whole_cache_is_refused_not_queued_forever() {
     run_to_end(&mut s, &mut r);
     assert_eq!(r[&1].tokens.len(), 24);
 }
+
+#[test]
+fn logprobs_match_the_log_softmax_of_the_prefill_path() {
+    let (runner, tok, _) = default_model(4);
+    let (mut scorer, _, _) = default_model(1);
+    let prompts: Vec<Vec<u32>> = PROMPTS[..3]
+        .iter()
+        .map(|p| tok.encode(p, true).unwrap())
+        .collect();
+    let mut s = Scheduler::new(runner, None, Vec::new());
+    for (i, p) in prompts.iter().enumerate() {
+        let params = GenerationParams {
+            logprobs: Some(4),
+            ..greedy(6)
+        };
+        s.add(i as u64, p.clone(), params).unwrap();
+    }
+    // One more without logprobs shares the decode steps.
+    s.add(9, prompts[0].clone(), greedy(6)).unwrap();
+    let mut events: HashMap<RequestId, Vec<deepinfer::engine::TokenEvent>> = HashMap::new();
+    for _ in 0..1000 {
+        if s.is_idle() {
+            break;
+        }
+        for o in s.step() {
+            if let Event::Token(t) = o.event {
+                events.entry(o.id).or_default().push(t);
+            }
+        }
+    }
+    assert!(events[&9].iter().all(|t| t.logprobs.is_none()));
+    for (i, p) in prompts.iter().enumerate() {
+        let evs = &events[&(i as u64)];
+        let generated: Vec<u32> = evs.iter().map(|t| t.token).collect();
+        let all: Vec<u32> = p.iter().chain(&generated).copied().collect();
+        let logits = engine::score(&mut scorer, &all).unwrap();
+        for (k, t) in evs.iter().enumerate() {
+            let row = &logits[p.len() - 1 + k];
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let lse = max + row.iter().map(|&x| (x - max).exp()).sum::<f32>().ln();
+            let lp = t.logprobs.as_ref().expect("asked for logprobs");
+            assert!((lp.logprob - (row[t.token as usize] - lse)).abs() < 1e-4);
+            assert_eq!(lp.top.len(), 4);
+            assert_eq!(lp.top[0].0, t.token, "greedy picks the most likely token");
+            let mut sorted = row.clone();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            for (j, &(id, l)) in lp.top.iter().enumerate() {
+                assert!((l - (sorted[j] - lse)).abs() < 1e-4);
+                assert!((row[id as usize] - sorted[j]).abs() < 1e-6);
+            }
+        }
+    }
+}

@@ -15,6 +15,6 @@ mod service;
 pub mod single;
 
 pub use params::{FinishReason, GenerationParams};
-pub use scheduler::{Event, Output, RequestId, Scheduler, TokenEvent};
+pub use scheduler::{Event, Output, RequestId, Scheduler, TokenEvent, TokenLogprobs};
 pub use service::{Engine, EngineInfo, EngineOptions, RequestStream, SubmitError};
 pub use single::{generate, score, StopConditions};

@@ -16,6 +16,9 @@ pub struct GenerationParams {
     pub stop_token_ids: Vec<u32>,
     /// Keep going past the model's end-of-sequence tokens.
     pub ignore_eos: bool,
+    /// Report each token's log-probability and this many most likely alternatives (`None`:
+    /// no log-probabilities, and no logits leave the device).
+    pub logprobs: Option<usize>,
 }
 
 impl GenerationParams {
@@ -27,6 +30,7 @@ impl GenerationParams {
             stop: Vec::new(),
             stop_token_ids: Vec::new(),
             ignore_eos: false,
+            logprobs: None,
         }
     }
 }

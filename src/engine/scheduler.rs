@@ -29,7 +29,7 @@ use super::params::{FinishReason, GenerationParams};
 pub type RequestId = u64;
 
 /// One generated token of a request.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct TokenEvent {
     /// The token id.
     pub token: u32,
@@ -38,10 +38,47 @@ pub struct TokenEvent {
     pub text: String,
     /// Set on the request's last token.
     pub finish: Option<FinishReason>,
+    /// The token's log-probability and the most likely alternatives, when asked for.
+    pub logprobs: Option<TokenLogprobs>,
+}
+
+/// Log-probabilities of one generated token, under the model's distribution (the logits
+/// before temperature, top-k and top-p, as vLLM and OpenAI report them).
+#[derive(Debug, Clone, PartialEq)]
+pub struct TokenLogprobs {
+    /// log p(token).
+    pub logprob: f32,
+    /// The most likely tokens and their log-probabilities, most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+impl TokenLogprobs {
+    /// The log-probability of `token` and the `top` most likely tokens under `logits`.
+    pub fn from_logits(logits: &[f32], token: u32, top: usize) -> Self {
+        let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        let lse = max + logits.iter().map(|&x| (x - max).exp()).sum::<f32>().ln();
+        let mut best: Vec<u32> = (0..logits.len() as u32).collect();
+        let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]);
+        let top = top.min(best.len());
+        if top > 0 && top < best.len() {
+            best.select_nth_unstable_by(top - 1, by_logit);
+        }
+        best.truncate(top);
+        best.sort_by(by_logit);
+        TokenLogprobs {
+            logprob: logits
+                .get(token as usize)
+                .map_or(f32::NEG_INFINITY, |&x| x - lse),
+            top: best
+                .into_iter()
+                .map(|t| (t, logits[t as usize] - lse))
+                .collect(),
+        }
+    }
 }
 
 /// What happened to a request in a step.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum Event {
     /// It produced a token.
     Token(TokenEvent),
@@ -50,7 +87,7 @@ pub enum Event {
 }
 
 /// An event of one request.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Output {
     /// The request.
     pub id: RequestId,
@@ -302,14 +339,23 @@ impl<R: Runner> Scheduler<R> {
                 }
             })
             .collect();
-        let result = self.runner.decode(&rows, false);
+        // Logits leave the device only when some row reports log-probabilities.
+        let want_logits = batch
+            .iter()
+            .any(|&i| self.running[i].params.logprobs.is_some());
+        let result = self.runner.decode(&rows, want_logits);
         drop(rows);
-        match result.and_then(|o| sampled_rows(o.next_tokens, batch.len())) {
-            Ok(tokens) => {
-                for (&i, token) in batch.iter().zip(tokens) {
+        match result.and_then(|o| {
+            let tokens = sampled_rows(o.next_tokens, batch.len())?;
+            Ok((tokens, o.logits))
+        }) {
+            Ok((tokens, logits)) => {
+                for (k, (&i, token)) in batch.iter().zip(tokens).enumerate() {
                     let seq = &mut self.running[i];
                     seq.computed += 1;
-                    out.push(accept(seq, token, &self.eos_token_ids));
+                    let row = logits.as_ref().and_then(|l| l.get(k));
+                    let lp = logprobs_of(seq, row, token);
+                    out.push(accept(seq, token, lp, &self.eos_token_ids));
                 }
             }
             Err(e) => {
@@ -344,14 +390,25 @@ impl<R: Runner> Scheduler<R> {
             blocks: &seq.blocks,
             sampling: seq.params.sampling,
         };
-        let result = self.runner.prefill(&chunk, LogitsOutput::None);
-        match result.and_then(|o| sampled_rows(o.next_tokens, 1)) {
-            Ok(tokens) => {
+        let last = end == seq.tokens.len();
+        let want = if last && seq.params.logprobs.is_some() {
+            LogitsOutput::Sampled
+        } else {
+            LogitsOutput::None
+        };
+        let result = self.runner.prefill(&chunk, want);
+        match result.and_then(|o| {
+            let tokens = sampled_rows(o.next_tokens, 1)?;
+            Ok((tokens, o.logits))
+        }) {
+            Ok((tokens, logits)) => {
                 let seq = &mut self.running[i];
                 seq.computed = end;
-                if end == seq.tokens.len() {
+                if last {
                     seq.phase = Phase::Decode;
-                    out.push(accept(seq, tokens[0], &self.eos_token_ids));
+                    let row = logits.as_ref().and_then(|l| l.first());
+                    let lp = logprobs_of(seq, row, tokens[0]);
+                    out.push(accept(seq, tokens[0], lp, &self.eos_token_ids));
                     self.remove_finished(out);
                 }
             }
@@ -417,8 +474,14 @@ fn sampled_rows(tokens: Vec<u32>, rows: usize) -> Result<Vec<u32>> {
     Ok(tokens)
 }
 
+/// The log-probabilities `seq` asked for, from the logits row its token was drawn from.
+fn logprobs_of(seq: &Sequence, row: Option<&Vec<f32>>, token: u32) -> Option<TokenLogprobs> {
+    let top = seq.params.logprobs?;
+    Some(TokenLogprobs::from_logits(row?, token, top))
+}
+
 /// Appends a sampled token to `seq` and decides whether it ends the sequence.
-fn accept(seq: &mut Sequence, token: u32, eos: &[u32]) -> Output {
+fn accept(seq: &mut Sequence, token: u32, logprobs: Option<TokenLogprobs>, eos: &[u32]) -> Output {
     seq.tokens.push(token);
     let stop_token = seq.params.stop_token_ids.contains(&token)
         || (!seq.params.ignore_eos && eos.contains(&token));
@@ -455,6 +518,7 @@ fn accept(seq: &mut Sequence, token: u32, eos: &[u32]) -> Output {
             token,
             text,
             finish,
+            logprobs,
         }),
     }
 }

@@ -19,12 +19,13 @@ use futures::stream::{self, Stream};
 use serde::de::DeserializeOwned;
 use serde_json::{json, Value};
 
-use crate::engine::{Event, GenerationParams, RequestStream, SubmitError};
+use crate::engine::{Event, GenerationParams, RequestStream, SubmitError, TokenEvent};
 use crate::metrics::Outcome;
 use crate::step::SamplingParams;
-use crate::tokenizer::ChatMessage;
+use crate::tokenizer::{ChatMessage, Tokenizer};
 
 use super::error::ApiError;
+use super::logprobs::LogprobsBuilder;
 use super::protocol::{ChatRequest, CompletionRequest, Prompt, SamplingFields};
 use super::AppState;
 
@@ -52,10 +53,10 @@ impl Flavor {
     }
 
     /// A streamed choice carrying `text` (and the role, in a chat's first chunk).
-    fn chunk_choice(self, text: &str, first: bool, finish: Option<&str>) -> Value {
+    fn chunk_choice(self, text: &str, first: bool, finish: Option<&str>, logprobs: Value) -> Value {
         match self {
             Flavor::Completion => json!({
-                "index": 0, "text": text, "logprobs": null, "finish_reason": finish,
+                "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
             }),
             Flavor::Chat => {
                 let delta = match (first, finish) {
@@ -63,21 +64,21 @@ impl Flavor {
                     (false, Some(_)) if text.is_empty() => json!({}),
                     _ => json!({"content": text}),
                 };
-                json!({"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish})
+                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
             }
         }
     }
 
     /// The one choice of a non-streamed response.
-    fn full_choice(self, text: &str, finish: &str) -> Value {
+    fn full_choice(self, text: &str, finish: &str, logprobs: Value) -> Value {
         match self {
             Flavor::Completion => json!({
-                "index": 0, "text": text, "logprobs": null, "finish_reason": finish,
+                "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
             }),
             Flavor::Chat => json!({
                 "index": 0,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": null,
+                "logprobs": logprobs,
                 "finish_reason": finish,
             }),
         }
@@ -170,7 +171,15 @@ fn prepare_completion(state: &AppState, body: &Value) -> Result<Prepared, ApiErr
         (None, Prompt::Tokens(ids)) => ids.clone(),
         (None, _) => Vec::new(),
     };
-    let params = generation_params(state, &sampling, req.max_tokens, Some(16), prompt.len())?;
+    let logprobs = sampling.logprobs(false)?;
+    let params = generation_params(
+        state,
+        &sampling,
+        req.max_tokens,
+        Some(16),
+        prompt.len(),
+        logprobs,
+    )?;
     Ok(Prepared {
         flavor: Flavor::Completion,
         prompt,
@@ -209,7 +218,8 @@ fn prepare_chat(state: &AppState, body: &Value) -> Result<Prepared, ApiError> {
     // The template writes the bos token itself.
     let prompt = encode(state, &text, false)?;
     let max_tokens = req.max_completion_tokens.or(req.max_tokens);
-    let params = generation_params(state, &sampling, max_tokens, None, prompt.len())?;
+    let logprobs = sampling.logprobs(true)?;
+    let params = generation_params(state, &sampling, max_tokens, None, prompt.len(), logprobs)?;
     Ok(Prepared {
         flavor: Flavor::Chat,
         prompt,
@@ -289,6 +299,7 @@ fn generation_params(
     max_tokens: Option<i64>,
     default_max: Option<usize>,
     prompt_len: usize,
+    logprobs: Option<usize>,
 ) -> Result<GenerationParams, ApiError> {
     let max_len = state.engine.info().max_len;
     if prompt_len == 0 {
@@ -333,6 +344,7 @@ fn generation_params(
         stop: s.stop_strings(),
         stop_token_ids: s.stop_token_ids.clone().unwrap_or_default(),
         ignore_eos: s.ignore_eos,
+        logprobs,
     })
 }
 
@@ -364,6 +376,7 @@ fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
 
 /// Submits the request and answers it, streamed or whole.
 async fn respond(state: Arc<AppState>, p: Prepared) -> Response {
+    let logprobs = p.params.logprobs.is_some();
     let stream = match state.engine.submit(p.prompt, p.params) {
         Ok(s) => s,
         Err(e) => {
@@ -381,12 +394,14 @@ async fn respond(state: Arc<AppState>, p: Prepared) -> Response {
         state.id_prefix,
         stream.id()
     );
-    let header = Header {
+    let header = Arc::new(Header {
         id,
         created: unix_now(),
         model: state.config.served_model_name.clone(),
         flavor: p.flavor,
-    };
+        tokenizer: state.tokenizer.clone().filter(|_| logprobs),
+        logprobs,
+    });
     if p.stream {
         Sse::new(sse_events(header, stream, p.include_usage))
             .keep_alive(KeepAlive::default())
@@ -396,16 +411,33 @@ async fn respond(state: Arc<AppState>, p: Prepared) -> Response {
     }
 }
 
-/// The fields every response and chunk starts with.
-#[derive(Debug, Clone)]
+/// The fields every response and chunk starts with, and how tokens are reported.
+#[derive(Debug)]
 struct Header {
     id: String,
     created: u64,
     model: String,
     flavor: Flavor,
+    /// Report log-probabilities.
+    logprobs: bool,
+    /// For the text of tokens in log-probabilities.
+    tokenizer: Option<Arc<Tokenizer>>,
 }
 
 impl Header {
+    /// A fresh log-probabilities builder, when the request asked for them.
+    fn logprobs_builder(&self) -> Option<LogprobsBuilder> {
+        self.logprobs
+            .then(|| LogprobsBuilder::new(self.flavor == Flavor::Chat))
+    }
+
+    /// Adds `t`'s log-probabilities (its text starting at `offset`) to `b`.
+    fn add_logprobs(&self, b: &mut Option<LogprobsBuilder>, t: &TokenEvent, offset: usize) {
+        if let (Some(b), Some(lp)) = (b.as_mut(), &t.logprobs) {
+            b.push(self.tokenizer.as_deref(), t.token, lp, offset);
+        }
+    }
+
     fn with(&self, streaming: bool, choices: Value, usage: Option<Value>) -> Value {
         let mut v = json!({
             "id": self.id,
@@ -422,18 +454,21 @@ impl Header {
 }
 
 /// Waits for the whole generation and answers with one JSON body.
-async fn collect(header: Header, mut stream: RequestStream) -> Response {
+async fn collect(header: Arc<Header>, mut stream: RequestStream) -> Response {
     let mut text = String::new();
     let mut tokens = 0;
+    let mut logprobs = header.logprobs_builder();
     while let Some(event) = stream.next().await {
         match event {
             Event::Token(t) => {
                 tokens += 1;
+                header.add_logprobs(&mut logprobs, &t, text.len());
                 text.push_str(&t.text);
                 if let Some(f) = t.finish {
+                    let lp = logprobs.take().map_or(Value::Null, LogprobsBuilder::finish);
                     let body = header.with(
                         false,
-                        json!([header.flavor.full_choice(&text, f.as_str())]),
+                        json!([header.flavor.full_choice(&text, f.as_str(), lp)]),
                         Some(usage(stream.prompt_tokens(), tokens)),
                     );
                     return Json(body).into_response();
@@ -451,6 +486,10 @@ enum StreamState {
         stream: RequestStream,
         tokens: usize,
         first: bool,
+        /// Text bytes sent so far (the offset of the next token's text).
+        sent: usize,
+        /// Log-probabilities of tokens whose text has not been sent yet.
+        pending: Option<LogprobsBuilder>,
     },
     Usage(Value),
     Done,
@@ -461,7 +500,7 @@ enum StreamState {
 /// final one, with its finish reason), the usage chunk if asked, then `[DONE]`. A failure sends
 /// an `{"error": ...}` event and ends the stream.
 fn sse_events(
-    header: Header,
+    header: Arc<Header>,
     stream: RequestStream,
     include_usage: bool,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
@@ -469,6 +508,8 @@ fn sse_events(
         stream,
         tokens: 0,
         first: true,
+        sent: 0,
+        pending: header.logprobs_builder(),
     };
     stream::unfold(start, move |state| {
         let header = header.clone();
@@ -478,22 +519,30 @@ fn sse_events(
                     mut stream,
                     mut tokens,
                     mut first,
+                    mut sent,
+                    mut pending,
                 } => loop {
                     match stream.next().await {
                         Some(Event::Token(t)) => {
                             tokens += 1;
+                            header.add_logprobs(&mut pending, &t, sent);
                             let finish = t.finish.map(|f| f.as_str());
                             if t.text.is_empty() && finish.is_none() && !first {
                                 continue;
                             }
-                            let choice = header.flavor.chunk_choice(&t.text, first, finish);
+                            let lp = std::mem::replace(&mut pending, header.logprobs_builder())
+                                .map_or(Value::Null, LogprobsBuilder::finish);
+                            let choice = header.flavor.chunk_choice(&t.text, first, finish, lp);
                             first = false;
+                            sent += t.text.len();
                             let chunk = header.with(true, json!([choice]), None);
                             let next = match finish {
                                 None => StreamState::Running {
                                     stream,
                                     tokens,
                                     first,
+                                    sent,
+                                    pending,
                                 },
                                 Some(_) if include_usage => StreamState::Usage(header.with(
                                     true,

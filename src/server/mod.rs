@@ -11,6 +11,7 @@
 
 pub mod error;
 mod generate;
+mod logprobs;
 pub mod protocol;
 
 use std::net::SocketAddr;

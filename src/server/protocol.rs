@@ -1,12 +1,16 @@
 //! The OpenAI request bodies we accept, and their checks.
 //!
-//! Fields we do not implement but that change what a client gets (`n > 1`, `echo`, `logprobs`,
+//! Fields we do not implement but that change what a client gets (`n > 1`, `echo`,
 //! penalties, `logit_bias`, ...) are refused with a 400 naming the field rather than silently
 //! ignored; unknown fields are ignored, as OpenAI's SDKs send new ones over time.
 
 use serde::Deserialize;
 
 use super::error::ApiError;
+
+/// The most alternatives a request may ask for per token (vLLM's default cap; OpenAI's is 5
+/// for completions and 20 for chat).
+pub const MAX_LOGPROBS: usize = 20;
 
 /// `prompt` of a completion request.
 #[derive(Debug, Clone, Deserialize)]
@@ -74,8 +78,11 @@ pub struct SamplingFields {
     pub frequency_penalty: Option<f32>,
     /// Refused unless empty.
     pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
-    /// Refused unless absent, null, false or 0.
+    /// Completions: how many alternatives to report with each token's log-probability;
+    /// chat: `true` to report log-probabilities (see [`SamplingFields::logprobs`]).
     pub logprobs: Option<serde_json::Value>,
+    /// Chat: how many alternatives to report with each token's log-probability.
+    pub top_logprobs: Option<i64>,
     /// Ignored (OpenAI uses it for abuse monitoring).
     pub user: Option<String>,
 }
@@ -200,18 +207,47 @@ impl SamplingFields {
                 "logit_bias is not supported",
             ));
         }
-        let logprobs_off = match &self.logprobs {
-            None | Some(serde_json::Value::Null) | Some(serde_json::Value::Bool(false)) => true,
-            Some(serde_json::Value::Number(n)) => n.as_u64() == Some(0),
-            Some(_) => false,
-        };
-        if !logprobs_off {
-            return Err(ApiError::invalid_field(
-                "logprobs",
-                "logprobs are not supported",
-            ));
-        }
         Ok(())
+    }
+
+    /// The number of alternatives to report with each token's log-probability, or `None` for
+    /// no log-probabilities. Completions spell it `logprobs: N`; chat `logprobs: true` with
+    /// `top_logprobs: N`.
+    pub fn logprobs(&self, chat: bool) -> Result<Option<usize>, ApiError> {
+        use serde_json::Value;
+        let count = |param: &str, n: Option<i64>| match n {
+            Some(n) if (0..=MAX_LOGPROBS as i64).contains(&n) => Ok(Some(n as usize)),
+            Some(n) => Err(ApiError::invalid_field(
+                param,
+                format!("{param} must be between 0 and {MAX_LOGPROBS}, got {n}"),
+            )),
+            None => Ok(None),
+        };
+        match (chat, &self.logprobs) {
+            (false, None | Some(Value::Null)) => Ok(None),
+            (false, Some(Value::Number(n))) => count("logprobs", n.as_i64()),
+            (false, Some(_)) => Err(ApiError::invalid_field(
+                "logprobs",
+                "logprobs must be an integer (the number of alternatives per token)",
+            )),
+            (true, Some(Value::Bool(true))) => {
+                Ok(count("top_logprobs", self.top_logprobs)?.or(Some(0)))
+            }
+            (true, None | Some(Value::Null) | Some(Value::Bool(false))) => {
+                if self.top_logprobs.is_some_and(|n| n > 0) {
+                    Err(ApiError::invalid_field(
+                        "top_logprobs",
+                        "top_logprobs needs logprobs: true",
+                    ))
+                } else {
+                    Ok(None)
+                }
+            }
+            (true, Some(_)) => Err(ApiError::invalid_field(
+                "logprobs",
+                "logprobs must be a boolean",
+            )),
+        }
     }
 
     /// The stop strings.
