@@ -1,10 +1,6 @@
-//! `POST /v1/completions` and `POST /v1/chat/completions`.
-//!
-//! Both turn the request into prompt tokens and [`GenerationParams`], submit them to the engine
-//! and either collect the events into one response or stream them as SSE chunks. The two differ
-//! only in how the prompt is made and how a piece of text is wrapped ([`Flavor`]).
+//! `POST /v1/completions` and `POST /v1/chat/completions`: reading and checking the request,
+//! making its prompts and [`GenerationParams`]; [`super::response`] answers it.
 
-use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -12,87 +8,22 @@ use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
 use axum::http::StatusCode;
-use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
-use axum::Json;
-use futures::stream::{self, Stream};
 use serde::de::DeserializeOwned;
-use serde_json::{json, Value};
+use serde_json::Value;
 
-use crate::engine::{Event, GenerationParams, RequestStream, SubmitError, TokenEvent};
+use crate::engine::GenerationParams;
 use crate::metrics::Outcome;
 use crate::step::SamplingParams;
-use crate::tokenizer::{ChatMessage, Tokenizer};
+use crate::tokenizer::ChatMessage;
 
 use super::error::ApiError;
-use super::logprobs::LogprobsBuilder;
 use super::protocol::{ChatRequest, CompletionRequest, Prompt, SamplingFields};
+use super::response::{respond, Flavor, Prepared};
 use super::AppState;
 
-/// Which endpoint a response is for.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Flavor {
-    Completion,
-    Chat,
-}
-
-impl Flavor {
-    fn id_prefix(self) -> &'static str {
-        match self {
-            Flavor::Completion => "cmpl",
-            Flavor::Chat => "chatcmpl",
-        }
-    }
-
-    fn object(self, streaming: bool) -> &'static str {
-        match (self, streaming) {
-            (Flavor::Completion, _) => "text_completion",
-            (Flavor::Chat, false) => "chat.completion",
-            (Flavor::Chat, true) => "chat.completion.chunk",
-        }
-    }
-
-    /// A streamed choice carrying `text` (and the role, in a chat's first chunk).
-    fn chunk_choice(self, text: &str, first: bool, finish: Option<&str>, logprobs: Value) -> Value {
-        match self {
-            Flavor::Completion => json!({
-                "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
-            }),
-            Flavor::Chat => {
-                let delta = match (first, finish) {
-                    (true, _) => json!({"role": "assistant", "content": text}),
-                    (false, Some(_)) if text.is_empty() => json!({}),
-                    _ => json!({"content": text}),
-                };
-                json!({"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
-            }
-        }
-    }
-
-    /// The one choice of a non-streamed response.
-    fn full_choice(self, text: &str, finish: &str, logprobs: Value) -> Value {
-        match self {
-            Flavor::Completion => json!({
-                "index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish,
-            }),
-            Flavor::Chat => json!({
-                "index": 0,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }),
-        }
-    }
-}
-
-/// What both endpoints hand to [`respond`].
-struct Prepared {
-    flavor: Flavor,
-    prompt: Vec<u32>,
-    params: GenerationParams,
-    stream: bool,
-    include_usage: bool,
-}
+/// The most choices (prompts times `n`) one request may ask for.
+const MAX_CHOICES: usize = 64;
 
 /// `POST /v1/completions`.
 pub async fn completions(
@@ -140,50 +71,86 @@ fn prepare_completion(state: &AppState, body: &Value) -> Result<Prepared, ApiErr
     if req.echo {
         return Err(ApiError::invalid_field("echo", "echo is not supported"));
     }
-    if req.best_of.is_some_and(|b| b != 1) {
+    if req.best_of.is_some_and(|b| b != sampling.n.unwrap_or(1)) {
         return Err(ApiError::invalid_field(
             "best_of",
-            "only best_of = 1 is supported",
+            "best_of must equal n (choices are not ranked)",
         ));
     }
     if req.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid_field("suffix", "suffix is not supported"));
     }
-    let text = match &req.prompt {
-        Prompt::Text(t) => Some(t),
-        Prompt::Texts(v) if v.len() == 1 => Some(&v[0]),
-        Prompt::Texts(v) => {
-            return Err(ApiError::invalid_field(
-                "prompt",
-                format!(
-                    "{} prompts in one request are not supported; send one request per prompt",
-                    v.len()
-                ),
-            ))
-        }
-        Prompt::Tokens(_) => None,
+    let prompts: Vec<Vec<u32>> = match &req.prompt {
+        Prompt::Text(t) => vec![encode_prompt(state, t)?],
+        Prompt::Texts(v) => v
+            .iter()
+            .map(|t| encode_prompt(state, t))
+            .collect::<Result<_, _>>()?,
+        Prompt::Tokens(ids) => vec![ids.clone()],
+        Prompt::TokenLists(v) => v.clone(),
     };
-    let prompt = match (text, &req.prompt) {
-        (Some(t), _) if t.is_empty() => {
-            return Err(ApiError::invalid_field("prompt", "the prompt is empty"))
-        }
-        (Some(t), _) => encode(state, t, true)?,
-        (None, Prompt::Tokens(ids)) => ids.clone(),
-        (None, _) => Vec::new(),
-    };
+    if prompts.is_empty() {
+        return Err(ApiError::invalid_field(
+            "prompt",
+            "the prompt list is empty",
+        ));
+    }
     let logprobs = sampling.logprobs(false)?;
-    let params = generation_params(
-        state,
-        &sampling,
-        req.max_tokens,
-        Some(16),
-        prompt.len(),
-        logprobs,
-    )?;
+    let choices = prompts
+        .iter()
+        .map(|p| {
+            generation_params(
+                state,
+                &sampling,
+                req.max_tokens,
+                Some(16),
+                p.len(),
+                logprobs,
+            )
+            .map(|g| (p.clone(), g))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    prepared(Flavor::Completion, &sampling, choices)
+}
+
+/// A completion prompt's tokens (bos prepended as the tokenizer is configured to).
+fn encode_prompt(state: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
+    if text.is_empty() {
+        return Err(ApiError::invalid_field("prompt", "the prompt is empty"));
+    }
+    encode(state, text, true)
+}
+
+/// The request's choices: each (prompt, parameters) `n` times, the k-th copy sampling with
+/// the seed plus k so that copies differ (and a seed still reproduces them all).
+fn prepared(
+    flavor: Flavor,
+    sampling: &SamplingFields,
+    per_prompt: Vec<(Vec<u32>, GenerationParams)>,
+) -> Result<Prepared, ApiError> {
+    let n = sampling.n.unwrap_or(1) as usize;
+    if per_prompt.len() * n > MAX_CHOICES {
+        return Err(ApiError::invalid_field(
+            "n",
+            format!(
+                "{} prompts times n = {n} asks for more than {MAX_CHOICES} choices",
+                per_prompt.len()
+            ),
+        ));
+    }
+    let prompt_tokens = per_prompt.iter().map(|(p, _)| p.len()).sum();
+    let mut choices = Vec::with_capacity(per_prompt.len() * n);
+    for (prompt, params) in per_prompt {
+        for k in 0..n {
+            let mut p = params.clone();
+            p.sampling.seed = p.sampling.seed.wrapping_add(k as u32);
+            choices.push((prompt.clone(), p));
+        }
+    }
     Ok(Prepared {
-        flavor: Flavor::Completion,
-        prompt,
-        params,
+        flavor,
+        choices,
+        prompt_tokens,
         stream: sampling.stream,
         include_usage: sampling.include_usage(),
     })
@@ -220,13 +187,7 @@ fn prepare_chat(state: &AppState, body: &Value) -> Result<Prepared, ApiError> {
     let max_tokens = req.max_completion_tokens.or(req.max_tokens);
     let logprobs = sampling.logprobs(true)?;
     let params = generation_params(state, &sampling, max_tokens, None, prompt.len(), logprobs)?;
-    Ok(Prepared {
-        flavor: Flavor::Chat,
-        prompt,
-        params,
-        stream: sampling.stream,
-        include_usage: sampling.include_usage(),
-    })
+    prepared(Flavor::Chat, &sampling, vec![(prompt, params)])
 }
 
 /// Counts a refused request and turns the error into its response.
@@ -358,221 +319,4 @@ fn fresh_seed() -> u32 {
             .map_or(0, |d| d.as_nanos()),
     );
     h.finish() as u32
-}
-
-fn unix_now() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs())
-}
-
-fn usage(prompt_tokens: usize, completion_tokens: usize) -> Value {
-    json!({
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    })
-}
-
-/// Submits the request and answers it, streamed or whole.
-async fn respond(state: Arc<AppState>, p: Prepared) -> Response {
-    let logprobs = p.params.logprobs.is_some();
-    let stream = match state.engine.submit(p.prompt, p.params) {
-        Ok(s) => s,
-        Err(e) => {
-            let err = match e {
-                SubmitError::Invalid(m) => ApiError::invalid_field("prompt", m),
-                SubmitError::QueueFull(_) => ApiError::queue_full(e.to_string()),
-                SubmitError::Draining => ApiError::draining(),
-            };
-            return reject(&state, err);
-        }
-    };
-    let id = format!(
-        "{}-{}{}",
-        p.flavor.id_prefix(),
-        state.id_prefix,
-        stream.id()
-    );
-    let header = Arc::new(Header {
-        id,
-        created: unix_now(),
-        model: state.config.served_model_name.clone(),
-        flavor: p.flavor,
-        tokenizer: state.tokenizer.clone().filter(|_| logprobs),
-        logprobs,
-    });
-    if p.stream {
-        Sse::new(sse_events(header, stream, p.include_usage))
-            .keep_alive(KeepAlive::default())
-            .into_response()
-    } else {
-        collect(header, stream).await
-    }
-}
-
-/// The fields every response and chunk starts with, and how tokens are reported.
-#[derive(Debug)]
-struct Header {
-    id: String,
-    created: u64,
-    model: String,
-    flavor: Flavor,
-    /// Report log-probabilities.
-    logprobs: bool,
-    /// For the text of tokens in log-probabilities.
-    tokenizer: Option<Arc<Tokenizer>>,
-}
-
-impl Header {
-    /// A fresh log-probabilities builder, when the request asked for them.
-    fn logprobs_builder(&self) -> Option<LogprobsBuilder> {
-        self.logprobs
-            .then(|| LogprobsBuilder::new(self.flavor == Flavor::Chat))
-    }
-
-    /// Adds `t`'s log-probabilities (its text starting at `offset`) to `b`.
-    fn add_logprobs(&self, b: &mut Option<LogprobsBuilder>, t: &TokenEvent, offset: usize) {
-        if let (Some(b), Some(lp)) = (b.as_mut(), &t.logprobs) {
-            b.push(self.tokenizer.as_deref(), t.token, lp, offset);
-        }
-    }
-
-    fn with(&self, streaming: bool, choices: Value, usage: Option<Value>) -> Value {
-        let mut v = json!({
-            "id": self.id,
-            "object": self.flavor.object(streaming),
-            "created": self.created,
-            "model": self.model,
-            "choices": choices,
-        });
-        if let Some(u) = usage {
-            v["usage"] = u;
-        }
-        v
-    }
-}
-
-/// Waits for the whole generation and answers with one JSON body.
-async fn collect(header: Arc<Header>, mut stream: RequestStream) -> Response {
-    let mut text = String::new();
-    let mut tokens = 0;
-    let mut logprobs = header.logprobs_builder();
-    while let Some(event) = stream.next().await {
-        match event {
-            Event::Token(t) => {
-                tokens += 1;
-                header.add_logprobs(&mut logprobs, &t, text.len());
-                text.push_str(&t.text);
-                if let Some(f) = t.finish {
-                    let lp = logprobs.take().map_or(Value::Null, LogprobsBuilder::finish);
-                    let body = header.with(
-                        false,
-                        json!([header.flavor.full_choice(&text, f.as_str(), lp)]),
-                        Some(usage(stream.prompt_tokens(), tokens)),
-                    );
-                    return Json(body).into_response();
-                }
-            }
-            Event::Failed(m) => return ApiError::device(m).into_response(),
-        }
-    }
-    ApiError::device("the engine stopped before the request finished").into_response()
-}
-
-/// Where a streamed response is.
-enum StreamState {
-    Running {
-        stream: RequestStream,
-        tokens: usize,
-        first: bool,
-        /// Text bytes sent so far (the offset of the next token's text).
-        sent: usize,
-        /// Log-probabilities of tokens whose text has not been sent yet.
-        pending: Option<LogprobsBuilder>,
-    },
-    Usage(Value),
-    Done,
-    End,
-}
-
-/// The SSE events of a streamed response: one chunk per token that releases text (and the
-/// final one, with its finish reason), the usage chunk if asked, then `[DONE]`. A failure sends
-/// an `{"error": ...}` event and ends the stream.
-fn sse_events(
-    header: Arc<Header>,
-    stream: RequestStream,
-    include_usage: bool,
-) -> impl Stream<Item = Result<SseEvent, Infallible>> {
-    let start = StreamState::Running {
-        stream,
-        tokens: 0,
-        first: true,
-        sent: 0,
-        pending: header.logprobs_builder(),
-    };
-    stream::unfold(start, move |state| {
-        let header = header.clone();
-        async move {
-            match state {
-                StreamState::Running {
-                    mut stream,
-                    mut tokens,
-                    mut first,
-                    mut sent,
-                    mut pending,
-                } => loop {
-                    match stream.next().await {
-                        Some(Event::Token(t)) => {
-                            tokens += 1;
-                            header.add_logprobs(&mut pending, &t, sent);
-                            let finish = t.finish.map(|f| f.as_str());
-                            if t.text.is_empty() && finish.is_none() && !first {
-                                continue;
-                            }
-                            let lp = std::mem::replace(&mut pending, header.logprobs_builder())
-                                .map_or(Value::Null, LogprobsBuilder::finish);
-                            let choice = header.flavor.chunk_choice(&t.text, first, finish, lp);
-                            first = false;
-                            sent += t.text.len();
-                            let chunk = header.with(true, json!([choice]), None);
-                            let next = match finish {
-                                None => StreamState::Running {
-                                    stream,
-                                    tokens,
-                                    first,
-                                    sent,
-                                    pending,
-                                },
-                                Some(_) if include_usage => StreamState::Usage(header.with(
-                                    true,
-                                    json!([]),
-                                    Some(usage(stream.prompt_tokens(), tokens)),
-                                )),
-                                Some(_) => StreamState::Done,
-                            };
-                            return Some((Ok(data(&chunk)), next));
-                        }
-                        Some(Event::Failed(m)) => {
-                            return Some((Ok(data(&ApiError::device(m).body())), StreamState::End))
-                        }
-                        None => {
-                            let e =
-                                ApiError::device("the engine stopped before the request finished");
-                            return Some((Ok(data(&e.body())), StreamState::End));
-                        }
-                    }
-                },
-                StreamState::Usage(u) => Some((Ok(data(&u)), StreamState::Done)),
-                StreamState::Done => {
-                    Some((Ok(SseEvent::default().data("[DONE]")), StreamState::End))
-                }
-                StreamState::End => None,
-            }
-        }
-    })
-}
-
-fn data(v: &Value) -> SseEvent {
-    SseEvent::default().data(v.to_string())
 }

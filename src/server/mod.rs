@@ -13,6 +13,7 @@ pub mod error;
 mod generate;
 mod logprobs;
 pub mod protocol;
+mod response;
 
 use std::net::SocketAddr;
 use std::sync::Arc;

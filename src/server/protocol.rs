@@ -1,6 +1,6 @@
 //! The OpenAI request bodies we accept, and their checks.
 //!
-//! Fields we do not implement but that change what a client gets (`n > 1`, `echo`,
+//! Fields we do not implement but that change what a client gets (`echo`, `best_of > n`,
 //! penalties, `logit_bias`, ...) are refused with a 400 naming the field rather than silently
 //! ignored; unknown fields are ignored, as OpenAI's SDKs send new ones over time.
 
@@ -12,18 +12,23 @@ use super::error::ApiError;
 /// for completions and 20 for chat).
 pub const MAX_LOGPROBS: usize = 20;
 
+/// The most choices per prompt (`n`).
+pub const MAX_N: i64 = 16;
+
 /// `prompt` of a completion request.
 #[derive(Debug, Clone, Deserialize)]
 #[serde(
     untagged,
-    expecting = "a string, a list of one string, or a list of token ids"
+    expecting = "a string, a list of strings, a list of token ids, or a list of such lists"
 )]
 pub enum Prompt {
     /// One text.
     Text(String),
     /// Token ids.
     Tokens(Vec<u32>),
-    /// Texts (only one is served per request).
+    /// Several prompts as token ids: one choice each.
+    TokenLists(Vec<Vec<u32>>),
+    /// Several texts: one choice each.
     Texts(Vec<String>),
 }
 
@@ -70,7 +75,7 @@ pub struct SamplingFields {
     pub stream: bool,
     /// Streaming options.
     pub stream_options: Option<StreamOptions>,
-    /// Only 1 is served.
+    /// Choices per prompt (each its own sequence; the k-th samples with the seed plus k).
     pub n: Option<i64>,
     /// Refused unless 0.
     pub presence_penalty: Option<f32>,
@@ -99,7 +104,7 @@ pub struct CompletionRequest {
     /// Refused when true.
     #[serde(default)]
     pub echo: bool,
-    /// Refused unless 1.
+    /// Refused unless equal to `n` (choices are not ranked).
     pub best_of: Option<i64>,
     /// Refused unless empty.
     pub suffix: Option<String>,
@@ -175,10 +180,10 @@ impl SamplingFields {
             }
         }
         if let Some(n) = self.n {
-            if n != 1 {
+            if !(1..=MAX_N).contains(&n) {
                 return Err(ApiError::invalid_field(
                     "n",
-                    format!("only n = 1 is supported, got {n}; send one request per choice"),
+                    format!("n must be between 1 and {MAX_N}, got {n}"),
                 ));
             }
         }

@@ -1,0 +1,371 @@
+//! Answering a prepared request: submit its choices to the engine, then either collect their
+//! events into one JSON body or stream them as SSE chunks.
+//!
+//! A request has one choice per prompt and per `n`; each is its own engine request, so they
+//! batch with everything else. Streamed chunks of different choices interleave, each carrying
+//! its `index`, as OpenAI's do. If one choice fails, the response fails (a 500, or an error
+//! event that ends the stream) and the other choices are cancelled.
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use axum::response::sse::{Event as SseEvent, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use futures::stream::{self, BoxStream, Stream, StreamExt};
+use serde_json::{json, Value};
+
+use crate::engine::{Event, FinishReason, GenerationParams, RequestStream, SubmitError};
+use crate::metrics::Outcome;
+use crate::tokenizer::Tokenizer;
+
+use super::error::ApiError;
+use super::logprobs::LogprobsBuilder;
+use super::AppState;
+
+/// Which endpoint a response is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flavor {
+    /// `/v1/completions`.
+    Completion,
+    /// `/v1/chat/completions`.
+    Chat,
+}
+
+impl Flavor {
+    fn id_prefix(self) -> &'static str {
+        match self {
+            Flavor::Completion => "cmpl",
+            Flavor::Chat => "chatcmpl",
+        }
+    }
+
+    fn object(self, streaming: bool) -> &'static str {
+        match (self, streaming) {
+            (Flavor::Completion, _) => "text_completion",
+            (Flavor::Chat, false) => "chat.completion",
+            (Flavor::Chat, true) => "chat.completion.chunk",
+        }
+    }
+}
+
+/// A request ready for the engine: one prompt and parameters per choice.
+#[derive(Debug)]
+pub struct Prepared {
+    /// Which endpoint.
+    pub flavor: Flavor,
+    /// The choices, in `index` order.
+    pub choices: Vec<(Vec<u32>, GenerationParams)>,
+    /// Distinct prompt tokens, for `usage` (a prompt with `n` choices counts once).
+    pub prompt_tokens: usize,
+    /// Stream over SSE.
+    pub stream: bool,
+    /// End a stream with a usage chunk.
+    pub include_usage: bool,
+}
+
+/// The fields every response and chunk starts with, and how tokens are reported.
+#[derive(Debug)]
+struct Header {
+    id: String,
+    created: u64,
+    model: String,
+    flavor: Flavor,
+    /// Report log-probabilities.
+    logprobs: bool,
+    /// For the text of tokens in log-probabilities.
+    tokenizer: Option<Arc<Tokenizer>>,
+    prompt_tokens: usize,
+}
+
+impl Header {
+    fn with(&self, streaming: bool, choices: Value, usage: Option<Value>) -> Value {
+        let mut v = json!({
+            "id": self.id,
+            "object": self.flavor.object(streaming),
+            "created": self.created,
+            "model": self.model,
+            "choices": choices,
+        });
+        if let Some(u) = usage {
+            v["usage"] = u;
+        }
+        v
+    }
+
+    fn usage(&self, completion_tokens: usize) -> Value {
+        json!({
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": self.prompt_tokens + completion_tokens,
+        })
+    }
+
+    fn logprobs_builder(&self) -> Option<LogprobsBuilder> {
+        self.logprobs
+            .then(|| LogprobsBuilder::new(self.flavor == Flavor::Chat))
+    }
+}
+
+/// One choice's progress.
+#[derive(Debug)]
+struct Choice {
+    index: usize,
+    tokens: usize,
+    /// Text so far (whole responses) or text bytes sent so far (streams).
+    text: String,
+    sent: usize,
+    /// No chunk of this choice was sent yet (a chat's first carries the role).
+    first: bool,
+    /// Log-probabilities of tokens whose text has not been sent (or, whole, all of them).
+    logprobs: Option<LogprobsBuilder>,
+    finish: Option<FinishReason>,
+}
+
+impl Choice {
+    fn new(index: usize, header: &Header) -> Self {
+        Choice {
+            index,
+            tokens: 0,
+            text: String::new(),
+            sent: 0,
+            first: true,
+            logprobs: header.logprobs_builder(),
+            finish: None,
+        }
+    }
+
+    /// Records a token of a whole response.
+    fn add(&mut self, header: &Header, t: &crate::engine::TokenEvent) {
+        self.tokens += 1;
+        if let (Some(b), Some(lp)) = (self.logprobs.as_mut(), &t.logprobs) {
+            b.push(header.tokenizer.as_deref(), t.token, lp, self.text.len());
+        }
+        self.text.push_str(&t.text);
+        self.finish = t.finish;
+    }
+
+    /// The choice object of a whole response.
+    fn whole(self, flavor: Flavor) -> Value {
+        let finish = self.finish.map(FinishReason::as_str);
+        let lp = self.logprobs.map_or(Value::Null, LogprobsBuilder::finish);
+        match flavor {
+            Flavor::Completion => json!({
+                "index": self.index, "text": self.text, "logprobs": lp, "finish_reason": finish,
+            }),
+            Flavor::Chat => json!({
+                "index": self.index,
+                "message": {"role": "assistant", "content": self.text},
+                "logprobs": lp,
+                "finish_reason": finish,
+            }),
+        }
+    }
+
+    /// Records a streamed token; returns the chunk choice to send, if the token releases text,
+    /// is the first or the last.
+    fn stream_token(&mut self, header: &Header, t: &crate::engine::TokenEvent) -> Option<Value> {
+        self.tokens += 1;
+        if let (Some(b), Some(lp)) = (self.logprobs.as_mut(), &t.logprobs) {
+            b.push(header.tokenizer.as_deref(), t.token, lp, self.sent);
+        }
+        self.finish = t.finish;
+        let finish = t.finish.map(FinishReason::as_str);
+        if t.text.is_empty() && finish.is_none() && !self.first {
+            return None;
+        }
+        let lp = std::mem::replace(&mut self.logprobs, header.logprobs_builder())
+            .map_or(Value::Null, LogprobsBuilder::finish);
+        let text = &t.text;
+        let choice = match header.flavor {
+            Flavor::Completion => json!({
+                "index": self.index, "text": text, "logprobs": lp, "finish_reason": finish,
+            }),
+            Flavor::Chat => {
+                let delta = match (self.first, finish) {
+                    (true, _) => json!({"role": "assistant", "content": text}),
+                    (false, Some(_)) if text.is_empty() => json!({}),
+                    _ => json!({"content": text}),
+                };
+                json!({"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish})
+            }
+        };
+        self.first = false;
+        self.sent += text.len();
+        Some(choice)
+    }
+}
+
+fn unix_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// The events of every choice, merged, each tagged with its choice's index.
+fn merged(streams: Vec<RequestStream>) -> BoxStream<'static, (usize, Event)> {
+    let per_choice = streams.into_iter().enumerate().map(|(i, s)| {
+        stream::unfold(s, |mut s| async move { s.next().await.map(|e| (e, s)) })
+            .map(move |e| (i, e))
+            .boxed()
+    });
+    stream::select_all(per_choice).boxed()
+}
+
+/// Submits every choice and answers, streamed or whole. A choice the engine refuses refuses
+/// the request (and the choices already queued are cancelled when their streams drop).
+pub async fn respond(state: Arc<AppState>, p: Prepared) -> Response {
+    let logprobs = p.choices.iter().any(|(_, g)| g.logprobs.is_some());
+    let mut streams = Vec::with_capacity(p.choices.len());
+    for (prompt, params) in p.choices {
+        match state.engine.submit(prompt, params) {
+            Ok(s) => streams.push(s),
+            Err(e) => {
+                let err = match e {
+                    SubmitError::Invalid(m) => ApiError::invalid_field("prompt", m),
+                    SubmitError::QueueFull(_) => ApiError::queue_full(e.to_string()),
+                    SubmitError::Draining => ApiError::draining(),
+                };
+                state.engine.metrics().record_outcome(Outcome::Rejected);
+                return err.into_response();
+            }
+        }
+    }
+    let first_id = streams.first().map_or(0, |s| s.id());
+    let header = Arc::new(Header {
+        id: format!("{}-{}{first_id}", p.flavor.id_prefix(), state.id_prefix),
+        created: unix_now(),
+        model: state.config.served_model_name.clone(),
+        flavor: p.flavor,
+        tokenizer: state.tokenizer.clone().filter(|_| logprobs),
+        logprobs,
+        prompt_tokens: p.prompt_tokens,
+    });
+    let n = streams.len();
+    let events = merged(streams);
+    if p.stream {
+        Sse::new(sse_events(header, events, n, p.include_usage))
+            .keep_alive(KeepAlive::default())
+            .into_response()
+    } else {
+        collect(header, events, n).await
+    }
+}
+
+/// Waits for every choice and answers with one JSON body.
+async fn collect(
+    header: Arc<Header>,
+    mut events: BoxStream<'static, (usize, Event)>,
+    n: usize,
+) -> Response {
+    let mut choices: Vec<Choice> = (0..n).map(|i| Choice::new(i, &header)).collect();
+    let mut done = 0;
+    while let Some((i, event)) = events.next().await {
+        match event {
+            Event::Token(t) => {
+                choices[i].add(&header, &t);
+                if t.finish.is_some() {
+                    done += 1;
+                }
+            }
+            Event::Failed(m) => return ApiError::device(m).into_response(),
+        }
+        if done == n {
+            let tokens = choices.iter().map(|c| c.tokens).sum();
+            let body = header.with(
+                false,
+                Value::Array(
+                    choices
+                        .into_iter()
+                        .map(|c| c.whole(header.flavor))
+                        .collect(),
+                ),
+                Some(header.usage(tokens)),
+            );
+            return Json(body).into_response();
+        }
+    }
+    ApiError::device("the engine stopped before the request finished").into_response()
+}
+
+/// Where a streamed response is.
+enum StreamState {
+    Running {
+        events: BoxStream<'static, (usize, Event)>,
+        choices: Vec<Choice>,
+        done: usize,
+    },
+    Usage(Value),
+    Done,
+    End,
+}
+
+/// The SSE events of a streamed response: a chunk per token that releases text (and each
+/// choice's last, with its finish reason), the usage chunk if asked, then `[DONE]`. A failure
+/// sends an `{"error": ...}` event and ends the stream.
+fn sse_events(
+    header: Arc<Header>,
+    events: BoxStream<'static, (usize, Event)>,
+    n: usize,
+    include_usage: bool,
+) -> impl Stream<Item = Result<SseEvent, Infallible>> {
+    let choices = (0..n).map(|i| Choice::new(i, &header)).collect();
+    let start = StreamState::Running {
+        events,
+        choices,
+        done: 0,
+    };
+    stream::unfold(start, move |state| {
+        let header = header.clone();
+        async move {
+            match state {
+                StreamState::Running {
+                    mut events,
+                    mut choices,
+                    mut done,
+                } => loop {
+                    let Some((i, event)) = events.next().await else {
+                        let e = ApiError::device("the engine stopped before the request finished");
+                        return Some((Ok(data(&e.body())), StreamState::End));
+                    };
+                    let t = match event {
+                        Event::Token(t) => t,
+                        Event::Failed(m) => {
+                            return Some((Ok(data(&ApiError::device(m).body())), StreamState::End))
+                        }
+                    };
+                    if t.finish.is_some() {
+                        done += 1;
+                    }
+                    let Some(choice) = choices[i].stream_token(&header, &t) else {
+                        continue;
+                    };
+                    let chunk = header.with(true, json!([choice]), None);
+                    let next = if done < n {
+                        StreamState::Running {
+                            events,
+                            choices,
+                            done,
+                        }
+                    } else if include_usage {
+                        let tokens = choices.iter().map(|c| c.tokens).sum();
+                        StreamState::Usage(header.with(true, json!([]), Some(header.usage(tokens))))
+                    } else {
+                        StreamState::Done
+                    };
+                    return Some((Ok(data(&chunk)), next));
+                },
+                StreamState::Usage(u) => Some((Ok(data(&u)), StreamState::Done)),
+                StreamState::Done => {
+                    Some((Ok(SseEvent::default().data("[DONE]")), StreamState::End))
+                }
+                StreamState::End => None,
+            }
+        }
+    })
+}
+
+fn data(v: &Value) -> SseEvent {
+    SseEvent::default().data(v.to_string())
+}
