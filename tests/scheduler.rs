@@ -41,6 +41,8 @@ fn collect(outputs: Vec<Output>, results: &mut HashMap<RequestId, Result>) {
                 r.text.push_str(&t.text);
                 r.finish = t.finish;
             }
+            Event::Finished(f) => r.finish = Some(f),
+            Event::PromptLogprobs { .. } => {}
             Event::Failed(m) => r.failed = Some(m),
         }
     }
@@ -447,5 +449,79 @@ fn logprobs_match_the_log_softmax_of_the_prefill_path() {
                 assert!((row[id as usize] - sorted[j]).abs() < 1e-6);
             }
         }
+    }
+}
+
+#[test]
+fn prompt_logprobs_cover_every_position_once_across_chunks_and_preemption() {
+    let reference = common::reference("tiny-v3");
+    let prompt = reference.token_ids.clone(); // 16 tokens: 6 chunks of 3
+                                              // transformers' own logits of this sequence: position j-1 predicts token j.
+    let want: Vec<f32> = (1..prompt.len())
+        .map(|j| {
+            let row = &reference.logits[j - 1];
+            let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+            let lse = max + row.iter().map(|&x| (x - max).exp()).sum::<f32>().ln();
+            row[prompt[j] as usize] - lse
+        })
+        .collect();
+    for blocks in [64, 4] {
+        let (cfg, weights) = load("tiny-v3");
+        let mut rc = tiny_config();
+        rc.num_blocks = blocks; // 4: three usable blocks for four sequences of 16 + 8 tokens
+        let runner = CpuRunner::new(cfg, weights, rc).unwrap();
+        let mut s = Scheduler::new(runner, None, Vec::new());
+        for id in 0..4u64 {
+            let params = GenerationParams {
+                prompt_logprobs: Some(2),
+                // Request 0 only scores; the others generate too and may be preempted.
+                ..greedy(if id == 0 { 0 } else { 8 })
+            };
+            s.add(id, prompt.clone(), params).unwrap();
+        }
+        let mut got: HashMap<RequestId, Vec<Option<f32>>> = HashMap::new();
+        let mut ends: HashMap<RequestId, Event> = HashMap::new();
+        for _ in 0..10_000 {
+            if s.is_idle() {
+                break;
+            }
+            for o in s.step() {
+                match &o.event {
+                    Event::PromptLogprobs { start, logprobs } => {
+                        let v = got.entry(o.id).or_default();
+                        assert_eq!(
+                            *start,
+                            v.len(),
+                            "request {}: positions in order, once",
+                            o.id
+                        );
+                        v.extend(logprobs.iter().map(|l| l.as_ref().map(|l| l.logprob)));
+                    }
+                    e if e.is_last() => {
+                        ends.insert(o.id, e.clone());
+                    }
+                    _ => {}
+                }
+            }
+        }
+        for id in 0..4u64 {
+            let v = &got[&id];
+            assert_eq!(v.len(), prompt.len(), "request {id}");
+            assert_eq!(v[0], None);
+            for (j, (g, w)) in v[1..].iter().zip(&want).enumerate() {
+                let g = g.expect("a log-probability");
+                assert!(
+                    (g - w).abs() < 1e-4,
+                    "request {id} position {}: {g} vs {w}",
+                    j + 1
+                );
+            }
+        }
+        assert_eq!(ends[&0], Event::Finished(FinishReason::Length));
+        assert!(matches!(&ends[&3], Event::Token(t) if t.finish == Some(FinishReason::Length)));
+        if blocks == 4 {
+            assert!(s.preemptions() > 0, "nothing was preempted");
+        }
+        assert_eq!(s.blocks_in_use(), 0);
     }
 }

@@ -8,7 +8,8 @@ pub struct GenerationParams {
     /// How each token is drawn (the seed makes sampling reproducible per request, whatever the
     /// batch it runs in).
     pub sampling: SamplingParams,
-    /// Generate at most this many tokens (at least 1).
+    /// Generate at most this many tokens (at least 1, or 0 when only the prompt's
+    /// log-probabilities are wanted).
     pub max_tokens: usize,
     /// Stop when the text contains any of these; the match is cut from the output.
     pub stop: Vec<String>,
@@ -19,6 +20,9 @@ pub struct GenerationParams {
     /// Report each token's log-probability and this many most likely alternatives (`None`:
     /// no log-probabilities, and no logits leave the device).
     pub logprobs: Option<usize>,
+    /// Report the log-probability of every prompt token after the first, with this many
+    /// alternatives (what evaluation harnesses score).
+    pub prompt_logprobs: Option<usize>,
 }
 
 impl GenerationParams {
@@ -31,6 +35,7 @@ impl GenerationParams {
             stop_token_ids: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            prompt_logprobs: None,
         }
     }
 }

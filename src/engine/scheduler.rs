@@ -82,8 +82,29 @@ impl TokenLogprobs {
 pub enum Event {
     /// It produced a token.
     Token(TokenEvent),
+    /// Log-probabilities of prompt tokens, in order from `start` (the first prompt token has
+    /// none: `None`). Sent before any [`Event::Token`].
+    PromptLogprobs {
+        /// The prompt position of the first entry.
+        start: usize,
+        /// One entry per position.
+        logprobs: Vec<Option<TokenLogprobs>>,
+    },
+    /// It ended without generating (`max_tokens` 0).
+    Finished(FinishReason),
     /// It failed (a device or runtime error in its step); it holds no blocks any more.
     Failed(String),
+}
+
+impl Event {
+    /// Whether this is the request's last event.
+    pub fn is_last(&self) -> bool {
+        match self {
+            Event::Token(t) => t.finish.is_some(),
+            Event::PromptLogprobs { .. } => false,
+            Event::Finished(_) | Event::Failed(_) => true,
+        }
+    }
 }
 
 /// An event of one request.
@@ -116,6 +137,9 @@ struct Sequence {
     params: GenerationParams,
     decoder: Option<IncrementalDecoder>,
     stops: StopStrings,
+    /// Prompt positions whose log-probabilities were sent (a recompute does not send them
+    /// again).
+    prompt_logprobs_sent: usize,
 }
 
 impl Sequence {
@@ -209,6 +233,7 @@ impl<R: Runner> Scheduler<R> {
             stops: StopStrings::new(&params.stop),
             params,
             decoder,
+            prompt_logprobs_sent: 0,
         });
         Ok(())
     }
@@ -390,8 +415,15 @@ impl<R: Runner> Scheduler<R> {
             blocks: &seq.blocks,
             sampling: seq.params.sampling,
         };
+        let start = seq.computed;
         let last = end == seq.tokens.len();
-        let want = if last && seq.params.logprobs.is_some() {
+        // Prompt positions this chunk predicts that were not reported yet.
+        let prompt_rows = seq.params.prompt_logprobs.is_some()
+            && seq.prompt_logprobs_sent < seq.prompt_len
+            && start < seq.prompt_len;
+        let want = if prompt_rows {
+            LogitsOutput::AllPositions
+        } else if last && seq.params.logprobs.is_some() {
             LogitsOutput::Sampled
         } else {
             LogitsOutput::None
@@ -404,11 +436,24 @@ impl<R: Runner> Scheduler<R> {
             Ok((tokens, logits)) => {
                 let seq = &mut self.running[i];
                 seq.computed = end;
+                if prompt_rows {
+                    if let Some(rows) = &logits {
+                        out.push(prompt_logprobs(seq, start, end, rows));
+                    }
+                }
                 if last {
                     seq.phase = Phase::Decode;
-                    let row = logits.as_ref().and_then(|l| l.first());
-                    let lp = logprobs_of(seq, row, tokens[0]);
-                    out.push(accept(seq, tokens[0], lp, &self.eos_token_ids));
+                    if seq.params.max_tokens == 0 {
+                        out.push(Output {
+                            id: seq.id,
+                            event: Event::Finished(FinishReason::Length),
+                        });
+                    } else {
+                        // The row the token was drawn from: the chunk's last.
+                        let row = logits.as_ref().and_then(|l| l.last());
+                        let lp = logprobs_of(seq, row, tokens[0]);
+                        out.push(accept(seq, tokens[0], lp, &self.eos_token_ids));
+                    }
                     self.remove_finished(out);
                 }
             }
@@ -442,7 +487,7 @@ impl<R: Runner> Scheduler<R> {
     fn remove_finished(&mut self, out: &[Output]) {
         let finished: Vec<RequestId> = out
             .iter()
-            .filter(|o| matches!(&o.event, Event::Token(t) if t.finish.is_some()))
+            .filter(|o| o.event.is_last())
             .map(|o| o.id)
             .collect();
         if !finished.is_empty() {
@@ -472,6 +517,32 @@ fn sampled_rows(tokens: Vec<u32>, rows: usize) -> Result<Vec<u32>> {
         )));
     }
     Ok(tokens)
+}
+
+/// The log-probabilities of the prompt tokens a prefill chunk over positions `start..end`
+/// predicts (row r predicts position start + r + 1), from the first not yet sent.
+fn prompt_logprobs(seq: &mut Sequence, start: usize, end: usize, rows: &[Vec<f32>]) -> Output {
+    let top = seq.params.prompt_logprobs.unwrap_or(0);
+    let from = seq.prompt_logprobs_sent;
+    let to = (end + 1).min(seq.prompt_len);
+    let logprobs = (from..to)
+        .map(|j| {
+            // Position 0 follows nothing.
+            let row = j
+                .checked_sub(1)
+                .and_then(|r| r.checked_sub(start))
+                .and_then(|r| rows.get(r));
+            row.map(|row| TokenLogprobs::from_logits(row, seq.tokens[j], top))
+        })
+        .collect();
+    seq.prompt_logprobs_sent = to;
+    Output {
+        id: seq.id,
+        event: Event::PromptLogprobs {
+            start: from,
+            logprobs,
+        },
+    }
 }
 
 /// The log-probabilities `seq` asked for, from the logits row its token was drawn from.
@@ -533,9 +604,9 @@ pub(crate) fn validate(
     if prompt.is_empty() {
         return Err(Error::InvalidRequest("the prompt is empty".into()));
     }
-    if params.max_tokens == 0 {
+    if params.max_tokens == 0 && params.prompt_logprobs.is_none() {
         return Err(Error::InvalidRequest(
-            "max_tokens must be at least 1".into(),
+            "max_tokens must be at least 1 (0 only with prompt log-probabilities)".into(),
         ));
     }
     if let Some(t) = prompt.iter().find(|&&t| t as usize >= vocab) {

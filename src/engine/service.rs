@@ -96,8 +96,8 @@ pub struct Engine {
     thread: std::sync::Mutex<Option<JoinHandle<()>>>,
 }
 
-/// The events of one request, in order; the last is a [`Event::Token`] with a finish reason or
-/// an [`Event::Failed`]. Dropping it early cancels the request.
+/// The events of one request, in order, up to the one for which [`Event::is_last`] holds.
+/// Dropping it early cancels the request.
 #[derive(Debug)]
 pub struct RequestStream {
     id: RequestId,
@@ -124,9 +124,8 @@ impl RequestStream {
             return None;
         }
         let event = self.events.recv().await;
-        match &event {
-            Some(Event::Token(t)) if t.finish.is_none() => {}
-            _ => self.done = true,
+        if event.as_ref().is_none_or(Event::is_last) {
+            self.done = true;
         }
         event
     }
@@ -391,6 +390,13 @@ fn run_loop(
     }
 }
 
+fn outcome_of(f: FinishReason) -> Outcome {
+    match f {
+        FinishReason::Stop => Outcome::Stop,
+        FinishReason::Length => Outcome::Length,
+    }
+}
+
 /// Sends each output to its request, recording timings and outcomes; a request whose client
 /// has gone is cancelled on the spot.
 fn route(
@@ -416,11 +422,10 @@ fn route(
                         .observe((now - last).as_secs_f64()),
                 }
                 client.last_token = Some(now);
-                t.finish.map(|f| match f {
-                    FinishReason::Stop => Outcome::Stop,
-                    FinishReason::Length => Outcome::Length,
-                })
+                t.finish.map(outcome_of)
             }
+            Event::PromptLogprobs { .. } => None,
+            Event::Finished(f) => Some(outcome_of(*f)),
             Event::Failed(_) => Some(Outcome::Error),
         };
         let delivered = client.events.send(out.event).is_ok();

@@ -19,7 +19,7 @@ use crate::tokenizer::ChatMessage;
 
 use super::error::ApiError;
 use super::protocol::{ChatRequest, CompletionRequest, Prompt, SamplingFields};
-use super::response::{respond, Flavor, Prepared};
+use super::response::{respond, ChoiceSpec, Flavor, Prepared};
 use super::AppState;
 
 /// The most choices (prompts times `n`) one request may ask for.
@@ -68,9 +68,6 @@ fn checked_sampling(
 fn prepare_completion(state: &AppState, body: &Value) -> Result<Prepared, ApiError> {
     let req: CompletionRequest = from_json(body)?;
     let sampling = checked_sampling(state, body, &req.model)?;
-    if req.echo {
-        return Err(ApiError::invalid_field("echo", "echo is not supported"));
-    }
     if req.best_of.is_some_and(|b| b != sampling.n.unwrap_or(1)) {
         return Err(ApiError::invalid_field(
             "best_of",
@@ -80,14 +77,15 @@ fn prepare_completion(state: &AppState, body: &Value) -> Result<Prepared, ApiErr
     if req.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
         return Err(ApiError::invalid_field("suffix", "suffix is not supported"));
     }
-    let prompts: Vec<Vec<u32>> = match &req.prompt {
-        Prompt::Text(t) => vec![encode_prompt(state, t)?],
+    // Each prompt's tokens, and its text when it is echoed.
+    let prompts: Vec<(Vec<u32>, Option<String>)> = match &req.prompt {
+        Prompt::Text(t) => vec![(encode_prompt(state, t)?, Some(t.clone()))],
         Prompt::Texts(v) => v
             .iter()
-            .map(|t| encode_prompt(state, t))
-            .collect::<Result<_, _>>()?,
-        Prompt::Tokens(ids) => vec![ids.clone()],
-        Prompt::TokenLists(v) => v.clone(),
+            .map(|t| Ok((encode_prompt(state, t)?, Some(t.clone()))))
+            .collect::<Result<_, ApiError>>()?,
+        Prompt::Tokens(ids) => vec![(ids.clone(), None)],
+        Prompt::TokenLists(v) => v.iter().map(|ids| (ids.clone(), None)).collect(),
     };
     if prompts.is_empty() {
         return Err(ApiError::invalid_field(
@@ -96,20 +94,44 @@ fn prepare_completion(state: &AppState, body: &Value) -> Result<Prepared, ApiErr
         ));
     }
     let logprobs = sampling.logprobs(false)?;
+    if req.max_tokens == Some(0) && !req.echo {
+        return Err(ApiError::invalid_field(
+            "max_tokens",
+            "max_tokens must be at least 1 (0 only with echo)",
+        ));
+    }
     let choices = prompts
-        .iter()
-        .map(|p| {
-            generation_params(
+        .into_iter()
+        .map(|(prompt, text)| {
+            let mut params = generation_params(
                 state,
                 &sampling,
                 req.max_tokens,
                 Some(16),
-                p.len(),
+                prompt.len(),
                 logprobs,
-            )
-            .map(|g| (p.clone(), g))
+            )?;
+            let echo = req.echo.then(|| {
+                text.unwrap_or_else(|| {
+                    state
+                        .tokenizer
+                        .as_ref()
+                        .and_then(|t| t.decode(&prompt, true).ok())
+                        .unwrap_or_default()
+                })
+            });
+            if req.echo {
+                // Echoed prompts carry their log-probabilities; with max_tokens 0 the engine
+                // needs them to have anything to do.
+                params.prompt_logprobs = logprobs.or((params.max_tokens == 0).then_some(0));
+            }
+            Ok(ChoiceSpec {
+                prompt,
+                params,
+                echo,
+            })
         })
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect::<Result<Vec<_>, ApiError>>()?;
     prepared(Flavor::Completion, &sampling, choices)
 }
 
@@ -126,7 +148,7 @@ fn encode_prompt(state: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
 fn prepared(
     flavor: Flavor,
     sampling: &SamplingFields,
-    per_prompt: Vec<(Vec<u32>, GenerationParams)>,
+    per_prompt: Vec<ChoiceSpec>,
 ) -> Result<Prepared, ApiError> {
     let n = sampling.n.unwrap_or(1) as usize;
     if per_prompt.len() * n > MAX_CHOICES {
@@ -138,13 +160,13 @@ fn prepared(
             ),
         ));
     }
-    let prompt_tokens = per_prompt.iter().map(|(p, _)| p.len()).sum();
+    let prompt_tokens = per_prompt.iter().map(|c| c.prompt.len()).sum();
     let mut choices = Vec::with_capacity(per_prompt.len() * n);
-    for (prompt, params) in per_prompt {
+    for spec in per_prompt {
         for k in 0..n {
-            let mut p = params.clone();
-            p.sampling.seed = p.sampling.seed.wrapping_add(k as u32);
-            choices.push((prompt.clone(), p));
+            let mut c = spec.clone();
+            c.params.sampling.seed = c.params.sampling.seed.wrapping_add(k as u32);
+            choices.push(c);
         }
     }
     Ok(Prepared {
@@ -185,9 +207,23 @@ fn prepare_chat(state: &AppState, body: &Value) -> Result<Prepared, ApiError> {
     // The template writes the bos token itself.
     let prompt = encode(state, &text, false)?;
     let max_tokens = req.max_completion_tokens.or(req.max_tokens);
+    if max_tokens == Some(0) {
+        return Err(ApiError::invalid_field(
+            "max_tokens",
+            "max_tokens must be at least 1, got 0",
+        ));
+    }
     let logprobs = sampling.logprobs(true)?;
     let params = generation_params(state, &sampling, max_tokens, None, prompt.len(), logprobs)?;
-    prepared(Flavor::Chat, &sampling, vec![(prompt, params)])
+    prepared(
+        Flavor::Chat,
+        &sampling,
+        vec![ChoiceSpec {
+            prompt,
+            params,
+            echo: None,
+        }],
+    )
 }
 
 /// Counts a refused request and turns the error into its response.
@@ -274,7 +310,8 @@ fn generation_params(
     }
     let room = max_len - prompt_len;
     let max_tokens = match max_tokens {
-        Some(n) if n < 1 => {
+        // 0 is checked by the caller (completions allow it with echo).
+        Some(n) if n < 0 => {
             return Err(ApiError::invalid_field(
                 "max_tokens",
                 format!("max_tokens must be at least 1, got {n}"),
@@ -306,6 +343,7 @@ fn generation_params(
         stop_token_ids: s.stop_token_ids.clone().unwrap_or_default(),
         ignore_eos: s.ignore_eos,
         logprobs,
+        prompt_logprobs: None,
     })
 }
 

@@ -75,6 +75,37 @@ impl LogprobsBuilder {
         }
     }
 
+    /// Adds a prompt token (echoed) whose text starts at `offset`; the first prompt token has no
+    /// log-probability (`None`). Returns the length the token adds to the echoed text (none for
+    /// a special token such as bos, which the prompt text does not contain).
+    pub fn push_prompt(
+        &mut self,
+        tokenizer: Option<&Tokenizer>,
+        token: u32,
+        lp: Option<&TokenLogprobs>,
+        offset: usize,
+    ) -> usize {
+        match lp {
+            Some(lp) => self.push(tokenizer, token, lp, offset),
+            None => {
+                let (text, bytes) = token_text(tokenizer, token);
+                if self.chat {
+                    self.tokens.push(json!({
+                        "token": text, "logprob": null, "bytes": bytes, "top_logprobs": [],
+                    }));
+                } else {
+                    self.tokens.push(json!(text));
+                    self.token_logprobs.push(Value::Null);
+                    self.top_logprobs.push(Value::Null);
+                    self.text_offset.push(json!(offset));
+                }
+            }
+        }
+        tokenizer
+            .and_then(|t| t.decode(&[token], true).ok())
+            .map_or(0, |s| s.len())
+    }
+
     /// The `logprobs` field of a choice.
     pub fn finish(self) -> Value {
         if self.chat {

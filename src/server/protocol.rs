@@ -1,6 +1,6 @@
 //! The OpenAI request bodies we accept, and their checks.
 //!
-//! Fields we do not implement but that change what a client gets (`echo`, `best_of > n`,
+//! Fields we do not implement but that change what a client gets (`best_of > n`,
 //! penalties, `logit_bias`, ...) are refused with a 400 naming the field rather than silently
 //! ignored; unknown fields are ignored, as OpenAI's SDKs send new ones over time.
 
@@ -101,7 +101,8 @@ pub struct CompletionRequest {
     pub prompt: Prompt,
     /// Defaults to 16, as OpenAI's.
     pub max_tokens: Option<i64>,
-    /// Refused when true.
+    /// Start each choice's text with its prompt (and its log-probabilities with the prompt's,
+    /// when `logprobs` is set); allows `max_tokens: 0`.
     #[serde(default)]
     pub echo: bool,
     /// Refused unless equal to `n` (choices are not ranked).

@@ -50,13 +50,24 @@ impl Flavor {
     }
 }
 
+/// One choice of a request.
+#[derive(Debug, Clone)]
+pub struct ChoiceSpec {
+    /// The prompt's tokens.
+    pub prompt: Vec<u32>,
+    /// How to generate.
+    pub params: GenerationParams,
+    /// With `echo`: the prompt's text, which the choice's text starts with.
+    pub echo: Option<String>,
+}
+
 /// A request ready for the engine: one prompt and parameters per choice.
 #[derive(Debug)]
 pub struct Prepared {
     /// Which endpoint.
     pub flavor: Flavor,
     /// The choices, in `index` order.
-    pub choices: Vec<(Vec<u32>, GenerationParams)>,
+    pub choices: Vec<ChoiceSpec>,
     /// Distinct prompt tokens, for `usage` (a prompt with `n` choices counts once).
     pub prompt_tokens: usize,
     /// Stream over SSE.
@@ -113,37 +124,104 @@ impl Header {
 struct Choice {
     index: usize,
     tokens: usize,
-    /// Text so far (whole responses) or text bytes sent so far (streams).
+    /// Text so far (whole responses: the echoed prompt, then the generated text).
     text: String,
+    /// Text bytes sent so far (streams), the echoed prompt included.
     sent: usize,
-    /// No chunk of this choice was sent yet (a chat's first carries the role).
+    /// No chunk of this choice was sent yet (a chat's first carries the role, an echoing
+    /// completion's first the prompt).
     first: bool,
-    /// Log-probabilities of tokens whose text has not been sent (or, whole, all of them).
+    /// With `echo`: the prompt text, and its tokens (for the text of their log-probabilities).
+    echo: Option<String>,
+    prompt: Vec<u32>,
+    /// Where the next prompt token's text starts, for `text_offset`.
+    prompt_offset: usize,
+    /// Log-probabilities not sent yet (streams), or all of them (whole responses).
     logprobs: Option<LogprobsBuilder>,
     finish: Option<FinishReason>,
 }
 
 impl Choice {
-    fn new(index: usize, header: &Header) -> Self {
+    fn new(index: usize, spec: &ChoiceSpec, header: &Header) -> Self {
         Choice {
             index,
             tokens: 0,
             text: String::new(),
             sent: 0,
             first: true,
+            echo: spec.echo.clone(),
+            prompt: spec.prompt.clone(),
+            prompt_offset: 0,
             logprobs: header.logprobs_builder(),
             finish: None,
         }
     }
 
-    /// Records a token of a whole response.
-    fn add(&mut self, header: &Header, t: &crate::engine::TokenEvent) {
-        self.tokens += 1;
-        if let (Some(b), Some(lp)) = (self.logprobs.as_mut(), &t.logprobs) {
-            b.push(header.tokenizer.as_deref(), t.token, lp, self.text.len());
+    /// Takes one event of this choice. For a stream, returns the chunk choice to send (when the
+    /// event releases text, or is the choice's first or last).
+    fn on_event(&mut self, header: &Header, event: &Event, streaming: bool) -> Option<Value> {
+        let tokenizer = header.tokenizer.as_deref();
+        let echo = if self.first {
+            self.echo.clone().unwrap_or_default()
+        } else {
+            String::new()
+        };
+        let mut piece = String::new();
+        match event {
+            Event::PromptLogprobs { start, logprobs } => {
+                if let Some(b) = self.logprobs.as_mut() {
+                    for (j, lp) in (*start..).zip(logprobs) {
+                        let token = self.prompt.get(j).copied().unwrap_or(0);
+                        let len = b.push_prompt(tokenizer, token, lp.as_ref(), self.prompt_offset);
+                        self.prompt_offset += len;
+                    }
+                }
+                return None;
+            }
+            Event::Token(t) => {
+                self.tokens += 1;
+                if let (Some(b), Some(lp)) = (self.logprobs.as_mut(), &t.logprobs) {
+                    let offset = if streaming {
+                        self.sent + echo.len()
+                    } else {
+                        self.text.len() + echo.len()
+                    };
+                    b.push(tokenizer, t.token, lp, offset);
+                }
+                piece.push_str(&t.text);
+                self.finish = t.finish;
+            }
+            Event::Finished(f) => self.finish = Some(*f),
+            Event::Failed(_) => return None,
         }
-        self.text.push_str(&t.text);
-        self.finish = t.finish;
+        let text = echo + &piece;
+        if !streaming {
+            self.text.push_str(&text);
+            self.first = false;
+            return None;
+        }
+        let finish = self.finish.map(FinishReason::as_str);
+        if text.is_empty() && finish.is_none() && !self.first {
+            return None;
+        }
+        let lp = std::mem::replace(&mut self.logprobs, header.logprobs_builder())
+            .map_or(Value::Null, LogprobsBuilder::finish);
+        let choice = match header.flavor {
+            Flavor::Completion => json!({
+                "index": self.index, "text": text, "logprobs": lp, "finish_reason": finish,
+            }),
+            Flavor::Chat => {
+                let delta = match (self.first, finish) {
+                    (true, _) => json!({"role": "assistant", "content": text}),
+                    (false, Some(_)) if text.is_empty() => json!({}),
+                    _ => json!({"content": text}),
+                };
+                json!({"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish})
+            }
+        };
+        self.first = false;
+        self.sent += text.len();
+        Some(choice)
     }
 
     /// The choice object of a whole response.
@@ -161,39 +239,6 @@ impl Choice {
                 "finish_reason": finish,
             }),
         }
-    }
-
-    /// Records a streamed token; returns the chunk choice to send, if the token releases text,
-    /// is the first or the last.
-    fn stream_token(&mut self, header: &Header, t: &crate::engine::TokenEvent) -> Option<Value> {
-        self.tokens += 1;
-        if let (Some(b), Some(lp)) = (self.logprobs.as_mut(), &t.logprobs) {
-            b.push(header.tokenizer.as_deref(), t.token, lp, self.sent);
-        }
-        self.finish = t.finish;
-        let finish = t.finish.map(FinishReason::as_str);
-        if t.text.is_empty() && finish.is_none() && !self.first {
-            return None;
-        }
-        let lp = std::mem::replace(&mut self.logprobs, header.logprobs_builder())
-            .map_or(Value::Null, LogprobsBuilder::finish);
-        let text = &t.text;
-        let choice = match header.flavor {
-            Flavor::Completion => json!({
-                "index": self.index, "text": text, "logprobs": lp, "finish_reason": finish,
-            }),
-            Flavor::Chat => {
-                let delta = match (self.first, finish) {
-                    (true, _) => json!({"role": "assistant", "content": text}),
-                    (false, Some(_)) if text.is_empty() => json!({}),
-                    _ => json!({"content": text}),
-                };
-                json!({"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish})
-            }
-        };
-        self.first = false;
-        self.sent += text.len();
-        Some(choice)
     }
 }
 
@@ -216,10 +261,10 @@ fn merged(streams: Vec<RequestStream>) -> BoxStream<'static, (usize, Event)> {
 /// Submits every choice and answers, streamed or whole. A choice the engine refuses refuses
 /// the request (and the choices already queued are cancelled when their streams drop).
 pub async fn respond(state: Arc<AppState>, p: Prepared) -> Response {
-    let logprobs = p.choices.iter().any(|(_, g)| g.logprobs.is_some());
+    let logprobs = p.choices.iter().any(|c| c.params.logprobs.is_some());
     let mut streams = Vec::with_capacity(p.choices.len());
-    for (prompt, params) in p.choices {
-        match state.engine.submit(prompt, params) {
+    for c in &p.choices {
+        match state.engine.submit(c.prompt.clone(), c.params.clone()) {
             Ok(s) => streams.push(s),
             Err(e) => {
                 let err = match e {
@@ -242,14 +287,19 @@ pub async fn respond(state: Arc<AppState>, p: Prepared) -> Response {
         logprobs,
         prompt_tokens: p.prompt_tokens,
     });
-    let n = streams.len();
+    let choices: Vec<Choice> = p
+        .choices
+        .iter()
+        .enumerate()
+        .map(|(i, c)| Choice::new(i, c, &header))
+        .collect();
     let events = merged(streams);
     if p.stream {
-        Sse::new(sse_events(header, events, n, p.include_usage))
+        Sse::new(sse_events(header, events, choices, p.include_usage))
             .keep_alive(KeepAlive::default())
             .into_response()
     } else {
-        collect(header, events, n).await
+        collect(header, events, choices).await
     }
 }
 
@@ -257,21 +307,18 @@ pub async fn respond(state: Arc<AppState>, p: Prepared) -> Response {
 async fn collect(
     header: Arc<Header>,
     mut events: BoxStream<'static, (usize, Event)>,
-    n: usize,
+    mut choices: Vec<Choice>,
 ) -> Response {
-    let mut choices: Vec<Choice> = (0..n).map(|i| Choice::new(i, &header)).collect();
     let mut done = 0;
     while let Some((i, event)) = events.next().await {
-        match event {
-            Event::Token(t) => {
-                choices[i].add(&header, &t);
-                if t.finish.is_some() {
-                    done += 1;
-                }
-            }
-            Event::Failed(m) => return ApiError::device(m).into_response(),
+        if let Event::Failed(m) = event {
+            return ApiError::device(m).into_response();
         }
-        if done == n {
+        choices[i].on_event(&header, &event, false);
+        if event.is_last() {
+            done += 1;
+        }
+        if done == choices.len() {
             let tokens = choices.iter().map(|c| c.tokens).sum();
             let body = header.with(
                 false,
@@ -301,16 +348,15 @@ enum StreamState {
     End,
 }
 
-/// The SSE events of a streamed response: a chunk per token that releases text (and each
-/// choice's last, with its finish reason), the usage chunk if asked, then `[DONE]`. A failure
-/// sends an `{"error": ...}` event and ends the stream.
+/// The SSE events of a streamed response: a chunk per event that releases text (and each
+/// choice's first and last, the last with its finish reason), the usage chunk if asked, then
+/// `[DONE]`. A failure sends an `{"error": ...}` event and ends the stream.
 fn sse_events(
     header: Arc<Header>,
     events: BoxStream<'static, (usize, Event)>,
-    n: usize,
+    choices: Vec<Choice>,
     include_usage: bool,
 ) -> impl Stream<Item = Result<SseEvent, Infallible>> {
-    let choices = (0..n).map(|i| Choice::new(i, &header)).collect();
     let start = StreamState::Running {
         events,
         choices,
@@ -329,20 +375,17 @@ fn sse_events(
                         let e = ApiError::device("the engine stopped before the request finished");
                         return Some((Ok(data(&e.body())), StreamState::End));
                     };
-                    let t = match event {
-                        Event::Token(t) => t,
-                        Event::Failed(m) => {
-                            return Some((Ok(data(&ApiError::device(m).body())), StreamState::End))
-                        }
-                    };
-                    if t.finish.is_some() {
+                    if let Event::Failed(m) = event {
+                        return Some((Ok(data(&ApiError::device(m).body())), StreamState::End));
+                    }
+                    if event.is_last() {
                         done += 1;
                     }
-                    let Some(choice) = choices[i].stream_token(&header, &t) else {
+                    let Some(choice) = choices[i].on_event(&header, &event, true) else {
                         continue;
                     };
                     let chunk = header.with(true, json!([choice]), None);
-                    let next = if done < n {
+                    let next = if done < choices.len() {
                         StreamState::Running {
                             events,
                             choices,

@@ -64,7 +64,6 @@ CASES = [
     ("empty-messages", CH, ch(messages=[]), AUTH, 400, INVALID, None, "messages"),
     ("empty-prompt", C, c(prompt=""), AUTH, 400, INVALID, None, "prompt"),
     ("empty-prompt-list", C, c(prompt=[]), AUTH, 400, INVALID, None, "prompt"),
-    ("echo", C, c(echo=True), AUTH, 400, INVALID, None, ANY),
     ("best_of", C, c(best_of=2), AUTH, 400, INVALID, None, ANY),
     ("logprobs-too-many", C, c(logprobs=21), AUTH, 400, INVALID, None, "logprobs"),
     ("logprobs-string", C, c(logprobs="yes"), AUTH, 400, INVALID, None, "logprobs"),

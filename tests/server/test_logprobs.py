@@ -6,7 +6,7 @@ import json
 import math
 import subprocess
 
-from conftest import BIN, MODEL_NAME, REPO, cli_generate, completion_prompt_tokens
+from conftest import AUTH, BIN, MODEL_NAME, REPO, cli_generate, completion_prompt_tokens
 
 PROMPT = "ROMEO:"
 N = 6
@@ -98,3 +98,55 @@ def test_zero_alternatives_reports_only_the_sampled_token(client):
     lp = r.choices[0].logprobs
     assert len(lp.token_logprobs) == 3 and all(x <= 0 for x in lp.token_logprobs)
     assert all(t == {} for t in lp.top_logprobs)
+
+
+def test_echo_scores_the_prompt_like_an_evaluation_harness(client):
+    # lm-eval's loglikelihood request: echo the prompt, generate nothing, read the logprobs.
+    prompt = "ROMEO:\nBut soft, what light"
+    ids = completion_prompt_tokens(prompt)
+    r = client.completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=0, echo=True,
+                                  logprobs=1)
+    c = r.choices[0]
+    assert c.text == prompt
+    assert c.finish_reason == "length"
+    assert r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+    lp = c.logprobs
+    assert len(lp.tokens) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    rows = score_logprobs(ids)
+    for j in range(1, len(ids)):
+        assert abs(lp.token_logprobs[j] - rows[j - 1][ids[j]]) < 1e-4, j
+        (best, value), = lp.top_logprobs[j].items()
+        assert abs(value - max(rows[j - 1])) < 1e-4, j
+    # Offsets index the echoed text: each token's text starts where the offset says.
+    for tok_text, off in zip(lp.tokens[1:], lp.text_offset[1:]):
+        assert c.text[off:].startswith(tok_text), (tok_text, off)
+
+
+def test_echo_with_generation_streamed_and_whole(client):
+    ref = cli_generate(PROMPT, 4)
+    whole = client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4,
+                                      temperature=0, echo=True, logprobs=0)
+    assert whole.choices[0].text == PROMPT + ref.text
+    n_prompt = len(completion_prompt_tokens(PROMPT))
+    assert len(whole.choices[0].logprobs.tokens) == n_prompt + 4
+    text, tokens = "", []
+    for chunk in client.completions.create(model=MODEL_NAME, prompt=PROMPT, max_tokens=4,
+                                           temperature=0, echo=True, logprobs=0, stream=True):
+        if chunk.choices:
+            text += chunk.choices[0].text
+            if chunk.choices[0].logprobs:
+                tokens += chunk.choices[0].logprobs.tokens
+    assert text == whole.choices[0].text
+    assert tokens == whole.choices[0].logprobs.tokens
+
+
+def test_max_tokens_zero_needs_echo(http):
+    for route, body in [
+        ("/v1/completions", {"model": MODEL_NAME, "prompt": PROMPT, "max_tokens": 0}),
+        ("/v1/chat/completions", {"model": MODEL_NAME, "max_tokens": 0,
+                                  "messages": [{"role": "user", "content": "Hi"}]}),
+    ]:
+        r = http.post(route, json=body, headers=AUTH)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["param"] == "max_tokens"
