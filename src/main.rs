@@ -137,6 +137,10 @@ struct ServeArgs {
     /// Largest request body accepted, in bytes.
     #[arg(long, default_value_t = 1 << 20)]
     max_body_bytes: usize,
+    /// Seconds between stats lines on stderr while serving (throughput, running, waiting, KV
+    /// cache use); 0 turns them off.
+    #[arg(long, default_value_t = 10)]
+    log_stats_secs: u64,
     /// Seconds shutdown waits for requests in flight before ending them.
     #[arg(long, default_value_t = 30)]
     drain_timeout_secs: u64,
@@ -592,6 +596,8 @@ fn serve(args: ServeArgs) -> Result<()> {
         EngineOptions {
             max_waiting: args.max_waiting,
             eos_token_ids: eos,
+            log_stats_every: (args.log_stats_secs > 0)
+                .then(|| std::time::Duration::from_secs(args.log_stats_secs)),
         },
         metrics,
     )?;

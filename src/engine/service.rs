@@ -32,6 +32,9 @@ pub struct EngineOptions {
     pub max_waiting: usize,
     /// End-of-sequence tokens (unless a request ignores them).
     pub eos_token_ids: Vec<u32>,
+    /// Print a line of throughput and occupancy to stderr this often while there is work
+    /// (vLLM's periodic stats line); `None` for silence.
+    pub log_stats_every: Option<std::time::Duration>,
 }
 
 /// What the server needs to know about the loaded model.
@@ -163,6 +166,7 @@ impl Engine {
         });
         let thread_shared = shared.clone();
         let eos = options.eos_token_ids.clone();
+        let log_every = options.log_stats_every;
         let thread = std::thread::Builder::new()
             .name("deepinfer-engine".into())
             .spawn(move || {
@@ -184,7 +188,7 @@ impl Engine {
                 if ready_tx.send(Ok(info)).is_err() {
                     return;
                 }
-                run_loop(&mut scheduler, &inbox, &thread_shared);
+                run_loop(&mut scheduler, &inbox, &thread_shared, log_every);
             })
             .map_err(|e| Error::Engine(format!("cannot start the engine thread: {e}")))?;
         let info = match ready_rx.recv() {
@@ -302,8 +306,10 @@ fn run_loop(
     scheduler: &mut Scheduler<GraphRunner>,
     inbox: &mpsc::Receiver<Command>,
     shared: &Shared,
+    log_every: Option<std::time::Duration>,
 ) {
     let metrics = &shared.metrics;
+    let mut stats = StatsLine::new(metrics);
     let mut clients: HashMap<RequestId, Client> = HashMap::new();
     {
         let total = scheduler
@@ -387,6 +393,48 @@ fn run_loop(
         metrics
             .kv_blocks_in_use
             .set(scheduler.blocks_in_use() as i64);
+        if let Some(every) = log_every {
+            stats.maybe_print(metrics, every);
+        }
+    }
+}
+
+/// The periodic stats line: throughput since the last line, and what is running now.
+struct StatsLine {
+    at: Instant,
+    prompt_tokens: u64,
+    generation_tokens: u64,
+}
+
+impl StatsLine {
+    fn new(metrics: &Metrics) -> Self {
+        StatsLine {
+            at: Instant::now(),
+            prompt_tokens: metrics.prompt_tokens.get(),
+            generation_tokens: metrics.generation_tokens.get(),
+        }
+    }
+
+    fn maybe_print(&mut self, metrics: &Metrics, every: std::time::Duration) {
+        let elapsed = self.at.elapsed();
+        if elapsed < every {
+            return;
+        }
+        let now = StatsLine::new(metrics);
+        let secs = elapsed.as_secs_f64();
+        let total = metrics.kv_blocks_total.get().max(1);
+        let used = metrics.kv_blocks_in_use.get();
+        eprintln!(
+            "deepinfer: prompt {:.1} tok/s, generation {:.1} tok/s, running {}, waiting {}, \
+             KV cache {:.1}% ({used}/{total} blocks), preemptions {}",
+            (now.prompt_tokens - self.prompt_tokens) as f64 / secs,
+            (now.generation_tokens - self.generation_tokens) as f64 / secs,
+            metrics.running.get(),
+            metrics.waiting.get(),
+            100.0 * used as f64 / total as f64,
+            metrics.preemptions.get(),
+        );
+        *self = now;
     }
 }
 

@@ -1,5 +1,8 @@
 """/health, /v1/models, /metrics and the API key on the session server."""
 
+import re
+import threading
+
 import httpx
 import pytest
 
@@ -70,3 +73,23 @@ def test_metrics_kv_blocks_total_is_positive(metrics):
     m = metrics()
     assert m.get("deepinfer_kv_blocks_total", default=None) > 0
     assert m.get("deepinfer_kv_blocks_in_use", default=None) >= 0
+
+
+def test_stats_lines_while_busy(server_factory):
+    srv = server_factory("--log-stats-secs", "1")
+    client = srv.client(timeout=120)
+
+    def long():
+        client.completions.create(model=MODEL_NAME, prompt="ROMEO:", max_tokens=1000,
+                                  temperature=0, extra_body={"ignore_eos": True})
+
+    threads = [threading.Thread(target=long) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    lines = [l for l in srv.stderr_text().splitlines() if "generation" in l]
+    assert lines, srv.stderr_text()
+    m = re.search(r"generation ([0-9.]+) tok/s, running (\d+), waiting (\d+), KV cache", lines[0])
+    assert m, lines[0]
+    assert float(m.group(1)) > 0 and int(m.group(2)) >= 1
