@@ -18,7 +18,7 @@ use crate::step::SamplingParams;
 use crate::tokenizer::ChatMessage;
 
 use super::error::ApiError;
-use super::protocol::{ChatRequest, CompletionRequest, Prompt, SamplingFields};
+use super::protocol::{ChatRequest, CompletionRequest, Message, Prompt, SamplingFields};
 use super::response::{respond, ChoiceSpec, Flavor, Prepared};
 use super::AppState;
 
@@ -181,31 +181,7 @@ fn prepared(
 fn prepare_chat(state: &AppState, body: &Value) -> Result<Prepared, ApiError> {
     let req: ChatRequest = from_json(body)?;
     let sampling = checked_sampling(state, body, &req.model)?;
-    if req.messages.is_empty() {
-        return Err(ApiError::invalid_field(
-            "messages",
-            "messages must contain at least one message",
-        ));
-    }
-    let tokenizer = state.tokenizer.as_ref().ok_or_else(|| {
-        ApiError::bad_request("this model has no tokenizer, so it cannot serve chat requests")
-    })?;
-    let messages = req
-        .messages
-        .iter()
-        .enumerate()
-        .map(|(i, m)| {
-            Ok(ChatMessage {
-                role: m.template_role(i)?.to_owned(),
-                content: m.text(i)?,
-            })
-        })
-        .collect::<Result<Vec<_>, ApiError>>()?;
-    let text = tokenizer
-        .apply_chat_template(&messages, true)
-        .map_err(|e| ApiError::invalid_field("messages", e.to_string()))?;
-    // The template writes the bos token itself.
-    let prompt = encode(state, &text, false)?;
+    let prompt = chat_prompt(state, &req.messages)?;
     let max_tokens = req.max_completion_tokens.or(req.max_tokens);
     if max_tokens == Some(0) {
         return Err(ApiError::invalid_field(
@@ -226,14 +202,46 @@ fn prepare_chat(state: &AppState, body: &Value) -> Result<Prepared, ApiError> {
     )
 }
 
+/// The tokens of `messages` rendered with the model's chat template, ending with the prompt for
+/// the assistant's reply.
+pub(super) fn chat_prompt(state: &AppState, messages: &[Message]) -> Result<Vec<u32>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::invalid_field(
+            "messages",
+            "messages must contain at least one message",
+        ));
+    }
+    let tokenizer = state.tokenizer.as_ref().ok_or_else(|| {
+        ApiError::bad_request("this model has no tokenizer, so it cannot serve chat requests")
+    })?;
+    let messages = messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            Ok(ChatMessage {
+                role: m.template_role(i)?.to_owned(),
+                content: m.text(i)?,
+            })
+        })
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    let text = tokenizer
+        .apply_chat_template(&messages, true)
+        .map_err(|e| ApiError::invalid_field("messages", e.to_string()))?;
+    // The template writes the bos token itself.
+    encode(state, &text, false)
+}
+
 /// Counts a refused request and turns the error into its response.
-fn reject(state: &AppState, e: ApiError) -> Response {
+pub(super) fn reject(state: &AppState, e: ApiError) -> Response {
     state.engine.metrics().record_outcome(Outcome::Rejected);
     e.into_response()
 }
 
 /// Reads the body as JSON.
-fn read_json(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Value, ApiError> {
+pub(super) fn read_json(
+    state: &AppState,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Value, ApiError> {
     let bytes = body.map_err(|e| {
         if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
             ApiError::too_large(state.config.max_body_bytes)
@@ -253,7 +261,7 @@ fn read_json(state: &AppState, body: Result<Bytes, BytesRejection>) -> Result<Va
 
 /// Reads a request type out of the body, naming the field at fault when a value has the
 /// wrong type.
-fn from_json<T: DeserializeOwned>(body: &Value) -> Result<T, ApiError> {
+pub(super) fn from_json<T: DeserializeOwned>(body: &Value) -> Result<T, ApiError> {
     serde_path_to_error::deserialize(body).map_err(|e| {
         let path = e.path().to_string();
         let inner = e.into_inner();
@@ -265,7 +273,7 @@ fn from_json<T: DeserializeOwned>(body: &Value) -> Result<T, ApiError> {
     })
 }
 
-fn check_model(state: &AppState, model: &str) -> Result<(), ApiError> {
+pub(super) fn check_model(state: &AppState, model: &str) -> Result<(), ApiError> {
     if model == state.config.served_model_name {
         Ok(())
     } else {
@@ -276,7 +284,11 @@ fn check_model(state: &AppState, model: &str) -> Result<(), ApiError> {
     }
 }
 
-fn encode(state: &AppState, text: &str, add_special_tokens: bool) -> Result<Vec<u32>, ApiError> {
+pub(super) fn encode(
+    state: &AppState,
+    text: &str,
+    add_special_tokens: bool,
+) -> Result<Vec<u32>, ApiError> {
     let tokenizer = state.tokenizer.as_ref().ok_or_else(|| {
         ApiError::invalid_field(
             "prompt",

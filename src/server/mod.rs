@@ -2,7 +2,8 @@
 //!
 //! axum on tokio for the connections; the [`Engine`] thread for the model. Routes:
 //! `POST /v1/completions`, `POST /v1/chat/completions` (whole or streamed over SSE),
-//! `GET /v1/models`, `GET /health`, `GET /metrics`. With an API key, `/v1/*` needs
+//! `GET /v1/models` (and `/v1/models/{id}`), vLLM's `POST /tokenize` and `POST /detokenize`,
+//! `GET /health`, `GET /metrics`. With an API key, all but `/health` and `/metrics` need
 //! `Authorization: Bearer KEY`. Every error is OpenAI's JSON shape ([`error::ApiError`]).
 //!
 //! Shutdown (SIGTERM or Ctrl-C) drains: the listener closes, new requests get 503, requests in
@@ -14,12 +15,13 @@ mod generate;
 mod logprobs;
 pub mod protocol;
 mod response;
+mod tokenize;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{DefaultBodyLimit, Request, State};
+use axum::extract::{DefaultBodyLimit, Path, Request, State};
 use axum::http::{header, StatusCode, Uri};
 use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
@@ -85,12 +87,21 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/completions", post(generate::completions))
         .route("/chat/completions", post(generate::chat_completions))
         .route("/models", get(models))
+        .route("/models/{id}", get(model))
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            require_api_key,
+        ));
+    let tokenizer = Router::new()
+        .route("/tokenize", post(tokenize::tokenize))
+        .route("/detokenize", post(tokenize::detokenize))
         .layer(middleware::from_fn_with_state(
             state.clone(),
             require_api_key,
         ));
     Router::new()
         .nest("/v1", v1)
+        .merge(tokenizer)
         .route("/health", get(health))
         .route("/metrics", get(metrics))
         .fallback(no_route)
@@ -134,17 +145,27 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
+/// The served model as OpenAI describes a model.
+fn model_object(state: &AppState) -> serde_json::Value {
+    json!({
+        "id": state.config.served_model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "deepinfer",
+        "max_model_len": state.engine.info().max_len,
+    })
+}
+
 async fn models(State(state): State<Arc<AppState>>) -> Json<serde_json::Value> {
-    Json(json!({
-        "object": "list",
-        "data": [{
-            "id": state.config.served_model_name,
-            "object": "model",
-            "created": state.created,
-            "owned_by": "deepinfer",
-            "max_model_len": state.engine.info().max_len,
-        }],
-    }))
+    Json(json!({"object": "list", "data": [model_object(&state)]}))
+}
+
+async fn model(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Response {
+    if id == state.config.served_model_name {
+        Json(model_object(&state)).into_response()
+    } else {
+        ApiError::model_not_found(&id, &state.config.served_model_name).into_response()
+    }
 }
 
 async fn health(State(state): State<Arc<AppState>>) -> Response {

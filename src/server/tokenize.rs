@@ -1,0 +1,104 @@
+//! `POST /tokenize` and `POST /detokenize` (vLLM's): the model's tokenizer over HTTP, so a
+//! client can count tokens, or fit a prompt to the context, exactly as the server will.
+
+use std::sync::Arc;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::State;
+use axum::response::{IntoResponse, Response};
+use axum::Json;
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+use super::error::ApiError;
+use super::generate::{chat_prompt, check_model, encode, from_json, read_json, reject};
+use super::protocol::Message;
+use super::AppState;
+
+/// `POST /tokenize`: a `prompt`, or chat `messages`.
+#[derive(Debug, Deserialize)]
+struct TokenizeRequest {
+    /// Checked when given.
+    model: Option<String>,
+    /// Text to encode.
+    prompt: Option<String>,
+    /// Or a conversation, rendered with the chat template as for `/v1/chat/completions`.
+    messages: Option<Vec<Message>>,
+    /// For `prompt`: add bos (and eos) as the tokenizer is configured to. Defaults to true.
+    add_special_tokens: Option<bool>,
+}
+
+/// `POST /detokenize`.
+#[derive(Debug, Deserialize)]
+struct DetokenizeRequest {
+    /// Checked when given.
+    model: Option<String>,
+    /// The token ids.
+    tokens: Vec<u32>,
+}
+
+fn tokenize_body(state: &AppState, body: &Value) -> Result<Value, ApiError> {
+    let req: TokenizeRequest = from_json(body)?;
+    if let Some(m) = &req.model {
+        check_model(state, m)?;
+    }
+    let tokens = match (&req.prompt, &req.messages) {
+        (Some(p), None) => encode(state, p, req.add_special_tokens.unwrap_or(true))?,
+        (None, Some(messages)) => chat_prompt(state, messages)?,
+        _ => {
+            return Err(ApiError::bad_request(
+                "give exactly one of `prompt` and `messages`",
+            ))
+        }
+    };
+    Ok(json!({
+        "count": tokens.len(),
+        "max_model_len": state.engine.info().max_len,
+        "tokens": tokens,
+    }))
+}
+
+fn detokenize_body(state: &AppState, body: &Value) -> Result<Value, ApiError> {
+    let req: DetokenizeRequest = from_json(body)?;
+    if let Some(m) = &req.model {
+        check_model(state, m)?;
+    }
+    let vocab = state.engine.info().vocab_size;
+    if let Some(t) = req.tokens.iter().find(|&&t| t as usize >= vocab) {
+        return Err(ApiError::invalid_field(
+            "tokens",
+            format!("token id {t} is outside the vocabulary (size {vocab})"),
+        ));
+    }
+    let tokenizer = state
+        .tokenizer
+        .as_ref()
+        .ok_or_else(|| ApiError::bad_request("this model has no tokenizer"))?;
+    let text = tokenizer
+        .decode(&req.tokens, false)
+        .map_err(|e| ApiError::invalid_field("tokens", e.to_string()))?;
+    Ok(json!({ "prompt": text }))
+}
+
+/// `POST /tokenize`.
+pub async fn tokenize(
+    State(state): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match read_json(&state, body).and_then(|v| tokenize_body(&state, &v)) {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => reject(&state, e),
+    }
+}
+
+/// `POST /detokenize`.
+pub async fn detokenize(
+    State(state): State<Arc<AppState>>,
+    body: Result<Bytes, BytesRejection>,
+) -> Response {
+    match read_json(&state, body).and_then(|v| detokenize_body(&state, &v)) {
+        Ok(v) => Json(v).into_response(),
+        Err(e) => reject(&state, e),
+    }
+}
