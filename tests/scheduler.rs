@@ -525,3 +525,64 @@ fn prompt_logprobs_cover_every_position_once_across_chunks_and_preemption() {
         assert_eq!(s.blocks_in_use(), 0);
     }
 }
+
+/// A CPU runner whose steps can be made to fail, as a device that stopped executing.
+struct Flaky {
+    inner: CpuRunner,
+    fail: bool,
+}
+
+impl Runner for Flaky {
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+    fn runner_config(&self) -> &RunnerConfig {
+        self.inner.runner_config()
+    }
+    fn blocks_mut(&mut self) -> &mut deepinfer::cache::BlockAllocator {
+        &mut self.inner.blocks
+    }
+    fn prefill(
+        &mut self,
+        chunk: &deepinfer::step::PrefillChunk<'_>,
+        logits: deepinfer::model::LogitsOutput,
+    ) -> deepinfer::Result<deepinfer::runner::StepOutput> {
+        if self.fail {
+            return Err(deepinfer::Error::InvalidRequest("injected".into()));
+        }
+        self.inner.prefill(chunk, logits)
+    }
+    fn decode(
+        &mut self,
+        rows: &[deepinfer::step::DecodeRow<'_>],
+        logits: bool,
+    ) -> deepinfer::Result<deepinfer::runner::StepOutput> {
+        if self.fail {
+            return Err(deepinfer::Error::InvalidRequest("injected".into()));
+        }
+        self.inner.decode(rows, logits)
+    }
+}
+
+#[test]
+fn consecutive_failed_steps_are_reported_until_a_step_succeeds() {
+    let (cfg, weights) = load("tiny-v3");
+    let inner = CpuRunner::new(cfg, weights, tiny_config()).unwrap();
+    let mut s = Scheduler::new(Flaky { inner, fail: true }, None, Vec::new());
+    let mut r = HashMap::new();
+    for id in 0..3 {
+        s.add(id, vec![5, 6, 7], greedy(2)).unwrap();
+        collect(s.step(), &mut r);
+    }
+    let (n, last) = s.failing().expect("failing");
+    assert_eq!(n, 3);
+    assert!(last.contains("injected"), "{last}");
+    assert!((0..3).all(|id| r[&id].failed.is_some()));
+    assert_eq!(s.blocks_in_use(), 0);
+    // The device recovers: the next request succeeds and the count resets.
+    s.runner_mut().fail = false;
+    s.add(9, vec![5, 6, 7], greedy(2)).unwrap();
+    run_to_end(&mut s, &mut r);
+    assert_eq!(r[&9].tokens.len(), 2);
+    assert!(s.failing().is_none());
+}

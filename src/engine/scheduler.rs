@@ -159,6 +159,9 @@ pub struct Scheduler<R: Runner> {
     /// In admission order: preemption takes from the back.
     running: Vec<Sequence>,
     preemptions: u64,
+    /// Steps that failed in a row, and the last failure (for health checks).
+    failed_steps: u32,
+    last_failure: Option<String>,
 }
 
 impl<R: Runner> Scheduler<R> {
@@ -179,12 +182,19 @@ impl<R: Runner> Scheduler<R> {
             waiting: VecDeque::new(),
             running: Vec::new(),
             preemptions: 0,
+            failed_steps: 0,
+            last_failure: None,
         }
     }
 
     /// The runner.
     pub fn runner(&self) -> &R {
         &self.runner
+    }
+
+    /// The runner, mutably (for tools and tests that drive it between steps).
+    pub fn runner_mut(&mut self) -> &mut R {
+        &mut self.runner
     }
 
     /// The longest sequence (prompt plus generated tokens) the runner holds.
@@ -292,6 +302,26 @@ impl<R: Runner> Scheduler<R> {
         a.num_blocks() - 1 - a.num_free()
     }
 
+    /// How many steps in a row failed (0 after any step succeeds), with the last error: a
+    /// device that keeps failing makes the server unhealthy rather than failing every request
+    /// quietly.
+    pub fn failing(&self) -> Option<(u32, &str)> {
+        match (self.failed_steps, &self.last_failure) {
+            (0, _) | (_, None) => None,
+            (n, Some(m)) => Some((n, m.as_str())),
+        }
+    }
+
+    fn record_step(&mut self, failure: Option<String>) {
+        match failure {
+            Some(m) => {
+                self.failed_steps += 1;
+                self.last_failure = Some(m);
+            }
+            None => self.failed_steps = 0,
+        }
+    }
+
     /// Preemptions so far.
     pub fn preemptions(&self) -> u64 {
         self.preemptions
@@ -370,6 +400,12 @@ impl<R: Runner> Scheduler<R> {
             .any(|&i| self.running[i].params.logprobs.is_some());
         let result = self.runner.decode(&rows, want_logits);
         drop(rows);
+        self.record_step(
+            result
+                .as_ref()
+                .err()
+                .map(|e| format!("decode step failed: {e}")),
+        );
         match result.and_then(|o| {
             let tokens = sampled_rows(o.next_tokens, batch.len())?;
             Ok((tokens, o.logits))
@@ -429,6 +465,12 @@ impl<R: Runner> Scheduler<R> {
             LogitsOutput::None
         };
         let result = self.runner.prefill(&chunk, want);
+        self.record_step(
+            result
+                .as_ref()
+                .err()
+                .map(|e| format!("prefill step failed: {e}")),
+        );
         match result.and_then(|o| {
             let tokens = sampled_rows(o.next_tokens, 1)?;
             Ok((tokens, o.logits))

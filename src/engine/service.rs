@@ -25,6 +25,9 @@ use crate::tokenizer::Tokenizer;
 use super::params::{FinishReason, GenerationParams};
 use super::scheduler::{validate, Event, RequestId, Scheduler};
 
+/// Consecutive failed steps after which [`Engine::unhealthy`] reports the engine unhealthy.
+pub const UNHEALTHY_AFTER: u32 = 3;
+
 /// Limits of the engine's queue.
 #[derive(Debug, Clone)]
 pub struct EngineOptions {
@@ -80,6 +83,8 @@ enum Command {
 /// State shared by the handle and the engine thread.
 #[derive(Debug)]
 struct Shared {
+    /// Steps failed in a row and the last error, as of the last iteration.
+    failing: std::sync::Mutex<Option<(u32, String)>>,
     /// Submitted, not yet taken by the engine thread.
     in_transit: AtomicUsize,
     /// In the scheduler's queue (as of the last iteration, plus arrivals since).
@@ -159,6 +164,7 @@ impl Engine {
         let (commands, inbox) = mpsc::channel();
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
         let shared = Arc::new(Shared {
+            failing: std::sync::Mutex::new(None),
             in_transit: AtomicUsize::new(0),
             queued: AtomicUsize::new(0),
             draining: AtomicBool::new(false),
@@ -273,6 +279,21 @@ impl Engine {
             .ok()
             .and_then(|t| t.as_ref().map(|h| !h.is_finished()))
             .unwrap_or(false)
+    }
+
+    /// Why the engine is unhealthy, if it is: its thread has stopped, or its last
+    /// [`UNHEALTHY_AFTER`] or more steps all failed (a device that no longer executes).
+    pub fn unhealthy(&self) -> Option<String> {
+        if !self.is_alive() {
+            return Some("the engine thread has stopped".into());
+        }
+        let failing = self.shared.failing.lock().ok()?.clone();
+        match failing {
+            Some((n, last)) if n >= UNHEALTHY_AFTER => {
+                Some(format!("the last {n} steps failed; the last with: {last}"))
+            }
+            _ => None,
+        }
     }
 
     /// Whether [`Engine::begin_drain`] was called.
@@ -393,6 +414,9 @@ fn run_loop(
         metrics
             .kv_blocks_in_use
             .set(scheduler.blocks_in_use() as i64);
+        if let Ok(mut f) = shared.failing.lock() {
+            *f = scheduler.failing().map(|(n, m)| (n, m.to_owned()));
+        }
         if let Some(every) = log_every {
             stats.maybe_print(metrics, every);
         }

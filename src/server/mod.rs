@@ -169,18 +169,11 @@ async fn model(State(state): State<Arc<AppState>>, Path(id): Path<String>) -> Re
 }
 
 async fn health(State(state): State<Arc<AppState>>) -> Response {
-    if !state.engine.is_alive() {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({"status": "engine stopped"})),
-        )
-            .into_response()
+    let unavailable = |body| (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response();
+    if let Some(reason) = state.engine.unhealthy() {
+        unavailable(json!({"status": "unhealthy", "reason": reason}))
     } else if state.engine.is_draining() {
-        (
-            StatusCode::SERVICE_UNAVAILABLE,
-            Json(json!({"status": "draining"})),
-        )
-            .into_response()
+        unavailable(json!({"status": "draining"}))
     } else {
         Json(json!({"status": "ok"})).into_response()
     }
