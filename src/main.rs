@@ -112,7 +112,7 @@ struct ServeArgs {
     /// Port to bind; 0 picks a free one (the ready line on stderr says which).
     #[arg(long, default_value_t = 8000)]
     port: u16,
-    /// Require `Authorization: Bearer KEY` on /v1 routes.
+    /// Require `Authorization: Bearer KEY` on every route but /health and /metrics.
     #[arg(long, env = "DEEPINFER_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
     /// The model name clients pass (default: the model directory's name).
@@ -127,8 +127,9 @@ struct ServeArgs {
     /// KV-cache blocks of 16 tokens (default: enough for --max-batch sequences of --max-len).
     #[arg(long)]
     kv_blocks: Option<usize>,
-    /// Prompt tokens per prefill step (one graph per context bucket is built for this size;
-    /// smaller chunks answer short prompts sooner, larger ones take long prompts in fewer steps).
+    /// Most prompt tokens per prefill step. Prefill graphs are built for 16, 64, ... up to this
+    /// size, and a chunk runs on the smallest that holds it; larger chunks take long prompts in
+    /// fewer steps but stall the decoding streams longer.
     #[arg(long, default_value_t = 64)]
     prefill_chunk: usize,
     /// Requests that may wait for a batch slot before new ones get 429.
