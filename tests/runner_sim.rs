@@ -23,8 +23,6 @@ use deepinfer::weights::Checkpoint;
 use neuron_sys::Library;
 use nrt_sim::SimLibrary;
 
-const CHILD: &str = "DEEPINFER_RUNNER_SIM_CHILD";
-
 fn serial() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
     LOCK.lock().unwrap_or_else(PoisonError::into_inner)
@@ -544,35 +542,7 @@ fn bad_inputs_are_clear_errors_and_the_runner_keeps_working() {
 
 // === Faults, in a child process ===
 
-fn is_child() -> bool {
-    std::env::var_os(CHILD).is_some()
-}
-
-fn run_child(name: &str, env: &[(&str, &str)]) {
-    let exe = std::env::current_exe().unwrap();
-    let mut cmd = Command::new(exe);
-    cmd.args([
-        name,
-        "--exact",
-        "--ignored",
-        "--nocapture",
-        "--test-threads=1",
-    ]);
-    for (k, _) in std::env::vars_os() {
-        if k.to_string_lossy().starts_with("NRT_SIM_") {
-            cmd.env_remove(k);
-        }
-    }
-    cmd.env(CHILD, "1").envs(env.iter().copied());
-    let out = cmd.output().expect("spawn the test binary");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success() && stdout.contains("1 passed"),
-        "child test {name} with {env:?} failed ({}):\n--- stdout\n{stdout}\n--- stderr\n{stderr}",
-        out.status
-    );
-}
+use nrt_sim::{is_fault_child as is_child, run_test_in_child as run_child};
 
 #[test]
 fn an_injected_execute_failure_names_the_graph_and_status_then_replay_works() {

@@ -5,7 +5,6 @@
 mod common;
 
 use std::collections::HashMap;
-use std::process::Command;
 use std::sync::Arc;
 
 use common::fixture_dir;
@@ -333,29 +332,15 @@ fn requests_beyond_the_context_or_vocabulary_are_refused() {
 
 // === A device fault, in a child process (nrt-sim reads its fault variables at init) ===
 
-const CHILD: &str = "DEEPINFER_SCHEDULER_CHILD";
-
 #[test]
 fn a_device_fault_fails_only_the_requests_in_that_step() {
-    let exe = std::env::current_exe().unwrap();
-    let out = Command::new(exe)
-        .args(["child_device_fault", "--exact", "--ignored", "--nocapture"])
-        .env(CHILD, "1")
-        .env(nrt_sim::ENV_FAIL_EXECUTE, "4")
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(
-        out.status.success() && stdout.contains("1 passed"),
-        "{stdout}\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    nrt_sim::run_test_in_child("child_device_fault", &[(nrt_sim::ENV_FAIL_EXECUTE, "4")]);
 }
 
 #[test]
 #[ignore = "runs in a child process started by its parent test"]
 fn child_device_fault() {
-    if std::env::var_os(CHILD).is_none() {
+    if !nrt_sim::is_fault_child() {
         return;
     }
     let reference = common::reference("tiny-v3").greedy;

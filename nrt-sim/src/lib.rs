@@ -114,6 +114,7 @@
 
 mod counters;
 mod exec;
+mod fault_child;
 pub mod ffi;
 mod handle;
 mod state;
@@ -122,6 +123,7 @@ use deepinfer::graph::DType;
 use neuron_sys::sys::dtype::hw;
 
 pub use counters::{library_next_to_current_exe, Counters, Error, Live, ModelCounters, SimLibrary};
+pub use fault_child::{is_fault_child, run_test_in_child, CHILD_ENV};
 pub use state::{ENV_FAIL_EXECUTE, ENV_FAIL_LOAD, ENV_FREE_EXECUTE, ENV_SLOW_EXECUTE_MS};
 
 /// The runtime version `nrt_get_version` reports: `[major, minor, patch, maintenance]`.

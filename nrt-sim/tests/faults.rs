@@ -9,9 +9,10 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::{is_child, run_child, tiny_neff, Sim, TinyBindings};
+use common::{tiny_neff, Sim, TinyBindings};
 use neuron_sys::sys::{self, NRT_STATUS};
 use neuron_sys::{Error, Runtime};
+use nrt_sim::{is_fault_child as is_child, run_test_in_child as run_child};
 
 const OK: NRT_STATUS = sys::NRT_SUCCESS;
 

@@ -5,7 +5,6 @@
 
 use std::ffi::{c_void, CString};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::ptr;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
@@ -329,44 +328,4 @@ pub fn lowered_tiny_v3() -> &'static (PathBuf, Manifest) {
         .expect("lower tiny-v3");
         (out, manifest)
     })
-}
-
-// === Child processes ===
-
-/// Set in a child process started by [`run_child`].
-pub const CHILD: &str = "NRT_SIM_TEST_CHILD";
-
-/// Whether this process is a child started by [`run_child`] (child tests do nothing
-/// otherwise, so `cargo test -- --ignored` without the harness is harmless).
-pub fn is_child() -> bool {
-    std::env::var_os(CHILD).is_some()
-}
-
-/// Runs the `#[ignore]`d test `name` of this test binary in a child process, with `env`
-/// set and every other `NRT_SIM_*` variable removed, and asserts it passed. The fault
-/// variables are read at `nrt_init`, once per runtime, so each fault gets a fresh process.
-pub fn run_child(name: &str, env: &[(&str, &str)]) {
-    let exe = std::env::current_exe().unwrap();
-    let mut cmd = Command::new(exe);
-    cmd.args([
-        name,
-        "--exact",
-        "--ignored",
-        "--nocapture",
-        "--test-threads=1",
-    ]);
-    for (k, _) in std::env::vars_os() {
-        if k.to_string_lossy().starts_with("NRT_SIM_") {
-            cmd.env_remove(k);
-        }
-    }
-    cmd.env(CHILD, "1").envs(env.iter().copied());
-    let out = cmd.output().expect("spawn the test binary");
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(
-        out.status.success() && stdout.contains("1 passed"),
-        "child test {name} with {env:?} failed ({}):\n--- stdout\n{stdout}\n--- stderr\n{stderr}",
-        out.status
-    );
 }
