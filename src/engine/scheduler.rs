@@ -18,7 +18,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::model::LogitsOutput;
-use crate::runner::Runner;
+use crate::runner::{Runner, StepOutput};
 use crate::step::{DecodeRow, PrefillChunk};
 use crate::tokenizer::Tokenizer;
 
@@ -312,13 +312,34 @@ impl<R: Runner> Scheduler<R> {
         }
     }
 
-    fn record_step(&mut self, failure: Option<String>) {
-        match failure {
-            Some(m) => {
-                self.failed_steps += 1;
-                self.last_failure = Some(m);
+    /// A step's output (with a sampled token for each of its `rows`), or the message its
+    /// requests fail with; counts consecutive failures for [`Scheduler::failing`].
+    fn check_step(
+        &mut self,
+        kind: &str,
+        result: Result<StepOutput>,
+        rows: usize,
+    ) -> std::result::Result<StepOutput, String> {
+        let checked = result.and_then(|o| {
+            if o.next_tokens.len() < rows {
+                return Err(Error::InvalidRequest(format!(
+                    "the step returned {} sampled tokens for {rows} rows",
+                    o.next_tokens.len()
+                )));
             }
-            None => self.failed_steps = 0,
+            Ok(o)
+        });
+        match checked {
+            Ok(v) => {
+                self.failed_steps = 0;
+                Ok(v)
+            }
+            Err(e) => {
+                let message = format!("{kind} step failed: {e}");
+                self.failed_steps += 1;
+                self.last_failure = Some(message.clone());
+                Err(message)
+            }
         }
     }
 
@@ -400,17 +421,11 @@ impl<R: Runner> Scheduler<R> {
             .any(|&i| self.running[i].params.logprobs.is_some());
         let result = self.runner.decode(&rows, want_logits);
         drop(rows);
-        self.record_step(
-            result
-                .as_ref()
-                .err()
-                .map(|e| format!("decode step failed: {e}")),
-        );
-        match result.and_then(|o| {
-            let tokens = sampled_rows(o.next_tokens, batch.len())?;
-            Ok((tokens, o.logits))
-        }) {
-            Ok((tokens, logits)) => {
+        match self.check_step("decode", result, batch.len()) {
+            Ok(StepOutput {
+                next_tokens: tokens,
+                logits,
+            }) => {
                 for (k, (&i, token)) in batch.iter().zip(tokens).enumerate() {
                     let seq = &mut self.running[i];
                     seq.computed += 1;
@@ -419,8 +434,7 @@ impl<R: Runner> Scheduler<R> {
                     out.push(accept(seq, token, lp, &self.eos_token_ids));
                 }
             }
-            Err(e) => {
-                let message = format!("decode step failed: {e}");
+            Err(message) => {
                 let failed: Vec<RequestId> = batch.iter().map(|&i| self.running[i].id).collect();
                 for &id in &failed {
                     out.push(Output {
@@ -465,17 +479,11 @@ impl<R: Runner> Scheduler<R> {
             LogitsOutput::None
         };
         let result = self.runner.prefill(&chunk, want);
-        self.record_step(
-            result
-                .as_ref()
-                .err()
-                .map(|e| format!("prefill step failed: {e}")),
-        );
-        match result.and_then(|o| {
-            let tokens = sampled_rows(o.next_tokens, 1)?;
-            Ok((tokens, o.logits))
-        }) {
-            Ok((tokens, logits)) => {
+        match self.check_step("prefill", result, 1) {
+            Ok(StepOutput {
+                next_tokens: tokens,
+                logits,
+            }) => {
                 let seq = &mut self.running[i];
                 seq.computed = end;
                 if prompt_rows {
@@ -499,12 +507,12 @@ impl<R: Runner> Scheduler<R> {
                     self.remove_finished(out);
                 }
             }
-            Err(e) => {
+            Err(message) => {
                 let mut seq = self.running.remove(i);
                 self.runner.blocks_mut().release(&mut seq.blocks);
                 out.push(Output {
                     id: seq.id,
-                    event: Event::Failed(format!("prefill step failed: {e}")),
+                    event: Event::Failed(message),
                 });
             }
         }
@@ -548,17 +556,6 @@ impl<R: Runner> Scheduler<R> {
             }
         }
     }
-}
-
-/// The sampled tokens of a step with `rows` real rows.
-fn sampled_rows(tokens: Vec<u32>, rows: usize) -> Result<Vec<u32>> {
-    if tokens.len() < rows {
-        return Err(Error::InvalidRequest(format!(
-            "the step returned {} sampled tokens for {rows} rows",
-            tokens.len()
-        )));
-    }
-    Ok(tokens)
 }
 
 /// The log-probabilities of the prompt tokens a prefill chunk over positions `start..end`
