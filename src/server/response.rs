@@ -17,10 +17,10 @@ use futures::stream::{self, BoxStream, Stream, StreamExt};
 use serde_json::{json, Value};
 
 use crate::engine::{Event, FinishReason, GenerationParams, RequestStream, SubmitError};
-use crate::metrics::Outcome;
 use crate::tokenizer::Tokenizer;
 
 use super::error::ApiError;
+use super::generate::reject;
 use super::logprobs::LogprobsBuilder;
 use super::AppState;
 
@@ -272,8 +272,7 @@ pub async fn respond(state: Arc<AppState>, p: Prepared) -> Response {
                     SubmitError::QueueFull(_) => ApiError::queue_full(e.to_string()),
                     SubmitError::Draining => ApiError::draining(),
                 };
-                state.engine.metrics().record_outcome(Outcome::Rejected);
-                return err.into_response();
+                return reject(&state, err);
             }
         }
     }
