@@ -11,8 +11,8 @@ use std::path::Path;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use deepinfer::config::ModelConfig;
 use deepinfer::model::{LogitsOutput, ModelWeights};
+use deepinfer::runner::step::{DecodeRow, PrefillChunk, SamplingParams};
 use deepinfer::runner::{CpuRunner, RunnerConfig};
-use deepinfer::step::{DecodeRow, PrefillChunk, SamplingParams};
 
 const PROMPT: usize = 16;
 

@@ -20,10 +20,10 @@ use deepinfer::config::ModelConfig;
 use deepinfer::model::{
     self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, WeightSpecs,
 };
+use deepinfer::runner::step::{DecodeRow, SamplingParams};
 use deepinfer::runner::{
     CpuRunner, DeviceOptions, DeviceRunner, GraphRunner, Runner, RunnerConfig,
 };
-use deepinfer::step::{DecodeRow, SamplingParams};
 use deepinfer::weights::Checkpoint;
 
 fn root() -> PathBuf {

@@ -1,16 +1,55 @@
-//! The crate's one error type.
+//! The crate's one error type, and the kind a caller matches on.
 //!
 //! Every fallible function in the library returns [`Result`]. Variants are grouped by the layer
 //! that raises them, and each one carries what a user needs to fix the problem: the config key and
-//! its value, the tensor name and the shape that was expected, the op and both shapes.
+//! its value, the tensor name and the shape that was expected, the op and both shapes, the graph
+//! and the libnrt call.
+//!
+//! Callers that must act differently per cause (the server picks an HTTP status, the CLI an exit
+//! message) match on [`Error::kind`], not on variants: a new variant then never changes what a
+//! client sees by accident. The one rule the kinds enforce is the one that matters most to a
+//! server: a request is only ever blamed ([`ErrorKind::InvalidInput`]) for what is in the request;
+//! a device, compiler or internal fault is reported as such.
+//!
+//! This module sits at the bottom of the crate: it imports nothing of deepinfer's. The compiler
+//! driver's failures ([`CompileError`]) are defined here for that reason, so the error type never
+//! depends on the driver that raises them.
 
+use std::io;
 use std::path::PathBuf;
+use std::time::Duration;
 
 /// The library's result type.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
+/// Why an operation failed, coarsely: what a caller decides on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum ErrorKind {
+    /// The caller's input is wrong: a token outside the vocabulary, a prompt longer than the
+    /// context, a batch larger than any bucket, a malformed module handed to the importer. Fix
+    /// the input; retrying it unchanged fails again.
+    InvalidInput,
+    /// The model directory is wrong: `config.json`, the checkpoint or the tokenizer.
+    InvalidModel,
+    /// A resource ran out (KV-cache blocks); the same input may succeed later.
+    ResourceExhausted,
+    /// Something deepinfer needs is not installed or not found (libnrt, nrt-sim, neuronx-cc).
+    Unavailable,
+    /// A file could not be read or written.
+    Io,
+    /// neuronx-cc failed on a graph, or its cache could not be used.
+    Compile,
+    /// The Neuron runtime or device failed while loading or running a graph.
+    Device,
+    /// An invariant of deepinfer itself broke (a bug): a graph built with mismatched shapes, an
+    /// input the runner forgot to bind, an error inside candle-core.
+    Internal,
+}
+
 /// Everything that can go wrong in deepinfer's library.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     // === Input files ===
     /// A file or directory could not be read.
@@ -19,7 +58,7 @@ pub enum Error {
         /// The path that failed.
         path: PathBuf,
         /// The underlying error.
-        source: std::io::Error,
+        source: io::Error,
     },
     /// `config.json` is malformed or asks for something deepinfer does not support.
     #[error("config.json: {0}")]
@@ -31,7 +70,16 @@ pub enum Error {
     #[error("tokenizer: {0}")]
     Tokenizer(String),
 
-    // === Graph construction ===
+    // === Requests ===
+    /// Input the model cannot serve: a token outside the vocabulary, a prompt longer than the
+    /// context, a batch larger than any bucket, an HLO module that does not parse.
+    #[error("{0}")]
+    InvalidInput(String),
+    /// The cache has no free block left.
+    #[error("out of KV-cache blocks: {0}")]
+    OutOfBlocks(String),
+
+    // === Graph construction and execution (deepinfer's own invariants) ===
     /// A node was built with operands whose shapes or dtypes do not fit the op.
     #[error("graph op `{op}`: {msg}")]
     Shape {
@@ -40,8 +88,6 @@ pub enum Error {
         /// What was wrong, naming the shapes involved.
         msg: String,
     },
-
-    // === Execution ===
     /// The inputs handed to a backend do not match the graph's declared inputs.
     #[error("graph input `{name}`: {msg}")]
     Binding {
@@ -50,17 +96,23 @@ pub enum Error {
         /// What was wrong.
         msg: String,
     },
-    /// A request the model cannot serve: a token outside the vocabulary, a prompt longer than the
-    /// context, a batch larger than any bucket.
+    /// A broken invariant that is neither a shape nor a binding: a step that returned fewer
+    /// tokens than rows, a bucket the runner was asked for but never captured.
+    #[error("internal error: {0}")]
+    Internal(String),
+    /// An error inside candle-core while running a graph on the CPU.
+    #[error("cpu backend: {0}")]
+    Candle(#[from] candle_core::Error),
+
+    // === Neuron toolchain and device ===
+    /// A tool or library deepinfer needs is not installed or not found; the message says how
+    /// to get it.
     #[error("{0}")]
-    InvalidRequest(String),
-    /// The cache has no free block left.
-    #[error("out of KV-cache blocks: {0}")]
-    OutOfBlocks(String),
+    Unavailable(String),
     /// Compiling a graph with neuronx-cc failed (or the compiler is missing).
     #[error(transparent)]
-    Compile(#[from] crate::backend::neuron::compile::CompileError),
-    /// The Neuron runtime (libnrt) is missing or a call into it failed.
+    Compile(#[from] CompileError),
+    /// The Neuron runtime (libnrt) is missing or a call into it failed outside any one graph.
     #[error(transparent)]
     Neuron(#[from] neuron_sys::Error),
     /// A libnrt call made for one captured graph failed (load, bind or execute).
@@ -71,20 +123,168 @@ pub enum Error {
         /// The runtime's error, naming the C call and the NRT status.
         source: neuron_sys::Error,
     },
+
+    // === Engine ===
     /// The engine thread could not start, or the model failed to load on it.
     #[error("engine: {0}")]
     Engine(String),
-    /// An error inside candle-core while running a graph on the CPU.
-    #[error("cpu backend: {0}")]
-    Candle(#[from] candle_core::Error),
 }
 
 impl Error {
+    /// What kind of failure this is (see [`ErrorKind`]).
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Error::Io { .. } => ErrorKind::Io,
+            Error::Config(_) | Error::Weights(_) | Error::Tokenizer(_) => ErrorKind::InvalidModel,
+            Error::InvalidInput(_) => ErrorKind::InvalidInput,
+            Error::OutOfBlocks(_) => ErrorKind::ResourceExhausted,
+            Error::Shape { .. } | Error::Binding { .. } | Error::Internal(_) | Error::Candle(_) => {
+                ErrorKind::Internal
+            }
+            Error::Unavailable(_) => ErrorKind::Unavailable,
+            Error::Compile(CompileError::CompilerNotFound { .. }) => ErrorKind::Unavailable,
+            Error::Compile(_) => ErrorKind::Compile,
+            Error::Neuron(e) if e.is_library_missing() => ErrorKind::Unavailable,
+            Error::Neuron(_) | Error::Device { .. } => ErrorKind::Device,
+            Error::Engine(_) => ErrorKind::Internal,
+        }
+    }
+
     /// Builds a [`Error::Shape`] error.
     pub(crate) fn shape(op: &'static str, msg: impl Into<String>) -> Self {
         Error::Shape {
             op,
             msg: msg.into(),
         }
+    }
+}
+
+/// What can go wrong while compiling; every message names the graph(s) and says what to do.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CompileError {
+    /// The compiler could not be started: not installed, not on `PATH`, or not executable.
+    #[error(
+        "cannot run the Neuron compiler `{}` (needed to compile {graphs}): {source}. \
+         Install it from AWS's Neuron pip repository: \
+         `pip install neuronx-cc --extra-index-url=https://pip.repos.neuron.amazonaws.com` \
+         (part of the AWS Neuron SDK; the apt packages carry only the driver, runtime and \
+         tools), then put it on PATH or give its path explicitly. \
+         To run without it, use `--backend cpu` (or `--backend sim`)",
+        program.display()
+    )]
+    CompilerNotFound {
+        /// The program that was tried.
+        program: PathBuf,
+        /// The graphs that needed it.
+        graphs: String,
+        /// Why it could not be started.
+        source: io::Error,
+    },
+
+    /// `neuronx-cc --version` failed or printed nothing.
+    #[error(
+        "`{} --version` failed ({status}) before compiling {graphs}; its output:\n{output}\n\
+         Check the compiler installation (run the same command by hand)",
+        program.display()
+    )]
+    VersionFailed {
+        /// The program that was run.
+        program: PathBuf,
+        /// The graphs that were waiting on it.
+        graphs: String,
+        /// Its exit status, or why it did not finish.
+        status: String,
+        /// The tail of what it printed.
+        output: String,
+    },
+
+    /// The configuration contradicts the driver (e.g. `--output` among the flags).
+    #[error("cannot compile {graphs}: {msg}")]
+    InvalidConfig {
+        /// The graphs that were to be compiled.
+        graphs: String,
+        /// What is wrong and how to fix it.
+        msg: String,
+    },
+
+    /// neuronx-cc exited with an error.
+    #[error(
+        "neuronx-cc failed compiling {graph} ({status}); the last lines of its output:\n{tail}\n\
+         Command: {command}\nIts logs and artifacts are kept in {}. \
+         Fix the graph or the flags and rerun; nothing was cached",
+        workdir.display()
+    )]
+    CompilerFailed {
+        /// The graph's name.
+        graph: String,
+        /// Its exit status.
+        status: String,
+        /// The command line, quoted for a shell.
+        command: String,
+        /// The last lines of its stdout/stderr (or of `log-neuron-cc.txt`).
+        tail: String,
+        /// Its working directory, kept for the logs.
+        workdir: PathBuf,
+    },
+
+    /// neuronx-cc ran longer than the timeout and was killed.
+    #[error(
+        "neuronx-cc timed out after {} compiling {graph} and was killed; the last lines of its \
+         output:\n{tail}\nIts logs are kept in {}. Raise the compile timeout if the graph is \
+         just large, or look for a hang in the log",
+        fmt_duration(*timeout),
+        workdir.display()
+    )]
+    Timeout {
+        /// The graph's name.
+        graph: String,
+        /// The timeout that was exceeded.
+        timeout: Duration,
+        /// The last lines of its output.
+        tail: String,
+        /// Its working directory, kept for the logs.
+        workdir: PathBuf,
+    },
+
+    /// neuronx-cc reported success but wrote no (or an empty) NEFF.
+    #[error(
+        "neuronx-cc exited successfully compiling {graph} but wrote no NEFF at {}; the last \
+         lines of its output:\n{tail}\nCheck that the compiler's flags do not redirect its output",
+        path.display()
+    )]
+    NoOutput {
+        /// The graph's name.
+        graph: String,
+        /// Where the NEFF should have been.
+        path: PathBuf,
+        /// The last lines of its output.
+        tail: String,
+    },
+
+    /// The cache (or a scratch directory under it) could not be read or written.
+    #[error(
+        "NEFF cache, compiling {graph}: cannot {action} {}: {source}. Check that the cache \
+         directory is writable and has free space, or point DEEPINFER_NEFF_CACHE elsewhere",
+        path.display()
+    )]
+    Cache {
+        /// The graph's name (or the list of graphs, before any single one started).
+        graph: String,
+        /// What was being done (`create`, `write`, `lock`, ...).
+        action: &'static str,
+        /// The path involved.
+        path: PathBuf,
+        /// The underlying error.
+        source: io::Error,
+    },
+}
+
+/// A duration as neuronx-cc's messages show it: whole seconds, or tenths when not whole.
+pub(crate) fn fmt_duration(d: Duration) -> String {
+    if d.subsec_millis() == 0 {
+        format!("{} s", d.as_secs())
+    } else {
+        format!("{:.1} s", d.as_secs_f64())
     }
 }

@@ -4,24 +4,22 @@
 //! backend ([`backend::cpu`]) runs that graph with candle-core; later layers lower the same graph
 //! to XLA HLO for neuronx-cc and replay it on Trainium through libnrt.
 //!
-//! Arrows point one way: `runner -> backend -> graph`, `model -> graph`; nothing below imports
-//! anything above.
+//! Arrows point one way: `server -> engine -> runner -> backend -> graph`, `model -> graph`;
+//! [`error`] sits below them all. Nothing below imports anything above.
 
 #![deny(missing_docs)]
 #![forbid(unsafe_code)]
 
 pub mod backend;
-pub mod cache;
 pub mod config;
 pub mod engine;
 pub mod error;
+pub mod export;
 pub mod graph;
-pub mod lowering;
 pub mod metrics;
 pub mod model;
 pub mod runner;
 pub mod server;
-pub mod step;
 pub mod tokenizer;
 pub mod weights;
 

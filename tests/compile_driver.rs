@@ -15,9 +15,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use deepinfer::backend::neuron::compile::{
-    cache_key, compile_all, compiler_version, CompileError, CompileJob, CompiledNeff,
-    CompilerConfig, DEFAULT_FLAGS,
+    cache_key, compile_all, compiler_version, CompileJob, CompiledNeff, CompilerConfig,
+    DEFAULT_FLAGS,
 };
+use deepinfer::error::CompileError;
 use sha2::{Digest, Sha256};
 
 const FAKE: &str = include_str!("fake-neuronx-cc/neuronx-cc");

@@ -7,7 +7,7 @@ mod common;
 use common::{max_abs_diff, reference, runner, FIXTURES};
 use deepinfer::engine::{self, StopConditions};
 use deepinfer::model::MoeStrategy;
-use deepinfer::step::{DecodeRow, SamplingParams};
+use deepinfer::runner::step::{DecodeRow, SamplingParams};
 
 const TOL: f32 = 1e-4;
 

@@ -15,10 +15,10 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use deepinfer::config::ModelConfig;
 use deepinfer::error::Error;
 use deepinfer::model::{LogitsOutput, ModelWeights};
+use deepinfer::runner::step::{DecodeRow, PrefillChunk, SamplingParams};
 use deepinfer::runner::{
     CpuRunner, DeviceOptions, DeviceRunner, GraphRunner, Runner, RunnerConfig, StepOutput,
 };
-use deepinfer::step::{DecodeRow, PrefillChunk, SamplingParams};
 use deepinfer::weights::Checkpoint;
 use neuron_sys::Library;
 use nrt_sim::SimLibrary;
@@ -408,13 +408,19 @@ fn input_on_device_replays_what_the_caller_wrote() {
     };
     let want = c.prefill(&chunk, LogitsOutput::Sampled).unwrap();
     // The caller writes the prefill metadata into the runner's buffers itself.
-    let meta = deepinfer::step::prefill_step(&chunk, 16, 32, 16).unwrap();
+    let meta = deepinfer::runner::step::prefill_step(&chunk, 16, 32, 16).unwrap();
     for a in &meta {
         let buf = d.metadata_buffer(true, 32, a.name).expect(a.name);
         let bytes: Vec<u8> = match &a.data {
-            deepinfer::step::HostData::I32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            deepinfer::step::HostData::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
-            deepinfer::step::HostData::U32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            deepinfer::runner::step::HostData::I32(v) => {
+                v.iter().flat_map(|x| x.to_le_bytes()).collect()
+            }
+            deepinfer::runner::step::HostData::F32(v) => {
+                v.iter().flat_map(|x| x.to_le_bytes()).collect()
+            }
+            deepinfer::runner::step::HostData::U32(v) => {
+                v.iter().flat_map(|x| x.to_le_bytes()).collect()
+            }
         };
         buf.write(0, &bytes).unwrap();
     }
@@ -481,7 +487,7 @@ fn bad_inputs_are_clear_errors_and_the_runner_keeps_working() {
         })
         .collect();
     let err = d.decode(&rows, false).unwrap_err();
-    assert!(matches!(err, Error::InvalidRequest(_)), "{err}");
+    assert!(matches!(err, Error::InvalidInput(_)), "{err}");
     assert!(err.to_string().contains("batch size 5"), "{err}");
 
     let mut long = Vec::new();

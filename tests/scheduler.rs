@@ -13,8 +13,8 @@ use deepinfer::engine::{
     self, Event, FinishReason, GenerationParams, Output, RequestId, Scheduler, StopConditions,
 };
 use deepinfer::model::ModelWeights;
+use deepinfer::runner::step::SamplingParams;
 use deepinfer::runner::{CpuRunner, DeviceOptions, DeviceRunner, Runner, RunnerConfig};
-use deepinfer::step::SamplingParams;
 use deepinfer::tokenizer::Tokenizer;
 use deepinfer::weights::Checkpoint;
 
@@ -524,26 +524,26 @@ impl Runner for Flaky {
     fn runner_config(&self) -> &RunnerConfig {
         self.inner.runner_config()
     }
-    fn blocks_mut(&mut self) -> &mut deepinfer::cache::BlockAllocator {
+    fn blocks_mut(&mut self) -> &mut deepinfer::engine::BlockAllocator {
         &mut self.inner.blocks
     }
     fn prefill(
         &mut self,
-        chunk: &deepinfer::step::PrefillChunk<'_>,
+        chunk: &deepinfer::runner::step::PrefillChunk<'_>,
         logits: deepinfer::model::LogitsOutput,
     ) -> deepinfer::Result<deepinfer::runner::StepOutput> {
         if self.fail {
-            return Err(deepinfer::Error::InvalidRequest("injected".into()));
+            return Err(deepinfer::Error::Internal("injected".into()));
         }
         self.inner.prefill(chunk, logits)
     }
     fn decode(
         &mut self,
-        rows: &[deepinfer::step::DecodeRow<'_>],
+        rows: &[deepinfer::runner::step::DecodeRow<'_>],
         logits: bool,
     ) -> deepinfer::Result<deepinfer::runner::StepOutput> {
         if self.fail {
-            return Err(deepinfer::Error::InvalidRequest("injected".into()));
+            return Err(deepinfer::Error::Internal("injected".into()));
         }
         self.inner.decode(rows, logits)
     }

@@ -7,14 +7,17 @@
 //!   runs out of blocks the newest sequence is preempted and later recomputed; nothing is dropped.
 //! - [`Engine`]: the scheduler on its own thread, fed by channels, for the async server.
 //! - [`detokenize`]: incremental, UTF-8-safe detokenization and stop strings.
+//! - [`BlockAllocator`]: which KV-cache blocks each sequence owns; the scheduler owns it.
 
+mod blocks;
 pub mod detokenize;
 mod params;
 mod scheduler;
-mod service;
 pub mod single;
+mod thread;
 
+pub use blocks::BlockAllocator;
 pub use params::{FinishReason, GenerationParams};
 pub use scheduler::{Event, Output, RequestId, Scheduler, TokenEvent, TokenLogprobs};
-pub use service::{Engine, EngineInfo, EngineOptions, RequestStream, SubmitError};
 pub use single::{generate, score, StopConditions};
+pub use thread::{Engine, EngineInfo, EngineOptions, RequestStream, SubmitError};

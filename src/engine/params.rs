@@ -1,6 +1,6 @@
 //! What a request asks of the engine, and how it ended.
 
-use crate::step::SamplingParams;
+use crate::runner::step::SamplingParams;
 
 /// Per-request generation settings (OpenAI's plus vLLM's `stop_token_ids` and `ignore_eos`).
 #[derive(Debug, Clone, PartialEq)]

@@ -18,10 +18,11 @@ use std::sync::Arc;
 
 use crate::error::{Error, Result};
 use crate::model::LogitsOutput;
-use crate::runner::{Runner, StepOutput};
-use crate::step::{DecodeRow, PrefillChunk};
+use crate::runner::step::{DecodeRow, PrefillChunk};
+use crate::runner::{Runner, Step, StepOutput};
 use crate::tokenizer::Tokenizer;
 
+use super::blocks::BlockAllocator;
 use super::detokenize::{IncrementalDecoder, StopStrings};
 use super::params::{FinishReason, GenerationParams};
 
@@ -152,6 +153,8 @@ impl Sequence {
 #[derive(Debug)]
 pub struct Scheduler<R: Runner> {
     runner: R,
+    /// Which cache blocks each sequence owns: the scheduler decides, the runner only executes.
+    blocks: BlockAllocator,
     tokenizer: Option<Arc<Tokenizer>>,
     eos_token_ids: Vec<u32>,
     max_running: usize,
@@ -167,15 +170,18 @@ pub struct Scheduler<R: Runner> {
 impl<R: Runner> Scheduler<R> {
     /// A scheduler over `runner`. With a tokenizer, token events carry text and stop strings
     /// work; `eos_token_ids` end a sequence unless it asks to ignore them.
-    pub fn new(runner: R, tokenizer: Option<Arc<Tokenizer>>, eos_token_ids: Vec<u32>) -> Self {
-        let max_running = runner
-            .runner_config()
-            .batch_buckets
-            .last()
-            .copied()
-            .unwrap_or(1);
-        Scheduler {
+    /// The block allocator spans the runner's whole cache.
+    pub fn new(
+        runner: R,
+        tokenizer: Option<Arc<Tokenizer>>,
+        eos_token_ids: Vec<u32>,
+    ) -> Result<Self> {
+        let rc = runner.runner_config();
+        let max_running = rc.buckets.max_batch().max(1);
+        let blocks = BlockAllocator::new(rc.num_blocks, rc.block_size)?;
+        Ok(Scheduler {
             runner,
+            blocks,
             tokenizer,
             eos_token_ids,
             max_running,
@@ -184,7 +190,7 @@ impl<R: Runner> Scheduler<R> {
             preemptions: 0,
             failed_steps: 0,
             last_failure: None,
-        }
+        })
     }
 
     /// The runner.
@@ -199,7 +205,7 @@ impl<R: Runner> Scheduler<R> {
 
     /// The longest sequence (prompt plus generated tokens) the runner holds.
     pub fn max_len(&self) -> usize {
-        self.runner.runner_config().max_len()
+        self.runner.runner_config().buckets.max_len()
     }
 
     /// Checks a request against the model and the cache without queueing it.
@@ -215,7 +221,7 @@ impl<R: Runner> Scheduler<R> {
         let need = (prompt.len() + params.max_tokens).div_ceil(rc.block_size);
         let usable = rc.num_blocks.saturating_sub(1);
         if need > usable {
-            return Err(Error::InvalidRequest(format!(
+            return Err(Error::InvalidInput(format!(
                 "the prompt ({} tokens) plus max_tokens ({}) needs {need} KV-cache blocks of {}, \
                  more than the cache's {usable}",
                 prompt.len(),
@@ -257,7 +263,7 @@ impl<R: Runner> Scheduler<R> {
         }
         if let Some(i) = self.running.iter().position(|s| s.id == id) {
             let mut seq = self.running.remove(i);
-            self.runner.blocks_mut().release(&mut seq.blocks);
+            self.blocks.release(&mut seq.blocks);
             return true;
         }
         false
@@ -272,7 +278,7 @@ impl<R: Runner> Scheduler<R> {
             .chain(self.waiting.drain(..))
             .collect();
         for mut seq in all {
-            self.runner.blocks_mut().release(&mut seq.blocks);
+            self.blocks.release(&mut seq.blocks);
             out.push(Output {
                 id: seq.id,
                 event: Event::Failed(message.to_owned()),
@@ -297,8 +303,8 @@ impl<R: Runner> Scheduler<R> {
     }
 
     /// Blocks held by sequences.
-    pub fn blocks_in_use(&mut self) -> usize {
-        let a = self.runner.blocks_mut();
+    pub fn blocks_in_use(&self) -> usize {
+        let a = &self.blocks;
         a.num_blocks() - 1 - a.num_free()
     }
 
@@ -322,7 +328,7 @@ impl<R: Runner> Scheduler<R> {
     ) -> std::result::Result<StepOutput, String> {
         let checked = result.and_then(|o| {
             if o.next_tokens.len() < rows {
-                return Err(Error::InvalidRequest(format!(
+                return Err(Error::Internal(format!(
                     "the step returned {} sampled tokens for {rows} rows",
                     o.next_tokens.len()
                 )));
@@ -362,7 +368,7 @@ impl<R: Runner> Scheduler<R> {
         let Some(mut seq) = self.running.pop() else {
             return false;
         };
-        self.runner.blocks_mut().release(&mut seq.blocks);
+        self.blocks.release(&mut seq.blocks);
         seq.computed = 0;
         seq.phase = Phase::Prefill;
         self.waiting.push_front(seq);
@@ -373,7 +379,7 @@ impl<R: Runner> Scheduler<R> {
     fn decode_step(&mut self, out: &mut Vec<Output>) {
         // Room for one more slot each, preempting from the newest until it fits.
         loop {
-            let alloc = self.runner.blocks_mut();
+            let alloc = &self.blocks;
             let need: usize = self
                 .running
                 .iter()
@@ -391,11 +397,7 @@ impl<R: Runner> Scheduler<R> {
         let mut batch: Vec<usize> = Vec::new();
         for (i, seq) in self.running.iter_mut().enumerate() {
             if seq.phase == Phase::Decode
-                && self
-                    .runner
-                    .blocks_mut()
-                    .grow(&mut seq.blocks, seq.tokens.len())
-                    .is_ok()
+                && self.blocks.grow(&mut seq.blocks, seq.tokens.len()).is_ok()
             {
                 batch.push(i);
             }
@@ -419,7 +421,15 @@ impl<R: Runner> Scheduler<R> {
         let want_logits = batch
             .iter()
             .any(|&i| self.running[i].params.logprobs.is_some());
-        let result = self.runner.decode(&rows, want_logits);
+        let logits = if want_logits {
+            LogitsOutput::Sampled
+        } else {
+            LogitsOutput::None
+        };
+        let result = self.runner.replay(&Step::Decode {
+            rows: &rows,
+            logits,
+        });
         drop(rows);
         match self.check_step("decode", result, batch.len()) {
             Ok(StepOutput {
@@ -456,7 +466,7 @@ impl<R: Runner> Scheduler<R> {
                 None => return,
             },
         };
-        let chunk_size = self.runner.runner_config().prefill_chunk;
+        let chunk_size = self.runner.runner_config().buckets.prefill_chunk;
         let seq = &self.running[i];
         let end = (seq.computed + chunk_size).min(seq.tokens.len());
         let chunk = PrefillChunk {
@@ -478,7 +488,10 @@ impl<R: Runner> Scheduler<R> {
         } else {
             LogitsOutput::None
         };
-        let result = self.runner.prefill(&chunk, want);
+        let result = self.runner.replay(&Step::Prefill {
+            chunk: &chunk,
+            logits: want,
+        });
         match self.check_step("prefill", result, 1) {
             Ok(StepOutput {
                 next_tokens: tokens,
@@ -509,7 +522,7 @@ impl<R: Runner> Scheduler<R> {
             }
             Err(message) => {
                 let mut seq = self.running.remove(i);
-                self.runner.blocks_mut().release(&mut seq.blocks);
+                self.blocks.release(&mut seq.blocks);
                 out.push(Output {
                     id: seq.id,
                     event: Event::Failed(message),
@@ -524,10 +537,7 @@ impl<R: Runner> Scheduler<R> {
             return None;
         }
         let seq = self.waiting.front_mut()?;
-        self.runner
-            .blocks_mut()
-            .grow(&mut seq.blocks, seq.tokens.len())
-            .ok()?;
+        self.blocks.grow(&mut seq.blocks, seq.tokens.len()).ok()?;
         let seq = self.waiting.pop_front()?;
         self.running.push(seq);
         Some(self.running.len() - 1)
@@ -550,7 +560,7 @@ impl<R: Runner> Scheduler<R> {
         while i < self.running.len() {
             if pred(&self.running[i]) {
                 let mut seq = self.running.remove(i);
-                self.runner.blocks_mut().release(&mut seq.blocks);
+                self.blocks.release(&mut seq.blocks);
             } else {
                 i += 1;
             }
@@ -641,20 +651,20 @@ pub(crate) fn validate(
     vocab: usize,
 ) -> Result<()> {
     if prompt.is_empty() {
-        return Err(Error::InvalidRequest("the prompt is empty".into()));
+        return Err(Error::InvalidInput("the prompt is empty".into()));
     }
     if params.max_tokens == 0 && params.prompt_logprobs.is_none() {
-        return Err(Error::InvalidRequest(
+        return Err(Error::InvalidInput(
             "max_tokens must be at least 1 (0 only with prompt log-probabilities)".into(),
         ));
     }
     if let Some(t) = prompt.iter().find(|&&t| t as usize >= vocab) {
-        return Err(Error::InvalidRequest(format!(
+        return Err(Error::InvalidInput(format!(
             "token id {t} is outside the vocabulary (size {vocab})"
         )));
     }
     if prompt.len() + params.max_tokens > max_len {
-        return Err(Error::InvalidRequest(format!(
+        return Err(Error::InvalidInput(format!(
             "this model's context is {max_len} tokens; the prompt has {} and max_tokens asks for {} more",
             prompt.len(),
             params.max_tokens

@@ -5,8 +5,10 @@
 
 use crate::error::{Error, Result};
 use crate::model::LogitsOutput;
-use crate::runner::Runner;
-use crate::step::{DecodeRow, PrefillChunk, SamplingParams};
+use crate::runner::step::{DecodeRow, PrefillChunk, SamplingParams};
+use crate::runner::{Runner, Step, StepOutput};
+
+use super::BlockAllocator;
 
 /// When generation stops.
 #[derive(Debug, Clone, Default)]
@@ -19,11 +21,11 @@ pub struct StopConditions {
 
 fn check_prompt<R: Runner + ?Sized>(runner: &R, prompt: &[u32], extra: usize) -> Result<()> {
     if prompt.is_empty() {
-        return Err(Error::InvalidRequest("the prompt is empty".into()));
+        return Err(Error::InvalidInput("the prompt is empty".into()));
     }
-    let max_len = runner.runner_config().max_len();
+    let max_len = runner.runner_config().buckets.max_len();
     if prompt.len() + extra > max_len {
-        return Err(Error::InvalidRequest(format!(
+        return Err(Error::InvalidInput(format!(
             "the prompt ({} tokens) plus {extra} new tokens exceeds the context of {max_len} tokens",
             prompt.len()
         )));
@@ -31,33 +33,41 @@ fn check_prompt<R: Runner + ?Sized>(runner: &R, prompt: &[u32], extra: usize) ->
     Ok(())
 }
 
-/// Prefills `prompt` chunk by chunk into `blocks`; returns the last chunk's output.
+/// A block allocator over the runner's whole cache: one sequence owns all of it.
+fn allocator<R: Runner + ?Sized>(runner: &R) -> Result<BlockAllocator> {
+    let rc = runner.runner_config();
+    BlockAllocator::new(rc.num_blocks, rc.block_size)
+}
+
+/// Prefills `prompt` chunk by chunk into `blocks`; returns every chunk's output.
 fn prefill<R: Runner + ?Sized>(
     runner: &mut R,
+    alloc: &mut BlockAllocator,
     prompt: &[u32],
     blocks: &mut Vec<u32>,
     sampling: SamplingParams,
     logits: LogitsOutput,
-) -> Result<Vec<crate::runner::StepOutput>> {
-    let chunk = runner.runner_config().prefill_chunk;
-    runner.blocks_mut().grow(blocks, prompt.len())?;
+) -> Result<Vec<StepOutput>> {
+    let chunk_size = runner.runner_config().buckets.prefill_chunk;
+    alloc.grow(blocks, prompt.len())?;
     let mut outs = Vec::new();
-    for (i, tokens) in prompt.chunks(chunk).enumerate() {
-        outs.push(runner.prefill(
-            &PrefillChunk {
-                tokens,
-                start: i * chunk,
-                blocks,
-                sampling,
-            },
+    for (i, tokens) in prompt.chunks(chunk_size).enumerate() {
+        let chunk = PrefillChunk {
+            tokens,
+            start: i * chunk_size,
+            blocks,
+            sampling,
+        };
+        outs.push(runner.replay(&Step::Prefill {
+            chunk: &chunk,
             logits,
-        )?);
+        })?);
     }
     Ok(outs)
 }
 
-/// Generates up to `stop.max_tokens` tokens after `prompt`, on any [`Runner`] (the CPU twin,
-/// a device runner, or a [`crate::runner::GraphRunner`]).
+/// Generates up to `stop.max_tokens` tokens after `prompt`, on any [`Runner`]. The sequence
+/// may use the runner's whole cache.
 pub fn generate<R: Runner + ?Sized>(
     runner: &mut R,
     prompt: &[u32],
@@ -65,14 +75,14 @@ pub fn generate<R: Runner + ?Sized>(
     stop: &StopConditions,
 ) -> Result<Vec<u32>> {
     check_prompt(runner, prompt, stop.max_tokens)?;
+    let mut alloc = allocator(runner)?;
     let mut blocks = Vec::new();
-    let result = generate_into(runner, prompt, sampling, stop, &mut blocks);
-    runner.blocks_mut().release(&mut blocks);
-    result
+    generate_into(runner, &mut alloc, prompt, sampling, stop, &mut blocks)
 }
 
 fn generate_into<R: Runner + ?Sized>(
     runner: &mut R,
+    alloc: &mut BlockAllocator,
     prompt: &[u32],
     sampling: SamplingParams,
     stop: &StopConditions,
@@ -82,7 +92,7 @@ fn generate_into<R: Runner + ?Sized>(
     if stop.max_tokens == 0 {
         return Ok(out);
     }
-    let first = prefill(runner, prompt, blocks, sampling, LogitsOutput::None)?;
+    let first = prefill(runner, alloc, prompt, blocks, sampling, LogitsOutput::None)?;
     let mut token = sampled(first.last())?;
     loop {
         out.push(token);
@@ -90,39 +100,40 @@ fn generate_into<R: Runner + ?Sized>(
             return Ok(out);
         }
         let position = prompt.len() + out.len() - 1;
-        runner.blocks_mut().grow(blocks, position + 1)?;
-        let step = runner.decode(
-            &[DecodeRow {
+        alloc.grow(blocks, position + 1)?;
+        let step = runner.replay(&Step::Decode {
+            rows: &[DecodeRow {
                 token,
                 position,
                 blocks,
                 sampling,
             }],
-            false,
-        )?;
+            logits: LogitsOutput::None,
+        })?;
         token = sampled(Some(&step))?;
     }
 }
 
 /// The token a step sampled for its single row.
-fn sampled(step: Option<&crate::runner::StepOutput>) -> Result<u32> {
+fn sampled(step: Option<&StepOutput>) -> Result<u32> {
     step.and_then(|o| o.next_tokens.first().copied())
-        .ok_or_else(|| Error::InvalidRequest("the step returned no sampled token".into()))
+        .ok_or_else(|| Error::Internal("the step returned no sampled token".into()))
 }
 
 /// The logits of every position of `tokens` (`[len][vocab]`), through prefill graphs.
 pub fn score<R: Runner + ?Sized>(runner: &mut R, tokens: &[u32]) -> Result<Vec<Vec<f32>>> {
     check_prompt(runner, tokens, 0)?;
+    let mut alloc = allocator(runner)?;
     let mut blocks = Vec::new();
-    let result = prefill(
+    let outs = prefill(
         runner,
+        &mut alloc,
         tokens,
         &mut blocks,
         SamplingParams::GREEDY,
         LogitsOutput::AllPositions,
-    );
-    runner.blocks_mut().release(&mut blocks);
-    Ok(result?
+    )?;
+    Ok(outs
         .into_iter()
         .flat_map(|o| o.logits.unwrap_or_default())
         .collect())

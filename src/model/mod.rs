@@ -25,6 +25,7 @@
 
 pub mod attention;
 pub mod cost;
+pub mod inputs;
 pub mod moe;
 pub mod ops;
 pub mod params;
@@ -215,10 +216,10 @@ fn decoder(
 /// Declares the per-row sampling inputs and samples from `logits`.
 fn sample_rows(b: &GraphBuilder, logits: &Tensor, positions: &Tensor) -> Result<Tensor> {
     let rows = logits.dim(0);
-    let temperature = metadata(b, "temperature", vec![rows], DType::F32)?;
-    let top_k = metadata(b, "top_k", vec![rows], DType::I32)?;
-    let top_p = metadata(b, "top_p", vec![rows], DType::F32)?;
-    let seeds = metadata(b, "seeds", vec![rows], DType::U32)?;
+    let temperature = metadata(b, inputs::TEMPERATURE, vec![rows], DType::F32)?;
+    let top_k = metadata(b, inputs::TOP_K, vec![rows], DType::I32)?;
+    let top_p = metadata(b, inputs::TOP_P, vec![rows], DType::F32)?;
+    let seeds = metadata(b, inputs::SEEDS, vec![rows], DType::U32)?;
     sampling::sample(
         logits,
         &sampling::SamplingInputs {
@@ -252,11 +253,11 @@ fn step_inputs(
     seqs: usize,
     ctx: usize,
 ) -> Result<StepInputs> {
-    let input_ids = metadata(b, "input_ids", vec![rows], DType::I32)?;
-    let positions = metadata(b, "positions", vec![rows], DType::I32)?;
-    let slots = metadata(b, "slot_mapping", vec![rows], DType::I32)?;
+    let input_ids = metadata(b, inputs::INPUT_IDS, vec![rows], DType::I32)?;
+    let positions = metadata(b, inputs::POSITIONS, vec![rows], DType::I32)?;
+    let slots = metadata(b, inputs::SLOT_MAPPING, vec![rows], DType::I32)?;
     let width = ctx / cache.block_size;
-    let block_tables = metadata(b, "block_tables", vec![seqs, width], DType::I32)?;
+    let block_tables = metadata(b, inputs::BLOCK_TABLES, vec![seqs, width], DType::I32)?;
     let root = root_input(cfg, b, cache)?;
     let (cos, sin) = rope::cos_sin(cfg, &positions)?;
     let ctx_slots = context_slots(&block_tables, ctx, cache.block_size)?;
@@ -309,7 +310,7 @@ pub fn build_decode(
     let b = GraphBuilder::new(format!("decode_b{rows}_c{ctx}"));
     let w = Weights::new(&b, specs);
     let s = step_inputs(&b, cfg, cache, rows, rows, ctx)?;
-    let context_lens = metadata(&b, "context_lens", vec![rows], DType::I32)?;
+    let context_lens = metadata(&b, inputs::CONTEXT_LENS, vec![rows], DType::I32)?;
     let j = b.iota([rows, ctx], DType::I32, 1)?;
     let visible = j.lt(&context_lens.unsqueeze(1)?)?;
     let (x, new_root) = s.forward(cfg, &w, &visible, attention::decode, spec.moe)?;
@@ -336,7 +337,7 @@ pub fn build_prefill(
     let b = GraphBuilder::new(format!("prefill_t{t}_c{ctx}"));
     let w = Weights::new(&b, specs);
     let s = step_inputs(&b, cfg, cache, t, 1, ctx)?;
-    let last_index = metadata(&b, "last_index", vec![1], DType::I32)?;
+    let last_index = metadata(&b, inputs::LAST_INDEX, vec![1], DType::I32)?;
     // Causal: token i sees context positions up to its own.
     let j = b.iota([t, ctx], DType::I32, 1)?;
     let visible = j.le(&s.positions.unsqueeze(1)?)?;

@@ -1,7 +1,7 @@
 //! The device graph runner: every bucket's graph captured once over libnrt (or nrt-sim), then
 //! replayed with persistent device tensors.
 //!
-//! [`DeviceRunner::capture`] builds each bucket's graph (decode per batch bucket × context
+//! Capture ([`Runner::capture`]) builds each bucket's graph (decode per batch bucket × context
 //! bucket, prefill per context bucket), lowers it to HLO, turns it into a NEFF (neuronx-cc
 //! through the NEFF cache, or for nrt-sim the HLO bytes themselves) and loads it, largest
 //! first. It uploads the weights once, allocates the KV root once and binds it as input and
@@ -9,12 +9,12 @@
 //! context bucket at the largest batch: the model for batch `b` binds slices of their first `b`
 //! rows. Outputs (`next_tokens`, `logits`) are persistent too.
 //!
-//! A replay pads the step (see [`crate::step`]), writes only the chosen bucket's metadata
+//! A replay pads the step (see [`super::step`]), writes only the chosen bucket's metadata
 //! bytes, executes, and reads `next_tokens` (and the logits only when asked). It allocates no
 //! device tensor and never touches the KV root from the host.
 //!
-//! [`DeviceRunner::destroy`] unloads every model and frees every tensor; it is idempotent, runs
-//! on drop, and [`DeviceRunner::capture`] works again afterwards.
+//! Destroy ([`Runner::destroy`]) unloads every model and frees every tensor; it is idempotent,
+//! runs on drop, and capture works again afterwards.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -22,17 +22,17 @@ use std::time::{Duration, Instant};
 
 use neuron_sys::{Library, Model, Runtime, Tensor, TensorSet};
 
-use super::{Kind, RunnerConfig, StepOutput};
+use super::step::{self, HostArray, HostData};
+use super::{Backend, Buckets, Runner, RunnerConfig, Step, StepKind, StepOutput};
 use crate::backend::hlo::emit;
 use crate::backend::neuron::compile::{compile_all, CompileJob, CompilerConfig};
-use crate::cache::BlockAllocator;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::graph::{Graph, InputRole};
+use crate::model::inputs;
 use crate::model::{
     self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, WeightSpecs,
 };
-use crate::step::{self, DecodeRow, HostArray, HostData, PrefillChunk};
 
 /// How a device runner turns a lowered graph into the bytes `nrt_load` takes.
 #[derive(Debug, Clone)]
@@ -43,6 +43,17 @@ pub enum NeffSource {
     Compile(CompilerConfig),
 }
 
+/// Where a replay finds the step metadata: the seed's `input_on_device`, as a name.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum MetadataSource {
+    /// Replay copies the step's host metadata into the persistent device buffers first.
+    #[default]
+    Host,
+    /// The caller already wrote the persistent buffers ([`DeviceRunner::metadata_buffer`]);
+    /// replay executes without copying anything.
+    OnDevice,
+}
+
 /// Where and how a [`DeviceRunner`] runs.
 #[derive(Debug, Clone)]
 pub struct DeviceOptions {
@@ -50,6 +61,8 @@ pub struct DeviceOptions {
     pub neff: NeffSource,
     /// The NeuronCore (relative to the visible set) models and tensors live on.
     pub nc: u32,
+    /// Where replays find the step metadata.
+    pub metadata: MetadataSource,
 }
 
 impl DeviceOptions {
@@ -58,6 +71,7 @@ impl DeviceOptions {
         DeviceOptions {
             neff: NeffSource::Hlo,
             nc: 0,
+            metadata: MetadataSource::Host,
         }
     }
 
@@ -66,6 +80,7 @@ impl DeviceOptions {
         DeviceOptions {
             neff: NeffSource::Compile(cfg),
             nc: 0,
+            metadata: MetadataSource::Host,
         }
     }
 }
@@ -101,7 +116,7 @@ struct Loaded {
 /// Everything capture allocates; dropping it unloads the models and frees the tensors.
 struct Captured {
     // Field order is drop order: models (and their sets) first, then the tensors they bind.
-    graphs: HashMap<(Kind, usize, usize), Loaded>,
+    graphs: HashMap<(StepKind, usize, usize), Loaded>,
     decode_meta: Vec<Vec<MetaBuf>>,
     prefill_meta: Vec<Vec<MetaBuf>>,
     decode_next: Tensor,
@@ -125,8 +140,6 @@ pub struct DeviceRunner {
     stats: Option<CaptureStats>,
     /// Host staging for step metadata, refilled in place each replay (no allocation).
     staging: step::StepArrays,
-    /// The cache's block allocator: callers grow and release sequences' tables through it.
-    pub blocks: BlockAllocator,
 }
 
 impl std::fmt::Debug for DeviceRunner {
@@ -165,7 +178,7 @@ fn first_bytes(t: &Tensor, bytes: usize, graph: &str) -> Result<Tensor> {
 
 impl DeviceRunner {
     /// A runner over `lib` (libnrt or nrt-sim), initialising (or sharing) the runtime over
-    /// core `opts.nc`, then capturing every graph.
+    /// core `opts.nc`. Nothing is allocated on the device until [`Runner::capture`].
     pub fn new(
         cfg: ModelConfig,
         weights: ModelWeights,
@@ -173,19 +186,14 @@ impl DeviceRunner {
         lib: Arc<Library>,
         opts: DeviceOptions,
     ) -> Result<Self> {
-        if runner_cfg.batch_buckets.is_empty() || runner_cfg.ctx_buckets.is_empty() {
-            return Err(Error::InvalidRequest(
-                "the runner needs at least one batch bucket and one context bucket".into(),
-            ));
-        }
+        runner_cfg.buckets.validate(runner_cfg.block_size)?;
         let rt = Runtime::shared(lib, opts.nc, 1)?;
         let layout = CacheLayout {
             block_size: runner_cfg.block_size,
             num_slots: runner_cfg.num_blocks * runner_cfg.block_size,
         };
-        let mut r = DeviceRunner {
+        Ok(DeviceRunner {
             specs: WeightSpecs::new(&cfg),
-            blocks: BlockAllocator::new(runner_cfg.num_blocks, runner_cfg.block_size)?,
             cfg,
             weights,
             layout,
@@ -195,19 +203,12 @@ impl DeviceRunner {
             state: None,
             stats: None,
             staging: step::StepArrays::default(),
-        };
-        r.capture()?;
-        Ok(r)
+        })
     }
 
-    /// The model's configuration.
-    pub fn config(&self) -> &ModelConfig {
-        &self.cfg
-    }
-
-    /// The runner's buckets.
-    pub fn runner_config(&self) -> &RunnerConfig {
-        &self.runner_cfg
+    /// Sets where replays find the step metadata (see [`MetadataSource`]).
+    pub fn set_metadata_source(&mut self, source: MetadataSource) {
+        self.opts.metadata = source;
     }
 
     /// The cache geometry graphs are built for.
@@ -230,7 +231,7 @@ impl DeviceRunner {
         self.state.as_ref().map_or(0, |s| s.weights.len())
     }
 
-    /// Whether the graphs are captured (false after [`DeviceRunner::destroy`]).
+    /// Whether the graphs are captured (false after [`Runner::destroy`]).
     pub fn is_captured(&self) -> bool {
         self.state.is_some()
     }
@@ -258,13 +259,13 @@ impl DeviceRunner {
     /// The graphs of every bucket, largest first: decode per (batch, ctx) bucket with the
     /// sampled logits as an output, prefill per (chunk, ctx) bucket with every position's
     /// logits. Smaller buckets bind prefixes of the largest one's metadata and output buffers.
-    fn specs_largest_first(&self) -> Vec<(Kind, GraphSpec)> {
+    fn specs_largest_first(&self) -> Vec<(StepKind, GraphSpec)> {
         let rc = &self.runner_cfg;
         let mut out = Vec::new();
-        for &ctx in &rc.ctx_buckets {
-            for &b in &rc.batch_buckets {
+        for &ctx in &rc.buckets.ctx {
+            for &b in &rc.buckets.batch {
                 out.push((
-                    Kind::Decode,
+                    StepKind::Decode,
                     GraphSpec {
                         rows: b,
                         ctx,
@@ -273,9 +274,9 @@ impl DeviceRunner {
                     },
                 ));
             }
-            for t in rc.prefill_buckets() {
+            for t in rc.buckets.prefill_sizes() {
                 out.push((
-                    Kind::Prefill,
+                    StepKind::Prefill,
                     GraphSpec {
                         rows: t,
                         ctx,
@@ -289,18 +290,15 @@ impl DeviceRunner {
             (
                 std::cmp::Reverse(s.rows * s.ctx),
                 std::cmp::Reverse(s.ctx),
-                *k == Kind::Decode,
+                *k == StepKind::Decode,
             )
         });
         out
     }
 
     /// Builds, lowers, compiles and loads every bucket's graph, uploads the weights and
-    /// allocates every persistent tensor. Does nothing when already captured.
-    pub fn capture(&mut self) -> Result<()> {
-        if self.state.is_some() {
-            return Ok(());
-        }
+    /// allocates every persistent tensor.
+    fn capture_buckets(&mut self) -> Result<()> {
         let t0 = Instant::now();
         let specs = self.specs_largest_first();
         let mut graphs = Vec::with_capacity(specs.len());
@@ -316,8 +314,12 @@ impl DeviceRunner {
             progress.inc(1);
             let t = Instant::now();
             let g = match kind {
-                Kind::Decode => model::build_decode(&self.cfg, &self.specs, &self.layout, spec)?,
-                Kind::Prefill => model::build_prefill(&self.cfg, &self.specs, &self.layout, spec)?,
+                StepKind::Decode => {
+                    model::build_decode(&self.cfg, &self.specs, &self.layout, spec)?
+                }
+                StepKind::Prefill => {
+                    model::build_prefill(&self.cfg, &self.specs, &self.layout, spec)?
+                }
             };
             let hlo = emit::to_bytes(&emit::emit(&g)?);
             timings.push(t.elapsed());
@@ -357,7 +359,7 @@ impl DeviceRunner {
 
     fn allocate_and_load(
         &self,
-        graphs: &[(Kind, GraphSpec, Graph)],
+        graphs: &[(StepKind, GraphSpec, Graph)],
         neffs: &[Vec<u8>],
     ) -> Result<(Captured, u64)> {
         const CAP: &str = "capture";
@@ -400,13 +402,17 @@ impl DeviceRunner {
         uploaded += root_bytes as u64;
 
         // Metadata buffers per ctx bucket, at the largest batch (decode) / chunk (prefill).
-        let max_batch = rc.batch_buckets.iter().copied().max().unwrap_or(1);
-        let mut decode_meta = Vec::with_capacity(rc.ctx_buckets.len());
-        let mut prefill_meta = Vec::with_capacity(rc.ctx_buckets.len());
-        for &ctx in &rc.ctx_buckets {
+        let max_batch = rc.buckets.batch.iter().copied().max().unwrap_or(1);
+        let mut decode_meta = Vec::with_capacity(rc.buckets.ctx.len());
+        let mut prefill_meta = Vec::with_capacity(rc.buckets.ctx.len());
+        for &ctx in &rc.buckets.ctx {
             for (kind, rows, out) in [
-                (Kind::Decode, max_batch, &mut decode_meta),
-                (Kind::Prefill, rc.prefill_chunk, &mut prefill_meta),
+                (StepKind::Decode, max_batch, &mut decode_meta),
+                (
+                    StepKind::Prefill,
+                    rc.buckets.prefill_chunk,
+                    &mut prefill_meta,
+                ),
             ] {
                 let g = graphs
                     .iter()
@@ -417,8 +423,8 @@ impl DeviceRunner {
                         msg: "no captured graph".into(),
                     })?;
                 let prefix = match kind {
-                    Kind::Decode => "decode",
-                    Kind::Prefill => "prefill",
+                    StepKind::Decode => "decode",
+                    StepKind::Prefill => "prefill",
                 };
                 let mut bufs = Vec::new();
                 for decl in g.inputs().iter().filter(|d| d.role == InputRole::Metadata) {
@@ -443,7 +449,7 @@ impl DeviceRunner {
 
         // Persistent outputs.
         let vocab = self.cfg.vocab_size;
-        let t = rc.prefill_chunk;
+        let t = rc.buckets.prefill_chunk;
         let decode_next =
             Tensor::device(rt, nc, max_batch * 4, "decode/next_tokens").map_err(dev(CAP))?;
         let decode_logits =
@@ -456,13 +462,14 @@ impl DeviceRunner {
         for ((kind, spec, g), neff) in graphs.iter().zip(neffs) {
             let name = g.name();
             let ctx_index = rc
-                .ctx_buckets
+                .buckets
+                .ctx
                 .iter()
                 .position(|&c| c == spec.ctx)
                 .unwrap_or(0);
             let meta = match kind {
-                Kind::Decode => &decode_meta[ctx_index],
-                Kind::Prefill => &prefill_meta[ctx_index],
+                StepKind::Decode => &decode_meta[ctx_index],
+                StepKind::Prefill => &prefill_meta[ctx_index],
             };
             let mut inputs = TensorSet::new(rt).map_err(dev(name))?;
             let mut in_sizes = HashMap::new();
@@ -506,14 +513,14 @@ impl DeviceRunner {
             for decl in g.outputs() {
                 let t = match (kind, decl.name.as_str()) {
                     (_, "kv_cache") => root.clone(),
-                    (Kind::Decode, "next_tokens") => {
+                    (StepKind::Decode, "next_tokens") => {
                         first_bytes(&decode_next, spec.rows * 4, name)?
                     }
-                    (Kind::Decode, "logits") => {
+                    (StepKind::Decode, "logits") => {
                         first_bytes(&decode_logits, spec.rows * vocab * 4, name)?
                     }
-                    (Kind::Prefill, "next_tokens") => prefill_next.clone(),
-                    (Kind::Prefill, "logits") => {
+                    (StepKind::Prefill, "next_tokens") => prefill_next.clone(),
+                    (StepKind::Prefill, "logits") => {
                         first_bytes(&prefill_logits, spec.rows * vocab * 4, name)?
                     }
                     (_, other) => {
@@ -555,9 +562,9 @@ impl DeviceRunner {
         ))
     }
 
-    /// Unloads every model and frees every tensor. Idempotent; [`DeviceRunner::capture`]
-    /// works again afterwards. Returns the first error libnrt reported while unloading.
-    pub fn destroy(&mut self) -> Result<()> {
+    /// Unloads every model and frees every tensor. Idempotent. Returns the first error libnrt
+    /// reported while unloading.
+    fn release(&mut self) -> Result<()> {
         if let Some(state) = self.state.take() {
             drop(state);
             if let Some(e) = self.rt.take_deferred_errors().into_iter().next() {
@@ -572,8 +579,8 @@ impl DeviceRunner {
 
     fn captured(&self) -> Result<&Captured> {
         self.state.as_ref().ok_or_else(|| {
-            Error::InvalidRequest(
-                "the device runner was destroyed: call capture() before replaying".into(),
+            Error::Internal(
+                "the device runner is not captured: call capture() before replaying".into(),
             )
         })
     }
@@ -630,37 +637,29 @@ impl DeviceRunner {
         })
     }
 
-    /// Runs one prefill chunk (at most `prefill_chunk` tokens). With
-    /// [`LogitsOutput::AllPositions`] the logits of every token of the chunk are returned.
-    pub fn prefill(
+    /// Runs one prefill chunk on its bucket's graph.
+    fn replay_prefill(
         &mut self,
-        chunk: &PrefillChunk<'_>,
+        chunk: &step::PrefillChunk<'_>,
         logits: LogitsOutput,
-    ) -> Result<StepOutput> {
-        self.prefill_with(chunk, logits, false)
-    }
-
-    /// [`DeviceRunner::prefill`]; with `input_on_device` the metadata copy is skipped (the
-    /// caller already wrote the buffers).
-    pub fn prefill_with(
-        &mut self,
-        chunk: &PrefillChunk<'_>,
-        logits: LogitsOutput,
-        input_on_device: bool,
     ) -> Result<StepOutput> {
         self.captured()?;
-        let (t, ctx) = self.runner_cfg.prefill_bucket(chunk, self.cfg.vocab_size)?;
+        let (t, ctx) = self
+            .runner_cfg
+            .buckets
+            .prefill_bucket(chunk, self.cfg.vocab_size)?;
         let n = chunk.tokens.len();
-        if !input_on_device {
+        let copy = self.opts.metadata == MetadataSource::Host;
+        if copy {
             self.staging
                 .fill_prefill(chunk, t, ctx, self.layout.block_size)?;
         }
         let st = self.captured()?;
         let g = st
             .graphs
-            .get(&(Kind::Prefill, t, ctx))
-            .ok_or_else(|| Error::InvalidRequest(format!("no prefill graph for context {ctx}")))?;
-        if !input_on_device {
+            .get(&(StepKind::Prefill, t, ctx))
+            .ok_or_else(|| Error::Internal(format!("no prefill graph for context {ctx}")))?;
+        if copy {
             Self::write_meta(
                 &st.prefill_meta[g.ctx_index],
                 self.staging.arrays(),
@@ -679,35 +678,35 @@ impl DeviceRunner {
     }
 
     /// Runs one decode step for `rows`, padded to the smallest batch bucket.
-    pub fn decode(&mut self, rows: &[DecodeRow<'_>], logits: bool) -> Result<StepOutput> {
-        self.decode_with(rows, logits, false)
-    }
-
-    /// [`DeviceRunner::decode`]; with `input_on_device` the metadata copy is skipped (the
-    /// caller already wrote the buffers).
-    pub fn decode_with(
+    fn replay_decode(
         &mut self,
-        rows: &[DecodeRow<'_>],
-        logits: bool,
-        input_on_device: bool,
+        rows: &[step::DecodeRow<'_>],
+        logits: LogitsOutput,
     ) -> Result<StepOutput> {
         self.captured()?;
-        let (batch, ctx) = self.runner_cfg.decode_bucket(rows, self.cfg.vocab_size)?;
-        if !input_on_device {
+        let (batch, ctx) = self
+            .runner_cfg
+            .buckets
+            .decode_bucket(rows, self.cfg.vocab_size)?;
+        let copy = self.opts.metadata == MetadataSource::Host;
+        if copy {
             self.staging
                 .fill_decode(rows, batch, ctx, self.layout.block_size)?;
         }
         let st = self.captured()?;
-        let g = st.graphs.get(&(Kind::Decode, batch, ctx)).ok_or_else(|| {
-            Error::InvalidRequest(format!("no decode graph for batch {batch}, context {ctx}"))
-        })?;
-        if !input_on_device {
+        let g = st
+            .graphs
+            .get(&(StepKind::Decode, batch, ctx))
+            .ok_or_else(|| {
+                Error::Internal(format!("no decode graph for batch {batch}, context {ctx}"))
+            })?;
+        if copy {
             Self::write_meta(&st.decode_meta[g.ctx_index], self.staging.arrays(), &g.name)?;
         }
         g.model
             .execute(&g.inputs, &g.outputs)
             .map_err(dev(&g.name))?;
-        let want = logits.then_some((&st.decode_logits, 0, rows.len()));
+        let want = (logits != LogitsOutput::None).then_some((&st.decode_logits, 0, rows.len()));
         Self::read_outputs(
             &st.decode_next,
             want,
@@ -719,10 +718,11 @@ impl DeviceRunner {
 
     /// The persistent device buffer of metadata input `name` (`input_ids`, `block_tables`, …)
     /// for the decode (or, with `prefill`, the prefill) graphs of context bucket `ctx`, sized
-    /// for the largest batch: a caller that fills it itself replays with `input_on_device`.
+    /// for the largest batch: a caller that fills it itself replays with
+    /// [`MetadataSource::OnDevice`].
     pub fn metadata_buffer(&self, prefill: bool, ctx: usize, name: &str) -> Option<Tensor> {
         let st = self.state.as_ref()?;
-        let i = self.runner_cfg.ctx_buckets.iter().position(|&c| c == ctx)?;
+        let i = self.runner_cfg.buckets.ctx.iter().position(|&c| c == ctx)?;
         let bufs = if prefill {
             st.prefill_meta.get(i)?
         } else {
@@ -786,25 +786,53 @@ fn check_io(
     Ok(())
 }
 
-/// The `'static` name of a metadata input (the names [`crate::step`] produces).
+/// The `'static` name of a metadata input (one of [`inputs::ALL`]).
 fn metadata_name(name: &str) -> Option<&'static str> {
-    const NAMES: [&str; 10] = [
-        "input_ids",
-        "positions",
-        "slot_mapping",
-        "block_tables",
-        "context_lens",
-        "last_index",
-        "temperature",
-        "top_k",
-        "top_p",
-        "seeds",
-    ];
-    NAMES.into_iter().find(|n| *n == name)
+    inputs::ALL.into_iter().find(|n| *n == name)
+}
+
+impl Runner for DeviceRunner {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn runner_config(&self) -> &RunnerConfig {
+        &self.runner_cfg
+    }
+
+    fn backend(&self) -> Backend {
+        match self.opts.neff {
+            NeffSource::Hlo => Backend::Sim,
+            NeffSource::Compile(_) => Backend::Neuron,
+        }
+    }
+
+    /// Captures `buckets`; capturing the buckets already captured does nothing, other buckets
+    /// release the current capture first.
+    fn capture(&mut self, buckets: &Buckets) -> Result<()> {
+        buckets.validate(self.runner_cfg.block_size)?;
+        if self.state.is_some() && self.runner_cfg.buckets == *buckets {
+            return Ok(());
+        }
+        self.release()?;
+        self.runner_cfg.buckets = buckets.clone();
+        self.capture_buckets()
+    }
+
+    fn replay(&mut self, step: &Step<'_>) -> Result<StepOutput> {
+        match *step {
+            Step::Prefill { chunk, logits } => self.replay_prefill(chunk, logits),
+            Step::Decode { rows, logits } => self.replay_decode(rows, logits),
+        }
+    }
+
+    fn destroy(&mut self) -> Result<()> {
+        self.release()
+    }
 }
 
 impl Drop for DeviceRunner {
     fn drop(&mut self) {
-        let _ = self.destroy();
+        let _ = self.release();
     }
 }

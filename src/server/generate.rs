@@ -14,7 +14,7 @@ use serde_json::Value;
 
 use crate::engine::GenerationParams;
 use crate::metrics::Outcome;
-use crate::step::SamplingParams;
+use crate::runner::step::SamplingParams;
 use crate::tokenizer::ChatMessage;
 
 use super::error::ApiError;

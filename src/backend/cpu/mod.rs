@@ -245,7 +245,7 @@ fn gathered_matmul(a: &CTensor, w: &CTensor, ids: &CTensor) -> Result<CTensor> {
     let mut groups: Vec<(usize, Vec<u32>)> = Vec::new();
     for (i, &e) in ids.iter().enumerate() {
         if e < 0 || e as usize >= experts {
-            return Err(Error::InvalidRequest(format!(
+            return Err(Error::Internal(format!(
                 "expert index {e} out of range 0..{experts}"
             )));
         }

@@ -23,7 +23,7 @@ use crate::error::{Error, Result};
 use crate::graph::{DType, Graph, GraphBuilder, InputRole, Literal, Tensor};
 
 fn bad(msg: impl Into<String>) -> Error {
-    Error::InvalidRequest(format!("HLO import: {}", msg.into()))
+    Error::InvalidInput(format!("HLO import: {}", msg.into()))
 }
 
 /// Parses serialized module bytes and imports them.

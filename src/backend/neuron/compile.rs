@@ -100,6 +100,9 @@ use indicatif::{ProgressBar, ProgressDrawTarget, ProgressStyle};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use crate::error::fmt_duration;
+use crate::error::CompileError;
+
 /// The flags every graph is compiled with unless the user overrides them.
 ///
 /// These are NxD's `ModelBuilder` defaults (`append_default_compiler_flags`), which NxDI's MoE
@@ -269,127 +272,6 @@ pub struct CompiledNeff {
     /// Warnings raised for this graph (already printed on stderr), e.g. a corrupt entry that was
     /// recompiled. Kept so that callers and tests can act on them.
     pub warnings: Vec<String>,
-}
-
-/// What can go wrong while compiling; every message names the graph(s) and says what to do.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum CompileError {
-    /// The compiler could not be started: not installed, not on `PATH`, or not executable.
-    #[error(
-        "cannot run the Neuron compiler `{}` (needed to compile {graphs}): {source}. \
-         Install it from AWS's Neuron pip repository: \
-         `pip install neuronx-cc --extra-index-url=https://pip.repos.neuron.amazonaws.com` \
-         (part of the AWS Neuron SDK; the apt packages carry only the driver, runtime and \
-         tools), then put it on PATH or give its path explicitly. \
-         To run without it, use `--backend cpu` (or `--backend sim`)",
-        program.display()
-    )]
-    CompilerNotFound {
-        /// The program that was tried.
-        program: PathBuf,
-        /// The graphs that needed it.
-        graphs: String,
-        /// Why it could not be started.
-        source: io::Error,
-    },
-
-    /// `neuronx-cc --version` failed or printed nothing.
-    #[error(
-        "`{} --version` failed ({status}) before compiling {graphs}; its output:\n{output}\n\
-         Check the compiler installation (run the same command by hand)",
-        program.display()
-    )]
-    VersionFailed {
-        /// The program that was run.
-        program: PathBuf,
-        /// The graphs that were waiting on it.
-        graphs: String,
-        /// Its exit status, or why it did not finish.
-        status: String,
-        /// The tail of what it printed.
-        output: String,
-    },
-
-    /// The configuration contradicts the driver (e.g. `--output` among the flags).
-    #[error("cannot compile {graphs}: {msg}")]
-    InvalidConfig {
-        /// The graphs that were to be compiled.
-        graphs: String,
-        /// What is wrong and how to fix it.
-        msg: String,
-    },
-
-    /// neuronx-cc exited with an error.
-    #[error(
-        "neuronx-cc failed compiling {graph} ({status}); the last lines of its output:\n{tail}\n\
-         Command: {command}\nIts logs and artifacts are kept in {}. \
-         Fix the graph or the flags and rerun; nothing was cached",
-        workdir.display()
-    )]
-    CompilerFailed {
-        /// The graph's name.
-        graph: String,
-        /// Its exit status.
-        status: String,
-        /// The command line, quoted for a shell.
-        command: String,
-        /// The last lines of its stdout/stderr (or of `log-neuron-cc.txt`).
-        tail: String,
-        /// Its working directory, kept for the logs.
-        workdir: PathBuf,
-    },
-
-    /// neuronx-cc ran longer than the timeout and was killed.
-    #[error(
-        "neuronx-cc timed out after {} compiling {graph} and was killed; the last lines of its \
-         output:\n{tail}\nIts logs are kept in {}. Raise the compile timeout if the graph is \
-         just large, or look for a hang in the log",
-        fmt_duration(*timeout),
-        workdir.display()
-    )]
-    Timeout {
-        /// The graph's name.
-        graph: String,
-        /// The timeout that was exceeded.
-        timeout: Duration,
-        /// The last lines of its output.
-        tail: String,
-        /// Its working directory, kept for the logs.
-        workdir: PathBuf,
-    },
-
-    /// neuronx-cc reported success but wrote no (or an empty) NEFF.
-    #[error(
-        "neuronx-cc exited successfully compiling {graph} but wrote no NEFF at {}; the last \
-         lines of its output:\n{tail}\nCheck that the compiler's flags do not redirect its output",
-        path.display()
-    )]
-    NoOutput {
-        /// The graph's name.
-        graph: String,
-        /// Where the NEFF should have been.
-        path: PathBuf,
-        /// The last lines of its output.
-        tail: String,
-    },
-
-    /// The cache (or a scratch directory under it) could not be read or written.
-    #[error(
-        "NEFF cache, compiling {graph}: cannot {action} {}: {source}. Check that the cache \
-         directory is writable and has free space, or point DEEPINFER_NEFF_CACHE elsewhere",
-        path.display()
-    )]
-    Cache {
-        /// The graph's name (or the list of graphs, before any single one started).
-        graph: String,
-        /// What was being done (`create`, `write`, `lock`, ...).
-        action: &'static str,
-        /// The path involved.
-        path: PathBuf,
-        /// The underlying error.
-        source: io::Error,
-    },
 }
 
 /// `meta.json`: what the entry holds and how it was made.
@@ -1096,14 +978,6 @@ fn hex(bytes: &[u8]) -> String {
 }
 
 /// "600 s", or "1.5 s" when not whole.
-fn fmt_duration(d: Duration) -> String {
-    if d.subsec_millis() == 0 {
-        format!("{} s", d.as_secs())
-    } else {
-        format!("{:.1} s", d.as_secs_f64())
-    }
-}
-
 fn shell_quote(s: &str) -> String {
     let plain = |c: char| c.is_ascii_alphanumeric() || "-_=./,:+@%".contains(c);
     if !s.is_empty() && s.chars().all(plain) {

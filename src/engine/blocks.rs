@@ -1,13 +1,14 @@
 //! The paged KV cache's bookkeeping: which blocks of the root each sequence owns.
 //!
 //! The root is one `[blocks * block_size, layers * width]` tensor (see `model`); a slot is a row.
-//! Block 0 is reserved as scratch: padding rows and padding tokens write there, so a padded
+//! Block [`SCRATCH_BLOCK`] is reserved: padding rows and padding tokens write there, so a padded
 //! batch never touches a live sequence's slots. Nothing here touches tensor data.
+//!
+//! The scheduler owns the allocator, as vLLM's scheduler owns its block manager: the runner
+//! only executes steps over the block tables it is handed, and never decides who gets a block.
 
 use crate::error::{Error, Result};
-
-/// The reserved block that padding writes go to.
-pub const SCRATCH_BLOCK: u32 = 0;
+use crate::runner::step::SCRATCH_BLOCK;
 
 /// Hands out the cache's blocks; block 0 is never handed out.
 #[derive(Debug, Clone)]
@@ -22,7 +23,7 @@ impl BlockAllocator {
     /// scratch block and one usable).
     pub fn new(num_blocks: usize, block_size: usize) -> Result<Self> {
         if num_blocks < 2 || block_size == 0 {
-            return Err(Error::InvalidRequest(format!(
+            return Err(Error::InvalidInput(format!(
                 "a KV cache needs a block size > 0 and at least 2 blocks (got {num_blocks} of {block_size})"
             )));
         }
@@ -81,17 +82,10 @@ impl BlockAllocator {
     }
 }
 
-/// The slot of position `pos` of a sequence with block table `table`.
-pub fn slot(table: &[u32], block_size: usize, pos: usize) -> Result<i32> {
-    let block = table.get(pos / block_size).ok_or_else(|| {
-        Error::InvalidRequest(format!("position {pos} is beyond the sequence's blocks"))
-    })?;
-    Ok((*block as usize * block_size + pos % block_size) as i32)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::runner::step::slot;
 
     #[test]
     fn never_hands_out_scratch_and_fails_cleanly() {

@@ -21,8 +21,8 @@ use crate::graph::stats::{stats, GraphStats};
 use crate::graph::{Graph, InputRole};
 use crate::model::cost::{decode_floor, DecodeFloor};
 use crate::model::{self, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, WeightSpecs};
-use crate::runner::{CpuRunner, RunnerConfig};
-use crate::step::{self, DecodeRow, HostArray, HostData, PrefillChunk, SamplingParams};
+use crate::runner::step::{self, DecodeRow, HostArray, HostData, PrefillChunk, SamplingParams};
+use crate::runner::{CpuRunner, Runner, RunnerConfig, Step};
 use crate::weights::Checkpoint;
 
 /// What to lower.
@@ -276,8 +276,8 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
     let cfg = ModelConfig::from_file(&model_dir.join("config.json"))?;
     let max_batch = opts.batch_sizes.iter().copied().max().unwrap_or(1);
     let rc = RunnerConfig::for_limits(max_batch, opts.ctx);
-    if rc.max_len() != opts.ctx {
-        return Err(Error::InvalidRequest(format!(
+    if rc.buckets.max_len() != opts.ctx {
+        return Err(Error::InvalidInput(format!(
             "--ctx {} must be a multiple of the block size {}",
             opts.ctx, rc.block_size
         )));
@@ -300,7 +300,7 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
     };
 
     let mut graphs = Vec::new();
-    let t = rc.prefill_chunk;
+    let t = rc.buckets.prefill_chunk;
     let prefill = model::build_prefill(
         &cfg,
         &specs,
@@ -360,7 +360,7 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
 
     if let Some(tokens) = &opts.inputs_from_token_ids {
         if tokens.len() < 2 || tokens.len() > opts.ctx.min(t + 1) {
-            return Err(Error::InvalidRequest(format!(
+            return Err(Error::InvalidInput(format!(
                 "--inputs-from-token-ids needs 2 to {} tokens (one prefill chunk, then one decode step)",
                 opts.ctx.min(t + 1)
             )));
@@ -368,8 +368,10 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
         let weights = ModelWeights::load(&cfg, &Checkpoint::open(model_dir)?)?;
         let mut runner = CpuRunner::new(cfg.clone(), weights, rc.clone())?;
         let (prompt, last) = tokens.split_at(tokens.len() - 1);
-        let mut blocks = Vec::new();
-        runner.blocks.grow(&mut blocks, tokens.len())?;
+        // A fresh cache with one sequence: it owns the blocks after the scratch block.
+        let first = step::SCRATCH_BLOCK + 1;
+        let blocks: Vec<u32> =
+            (first..first + tokens.len().div_ceil(rc.block_size) as u32).collect();
         let chunk = PrefillChunk {
             tokens: prompt,
             start: 0,
@@ -378,7 +380,10 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
         };
         let prefill_meta = step::prefill_step(&chunk, t, opts.ctx, rc.block_size)?;
         let empty_root = runner.kv_root().copy()?;
-        runner.prefill(&chunk, LogitsOutput::None)?;
+        runner.replay(&Step::Prefill {
+            chunk: &chunk,
+            logits: LogitsOutput::None,
+        })?;
         let root = runner.kv_root().copy()?;
         for ((g, kind, rows), entry) in graphs.iter().zip(manifest.graphs.iter_mut()) {
             if *kind == "prefill" {
@@ -396,8 +401,8 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
         }
     }
     let path = out.join("manifest.json");
-    let json = serde_json::to_string_pretty(&manifest)
-        .map_err(|e| Error::InvalidRequest(e.to_string()))?;
+    let json =
+        serde_json::to_string_pretty(&manifest).map_err(|e| Error::Internal(e.to_string()))?;
     std::fs::write(&path, json).map_err(io_err(&path))?;
     Ok(manifest)
 }

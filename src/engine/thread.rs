@@ -19,7 +19,10 @@ use tokio::sync::mpsc as async_mpsc;
 
 use crate::error::{Error, Result};
 use crate::metrics::{Metrics, Outcome};
-use crate::runner::{GraphRunner, Runner};
+use crate::runner::Runner;
+
+/// The runner the engine thread drives: whichever backend [`crate::runner::open`] chose.
+type EngineRunner = Box<dyn Runner>;
 use crate::tokenizer::Tokenizer;
 
 use super::params::{FinishReason, GenerationParams};
@@ -151,15 +154,14 @@ impl Drop for RequestStream {
 impl Engine {
     /// Starts the engine thread. `make_runner` runs on that thread (a device runner is created,
     /// captured and used there); its error is returned here, before anything is served.
-    pub fn start<F, E>(
+    pub fn start<F>(
         make_runner: F,
         tokenizer: Option<Arc<Tokenizer>>,
         options: EngineOptions,
         metrics: Arc<Metrics>,
     ) -> Result<Engine>
     where
-        F: FnOnce() -> std::result::Result<GraphRunner, E> + Send + 'static,
-        E: std::fmt::Display,
+        F: FnOnce() -> Result<EngineRunner> + Send + 'static,
     {
         let (commands, inbox) = mpsc::channel();
         let (ready_tx, ready_rx) = mpsc::sync_channel(1);
@@ -179,18 +181,24 @@ impl Engine {
                 let runner = match make_runner() {
                     Ok(r) => r,
                     Err(e) => {
-                        let _ = ready_tx.send(Err(Error::Engine(format!("{e:#}"))));
+                        let _ = ready_tx.send(Err(e));
                         return;
                     }
                 };
                 let rc = runner.runner_config();
                 let info = EngineInfo {
-                    max_len: rc.max_len(),
+                    max_len: rc.buckets.max_len(),
                     vocab_size: runner.config().vocab_size,
-                    max_batch: rc.batch_buckets.last().copied().unwrap_or(1),
-                    backend: runner.backend_name(),
+                    max_batch: rc.buckets.max_batch(),
+                    backend: runner.backend().name(),
                 };
-                let mut scheduler = Scheduler::new(runner, tokenizer, eos);
+                let mut scheduler = match Scheduler::new(runner, tokenizer, eos) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        let _ = ready_tx.send(Err(e));
+                        return;
+                    }
+                };
                 if ready_tx.send(Ok(info)).is_err() {
                     return;
                 }
@@ -324,7 +332,7 @@ struct Client {
 }
 
 fn run_loop(
-    scheduler: &mut Scheduler<GraphRunner>,
+    scheduler: &mut Scheduler<EngineRunner>,
     inbox: &mpsc::Receiver<Command>,
     shared: &Shared,
     log_every: Option<std::time::Duration>,
@@ -474,7 +482,7 @@ fn outcome_of(f: FinishReason) -> Outcome {
 fn route(
     outputs: Vec<super::scheduler::Output>,
     clients: &mut HashMap<RequestId, Client>,
-    scheduler: &mut Scheduler<GraphRunner>,
+    scheduler: &mut Scheduler<EngineRunner>,
     metrics: &Metrics,
 ) {
     let now = Instant::now();

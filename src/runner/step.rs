@@ -3,8 +3,19 @@
 //! Padding rows and tokens write their cache rows into the scratch block and attend only to
 //! scratch, so they cannot disturb a live sequence; their outputs are ignored.
 
-use crate::cache::{slot, SCRATCH_BLOCK};
 use crate::error::{Error, Result};
+use crate::model::inputs;
+
+/// The reserved cache block that padding writes go to; the block allocator never hands it out.
+pub const SCRATCH_BLOCK: u32 = 0;
+
+/// The slot of position `pos` of a sequence with block table `table`.
+pub fn slot(table: &[u32], block_size: usize, pos: usize) -> Result<i32> {
+    let block = table.get(pos / block_size).ok_or_else(|| {
+        Error::Internal(format!("position {pos} is beyond the sequence's blocks"))
+    })?;
+    Ok((*block as usize * block_size + pos % block_size) as i32)
+}
 
 /// Host data of one metadata input.
 #[derive(Debug, Clone, PartialEq)]
@@ -160,13 +171,23 @@ impl StepArrays {
         let n = [params.clone().count()];
         self.f32s(
             first,
-            "temperature",
+            inputs::TEMPERATURE,
             &n,
             params.clone().map(|p| p.temperature),
         );
-        self.i32s(first + 1, "top_k", &n, params.clone().map(|p| p.top_k));
-        self.f32s(first + 2, "top_p", &n, params.clone().map(|p| p.top_p));
-        self.u32s(first + 3, "seeds", &n, params.map(|p| p.seed));
+        self.i32s(
+            first + 1,
+            inputs::TOP_K,
+            &n,
+            params.clone().map(|p| p.top_k),
+        );
+        self.f32s(
+            first + 2,
+            inputs::TOP_P,
+            &n,
+            params.clone().map(|p| p.top_p),
+        );
+        self.u32s(first + 3, inputs::SEEDS, &n, params.map(|p| p.seed));
         self.arrays.truncate(first + 4);
     }
 
@@ -180,14 +201,14 @@ impl StepArrays {
         block_size: usize,
     ) -> Result<()> {
         if rows.len() > batch {
-            return Err(Error::InvalidRequest(format!(
+            return Err(Error::Internal(format!(
                 "{} rows do not fit a batch of {batch}",
                 rows.len()
             )));
         }
         for r in rows {
             if r.position >= ctx {
-                return Err(Error::InvalidRequest(format!(
+                return Err(Error::Internal(format!(
                     "position {} is beyond the context bucket {ctx}",
                     r.position
                 )));
@@ -201,7 +222,7 @@ impl StepArrays {
         let b = [batch];
         self.i32s(
             0,
-            "input_ids",
+            inputs::INPUT_IDS,
             &b,
             rows.iter()
                 .map(|r| r.token as i32)
@@ -209,7 +230,7 @@ impl StepArrays {
         );
         self.i32s(
             1,
-            "positions",
+            inputs::POSITIONS,
             &b,
             rows.iter()
                 .map(|r| r.position as i32)
@@ -217,7 +238,7 @@ impl StepArrays {
         );
         self.i32s(
             2,
-            "slot_mapping",
+            inputs::SLOT_MAPPING,
             &b,
             rows.iter()
                 .map(|r| slot(r.blocks, block_size, r.position).unwrap_or(scratch))
@@ -225,7 +246,7 @@ impl StepArrays {
         );
         self.i32s(
             3,
-            "block_tables",
+            inputs::BLOCK_TABLES,
             &[batch, width],
             rows.iter()
                 .flat_map(|r| block_row(r.blocks, width))
@@ -233,7 +254,7 @@ impl StepArrays {
         );
         self.i32s(
             4,
-            "context_lens",
+            inputs::CONTEXT_LENS,
             &b,
             rows.iter()
                 .map(|r| r.position as i32 + 1)
@@ -259,7 +280,7 @@ impl StepArrays {
     ) -> Result<()> {
         let n = chunk.tokens.len();
         if n == 0 || n > t || chunk.start + n > ctx {
-            return Err(Error::InvalidRequest(format!(
+            return Err(Error::Internal(format!(
                 "a chunk of {n} tokens at position {} does not fit {t} tokens and a context of {ctx}",
                 chunk.start
             )));
@@ -273,7 +294,7 @@ impl StepArrays {
         let tt = [t];
         self.i32s(
             0,
-            "input_ids",
+            inputs::INPUT_IDS,
             &tt,
             chunk
                 .tokens
@@ -283,7 +304,7 @@ impl StepArrays {
         );
         self.i32s(
             1,
-            "positions",
+            inputs::POSITIONS,
             &tt,
             (chunk.start..chunk.start + n)
                 .map(|p| p as i32)
@@ -291,7 +312,7 @@ impl StepArrays {
         );
         self.i32s(
             2,
-            "slot_mapping",
+            inputs::SLOT_MAPPING,
             &tt,
             (chunk.start..chunk.start + n)
                 .map(|p| slot(chunk.blocks, block_size, p).unwrap_or(base as i32))
@@ -299,11 +320,11 @@ impl StepArrays {
         );
         self.i32s(
             3,
-            "block_tables",
+            inputs::BLOCK_TABLES,
             &[1, width],
             block_row(chunk.blocks, width),
         );
-        self.i32s(4, "last_index", &[1], std::iter::once(n as i32 - 1));
+        self.i32s(4, inputs::LAST_INDEX, &[1], std::iter::once(n as i32 - 1));
         self.sampling(5, std::iter::once(chunk.sampling));
         Ok(())
     }

@@ -1,0 +1,120 @@
+//! `deepinfer bench`: decode throughput at one batch size on the CPU runner.
+
+use std::path::PathBuf;
+use std::time::Instant;
+
+use anyhow::{bail, Result};
+use clap::Args;
+use deepinfer::config::ModelConfig;
+use deepinfer::engine::BlockAllocator;
+use deepinfer::model::{LogitsOutput, ModelWeights};
+use deepinfer::runner::step::{DecodeRow, PrefillChunk, SamplingParams};
+use deepinfer::runner::{self, Backend, RunnerConfig, Step};
+use deepinfer::weights::Checkpoint;
+
+use crate::emit;
+
+#[derive(Args)]
+pub(crate) struct BenchArgs {
+    /// Checkpoint directory to benchmark.
+    #[arg(long, conflicts_with = "config", required_unless_present = "config")]
+    model: Option<PathBuf>,
+    /// A config.json to benchmark with random weights instead.
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Sequences decoded together.
+    #[arg(long, default_value_t = 1)]
+    batch: usize,
+    /// Prompt tokens prefilled per sequence before timing.
+    #[arg(long, default_value_t = 16)]
+    prompt_len: usize,
+    /// Decode steps timed.
+    #[arg(long, default_value_t = 32)]
+    steps: usize,
+    /// Print one JSON line.
+    #[arg(long)]
+    json: bool,
+}
+
+/// Runs the command.
+pub(crate) fn run(args: BenchArgs) -> Result<()> {
+    let (cfg, weights) = match (&args.model, &args.config) {
+        (Some(dir), _) => {
+            let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
+            let w = ModelWeights::load(&cfg, &Checkpoint::open(dir)?)?;
+            (cfg, w)
+        }
+        (None, Some(file)) => {
+            let cfg = ModelConfig::from_file(file)?;
+            let w = ModelWeights::random(&cfg, 0)?;
+            (cfg, w)
+        }
+        (None, None) => bail!("pass --model or --config"),
+    };
+    let vocab = cfg.vocab_size as u32;
+    let max_len = args.prompt_len + args.steps + 1;
+    let rc = RunnerConfig::for_limits(args.batch, max_len);
+    let mut alloc = BlockAllocator::new(rc.num_blocks, rc.block_size)?;
+    let mut runner = runner::open_with_weights(Backend::Cpu, cfg, weights, rc)?;
+    let mut tables = vec![Vec::new(); args.batch];
+    let mut tokens = Vec::with_capacity(args.batch);
+    for (i, table) in tables.iter_mut().enumerate() {
+        let prompt: Vec<u32> = (0..args.prompt_len as u32)
+            .map(|j| (j * 7 + i as u32 * 13 + 1) % vocab)
+            .collect();
+        alloc.grow(table, args.prompt_len)?;
+        let chunk = PrefillChunk {
+            tokens: &prompt,
+            start: 0,
+            blocks: table,
+            sampling: SamplingParams::GREEDY,
+        };
+        let out = runner.replay(&Step::Prefill {
+            chunk: &chunk,
+            logits: LogitsOutput::None,
+        })?;
+        tokens.extend(out.next_tokens.first().copied());
+    }
+    let mut run_step = |step: usize, tokens: &mut Vec<u32>| -> Result<()> {
+        let position = args.prompt_len + step;
+        for t in tables.iter_mut() {
+            alloc.grow(t, position + 1)?;
+        }
+        let rows: Vec<DecodeRow> = tables
+            .iter()
+            .zip(tokens.iter())
+            .map(|(t, &token)| DecodeRow {
+                token,
+                position,
+                blocks: t,
+                sampling: SamplingParams::GREEDY,
+            })
+            .collect();
+        let step = Step::Decode {
+            rows: &rows,
+            logits: LogitsOutput::None,
+        };
+        *tokens = runner.replay(&step)?.next_tokens;
+        Ok(())
+    };
+    run_step(0, &mut tokens)?; // builds the decode graph
+    let start = Instant::now();
+    for step in 1..=args.steps {
+        run_step(step, &mut tokens)?;
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let tps = (args.batch * args.steps) as f64 / secs;
+    let ms = secs * 1e3 / args.steps as f64;
+    if args.json {
+        emit(
+            &serde_json::json!({ "batch": args.batch, "tokens_per_s": tps, "ms_per_step": ms })
+                .to_string(),
+        )?;
+    } else {
+        emit(&format!(
+            "batch {}: {tps:.1} tokens/s, {ms:.2} ms/step",
+            args.batch
+        ))?;
+    }
+    Ok(())
+}

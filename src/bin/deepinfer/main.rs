@@ -1,0 +1,150 @@
+//! The `deepinfer` command line: serve, generate, score, benchmark and lower
+//! DeepSeek-architecture models.
+//!
+//! Each command lives in its own module with its arguments; this file holds what they share
+//! (the model and backend arguments, the default model, printing) and the dispatch. Backend
+//! choice and runner construction are the library's ([`deepinfer::runner::open`]); the binary
+//! only turns flags into [`Limits`] and prints.
+
+mod bench;
+mod generate;
+mod lower;
+mod score;
+mod serve;
+
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::{Args, Parser, Subcommand};
+use deepinfer::runner::{self, Backend, Limits, Runner};
+
+#[derive(Parser)]
+#[command(
+    name = "deepinfer",
+    version,
+    about = "Serve DeepSeek-architecture models (MLA + MoE) from Rust: Trainium or CPU"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Generate a continuation of a prompt.
+    Generate(generate::GenerateArgs),
+    /// Print the logits of every position of a token sequence as JSON.
+    Score(score::ScoreArgs),
+    /// Measure decode throughput (tokens/s) at one batch size.
+    Bench(bench::BenchArgs),
+    /// Lower the model's bucket graphs to XLA HLO files with a manifest.
+    Lower(lower::LowerArgs),
+    /// Report whether the Neuron backend can run here: libnrt, NeuronCores, neuronx-cc.
+    Doctor,
+    /// Serve the model over an OpenAI-compatible HTTP API.
+    Serve(serve::ServeArgs),
+}
+
+/// The model and backend arguments every running command takes.
+#[derive(Args)]
+struct ModelArgs {
+    /// Checkpoint directory (config.json, *.safetensors, tokenizer.json). Defaults to the
+    /// embedded default model.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Where graphs run: cpu, sim (nrt-sim) or neuron. Default: `sim` when NEURON_RT_LIB names
+    /// nrt-sim, `neuron` when libnrt and a NeuronCore are present, else `cpu`.
+    #[arg(long)]
+    backend: Option<Backend>,
+}
+
+impl ModelArgs {
+    /// The model directory: the one given, else the embedded default model.
+    fn dir(&self) -> Result<PathBuf> {
+        match &self.model {
+            Some(d) => Ok(d.clone()),
+            None => default_model_dir(),
+        }
+    }
+
+    /// Opens a captured runner for the model within `limits` on the chosen backend.
+    fn open(&self, dir: &Path, limits: &Limits) -> Result<Box<dyn Runner>> {
+        let backend = runner::choose_backend(self.backend);
+        Ok(runner::open(backend, dir, limits)?)
+    }
+}
+
+/// The embedded default model: shipped in the repository, found beside the binary or in the
+/// source tree the binary was built from.
+fn default_model_dir() -> Result<PathBuf> {
+    let mut candidates = Vec::new();
+    if let Ok(exe) = std::env::current_exe() {
+        if let Some(dir) = exe.parent() {
+            candidates.push(dir.join("default-model"));
+        }
+    }
+    let source = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures");
+    candidates.push(source.join("default-model"));
+    candidates.push(source.join("tiny-v3"));
+    candidates
+        .iter()
+        .find(|d| d.join("config.json").is_file())
+        .cloned()
+        .with_context(|| {
+            format!("no default model found (looked in {candidates:?}); pass --model DIR")
+        })
+}
+
+/// Prints one line to stdout; a closed pipe (`| head`) ends the program quietly, not with a panic.
+fn emit(line: &str) -> Result<()> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match writeln!(out, "{line}").and_then(|()| out.flush()) {
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(0),
+        r => Ok(r?),
+    }
+}
+
+/// candle-core asks for its thread count on every matrix product, and without
+/// `RAYON_NUM_THREADS` that means parsing `/proc/cpuinfo` each time (several percent of a
+/// decode step). Setting it once, before any thread starts, makes the answer an env lookup.
+fn pin_thread_count() {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+}
+
+fn doctor() -> Result<ExitCode> {
+    let report = deepinfer::backend::neuron::runtime::doctor_report();
+    emit(report.to_string().trim_end())?;
+    Ok(if report.neuron_ready() {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    })
+}
+
+fn main() -> ExitCode {
+    pin_thread_count();
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Generate(a) => generate::run(a),
+        Command::Score(a) => score::run(a),
+        Command::Bench(a) => bench::run(a),
+        Command::Lower(a) => lower::run(a),
+        Command::Serve(a) => serve::run(a),
+        Command::Doctor => match doctor() {
+            Ok(code) => return code,
+            Err(e) => Err(e),
+        },
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

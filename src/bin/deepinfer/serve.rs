@@ -1,0 +1,132 @@
+//! `deepinfer serve`: the OpenAI-compatible HTTP server over the continuous-batching engine.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use deepinfer::config::ModelConfig;
+use deepinfer::engine::{Engine, EngineOptions};
+use deepinfer::metrics::Metrics;
+use deepinfer::runner::{self, Limits};
+use deepinfer::server::{AppState, ServerConfig};
+use deepinfer::tokenizer::Tokenizer;
+
+use crate::ModelArgs;
+
+#[derive(Args)]
+pub(crate) struct ServeArgs {
+    #[command(flatten)]
+    model: ModelArgs,
+    /// Address to bind; the default serves this machine only.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: String,
+    /// Port to bind; 0 picks a free one (the ready line on stderr says which).
+    #[arg(long, default_value_t = 8000)]
+    port: u16,
+    /// Require `Authorization: Bearer KEY` on every route but /health and /metrics.
+    #[arg(long, env = "DEEPINFER_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
+    /// The model name clients pass (default: the model directory's name).
+    #[arg(long)]
+    served_model_name: Option<String>,
+    /// Sequences decoded together at most (the largest batch bucket).
+    #[arg(long, default_value_t = 32)]
+    max_batch: usize,
+    /// Longest sequence, prompt plus completion (default: the model's, at most 2048).
+    #[arg(long)]
+    max_len: Option<usize>,
+    /// KV-cache blocks of 16 tokens (default: enough for --max-batch sequences of --max-len).
+    #[arg(long)]
+    kv_blocks: Option<usize>,
+    /// Most prompt tokens per prefill step. Prefill graphs are built for 16, 64, ... up to this
+    /// size, and a chunk runs on the smallest that holds it; larger chunks take long prompts in
+    /// fewer steps but stall the decoding streams longer.
+    #[arg(long, default_value_t = 64)]
+    prefill_chunk: usize,
+    /// Requests that may wait for a batch slot before new ones get 429.
+    #[arg(long, default_value_t = 256)]
+    max_waiting: usize,
+    /// Largest request body accepted, in bytes.
+    #[arg(long, default_value_t = 1 << 20)]
+    max_body_bytes: usize,
+    /// Seconds between stats lines on stderr while serving (throughput, running, waiting, KV
+    /// cache use); 0 turns them off.
+    #[arg(long, default_value_t = 10)]
+    log_stats_secs: u64,
+    /// Seconds shutdown waits for requests in flight before ending them.
+    #[arg(long, default_value_t = 30)]
+    drain_timeout_secs: u64,
+}
+
+/// Runs the command.
+pub(crate) fn run(args: ServeArgs) -> Result<()> {
+    let dir = args.model.dir()?;
+    let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
+    let tokenizer = if dir.join("tokenizer.json").is_file() {
+        Some(Arc::new(Tokenizer::from_dir(&dir)?))
+    } else {
+        None
+    };
+    let limits = Limits {
+        max_batch: args.max_batch,
+        max_len: args.max_len.unwrap_or(2048),
+        kv_blocks: args.kv_blocks,
+        prefill_chunk: Some(args.prefill_chunk),
+    };
+    // Checked here, so a bad flag fails before the model loads.
+    limits.runner_config(&cfg)?;
+    let eos: Vec<u32> = tokenizer
+        .as_ref()
+        .and_then(|t| t.eos_token_id())
+        .into_iter()
+        .chain(cfg.eos_token_ids.iter().copied())
+        .collect();
+    let served_model_name = match args.served_model_name {
+        Some(n) => n,
+        None => dir
+            .canonicalize()
+            .ok()
+            .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .unwrap_or_else(|| "model".into()),
+    };
+    let metrics = Arc::new(Metrics::new());
+    let backend = runner::choose_backend(args.model.backend);
+    let runner_dir = dir.clone();
+    let engine = Engine::start(
+        move || runner::open(backend, &runner_dir, &limits),
+        tokenizer.clone(),
+        EngineOptions {
+            max_waiting: args.max_waiting,
+            eos_token_ids: eos,
+            log_stats_every: (args.log_stats_secs > 0)
+                .then(|| Duration::from_secs(args.log_stats_secs)),
+        },
+        metrics,
+    )?;
+    let engine = Arc::new(engine);
+    let config = ServerConfig {
+        served_model_name: served_model_name.clone(),
+        api_key: args.api_key.filter(|k| !k.is_empty()),
+        max_body_bytes: args.max_body_bytes,
+        drain_timeout: Duration::from_secs(args.drain_timeout_secs),
+    };
+    let state = Arc::new(AppState::new(config, engine, tokenizer));
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async move {
+        let addr = format!("{}:{}", args.host, args.port);
+        let listener = tokio::net::TcpListener::bind(&addr)
+            .await
+            .with_context(|| format!("cannot listen on {addr}"))?;
+        deepinfer::server::serve(listener, state, |bound| {
+            eprintln!(
+                "deepinfer: serving \"{served_model_name}\" on http://{bound} (backend {backend})"
+            );
+        })
+        .await
+        .context("serving")
+    })
+}

@@ -1,0 +1,219 @@
+//! The CPU twin of the device runner: the same graphs, run by candle-core on the host.
+//!
+//! It owns the weights (bound to every graph by name), the KV root (bound as input and
+//! aliased output of every graph, updated in place) and one graph per bucket. Capture records
+//! the buckets and forgets the graphs of earlier captures; each graph is built the first time
+//! a step needs it and kept, because on the CPU building is cheap and a server configured for
+//! `--max-batch 32 --max-len 2048` would otherwise build a hundred graphs it may never run.
+
+use std::collections::HashMap;
+
+use candle_core::{DType as CDType, Device, Tensor as CTensor};
+
+use crate::backend::cpu;
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::graph::{Graph, InputRole};
+use crate::model::{
+    self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, WeightSpecs,
+};
+
+use super::step::{self, HostArray, HostData};
+use super::{Backend, Buckets, Runner, RunnerConfig, Step, StepKind, StepOutput};
+
+/// The CPU graph runner for one model.
+pub struct CpuRunner {
+    cfg: ModelConfig,
+    specs: WeightSpecs,
+    weights: ModelWeights,
+    layout: CacheLayout,
+    root: CTensor,
+    runner_cfg: RunnerConfig,
+    graphs: HashMap<(StepKind, usize, usize, LogitsOutput), Graph>,
+}
+
+impl std::fmt::Debug for CpuRunner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CpuRunner")
+            .field("runner_cfg", &self.runner_cfg)
+            .field("graphs", &self.graphs.len())
+            .finish()
+    }
+}
+
+impl CpuRunner {
+    /// A runner with a zeroed KV root sized by `runner_cfg`; not yet captured (see
+    /// [`super::open`], which captures).
+    pub fn new(cfg: ModelConfig, weights: ModelWeights, runner_cfg: RunnerConfig) -> Result<Self> {
+        runner_cfg.buckets.validate(runner_cfg.block_size)?;
+        let layout = CacheLayout {
+            block_size: runner_cfg.block_size,
+            num_slots: runner_cfg.num_blocks * runner_cfg.block_size,
+        };
+        let root = CTensor::zeros(
+            (
+                layout.num_slots,
+                cfg.num_hidden_layers * cfg.kv_cache_width(),
+            ),
+            CDType::F32,
+            &Device::Cpu,
+        )?;
+        Ok(CpuRunner {
+            specs: WeightSpecs::new(&cfg),
+            cfg,
+            weights,
+            layout,
+            root,
+            runner_cfg,
+            graphs: HashMap::new(),
+        })
+    }
+
+    /// The KV root (for tools that snapshot the cache, e.g. `deepinfer lower`).
+    pub fn kv_root(&self) -> &CTensor {
+        &self.root
+    }
+
+    /// The prepared weights.
+    pub fn weights(&self) -> &ModelWeights {
+        &self.weights
+    }
+
+    /// The cache geometry graphs are built for.
+    pub fn cache_layout(&self) -> CacheLayout {
+        self.layout
+    }
+
+    fn graph(
+        &mut self,
+        kind: StepKind,
+        rows: usize,
+        ctx: usize,
+        logits: LogitsOutput,
+    ) -> Result<Graph> {
+        let key = (kind, rows, ctx, logits);
+        if let Some(g) = self.graphs.get(&key) {
+            return Ok(g.clone());
+        }
+        // On the CPU the fused gather reads only the selected experts and computes only their
+        // rows, so it wins at every batch size; the dense strategy only pays off on a device
+        // whose bottleneck is memory traffic, not arithmetic (see `MoeStrategy::for_tokens`).
+        let moe = self.runner_cfg.moe.unwrap_or(MoeStrategy::Gather);
+        let spec = GraphSpec {
+            rows,
+            ctx,
+            logits,
+            moe,
+        };
+        let g = match kind {
+            StepKind::Decode => model::build_decode(&self.cfg, &self.specs, &self.layout, &spec)?,
+            StepKind::Prefill => model::build_prefill(&self.cfg, &self.specs, &self.layout, &spec)?,
+        };
+        self.graphs.insert(key, g.clone());
+        Ok(g)
+    }
+
+    fn execute(
+        &mut self,
+        graph: &Graph,
+        metadata: &[HostArray],
+        real_rows: usize,
+    ) -> Result<StepOutput> {
+        let mut inputs = Vec::with_capacity(graph.inputs().len());
+        for decl in graph.inputs() {
+            let t = match decl.role {
+                InputRole::Weight => self.weights.get(&decl.name)?.clone(),
+                InputRole::CacheRoot => self.root.clone(),
+                InputRole::Metadata => {
+                    let a = metadata
+                        .iter()
+                        .find(|a| a.name == decl.name)
+                        .ok_or_else(|| Error::Binding {
+                            name: decl.name.clone(),
+                            msg: "no metadata given for it".into(),
+                        })?;
+                    let dev = &Device::Cpu;
+                    match &a.data {
+                        HostData::I32(v) => CTensor::from_slice(v, a.shape.as_slice(), dev)?,
+                        HostData::F32(v) => CTensor::from_slice(v, a.shape.as_slice(), dev)?,
+                        HostData::U32(v) => CTensor::from_slice(v, a.shape.as_slice(), dev)?,
+                    }
+                }
+            };
+            inputs.push(t);
+        }
+        let outputs = cpu::run(graph, &inputs)?;
+        let get = |name: &str| graph.output_index(name).map(|i| &outputs[i]);
+        let next = get("next_tokens")
+            .ok_or_else(|| Error::Binding {
+                name: "next_tokens".into(),
+                msg: "missing output".into(),
+            })?
+            .to_vec1::<i32>()?;
+        let logits = match get("logits") {
+            Some(t) => {
+                let mut rows = t.to_vec2::<f32>()?;
+                rows.truncate(real_rows);
+                Some(rows)
+            }
+            None => None,
+        };
+        Ok(StepOutput {
+            next_tokens: next.into_iter().take(real_rows).map(|x| x as u32).collect(),
+            logits,
+        })
+    }
+}
+
+impl Runner for CpuRunner {
+    fn config(&self) -> &ModelConfig {
+        &self.cfg
+    }
+
+    fn runner_config(&self) -> &RunnerConfig {
+        &self.runner_cfg
+    }
+
+    fn backend(&self) -> Backend {
+        Backend::Cpu
+    }
+
+    fn capture(&mut self, buckets: &Buckets) -> Result<()> {
+        buckets.validate(self.runner_cfg.block_size)?;
+        self.runner_cfg.buckets = buckets.clone();
+        self.graphs.clear();
+        Ok(())
+    }
+
+    fn replay(&mut self, step: &Step<'_>) -> Result<StepOutput> {
+        let vocab = self.cfg.vocab_size;
+        let block_size = self.layout.block_size;
+        match step {
+            Step::Prefill { chunk, logits } => {
+                let (t, ctx) = self.runner_cfg.buckets.prefill_bucket(chunk, vocab)?;
+                let graph = self.graph(StepKind::Prefill, t, ctx, *logits)?;
+                let meta = step::prefill_step(chunk, t, ctx, block_size)?;
+                let real = match logits {
+                    LogitsOutput::AllPositions => chunk.tokens.len(),
+                    _ => 1,
+                };
+                self.execute(&graph, &meta, real)
+            }
+            Step::Decode { rows, logits } => {
+                let (batch, ctx) = self.runner_cfg.buckets.decode_bucket(rows, vocab)?;
+                let want = match logits {
+                    LogitsOutput::None => LogitsOutput::None,
+                    _ => LogitsOutput::Sampled,
+                };
+                let graph = self.graph(StepKind::Decode, batch, ctx, want)?;
+                let meta = step::decode_step(rows, batch, ctx, block_size)?;
+                self.execute(&graph, &meta, rows.len())
+            }
+        }
+    }
+
+    fn destroy(&mut self) -> Result<()> {
+        self.graphs.clear();
+        Ok(())
+    }
+}

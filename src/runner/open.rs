@@ -1,0 +1,222 @@
+//! Choosing a backend and opening a captured runner on it: the one constructor the CLI, the
+//! server and the tests share.
+
+use std::path::{Path, PathBuf};
+
+use crate::backend::neuron::compile::CompilerConfig;
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::model::ModelWeights;
+use crate::weights::Checkpoint;
+
+use super::{CpuRunner, DeviceOptions, DeviceRunner, Runner, RunnerConfig};
+
+/// The file name of nrt-sim's shared library.
+pub const SIM_LIBRARY_FILE: &str = "libnrt_sim.so";
+
+/// The `git_hash` nrt-sim reports from `nrt_get_version`: how a loaded libnrt is recognised
+/// as the simulator (whose "NEFF" is our HLO, so nothing must be compiled for it).
+pub const SIM_GIT_HASH: &str = "nrt-sim";
+
+/// Where graphs run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// candle-core on the host CPU.
+    Cpu,
+    /// nrt-sim (`libnrt_sim.so`): the device runner over a simulated NeuronCore.
+    Sim,
+    /// libnrt on a NeuronCore, graphs compiled with neuronx-cc.
+    Neuron,
+}
+
+impl Backend {
+    /// The name users type (`--backend cpu|sim|neuron`) and the server reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Cpu => "cpu",
+            Backend::Sim => "sim",
+            Backend::Neuron => "neuron",
+        }
+    }
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Backend {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "cpu" => Ok(Backend::Cpu),
+            "sim" => Ok(Backend::Sim),
+            "neuron" => Ok(Backend::Neuron),
+            other => Err(Error::InvalidInput(format!(
+                "unknown backend `{other}`: expected cpu, sim or neuron"
+            ))),
+        }
+    }
+}
+
+/// The backend to use: the one asked for, else `sim` when `NEURON_RT_LIB` points at nrt-sim,
+/// else `neuron` when libnrt loads and sees a NeuronCore, else `cpu`.
+pub fn choose_backend(asked: Option<Backend>) -> Backend {
+    if let Some(b) = asked {
+        return b;
+    }
+    match neuron_sys::Library::load() {
+        Ok(lib) if matches!(lib.version(), Ok(Some(v)) if v.git_hash == SIM_GIT_HASH) => {
+            Backend::Sim
+        }
+        Ok(lib) if matches!(lib.visible_nc_count(), Ok(Some(n)) if n > 0) => Backend::Neuron,
+        _ => Backend::Cpu,
+    }
+}
+
+/// What a user sizes a runner by; [`Limits::runner_config`] turns it into buckets and a cache.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Limits {
+    /// Sequences decoded together at most (the largest batch bucket).
+    pub max_batch: usize,
+    /// Longest sequence, prompt plus completion; capped at the model's
+    /// `max_position_embeddings`.
+    pub max_len: usize,
+    /// KV-cache blocks, scratch included (default: every sequence at full length).
+    pub kv_blocks: Option<usize>,
+    /// Most prompt tokens per prefill step (default: 64, at most `max_len`).
+    pub prefill_chunk: Option<usize>,
+}
+
+impl Limits {
+    /// `max_batch` sequences of up to `max_len` tokens, default cache and chunk.
+    pub fn new(max_batch: usize, max_len: usize) -> Self {
+        Limits {
+            max_batch,
+            max_len,
+            kv_blocks: None,
+            prefill_chunk: None,
+        }
+    }
+
+    /// The runner configuration for `cfg` within these limits, or an error naming the limit
+    /// that cannot work.
+    pub fn runner_config(&self, cfg: &ModelConfig) -> Result<RunnerConfig> {
+        if self.max_batch == 0 {
+            return Err(Error::InvalidInput("--max-batch must be at least 1".into()));
+        }
+        if self.max_len == 0 {
+            return Err(Error::InvalidInput("--max-len must be at least 1".into()));
+        }
+        let max_len = self.max_len.min(cfg.max_position_embeddings);
+        let mut rc = RunnerConfig::for_limits(self.max_batch, max_len);
+        let longest = rc.buckets.max_len();
+        if let Some(blocks) = self.kv_blocks {
+            let one_sequence = longest.div_ceil(rc.block_size) + 1;
+            if blocks < one_sequence {
+                return Err(Error::InvalidInput(format!(
+                    "--kv-blocks {blocks} cannot hold even one sequence of {longest} tokens: at \
+                     least {one_sequence} blocks are needed (or lower --max-len)"
+                )));
+            }
+            rc.num_blocks = blocks;
+        }
+        if let Some(chunk) = self.prefill_chunk {
+            if chunk == 0 {
+                return Err(Error::InvalidInput(
+                    "--prefill-chunk must be at least 1".into(),
+                ));
+            }
+            rc.buckets.prefill_chunk = chunk.min(longest);
+        }
+        Ok(rc)
+    }
+}
+
+/// Loads the checkpoint in `model_dir`, builds a runner within `limits` on `backend` and
+/// captures its buckets.
+pub fn open(backend: Backend, model_dir: &Path, limits: &Limits) -> Result<Box<dyn Runner>> {
+    if !model_dir.is_dir() {
+        return Err(Error::Io {
+            path: model_dir.to_path_buf(),
+            source: std::io::Error::new(
+                std::io::ErrorKind::NotFound,
+                "the model directory does not exist or is not a directory",
+            ),
+        });
+    }
+    let cfg = ModelConfig::from_file(&model_dir.join("config.json"))?;
+    let runner_cfg = limits.runner_config(&cfg)?;
+    let weights = ModelWeights::load(&cfg, &Checkpoint::open(model_dir)?)?;
+    open_with_weights(backend, cfg, weights, runner_cfg)
+}
+
+/// [`open`] with a configuration and weights already in memory (random weights for a
+/// benchmark, a checkpoint shared by several runners in a test).
+pub fn open_with_weights(
+    backend: Backend,
+    cfg: ModelConfig,
+    weights: ModelWeights,
+    runner_cfg: RunnerConfig,
+) -> Result<Box<dyn Runner>> {
+    let buckets = runner_cfg.buckets.clone();
+    let mut runner: Box<dyn Runner> = match backend {
+        Backend::Cpu => Box::new(CpuRunner::new(cfg, weights, runner_cfg)?),
+        Backend::Sim => {
+            let lib = neuron_sys::Library::open(&find_sim_library()?)?;
+            Box::new(DeviceRunner::new(
+                cfg,
+                weights,
+                runner_cfg,
+                lib,
+                DeviceOptions::sim(),
+            )?)
+        }
+        Backend::Neuron => {
+            let lib = neuron_sys::Library::load()?;
+            let opts = DeviceOptions::neuron(CompilerConfig::default());
+            Box::new(DeviceRunner::new(cfg, weights, runner_cfg, lib, opts)?)
+        }
+    };
+    runner.capture(&buckets)?;
+    Ok(runner)
+}
+
+/// Where `--backend sim` looks for nrt-sim, in order: `NEURON_RT_LIB` when set, then beside
+/// the executable, then its `deps/` directory, then the executable's parent directory (tests
+/// and benches live in `deps/`).
+pub fn sim_library_candidates() -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    if let Some(p) = std::env::var_os(neuron_sys::NEURON_RT_LIB).filter(|v| !v.is_empty()) {
+        out.push(PathBuf::from(p));
+    }
+    if let Ok(exe) = std::env::current_exe() {
+        if let Some(dir) = exe.parent() {
+            out.push(dir.join(SIM_LIBRARY_FILE));
+            out.push(dir.join("deps").join(SIM_LIBRARY_FILE));
+            if let Some(up) = dir.parent() {
+                out.push(up.join(SIM_LIBRARY_FILE));
+            }
+        }
+    }
+    out
+}
+
+/// The first of [`sim_library_candidates`] that exists, or an error listing where it looked.
+pub fn find_sim_library() -> Result<PathBuf> {
+    let candidates = sim_library_candidates();
+    candidates
+        .iter()
+        .find(|p| p.is_file())
+        .cloned()
+        .ok_or_else(|| {
+            let places: Vec<String> = candidates.iter().map(|p| p.display().to_string()).collect();
+            Error::Unavailable(format!(
+                "nrt-sim ({SIM_LIBRARY_FILE}) not found; looked in {}. Build it with \
+                 `cargo build -p nrt-sim`, or set NEURON_RT_LIB to its path, or use `--backend cpu`",
+                places.join(", ")
+            ))
+        })
+}
