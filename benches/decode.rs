@@ -10,9 +10,10 @@ use std::path::Path;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use deepinfer::config::ModelConfig;
+use deepinfer::engine::BlockAllocator;
 use deepinfer::model::{LogitsOutput, ModelWeights};
 use deepinfer::runner::step::{DecodeRow, PrefillChunk, SamplingParams};
-use deepinfer::runner::{CpuRunner, RunnerConfig};
+use deepinfer::runner::{self, Backend, RunnerConfig, Step};
 
 const PROMPT: usize = 16;
 
@@ -28,28 +29,27 @@ fn decode_step(c: &mut Criterion) {
     let mut group = c.benchmark_group("cpu_decode_step_medium");
     group.sample_size(10);
     for batch in [1usize, 8, 32] {
-        let mut runner = CpuRunner::new(
-            cfg.clone(),
-            weights.clone(),
-            RunnerConfig::for_limits(batch, 64),
-        )
-        .expect("runner");
+        let rc = RunnerConfig::for_limits(batch, 64);
+        let mut blocks = BlockAllocator::new(rc.num_blocks, rc.block_size).expect("blocks");
+        let mut runner = runner::open_with_weights(Backend::Cpu, cfg.clone(), weights.clone(), rc)
+            .expect("runner");
         let mut tables = vec![Vec::new(); batch];
         for (i, table) in tables.iter_mut().enumerate() {
             let prompt: Vec<u32> = (0..PROMPT as u32)
                 .map(|j| (j * 7 + i as u32 * 13 + 1) % 32000)
                 .collect();
-            runner.blocks.grow(table, PROMPT + 1).expect("blocks");
+            blocks.grow(table, PROMPT + 1).expect("blocks");
+            let chunk = PrefillChunk {
+                tokens: &prompt,
+                start: 0,
+                blocks: table,
+                sampling: SamplingParams::GREEDY,
+            };
             runner
-                .prefill(
-                    &PrefillChunk {
-                        tokens: &prompt,
-                        start: 0,
-                        blocks: table,
-                        sampling: SamplingParams::GREEDY,
-                    },
-                    LogitsOutput::None,
-                )
+                .replay(&Step::Prefill {
+                    chunk: &chunk,
+                    logits: LogitsOutput::None,
+                })
                 .expect("prefill");
         }
         let rows: Vec<DecodeRow> = tables
@@ -61,9 +61,13 @@ fn decode_step(c: &mut Criterion) {
                 sampling: SamplingParams::GREEDY,
             })
             .collect();
+        let step = Step::Decode {
+            rows: &rows,
+            logits: LogitsOutput::None,
+        };
         group.throughput(Throughput::Elements(batch as u64));
         group.bench_with_input(BenchmarkId::from_parameter(batch), &batch, |b, _| {
-            b.iter(|| runner.decode(&rows, false).expect("decode"))
+            b.iter(|| runner.replay(&step).expect("decode"))
         });
     }
     group.finish();

@@ -17,12 +17,13 @@ use std::path::{Path, PathBuf};
 use criterion::{criterion_group, criterion_main, Criterion};
 use deepinfer::backend::hlo::emit;
 use deepinfer::config::ModelConfig;
+use deepinfer::engine::BlockAllocator;
 use deepinfer::model::{
     self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, WeightSpecs,
 };
 use deepinfer::runner::step::{DecodeRow, SamplingParams};
 use deepinfer::runner::{
-    CpuRunner, DeviceOptions, DeviceRunner, GraphRunner, Runner, RunnerConfig,
+    self, Backend, Buckets, DeviceOptions, DeviceRunner, Runner, RunnerConfig, Step,
 };
 use deepinfer::weights::Checkpoint;
 
@@ -46,9 +47,11 @@ fn replay_config() -> RunnerConfig {
     RunnerConfig {
         block_size: 16,
         num_blocks: 64 * 4 + 1,
-        batch_buckets: vec![1, 8, 32, 64],
-        ctx_buckets: vec![64],
-        prefill_chunk: 16,
+        buckets: Buckets {
+            batch: vec![1, 8, 32, 64],
+            ctx: vec![64],
+            prefill_chunk: 16,
+        },
         moe: None,
     }
 }
@@ -63,8 +66,12 @@ fn replay(c: &mut Criterion) {
     let (cfg, weights) = tiny();
     let lib = neuron_sys::Library::open(&path).expect("nrt-sim");
     let hooks = nrt_sim::SimLibrary::open(&path).expect("hooks");
-    let mut runner = DeviceRunner::new(cfg, weights, replay_config(), lib, DeviceOptions::sim())
-        .expect("capture");
+    let rc = replay_config();
+    let mut blocks = BlockAllocator::new(rc.num_blocks, rc.block_size).expect("blocks");
+    let buckets = rc.buckets.clone();
+    let mut runner =
+        DeviceRunner::new(cfg, weights, rc, lib, DeviceOptions::sim()).expect("nrt-sim runner");
+    runner.capture(&buckets).expect("capture");
     if let Some(st) = runner.capture_stats() {
         println!(
             "capture on nrt-sim (tiny-v3, {} graphs): {:?} total, {} B uploaded",
@@ -78,7 +85,7 @@ fn replay(c: &mut Criterion) {
     }
     let mut tables: Vec<Vec<u32>> = vec![Vec::new(); 64];
     for t in tables.iter_mut() {
-        runner.blocks.grow(t, 40).expect("blocks");
+        blocks.grow(t, 40).expect("blocks");
     }
     let mut group = c.benchmark_group("replay_sim");
     for batch in [1usize, 8, 32, 64] {
@@ -92,8 +99,12 @@ fn replay(c: &mut Criterion) {
                 sampling: SamplingParams::GREEDY,
             })
             .collect();
+        let step = Step::Decode {
+            rows: &rows,
+            logits: LogitsOutput::None,
+        };
         hooks.reset();
-        runner.decode(&rows, false).expect("replay");
+        runner.replay(&step).expect("replay");
         let counters = hooks.counters().expect("counters");
         let written: u64 = counters.tensor_bytes_written.values().sum();
         let read: u64 = counters.tensor_bytes_read.values().sum();
@@ -101,7 +112,7 @@ fn replay(c: &mut Criterion) {
             "replay_sim batch {batch}: host->device {written} B, device->host {read} B per step"
         );
         group.bench_function(format!("batch_{batch}"), |b| {
-            b.iter(|| runner.decode(&rows, false).expect("replay"))
+            b.iter(|| runner.replay(&step).expect("replay"))
         });
     }
     group.finish();
@@ -185,33 +196,12 @@ fn decode_step(c: &mut Criterion) {
     let (model, cfg, weights) = bench_model();
     let batches = [1usize, 8];
     let rc = RunnerConfig::for_limits(8, 128);
-    let mut runner = match backend.as_str() {
-        "cpu" => GraphRunner::Cpu(Box::new(CpuRunner::new(cfg, weights, rc).expect("cpu"))),
-        "sim" | "neuron" => {
-            let (lib, opts) = if backend == "sim" {
-                let path = sim_lib().expect("libnrt_sim.so (cargo build -p nrt-sim)");
-                (
-                    neuron_sys::Library::open(&path).expect("nrt-sim"),
-                    DeviceOptions::sim(),
-                )
-            } else {
-                match neuron_sys::Library::load() {
-                    Ok(lib) => (lib, DeviceOptions::neuron(Default::default())),
-                    Err(e) => {
-                        eprintln!("decode_step/neuron skipped: {e}");
-                        return;
-                    }
-                }
-            };
-            GraphRunner::Device(Box::new(
-                DeviceRunner::new(cfg, weights, rc, lib, opts).expect("capture"),
-            ))
-        }
-        other => panic!("DEEPINFER_BENCH_BACKEND={other}: expected cpu, sim or neuron"),
-    };
+    let backend: Backend = backend.parse().expect("DEEPINFER_BENCH_BACKEND");
+    let mut blocks = BlockAllocator::new(rc.num_blocks, rc.block_size).expect("blocks");
+    let mut runner = runner::open_with_weights(backend, cfg, weights, rc).expect("capture");
     let mut tables: Vec<Vec<u32>> = vec![Vec::new(); 8];
     for t in tables.iter_mut() {
-        runner.blocks_mut().grow(t, 40).expect("blocks");
+        blocks.grow(t, 40).expect("blocks");
     }
     let mut group = c.benchmark_group(format!("decode_step/{backend}/{model}"));
     for batch in batches {
@@ -226,9 +216,13 @@ fn decode_step(c: &mut Criterion) {
                 sampling: SamplingParams::GREEDY,
             })
             .collect();
+        let step = Step::Decode {
+            rows: &rows,
+            logits: LogitsOutput::None,
+        };
         group.throughput(criterion::Throughput::Elements(batch as u64));
         group.bench_function(format!("batch_{batch}"), |b| {
-            b.iter(|| runner.decode(&rows, false).expect("decode"))
+            b.iter(|| runner.replay(&step).expect("decode"))
         });
     }
     group.finish();

@@ -109,9 +109,11 @@ pub enum Error {
     /// to get it.
     #[error("{0}")]
     Unavailable(String),
-    /// Compiling a graph with neuronx-cc failed (or the compiler is missing).
+    /// Compiling a graph with neuronx-cc failed (or the compiler is missing). Boxed: its
+    /// variants carry paths and output tails, and every `Result` in the crate pays for the
+    /// largest variant.
     #[error(transparent)]
-    Compile(#[from] CompileError),
+    Compile(Box<CompileError>),
     /// The Neuron runtime (libnrt) is missing or a call into it failed outside any one graph.
     #[error(transparent)]
     Neuron(#[from] neuron_sys::Error),
@@ -142,7 +144,9 @@ impl Error {
                 ErrorKind::Internal
             }
             Error::Unavailable(_) => ErrorKind::Unavailable,
-            Error::Compile(CompileError::CompilerNotFound { .. }) => ErrorKind::Unavailable,
+            Error::Compile(e) if matches!(**e, CompileError::CompilerNotFound { .. }) => {
+                ErrorKind::Unavailable
+            }
             Error::Compile(_) => ErrorKind::Compile,
             Error::Neuron(e) if e.is_library_missing() => ErrorKind::Unavailable,
             Error::Neuron(_) | Error::Device { .. } => ErrorKind::Device,
@@ -278,6 +282,12 @@ pub enum CompileError {
         /// The underlying error.
         source: io::Error,
     },
+}
+
+impl From<CompileError> for Error {
+    fn from(e: CompileError) -> Self {
+        Error::Compile(Box::new(e))
+    }
 }
 
 /// A duration as neuronx-cc's messages show it: whole seconds, or tenths when not whole.

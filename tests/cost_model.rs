@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use deepinfer::lowering::{lower, LowerOptions};
+use deepinfer::export::{lower, LowerOptions};
 
 #[test]
 fn decode_reads_stay_near_the_floor_on_published_configs() {

@@ -5,11 +5,8 @@
 mod common;
 
 use common::fixture_dir;
-use deepinfer::config::ModelConfig;
 use deepinfer::engine;
-use deepinfer::model::ModelWeights;
-use deepinfer::runner::{CpuRunner, RunnerConfig};
-use deepinfer::weights::Checkpoint;
+use deepinfer::runner::{self, Backend, Limits};
 use serde::Deserialize;
 
 #[derive(Deserialize)]
@@ -23,10 +20,7 @@ fn heldout_perplexity_matches_transformers_within_a_tenth_of_a_percent() {
     let dir = fixture_dir("default-model");
     let h: Heldout =
         serde_json::from_str(&std::fs::read_to_string(dir.join("heldout.json")).unwrap()).unwrap();
-    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    let weights = ModelWeights::load(&cfg, &Checkpoint::open(&dir).unwrap()).unwrap();
-    let mut runner =
-        CpuRunner::new(cfg, weights, RunnerConfig::for_limits(1, h.token_ids.len())).unwrap();
+    let mut runner = runner::open(Backend::Cpu, &dir, &Limits::new(1, h.token_ids.len())).unwrap();
     let logits = engine::score(&mut runner, &h.token_ids).unwrap();
     let mut nll = 0.0f64;
     for (row, &next) in logits.iter().zip(&h.token_ids[1..]) {

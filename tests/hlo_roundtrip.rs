@@ -6,7 +6,7 @@ mod common;
 use candle_core::{Device, Tensor};
 use common::{fixture_dir, reference, FIXTURES};
 use deepinfer::backend::{cpu, hlo};
-use deepinfer::lowering::{lower, LowerOptions};
+use deepinfer::export::{lower, LowerOptions};
 
 #[test]
 fn emit_import_run_is_bit_identical_for_every_fixture_graph() {

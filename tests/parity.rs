@@ -6,8 +6,9 @@ mod common;
 
 use common::{max_abs_diff, reference, runner, FIXTURES};
 use deepinfer::engine::{self, StopConditions};
-use deepinfer::model::MoeStrategy;
+use deepinfer::model::{LogitsOutput, MoeStrategy};
 use deepinfer::runner::step::{DecodeRow, SamplingParams};
+use deepinfer::runner::Step;
 
 const TOL: f32 = 1e-4;
 
@@ -54,13 +55,14 @@ fn greedy_continuation_matches_transformers() {
 fn decode_matches_prefill(name: &str, rows: usize) {
     let r = reference(name);
     let mut run = runner(name, 8, None);
+    let mut alloc = common::allocator(&run);
     let mut tables: Vec<Vec<u32>> = vec![Vec::new(); rows];
     let n = r.token_ids.len();
     let mut worst = 0.0f32;
     for step in 0..n + rows - 1 {
         let active: Vec<usize> = (0..rows).filter(|&i| step >= i && step - i < n).collect();
         for &i in &active {
-            run.blocks.grow(&mut tables[i], step - i + 1).unwrap();
+            alloc.grow(&mut tables[i], step - i + 1).unwrap();
         }
         let batch: Vec<DecodeRow> = active
             .iter()
@@ -71,7 +73,12 @@ fn decode_matches_prefill(name: &str, rows: usize) {
                 sampling: SamplingParams::GREEDY,
             })
             .collect();
-        let out = run.decode(&batch, true).unwrap();
+        let out = run
+            .replay(&Step::Decode {
+                rows: &batch,
+                logits: LogitsOutput::Sampled,
+            })
+            .unwrap();
         for (row, &i) in active.iter().enumerate() {
             let got = &out.logits.as_ref().unwrap()[row];
             worst = worst.max(max_abs_diff(got, &r.logits[step - i]));

@@ -12,12 +12,14 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
+use common::RunnerExt;
 use deepinfer::config::ModelConfig;
 use deepinfer::error::Error;
 use deepinfer::model::{LogitsOutput, ModelWeights};
 use deepinfer::runner::step::{DecodeRow, PrefillChunk, SamplingParams};
 use deepinfer::runner::{
-    CpuRunner, DeviceOptions, DeviceRunner, GraphRunner, Runner, RunnerConfig, StepOutput,
+    self, Backend, Buckets, DeviceOptions, DeviceRunner, MetadataSource, Runner, RunnerConfig,
+    StepOutput,
 };
 use deepinfer::weights::Checkpoint;
 use neuron_sys::Library;
@@ -43,9 +45,11 @@ fn small_config() -> RunnerConfig {
     RunnerConfig {
         block_size: 16,
         num_blocks: 4 * 4 + 1,
-        batch_buckets: vec![1, 2, 4],
-        ctx_buckets: vec![32, 64],
-        prefill_chunk: 16,
+        buckets: Buckets {
+            batch: vec![1, 2, 4],
+            ctx: vec![32, 64],
+            prefill_chunk: 16,
+        },
         moe: None,
     }
 }
@@ -57,15 +61,20 @@ fn load(name: &str) -> (ModelConfig, ModelWeights) {
     (cfg, weights)
 }
 
+/// A device runner on nrt-sim, captured (the concrete type: some tests read its buffers).
 fn device(name: &str, rc: RunnerConfig) -> DeviceRunner {
     let (cfg, weights) = load(name);
     let lib = Library::open(sim_path()).expect("load nrt-sim");
-    DeviceRunner::new(cfg, weights, rc, lib, DeviceOptions::sim()).expect("capture on nrt-sim")
+    let buckets = rc.buckets.clone();
+    let mut d = DeviceRunner::new(cfg, weights, rc, lib, DeviceOptions::sim()).expect("nrt-sim");
+    d.capture(&buckets).expect("capture on nrt-sim");
+    d
 }
 
-fn cpu(name: &str, rc: RunnerConfig) -> CpuRunner {
+/// The CPU twin, opened the way every caller opens a runner.
+fn cpu(name: &str, rc: RunnerConfig) -> Box<dyn Runner> {
     let (cfg, weights) = load(name);
-    CpuRunner::new(cfg, weights, rc).unwrap()
+    runner::open_with_weights(Backend::Cpu, cfg, weights, rc).unwrap()
 }
 
 /// Everything one workload produced, step by step.
@@ -82,7 +91,8 @@ fn prompt(len: usize, salt: u32, vocab: u32) -> Vec<u32> {
 /// 32-token context bucket.
 fn workload(r: &mut dyn Runner) -> Trace {
     let vocab = r.config().vocab_size as u32;
-    let chunk = r.runner_config().prefill_chunk;
+    let chunk = r.runner_config().buckets.prefill_chunk;
+    let mut alloc = common::allocator(r);
     let lens = [5usize, 20, 27];
     let mut tables: Vec<Vec<u32>> = vec![Vec::new(); lens.len()];
     let mut last = vec![0u32; lens.len()];
@@ -90,7 +100,7 @@ fn workload(r: &mut dyn Runner) -> Trace {
     let mut trace = Vec::new();
     for (s, &len) in lens.iter().enumerate() {
         let p = prompt(len, s as u32, vocab);
-        r.blocks_mut().grow(&mut tables[s], len).unwrap();
+        alloc.grow(&mut tables[s], len).unwrap();
         for (i, tokens) in p.chunks(chunk).enumerate() {
             let logits = if i == 0 {
                 LogitsOutput::AllPositions
@@ -116,7 +126,7 @@ fn workload(r: &mut dyn Runner) -> Trace {
     for step in 0..12 {
         let active = subsets[step % subsets.len()];
         for &s in active {
-            r.blocks_mut().grow(&mut tables[s], pos[s] + 1).unwrap();
+            alloc.grow(&mut tables[s], pos[s] + 1).unwrap();
         }
         let rows: Vec<DecodeRow> = active
             .iter()
@@ -136,7 +146,7 @@ fn workload(r: &mut dyn Runner) -> Trace {
     }
     assert!(pos[2] > 32, "the workload crosses the first context bucket");
     for t in &mut tables {
-        r.blocks_mut().release(t);
+        alloc.release(t);
     }
     trace
 }
@@ -165,7 +175,7 @@ fn sim_and_cpu_agree_on_tokens_and_logits() {
     for name in ["tiny-v3", "tiny-v2-lite", "tiny-v2-group"] {
         let mut c = cpu(name, small_config());
         let want = workload(&mut c);
-        let mut d = GraphRunner::Device(Box::new(device(name, small_config())));
+        let mut d = Box::new(device(name, small_config())) as Box<dyn Runner>;
         let got = workload(&mut d);
         assert_same(&want, &got, name);
         // Replays are repeatable: the same workload again (blocks were released) matches.
@@ -179,15 +189,16 @@ fn every_prefill_bucket_agrees_with_the_cpu_twin() {
     let _g = serial();
     let name = "tiny-v3";
     // Chunks of up to 64 tokens: graphs of 16 and 64 per context bucket.
-    let rc = RunnerConfig {
-        prefill_chunk: 64,
-        ctx_buckets: vec![64, 128],
+    let mut rc = RunnerConfig {
         num_blocks: 6 * 8 + 1,
         ..small_config()
     };
-    assert_eq!(rc.prefill_buckets(), vec![16, 64]);
+    rc.buckets.prefill_chunk = 64;
+    rc.buckets.ctx = vec![64, 128];
+    assert_eq!(rc.buckets.prefill_sizes(), vec![16, 64]);
     let mut c = cpu(name, rc.clone());
     let mut d = device(name, rc);
+    let mut blocks = common::allocator(&d);
     let names = d.graph_names();
     for g in [
         "prefill_t16_c64",
@@ -201,7 +212,7 @@ fn every_prefill_bucket_agrees_with_the_cpu_twin() {
     for (s, len) in [1usize, 5, 16, 17, 40, 64, 100].into_iter().enumerate() {
         let p = prompt(len, s as u32, vocab);
         let mut table = Vec::new();
-        d.blocks.grow(&mut table, len).unwrap();
+        blocks.grow(&mut table, len).unwrap();
         for (i, tokens) in p.chunks(64).enumerate() {
             let chunk = PrefillChunk {
                 tokens,
@@ -217,7 +228,7 @@ fn every_prefill_bucket_agrees_with_the_cpu_twin() {
                 &format!("prompt of {len}, chunk {i}"),
             );
         }
-        d.blocks.release(&mut table);
+        blocks.release(&mut table);
     }
 }
 
@@ -226,8 +237,8 @@ fn generate_and_score_match_the_cpu_twin() {
     let _g = serial();
     let name = "tiny-v3";
     let rc = RunnerConfig::for_limits(1, 128);
-    let mut c = GraphRunner::Cpu(Box::new(cpu(name, rc.clone())));
-    let mut d = GraphRunner::Device(Box::new(device(name, rc)));
+    let mut c = cpu(name, rc.clone());
+    let mut d = Box::new(device(name, rc)) as Box<dyn Runner>;
     let r = common::reference(name);
     let stop = deepinfer::engine::StopConditions {
         max_tokens: r.greedy.generated_token_ids.len(),
@@ -263,6 +274,7 @@ fn counters_show_weights_once_no_root_traffic_and_exact_metadata_bytes() {
     let sim = hooks();
     sim.reset();
     let mut d = device("tiny-v3", small_config());
+    let mut blocks = common::allocator(&d);
     let c = sim.counters().unwrap();
     let (cfg, weights) = load("tiny-v3");
     // Every weight the graphs bind is written exactly once, in full.
@@ -302,7 +314,7 @@ fn counters_show_weights_once_no_root_traffic_and_exact_metadata_bytes() {
     // A prefill at context 32, then decodes at batches 1..4 in both context buckets.
     sim.reset();
     let p = prompt(10, 1, vocab);
-    d.blocks.grow(&mut table, 10).unwrap();
+    blocks.grow(&mut table, 10).unwrap();
     d.prefill(
         &PrefillChunk {
             tokens: &p,
@@ -336,7 +348,7 @@ fn counters_show_weights_once_no_root_traffic_and_exact_metadata_bytes() {
         (4, 41, 4, 64),
     ] {
         for t in tables.iter_mut().take(n) {
-            d.blocks.grow(t, position + 1).unwrap();
+            blocks.grow(t, position + 1).unwrap();
         }
         let rows: Vec<DecodeRow> = tables[..n]
             .iter()
@@ -378,7 +390,7 @@ fn counters_show_weights_once_no_root_traffic_and_exact_metadata_bytes() {
         let read: u64 = sim.counters().unwrap().tensor_bytes_read.values().sum();
         assert_eq!(read, (n * 4) as u64);
     }
-    // input_on_device: no metadata copy at all.
+    // Metadata already on the device (the seed's input_on_device): no copy at all.
     sim.reset();
     let rows = [DecodeRow {
         token: 5,
@@ -386,7 +398,8 @@ fn counters_show_weights_once_no_root_traffic_and_exact_metadata_bytes() {
         blocks: &tables[0],
         sampling: SamplingParams::GREEDY,
     }];
-    d.decode_with(&rows, false, true).unwrap();
+    d.set_metadata_source(MetadataSource::OnDevice);
+    d.decode(&rows, false).unwrap();
     let c = sim.counters().unwrap();
     assert_eq!(c.tensor_bytes_written.values().sum::<u64>(), 0);
     assert_eq!(c.executions_of("decode_b1_c64"), 1);
@@ -396,9 +409,10 @@ fn counters_show_weights_once_no_root_traffic_and_exact_metadata_bytes() {
 fn input_on_device_replays_what_the_caller_wrote() {
     let _g = serial();
     let mut d = device("tiny-v3", small_config());
+    let mut blocks = common::allocator(&d);
     let mut c = cpu("tiny-v3", small_config());
     let mut table = Vec::new();
-    d.blocks.grow(&mut table, 4).unwrap();
+    blocks.grow(&mut table, 4).unwrap();
     let p = [3u32, 4, 5];
     let chunk = PrefillChunk {
         tokens: &p,
@@ -424,7 +438,8 @@ fn input_on_device_replays_what_the_caller_wrote() {
         };
         buf.write(0, &bytes).unwrap();
     }
-    let got = d.prefill_with(&chunk, LogitsOutput::Sampled, true).unwrap();
+    d.set_metadata_source(MetadataSource::OnDevice);
+    let got = d.prefill(&chunk, LogitsOutput::Sampled).unwrap();
     assert_eq!(got.next_tokens, want.next_tokens);
     let diff = common::max_abs_diff(&got.logits.unwrap()[0], &want.logits.unwrap()[0]);
     assert!(diff <= 1e-5, "{diff}");
@@ -436,6 +451,7 @@ fn destroy_is_idempotent_and_capture_works_again() {
     let _g = serial();
     let sim = hooks();
     let mut d = device("tiny-v3", small_config());
+    let mut blocks = common::allocator(&d);
     let mut c = cpu("tiny-v3", small_config());
     let want = workload(&mut c);
     d.destroy().unwrap();
@@ -444,7 +460,7 @@ fn destroy_is_idempotent_and_capture_works_again() {
     assert_eq!((live.models, live.tensors, live.tensor_sets), (0, 0, 0));
     d.destroy().unwrap();
     let mut table = Vec::new();
-    d.blocks.grow(&mut table, 1).unwrap();
+    blocks.grow(&mut table, 1).unwrap();
     let err = d
         .decode(
             &[DecodeRow {
@@ -457,8 +473,8 @@ fn destroy_is_idempotent_and_capture_works_again() {
         )
         .unwrap_err();
     assert!(err.to_string().contains("destroyed"), "{err}");
-    d.blocks.release(&mut table);
-    d.capture().unwrap();
+    blocks.release(&mut table);
+    d.capture(&small_config().buckets).unwrap();
     assert!(d.is_captured());
     // The recaptured root starts from zero again; the workload matches the CPU twin.
     let got = workload(&mut d);
@@ -472,10 +488,11 @@ fn destroy_is_idempotent_and_capture_works_again() {
 fn bad_inputs_are_clear_errors_and_the_runner_keeps_working() {
     let _g = serial();
     let mut d = device("tiny-v3", small_config());
+    let mut blocks = common::allocator(&d);
     let vocab = d.config().vocab_size as u32;
     let mut tables: Vec<Vec<u32>> = vec![Vec::new(); 5];
     for t in tables.iter_mut() {
-        d.blocks.grow(t, 1).unwrap();
+        blocks.grow(t, 1).unwrap();
     }
     let rows: Vec<DecodeRow> = tables
         .iter()
@@ -491,7 +508,7 @@ fn bad_inputs_are_clear_errors_and_the_runner_keeps_working() {
     assert!(err.to_string().contains("batch size 5"), "{err}");
 
     let mut long = Vec::new();
-    d.blocks.grow(&mut long, 65).unwrap();
+    blocks.grow(&mut long, 65).unwrap();
     let err = d
         .decode(
             &[DecodeRow {
@@ -562,9 +579,10 @@ fn child_execute_fault() {
         return;
     }
     let mut d = device("tiny-v3", small_config());
+    let mut blocks = common::allocator(&d);
     let mut c = cpu("tiny-v3", small_config());
     let mut table = Vec::new();
-    d.blocks.grow(&mut table, 3).unwrap();
+    blocks.grow(&mut table, 3).unwrap();
     // Both allocators are fresh: the CPU twin is given the device's table.
     let chunk = PrefillChunk {
         tokens: &[3, 4, 5],
@@ -576,7 +594,7 @@ fn child_execute_fault() {
     let want = c.prefill(&chunk, LogitsOutput::Sampled).unwrap();
     let first = d.prefill(&chunk, LogitsOutput::Sampled).unwrap();
     assert_eq!(first.next_tokens, want.next_tokens);
-    d.blocks.grow(&mut table, 4).unwrap();
+    blocks.grow(&mut table, 4).unwrap();
     let rows = [DecodeRow {
         token: first.next_tokens[0],
         position: 3,

@@ -14,7 +14,7 @@ use deepinfer::engine::{
 };
 use deepinfer::model::ModelWeights;
 use deepinfer::runner::step::SamplingParams;
-use deepinfer::runner::{CpuRunner, DeviceOptions, DeviceRunner, Runner, RunnerConfig};
+use deepinfer::runner::{self, Backend, Buckets, Runner, RunnerConfig, Step, StepOutput};
 use deepinfer::tokenizer::Tokenizer;
 use deepinfer::weights::Checkpoint;
 
@@ -67,7 +67,7 @@ fn load(name: &str) -> (ModelConfig, ModelWeights) {
 /// tiny-v3 with prompts prefilled 3 tokens at a time, batches up to 8.
 fn tiny_config() -> RunnerConfig {
     let mut rc = RunnerConfig::for_limits(8, 64);
-    rc.prefill_chunk = 3;
+    rc.buckets.prefill_chunk = 3;
     rc
 }
 
@@ -80,8 +80,8 @@ fn greedy(max_tokens: usize) -> GenerationParams {
 fn six_staggered_copies_match_transformers(rc: RunnerConfig) -> u64 {
     let reference = common::reference("tiny-v3").greedy;
     let (cfg, weights) = load("tiny-v3");
-    let runner = CpuRunner::new(cfg, weights, rc).unwrap();
-    let mut s = Scheduler::new(runner, None, Vec::new());
+    let runner = runner::open_with_weights(Backend::Cpu, cfg, weights, rc).unwrap();
+    let mut s = Scheduler::new(runner, None, Vec::new()).unwrap();
     let n = reference.generated_token_ids.len();
     let mut results = HashMap::new();
     for id in 0..6u64 {
@@ -120,12 +120,18 @@ fn preempted_sequences_are_recomputed_to_the_same_tokens() {
     );
 }
 
-fn default_model(max_batch: usize) -> (CpuRunner, Arc<Tokenizer>, Vec<u32>) {
+fn default_model(max_batch: usize) -> (Box<dyn Runner>, Arc<Tokenizer>, Vec<u32>) {
     let dir = fixture_dir("default-model");
     let (cfg, weights) = load("default-model");
     let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
     let eos: Vec<u32> = tok.eos_token_id().into_iter().collect();
-    let runner = CpuRunner::new(cfg, weights, RunnerConfig::for_limits(max_batch, 256)).unwrap();
+    let runner = runner::open_with_weights(
+        Backend::Cpu,
+        cfg,
+        weights,
+        RunnerConfig::for_limits(max_batch, 256),
+    )
+    .unwrap();
     (runner, tok, eos)
 }
 
@@ -156,7 +162,7 @@ fn distinct_prompts_batched_give_what_each_gives_alone() {
         .iter()
         .map(|p| engine::generate(&mut alone, p, SamplingParams::GREEDY, &stop).unwrap())
         .collect();
-    let mut s = Scheduler::new(runner, Some(tok.clone()), Vec::new());
+    let mut s = Scheduler::new(runner, Some(tok.clone()), Vec::new()).unwrap();
     for (i, p) in prompts.iter().enumerate() {
         s.add(i as u64, p.clone(), greedy(12)).unwrap();
     }
@@ -189,11 +195,11 @@ fn sampled_sequences_are_reproducible_per_seed_whatever_the_batch() {
         ..greedy(16)
     };
     let prompt = tok.encode("ROMEO:", true).unwrap();
-    let mut one = Scheduler::new(alone, None, Vec::new());
+    let mut one = Scheduler::new(alone, None, Vec::new()).unwrap();
     one.add(0, prompt.clone(), params(7)).unwrap();
     let mut solo = HashMap::new();
     run_to_end(&mut one, &mut solo);
-    let mut many = Scheduler::new(runner, None, Vec::new());
+    let mut many = Scheduler::new(runner, None, Vec::new()).unwrap();
     for id in 0..4 {
         many.add(id, prompt.clone(), params(7 + id as u32)).unwrap();
     }
@@ -210,7 +216,7 @@ fn sampled_sequences_are_reproducible_per_seed_whatever_the_batch() {
 fn stop_strings_stop_tokens_eos_and_max_tokens() {
     let (runner, tok, eos) = default_model(4);
     let prompt = tok.encode("ROMEO:", true).unwrap();
-    let mut s = Scheduler::new(runner, Some(tok.clone()), eos.clone());
+    let mut s = Scheduler::new(runner, Some(tok.clone()), eos.clone()).unwrap();
     s.add(0, prompt.clone(), greedy(20)).unwrap();
     let mut base = HashMap::new();
     run_to_end(&mut s, &mut base);
@@ -267,14 +273,14 @@ fn eos_ends_a_sequence_unless_ignored() {
     let (runner, tok, _) = default_model(2);
     let prompt = tok.encode("ROMEO:", true).unwrap();
     // Declare the 3rd greedy token an end-of-sequence token.
-    let mut probe = Scheduler::new(runner, None, Vec::new());
+    let mut probe = Scheduler::new(runner, None, Vec::new()).unwrap();
     probe.add(0, prompt.clone(), greedy(5)).unwrap();
     let mut base = HashMap::new();
     run_to_end(&mut probe, &mut base);
     let eos = base[&0].tokens[2];
     let first = base[&0].tokens.iter().position(|&t| t == eos).unwrap();
     let (runner, _, _) = default_model(2);
-    let mut s = Scheduler::new(runner, None, vec![eos]);
+    let mut s = Scheduler::new(runner, None, vec![eos]).unwrap();
     s.add(0, prompt.clone(), greedy(5)).unwrap();
     s.add(
         1,
@@ -297,7 +303,7 @@ fn eos_ends_a_sequence_unless_ignored() {
 fn cancelling_frees_blocks_at_once_and_the_rest_finish() {
     let (runner, tok, _) = default_model(4);
     let prompt = tok.encode("ROMEO:", true).unwrap();
-    let mut s = Scheduler::new(runner, None, Vec::new());
+    let mut s = Scheduler::new(runner, None, Vec::new()).unwrap();
     for id in 0..3 {
         s.add(id, prompt.clone(), greedy(40)).unwrap();
     }
@@ -320,7 +326,7 @@ fn cancelling_frees_blocks_at_once_and_the_rest_finish() {
 #[test]
 fn requests_beyond_the_context_or_vocabulary_are_refused() {
     let (runner, _, _) = default_model(1);
-    let mut s = Scheduler::new(runner, None, Vec::new());
+    let mut s = Scheduler::new(runner, None, Vec::new()).unwrap();
     let err = s.add(0, vec![5; 250], greedy(10)).unwrap_err();
     assert!(err.to_string().contains("context is 256 tokens"), "{err}");
     let err = s.add(0, vec![4096], greedy(1)).unwrap_err();
@@ -345,11 +351,10 @@ fn child_device_fault() {
     }
     let reference = common::reference("tiny-v3").greedy;
     let (cfg, weights) = load("tiny-v3");
-    let lib = neuron_sys::Library::open(nrt_sim::library_next_to_current_exe().unwrap()).unwrap();
     let mut rc = RunnerConfig::for_limits(4, 64);
-    rc.ctx_buckets = vec![64];
-    let runner = DeviceRunner::new(cfg, weights, rc, lib, DeviceOptions::sim()).unwrap();
-    let mut s = Scheduler::new(runner, None, Vec::new());
+    rc.buckets.ctx = vec![64];
+    let runner = runner::open_with_weights(Backend::Sim, cfg, weights, rc).unwrap();
+    let mut s = Scheduler::new(runner, None, Vec::new()).unwrap();
     for id in 0..4 {
         s.add(id, reference.prompt_token_ids.clone(), greedy(5))
             .unwrap();
@@ -374,8 +379,8 @@ fn a_request_larger_than_the_whole_cache_is_refused_not_queued_forever() {
     let (cfg, weights) = load("tiny-v3");
     let mut rc = tiny_config();
     rc.num_blocks = 3; // two usable blocks of 16: 32 tokens
-    let runner = CpuRunner::new(cfg, weights, rc).unwrap();
-    let mut s = Scheduler::new(runner, None, Vec::new());
+    let runner = runner::open_with_weights(Backend::Cpu, cfg, weights, rc).unwrap();
+    let mut s = Scheduler::new(runner, None, Vec::new()).unwrap();
     let err = s.add(0, vec![5; 8], greedy(30)).unwrap_err();
     assert!(err.to_string().contains("KV-cache blocks"), "{err}");
     s.add(1, vec![5; 8], greedy(24)).unwrap();
@@ -392,7 +397,7 @@ fn logprobs_match_the_log_softmax_of_the_prefill_path() {
         .iter()
         .map(|p| tok.encode(p, true).unwrap())
         .collect();
-    let mut s = Scheduler::new(runner, None, Vec::new());
+    let mut s = Scheduler::new(runner, None, Vec::new()).unwrap();
     for (i, p) in prompts.iter().enumerate() {
         let params = GenerationParams {
             logprobs: Some(4),
@@ -454,8 +459,8 @@ fn prompt_logprobs_cover_every_position_once_across_chunks_and_preemption() {
         let (cfg, weights) = load("tiny-v3");
         let mut rc = tiny_config();
         rc.num_blocks = blocks; // 4: three usable blocks for four sequences of 16 + 8 tokens
-        let runner = CpuRunner::new(cfg, weights, rc).unwrap();
-        let mut s = Scheduler::new(runner, None, Vec::new());
+        let runner = runner::open_with_weights(Backend::Cpu, cfg, weights, rc).unwrap();
+        let mut s = Scheduler::new(runner, None, Vec::new()).unwrap();
         for id in 0..4u64 {
             let params = GenerationParams {
                 prompt_logprobs: Some(2),
@@ -513,7 +518,7 @@ fn prompt_logprobs_cover_every_position_once_across_chunks_and_preemption() {
 
 /// A CPU runner whose steps can be made to fail, as a device that stopped executing.
 struct Flaky {
-    inner: CpuRunner,
+    inner: Box<dyn Runner>,
     fail: bool,
 }
 
@@ -524,36 +529,28 @@ impl Runner for Flaky {
     fn runner_config(&self) -> &RunnerConfig {
         self.inner.runner_config()
     }
-    fn blocks_mut(&mut self) -> &mut deepinfer::engine::BlockAllocator {
-        &mut self.inner.blocks
+    fn backend(&self) -> Backend {
+        self.inner.backend()
     }
-    fn prefill(
-        &mut self,
-        chunk: &deepinfer::runner::step::PrefillChunk<'_>,
-        logits: deepinfer::model::LogitsOutput,
-    ) -> deepinfer::Result<deepinfer::runner::StepOutput> {
+    fn capture(&mut self, buckets: &Buckets) -> deepinfer::Result<()> {
+        self.inner.capture(buckets)
+    }
+    fn replay(&mut self, step: &Step<'_>) -> deepinfer::Result<StepOutput> {
         if self.fail {
             return Err(deepinfer::Error::Internal("injected".into()));
         }
-        self.inner.prefill(chunk, logits)
+        self.inner.replay(step)
     }
-    fn decode(
-        &mut self,
-        rows: &[deepinfer::runner::step::DecodeRow<'_>],
-        logits: bool,
-    ) -> deepinfer::Result<deepinfer::runner::StepOutput> {
-        if self.fail {
-            return Err(deepinfer::Error::Internal("injected".into()));
-        }
-        self.inner.decode(rows, logits)
+    fn destroy(&mut self) -> deepinfer::Result<()> {
+        self.inner.destroy()
     }
 }
 
 #[test]
 fn consecutive_failed_steps_are_reported_until_a_step_succeeds() {
     let (cfg, weights) = load("tiny-v3");
-    let inner = CpuRunner::new(cfg, weights, tiny_config()).unwrap();
-    let mut s = Scheduler::new(Flaky { inner, fail: true }, None, Vec::new());
+    let inner = runner::open_with_weights(Backend::Cpu, cfg, weights, tiny_config()).unwrap();
+    let mut s = Scheduler::new(Flaky { inner, fail: true }, None, Vec::new()).unwrap();
     let mut r = HashMap::new();
     for id in 0..3 {
         s.add(id, vec![5, 6, 7], greedy(2)).unwrap();

@@ -7,7 +7,7 @@ mod common;
 use std::collections::HashMap;
 
 use common::{bf16_bytes, f32_bytes, f32s, lowered_tiny_v3, serial, tiny_neff, Sim, TinyBindings};
-use deepinfer::lowering::ManifestGraph;
+use deepinfer::export::ManifestGraph;
 use neuron_sys::sys::dtype::{hw, DtypeEncoding};
 use neuron_sys::sys::{self, NRT_STATUS};
 use neuron_sys::{Model, Runtime, Tensor, TensorSet, TensorUsage};

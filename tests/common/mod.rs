@@ -4,8 +4,11 @@
 use std::path::PathBuf;
 
 use deepinfer::config::ModelConfig;
+use deepinfer::engine::BlockAllocator;
+use deepinfer::model::LogitsOutput;
 use deepinfer::model::{ModelWeights, MoeStrategy};
-use deepinfer::runner::{CpuRunner, RunnerConfig};
+use deepinfer::runner::step::{DecodeRow, PrefillChunk};
+use deepinfer::runner::{self, Backend, Runner, RunnerConfig, Step, StepOutput};
 use deepinfer::weights::Checkpoint;
 use serde::Deserialize;
 
@@ -37,13 +40,44 @@ pub fn reference(name: &str) -> Reference {
     serde_json::from_str(&text).unwrap()
 }
 
-pub fn runner(name: &str, max_batch: usize, moe: Option<MoeStrategy>) -> CpuRunner {
+/// A captured CPU runner for fixture `name`, batches up to `max_batch`, 128 tokens.
+pub fn runner(name: &str, max_batch: usize, moe: Option<MoeStrategy>) -> Box<dyn Runner> {
     let dir = fixture_dir(name);
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let weights = ModelWeights::load(&cfg, &Checkpoint::open(&dir).unwrap()).unwrap();
     let mut rc = RunnerConfig::for_limits(max_batch, 128);
     rc.moe = moe;
-    CpuRunner::new(cfg, weights, rc).unwrap()
+    runner::open_with_weights(Backend::Cpu, cfg, weights, rc).unwrap()
+}
+
+/// Shorthands for [`Runner::replay`] that keep the tests short.
+pub trait RunnerExt: Runner {
+    /// Replays one prefill chunk.
+    fn prefill(
+        &mut self,
+        chunk: &PrefillChunk<'_>,
+        logits: LogitsOutput,
+    ) -> deepinfer::Result<StepOutput> {
+        self.replay(&Step::Prefill { chunk, logits })
+    }
+
+    /// Replays one decode step, with each row's logits when `logits`.
+    fn decode(&mut self, rows: &[DecodeRow<'_>], logits: bool) -> deepinfer::Result<StepOutput> {
+        let logits = if logits {
+            LogitsOutput::Sampled
+        } else {
+            LogitsOutput::None
+        };
+        self.replay(&Step::Decode { rows, logits })
+    }
+}
+
+impl<R: Runner + ?Sized> RunnerExt for R {}
+
+/// A block allocator over all of `runner`'s cache (what the scheduler would own).
+pub fn allocator<R: Runner + ?Sized>(runner: &R) -> BlockAllocator {
+    let rc = runner.runner_config();
+    BlockAllocator::new(rc.num_blocks, rc.block_size).unwrap()
 }
 
 pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {

@@ -9,8 +9,8 @@ use std::ptr;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use deepinfer::backend::hlo;
+use deepinfer::export::{lower, LowerOptions, Manifest};
 use deepinfer::graph::{DType, GraphBuilder, InputRole};
-use deepinfer::lowering::{lower, LowerOptions, Manifest};
 use neuron_sys::sys::{self, nrt_model_t, nrt_tensor_set_t, nrt_tensor_t, NRT_STATUS};
 use neuron_sys::{Api, Library, Runtime};
 use nrt_sim::{Counters, SimLibrary};
