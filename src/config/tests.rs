@@ -549,3 +549,98 @@ fn from_file_names_a_missing_path() {
     let msg = ModelConfig::from_file(&path).unwrap_err().to_string();
     assert!(msg.contains("deepinfer-no-such-dir"), "{msg}");
 }
+
+#[test]
+fn type_errors_name_the_key_path_and_the_value() {
+    let msg = error(V2_LITE, &[("rope_scaling.factor", Some(json!("x")))]);
+    assert_eq!(
+        msg,
+        "config.json: rope_scaling.factor must be a finite number, got \"x\""
+    );
+    let msg = error(V2_LITE, &[("rope_scaling", Some(json!([1])))]);
+    assert_eq!(msg, "config.json: rope_scaling must be an object, got [1]");
+    let msg = error(
+        HF5_TINY_V3,
+        &[("rope_parameters.rope_type", Some(json!(3)))],
+    );
+    assert_eq!(
+        msg,
+        "config.json: rope_parameters.rope_type must be a string, got 3"
+    );
+    let msg = error(V2_LITE, &[("eos_token_id", Some(json!(-1)))]);
+    assert_eq!(
+        msg,
+        "config.json: eos_token_id must be a token id (a non-negative 32-bit integer), got -1"
+    );
+    let msg = error(V2_LITE, &[("bos_token_id", Some(json!(5_000_000_000u64)))]);
+    assert_mentions(&msg, &["bos_token_id", "5000000000"]);
+}
+
+#[test]
+fn moe_intermediate_size_is_required_only_with_routed_experts() {
+    let c = parse_edited(
+        V2_LITE,
+        &[
+            ("n_routed_experts", Some(Value::Null)),
+            ("moe_intermediate_size", Some(Value::Null)),
+        ],
+    )
+    .unwrap();
+    assert_eq!(c.moe_intermediate_size, 0);
+    let msg = error(V2_LITE, &[("moe_intermediate_size", Some(Value::Null))]);
+    assert_eq!(
+        msg,
+        "config.json: moe_intermediate_size must be a non-negative integer, got null"
+    );
+}
+
+#[test]
+fn unknown_keys_may_hold_anything() {
+    let plain = ModelConfig::from_json_str(V2_LITE).unwrap();
+    let c = parse_edited(
+        V2_LITE,
+        &[
+            ("some_future_key", Some(json!({"nested": [1, "x", null]}))),
+            ("rope_scaling.some_future_key", Some(json!([true]))),
+        ],
+    )
+    .unwrap();
+    assert_eq!(c, plain);
+}
+
+#[test]
+fn only_the_chosen_rope_object_is_read() {
+    // rope_scaling wins, so rope_parameters is not read at all (HF: `rope_scaling or
+    // rope_parameters`)...
+    let bad_params = json!({"rope_type": 3});
+    let c = parse_edited(V2_LITE, &[("rope_parameters", Some(bad_params.clone()))]).unwrap();
+    assert_eq!(c, ModelConfig::from_json_str(V2_LITE).unwrap());
+    // ...but it is when rope_scaling is empty.
+    let msg = error(
+        V2_LITE,
+        &[
+            ("rope_scaling", Some(json!({}))),
+            ("rope_parameters", Some(bad_params)),
+        ],
+    );
+    assert_eq!(
+        msg,
+        "config.json: rope_parameters.rope_type must be a string, got 3"
+    );
+}
+
+#[test]
+fn a_key_deepinfer_reads_is_type_checked_even_where_unused() {
+    // Greedy routing ignores the groups, and plain RoPE ignores YaRN's keys; a wrong type there
+    // is still a broken file.
+    let msg = error(V2_LITE, &[("n_group", Some(json!("x")))]);
+    assert_eq!(
+        msg,
+        "config.json: n_group must be a non-negative integer, got \"x\""
+    );
+    let msg = error(HF5_TINY_V2, &[("rope_parameters.factor", Some(json!("x")))]);
+    assert_eq!(
+        msg,
+        "config.json: rope_parameters.factor must be a finite number, got \"x\""
+    );
+}
