@@ -68,8 +68,8 @@
 //!
 //! `num_key_value_heads` and `head_dim` (MLA has its own head widths), `num_nextn_predict_layers`
 //! (the multi-token-prediction layers are skipped, as HF does), `quantization_config` (the weight
-//! loader names any tensor whose dtype it cannot read), and everything about training.
-
+//! loader names any tensor whose dtype it cannot read), everything about training, and any other
+//! key deepinfer does not read, whatever it holds.
 //!
 //! # How it is read
 //!

@@ -29,53 +29,39 @@ use crate::error::{Error, Result};
 #[serde(default)]
 pub(super) struct RawConfig {
     // === Which model ===
-    /// `model_type`.
     #[serde(deserialize_with = "value::string")]
     pub model_type: Option<String>,
 
     // === Flags deepinfer implements one way only ===
-    /// `hidden_act`.
     #[serde(deserialize_with = "value::string")]
     pub hidden_act: Option<String>,
-    /// `attention_bias`.
     #[serde(deserialize_with = "value::flag")]
     pub attention_bias: Option<bool>,
-    /// `mlp_bias`.
     #[serde(deserialize_with = "value::flag")]
     pub mlp_bias: Option<bool>,
-    /// `rope_interleave`.
     #[serde(deserialize_with = "value::flag")]
     pub rope_interleave: Option<bool>,
 
     // === Shapes ===
-    /// `vocab_size`.
     #[serde(deserialize_with = "value::size_or_null")]
     pub vocab_size: Option<Option<usize>>,
-    /// `hidden_size`.
     #[serde(deserialize_with = "value::size_or_null")]
     pub hidden_size: Option<Option<usize>>,
-    /// `intermediate_size`.
     #[serde(deserialize_with = "value::size_or_null")]
     pub intermediate_size: Option<Option<usize>>,
-    /// `num_hidden_layers`.
     #[serde(deserialize_with = "value::size_or_null")]
     pub num_hidden_layers: Option<Option<usize>>,
-    /// `num_attention_heads`.
     #[serde(deserialize_with = "value::size_or_null")]
     pub num_attention_heads: Option<Option<usize>>,
     /// `q_lora_rank` (`null` for a plain `q_proj`).
     #[serde(deserialize_with = "value::size_or_null")]
     pub q_lora_rank: Option<Option<usize>>,
-    /// `kv_lora_rank`.
     #[serde(deserialize_with = "value::size_or_null")]
     pub kv_lora_rank: Option<Option<usize>>,
-    /// `qk_nope_head_dim`.
     #[serde(deserialize_with = "value::size_or_null")]
     pub qk_nope_head_dim: Option<Option<usize>>,
-    /// `qk_rope_head_dim`.
     #[serde(deserialize_with = "value::size_or_null")]
     pub qk_rope_head_dim: Option<Option<usize>>,
-    /// `v_head_dim`.
     #[serde(deserialize_with = "value::size_or_null")]
     pub v_head_dim: Option<Option<usize>>,
     /// `n_routed_experts` (`null` for a dense model).
@@ -84,42 +70,30 @@ pub(super) struct RawConfig {
     /// `moe_intermediate_size` (required only when there are routed experts).
     #[serde(deserialize_with = "value::size_or_null")]
     pub moe_intermediate_size: Option<Option<usize>>,
-    /// `n_shared_experts`.
     #[serde(deserialize_with = "value::size")]
     pub n_shared_experts: Option<usize>,
-    /// `first_k_dense_replace`.
     #[serde(deserialize_with = "value::size")]
     pub first_k_dense_replace: Option<usize>,
-    /// `moe_layer_freq`.
     #[serde(deserialize_with = "value::size")]
     pub moe_layer_freq: Option<usize>,
-    /// `rms_norm_eps`.
     #[serde(deserialize_with = "value::number")]
     pub rms_norm_eps: Option<f64>,
-    /// `max_position_embeddings`.
     #[serde(deserialize_with = "value::size")]
     pub max_position_embeddings: Option<usize>,
 
-    // === Routing (read when there are routed experts) ===
-    /// `scoring_func`.
+    // === Routing (used when there are routed experts) ===
     #[serde(deserialize_with = "value::string")]
     pub scoring_func: Option<String>,
-    /// `topk_method`.
     #[serde(deserialize_with = "value::string")]
     pub topk_method: Option<String>,
-    /// `num_experts_per_tok`.
     #[serde(deserialize_with = "value::size")]
     pub num_experts_per_tok: Option<usize>,
-    /// `n_group`.
     #[serde(deserialize_with = "value::size")]
     pub n_group: Option<usize>,
-    /// `topk_group`.
     #[serde(deserialize_with = "value::size")]
     pub topk_group: Option<usize>,
-    /// `norm_topk_prob`.
     #[serde(deserialize_with = "value::flag")]
     pub norm_topk_prob: Option<bool>,
-    /// `routed_scaling_factor`.
     #[serde(deserialize_with = "value::number")]
     pub routed_scaling_factor: Option<f64>,
 
@@ -133,7 +107,6 @@ pub(super) struct RawConfig {
     /// `rope_theta`, used when the RoPE object has none.
     #[serde(deserialize_with = "value::number")]
     pub rope_theta: Option<f64>,
-    /// `partial_rotary_factor`.
     #[serde(deserialize_with = "value::number")]
     pub partial_rotary_factor: Option<f64>,
     /// `original_max_position_embeddings`, which wins over the RoPE object's.
@@ -141,10 +114,8 @@ pub(super) struct RawConfig {
     pub original_max_position_embeddings: Option<usize>,
 
     // === Vocabulary ===
-    /// `tie_word_embeddings`.
     #[serde(deserialize_with = "value::flag")]
     pub tie_word_embeddings: Option<bool>,
-    /// `bos_token_id`.
     #[serde(deserialize_with = "value::token_id")]
     pub bos_token_id: Option<u32>,
     /// `eos_token_id`: one id or a list.
@@ -165,32 +136,24 @@ pub(super) struct RawRope {
     /// `rope_theta` (transformers 5 keeps it here).
     #[serde(deserialize_with = "value::number")]
     pub rope_theta: Option<f64>,
-    /// `partial_rotary_factor`.
     #[serde(deserialize_with = "value::number")]
     pub partial_rotary_factor: Option<f64>,
 
     // === YaRN ===
     /// `attention_factor`: any value is rejected, so it is kept as the JSON it was.
     pub attention_factor: Option<Value>,
-    /// `truncate`.
     #[serde(deserialize_with = "value::flag")]
     pub truncate: Option<bool>,
-    /// `original_max_position_embeddings`.
     #[serde(deserialize_with = "value::size")]
     pub original_max_position_embeddings: Option<usize>,
-    /// `factor`.
     #[serde(deserialize_with = "value::number")]
     pub factor: Option<f64>,
-    /// `beta_fast`.
     #[serde(deserialize_with = "value::number")]
     pub beta_fast: Option<f64>,
-    /// `beta_slow`.
     #[serde(deserialize_with = "value::number")]
     pub beta_slow: Option<f64>,
-    /// `mscale`.
     #[serde(deserialize_with = "value::number")]
     pub mscale: Option<f64>,
-    /// `mscale_all_dim`.
     #[serde(deserialize_with = "value::number")]
     pub mscale_all_dim: Option<f64>,
 }

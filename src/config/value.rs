@@ -5,11 +5,12 @@
 //! these name the JSON a user should write ("must be a non-negative integer, got 2048.5"), and
 //! [`super::raw::read`] puts the key's path in front. Each one takes the value as a
 //! [`serde_json::Value`] and converts it, which keeps every reader to a line; a `Visitor` per
-//! type was the rejected alternative: five times the code, and messages in serde's words.
+//! type was the rejected alternative: longer, and its messages are serde's ("invalid type: ...,
+//! expected ...").
 //!
-//! A `null` reads like an absent key (`None`), as transformers' `config.get(key) or default`
-//! does, except through [`size_or_null`], which keeps the two apart for the keys that must be
-//! present but may be `null` (`q_lora_rank`, `n_routed_experts`).
+//! A `null` reads like an absent key (`None`), as the module docs promise, except through
+//! [`size_or_null`], which keeps the two apart for the required sizes: a missing one and a
+//! `null` one get different errors, and `q_lora_rank` and `n_routed_experts` may be `null`.
 
 use serde::de::{Deserialize, Deserializer, Error as _};
 use serde_json::{Map, Value};
