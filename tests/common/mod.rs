@@ -9,6 +9,10 @@ use deepinfer::runner::{CpuRunner, RunnerConfig};
 use deepinfer::weights::Checkpoint;
 use serde::Deserialize;
 
+mod compare;
+#[allow(unused_imports)] // not every test binary compares floats
+pub use compare::{max_abs_diff, max_abs_diff_rows};
+
 /// The tiny checkpoints `scripts/make_fixtures.py` writes, with transformers' outputs.
 pub const FIXTURES: &[&str] = &["tiny-v3", "tiny-v2-lite", "tiny-v2-group"];
 
@@ -44,12 +48,4 @@ pub fn runner(name: &str, max_batch: usize, moe: Option<MoeStrategy>) -> CpuRunn
     let mut rc = RunnerConfig::for_limits(max_batch, 128);
     rc.moe = moe;
     CpuRunner::new(cfg, weights, rc).unwrap()
-}
-
-pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
