@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{max_abs_diff, reference, runner, FIXTURES};
+use common::{max_abs_diff, max_abs_diff_rows, reference, runner, FIXTURES};
 use deepinfer::engine::{self, StopConditions};
 use deepinfer::model::{LogitsOutput, MoeStrategy};
 use deepinfer::runner::step::{DecodeRow, SamplingParams};
@@ -18,12 +18,7 @@ fn prefill_logits_match_transformers_at_every_position() {
         let r = reference(name);
         let mut run = runner(name, 1, None);
         let logits = engine::score(&mut run, &r.token_ids).unwrap();
-        assert_eq!(logits.len(), r.logits.len());
-        let worst = logits
-            .iter()
-            .zip(&r.logits)
-            .map(|(a, b)| max_abs_diff(a, b))
-            .fold(0.0, f32::max);
+        let worst = max_abs_diff_rows(&logits, &r.logits);
         eprintln!("{name}: max |logit - transformers| = {worst:e}");
         assert!(worst < TOL, "{name}: {worst}");
     }
@@ -108,11 +103,7 @@ fn both_moe_strategies_agree() {
         .unwrap();
         let b =
             engine::score(&mut runner(name, 1, Some(MoeStrategy::Dense)), &r.token_ids).unwrap();
-        let worst = a
-            .iter()
-            .zip(&b)
-            .map(|(x, y)| max_abs_diff(x, y))
-            .fold(0.0, f32::max);
+        let worst = max_abs_diff_rows(&a, &b);
         assert!(worst < 1e-5, "{name}: {worst}");
     }
 }

@@ -1,4 +1,7 @@
-//! Finding and opening libnrt, without libnrt: the error paths.
+//! Finding and opening libnrt, without libnrt: the error paths, and the symbol lists against
+//! the header.
+
+mod header;
 
 use neuron_sys::{Candidate, Error, Library, OPTIONAL_SYMBOLS, REQUIRED_SYMBOLS};
 
@@ -104,37 +107,25 @@ fn a_wrong_library_after_a_missing_one_stops_the_search() {
 }
 
 #[test]
-fn symbol_lists() {
-    assert_eq!(REQUIRED_SYMBOLS.len(), 14);
+fn the_symbol_lists_are_exactly_the_headers_functions() {
+    // Every function include/nrt_deepinfer.h declares (and derives a pointer type for) is
+    // resolved, as required or optional, and nothing else: a misspelt optional name would
+    // otherwise resolve to nothing on every runtime without an error.
+    let declared = header::functions_with_pointer_types();
+    for f in &declared {
+        let n = REQUIRED_SYMBOLS
+            .iter()
+            .chain(OPTIONAL_SYMBOLS)
+            .filter(|s| *s == f)
+            .count();
+        assert_eq!(n, 1, "{f}: in the symbol lists {n} times, expected once");
+    }
+    for s in REQUIRED_SYMBOLS.iter().chain(OPTIONAL_SYMBOLS) {
+        assert!(
+            declared.iter().any(|f| f == s),
+            "{s} is resolved but the header declares no such function"
+        );
+    }
+    // Resolved first, so a library that is not libnrt is reported as missing `nrt_init`.
     assert_eq!(REQUIRED_SYMBOLS[0], "nrt_init");
-    for s in [
-        "nrt_init",
-        "nrt_close",
-        "nrt_load",
-        "nrt_unload",
-        "nrt_tensor_allocate",
-        "nrt_tensor_free",
-        "nrt_tensor_read",
-        "nrt_tensor_write",
-        "nrt_tensor_get_size",
-        "nrt_allocate_tensor_set",
-        "nrt_destroy_tensor_set",
-        "nrt_add_tensor_to_tensor_set",
-        "nrt_get_tensor_from_tensor_set",
-        "nrt_execute",
-    ] {
-        assert!(REQUIRED_SYMBOLS.contains(&s), "{s}");
-    }
-    for s in [
-        "nrt_load_collectives",
-        "nrt_get_model_tensor_info",
-        "nrt_free_model_tensor_info",
-        "nrt_tensor_allocate_slice",
-        "nrt_get_version",
-        "nrt_get_total_nc_count",
-        "nrt_get_visible_nc_count",
-        "nrt_get_status_as_str",
-    ] {
-        assert!(OPTIONAL_SYMBOLS.contains(&s), "{s}");
-    }
 }

@@ -1,53 +1,60 @@
-//! Status codes, their names, and the error text built from them.
+//! Status codes, their names, the error text built from them, and the other enum constants,
+//! held against `include/nrt_deepinfer.h` (the header the bindings come from): the crate
+//! compile-time checks that each constant it has equals the header's, and these tests check
+//! the other direction, that it has every one the header declares.
+
+mod header;
 
 use neuron_sys::sys::{self, STATUS_CODES};
 use neuron_sys::{status_name, Error};
 
 #[test]
-fn every_published_status_has_its_name() {
-    let expected: &[(u32, &str)] = &[
-        (0, "NRT_SUCCESS"),
-        (1, "NRT_FAILURE"),
-        (2, "NRT_INVALID"),
-        (3, "NRT_INVALID_HANDLE"),
-        (4, "NRT_RESOURCE"),
-        (5, "NRT_TIMEOUT"),
-        (6, "NRT_HW_ERROR"),
-        (7, "NRT_QUEUE_FULL"),
-        (9, "NRT_LOAD_NOT_ENOUGH_NC"),
-        (10, "NRT_UNSUPPORTED_NEFF_VERSION"),
-        (11, "NRT_FAIL_HOST_MEM_ALLOC"),
-        (13, "NRT_UNINITIALIZED"),
-        (14, "NRT_CLOSED"),
-        (15, "NRT_QUEUE_EMPTY"),
-        (101, "NRT_EXEC_UNIT_UNRECOVERABLE"),
-        (1002, "NRT_EXEC_BAD_INPUT"),
-        (1003, "NRT_EXEC_COMPLETED_WITH_NUM_ERR"),
-        (1004, "NRT_EXEC_COMPLETED_WITH_ERR"),
-        (1005, "NRT_EXEC_NC_BUSY"),
-        (1006, "NRT_EXEC_OOB"),
-        (1100, "NRT_COLL_PENDING"),
-        (1200, "NRT_EXEC_HW_ERR_COLLECTIVES"),
-        (1201, "NRT_EXEC_HW_ERR_HBM_UE"),
-        (1202, "NRT_EXEC_HW_ERR_NC_UE"),
-        (1203, "NRT_EXEC_HW_ERR_DMA_ABORT"),
-        (1204, "NRT_EXEC_SW_NQ_OVERFLOW"),
-        (1205, "NRT_EXEC_HW_ERR_REPAIRABLE_HBM_UE"),
-        (1206, "NRT_NETWORK_PROXY_FAILURE"),
-    ];
-    assert_eq!(STATUS_CODES, expected);
-    for &(code, name) in expected {
-        assert_eq!(status_name(code), name);
+fn the_status_table_is_the_headers_nrt_status_enum() {
+    let declared = header::enum_values("NRT_STATUS");
+    let table: Vec<(String, u32)> = STATUS_CODES
+        .iter()
+        .map(|&(code, name)| (name.to_string(), code))
+        .collect();
+    for (name, code) in &declared {
+        assert!(
+            table.contains(&(name.clone(), *code)),
+            "the header declares {name} = {code}; STATUS_CODES lacks it"
+        );
     }
-    assert_eq!(sys::NRT_EXEC_BAD_INPUT, 1002);
-    assert_eq!(sys::NRT_CLOSED, 14);
+    for (name, code) in &table {
+        assert!(
+            declared.contains(&(name.clone(), *code)),
+            "STATUS_CODES has {name} = {code}; the header does not declare it"
+        );
+    }
+    assert_eq!(table, declared, "same entries, in the header's order");
 }
 
 #[test]
-fn unknown_codes_have_a_placeholder_name() {
-    // 8 and 12 were never assigned; 999 and u32::MAX are not codes.
-    for code in [8, 12, 999, 1007, u32::MAX] {
-        assert_eq!(status_name(code), "NRT_STATUS_UNKNOWN", "code {code}");
+fn the_status_table_is_ascending_with_one_name_per_code() {
+    assert!(
+        STATUS_CODES.windows(2).all(|w| w[0].0 < w[1].0),
+        "STATUS_CODES is documented as strictly ascending: {STATUS_CODES:?}"
+    );
+    let mut names: Vec<&str> = STATUS_CODES.iter().map(|&(_, n)| n).collect();
+    names.sort_unstable();
+    names.dedup();
+    assert_eq!(names.len(), STATUS_CODES.len(), "a name used twice");
+    assert_eq!(STATUS_CODES[0], (sys::NRT_SUCCESS, "NRT_SUCCESS"));
+}
+
+#[test]
+fn status_name_round_trips_and_every_other_code_is_unknown() {
+    for &(code, name) in STATUS_CODES {
+        assert_eq!(status_name(code), name, "code {code}");
+    }
+    // Every code up to past the highest known one, and the extremes (libnrt appends codes,
+    // so an unknown one must get the placeholder, never a neighbour's name).
+    let max = STATUS_CODES.iter().map(|&(c, _)| c).max().expect("codes");
+    for code in (0..=max + 100).chain([i32::MAX as u32, u32::MAX]) {
+        if !STATUS_CODES.iter().any(|&(c, _)| c == code) {
+            assert_eq!(status_name(code), "NRT_STATUS_UNKNOWN", "code {code}");
+        }
     }
 }
 
@@ -68,15 +75,60 @@ fn status_error_names_the_call_and_the_status() {
 }
 
 #[test]
-fn enum_constants_have_the_published_values() {
-    assert_eq!(sys::NRT_TENSOR_PLACEMENT_DEVICE, 0);
-    assert_eq!(sys::NRT_TENSOR_PLACEMENT_HOST, 1);
-    assert_eq!(sys::NRT_TENSOR_PLACEMENT_VIRTUAL, 2);
-    assert_eq!(sys::NRT_FRAMEWORK_TYPE_INVALID, 0);
-    assert_eq!(sys::NRT_FRAMEWORK_TYPE_NO_FW, 1);
-    assert_eq!(sys::NRT_FRAMEWORK_TYPE_PRECHECK, 5);
-    assert_eq!(sys::NRT_TENSOR_USAGE_INPUT, 0);
-    assert_eq!(sys::NRT_TENSOR_USAGE_OUTPUT, 1);
+fn every_other_enum_of_the_header_has_its_constant_in_sys() {
+    // The names must be typed here (Rust cannot look a constant up by name); the values are
+    // the crate's, and the header decides which names must exist.
+    let constants: &[(&str, u32)] = &[
+        (
+            "NRT_TENSOR_PLACEMENT_DEVICE",
+            sys::NRT_TENSOR_PLACEMENT_DEVICE,
+        ),
+        ("NRT_TENSOR_PLACEMENT_HOST", sys::NRT_TENSOR_PLACEMENT_HOST),
+        (
+            "NRT_TENSOR_PLACEMENT_VIRTUAL",
+            sys::NRT_TENSOR_PLACEMENT_VIRTUAL,
+        ),
+        (
+            "NRT_FRAMEWORK_TYPE_INVALID",
+            sys::NRT_FRAMEWORK_TYPE_INVALID,
+        ),
+        ("NRT_FRAMEWORK_TYPE_NO_FW", sys::NRT_FRAMEWORK_TYPE_NO_FW),
+        (
+            "NRT_FRAMEWORK_TYPE_TENSORFLOW",
+            sys::NRT_FRAMEWORK_TYPE_TENSORFLOW,
+        ),
+        (
+            "NRT_FRAMEWORK_TYPE_PYTORCH",
+            sys::NRT_FRAMEWORK_TYPE_PYTORCH,
+        ),
+        ("NRT_FRAMEWORK_TYPE_MXNET", sys::NRT_FRAMEWORK_TYPE_MXNET),
+        (
+            "NRT_FRAMEWORK_TYPE_PRECHECK",
+            sys::NRT_FRAMEWORK_TYPE_PRECHECK,
+        ),
+        ("NRT_TENSOR_USAGE_INPUT", sys::NRT_TENSOR_USAGE_INPUT),
+        ("NRT_TENSOR_USAGE_OUTPUT", sys::NRT_TENSOR_USAGE_OUTPUT),
+    ];
+    let mut declared = Vec::new();
+    for e in [
+        "nrt_tensor_placement_t",
+        "nrt_framework_type_t",
+        "nrt_tensor_usage_t",
+    ] {
+        declared.extend(header::enum_values(e));
+    }
+    for (name, value) in &declared {
+        match constants.iter().find(|(n, _)| n == name) {
+            Some(&(_, v)) => assert_eq!(v, *value, "sys::{name} differs from the header"),
+            None => panic!("the header declares {name} = {value}; sys has no constant for it"),
+        }
+    }
+    for (name, _) in constants {
+        assert!(
+            declared.iter().any(|(n, _)| n == name),
+            "sys::{name} is not declared in the header"
+        );
+    }
 }
 
 #[test]
@@ -99,4 +151,43 @@ fn dtype_tables_and_the_encoding_rule() {
     assert_eq!(DtypeEncoding::Hw.element_size(hw::FP8_E4), Some(1));
     assert_eq!(DtypeEncoding::Sequential.name(12), None);
     assert_eq!(DtypeEncoding::Hw.element_size(0), None);
+}
+
+#[test]
+fn each_dtype_table_names_a_code_once_and_sizes_every_known_type() {
+    use sys::dtype::DtypeEncoding::{self, Hw, Sequential};
+    let table = |enc: DtypeEncoding| -> Vec<(u32, &'static str)> {
+        (0..=255)
+            .filter_map(|raw| enc.name(raw).map(|n| (raw, n)))
+            .collect()
+    };
+    let (seq, hw) = (table(Sequential), table(Hw));
+    // nrt-api.md §4: UNKNOWN plus 11 types sequentially; the hardware codes add FP32R and
+    // three FP8 types.
+    assert_eq!((seq.len(), hw.len()), (12, 16), "{seq:?} {hw:?}");
+    for (enc, t) in [(Sequential, &seq), (Hw, &hw)] {
+        let mut names: Vec<&str> = t.iter().map(|&(_, n)| n).collect();
+        names.sort_unstable();
+        names.dedup();
+        assert_eq!(names.len(), t.len(), "{enc:?} names a type twice: {t:?}");
+        for &(raw, name) in t {
+            assert_eq!(
+                enc.element_size(raw).is_some(),
+                name != "UNKNOWN",
+                "{enc:?} {name} ({raw})"
+            );
+        }
+    }
+    // A type has one size whichever table names it.
+    for &(raw, name) in &seq {
+        let &(hw_raw, _) = hw
+            .iter()
+            .find(|&&(_, n)| n == name)
+            .unwrap_or_else(|| panic!("{name} is missing from the hardware table"));
+        assert_eq!(
+            Sequential.element_size(raw),
+            Hw.element_size(hw_raw),
+            "{name}"
+        );
+    }
 }

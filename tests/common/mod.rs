@@ -12,6 +12,10 @@ use deepinfer::runner::{self, Backend, Runner, RunnerConfig, Step, StepOutput};
 use deepinfer::weights::Checkpoint;
 use serde::Deserialize;
 
+mod compare;
+#[allow(unused_imports)] // not every test binary compares floats
+pub use compare::{max_abs_diff, max_abs_diff_rows};
+
 /// The tiny checkpoints `scripts/make_fixtures.py` writes, with transformers' outputs.
 pub const FIXTURES: &[&str] = &["tiny-v3", "tiny-v2-lite", "tiny-v2-group"];
 
@@ -78,12 +82,4 @@ impl<R: Runner + ?Sized> RunnerExt for R {}
 pub fn allocator<R: Runner + ?Sized>(runner: &R) -> BlockAllocator {
     let rc = runner.runner_config();
     BlockAllocator::new(rc.num_blocks, rc.block_size).unwrap()
-}
-
-pub fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
-    assert_eq!(a.len(), b.len());
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| (x - y).abs())
-        .fold(0.0, f32::max)
 }
