@@ -18,10 +18,10 @@ use prost::Message;
 
 use super::primitive_type;
 use super::proto::{
-    hlo_input_output_alias_proto::{AliasEntryProto, AliasKind},
+    hlo_input_output_alias_proto::AliasEntryProto,
     hlo_instruction_proto::SliceDimensions,
     DotDimensionNumbers, FrontendAttributes, GatherDimensionNumbers, HloComputationProto,
-    HloInputOutputAliasProto, HloInstructionProto, HloModuleProto, LayoutProto, LiteralProto,
+    HloInputOutputAliasProto, HloInstructionProto, HloModuleProto, Kind, LayoutProto, LiteralProto,
     PrimitiveType, ProgramShapeProto, ScatterDimensionNumbers, ShapeProto,
 };
 use crate::error::Result;
@@ -659,7 +659,7 @@ impl Emitter<'_> {
                     output_shape_index: vec![i as i64],
                     parameter_number: p as i64,
                     parameter_shape_index: vec![],
-                    kind: AliasKind::MustAlias as i32,
+                    kind: Kind::MustAlias as i32,
                 })
             })
             .collect::<Vec<_>>();
