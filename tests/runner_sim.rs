@@ -470,7 +470,7 @@ fn destroy_is_idempotent_and_capture_works_again() {
             false,
         )
         .unwrap_err();
-    assert!(err.to_string().contains("destroyed"), "{err}");
+    assert!(err.to_string().contains("not captured"), "{err}");
     blocks.release(&mut table);
     d.capture(&small_config().buckets).unwrap();
     assert!(d.is_captured());
@@ -628,9 +628,10 @@ fn child_load_fault() {
     }
     let (cfg, weights) = load("tiny-v3");
     let lib = Library::open(sim_path()).unwrap();
-    let err = DeviceRunner::new(cfg, weights, small_config(), lib, DeviceOptions::sim())
-        .unwrap_err()
-        .to_string();
+    let rc = small_config();
+    let buckets = rc.buckets.clone();
+    let mut d = DeviceRunner::new(cfg, weights, rc, lib, DeviceOptions::sim()).unwrap();
+    let err = d.capture(&buckets).unwrap_err().to_string();
     assert!(err.contains("graph `"), "{err}");
     assert!(err.contains("NRT_RESOURCE"), "{err}");
     let live = hooks().counters().unwrap().live;

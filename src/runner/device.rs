@@ -580,7 +580,9 @@ impl DeviceRunner {
     fn captured(&self) -> Result<&Captured> {
         self.state.as_ref().ok_or_else(|| {
             Error::Internal(
-                "the device runner is not captured: call capture() before replaying".into(),
+                "the device runner is not captured (never, or destroyed since): call capture() \
+                 before replaying"
+                    .into(),
             )
         })
     }

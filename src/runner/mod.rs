@@ -43,17 +43,60 @@ mod open;
 pub mod step;
 
 use crate::config::ModelConfig;
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::model::LogitsOutput;
 
 pub use buckets::{Buckets, RunnerConfig};
 pub use cpu::CpuRunner;
 pub use device::{CaptureStats, DeviceOptions, DeviceRunner, MetadataSource, NeffSource};
 pub use open::{
-    choose_backend, find_sim_library, open, open_with_weights, sim_library_candidates, Backend,
-    Limits, SIM_GIT_HASH, SIM_LIBRARY_FILE,
+    choose_backend, find_sim_library, open, open_with_weights, sim_library_candidates, Limits,
+    SIM_GIT_HASH, SIM_LIBRARY_FILE,
 };
 use step::{DecodeRow, PrefillChunk};
+
+/// Where graphs run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Backend {
+    /// candle-core on the host CPU.
+    Cpu,
+    /// nrt-sim (`libnrt_sim.so`): the device runner over a simulated NeuronCore.
+    Sim,
+    /// libnrt on a NeuronCore, graphs compiled with neuronx-cc.
+    Neuron,
+}
+
+impl Backend {
+    /// The name users type (`--backend cpu|sim|neuron`) and the server reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            Backend::Cpu => "cpu",
+            Backend::Sim => "sim",
+            Backend::Neuron => "neuron",
+        }
+    }
+}
+
+impl std::fmt::Display for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl std::str::FromStr for Backend {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "cpu" => Ok(Backend::Cpu),
+            "sim" => Ok(Backend::Sim),
+            "neuron" => Ok(Backend::Neuron),
+            other => Err(Error::InvalidInput(format!(
+                "unknown backend `{other}`: expected cpu, sim or neuron"
+            ))),
+        }
+    }
+}
 
 /// One step for [`Runner::replay`]: a prefill chunk of one sequence, or one decode token for
 /// each of a batch of sequences.

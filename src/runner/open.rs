@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::model::ModelWeights;
 use crate::weights::Checkpoint;
 
-use super::{CpuRunner, DeviceOptions, DeviceRunner, Runner, RunnerConfig};
+use super::{Backend, CpuRunner, DeviceOptions, DeviceRunner, Runner, RunnerConfig};
 
 /// The file name of nrt-sim's shared library.
 pub const SIM_LIBRARY_FILE: &str = "libnrt_sim.so";
@@ -17,49 +17,6 @@ pub const SIM_LIBRARY_FILE: &str = "libnrt_sim.so";
 /// The `git_hash` nrt-sim reports from `nrt_get_version`: how a loaded libnrt is recognised
 /// as the simulator (whose "NEFF" is our HLO, so nothing must be compiled for it).
 pub const SIM_GIT_HASH: &str = "nrt-sim";
-
-/// Where graphs run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Backend {
-    /// candle-core on the host CPU.
-    Cpu,
-    /// nrt-sim (`libnrt_sim.so`): the device runner over a simulated NeuronCore.
-    Sim,
-    /// libnrt on a NeuronCore, graphs compiled with neuronx-cc.
-    Neuron,
-}
-
-impl Backend {
-    /// The name users type (`--backend cpu|sim|neuron`) and the server reports.
-    pub fn name(self) -> &'static str {
-        match self {
-            Backend::Cpu => "cpu",
-            Backend::Sim => "sim",
-            Backend::Neuron => "neuron",
-        }
-    }
-}
-
-impl std::fmt::Display for Backend {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(self.name())
-    }
-}
-
-impl std::str::FromStr for Backend {
-    type Err = Error;
-
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "cpu" => Ok(Backend::Cpu),
-            "sim" => Ok(Backend::Sim),
-            "neuron" => Ok(Backend::Neuron),
-            other => Err(Error::InvalidInput(format!(
-                "unknown backend `{other}`: expected cpu, sim or neuron"
-            ))),
-        }
-    }
-}
 
 /// The backend to use: the one asked for, else `sim` when `NEURON_RT_LIB` points at nrt-sim,
 /// else `neuron` when libnrt loads and sees a NeuronCore, else `cpu`.

@@ -18,8 +18,7 @@ use prost::Message;
 
 use super::primitive_type;
 use super::proto::{
-    hlo_input_output_alias_proto::AliasEntryProto,
-    hlo_instruction_proto::SliceDimensions,
+    hlo_input_output_alias_proto::AliasEntryProto, hlo_instruction_proto::SliceDimensions,
     DotDimensionNumbers, FrontendAttributes, GatherDimensionNumbers, HloComputationProto,
     HloInputOutputAliasProto, HloInstructionProto, HloModuleProto, Kind, LayoutProto, LiteralProto,
     PrimitiveType, ProgramShapeProto, ScatterDimensionNumbers, ShapeProto,
