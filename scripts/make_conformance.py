@@ -463,10 +463,13 @@ def floats(rng, shape, lo=-4.0, hi=4.0):
 # rtol 2e-6 (about 16 float32 ulps): candle calls libm (within 1-2 ulps) and then, for rsqrt and
 # sigmoid, rounds once or twice more; XLA's CPU backend uses its own approximations of tanh and
 # logistic (measured with jaxlib 0.10.2 on these cases: at most 2 ulps). A wrong function (a
-# missing scale, the wrong branch of a special case) is off by far more. atol 1e-37: XLA's CPU backend flushes subnormal
-# results to zero (exp(-100), sigmoid(-100)), an absolute error below the smallest normal float.
-# sin/cos get atol 1e-6 as well, for the cancellation near their zeros (the result's absolute
-# error follows the argument's magnitude, not the result's).
+# missing scale, the wrong branch of a special case) is off by far more.
+# atol 1e-37: XLA's CPU backend flushes subnormal results to zero (exp(-100), sigmoid(-100)), an
+# absolute error below the smallest normal float.
+# sin/cos get atol 1e-6 instead, for the cancellation near their zeros (the absolute error follows
+# the argument's magnitude, not the result's).
+# neg, abs and sqrt are exact: IEEE sqrt is correctly rounded, and so is the float64 square root
+# rounded to float32 (53 >= 2 * 24 + 2 bits, so the double rounding is harmless).
 TRANSCENDENTAL = {"atol": 1e-37, "rtol": 2e-6}
 EXACT = {"atol": 0.0, "rtol": 0.0}
 
