@@ -30,15 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
-NP_DTYPE = {"f32": np.float32, "i32": np.int32, "u32": np.uint32, "bool": np.bool_}
-SPECIAL = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}
-
-
-def decode(dtype: str, shape: list, data: list) -> np.ndarray:
-    """A case array (see tests/conformance/README.md for the encoding)."""
-    if dtype == "f32":
-        data = [SPECIAL[v] if isinstance(v, str) else v for v in data]
-    return np.array(data, dtype=NP_DTYPE[dtype]).reshape(shape)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from conformance_reference import decode, mismatch  # noqa: E402
+from xla_check import compile_module  # noqa: E402
 
 
 def load_cases(case_dir: Path) -> dict:
@@ -52,9 +46,6 @@ def load_cases(case_dir: Path) -> dict:
 def run_cases(case_dir: Path, hlo_dir: Path, names: list, out: Path) -> None:
     """Child process: run the named cases, save outputs as .npz entries `CASE/K` (output K) and
     errors as `CASE/error`."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from xla_check import compile_module
-
     cases = {c["name"]: c for cs in load_cases(case_dir).values() for c in cs}
     saved = {}
     for name in names:
@@ -89,36 +80,6 @@ def run_in_children(names: list, case_dir: Path, hlo_dir: Path, tmp: Path) -> tu
     return a_out | b_out, a_err | b_err
 
 
-def compare(got: np.ndarray, out: dict) -> str | None:
-    """None if `got` satisfies the output's rule, else what differs: NaN must meet NaN, an
-    infinity the same infinity, a finite value a finite value within atol + rtol * |want|;
-    integers and bools are exact."""
-    want = decode(out["dtype"], out["shape"], out["data"])
-    if got.shape != want.shape or got.dtype != want.dtype:
-        return f"`{out['name']}`: got {got.dtype} {list(got.shape)}, want {want.dtype} {list(want.shape)}"
-    if out["dtype"] == "f32":
-        g, w = got.astype(np.float64).reshape(-1), want.astype(np.float64).reshape(-1)
-        nan = np.isnan(w) | np.isnan(g)
-        inf = ~nan & (np.isinf(w) | np.isinf(g))
-        fin = ~(nan | inf)
-        bad = np.zeros(g.shape, dtype=bool)
-        bad[nan] = ~(np.isnan(w[nan]) & np.isnan(g[nan]))
-        bad[inf] = g[inf] != w[inf]
-        with np.errstate(invalid="ignore"):
-            bad[fin] = ~(np.abs(g[fin] - w[fin]) <= out["atol"] + out["rtol"] * np.abs(w[fin]))
-        rule = f"atol {out['atol']:e}, rtol {out['rtol']:e}"
-    else:
-        g, w = got.reshape(-1), want.reshape(-1)
-        bad = g != w
-        rule = "exact"
-    if not bad.any():
-        return None
-    idx = np.flatnonzero(bad)
-    shown = "; ".join(f"{[int(j) for j in np.unravel_index(i, want.shape)]}: got {g[i]}, want {w[i]}" for i in idx[:6])
-    more = "; ..." if len(idx) > 6 else ""
-    return f"`{out['name']}`: {len(idx)} of {w.size} elements differ ({rule}): {shown}{more}"
-
-
 def check_all(families: dict, case_dir: Path, hlo_dir: Path) -> dict:
     """{case name: None (passed) or what went wrong} for every case."""
     results, present = {}, []
@@ -141,7 +102,8 @@ def check_all(families: dict, case_dir: Path, hlo_dir: Path) -> dict:
         errors = []
         for k, o in enumerate(by_name[name]["outputs"]):
             got = outputs.get(f"{name}/{k}")
-            e = f"`{o['name']}`: XLA returned no output {k}" if got is None else compare(got, o)
+            want = decode(o["dtype"], o["shape"], o["data"])
+            e = f"`{o['name']}`: XLA returned no output {k}" if got is None else mismatch(got, want, o)
             if e:
                 errors.append(e)
         results[name] = "; ".join(errors) or None
