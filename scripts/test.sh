@@ -6,6 +6,9 @@
 # 2. XLA conformance: every graph we emit for every fixture (prefill, and decode at batch 1, 2, 4
 #    and 8) runs in XLA itself (jaxlib on the CPU) and must match our CPU backend, and the decode
 #    logits must match transformers' reference. jax is installed into .venv from PyPI.
+#    Then the conformance suite's cases (tests/conformance/*.json) run as our emitted HLO in XLA and
+#    must match numpy's expected values, as they do on the CPU backend, emit -> import -> CPU and
+#    nrt-sim in step 1 (scripts/xla_conformance.py).
 # 3. The server end to end (tests/server, pytest): the official `openai` client drives a live
 #    `deepinfer serve` on the default model; transformers' tokenizer and `deepinfer generate`
 #    are the references. Installed into .venv from PyPI with the rest.
@@ -29,6 +32,10 @@ for fixture in tiny-v3 tiny-v2-lite tiny-v2-group; do
     echo "== XLA conformance: $fixture"
     .venv/bin/python scripts/xla_check.py "$out/$fixture" --reference "fixtures/$fixture/reference.json" || status=1
 done
+echo "== XLA conformance: tests/conformance"
+.venv/bin/python scripts/make_conformance.py --check > /dev/null || status=1
+DEEPINFER_CONFORMANCE_OUT="$out/conformance" cargo test --quiet --test conformance || status=1
+.venv/bin/python scripts/xla_conformance.py tests/conformance "$out/conformance" || status=1
 echo "== server end to end (tests/server)"
 .venv/bin/python -m pytest tests/server -q || status=1
 exit $status

@@ -25,11 +25,12 @@ from pathlib import Path
 import numpy as np
 
 
-def run_module(pb_path: str, inputs_path: str, names: list[str], out_path: str) -> None:
-    """Child process: compile and run one module, save its outputs as .npz."""
+def compile_module(pb: bytes):
+    """Parses a serialized HloModuleProto with XLA and compiles it for the CPU. Returns a function
+    from numpy arrays (one per parameter, in order) to numpy arrays (one per root tuple element).
+    Shared with scripts/xla_conformance.py."""
     import jax
     from jax._src.lib import xla_client as xc
-    from safetensors.numpy import load_file
 
     try:
         from jax._src import xla_bridge
@@ -37,7 +38,7 @@ def run_module(pb_path: str, inputs_path: str, names: list[str], out_path: str) 
         backend = xla_bridge.get_backend("cpu")
     except Exception:  # pragma: no cover - older/newer jax layouts
         backend = jax.extend.backend.get_backend("cpu")
-    comp = xc.XlaComputation(Path(pb_path).read_bytes())
+    comp = xc.XlaComputation(pb)
     mlir = xc._xla.mlir.xla_computation_to_mlir_module(comp)
     dev = backend.local_devices()[0]
     opts = xc.CompileOptions()
@@ -45,11 +46,21 @@ def run_module(pb_path: str, inputs_path: str, names: list[str], out_path: str) 
         exe = backend.compile_and_load(mlir, xc.DeviceList((dev,)), opts)
     else:
         exe = backend.compile(mlir, opts)
+
+    def run(arrays):
+        res = exe.execute_sharded([jax.device_put(a, dev) for a in arrays])
+        return [np.asarray(o[0]) for o in res.disassemble_into_single_device_arrays()]
+
+    return run
+
+
+def run_module(pb_path: str, inputs_path: str, names: list[str], out_path: str) -> None:
+    """Child process: compile and run one module, save its outputs as .npz."""
+    from safetensors.numpy import load_file
+
+    run = compile_module(Path(pb_path).read_bytes())
     values = load_file(inputs_path)
-    args = [jax.device_put(values[n], dev) for n in names]
-    res = exe.execute_sharded(args)
-    outs = [np.asarray(o[0]) for o in res.disassemble_into_single_device_arrays()]
-    np.savez(out_path, *outs)
+    np.savez(out_path, *run([values[n] for n in names]))
 
 
 def check_graph(out_dir: Path, g: dict, tol: float, reference) -> list[str]:

@@ -1,0 +1,747 @@
+"""Write the conformance cases under tests/conformance/ with expected values from numpy.
+
+What: one JSON file per op family (unary.json, binary.json, ..., blocks.json). Each case is a
+small program over the graph's ops (inputs, a list of ops whose arguments name earlier values,
+outputs), its concrete inputs, the outputs numpy computes for it, and how each output is compared.
+tests/conformance.rs runs every case on the CPU backend, on emit -> import -> CPU and through
+nrt-sim; scripts/xla_conformance.py runs the same cases' HLO in XLA. The format is described in
+tests/conformance/README.md.
+
+Why: the expected values come from here, not from deepinfer, so every executor is checked against
+an independent reference, and one set of cases serves all executors (the regex crate's testdata
+idea). Everything here is plain numpy; nothing imports or runs deepinfer.
+
+The cases of single ops are defined below, the blocks in conformance_blocks.py, and the reference
+in conformance_reference.py: `evaluate` interprets a program with numpy, op by op. Floats are
+evaluated in float64 and rounded to float32 only at the end (the best value an f32 implementation
+could return); integers use the exact 32-bit semantics XLA documents (wrapping arithmetic,
+truncating division, x / 0 = -1 (signed) or all ones (unsigned), x % 0 = x, shifts by 32 or more
+give 0). Each case is also evaluated entirely in float32 and must pass its own comparison rule
+against the reference: a tolerance is never tighter than an honest float32 implementation needs,
+and integer or bool results that depend on float rounding (a near tie in top-k, say) are refused
+as ill-conditioned instead of being written. Blocks also check the program against the textbook
+numpy formula of the block, so the op program is known to express what its name says.
+
+Inputs come from a numpy Generator seeded from the case's name (crc32), so adding or editing one
+case never changes another's data. Re-running the script rewrites identical bytes.
+
+    python3 -m venv .venv && .venv/bin/pip install -r scripts/requirements-test.txt
+    .venv/bin/python scripts/make_conformance.py            # writes tests/conformance/*.json
+    .venv/bin/python scripts/make_conformance.py --check    # fails if a file would change
+"""
+
+import argparse
+import json
+import sys
+import zlib
+from pathlib import Path
+
+import numpy as np
+
+from conformance_blocks import block_cases
+from conformance_reference import (
+    BOOL,
+    COMPARE,
+    EXACT,
+    F32,
+    F_EDGES,
+    I32,
+    I32_MAX,
+    I32_MIN,
+    I_EDGES,
+    INF,
+    NAN,
+    NP_DTYPE,
+    U32,
+    U32_MAX,
+    U_EDGES,
+    Case,
+    dtype_of,
+    floats,
+    grid,
+    ints,
+)
+
+OUT_DIR = Path(__file__).resolve().parent.parent / "tests" / "conformance"
+
+# Real disagreements found by this suite, attached to their cases with `Case.known`: the executors
+# report each as a known failure and fail once the case passes (so the entry goes when the bug is
+# fixed). Each one is a bug to fix, not a tolerance.
+CPU_NAN_MAX = "candle's maximum/minimum keep the first operand when the second is NaN (`if a < b {b} else {a}`); XLA and numpy propagate NaN"
+CPU_NAN_REDUCE = "candle's max/min reduction skips a NaN unless it is the first element of the row; XLA's reduce and numpy propagate it"
+CPU_EMPTY_REDUCE = "candle's max/min reduction refuses an empty dimension (EmptyTensor); XLA returns the reduction's init value (-inf / +inf)"
+CPU_NAN_ARGMAX = "candle's argmax skips a NaN unless it is the row's first element; numpy and jnp.argmax return the first NaN"
+CPU_INT_SUM = (
+    "candle sums integers with `+`, which panics on overflow when overflow checks are on (the test profile; nrt-sim "
+    "reports the panic as NRT_FAILURE) and wraps only in release builds; HLO's add wraps"
+)
+HLO_CPU_NAN_ARGMAX = (
+    "emit lowers argmax to reduce-max, compare EQ, select(iota), reduce-min, and the importer keeps those ops: a row "
+    "whose first element is NaN has a NaN maximum (candle), equal to nothing, so the index is i32::MAX; in the other "
+    "rows candle's max skips the NaN"
+)
+HLO_NAN_ARGMAX = "the argmax lowering (reduce-max, compare EQ, select iota, reduce-min) finds no element equal to a NaN maximum and returns i32::MAX, an out-of-range index"
+XLA_ONE_TUPLE = (
+    "the harness path, not the module: jax's HLO -> StableHLO conversion (xla_computation_to_mlir_module) returns a "
+    "one-element root tuple as a plain array but keeps the alias at output {0}, which XLA then rejects (RET_CHECK "
+    "`Trying to set up alias at {0} which is an invalid index`); with a second output the same alias runs "
+    "(mla_cache_write_read), and the model's graphs always have two or more outputs"
+)
+
+
+# === Families ===
+
+# Tolerances for the transcendental functions, as |got - want| <= atol + rtol * |want|.
+# rtol 2e-6 (about 16 float32 ulps): candle calls libm (within 1-2 ulps) and then, for rsqrt and
+# sigmoid, rounds once or twice more; XLA's CPU backend uses its own approximations of tanh and
+# logistic (measured with jaxlib 0.10.2 on these cases: at most 2 ulps). A wrong function (a
+# missing scale, the wrong branch of a special case) is off by far more.
+# atol 1e-37: XLA's CPU backend flushes subnormal results to zero (exp(-100), sigmoid(-100)), an
+# absolute error below the smallest normal float.
+# sin/cos get atol 1e-6 instead, for the cancellation near their zeros (the absolute error follows
+# the argument's magnitude, not the result's).
+# neg, abs and sqrt are exact: IEEE sqrt is correctly rounded, and so is the float64 square root
+# rounded to float32 (53 >= 2 * 24 + 2 bits, so the double rounding is harmless).
+TRANSCENDENTAL = {"atol": 1e-37, "rtol": 2e-6}
+
+
+def unary_cases():
+    fam = "unary"
+    domains = {
+        "neg": (-4, 4, []),
+        "abs": (-4, 4, []),
+        "exp": (-10, 10, [88.0, 89.0, -87.0, -104.0, -100.0]),
+        "log": (0.01, 100, [1e-30, 2.0, -1.0]),
+        "sqrt": (0, 100, [2.0, 1e-30, -1.0, 4.0]),
+        "rsqrt": (0.01, 100, [2.0, 1e-30, -1.0, 4.0]),
+        "sin": (-10, 10, [3.1415927, -3.1415927]),
+        "cos": (-10, 10, [1.5707964, -1.5707964]),
+        "tanh": (-5, 5, [20.0, -20.0, 1e-4, -1e-4]),
+        "sigmoid": (-10, 10, [100.0, -100.0, 30.0, -30.0]),
+        "silu": (-10, 10, [100.0, -100.0, 30.0, -30.0]),
+    }
+    cases = []
+    for op, (lo, hi, extra) in domains.items():
+        c = Case(fam, f"{op}_f32", f"{op} on float32: a random sample of its domain, NaN, +-inf, +-0 and the op's own edges")
+        x = np.concatenate([np.array(F_EDGES + extra, dtype=np.float32), floats(c.rng, 24, lo, hi)])
+        c.input("x", x)
+        c.output(c.op(op, "x"), "y", **(EXACT if op in ("neg", "abs", "sqrt") else TRANSCENDENTAL))
+        if op in ("sin", "cos"):
+            c.outputs[-1]["atol"] = 1e-6
+        cases.append(c)
+    for op in ("neg", "abs"):
+        c = Case(fam, f"{op}_i32", f"{op} on i32 wraps: {op}(i32::MIN) = i32::MIN")
+        c.input("x", np.concatenate([np.array(I_EDGES, dtype=np.int32), ints(c.rng, 5, I32)]))
+        c.output(c.op(op, "x"), "y")
+        cases.append(c)
+    c = Case(fam, "exp_empty", "an elementwise op on a [0, 3] value gives a [0, 3] value")
+    c.input("x", np.zeros((0, 3), dtype=np.float32))
+    c.output(c.op("exp", "x"), "y", **TRANSCENDENTAL)
+    cases.append(c)
+    c = Case(fam, "tanh_scalar", "a rank-0 operand")
+    c.input("x", np.float32(0.75))
+    c.output(c.op("tanh", "x"), "y", **TRANSCENDENTAL)
+    cases.append(c)
+    return cases
+
+
+def binary_cases():
+    fam = "binary"
+    cases = []
+    for op in ("add", "sub", "mul", "div", "maximum", "minimum"):
+        c = Case(fam, f"{op}_f32", f"{op} on float32: every pair of NaN, +-inf, +-0, +-1, 0.5, then random pairs")
+        a, b = grid(F_EDGES, F32)
+        c.input("a", np.concatenate([a, floats(c.rng, 16, -100, 100)]))
+        c.input("b", np.concatenate([b, floats(c.rng, 16, -100, 100)]))
+        # Exact: IEEE add, sub, mul and div are correctly rounded, and rounding the float64
+        # result to float32 is the correctly rounded float32 result (53 >= 2 * 24 + 2 bits).
+        c.output(c.op(op, "a", "b"), "y", **EXACT)
+        if op in ("maximum", "minimum"):
+            c.known(cpu=CPU_NAN_MAX, hlo_cpu=CPU_NAN_MAX, nrt_sim=CPU_NAN_MAX)
+        cases.append(c)
+    ops = ("add", "sub", "mul", "div", "rem", "maximum", "minimum", "bitxor", "bitand", "shr", "shl")
+    for dtype, edges in ((I32, I_EDGES), (U32, U_EDGES)):
+        for op in ops:
+            c = Case(fam, f"{op}_{dtype}", f"{op} on {dtype}: every pair of edge values (wrapping, division by zero, shifts of 32 or more), then random pairs")
+            a, b = grid(edges, dtype)
+            hi = 40 if op in ("shr", "shl") else None
+            c.input("a", np.concatenate([a, ints(c.rng, 8, dtype)]))
+            c.input("b", np.concatenate([b, ints(c.rng, 8, dtype, lo=0 if hi else None, hi=hi)]))
+            c.output(c.op(op, "a", "b"), "y")
+            cases.append(c)
+    c = Case(fam, "add_empty", "add of two [2, 0] values")
+    c.input("a", np.zeros((2, 0), dtype=np.float32))
+    c.input("b", np.zeros((2, 0), dtype=np.float32))
+    c.output(c.op("add", "a", "b"), "y", **EXACT)
+    cases.append(c)
+    c = Case(fam, "mul_scalar", "mul of two rank-0 values")
+    c.input("a", np.float32(1.5))
+    c.input("b", np.float32(-2.25))
+    c.output(c.op("mul", "a", "b"), "y", **EXACT)
+    cases.append(c)
+    c = Case(fam, "mul_u32_hash_constant", "the sampler's hash step: u32 multiply by murmur3's constant wraps")
+    c.input("a", ints(c.rng, 16, U32))
+    k = c.op("broadcast", c.const([0x85EBCA6B], U32, []), shape=[16])
+    c.output(c.op("mul", "a", k), "y")
+    cases.append(c)
+    return cases
+
+
+def compare_cases():
+    fam = "compare"
+    cases = []
+    for op in COMPARE:
+        c = Case(fam, f"{op}_f32", f"{op} on float32: NaN is unordered (only ne holds), -0 == 0, infinities compare")
+        a, b = grid(F_EDGES, F32)
+        c.input("a", np.concatenate([a, floats(c.rng, 8)]))
+        c.input("b", np.concatenate([b, floats(c.rng, 8)]))
+        c.output(c.op(op, "a", "b"), "y")
+        cases.append(c)
+    for dtype, edges in ((I32, I_EDGES), (U32, U_EDGES)):
+        for op in COMPARE:
+            c = Case(fam, f"{op}_{dtype}", f"{op} on {dtype} ({'signed' if dtype == I32 else 'unsigned: 0x80000000 > 1'})")
+            a, b = grid(edges, dtype)
+            c.input("a", a)
+            c.input("b", b)
+            c.output(c.op(op, "a", "b"), "y")
+            cases.append(c)
+    for op in COMPARE:
+        c = Case(fam, f"{op}_bool", f"{op} on bool (false < true)")
+        c.input("a", np.array([False, False, True, True]))
+        c.input("b", np.array([False, True, False, True]))
+        c.output(c.op(op, "a", "b"), "y")
+        cases.append(c)
+    c = Case(fam, "lt_broadcast", "compare broadcasts its operands ([3, 1] against [1, 4]), as the causal mask is built")
+    c.input("q", np.array([[0], [1], [2]], dtype=np.int32))
+    c.input("k", np.array([[0, 1, 2, 3]], dtype=np.int32))
+    c.output(c.op("le", "k", "q"), "visible")
+    cases.append(c)
+    c = Case(fam, "gt_empty", "compare of [0] values")
+    c.input("a", np.zeros(0, dtype=np.float32))
+    c.input("b", np.zeros(0, dtype=np.float32))
+    c.output(c.op("gt", "a", "b"), "y")
+    cases.append(c)
+    return cases
+
+
+def select_cases():
+    fam = "select"
+    cases = []
+    for dtype in (F32, I32, U32, BOOL):
+        c = Case(fam, f"select_{dtype}", f"select on {dtype} branches; a NaN in the branch not taken does not leak")
+        n = 12
+        c.input("p", c.rng.integers(0, 2, n).astype(bool))
+        if dtype == F32:
+            t = np.array([NAN, INF, -INF, 1.0, -0.0, 2.5] * 2, dtype=np.float32)
+            f = np.array([0.5, NAN, 3.0, -INF, INF, NAN] * 2, dtype=np.float32)
+        elif dtype == BOOL:
+            t, f = c.rng.integers(0, 2, n).astype(bool), c.rng.integers(0, 2, n).astype(bool)
+        else:
+            t, f = ints(c.rng, n, dtype), ints(c.rng, n, dtype)
+        c.input("t", t, dtype)
+        c.input("f", f, dtype)
+        c.output(c.op("where", "p", "t", "f"), "y", **(EXACT if dtype == F32 else {}))
+        cases.append(c)
+    c = Case(fam, "select_broadcast_mask", "a [3, 1] predicate and a scalar -inf branch broadcast against [3, 4] scores (the attention mask)")
+    c.input("p", np.array([[True], [False], [True]]))
+    c.input("s", floats(c.rng, (3, 4)))
+    ninf = c.const([-INF], F32, [])
+    c.output(c.op("where", "p", "s", ninf), "y", **EXACT)
+    cases.append(c)
+    c = Case(fam, "select_empty", "select of [0, 2] values")
+    c.input("p", np.zeros((0, 2), dtype=bool))
+    c.input("t", np.zeros((0, 2), dtype=np.float32))
+    c.input("f", np.zeros((0, 2), dtype=np.float32))
+    c.output(c.op("where", "p", "t", "f"), "y", **EXACT)
+    cases.append(c)
+    return cases
+
+
+def convert_cases():
+    fam = "convert"
+    cases = []
+    fvals = [NAN, INF, -INF, 0.0, -0.0, 0.5, -0.5, 0.999, -0.999, 2.5, -2.5, 1e9, -1e9, 3e9, -3e9, 5e9, 16777217.0, 2147483520.0, -2147483648.0]
+    for to in (I32, U32):
+        c = Case(fam, f"f32_to_{to}", f"f32 -> {to}: truncates toward zero, saturates out of range, NaN -> 0")
+        c.input("x", np.concatenate([np.array(fvals, dtype=np.float32), floats(c.rng, 8, -1000, 1000)]))
+        c.output(c.op("cast", "x", dtype=to), "y")
+        cases.append(c)
+    c = Case(fam, "i32_to_f32", "i32 -> f32 rounds to nearest even above 2^24")
+    c.input("x", np.array(I_EDGES + [16777217, 16777219, -16777217, 123456789], dtype=np.int32))
+    c.output(c.op("cast", "x", dtype=F32), "y", **EXACT)
+    cases.append(c)
+    c = Case(fam, "u32_to_f32", "u32 -> f32: u32::MAX rounds to 2^32; the sampler's 24-bit draws are exact")
+    c.input("x", np.array(U_EDGES + [16777215, 16777217, 0xFFFFFF00], dtype=np.uint32))
+    c.output(c.op("cast", "x", dtype=F32), "y", **EXACT)
+    cases.append(c)
+    c = Case(fam, "i32_to_u32", "i32 -> u32 keeps the bit pattern (-1 -> u32::MAX)")
+    c.input("x", np.array(I_EDGES, dtype=np.int32))
+    c.output(c.op("cast", "x", dtype=U32), "y")
+    cases.append(c)
+    c = Case(fam, "u32_to_i32", "u32 -> i32 keeps the bit pattern (0x80000000 -> i32::MIN)")
+    c.input("x", np.array(U_EDGES, dtype=np.uint32))
+    c.output(c.op("cast", "x", dtype=I32), "y")
+    cases.append(c)
+    for to in (F32, I32, U32):
+        c = Case(fam, f"bool_to_{to}", f"bool -> {to} is 0 or 1")
+        c.input("x", np.array([True, False, True, True, False]))
+        c.output(c.op("cast", "x", dtype=to), "y", **(EXACT if to == F32 else {}))
+        cases.append(c)
+    c = Case(fam, "f32_to_i32_empty", "a cast of a [0] value")
+    c.input("x", np.zeros(0, dtype=np.float32))
+    c.output(c.op("cast", "x", dtype=I32), "y")
+    cases.append(c)
+    return cases
+
+
+def shape_cases():
+    fam = "shape"
+    cases = []
+
+    def simple(name, doc, x, op, **attrs):
+        c = Case(fam, name, doc)
+        c.input("x", x)
+        c.output(c.op(op, "x", **attrs), "y", **(EXACT if dtype_of(x) == F32 else {}))
+        cases.append(c)
+        return c
+
+    r = np.random.default_rng(zlib.crc32(b"shape"))
+    f = lambda *s: floats(r, s)  # noqa: E731
+    simple("broadcast_size1", "[3, 1] -> [3, 4]: a size-1 dim expands", f(3, 1), "broadcast", shape=[3, 4])
+    simple("broadcast_rank", "[4] -> [2, 3, 4]: dims align to the right", f(4), "broadcast", shape=[2, 3, 4])
+    simple("broadcast_middle", "[2, 1, 4] -> [2, 3, 4]", f(2, 1, 4), "broadcast", shape=[2, 3, 4])
+    simple("broadcast_scalar_i32", "a rank-0 i32 -> [2, 3]", np.int32(-5), "broadcast", shape=[2, 3])
+    simple("broadcast_to_empty", "[1, 3] -> [0, 3]: a size-1 dim may expand to 0", f(1, 3), "broadcast", shape=[0, 3])
+    simple("broadcast_bool", "a [2, 1] bool -> [2, 3]", np.array([[True], [False]]), "broadcast", shape=[2, 3])
+    simple("broadcast_nan", "NaN and inf are copied, not computed on", np.array([NAN, -INF], dtype=np.float32), "broadcast", shape=[3, 2])
+    simple("reshape_f32", "[2, 6] -> [3, 4], row-major", f(2, 6), "reshape", shape=[3, 4])
+    simple("reshape_u32", "[12] -> [2, 2, 3] of u32", ints(r, 12, U32), "reshape", shape=[2, 2, 3])
+    simple("reshape_scalar", "rank 0 -> [1, 1]", np.float32(7.0), "reshape", shape=[1, 1])
+    simple("reshape_empty", "[0, 4] -> [2, 0, 3]", np.zeros((0, 4), dtype=np.float32), "reshape", shape=[2, 0, 3])
+    simple("permute_3d", "perm [2, 0, 1] of a [2, 3, 4] value", f(2, 3, 4), "permute", perm=[2, 0, 1])
+    simple("permute_4d_i32", "perm [0, 2, 1, 3] of a [2, 3, 2, 2] i32 value", ints(r, (2, 3, 2, 2), I32), "permute", perm=[0, 2, 1, 3])
+    simple("transpose_2d", "the last two dims swapped (t())", f(3, 5), "permute", perm=[1, 0])
+    simple("transpose_bool", "a bool [2, 3] transposed", r.integers(0, 2, (2, 3)).astype(bool), "permute", perm=[1, 0])
+    simple("slice_middle", "narrow(1, 2, 3) of [3, 8]", f(3, 8), "slice", dim=1, start=2, len=3)
+    simple("slice_dim0_i32", "narrow(0, 1, 2) of an i32 [4, 3]", ints(r, (4, 3), I32), "slice", dim=0, start=1, len=2)
+    simple("slice_empty", "narrow(1, 3, 0): an empty slice", f(2, 5), "slice", dim=1, start=3, len=0)
+    simple("slice_last", "narrow(2, 3, 1) of [2, 2, 4] (a rope pair's odd half)", f(2, 2, 4), "slice", dim=2, start=3, len=1)
+    for name, doc, parts, dim in (
+        ("concat_dim0", "three f32 operands along dim 0", [f(1, 3), f(2, 3), f(3, 3)], 0),
+        ("concat_dim1", "two f32 operands along dim 1 (the cache row: latent then rope key)", [f(2, 4), f(2, 2)], 1),
+        ("concat_with_empty", "an empty operand contributes nothing", [f(2, 2), np.zeros((2, 0), dtype=np.float32), f(2, 1)], 1),
+        ("concat_i32_dim2", "i32 operands along the last of three dims (gather coordinates)", [ints(r, (2, 2, 1), I32), ints(r, (2, 2, 1), I32)], 2),
+        ("concat_bool", "bool operands", [np.array([True, False]), np.array([False])], 0),
+        ("concat_single", "one operand", [f(2, 2)], 0),
+    ):
+        c = Case(fam, name, doc)
+        names = [c.input(f"x{i}", p) for i, p in enumerate(parts)]
+        c.output(c.op("concat", *names, dim=dim), "y", **(EXACT if dtype_of(parts[0]) == F32 else {}))
+        cases.append(c)
+    for dtype in (I32, U32, BOOL):
+        c = Case(fam, f"movement_{dtype}", f"reshape, permute, slice, broadcast and concat on a {dtype} value (data movement never looks at the values)")
+        x = c.rng.integers(0, 2, (2, 3)).astype(bool) if dtype == BOOL else ints(c.rng, (2, 3), dtype)
+        c.input("x", x)
+        r_ = c.op("reshape", "x", shape=[3, 2, 1])
+        p_ = c.op("permute", r_, perm=[2, 0, 1])
+        s_ = c.op("slice", p_, dim=1, start=1, len=2)
+        b_ = c.op("broadcast", s_, shape=[2, 2, 2])
+        c.output(c.op("concat", b_, s_, dim=0), "y")
+        cases.append(c)
+    c = Case(fam, "unsqueeze_squeeze", "a size-1 dim inserted and removed (both reshapes), around a broadcast")
+    c.input("x", floats(c.rng, (3,)))
+    u = c.op("reshape", "x", shape=[3, 1])
+    b = c.op("broadcast", u, shape=[3, 2])
+    s = c.op("slice", b, dim=1, start=1, len=1)
+    c.output(c.op("reshape", s, shape=[3]), "y", **EXACT)
+    cases.append(c)
+    return cases
+
+
+def iota_cases():
+    fam = "iota"
+    cases = []
+    for name, doc, dtype, shape, dim in (
+        ("iota_i32_dim1", "indices along dim 1 of [3, 5]", I32, [3, 5], 1),
+        ("iota_i32_dim0", "indices along dim 0 of [4, 2]", I32, [4, 2], 0),
+        ("iota_i32_3d", "indices along the last dim of [2, 3, 4] (the MoE one-hot)", I32, [2, 3, 4], 2),
+        ("iota_f32", "float indices along dim 0 of [6]", F32, [6], 0),
+        ("iota_empty", "an empty [0, 3] iota", I32, [0, 3], 1),
+    ):
+        c = Case(fam, name, doc)
+        v = c.op("iota", dtype=dtype, shape=shape, dim=dim)
+        c.output(v, "y", **(EXACT if dtype == F32 else {}))
+        cases.append(c)
+    return cases
+
+
+def constant_cases():
+    fam = "constant"
+    cases = []
+    for name, doc, data, dtype, shape in (
+        ("constant_f32_edges", "float literals including NaN, +-inf and -0", [NAN, INF, -INF, -0.0, 1e-30, 3.4028235e38, 0.1, -2.5], F32, [2, 4]),
+        ("constant_i32", "i32 literals at both ends of the range", [I32_MIN, -1, 0, 1, I32_MAX, 7], I32, [3, 2]),
+        ("constant_u32", "u32 literals, including values above i32::MAX", [0, 1, 0x80000000, U32_MAX], U32, [4]),
+        ("constant_scalar", "a rank-0 literal", [0.25], F32, []),
+        ("constant_empty", "an empty [0, 2] literal", [], F32, [0, 2]),
+    ):
+        c = Case(fam, name, doc)
+        c.input("x", np.ones(shape, dtype=NP_DTYPE[dtype]))
+        k = c.const(data, dtype, shape)
+        # Added to an input, so the literal feeds a computation as well as being an output.
+        c.output(k, "k", **(EXACT if dtype == F32 else {}))
+        c.output(c.op("add", "x", k), "y", **(EXACT if dtype == F32 else {}))
+        cases.append(c)
+    return cases
+
+
+def reduce_cases():
+    fam = "reduce"
+    cases = []
+    # Sums: the executors add in different orders, so the error is a few ulps of the largest
+    # partial sum: atol 1e-5 for inputs within [-4, 4] and at most 8 terms, rtol 1e-6.
+    SUM = {"atol": 1e-5, "rtol": 1e-6}
+    for op in ("reduce_sum", "reduce_max", "reduce_min"):
+        for dim in (0, 1, 2):
+            c = Case(fam, f"{op[7:]}_f32_dim{dim}", f"{op} over dim {dim} of a random [3, 4, 5] value")
+            c.input("x", floats(c.rng, (3, 4, 5)))
+            c.output(c.op(op, "x", dim=dim), "y", **(SUM if op == "reduce_sum" else EXACT))
+            cases.append(c)
+        c = Case(fam, f"{op[7:]}_f32_edges", f"{op} over rows holding NaN (first or later), +-inf, inf and -inf together, all -inf")
+        x = np.array(
+            [
+                [NAN, 1.0, 2.0, 3.0],
+                [1.0, NAN, 2.0, 3.0],
+                [1.0, 2.0, 3.0, NAN],
+                [INF, 1.0, 2.0, 3.0],
+                [-INF, -1.0, -2.0, -3.0],
+                [INF, -INF, 0.0, 1.0],
+                [-INF, -INF, -INF, -INF],
+                [-0.0, 0.0, -0.0, 0.0],
+            ],
+            dtype=np.float32,
+        )
+        c.input("x", x)
+        c.output(c.op(op, "x", dim=1), "y", **(SUM if op == "reduce_sum" else EXACT))
+        cases.append(c)
+        if op != "reduce_sum":
+            c.known(cpu=CPU_NAN_REDUCE, hlo_cpu=CPU_NAN_REDUCE, nrt_sim=CPU_NAN_REDUCE)
+        c = Case(fam, f"{op[7:]}_f32_empty_dim", f"{op} over a dimension of size 0 gives the init value ({'0' if op == 'reduce_sum' else '-inf' if op == 'reduce_max' else '+inf'})")
+        c.input("x", np.zeros((3, 0), dtype=np.float32))
+        c.output(c.op(op, "x", dim=1), "y", **EXACT)
+        cases.append(c)
+        if op != "reduce_sum":
+            c.known(cpu=CPU_EMPTY_REDUCE, hlo_cpu=CPU_EMPTY_REDUCE, nrt_sim=CPU_EMPTY_REDUCE)
+        c = Case(fam, f"{op[7:]}_f32_empty_rest", f"{op} over a full dim of a [0, 4] value gives a [0] value")
+        c.input("x", np.zeros((0, 4), dtype=np.float32))
+        c.output(c.op(op, "x", dim=1), "y", **EXACT)
+        cases.append(c)
+        if op != "reduce_sum":
+            why = "candle's max/min reduction refuses any empty input (EmptyTensor), even when only the kept dims are empty and the result is an empty value"
+            c.known(cpu=why, hlo_cpu=why, nrt_sim=why)
+        for dtype in (I32, U32):
+            c = Case(fam, f"{op[7:]}_{dtype}", f"{op} on {dtype} over dim 1 (sums wrap on overflow)")
+            x = ints(c.rng, (4, 3), dtype)
+            c.input("x", x)
+            c.output(c.op(op, "x", dim=1), "y")
+            cases.append(c)
+            if op == "reduce_sum":
+                c.known(cpu=CPU_INT_SUM, hlo_cpu=CPU_INT_SUM, nrt_sim=CPU_INT_SUM)
+    c = Case(fam, "sum_i32_small", "an i32 sum that does not overflow (the MoE hit count)")
+    c.input("x", ints(c.rng, (3, 5), I32, -100, 100))
+    c.output(c.op("reduce_sum", "x", dim=0), "y")
+    cases.append(c)
+    return cases
+
+
+def argmax_cases():
+    fam = "argmax"
+    cases = []
+    c = Case(fam, "argmax_ties", "the first maximum wins ties; -inf and all-equal rows")
+    x = np.array([[1, 3, 3, 0], [-INF, -INF, -INF, -INF], [2, 2, 2, 2], [-INF, -5, -INF, -5], [INF, 1, INF, 0]], dtype=np.float32)
+    c.input("x", x)
+    c.output(c.op("argmax", "x", dim=1), "y")
+    cases.append(c)
+    for dim in (0, 1, 2):
+        c = Case(fam, f"argmax_dim{dim}", f"argmax over dim {dim} of a random [3, 4, 5] value")
+        c.input("x", floats(c.rng, (3, 4, 5)))
+        c.output(c.op("argmax", "x", dim=dim), "y")
+        cases.append(c)
+    c = Case(fam, "argmax_rank1", "argmax of a [7] value is a rank-0 index")
+    c.input("x", floats(c.rng, (7,)))
+    c.output(c.op("argmax", "x", dim=0), "y")
+    cases.append(c)
+    c = Case(fam, "argmax_nan", "a NaN is the maximum (numpy, jnp.argmax): the first NaN's index")
+    x = np.array([[NAN, 1, 2, 3], [1, NAN, 5, 3], [1, 2, 3, NAN], [NAN, NAN, 1, 0]], dtype=np.float32)
+    c.input("x", x)
+    c.output(c.op("argmax", "x", dim=1), "y")
+    cases.append(c)
+    c.known(cpu=CPU_NAN_ARGMAX, hlo_cpu=HLO_CPU_NAN_ARGMAX, nrt_sim=HLO_CPU_NAN_ARGMAX, xla=HLO_NAN_ARGMAX)
+    return cases
+
+
+def matmul_cases():
+    fam = "matmul"
+    cases = []
+    # Products of at most 16 terms of inputs within [-4, 4]: rtol 1e-5 and atol 2e-5 cover
+    # summation-order differences (a few ulps of the largest partial sum, |sum| <= 256).
+    MM = {"atol": 2e-5, "rtol": 1e-5}
+    for name, doc, sa, sb in (
+        ("matmul_2d", "[3, 4] x [4, 5]", (3, 4), (4, 5)),
+        ("matmul_batched", "[2, 3, 4] x [2, 4, 5]", (2, 3, 4), (2, 4, 5)),
+        ("matmul_4d", "[2, 2, 3, 4] x [2, 2, 4, 2]", (2, 2, 3, 4), (2, 2, 4, 2)),
+        ("matmul_vector_rows", "[1, 16] x [16, 3]: one row, a 16-term dot", (1, 16), (16, 3)),
+        ("matmul_k0", "[2, 0] x [0, 3] is a [2, 3] value of zeros (an empty sum)", (2, 0), (0, 3)),
+        ("matmul_m0", "[0, 4] x [4, 3] is empty", (0, 4), (4, 3)),
+    ):
+        c = Case(fam, name, doc)
+        c.input("a", floats(c.rng, sa))
+        c.input("b", floats(c.rng, sb))
+        c.output(c.op("matmul", "a", "b"), "y", **MM)
+        cases.append(c)
+    c = Case(fam, "matmul_transposed_rhs", "x @ w^T with w an HF-layout [out, in] weight (a permuted, strided operand)")
+    c.input("x", floats(c.rng, (3, 6)))
+    c.input("w", floats(c.rng, (4, 6)), role="weight")
+    c.output(c.op("matmul", "x", c.op("permute", "w", perm=[1, 0])), "y", **MM)
+    cases.append(c)
+    c = Case(fam, "matmul_broadcast_batch", "a [3, 4] rhs broadcast to [2, 3, 4] (batch stride 0), as the dense MoE shares tokens")
+    c.input("a", floats(c.rng, (2, 2, 3)))
+    c.input("b", floats(c.rng, (3, 4)))
+    c.output(c.op("matmul", "a", c.op("broadcast", "b", shape=[2, 3, 4])), "y", **MM)
+    cases.append(c)
+    c = Case(fam, "matmul_nonfinite", "inf * 0 is NaN, inf + finite is inf, NaN spreads along its row and column")
+    a = np.array([[INF, 0, 1], [1, 2, 3], [NAN, 1, 1], [-INF, 1, 0]], dtype=np.float32)
+    b = np.array([[0, 1], [1, 1], [1, 2]], dtype=np.float32)
+    c.input("a", a)
+    c.input("b", b)
+    c.output(c.op("matmul", "a", "b"), "y", **MM)
+    cases.append(c)
+    return cases
+
+
+def gather_cases():
+    fam = "gather"
+    cases = []
+    c = Case(fam, "index_select_rows_f32", "rows of a [6, 4] f32 value (the embedding lookup), repeated and out of order")
+    c.input("x", floats(c.rng, (6, 4)), role="weight")
+    c.input("ids", np.array([5, 0, 0, 3, 2], dtype=np.int32))
+    c.output(c.op("index_select", "x", "ids", dim=0), "y", **EXACT)
+    cases.append(c)
+    c = Case(fam, "index_select_strided_view", "rows of a column slice of a [5, 6] value (a layer's cache view: strided rows)")
+    c.input("x", floats(c.rng, (5, 6)))
+    c.input("ids", np.array([4, 1, 1], dtype=np.int32))
+    view = c.op("slice", "x", dim=1, start=2, len=3)
+    c.output(c.op("index_select", view, "ids", dim=0), "y", **EXACT)
+    cases.append(c)
+    c = Case(fam, "index_select_dim1", "columns of a [3, 5] value")
+    c.input("x", floats(c.rng, (3, 5)))
+    c.input("ids", np.array([4, 0, 2, 2], dtype=np.int32))
+    c.output(c.op("index_select", "x", "ids", dim=1), "y", **EXACT)
+    cases.append(c)
+    c = Case(fam, "index_select_3d", "stacked expert weights: slices of dim 0 of a [4, 2, 3] value")
+    c.input("x", floats(c.rng, (4, 2, 3)), role="weight")
+    c.input("ids", np.array([3, 0, 3], dtype=np.int32))
+    c.output(c.op("index_select", "x", "ids", dim=0), "y", **EXACT)
+    cases.append(c)
+    for dtype in (I32, U32, BOOL):
+        c = Case(fam, f"index_select_{dtype}", f"rows of a [4, 3] {dtype} value")
+        x = c.rng.integers(0, 2, (4, 3)).astype(bool) if dtype == BOOL else ints(c.rng, (4, 3), dtype)
+        c.input("x", x)
+        c.input("ids", np.array([2, 2, 0], dtype=np.int32))
+        c.output(c.op("index_select", "x", "ids", dim=0), "y")
+        cases.append(c)
+    c = Case(fam, "index_select_no_ids", "zero ids give an empty result")
+    c.input("x", floats(c.rng, (3, 2)))
+    c.input("ids", np.zeros(0, dtype=np.int32))
+    c.output(c.op("index_select", "x", "ids", dim=0), "y", **EXACT)
+    cases.append(c)
+    c = Case(fam, "index_select_nonfinite", "NaN and inf rows are copied as they are")
+    c.input("x", np.array([[NAN, 1], [INF, -INF], [0, -0.0]], dtype=np.float32))
+    c.input("ids", np.array([1, 0, 2], dtype=np.int32))
+    c.output(c.op("index_select", "x", "ids", dim=0), "y", **EXACT)
+    cases.append(c)
+    c = Case(fam, "gather_dim1", "per-row picks along dim 1 (the sampler's candidate logits)")
+    c.input("x", floats(c.rng, (3, 6)))
+    c.input("ids", c.rng.integers(0, 6, (3, 4)).astype(np.int32))
+    c.output(c.op("gather", "x", "ids", dim=1), "y", **EXACT)
+    cases.append(c)
+    c = Case(fam, "gather_dim0", "per-column picks along dim 0, more ids than rows")
+    c.input("x", floats(c.rng, (3, 4)))
+    c.input("ids", c.rng.integers(0, 3, (5, 4)).astype(np.int32))
+    c.output(c.op("gather", "x", "ids", dim=0), "y", **EXACT)
+    cases.append(c)
+    c = Case(fam, "gather_3d_i32", "i32 data, along the middle of three dims")
+    c.input("x", ints(c.rng, (2, 4, 3), I32))
+    c.input("ids", c.rng.integers(0, 4, (2, 2, 3)).astype(np.int32))
+    c.output(c.op("gather", "x", "ids", dim=1), "y")
+    cases.append(c)
+    for dtype in (U32, BOOL):
+        c = Case(fam, f"gather_{dtype}", f"per-row picks of {dtype} data")
+        x = c.rng.integers(0, 2, (3, 4)).astype(bool) if dtype == BOOL else ints(c.rng, (3, 4), dtype)
+        c.input("x", x)
+        c.input("ids", c.rng.integers(0, 4, (3, 2)).astype(np.int32))
+        c.output(c.op("gather", "x", "ids", dim=1), "y")
+        cases.append(c)
+    c = Case(fam, "gather_empty", "zero picks per row")
+    c.input("x", floats(c.rng, (2, 3)))
+    c.input("ids", np.zeros((2, 0), dtype=np.int32))
+    c.output(c.op("gather", "x", "ids", dim=1), "y", **EXACT)
+    cases.append(c)
+    return cases
+
+
+def scatter_cases():
+    fam = "scatter"
+    cases = []
+    c = Case(fam, "scatter_rows_copy", "rows written into a metadata value: the root is copied, not changed")
+    c.input("root", floats(c.rng, (5, 6)))
+    c.input("rows", np.array([3, 0], dtype=np.int32))
+    c.input("src", floats(c.rng, (2, 2)))
+    c.output(c.op("scatter_rows", "root", "rows", "src", col=2), "y", **EXACT)
+    c.output("root", "root_after", **EXACT)
+    cases.append(c)
+    c = Case(fam, "scatter_rows_in_place", "a cache root updated in place: the output aliases the root input")
+    c.input("kv", floats(c.rng, (6, 4)), role="cache_root")
+    c.input("rows", np.array([5, 1, 2], dtype=np.int32))
+    c.input("src", floats(c.rng, (3, 4)))
+    c.output(c.op("scatter_rows", "kv", "rows", "src", col=0), "kv", aliases="kv", **EXACT)
+    cases.append(c)
+    c.known(xla=XLA_ONE_TUPLE)
+    c = Case(fam, "scatter_rows_two_layers", "two layers' column ranges of one root, the second reading the first's result, with NaN and inf values")
+    c.input("kv", floats(c.rng, (4, 6)), role="cache_root")
+    c.input("rows", np.array([2, 0], dtype=np.int32))
+    c.input("src", np.array([[NAN, INF, 1], [-INF, 0, -0.0]], dtype=np.float32))
+    l0 = c.op("scatter_rows", "kv", "rows", "src", col=0)
+    l1 = c.op("scatter_rows", l0, "rows", c.op("neg", "src"), col=3)
+    c.output(l1, "kv", aliases="kv", **EXACT)
+    cases.append(c)
+    c.known(xla=XLA_ONE_TUPLE)
+    c = Case(fam, "scatter_rows_root_still_read", "the old root is read after the update, so the update cannot happen in place and the aliased output is copied back")
+    c.input("kv", floats(c.rng, (4, 3)), role="cache_root")
+    c.input("rows", np.array([1], dtype=np.int32))
+    c.input("src", floats(c.rng, (1, 2)))
+    new = c.op("scatter_rows", "kv", "rows", "src", col=1)
+    c.output(new, "kv", aliases="kv", **EXACT)
+    c.output(c.op("slice", "kv", dim=0, start=1, len=1), "old_row", **EXACT)
+    cases.append(c)
+    why = (
+        "the CPU backend copies the update back into the caller's root tensor after the run, and `old_row`, "
+        "a slice of the root input, is a view of that same storage, so it returns the new row instead of the old one"
+    )
+    c.known(cpu=why, hlo_cpu=why, nrt_sim=why)
+    c = Case(fam, "scatter_rows_no_rows", "zero rows leave the root as it was")
+    c.input("root", floats(c.rng, (3, 2)))
+    c.input("rows", np.zeros(0, dtype=np.int32))
+    c.input("src", np.zeros((0, 2), dtype=np.float32))
+    c.output(c.op("scatter_rows", "root", "rows", "src", col=0), "y", **EXACT)
+    cases.append(c)
+    for dtype in (I32, U32, BOOL):
+        c = Case(fam, f"scatter_rows_{dtype}", f"a {dtype} root (the builder accepts any dtype equal to the source's)")
+        r_ = (lambda s: c.rng.integers(0, 2, s).astype(bool)) if dtype == BOOL else (lambda s: ints(c.rng, s, dtype))
+        c.input("root", r_((4, 3)))
+        c.input("rows", np.array([0, 3], dtype=np.int32))
+        c.input("src", r_((2, 2)))
+        c.output(c.op("scatter_rows", "root", "rows", "src", col=1), "y")
+        cases.append(c)
+        why = "the CPU's scatter kernel handles f32 roots only (`scatter-rows into dtype ...`), though the builder accepts any dtype"
+        c.known(cpu=why, hlo_cpu=why, nrt_sim=why)
+    return cases
+
+
+def topk_cases():
+    fam = "topk"
+    cases = []
+    c = Case(fam, "topk_ties", "ties go to the lower index; -inf ranks last")
+    x = np.array([[1, 3, 3, -1, 2, 0], [5, 5, 5, 5, 5, 5], [-INF, 0, -INF, 1, -INF, -1]], dtype=np.float32)
+    c.input("x", x)
+    c.output(c.op("topk", "x", k=4), "y")
+    cases.append(c)
+    for name, doc, shape, k in (
+        ("topk_k1", "k = 1 is the argmax", (4, 9), 1),
+        ("topk_full", "k = n is a full descending sort", (3, 7), 7),
+        ("topk_3d", "the last dim of a [2, 3, 8] value", (2, 3, 8), 3),
+        ("topk_wide", "8 of 64 (the MoE router's shape)", (2, 64), 8),
+    ):
+        c = Case(fam, name, doc)
+        c.input("x", floats(c.rng, shape))
+        c.output(c.op("topk", "x", k=k), "y")
+        cases.append(c)
+    c = Case(fam, "topk_nan", "NaN ranks above +inf (XLA's total order), ties among NaNs to the lower index")
+    x = np.array([[1, NAN, 3, 2], [INF, NAN, 0, 1], [NAN, 0, NAN, INF]], dtype=np.float32)
+    c.input("x", x)
+    c.output(c.op("topk", "x", k=3), "y")
+    cases.append(c)
+    c.known(
+        cpu="the CPU's top-k ranks NaN equal to +inf (its sort key maps NaN to +inf), so a +inf before a NaN comes first",
+        hlo_cpu="the CPU's top-k ranks NaN equal to +inf",
+        nrt_sim="the CPU's top-k ranks NaN equal to +inf",
+    )
+    return cases
+
+
+FAMILIES = {
+    "unary": unary_cases,
+    "binary": binary_cases,
+    "compare": compare_cases,
+    "select": select_cases,
+    "convert": convert_cases,
+    "shape": shape_cases,
+    "iota": iota_cases,
+    "constant": constant_cases,
+    "reduce": reduce_cases,
+    "argmax": argmax_cases,
+    "matmul": matmul_cases,
+    "gather": gather_cases,
+    "scatter": scatter_cases,
+    "topk": topk_cases,
+    "blocks": block_cases,
+}
+
+
+def render(family, cases):
+    """The file's text: one line per input, op and output, so diffs stay readable."""
+    dump = lambda v: json.dumps(v, ensure_ascii=False, allow_nan=False)  # noqa: E731
+    lines = ["{", f'  "family": {dump(family)},', '  "generated_by": "scripts/make_conformance.py",', '  "cases": [']
+    for ci, case in enumerate(cases):
+        lines.append("    {")
+        lines.append(f'      "name": {dump(case["name"])},')
+        lines.append(f'      "doc": {dump(case["doc"])},')
+        for key in ("inputs", "program", "outputs"):
+            lines.append(f'      "{key}": [')
+            items = case[key]
+            for i, item in enumerate(items):
+                lines.append("        " + dump(item) + ("," if i + 1 < len(items) else ""))
+            lines.append("      ],")
+        lines.append(f'      "known_failures": {dump(case["known_failures"])}')
+        lines.append("    }" + ("," if ci + 1 < len(cases) else ""))
+    lines += ["  ]", "}", ""]
+    return "\n".join(lines)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="fail if any file would change")
+    args = ap.parse_args()
+    stale, seen = [], set()
+    for family, make in FAMILIES.items():
+        cases = [c.finish() for c in make()]
+        names = [c.name for c in cases]
+        dup = (set(names) & seen) | {n for n in names if names.count(n) > 1}
+        assert not dup, f"duplicate case names {dup}"
+        seen |= set(names)
+        text = render(family, [c.to_json() for c in cases])
+        path = OUT_DIR / f"{family}.json"
+        if args.check:
+            if not path.is_file() or path.read_text() != text:
+                stale.append(path.name)
+        else:
+            path.write_text(text)
+        print(f"{family}.json: {len(cases)} cases")
+    if stale:
+        print("out of date:", ", ".join(stale), "(run scripts/make_conformance.py)")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
