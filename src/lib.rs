@@ -8,6 +8,7 @@
 //! [`error`] sits below them all. Nothing below imports anything above.
 
 #![deny(missing_docs)]
+#![deny(clippy::unwrap_used)]
 #![forbid(unsafe_code)]
 
 pub mod backend;

@@ -23,6 +23,7 @@
 //! 1002)`.
 
 #![deny(missing_docs)]
+#![deny(clippy::unwrap_used)]
 #![deny(unsafe_op_in_unsafe_fn)]
 
 /// bindgen's output for `include/nrt_deepinfer.h`: the committed file, or, with the

@@ -109,6 +109,7 @@
 //! - No collectives and no asynchronous API (`nrta_*`), which neuron-sys does not bind.
 
 #![deny(missing_docs)]
+#![deny(clippy::unwrap_used)]
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 

@@ -6,6 +6,8 @@
 //! choice and runner construction are the library's ([`deepinfer::runner::open`]); the binary
 //! only turns flags into [`Limits`] and prints.
 
+#![deny(clippy::unwrap_used)]
+
 mod bench;
 mod generate;
 mod lower;
