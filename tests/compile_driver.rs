@@ -555,7 +555,10 @@ fn concurrent_processes_compile_a_graph_once() {
             "child failed:\n{stdout}\n{}",
             String::from_utf8_lossy(&out.stderr)
         );
-        assert!(stdout.contains("1 passed"), "the child entry did not run:\n{stdout}");
+        assert!(
+            stdout.contains("1 passed"),
+            "the child entry did not run:\n{stdout}"
+        );
         // libtest prints "test child_process_entry ... " on the same line.
         let line = stdout
             .lines()

@@ -146,9 +146,7 @@ pub fn doctor_report_with(candidates: &[Candidate], path: Option<&OsStr>) -> Doc
 
 type CoresCheck = Result<Option<u32>, Missing>;
 
-fn check_libnrt(
-    candidates: &[Candidate],
-) -> (Result<LibnrtInfo, Missing>, CoresCheck) {
+fn check_libnrt(candidates: &[Candidate]) -> (Result<LibnrtInfo, Missing>, CoresCheck) {
     let lib = match Library::load_from(candidates) {
         Ok(lib) => lib,
         Err(e) => {

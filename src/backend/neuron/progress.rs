@@ -87,9 +87,16 @@ mod tests {
 
     use super::*;
 
-    /// Records `(span or event, target, field names)`.
+    /// One span or event as the test layer saw it.
+    struct Record {
+        kind: &'static str,
+        target: String,
+        fields: Vec<String>,
+    }
+
+    /// Records every span and event.
     #[derive(Clone, Default)]
-    struct Seen(Arc<Mutex<Vec<(&'static str, String, Vec<String>)>>>);
+    struct Seen(Arc<Mutex<Vec<Record>>>);
 
     struct Names(Vec<String>);
     impl Visit for Names {
@@ -102,15 +109,21 @@ mod tests {
         fn on_new_span(&self, attrs: &Attributes<'_>, _: &Id, _: Context<'_, S>) {
             let mut names = Names(Vec::new());
             attrs.record(&mut names);
-            let target = attrs.metadata().target().to_string();
-            self.0.lock().unwrap().push(("span", target, names.0));
+            self.0.lock().unwrap().push(Record {
+                kind: "span",
+                target: attrs.metadata().target().to_string(),
+                fields: names.0,
+            });
         }
 
         fn on_event(&self, event: &Event<'_>, _: Context<'_, S>) {
             let mut names = Names(Vec::new());
             event.record(&mut names);
-            let target = event.metadata().target().to_string();
-            self.0.lock().unwrap().push(("event", target, names.0));
+            self.0.lock().unwrap().push(Record {
+                kind: "event",
+                target: event.metadata().target().to_string(),
+                fields: names.0,
+            });
         }
     }
 
@@ -124,12 +137,10 @@ mod tests {
             Progress::hidden().update(1, "not reported");
         });
         let seen = seen.0.lock().unwrap();
-        assert_eq!(seen.len(), 2, "{:?}", seen.iter().map(|s| s.0).collect::<Vec<_>>());
-        assert_eq!(seen[0].0, "span");
-        assert_eq!(seen[0].1, TARGET);
-        assert_eq!(seen[0].2, [field::TASK, field::TOTAL]);
-        assert_eq!(seen[1].0, "event");
-        assert_eq!(seen[1].1, TARGET);
-        assert_eq!(seen[1].2, ["message", field::DONE, field::CURRENT]);
+        let kinds: Vec<_> = seen.iter().map(|r| r.kind).collect();
+        assert_eq!(kinds, ["span", "event"]);
+        assert!(seen.iter().all(|r| r.target == TARGET));
+        assert_eq!(seen[0].fields, [field::TASK, field::TOTAL]);
+        assert_eq!(seen[1].fields, ["message", field::DONE, field::CURRENT]);
     }
 }

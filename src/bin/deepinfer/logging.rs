@@ -47,9 +47,9 @@ pub(crate) fn init() {
         .event_format(Plain)
         .with_writer(AboveBars(multi.clone()))
         .with_filter(filter);
-    let bars = io::stderr().is_terminal().then(|| {
-        Bars::new(multi).with_filter(filter_fn(|meta| meta.target() == progress::TARGET))
-    });
+    let bars = io::stderr()
+        .is_terminal()
+        .then(|| Bars::new(multi).with_filter(filter_fn(|meta| meta.target() == progress::TARGET)));
     let subscriber = tracing_subscriber::registry().with(lines).with(bars);
     // Fails only if a subscriber is already installed, which then keeps working.
     let _ = tracing::subscriber::set_global_default(subscriber);
@@ -172,7 +172,7 @@ const BAR_TEMPLATE: &str = "{spinner} {prefix} [{bar:30}] {pos}/{len} {elapsed_p
 fn bar_style() -> ProgressStyle {
     ProgressStyle::with_template(BAR_TEMPLATE)
         .map(|s| s.progress_chars("=> "))
-    .unwrap_or_else(|_| ProgressStyle::default_bar())
+        .unwrap_or_else(|_| ProgressStyle::default_bar())
 }
 
 impl<S: Subscriber> Layer<S> for Bars {

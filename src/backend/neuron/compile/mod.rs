@@ -384,8 +384,10 @@ impl Ctx<'_> {
     fn started(&self, i: usize, name: &str) {
         let mut running = lock(&self.running);
         running.insert(i, name.to_string());
-        self.progress
-            .update(self.done.load(Ordering::SeqCst), &join_names(running.values()));
+        self.progress.update(
+            self.done.load(Ordering::SeqCst),
+            &join_names(running.values()),
+        );
     }
 
     fn finished(&self, i: usize) {
