@@ -10,9 +10,13 @@
 //! - this module: the public API ([`CompilerConfig`], [`CompileJob`], [`CompiledNeff`],
 //!   [`compile_all`], [`compiler_version`], [`cache_key`]) and the order of one graph's compile:
 //!   look up, lock, look up again, compile, write;
-//! - [`cache`]: the entries, their verified reads and atomic writes, and the per-key lock;
-//! - [`process`]: running neuronx-cc: scratch directories, the timeout, killing the process
+//! - `cache`: the entries, their verified reads and atomic writes, and the per-key lock;
+//! - `process`: running neuronx-cc: scratch directories, the timeout, killing the process
 //!   tree, the output tails errors quote.
+//!
+//! The cache's layout (`<cache_dir>/<key>/{model.neff,meta.json}`, `<key>.lock`) and locking are
+//! documented in `compile/cache.rs`, scratch directories (`<cache_dir>/work/`) and the timeout in
+//! `compile/process.rs`.
 //!
 //! # The command line
 //!
