@@ -456,8 +456,8 @@ impl StatsLine {
         let secs = elapsed.as_secs_f64();
         let total = metrics.kv_blocks_total.get().max(1);
         let used = metrics.kv_blocks_in_use.get();
-        eprintln!(
-            "deepinfer: prompt {:.1} tok/s, generation {:.1} tok/s, running {}, waiting {}, \
+        tracing::info!(
+            "prompt {:.1} tok/s, generation {:.1} tok/s, running {}, waiting {}, \
              KV cache {:.1}% ({used}/{total} blocks), preemptions {}",
             (now.prompt_tokens - self.prompt_tokens) as f64 / secs,
             (now.generation_tokens - self.generation_tokens) as f64 / secs,

@@ -26,6 +26,7 @@ use super::step::{self, HostArray, HostData};
 use super::{Backend, Buckets, Runner, RunnerConfig, Step, StepKind, StepOutput};
 use crate::backend::hlo::emit;
 use crate::backend::neuron::compile::{compile_all, CompileJob, CompilerConfig};
+use crate::backend::neuron::progress::Progress;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::graph::{Graph, InputRole};
@@ -304,14 +305,13 @@ impl DeviceRunner {
         let mut graphs = Vec::with_capacity(specs.len());
         let mut jobs = Vec::with_capacity(specs.len());
         let mut timings = Vec::with_capacity(specs.len());
-        // Drawn only on a terminal (indicatif hides itself otherwise).
-        let progress = indicatif::ProgressBar::new(specs.len() as u64).with_style(
-            indicatif::ProgressStyle::with_template("capturing {pos}/{len} graphs {wide_msg}")
-                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-        );
-        for (kind, spec) in &specs {
-            progress.set_message(format!("{kind:?} rows {} ctx {}", spec.rows, spec.ctx));
-            progress.inc(1);
+        // A span the binary draws as a bar (see `backend::neuron::progress`); ends when dropped.
+        let progress = Progress::start(&format!("capturing {} graphs", specs.len()), specs.len());
+        for (i, (kind, spec)) in specs.iter().enumerate() {
+            progress.update(
+                i + 1,
+                &format!("{kind:?} rows {} ctx {}", spec.rows, spec.ctx),
+            );
             let t = Instant::now();
             let g = match kind {
                 StepKind::Decode => {
@@ -336,12 +336,12 @@ impl DeviceRunner {
                 .map(|c| c.neff)
                 .collect(),
         };
-        progress.set_message(format!(
-            "loading {} models, uploading weights",
-            graphs.len()
-        ));
+        progress.update(
+            graphs.len(),
+            &format!("loading {} models, uploading weights", graphs.len()),
+        );
         let loaded = self.allocate_and_load(&graphs, &neffs);
-        progress.finish_and_clear();
+        drop(progress);
         let (captured, uploaded) = loaded?;
         self.state = Some(captured);
         self.stats = Some(CaptureStats {

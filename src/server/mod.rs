@@ -229,8 +229,8 @@ pub async fn serve(
         let engine = engine.clone();
         async move {
             shutdown_signal().await;
-            eprintln!(
-                "deepinfer: shutting down; finishing the requests in flight (at most {}s)",
+            tracing::info!(
+                "shutting down; finishing the requests in flight (at most {}s)",
                 drain_timeout.as_secs()
             );
             engine.begin_drain();

@@ -10,6 +10,7 @@
 
 mod bench;
 mod generate;
+mod logging;
 mod lower;
 mod score;
 mod serve;
@@ -119,7 +120,7 @@ fn pin_thread_count() {
 }
 
 fn doctor() -> Result<ExitCode> {
-    let report = deepinfer::backend::neuron::runtime::doctor_report();
+    let report = deepinfer::backend::neuron::doctor::doctor_report();
     emit(report.to_string().trim_end())?;
     Ok(if report.neuron_ready() {
         ExitCode::SUCCESS
@@ -130,6 +131,7 @@ fn doctor() -> Result<ExitCode> {
 
 fn main() -> ExitCode {
     pin_thread_count();
+    logging::init();
     let cli = Cli::parse();
     let result = match cli.command {
         Command::Generate(a) => generate::run(a),

@@ -1,36 +1,17 @@
-//! The libnrt runtime, through `neuron-sys`, and `deepinfer doctor`'s checks.
+//! `deepinfer doctor`: what a Neuron run needs on this machine (libnrt, visible NeuronCores,
+//! `neuronx-cc`), found or missing, and for each missing one how to get it.
 //!
-//! All `unsafe` lives in `neuron-sys` (this crate is `forbid(unsafe_code)`); this module
-//! re-exports its safe level and returns its error type, [`NeuronError`], unchanged (for
-//! [`crate::Error`] to wrap). It adds:
-//!
-//! - [`open_runtime`]: load libnrt (`NEURON_RT_LIB`, then `libnrt.so.1`, then
-//!   `/opt/aws/neuron/lib/libnrt.so.1`) and initialise it over a NeuronCore range;
-//! - [`doctor_report`]: what a Neuron run needs on this machine (libnrt, visible
-//!   NeuronCores, `neuronx-cc`), found or missing, and for each missing one how to get it.
-//!   It never initialises the runtime (that would claim NeuronCores) and never panics.
+//! It never initialises the runtime (that would claim NeuronCores) and never panics: libnrt is
+//! only loaded (through `neuron-sys`, which holds every `unsafe`) and asked its version and core
+//! count; `neuronx-cc` is found on `PATH` (the `which` crate) and asked `--version` through the
+//! compile driver, so there is one implementation of running the compiler.
 
 use std::ffi::OsStr;
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-pub use neuron_sys::{
-    execute, Candidate, Error as NeuronError, Library, Model, ModelIo, Placement, Runtime, Tensor,
-    TensorInfo, TensorSet, TensorUsage, Version,
-};
-
-/// Results of this module: libnrt's errors as `neuron-sys` reports them.
-pub type Result<T, E = NeuronError> = std::result::Result<T, E>;
-
-/// Loads libnrt and initialises it (`nrt_init`) over the NeuronCores
-/// `start_nc .. start_nc + nc_count` (relative to `NEURON_RT_VISIBLE_CORES`), or returns
-/// the runtime already initialised over the same cores.
-pub fn open_runtime(start_nc: u32, nc_count: u32) -> Result<Runtime> {
-    Runtime::shared(Library::load()?, start_nc, nc_count)
-}
-
-// === doctor ===
+use neuron_sys::{Candidate, Error as NeuronError, Library};
 
 /// How to install libnrt.
 const FIX_LIBNRT: &str = "install the `aws-neuronx-runtime-lib` package from the AWS Neuron apt \
@@ -72,19 +53,19 @@ pub struct CompilerInfo {
     /// The executable found on `PATH`.
     pub path: PathBuf,
     /// The version line of `neuronx-cc --version`, or why it could not be had.
-    pub version: std::result::Result<String, String>,
+    pub version: Result<String, String>,
 }
 
 /// What `deepinfer doctor` reports: one entry per thing a Neuron run needs.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DoctorReport {
     /// The runtime library.
-    pub libnrt: std::result::Result<LibnrtInfo, Missing>,
+    pub libnrt: Result<LibnrtInfo, Missing>,
     /// NeuronCores visible to this process: `Ok(Some(n))` with `n > 0`, or `Ok(None)` when
     /// the runtime cannot count them (it lacks `nrt_get_visible_(v)nc_count`).
-    pub neuron_cores: std::result::Result<Option<u32>, Missing>,
+    pub neuron_cores: Result<Option<u32>, Missing>,
     /// The compiler.
-    pub neuronx_cc: std::result::Result<CompilerInfo, Missing>,
+    pub neuronx_cc: Result<CompilerInfo, Missing>,
 }
 
 impl DoctorReport {
@@ -163,11 +144,9 @@ pub fn doctor_report_with(candidates: &[Candidate], path: Option<&OsStr>) -> Doc
     }
 }
 
-type CoresCheck = std::result::Result<Option<u32>, Missing>;
+type CoresCheck = Result<Option<u32>, Missing>;
 
-fn check_libnrt(
-    candidates: &[Candidate],
-) -> (std::result::Result<LibnrtInfo, Missing>, CoresCheck) {
+fn check_libnrt(candidates: &[Candidate]) -> (Result<LibnrtInfo, Missing>, CoresCheck) {
     let lib = match Library::load_from(candidates) {
         Ok(lib) => lib,
         Err(e) => {
@@ -244,7 +223,7 @@ fn mapped_file(name: &str) -> Option<PathBuf> {
         .map(PathBuf::from)
 }
 
-fn check_neuronx_cc(path: Option<&OsStr>) -> std::result::Result<CompilerInfo, Missing> {
+fn check_neuronx_cc(path: Option<&OsStr>) -> Result<CompilerInfo, Missing> {
     match find_on_path("neuronx-cc", path) {
         Some(exe) => {
             let version = run_version(&exe);
@@ -268,29 +247,13 @@ fn check_neuronx_cc(path: Option<&OsStr>) -> std::result::Result<CompilerInfo, M
 }
 
 /// The first executable file called `name` in the directories of `path` (`PATH` syntax).
+/// Empty entries are skipped (POSIX reads them as the current directory, which a doctor should
+/// not trust); relative ones are taken from the current directory.
 fn find_on_path(name: &str, path: Option<&OsStr>) -> Option<PathBuf> {
-    std::env::split_paths(path?)
-        .filter(|dir| !dir.as_os_str().is_empty())
-        .map(|dir| dir.join(name))
-        .find(|candidate| is_executable(candidate))
-}
-
-fn is_executable(p: &Path) -> bool {
-    let Ok(meta) = std::fs::metadata(p) else {
-        return false;
-    };
-    if !meta.is_file() {
-        return false;
-    }
-    #[cfg(unix)]
-    {
-        use std::os::unix::fs::PermissionsExt;
-        meta.permissions().mode() & 0o111 != 0
-    }
-    #[cfg(not(unix))]
-    {
-        true
-    }
+    let dirs = std::env::split_paths(path?).filter(|dir| !dir.as_os_str().is_empty());
+    let path = std::env::join_paths(dirs).ok()?;
+    let cwd = std::env::current_dir().unwrap_or_default();
+    which::which_in(name, Some(path), cwd).ok()
 }
 
 /// A Neuron DLAMI virtual environment (`/opt/aws_neuronx_venv_*`) that has neuronx-cc.
@@ -304,7 +267,7 @@ fn neuron_venv_with_compiler(root: &Path) -> Option<PathBuf> {
                 .and_then(OsStr::to_str)
                 .is_some_and(|n| n.starts_with("aws_neuronx_venv"))
         })
-        .filter(|p| is_executable(&p.join("bin/neuronx-cc")))
+        .filter(|p| find_on_path("neuronx-cc", Some(p.join("bin").as_os_str())).is_some())
         .collect();
     venvs.sort();
     venvs.into_iter().next()
@@ -312,7 +275,7 @@ fn neuron_venv_with_compiler(root: &Path) -> Option<PathBuf> {
 
 /// `<exe> --version`, parsed as the compile driver does (one implementation of running the
 /// compiler, with its timeout and pipe handling), or why there is none.
-fn run_version(exe: &Path) -> std::result::Result<String, String> {
+fn run_version(exe: &Path) -> Result<String, String> {
     let cfg = super::compile::CompilerConfig {
         program: exe.to_path_buf(),
         timeout: VERSION_TIMEOUT,
