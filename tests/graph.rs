@@ -2,7 +2,9 @@
 
 use candle_core::{Device, Tensor as CTensor};
 use deepinfer::backend::cpu;
-use deepinfer::graph::{DType, GraphBuilder, InputRole};
+use deepinfer::graph::{
+    BinaryOp, CmpOp, DType, GraphBuilder, InputRole, Op, ReduceOp, Tensor, UnaryOp,
+};
 
 #[test]
 fn shape_mismatches_name_the_op_and_both_shapes() {
@@ -89,4 +91,90 @@ fn cache_root_is_updated_in_place_not_copied() {
         out[0].to_vec2::<f32>().unwrap(),
         vec![vec![1f32, 2.], vec![3., 4.]]
     );
+}
+
+#[test]
+fn named_methods_build_their_families_op() {
+    // The named methods are generated one line each (`forward!`): a line naming the wrong
+    // variant would build another op under the right name.
+    let b = GraphBuilder::new("t");
+    let x = b
+        .input("x", InputRole::Metadata, [2, 3], DType::F32)
+        .unwrap();
+    let y = b
+        .input("y", InputRole::Metadata, [2, 3], DType::F32)
+        .unwrap();
+    let i = b
+        .input("i", InputRole::Metadata, [2, 3], DType::I32)
+        .unwrap();
+    let j = b
+        .input("j", InputRole::Metadata, [2, 3], DType::I32)
+        .unwrap();
+    type Build = fn(&Tensor, &Tensor) -> deepinfer::Result<Tensor>;
+    let unary: [(Build, UnaryOp); 11] = [
+        (|x, _| x.neg(), UnaryOp::Neg),
+        (|x, _| x.abs(), UnaryOp::Abs),
+        (|x, _| x.exp(), UnaryOp::Exp),
+        (|x, _| x.log(), UnaryOp::Log),
+        (|x, _| x.sqrt(), UnaryOp::Sqrt),
+        (|x, _| x.rsqrt(), UnaryOp::Rsqrt),
+        (|x, _| x.sin(), UnaryOp::Sin),
+        (|x, _| x.cos(), UnaryOp::Cos),
+        (|x, _| x.tanh(), UnaryOp::Tanh),
+        (|x, _| x.sigmoid(), UnaryOp::Sigmoid),
+        (|x, _| x.silu(), UnaryOp::Silu),
+    ];
+    let binary: [(Build, BinaryOp); 16] = [
+        (|x, y| x.add(y), BinaryOp::Add),
+        (|x, y| x.sub(y), BinaryOp::Sub),
+        (|x, y| x.mul(y), BinaryOp::Mul),
+        (|x, y| x.div(y), BinaryOp::Div),
+        (|x, y| x.rem(y), BinaryOp::Rem),
+        (|x, y| x.maximum(y), BinaryOp::Max),
+        (|x, y| x.minimum(y), BinaryOp::Min),
+        (|x, y| x.bitxor(y), BinaryOp::BitXor),
+        (|x, y| x.bitand(y), BinaryOp::BitAnd),
+        (|x, y| x.shr(y), BinaryOp::Shr),
+        (|x, y| x.shl(y), BinaryOp::Shl),
+        (|x, y| x.broadcast_add(y), BinaryOp::Add),
+        (|x, y| x.broadcast_sub(y), BinaryOp::Sub),
+        (|x, y| x.broadcast_mul(y), BinaryOp::Mul),
+        (|x, y| x.broadcast_div(y), BinaryOp::Div),
+        (|x, y| x.broadcast_maximum(y), BinaryOp::Max),
+    ];
+    let compare: [(Build, CmpOp); 6] = [
+        (|x, y| x.eq(y), CmpOp::Eq),
+        (|x, y| x.ne(y), CmpOp::Ne),
+        (|x, y| x.lt(y), CmpOp::Lt),
+        (|x, y| x.le(y), CmpOp::Le),
+        (|x, y| x.gt(y), CmpOp::Gt),
+        (|x, y| x.ge(y), CmpOp::Ge),
+    ];
+    let reduce: [(Build, ReduceOp); 3] = [
+        (|x, _| x.sum(1), ReduceOp::Sum),
+        (|x, _| x.max(1), ReduceOp::Max),
+        (|x, _| x.min(1), ReduceOp::Min),
+    ];
+    let op_of = |t: Tensor| {
+        b.output(format!("o{}", t.id().0), &t).unwrap();
+        t.id()
+    };
+    let mut want = Vec::new();
+    for (f, u) in unary {
+        want.push((op_of(f(&x, &y).unwrap()), Op::Unary(u, x.id())));
+    }
+    for (f, op) in binary {
+        let (l, r) = if op.int_only() { (&i, &j) } else { (&x, &y) };
+        want.push((op_of(f(l, r).unwrap()), Op::Binary(op, l.id(), r.id())));
+    }
+    for (f, c) in compare {
+        want.push((op_of(f(&x, &y).unwrap()), Op::Compare(c, x.id(), y.id())));
+    }
+    for (f, r) in reduce {
+        want.push((op_of(f(&x, &y).unwrap()), Op::Reduce(r, x.id(), 1)));
+    }
+    let g = b.finish().unwrap();
+    for (id, op) in want {
+        assert_eq!(g.node(id).op, op);
+    }
 }

@@ -82,23 +82,31 @@ enum ScalarFn {
     Second,
 }
 
+/// One module being written: the entry instructions in order, the callee computations, and
+/// the one id counter both share.
 struct Emitter<'g> {
     graph: &'g Graph,
+    /// The next free id (instructions and computations share one counter).
     next_id: i64,
+    /// Scalar computations, each emitted once, before the entry that calls them.
     callees: Vec<HloComputationProto>,
+    /// The computation id of each (scalar function, element type) emitted so far.
     scalar_fns: HashMap<(ScalarFn, i32), i64>,
+    /// The entry computation's instructions, operands before users.
     entry: Vec<HloInstructionProto>,
     /// The instruction holding each node's value.
     value: Vec<i64>,
 }
 
 impl Emitter<'_> {
+    /// A fresh id.
     fn id(&mut self) -> i64 {
         let id = self.next_id;
         self.next_id += 1;
         id
     }
 
+    /// An instruction named `opcode.id` (XLA's own naming, `-` read as `_`).
     fn make(opcode: &str, id: i64, shape: ShapeProto, operands: &[i64]) -> HloInstructionProto {
         HloInstructionProto {
             name: format!("{}.{id}", opcode.replace('-', "_")),
@@ -138,6 +146,7 @@ impl Emitter<'_> {
         self.graph.nodes()[node].dtype
     }
 
+    /// A `constant` instruction holding `lit`.
     fn constant(&mut self, lit: LiteralProto, shape: ShapeProto) -> i64 {
         self.push(opcodes::CONSTANT, shape, &[], |i| i.literal = Some(lit))
     }
@@ -180,6 +189,7 @@ impl Emitter<'_> {
         })
     }
 
+    /// The callee computation `f` over scalars of type `t`, emitted on first use.
     fn scalar_fn(&mut self, f: ScalarFn, t: PrimitiveType) -> i64 {
         if let Some(&id) = self.scalar_fns.get(&(f, t as i32)) {
             return id;
