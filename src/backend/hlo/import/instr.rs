@@ -51,7 +51,8 @@ impl<'m> Importer<'m> {
             dims(shape)?
         };
         let x = || self.operand(i, 0);
-        // The op tables first: one instruction is one op, read back by its opcode.
+        // The op tables first: one instruction is one op, read back by its opcode. Silu's
+        // `multiply` goes before them, as the table would read it as a plain `Mul`.
         if i.opcode == BinaryOp::Mul.hlo_opcode() && self.is_silu(i)? {
             return x()?.silu();
         }
