@@ -2,7 +2,9 @@
 
 use candle_core::{Device, Tensor as CTensor};
 use deepinfer::backend::cpu;
-use deepinfer::graph::{DType, GraphBuilder, InputRole};
+use deepinfer::graph::{
+    BinaryOp, CmpOp, DType, GraphBuilder, InputRole, Op, ReduceOp, Tensor, UnaryOp,
+};
 
 #[test]
 fn shape_mismatches_name_the_op_and_both_shapes() {
@@ -89,4 +91,90 @@ fn cache_root_is_updated_in_place_not_copied() {
         out[0].to_vec2::<f32>().unwrap(),
         vec![vec![1f32, 2.], vec![3., 4.]]
     );
+}
+
+#[test]
+fn named_methods_build_their_families_op() {
+    // The named methods are generated one line each (`forward!`): a line naming the wrong
+    // variant would build another op under the right name.
+    let b = GraphBuilder::new("t");
+    let x = b
+        .input("x", InputRole::Metadata, [2, 3], DType::F32)
+        .unwrap();
+    let y = b
+        .input("y", InputRole::Metadata, [2, 3], DType::F32)
+        .unwrap();
+    let i = b
+        .input("i", InputRole::Metadata, [2, 3], DType::I32)
+        .unwrap();
+    let j = b
+        .input("j", InputRole::Metadata, [2, 3], DType::I32)
+        .unwrap();
+    type Build = fn(&Tensor, &Tensor) -> Tensor;
+    let unary: [(Build, UnaryOp); 11] = [
+        (|x, _| x.neg().unwrap(), UnaryOp::Neg),
+        (|x, _| x.abs().unwrap(), UnaryOp::Abs),
+        (|x, _| x.exp().unwrap(), UnaryOp::Exp),
+        (|x, _| x.log().unwrap(), UnaryOp::Log),
+        (|x, _| x.sqrt().unwrap(), UnaryOp::Sqrt),
+        (|x, _| x.rsqrt().unwrap(), UnaryOp::Rsqrt),
+        (|x, _| x.sin().unwrap(), UnaryOp::Sin),
+        (|x, _| x.cos().unwrap(), UnaryOp::Cos),
+        (|x, _| x.tanh().unwrap(), UnaryOp::Tanh),
+        (|x, _| x.sigmoid().unwrap(), UnaryOp::Sigmoid),
+        (|x, _| x.silu().unwrap(), UnaryOp::Silu),
+    ];
+    let binary: [(Build, BinaryOp); 16] = [
+        (|x, y| x.add(y).unwrap(), BinaryOp::Add),
+        (|x, y| x.sub(y).unwrap(), BinaryOp::Sub),
+        (|x, y| x.mul(y).unwrap(), BinaryOp::Mul),
+        (|x, y| x.div(y).unwrap(), BinaryOp::Div),
+        (|x, y| x.rem(y).unwrap(), BinaryOp::Rem),
+        (|x, y| x.maximum(y).unwrap(), BinaryOp::Max),
+        (|x, y| x.minimum(y).unwrap(), BinaryOp::Min),
+        (|x, y| x.bitxor(y).unwrap(), BinaryOp::BitXor),
+        (|x, y| x.bitand(y).unwrap(), BinaryOp::BitAnd),
+        (|x, y| x.shr(y).unwrap(), BinaryOp::Shr),
+        (|x, y| x.shl(y).unwrap(), BinaryOp::Shl),
+        (|x, y| x.broadcast_add(y).unwrap(), BinaryOp::Add),
+        (|x, y| x.broadcast_sub(y).unwrap(), BinaryOp::Sub),
+        (|x, y| x.broadcast_mul(y).unwrap(), BinaryOp::Mul),
+        (|x, y| x.broadcast_div(y).unwrap(), BinaryOp::Div),
+        (|x, y| x.broadcast_maximum(y).unwrap(), BinaryOp::Max),
+    ];
+    let compare: [(Build, CmpOp); 6] = [
+        (|x, y| x.eq(y).unwrap(), CmpOp::Eq),
+        (|x, y| x.ne(y).unwrap(), CmpOp::Ne),
+        (|x, y| x.lt(y).unwrap(), CmpOp::Lt),
+        (|x, y| x.le(y).unwrap(), CmpOp::Le),
+        (|x, y| x.gt(y).unwrap(), CmpOp::Gt),
+        (|x, y| x.ge(y).unwrap(), CmpOp::Ge),
+    ];
+    let reduce: [(Build, ReduceOp); 3] = [
+        (|x, _| x.sum(1).unwrap(), ReduceOp::Sum),
+        (|x, _| x.max(1).unwrap(), ReduceOp::Max),
+        (|x, _| x.min(1).unwrap(), ReduceOp::Min),
+    ];
+    let op_of = |t: Tensor| {
+        b.output(format!("o{}", t.id().0), &t).unwrap();
+        t.id()
+    };
+    let mut want = Vec::new();
+    for (f, u) in unary {
+        want.push((op_of(f(&x, &y)), Op::Unary(u, x.id())));
+    }
+    for (f, op) in binary {
+        let (l, r) = if op.int_only() { (&i, &j) } else { (&x, &y) };
+        want.push((op_of(f(l, r)), Op::Binary(op, l.id(), r.id())));
+    }
+    for (f, c) in compare {
+        want.push((op_of(f(&x, &y)), Op::Compare(c, x.id(), y.id())));
+    }
+    for (f, r) in reduce {
+        want.push((op_of(f(&x, &y)), Op::Reduce(r, x.id(), 1)));
+    }
+    let g = b.finish().unwrap();
+    for (id, op) in want {
+        assert_eq!(g.node(id).op, op);
+    }
 }

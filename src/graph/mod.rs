@@ -17,13 +17,15 @@ mod dtype;
 mod op;
 mod shape;
 pub mod stats;
+mod tensor;
 
 use std::sync::Arc;
 
-pub use builder::{GraphBuilder, Tensor};
+pub use builder::GraphBuilder;
 pub use dtype::DType;
 pub use op::{BinaryOp, CmpOp, Literal, Op, ReduceOp, UnaryOp};
 pub use shape::Shape;
+pub use tensor::Tensor;
 
 /// Index of a node in its graph.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -59,6 +61,14 @@ impl InputRole {
             InputRole::Metadata => "metadata",
             InputRole::CacheRoot => "cache_root",
         }
+    }
+
+    /// The role whose [`InputRole::name`] is `name`: how a dump or an HLO module's role
+    /// attribute is read back.
+    pub fn from_name(name: &str) -> Option<Self> {
+        [InputRole::Weight, InputRole::Metadata, InputRole::CacheRoot]
+            .into_iter()
+            .find(|r| r.name() == name)
     }
 }
 

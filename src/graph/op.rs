@@ -4,101 +4,130 @@
 //! emitter and the HLO importer), so each is chosen to be one or a few plain HLO instructions:
 //! no op depends on data for its shape, binary ops never broadcast implicitly (a [`Op::Broadcast`]
 //! node makes it explicit, as HLO requires), and integer arithmetic wraps (as HLO's does).
+//!
+//! The elementwise and reduction families are tables (`op_family!` lines): an op's variant, its
+//! name and its HLO form sit on one line, which the emitter reads forwards (op -> opcode) and
+//! the importer backwards (opcode -> op). The table holds HLO spellings because HLO is what every
+//! op is designed against; `graph` still imports nothing from `backend`. Ops whose lowering is a
+//! structure of several instructions (matmul, gather, top-k, ...) are not in a table: their
+//! lowering and its recognition live in `backend::hlo`.
 
 use super::NodeId;
 
-/// Elementwise functions of one operand (float operands, except `Neg` and `Abs`, which also take
-/// integers).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum UnaryOp {
-    /// `-x`.
-    Neg,
-    /// `|x|`.
-    Abs,
-    /// `e^x`.
-    Exp,
-    /// Natural logarithm.
-    Log,
-    /// Square root.
-    Sqrt,
-    /// `1 / sqrt(x)`.
-    Rsqrt,
-    /// Sine.
-    Sin,
-    /// Cosine.
-    Cos,
-    /// Hyperbolic tangent.
-    Tanh,
-    /// `1 / (1 + e^-x)` (HLO `logistic`).
-    Sigmoid,
-    /// `x * sigmoid(x)`, the MLP activation (HLO: `multiply(x, logistic(x))`).
-    Silu,
-}
-
-impl UnaryOp {
-    /// The op's name in dumps and errors.
-    pub fn name(self) -> &'static str {
-        match self {
-            UnaryOp::Neg => "neg",
-            UnaryOp::Abs => "abs",
-            UnaryOp::Exp => "exp",
-            UnaryOp::Log => "log",
-            UnaryOp::Sqrt => "sqrt",
-            UnaryOp::Rsqrt => "rsqrt",
-            UnaryOp::Sin => "sin",
-            UnaryOp::Cos => "cos",
-            UnaryOp::Tanh => "tanh",
-            UnaryOp::Sigmoid => "sigmoid",
-            UnaryOp::Silu => "silu",
+/// Defines one op family from a table with one line per op: its doc, its variant, its name in
+/// dumps and errors and, for families that have one, a lowering column read by the HLO emitter
+/// and (backwards) by the HLO importer. The enum, `ALL`, `name()` and the column's accessor are
+/// generated, so each fact about an op is written once, here.
+macro_rules! op_family {
+    (
+        $(#[$meta:meta])*
+        pub enum $family:ident;
+        $(#[$col_meta:meta])*
+        pub fn $col:ident -> $col_ty:ty;
+        $( $(#[$op_meta:meta])* $op:ident = $name:literal, $value:expr; )+
+    ) => {
+        op_family! {
+            $(#[$meta])*
+            pub enum $family;
+            $( $(#[$op_meta])* $op = $name; )+
         }
-    }
+
+        impl $family {
+            $(#[$col_meta])*
+            pub const fn $col(self) -> $col_ty {
+                match self {
+                    $( $family::$op => $value, )+
+                }
+            }
+        }
+    };
+    (
+        $(#[$meta:meta])*
+        pub enum $family:ident;
+        $( $(#[$op_meta:meta])* $op:ident = $name:literal; )+
+    ) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum $family {
+            $( $(#[$op_meta])* $op, )+
+        }
+
+        impl $family {
+            /// Every op of the family, in table order.
+            pub const ALL: &'static [$family] = &[$( $family::$op ),+];
+
+            /// The op's name in dumps and errors.
+            pub const fn name(self) -> &'static str {
+                match self {
+                    $( $family::$op => $name, )+
+                }
+            }
+        }
+    };
 }
 
-/// Elementwise functions of two operands of the same shape and dtype.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum BinaryOp {
+op_family! {
+    /// Elementwise functions of one operand (float operands, except `Neg` and `Abs`, which also
+    /// take integers).
+    pub enum UnaryOp;
+    /// The opcode of the one HLO instruction the op lowers to. `None` marks a composite, which
+    /// the emitter writes as several instructions and the importer recognises by their
+    /// structure.
+    pub fn hlo_opcode -> Option<&'static str>;
+    /// `-x`.
+    Neg = "neg", Some("negate");
+    /// `|x|`.
+    Abs = "abs", Some("abs");
+    /// `e^x`.
+    Exp = "exp", Some("exponential");
+    /// Natural logarithm.
+    Log = "log", Some("log");
+    /// Square root.
+    Sqrt = "sqrt", Some("sqrt");
+    /// `1 / sqrt(x)`.
+    Rsqrt = "rsqrt", Some("rsqrt");
+    /// Sine.
+    Sin = "sin", Some("sine");
+    /// Cosine.
+    Cos = "cos", Some("cosine");
+    /// Hyperbolic tangent.
+    Tanh = "tanh", Some("tanh");
+    /// `1 / (1 + e^-x)`.
+    Sigmoid = "sigmoid", Some("logistic");
+    /// `x * sigmoid(x)`, the MLP activation: a composite, `Mul(x, Sigmoid(x))` in HLO.
+    Silu = "silu", None;
+}
+
+op_family! {
+    /// Elementwise functions of two operands of the same shape and dtype.
+    pub enum BinaryOp;
+    /// The opcode of the one HLO instruction the op lowers to.
+    pub fn hlo_opcode -> &'static str;
     /// `a + b` (wrapping for integers).
-    Add,
+    Add = "add", "add";
     /// `a - b` (wrapping for integers).
-    Sub,
+    Sub = "sub", "subtract";
     /// `a * b` (wrapping for integers).
-    Mul,
+    Mul = "mul", "multiply";
     /// `a / b` (truncating for integers).
-    Div,
+    Div = "div", "divide";
     /// Remainder with the sign of `a` (integers only).
-    Rem,
+    Rem = "rem", "remainder";
     /// Larger of the two.
-    Max,
+    Max = "max", "maximum";
     /// Smaller of the two.
-    Min,
+    Min = "min", "minimum";
     /// Bitwise exclusive or (integers only).
-    BitXor,
+    BitXor = "xor", "xor";
     /// Bitwise and (integers only).
-    BitAnd,
-    /// Logical shift right by `b` bits (integers only; HLO `shift-right-logical`).
-    Shr,
+    BitAnd = "and", "and";
+    /// Logical shift right by `b` bits (integers only).
+    Shr = "shr", "shift-right-logical";
     /// Shift left by `b` bits (integers only).
-    Shl,
+    Shl = "shl", "shift-left";
 }
 
 impl BinaryOp {
-    /// The op's name in dumps and errors.
-    pub fn name(self) -> &'static str {
-        match self {
-            BinaryOp::Add => "add",
-            BinaryOp::Sub => "sub",
-            BinaryOp::Mul => "mul",
-            BinaryOp::Div => "div",
-            BinaryOp::Rem => "rem",
-            BinaryOp::Max => "max",
-            BinaryOp::Min => "min",
-            BinaryOp::BitXor => "xor",
-            BinaryOp::BitAnd => "and",
-            BinaryOp::Shr => "shr",
-            BinaryOp::Shl => "shl",
-        }
-    }
-
     /// Whether the op is defined only for integers.
     pub fn int_only(self) -> bool {
         matches!(
@@ -108,57 +137,36 @@ impl BinaryOp {
     }
 }
 
-/// Comparison directions; the result is a [`super::DType::Bool`] value.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum CmpOp {
+op_family! {
+    /// Comparison directions; the result is a [`super::DType::Bool`] value. The name is HLO's
+    /// spelling of the direction (`comparison_direction`), so dumps and HLO read alike.
+    pub enum CmpOp;
     /// `a == b`.
-    Eq,
+    Eq = "EQ";
     /// `a != b`.
-    Ne,
+    Ne = "NE";
     /// `a < b`.
-    Lt,
+    Lt = "LT";
     /// `a <= b`.
-    Le,
+    Le = "LE";
     /// `a > b`.
-    Gt,
+    Gt = "GT";
     /// `a >= b`.
-    Ge,
+    Ge = "GE";
 }
 
-impl CmpOp {
-    /// The op's name in dumps (HLO's direction spelling).
-    pub fn name(self) -> &'static str {
-        match self {
-            CmpOp::Eq => "EQ",
-            CmpOp::Ne => "NE",
-            CmpOp::Lt => "LT",
-            CmpOp::Le => "LE",
-            CmpOp::Gt => "GT",
-            CmpOp::Ge => "GE",
-        }
-    }
-}
-
-/// Reductions over one dimension.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ReduceOp {
+op_family! {
+    /// Reductions over one dimension.
+    pub enum ReduceOp;
+    /// The binary op that combines two elements: the root of the scalar computation an HLO
+    /// `reduce` calls, by which the importer tells the reductions apart.
+    pub fn combiner -> BinaryOp;
     /// Sum.
-    Sum,
+    Sum = "sum", BinaryOp::Add;
     /// Maximum.
-    Max,
+    Max = "max", BinaryOp::Max;
     /// Minimum.
-    Min,
-}
-
-impl ReduceOp {
-    /// The op's name in dumps.
-    pub fn name(self) -> &'static str {
-        match self {
-            ReduceOp::Sum => "sum",
-            ReduceOp::Max => "max",
-            ReduceOp::Min => "min",
-        }
-    }
+    Min = "min", BinaryOp::Min;
 }
 
 /// Literal data of a [`Op::Constant`], in row-major order.

@@ -1,4 +1,4 @@
-//! Static shapes.
+//! Static shapes and the broadcasting rule.
 
 use std::fmt;
 
@@ -55,4 +55,42 @@ impl fmt::Display for Shape {
         }
         write!(f, "]")
     }
+}
+
+/// Whether `from` broadcasts to `to`: dims aligned right, each 1 or equal (the graph's one
+/// broadcasting rule, which the HLO emitter spells out as reshape + broadcast).
+pub(super) fn broadcast_compatible(from: &Shape, to: &Shape) -> bool {
+    if from.rank() > to.rank() {
+        return false;
+    }
+    let off = to.rank() - from.rank();
+    from.0
+        .iter()
+        .enumerate()
+        .all(|(i, &d)| d == 1 || d == to.0[off + i])
+}
+
+/// The shape both operands broadcast to, if any.
+pub(super) fn broadcast_shape(a: &Shape, b: &Shape) -> Option<Shape> {
+    let rank = a.rank().max(b.rank());
+    let mut out = vec![0; rank];
+    for (i, o) in out.iter_mut().enumerate() {
+        let da = if i + a.rank() >= rank {
+            a.0[i + a.rank() - rank]
+        } else {
+            1
+        };
+        let db = if i + b.rank() >= rank {
+            b.0[i + b.rank() - rank]
+        } else {
+            1
+        };
+        *o = match (da, db) {
+            (x, y) if x == y => x,
+            (1, y) => y,
+            (x, 1) => x,
+            _ => return None,
+        };
+    }
+    Some(Shape(out))
 }

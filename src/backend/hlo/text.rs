@@ -4,6 +4,7 @@
 use std::collections::HashMap;
 use std::fmt::Write;
 
+use super::opcodes;
 use super::proto::{HloModuleProto, PrimitiveType, ShapeProto};
 
 fn shape_text(s: &ShapeProto) -> String {
@@ -64,7 +65,7 @@ pub fn render(m: &HloModuleProto) -> String {
                 .map(|o| format!("%{}", names.get(o).cloned().unwrap_or_default()))
                 .collect();
             let mut attrs = Vec::new();
-            if i.opcode == "parameter" {
+            if i.opcode == opcodes::PARAMETER {
                 attrs.push(format!("{}", i.parameter_number));
             }
             if !i.dimensions.is_empty() {

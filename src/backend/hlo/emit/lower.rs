@@ -1,0 +1,365 @@
+//! One lowering per graph op.
+//!
+//! Unary, binary, compare and reduce ops take their opcode (or direction, or combiner) from the
+//! op tables in `graph::op`, so nothing here restates which opcode an op is. The other ops are
+//! one instruction with attributes, or a plain-HLO structure that the importer recognises:
+//! `silu` is `multiply(x, logistic(x))`, `argmax` is reduce-max + compare + select(iota) +
+//! reduce-min (no sort), `topk` is a stable descending `sort` of (value, iota) and a slice,
+//! `index_select`/`gather` are `gather`, and `scatter_rows` is a `scatter` whose update
+//! computation returns the new value.
+
+use super::{array_shape, comparison_type, tuple_shape, Emitter, ScalarFn};
+use crate::backend::hlo::proto::{
+    hlo_instruction_proto::SliceDimensions, DotDimensionNumbers, FrontendAttributes,
+    GatherDimensionNumbers, LiteralProto, PrimitiveType, ScatterDimensionNumbers, ShapeProto,
+};
+use crate::backend::hlo::{opcodes, primitive_type, INPUT_NAMES_ATTR, ROLE_ATTR};
+use crate::error::{Error, Result};
+use crate::graph::{BinaryOp, CmpOp, Literal, NodeId, Op, ReduceOp, UnaryOp};
+
+/// The error for an op the emitter has no lowering for: a defensive arm, since every op of the
+/// tables has an opcode or a composite lowering below (the round-trip tests cover each one).
+fn no_lowering(op: &'static str) -> Error {
+    Error::Internal(format!("graph op `{op}` has no HLO lowering"))
+}
+
+impl Emitter<'_> {
+    /// The instruction holding node `n`'s value.
+    fn value_of(&self, n: &NodeId) -> i64 {
+        self.value[n.0]
+    }
+
+    /// Lowers node `node`, whose operands are lowered already; returns the instruction holding
+    /// its value.
+    pub(super) fn lower(&mut self, node: usize, op: &Op) -> Result<i64> {
+        let shape = self.shape_of(node);
+        let t = primitive_type(self.dtype_of(node));
+        let v = |n: &NodeId| self.value_of(n);
+        Ok(match op {
+            Op::Input(k) => self.lower_input(*k, shape),
+            Op::Constant(lit) => {
+                let mut l = LiteralProto {
+                    shape: Some(shape.clone()),
+                    ..Default::default()
+                };
+                match lit {
+                    Literal::F32(v) => l.f32s = v.clone(),
+                    Literal::I32(v) => l.s32s = v.clone(),
+                    Literal::U32(v) => l.u32s = v.clone(),
+                }
+                self.constant(l, shape)
+            }
+            Op::Iota { dim } => self.push(opcodes::IOTA, shape, &[], |i| {
+                i.dimensions = vec![*dim as i64]
+            }),
+            Op::Unary(u, x) => {
+                let x = v(x);
+                self.lower_unary(*u, x, shape)?
+            }
+            Op::Binary(b, x, y) => {
+                let (x, y) = (v(x), v(y));
+                self.push(b.hlo_opcode(), shape, &[x, y], |_| {})
+            }
+            Op::Compare(c, x, y) => {
+                let xt = primitive_type(self.dtype_of(x.0));
+                let (x, y) = (v(x), v(y));
+                self.compare(*c, x, y, shape, xt)
+            }
+            Op::Select {
+                pred,
+                on_true,
+                on_false,
+            } => {
+                let ops = [v(pred), v(on_true), v(on_false)];
+                self.push(opcodes::SELECT, shape, &ops, |_| {})
+            }
+            Op::Cast(x) => {
+                let x = v(x);
+                self.push(opcodes::CONVERT, shape, &[x], |_| {})
+            }
+            Op::Broadcast(x) => {
+                let from = self.dims_of(x.0).to_vec();
+                let to = self.dims_of(node).to_vec();
+                let x = v(x);
+                self.broadcast(x, &from, &to, t)
+            }
+            Op::Reshape(x) => {
+                let x = v(x);
+                self.push(opcodes::RESHAPE, shape, &[x], |_| {})
+            }
+            Op::Permute(x, perm) => {
+                let x = v(x);
+                self.push(opcodes::TRANSPOSE, shape, &[x], |i| {
+                    i.dimensions = perm.iter().map(|&p| p as i64).collect()
+                })
+            }
+            Op::Slice { x, dim, start, len } => {
+                let dims = self.dims_of(x.0).to_vec();
+                let x = v(x);
+                self.push(opcodes::SLICE, shape, &[x], |i| {
+                    i.slice_dimensions = dims
+                        .iter()
+                        .enumerate()
+                        .map(|(d, &n)| {
+                            let (s, l) = if d == *dim {
+                                (*start, start + len)
+                            } else {
+                                (0, n)
+                            };
+                            SliceDimensions {
+                                start: s as i64,
+                                limit: l as i64,
+                                stride: 1,
+                            }
+                        })
+                        .collect();
+                })
+            }
+            Op::Concat(xs, dim) => {
+                let ops: Vec<i64> = xs.iter().map(v).collect();
+                self.push(opcodes::CONCATENATE, shape, &ops, |i| {
+                    i.dimensions = vec![*dim as i64]
+                })
+            }
+            Op::MatMul(a, b) => {
+                let r = self.dims_of(a.0).len() as i64;
+                let (a, b) = (v(a), v(b));
+                self.push(opcodes::DOT, shape, &[a, b], |i| {
+                    i.dot_dimension_numbers = Some(DotDimensionNumbers {
+                        lhs_contracting_dimensions: vec![r - 1],
+                        rhs_contracting_dimensions: vec![r - 2],
+                        lhs_batch_dimensions: (0..r - 2).collect(),
+                        rhs_batch_dimensions: (0..r - 2).collect(),
+                    })
+                })
+            }
+            Op::Reduce(r, x, dim) => {
+                let dims = self.dims_of(x.0).to_vec();
+                let x = v(x);
+                self.reduce(x, &dims, *dim, *r, t)
+            }
+            Op::ArgMax(x, dim) => self.lower_argmax(*x, *dim),
+            Op::TopK(x, k) => self.lower_topk(*x, *k, shape),
+            Op::IndexSelect { x, ids, dim } => self.lower_index_select(*x, *ids, *dim, shape),
+            Op::Gather { x, ids, dim } => self.lower_gather(*x, *ids, *dim, shape),
+            Op::ScatterRows {
+                root,
+                rows,
+                col,
+                src,
+            } => self.lower_scatter_rows(*root, *rows, *col, *src, shape, t),
+        })
+    }
+
+    /// Entry parameter `k`, named for the runtime (`neff_input_names`) and tagged with its role.
+    fn lower_input(&mut self, k: usize, shape: ShapeProto) -> i64 {
+        let decl = &self.graph.inputs()[k];
+        // The role attribute lets the importer restore the input's role; other consumers
+        // ignore unknown frontend attributes.
+        let map = [
+            (INPUT_NAMES_ATTR.to_string(), decl.name.clone()),
+            (ROLE_ATTR.to_string(), decl.role.name().to_string()),
+        ]
+        .into();
+        self.push(opcodes::PARAMETER, shape, &[], |i| {
+            i.parameter_number = k as i64;
+            i.frontend_attributes = Some(FrontendAttributes { map });
+        })
+    }
+
+    /// One instruction from the unary table, or the composite the table marks with `None`.
+    fn lower_unary(&mut self, u: UnaryOp, x: i64, shape: ShapeProto) -> Result<i64> {
+        if let Some(opcode) = u.hlo_opcode() {
+            return Ok(self.push(opcode, shape, &[x], |_| {}));
+        }
+        match u {
+            UnaryOp::Silu => {
+                let s = self.lower_unary(UnaryOp::Sigmoid, x, shape.clone())?;
+                Ok(self.push(BinaryOp::Mul.hlo_opcode(), shape, &[x, s], |_| {}))
+            }
+            other => Err(no_lowering(other.name())),
+        }
+    }
+
+    /// `compare` in direction `c` of two operands of element type `xt`.
+    fn compare(&mut self, c: CmpOp, x: i64, y: i64, shape: ShapeProto, xt: PrimitiveType) -> i64 {
+        self.push(opcodes::COMPARE, shape, &[x, y], |i| {
+            i.comparison_direction = c.name().into();
+            i.comparison_type = comparison_type(xt).into();
+        })
+    }
+
+    /// The first index of the maximum: reduce-max, compare with it, select the iota where
+    /// equal (`i32::MAX` elsewhere), reduce-min.
+    fn lower_argmax(&mut self, x: NodeId, dim: usize) -> i64 {
+        let dims = self.dims_of(x.0).to_vec();
+        let xt = primitive_type(self.dtype_of(x.0));
+        let x = self.value_of(&x);
+        let max = self.reduce(x, &dims, dim, ReduceOp::Max, xt);
+        let maxb = self.push(opcodes::BROADCAST, array_shape(&dims, xt), &[max], |i| {
+            i.dimensions = (0..dims.len())
+                .filter(|&d| d != dim)
+                .map(|d| d as i64)
+                .collect();
+        });
+        let pred = array_shape(&dims, PrimitiveType::Pred);
+        let is_max = self.compare(CmpOp::Eq, x, maxb, pred, xt);
+        let s32 = array_shape(&dims, PrimitiveType::S32);
+        let iota = self.push(opcodes::IOTA, s32.clone(), &[], |i| {
+            i.dimensions = vec![dim as i64]
+        });
+        let big = self.scalar(PrimitiveType::S32, i32::MAX as f64);
+        let bigb = self.broadcast(big, &[], &dims, PrimitiveType::S32);
+        let sel = self.push(opcodes::SELECT, s32, &[is_max, iota, bigb], |_| {});
+        self.reduce(sel, &dims, dim, ReduceOp::Min, PrimitiveType::S32)
+    }
+
+    /// The indices of the `k` largest along the last dim: a stable descending sort of (value,
+    /// iota), its index half, sliced to `k`.
+    fn lower_topk(&mut self, x: NodeId, k: usize, shape: ShapeProto) -> i64 {
+        let dims = self.dims_of(x.0).to_vec();
+        let xt = primitive_type(self.dtype_of(x.0));
+        let last = dims.len() - 1;
+        let x = self.value_of(&x);
+        let s32 = array_shape(&dims, PrimitiveType::S32);
+        let iota = self.push(opcodes::IOTA, s32.clone(), &[], |i| {
+            i.dimensions = vec![last as i64]
+        });
+        let cmp = self.scalar_fn(ScalarFn::Greater, xt);
+        let sorted = self.push(
+            opcodes::SORT,
+            tuple_shape(vec![array_shape(&dims, xt), s32.clone()]),
+            &[x, iota],
+            |i| {
+                i.dimensions = vec![last as i64];
+                i.called_computation_ids = vec![cmp];
+                i.is_stable = true;
+            },
+        );
+        let idx = self.push(opcodes::GET_TUPLE_ELEMENT, s32, &[sorted], |i| {
+            i.tuple_index = 1
+        });
+        self.push(opcodes::SLICE, shape, &[idx], |i| {
+            i.slice_dimensions = dims
+                .iter()
+                .enumerate()
+                .map(|(d, &n)| SliceDimensions {
+                    start: 0,
+                    limit: if d == last { k } else { n } as i64,
+                    stride: 1,
+                })
+                .collect();
+        })
+    }
+
+    /// A `gather` of whole slices of `dim`, one per id (index vector of length 1).
+    fn lower_index_select(&mut self, x: NodeId, ids: NodeId, dim: usize, shape: ShapeProto) -> i64 {
+        let dims = self.dims_of(x.0).to_vec();
+        let n = self.dims_of(ids.0)[0];
+        let (x, ids) = (self.value_of(&x), self.value_of(&ids));
+        let idx = self.push(
+            opcodes::RESHAPE,
+            array_shape(&[n, 1], PrimitiveType::S32),
+            &[ids],
+            |_| {},
+        );
+        let mut sizes: Vec<i64> = dims.iter().map(|&d| d as i64).collect();
+        sizes[dim] = 1;
+        self.push(opcodes::GATHER, shape, &[x, idx], |i| {
+            i.gather_dimension_numbers = Some(GatherDimensionNumbers {
+                offset_dims: (0..dims.len() as i64)
+                    .filter(|&d| d != dim as i64)
+                    .collect(),
+                collapsed_slice_dims: vec![dim as i64],
+                start_index_map: vec![dim as i64],
+                index_vector_dim: 1,
+                ..Default::default()
+            });
+            i.gather_slice_sizes = sizes;
+        })
+    }
+
+    /// A `gather` of single elements at full coordinates: iota along every dim except `dim`,
+    /// which takes `ids`.
+    fn lower_gather(&mut self, x: NodeId, ids: NodeId, dim: usize, shape: ShapeProto) -> i64 {
+        let out = self.dims_of(ids.0).to_vec();
+        let r = out.len();
+        let (x, ids) = (self.value_of(&x), self.value_of(&ids));
+        let mut coord_dims = out.clone();
+        coord_dims.push(1);
+        let coord_shape = array_shape(&coord_dims, PrimitiveType::S32);
+        let mut coords = Vec::new();
+        for d in 0..r {
+            let c = if d == dim {
+                self.push(opcodes::RESHAPE, coord_shape.clone(), &[ids], |_| {})
+            } else {
+                self.push(opcodes::IOTA, coord_shape.clone(), &[], |i| {
+                    i.dimensions = vec![d as i64]
+                })
+            };
+            coords.push(c);
+        }
+        let mut all = out.clone();
+        all.push(r);
+        let index = self.push(
+            opcodes::CONCATENATE,
+            array_shape(&all, PrimitiveType::S32),
+            &coords,
+            |i| i.dimensions = vec![r as i64],
+        );
+        self.push(opcodes::GATHER, shape, &[x, index], |i| {
+            i.gather_dimension_numbers = Some(GatherDimensionNumbers {
+                offset_dims: vec![],
+                collapsed_slice_dims: (0..r as i64).collect(),
+                start_index_map: (0..r as i64).collect(),
+                index_vector_dim: r as i64,
+                ..Default::default()
+            });
+            i.gather_slice_sizes = vec![1; r];
+        })
+    }
+
+    /// A `scatter` of `src`'s rows at (`rows[i]`, `col`), whose update computation returns the
+    /// new value; the indices are `concatenate(reshape(rows), broadcast(col))`.
+    fn lower_scatter_rows(
+        &mut self,
+        root: NodeId,
+        rows: NodeId,
+        col: usize,
+        src: NodeId,
+        shape: ShapeProto,
+        t: PrimitiveType,
+    ) -> i64 {
+        let n = self.dims_of(rows.0)[0];
+        let (root, rows, src) = (
+            self.value_of(&root),
+            self.value_of(&rows),
+            self.value_of(&src),
+        );
+        let r = self.push(
+            opcodes::RESHAPE,
+            array_shape(&[n, 1], PrimitiveType::S32),
+            &[rows],
+            |_| {},
+        );
+        let c = self.scalar(PrimitiveType::S32, col as f64);
+        let cb = self.broadcast(c, &[], &[n, 1], PrimitiveType::S32);
+        let idx = self.push(
+            opcodes::CONCATENATE,
+            array_shape(&[n, 2], PrimitiveType::S32),
+            &[r, cb],
+            |i| i.dimensions = vec![1],
+        );
+        let assign = self.scalar_fn(ScalarFn::Second, t);
+        self.push(opcodes::SCATTER, shape, &[root, idx, src], |i| {
+            i.scatter_dimension_numbers = Some(ScatterDimensionNumbers {
+                update_window_dims: vec![1],
+                inserted_window_dims: vec![0],
+                scatter_dims_to_operand_dims: vec![0, 1],
+                index_vector_dim: 1,
+                ..Default::default()
+            });
+            i.called_computation_ids = vec![assign];
+        })
+    }
+}

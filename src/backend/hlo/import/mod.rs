@@ -1,0 +1,229 @@
+//! `HloModuleProto` (as [`super::emit`] writes it) -> graph.
+//!
+//! `nrt-sim` uses this to run a "NEFF" that is our HLO on the CPU backend. Each HLO instruction
+//! maps back to the graph op it came from; the few multi-instruction lowerings are recognized
+//! by their structure (not by names or metadata): `multiply(x, logistic(x))` is `silu`,
+//! `get-tuple-element(sort(x, iota), 1)` is a full descending top-k, a `gather` with one
+//! collapsed dim is `index_select` and one with full coordinates is `gather`, and a `scatter`
+//! whose indices are `concatenate(reshape(rows), broadcast(col))` is `scatter_rows`. So emit ->
+//! import -> run gives bit-identical results to running the original graph.
+//!
+//! Anything else (a foreign module, a corrupt file) is an error naming the instruction, never a
+//! panic.
+//!
+//! This file reads the module: its entry computation, the parameters (names and roles), the
+//! root tuple (output names) and the input/output aliases. Each instruction's conversion to a
+//! graph value is in `instr.rs`.
+
+mod instr;
+
+use std::collections::HashMap;
+
+use prost::Message;
+
+use super::proto::{
+    HloComputationProto, HloInstructionProto, HloModuleProto, PrimitiveType, ShapeProto,
+};
+use super::{dtype_of, opcodes, INPUT_NAMES_ATTR, OUTPUT_NAMES_ATTR, ROLE_ATTR};
+use crate::error::{Error, Result};
+use crate::graph::{DType, Graph, GraphBuilder, InputRole, Tensor};
+
+/// The error for a module this importer cannot read. Every import error is built here, so
+/// retargeting them is a one-line change.
+fn bad(msg: impl Into<String>) -> Error {
+    Error::InvalidInput(format!("HLO import: {}", msg.into()))
+}
+
+/// Parses serialized module bytes and imports them.
+pub fn import_bytes(bytes: &[u8]) -> Result<Graph> {
+    let module =
+        HloModuleProto::decode(bytes).map_err(|e| bad(format!("not an HloModuleProto: {e}")))?;
+    import(&module)
+}
+
+/// The dimension sizes of an array shape.
+fn dims(s: &ShapeProto) -> Result<Vec<usize>> {
+    s.dimensions
+        .iter()
+        .map(|&d| usize::try_from(d).map_err(|_| bad(format!("negative dimension {d}"))))
+        .collect()
+}
+
+/// The graph dtype of an array shape.
+fn elem(s: &ShapeProto) -> Result<DType> {
+    PrimitiveType::try_from(s.element_type)
+        .ok()
+        .and_then(dtype_of)
+        .ok_or_else(|| bad(format!("unsupported element type {}", s.element_type)))
+}
+
+/// The state of one import: the graph being built and the module's instructions by id.
+struct Importer<'m> {
+    b: GraphBuilder,
+    insts: HashMap<i64, &'m HloInstructionProto>,
+    comps: HashMap<i64, &'m HloComputationProto>,
+    values: HashMap<i64, Tensor>,
+    /// Inputs by parameter number.
+    params: Vec<Tensor>,
+}
+
+impl<'m> Importer<'m> {
+    /// Entry instruction `id`.
+    fn inst(&self, id: i64) -> Result<&'m HloInstructionProto> {
+        self.insts
+            .get(&id)
+            .copied()
+            .ok_or_else(|| bad(format!("unknown instruction id {id}")))
+    }
+
+    /// The graph value of converted instruction `id`.
+    fn val(&self, id: i64) -> Result<Tensor> {
+        self.values
+            .get(&id)
+            .cloned()
+            .ok_or_else(|| bad(format!("instruction {id} used before it is defined")))
+    }
+
+    /// The graph value of `i`'s operand `k`.
+    fn operand(&self, i: &HloInstructionProto, k: usize) -> Result<Tensor> {
+        let id = *i
+            .operand_ids
+            .get(k)
+            .ok_or_else(|| bad(format!("{}: missing operand {k}", i.name)))?;
+        self.val(id)
+    }
+
+    /// `i`'s result shape.
+    fn shape(i: &HloInstructionProto) -> Result<&ShapeProto> {
+        i.shape
+            .as_ref()
+            .ok_or_else(|| bad(format!("{}: no shape", i.name)))
+    }
+
+    /// The root opcode of a called scalar computation.
+    fn called_root(&self, i: &HloInstructionProto) -> Result<&'m str> {
+        let id = *i
+            .called_computation_ids
+            .first()
+            .ok_or_else(|| bad(format!("{}: no called computation", i.name)))?;
+        let c = self
+            .comps
+            .get(&id)
+            .ok_or_else(|| bad(format!("{}: unknown computation {id}", i.name)))?;
+        let root = c
+            .instructions
+            .iter()
+            .find(|x| x.id == c.root_id)
+            .ok_or_else(|| bad(format!("computation {} has no root", c.name)))?;
+        Ok(root.opcode.as_str())
+    }
+}
+
+/// Imports a module.
+pub fn import(m: &HloModuleProto) -> Result<Graph> {
+    let comps: HashMap<i64, &HloComputationProto> =
+        m.computations.iter().map(|c| (c.id, c)).collect();
+    let entry: &HloComputationProto = comps
+        .get(&m.entry_computation_id)
+        .copied()
+        .ok_or_else(|| bad("no entry computation"))?;
+    let aliased: HashMap<i64, usize> = m
+        .input_output_alias
+        .iter()
+        .flat_map(|a| a.entries.iter())
+        .filter_map(|e| {
+            e.output_shape_index
+                .first()
+                .map(|&o| (e.parameter_number, o as usize))
+        })
+        .collect();
+    let mut imp = Importer {
+        b: GraphBuilder::new(if m.name.is_empty() {
+            "imported"
+        } else {
+            &m.name
+        }),
+        insts: entry.instructions.iter().map(|i| (i.id, i)).collect(),
+        comps,
+        values: HashMap::new(),
+        params: Vec::new(),
+    };
+    let mut params: Vec<&HloInstructionProto> = entry
+        .instructions
+        .iter()
+        .filter(|i| i.opcode == opcodes::PARAMETER)
+        .collect();
+    params.sort_by_key(|i| i.parameter_number);
+    for (k, p) in params.iter().enumerate() {
+        if p.parameter_number != k as i64 {
+            return Err(bad(format!(
+                "parameter numbers are not 0..{}",
+                params.len()
+            )));
+        }
+        let attrs = p.frontend_attributes.as_ref().map(|f| &f.map);
+        let name = attrs
+            .and_then(|a| a.get(INPUT_NAMES_ATTR))
+            .cloned()
+            .unwrap_or_else(|| format!("input{k}"));
+        let role = match attrs
+            .and_then(|a| a.get(ROLE_ATTR))
+            .and_then(|s| InputRole::from_name(s))
+        {
+            Some(role @ (InputRole::Weight | InputRole::CacheRoot)) => role,
+            // Metadata, or no role (a foreign module): an aliased parameter is a cache root.
+            _ if aliased.contains_key(&(k as i64)) => InputRole::CacheRoot,
+            _ => InputRole::Metadata,
+        };
+        let shape = Importer::shape(p)?;
+        let t = imp.b.input(name, role, dims(shape)?, elem(shape)?)?;
+        imp.values.insert(p.id, t.clone());
+        imp.params.push(t);
+    }
+    for i in &entry.instructions {
+        if i.opcode == opcodes::PARAMETER {
+            continue;
+        }
+        if i.id == entry.root_id && i.opcode == opcodes::TUPLE {
+            break;
+        }
+        let t = imp.convert(i)?;
+        imp.values.insert(i.id, t);
+    }
+    let root = imp.inst(entry.root_id)?;
+    let names: Vec<String> = root
+        .frontend_attributes
+        .as_ref()
+        .and_then(|f| f.map.get(OUTPUT_NAMES_ATTR))
+        .map(|s| s.split(',').map(str::to_string).collect())
+        .unwrap_or_else(|| {
+            (0..root.operand_ids.len())
+                .map(|k| format!("output{k}"))
+                .collect()
+        });
+    let outs: Vec<i64> = if root.opcode == opcodes::TUPLE {
+        root.operand_ids.clone()
+    } else {
+        vec![root.id]
+    };
+    if names.len() != outs.len() {
+        return Err(bad(format!(
+            "{OUTPUT_NAMES_ATTR} does not match the root tuple"
+        )));
+    }
+    let by_output: HashMap<usize, i64> = aliased.iter().map(|(&p, &o)| (o, p)).collect();
+    for (k, (id, name)) in outs.iter().zip(names).enumerate() {
+        let v = imp.val(*id)?;
+        match by_output.get(&k) {
+            Some(&p) => {
+                let param = imp
+                    .params
+                    .get(p as usize)
+                    .ok_or_else(|| bad(format!("alias to unknown parameter {p}")))?;
+                imp.b.output_aliased(name, &v, param)?
+            }
+            None => imp.b.output(name, &v)?,
+        }
+    }
+    imp.b.finish()
+}
