@@ -20,9 +20,9 @@ use prost::Message;
 
 use super::opcodes;
 use super::proto::{
-    hlo_input_output_alias_proto::AliasEntryProto,
-    FrontendAttributes, HloComputationProto, HloInputOutputAliasProto, HloInstructionProto,
-    HloModuleProto, Kind, LayoutProto, LiteralProto, PrimitiveType, ProgramShapeProto, ShapeProto,
+    hlo_input_output_alias_proto::AliasEntryProto, FrontendAttributes, HloComputationProto,
+    HloInputOutputAliasProto, HloInstructionProto, HloModuleProto, Kind, LayoutProto, LiteralProto,
+    PrimitiveType, ProgramShapeProto, ShapeProto,
 };
 use super::{primitive_type, OUTPUT_NAMES_ATTR};
 use crate::error::Result;
