@@ -13,15 +13,19 @@
 pub mod backend;
 pub mod cache;
 pub mod config;
+#[cfg(feature = "server")]
 pub mod engine;
 pub mod error;
 pub mod graph;
 pub mod lowering;
+#[cfg(feature = "server")]
 pub mod metrics;
 pub mod model;
 pub mod runner;
+#[cfg(feature = "server")]
 pub mod server;
 pub mod step;
+#[cfg(feature = "server")]
 pub mod tokenizer;
 pub mod weights;
 
