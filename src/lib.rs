@@ -6,6 +6,11 @@
 //!
 //! Arrows point one way: `server -> engine -> runner -> backend -> graph`, `model -> graph`;
 //! [`error`] sits below them all. Nothing below imports anything above.
+//!
+//! The default `server` feature adds what serving needs (the engine, the HTTP server, the
+//! tokenizer, metrics, and the `deepinfer` binary). Without it the library is the graph, the
+//! backends, the model, the runners and the HLO export: what nrt-sim links, so the simulator
+//! carries no HTTP stack.
 
 #![deny(missing_docs)]
 #![deny(clippy::unwrap_used)]
@@ -13,14 +18,18 @@
 
 pub mod backend;
 pub mod config;
+#[cfg(feature = "server")]
 pub mod engine;
 pub mod error;
 pub mod export;
 pub mod graph;
+#[cfg(feature = "server")]
 pub mod metrics;
 pub mod model;
 pub mod runner;
+#[cfg(feature = "server")]
 pub mod server;
+#[cfg(feature = "server")]
 pub mod tokenizer;
 pub mod weights;
 

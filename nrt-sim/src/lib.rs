@@ -113,51 +113,43 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![deny(clippy::undocumented_unsafe_blocks)]
 
+// Modules by concern. Imports point one way, down this order (no module imports one above
+// it, and none imports the crate root):
+//   leaves:   identity, handle, counters, c_text, fault_child
+//   fail (handle); config (fail); model_io (c_text, fail, identity); reader (counters)
+//   state (config, counters, fail, handle, model_io); boundary (fail, state);
+//   device (fail, model_io)
+//   safe bodies over the state: runtime, model, tensor, tensor_set, execute (and device)
+//   ffi: the `extern "C"` shells over all of the above
+mod boundary;
+mod c_text;
+mod config;
 mod counters;
-mod exec;
+mod device;
+mod execute;
+mod fail;
 mod fault_child;
 pub mod ffi;
 mod handle;
+mod identity;
+mod model;
+mod model_io;
+mod reader;
+mod runtime;
 mod state;
+mod tensor;
+mod tensor_set;
 
-use deepinfer::graph::DType;
-use neuron_sys::sys::dtype::hw;
-
-pub use counters::{library_next_to_current_exe, Counters, Error, Live, ModelCounters, SimLibrary};
+pub use config::{ENV_FAIL_EXECUTE, ENV_FAIL_LOAD, ENV_FREE_EXECUTE, ENV_SLOW_EXECUTE_MS};
+pub use counters::{Counters, Live, ModelCounters};
 pub use fault_child::{is_fault_child, run_test_in_child, CHILD_ENV};
-pub use state::{ENV_FAIL_EXECUTE, ENV_FAIL_LOAD, ENV_FREE_EXECUTE, ENV_SLOW_EXECUTE_MS};
-
-/// The runtime version `nrt_get_version` reports: `[major, minor, patch, maintenance]`.
-/// 2.34 selects the hardware-code dtype table in neuron-sys (see [`dtype_code`]).
-pub const VERSION: [u64; 4] = [2, 34, 0, 0];
-/// `nrt_version_t::git_hash`: identifies the simulator (`deepinfer doctor` prints it).
-pub const VERSION_GIT_HASH: &str = "nrt-sim";
-/// `nrt_version_t::rt_detail`.
-pub const VERSION_DETAIL: &str = concat!(
-    "nrt-sim ",
-    env!("CARGO_PKG_VERSION"),
-    ": deepinfer HLO on the CPU backend"
-);
-/// NeuronCores on the simulated instance.
-pub const TOTAL_NC_COUNT: u32 = 2;
-/// NeuronCores visible to this process (core indices `0..2`).
-pub const VISIBLE_NC_COUNT: u32 = 2;
-
-/// The `nrt_dtype_t` code nrt-sim reports for a graph dtype: the hardware-code encoding
-/// (`neuron_sys::sys::dtype::hw`). `Bool` (HLO `pred`, one byte) is reported as UINT8.
-pub fn dtype_code(dtype: DType) -> u32 {
-    match dtype {
-        DType::F32 => hw::FLOAT32,
-        DType::BF16 => hw::BFLOAT16,
-        DType::F16 => hw::FLOAT16,
-        DType::I32 => hw::INT32,
-        DType::U32 => hw::UINT32,
-        DType::U8 | DType::Bool => hw::UINT8,
-    }
-}
+pub use identity::{
+    dtype_code, TOTAL_NC_COUNT, VERSION, VERSION_DETAIL, VERSION_GIT_HASH, VISIBLE_NC_COUNT,
+};
+pub use reader::{library_next_to_current_exe, Error, SimLibrary};
 
 /// Clears the cumulative counters of the nrt-sim copy linked into the caller (the Rust
 /// twin of `nrt_sim_reset_counters`; for a `dlopen`ed library use [`SimLibrary::reset`]).
 pub fn reset_counters() {
-    state::state().reset_counters();
+    runtime::reset_counters();
 }

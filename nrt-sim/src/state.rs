@@ -8,127 +8,22 @@
 //! or long execution never blocks other threads' tensor reads and writes. Per-object locks
 //! were rejected: they would make `nrt_close` (which releases everything) race with calls
 //! in flight.
+//!
+//! The object records live here rather than beside the calls that make them (`tensor`,
+//! `model`, …) because those modules lock this state: keeping the records here keeps every
+//! import arrow pointing one way, from the calls down to the state.
 
 use std::collections::{BTreeMap, HashMap};
-use std::fmt;
-use std::ptr::NonNull;
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
-use std::time::Duration;
 
-use deepinfer::graph::{DType, Graph};
-use neuron_sys::sys::{self, NRT_STATUS};
+use deepinfer::graph::Graph;
+use neuron_sys::sys;
 
+use crate::config::Config;
 use crate::counters::{Counters, Live, ModelCounters};
-use crate::handle::{Handle, Kind, Lookup, Slab};
-
-/// A failed call: the status to return and a message for `last_error`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) struct Fail {
-    pub(crate) status: NRT_STATUS,
-    pub(crate) msg: String,
-}
-
-impl Fail {
-    pub(crate) fn new(status: NRT_STATUS, msg: impl Into<String>) -> Fail {
-        Fail {
-            status,
-            msg: msg.into(),
-        }
-    }
-
-    /// A handle that did not resolve: `NRT_INVALID_HANDLE`, naming what was wrong.
-    pub(crate) fn handle(what: &str, kind: Kind, why: Lookup) -> Fail {
-        let msg = match why {
-            Lookup::Null => format!("{what} is a null {}", kind.c_name()),
-            Lookup::Stale => format!(
-                "{what} is a freed {} (use after free, double free, or released by nrt_close)",
-                kind.c_name()
-            ),
-            Lookup::Foreign => format!("{what} is not a live {}", kind.c_name()),
-        };
-        Fail::new(sys::NRT_INVALID_HANDLE, msg)
-    }
-}
-
-impl fmt::Display for Fail {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{} ({}): {}",
-            sys::status_name(self.status),
-            self.status,
-            self.msg
-        )
-    }
-}
-
-/// A call's result.
-pub(crate) type Res<T> = Result<T, Fail>;
-
-// === Configuration (read at nrt_init) ===
-
-/// `NRT_SIM_FAIL_EXECUTE`.
-pub const ENV_FAIL_EXECUTE: &str = "NRT_SIM_FAIL_EXECUTE";
-/// `NRT_SIM_FAIL_LOAD`.
-pub const ENV_FAIL_LOAD: &str = "NRT_SIM_FAIL_LOAD";
-/// `NRT_SIM_SLOW_EXECUTE_MS`.
-pub const ENV_SLOW_EXECUTE_MS: &str = "NRT_SIM_SLOW_EXECUTE_MS";
-/// `NRT_SIM_FREE_EXECUTE`.
-pub const ENV_FREE_EXECUTE: &str = "NRT_SIM_FREE_EXECUTE";
-
-/// The fault and timing knobs, from the environment at `nrt_init`.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(crate) struct Config {
-    /// The execution (1-based, counting executions whose bindings validated) that fails.
-    pub(crate) fail_execute: Option<u64>,
-    /// The `nrt_load` (1-based, counting loads of valid modules) that fails.
-    pub(crate) fail_load: Option<u64>,
-    /// Sleep this long in every execution, after validation.
-    pub(crate) slow_execute: Option<Duration>,
-    /// Validate bindings, then return success without computing.
-    pub(crate) free_execute: bool,
-}
-
-impl Config {
-    /// Reads the `NRT_SIM_*` variables through `get`. A malformed value is an error (a typo
-    /// must not silently turn a fault test into a passing run).
-    pub(crate) fn from_env(get: impl Fn(&str) -> Option<String>) -> Res<Config> {
-        let bad = |var: &str, val: &str, want: &str| {
-            Fail::new(
-                sys::NRT_INVALID,
-                format!("nrt_init: {var}={val:?} is not {want}"),
-            )
-        };
-        let nth = |var: &str| -> Res<Option<u64>> {
-            match get(var).as_deref().map(str::trim) {
-                None | Some("") | Some("0") => Ok(None),
-                Some(v) => v
-                    .parse::<u64>()
-                    .map(Some)
-                    .map_err(|_| bad(var, v, "a positive integer (1-based count)")),
-            }
-        };
-        let slow = match get(ENV_SLOW_EXECUTE_MS).as_deref().map(str::trim) {
-            None | Some("") | Some("0") => None,
-            Some(v) => {
-                Some(Duration::from_millis(v.parse::<u64>().map_err(|_| {
-                    bad(ENV_SLOW_EXECUTE_MS, v, "a number of milliseconds")
-                })?))
-            }
-        };
-        let free = match get(ENV_FREE_EXECUTE).as_deref().map(str::trim) {
-            None | Some("") | Some("0") | Some("false") => false,
-            Some("1") | Some("true") => true,
-            Some(v) => return Err(bad(ENV_FREE_EXECUTE, v, "0, 1, true or false")),
-        };
-        Ok(Config {
-            fail_execute: nth(ENV_FAIL_EXECUTE)?,
-            fail_load: nth(ENV_FAIL_LOAD)?,
-            slow_execute: slow,
-            free_execute: free,
-        })
-    }
-}
+use crate::fail::{Fail, Res};
+use crate::handle::{Handle, Kind, Slab};
+use crate::model_io::{InfoArray, IoDesc};
 
 // === Objects ===
 
@@ -150,15 +45,8 @@ pub(crate) struct TensorEntry {
     pub(crate) placement: sys::nrt_tensor_placement_t,
 }
 
-/// One input or output of a model, as `nrt_get_model_tensor_info` reports it.
-#[derive(Debug, Clone)]
-pub(crate) struct IoDesc {
-    pub(crate) name: String,
-    pub(crate) usage: sys::nrt_tensor_usage_t,
-    pub(crate) dtype: DType,
-    pub(crate) shape: Vec<u32>,
-    pub(crate) size: usize,
-}
+/// A tensor set: names bound to tensor handles. The set does not own its tensors.
+pub(crate) type TensorSet = HashMap<String, Handle>;
 
 /// A loaded model.
 pub(crate) struct ModelEntry {
@@ -168,18 +56,6 @@ pub(crate) struct ModelEntry {
     pub(crate) outputs: Vec<IoDesc>,
     pub(crate) executions: u64,
 }
-
-/// A tensor-info array handed to the caller (until `nrt_free_model_tensor_info`).
-pub(crate) struct InfoAlloc {
-    pub(crate) ptr: NonNull<u8>,
-    pub(crate) layout: std::alloc::Layout,
-    /// The arrays the entries' `shape` pointers point into.
-    pub(crate) _shapes: Vec<Box<[u32]>>,
-}
-
-// SAFETY: the allocation is plain memory owned by this record (no thread affinity); it is
-// only deallocated through the record, under the state lock.
-unsafe impl Send for InfoAlloc {}
 
 /// Where the runtime is in its lifetime.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -219,9 +95,10 @@ pub(crate) struct State {
     /// Loads of valid modules since `nrt_init` (for `NRT_SIM_FAIL_LOAD`).
     pub(crate) loads_since_init: u64,
     pub(crate) tensors: Slab<TensorEntry>,
-    pub(crate) sets: Slab<HashMap<String, Handle>>,
+    pub(crate) sets: Slab<TensorSet>,
     pub(crate) models: Slab<ModelEntry>,
-    pub(crate) infos: HashMap<usize, InfoAlloc>,
+    /// Tensor-info arrays handed out, by address (they are looked up, never dereferenced).
+    pub(crate) infos: HashMap<usize, InfoArray>,
     pub(crate) stats: Stats,
 }
 
@@ -275,7 +152,7 @@ impl State {
     }
 
     /// The live set behind `h`.
-    pub(crate) fn set(&self, what: &str, h: Handle) -> Res<&HashMap<String, Handle>> {
+    pub(crate) fn set(&self, what: &str, h: Handle) -> Res<&TensorSet> {
         self.sets
             .get(h)
             .map_err(|why| Fail::handle(what, Kind::TensorSet, why))
@@ -353,5 +230,16 @@ impl State {
             self.stats.invalid_handle_uses += 1;
         }
         self.stats.last_error = Some(format!("{call}: {fail}"));
+    }
+}
+
+impl Counters {
+    /// The counters of the nrt-sim copy linked into the caller (not of a `libnrt_sim.so`
+    /// the caller opened with `dlopen`; use [`crate::SimLibrary`] for that).
+    ///
+    /// Defined here, not beside [`Counters`], so that the counter types import nothing of
+    /// the crate and only this module reads the live state.
+    pub fn of_this_copy() -> Counters {
+        state().counters()
     }
 }

@@ -6,7 +6,10 @@ mod common;
 
 use std::collections::HashMap;
 
-use common::{bf16_bytes, f32_bytes, f32s, lowered_tiny_v3, serial, tiny_neff, Sim, TinyBindings};
+use common::{
+    bf16_bytes, f32_bytes, f32s, lowered_tiny_v3, max_abs_diff, serial, tiny_neff, Sim,
+    TinyBindings,
+};
 use deepinfer::export::ManifestGraph;
 use neuron_sys::sys::dtype::{hw, DtypeEncoding};
 use neuron_sys::sys::{self, NRT_STATUS};
@@ -14,6 +17,17 @@ use neuron_sys::{Model, Runtime, Tensor, TensorSet, TensorUsage};
 use safetensors::SafeTensors;
 
 const OK: NRT_STATUS = sys::NRT_SUCCESS;
+
+#[test]
+fn max_abs_diff_refuses_nan_and_inf() {
+    assert_eq!(max_abs_diff(&[1.0, 2.0], &[1.5, 2.0]), Ok(0.5));
+    // All-NaN output against any reference: a fold with f32::max would report 0.
+    assert!(max_abs_diff(&[f32::NAN; 3], &[0.0; 3]).is_err());
+    assert!(max_abs_diff(&[0.0, 1.0], &[0.0, f32::NAN]).is_err());
+    assert!(max_abs_diff(&[f32::INFINITY], &[f32::INFINITY]).is_err());
+    assert!(max_abs_diff(&[0.0], &[f32::NEG_INFINITY]).is_err());
+    assert!(max_abs_diff(&[0.0; 2], &[0.0; 3]).is_err(), "lengths");
+}
 
 #[test]
 fn tiny_graph_reports_its_io_and_updates_the_root_in_place() {
@@ -188,11 +202,8 @@ fn lowered_tiny_v3_graphs_match_the_cpu_backend() {
                 "next_tokens" => assert_eq!(got, expected, "{}: next_tokens", g.name),
                 "logits" | "kv_cache" => {
                     let (a, b) = (f32s(&got), f32s(&expected));
-                    let diff = a
-                        .iter()
-                        .zip(&b)
-                        .map(|(x, y)| (x - y).abs())
-                        .fold(0.0, f32::max);
+                    let diff = max_abs_diff(&a, &b)
+                        .unwrap_or_else(|e| panic!("{}: {}: {e}", g.name, o.name));
                     assert!(diff <= 1e-5, "{}: {} differs by {diff}", g.name, o.name);
                 }
                 other => panic!("unexpected output {other}"),

@@ -233,6 +233,26 @@ pub fn f32s(bytes: &[u8]) -> Vec<f32> {
         .collect()
 }
 
+/// The largest `|a[i] - b[i]|`, or an error naming the first index where either side is NaN
+/// or infinite, or the lengths when they differ.
+///
+/// Non-finite values are refused rather than compared: folding `|a - b|` with `f32::max`
+/// skips a NaN (`max(x, NaN)` is `x`), so all-NaN outputs would "match" anything, and
+/// `inf - inf` is NaN again. A test that expects a non-finite value states it exactly.
+pub fn max_abs_diff(a: &[f32], b: &[f32]) -> Result<f32, String> {
+    if a.len() != b.len() {
+        return Err(format!("lengths differ: {} vs {}", a.len(), b.len()));
+    }
+    let mut max = 0.0f32;
+    for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
+        if !x.is_finite() || !y.is_finite() {
+            return Err(format!("element {i} is not finite: {x} vs {y}"));
+        }
+        max = max.max((x - y).abs());
+    }
+    Ok(max)
+}
+
 pub fn bf16_bytes(v: &[f32]) -> Vec<u8> {
     v.iter()
         .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())

@@ -13,7 +13,8 @@ use deepinfer::backend::cpu;
 use deepinfer::graph::{DType, Graph};
 use neuron_sys::sys;
 
-use crate::state::{Fail, IoDesc, Res};
+use crate::fail::{Fail, Res};
+use crate::model_io::IoDesc;
 
 /// Copies little-endian bytes into a `Vec<T>`. A copy rather than a cast: the storage
 /// bytes carry no alignment guarantee for `T`. Trailing bytes that do not fill a `T` are

@@ -1,0 +1,67 @@
+//! The fault and timing knobs (`NRT_SIM_*`), read from the environment at `nrt_init`.
+//!
+//! A malformed value is an error rather than "off", so a typo cannot silently turn a fault
+//! test into a passing run.
+
+use std::time::Duration;
+
+use crate::fail::{Fail, Res};
+
+/// `NRT_SIM_FAIL_EXECUTE`.
+pub const ENV_FAIL_EXECUTE: &str = "NRT_SIM_FAIL_EXECUTE";
+/// `NRT_SIM_FAIL_LOAD`.
+pub const ENV_FAIL_LOAD: &str = "NRT_SIM_FAIL_LOAD";
+/// `NRT_SIM_SLOW_EXECUTE_MS`.
+pub const ENV_SLOW_EXECUTE_MS: &str = "NRT_SIM_SLOW_EXECUTE_MS";
+/// `NRT_SIM_FREE_EXECUTE`.
+pub const ENV_FREE_EXECUTE: &str = "NRT_SIM_FREE_EXECUTE";
+
+/// The fault and timing knobs, from the environment at `nrt_init`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Config {
+    /// The execution (1-based, counting executions whose bindings validated) that fails.
+    pub(crate) fail_execute: Option<u64>,
+    /// The `nrt_load` (1-based, counting loads of valid modules) that fails.
+    pub(crate) fail_load: Option<u64>,
+    /// Sleep this long in every execution, after validation.
+    pub(crate) slow_execute: Option<Duration>,
+    /// Validate bindings, then return success without computing.
+    pub(crate) free_execute: bool,
+}
+
+impl Config {
+    /// Reads the `NRT_SIM_*` variables through `get`. A malformed value is `NRT_INVALID`.
+    pub(crate) fn from_env(get: impl Fn(&str) -> Option<String>) -> Res<Config> {
+        let bad = |var: &str, val: &str, want: &str| {
+            Fail::invalid(format!("nrt_init: {var}={val:?} is not {want}"))
+        };
+        let nth = |var: &str| -> Res<Option<u64>> {
+            match get(var).as_deref().map(str::trim) {
+                None | Some("") | Some("0") => Ok(None),
+                Some(v) => v
+                    .parse::<u64>()
+                    .map(Some)
+                    .map_err(|_| bad(var, v, "a positive integer (1-based count)")),
+            }
+        };
+        let slow = match get(ENV_SLOW_EXECUTE_MS).as_deref().map(str::trim) {
+            None | Some("") | Some("0") => None,
+            Some(v) => {
+                Some(Duration::from_millis(v.parse::<u64>().map_err(|_| {
+                    bad(ENV_SLOW_EXECUTE_MS, v, "a number of milliseconds")
+                })?))
+            }
+        };
+        let free = match get(ENV_FREE_EXECUTE).as_deref().map(str::trim) {
+            None | Some("") | Some("0") | Some("false") => false,
+            Some("1") | Some("true") => true,
+            Some(v) => return Err(bad(ENV_FREE_EXECUTE, v, "0, 1, true or false")),
+        };
+        Ok(Config {
+            fail_execute: nth(ENV_FAIL_EXECUTE)?,
+            fail_load: nth(ENV_FAIL_LOAD)?,
+            slow_execute: slow,
+            free_execute: free,
+        })
+    }
+}

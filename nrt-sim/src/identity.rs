@@ -1,0 +1,37 @@
+//! What the simulated runtime says it is: its version, its NeuronCores and the dtype codes
+//! it reports.
+//!
+//! A leaf module (it imports nothing of the crate) so that every other module can read these
+//! facts without reaching back into the crate root, which only re-exports them.
+
+use deepinfer::graph::DType;
+use neuron_sys::sys::dtype::hw;
+
+/// The runtime version `nrt_get_version` reports: `[major, minor, patch, maintenance]`.
+/// 2.34 selects the hardware-code dtype table in neuron-sys (see [`dtype_code`]).
+pub const VERSION: [u64; 4] = [2, 34, 0, 0];
+/// `nrt_version_t::git_hash`: identifies the simulator (`deepinfer doctor` prints it).
+pub const VERSION_GIT_HASH: &str = "nrt-sim";
+/// `nrt_version_t::rt_detail`.
+pub const VERSION_DETAIL: &str = concat!(
+    "nrt-sim ",
+    env!("CARGO_PKG_VERSION"),
+    ": deepinfer HLO on the CPU backend"
+);
+/// NeuronCores on the simulated instance.
+pub const TOTAL_NC_COUNT: u32 = 2;
+/// NeuronCores visible to this process (core indices `0..2`).
+pub const VISIBLE_NC_COUNT: u32 = 2;
+
+/// The `nrt_dtype_t` code nrt-sim reports for a graph dtype: the hardware-code encoding
+/// (`neuron_sys::sys::dtype::hw`). `Bool` (HLO `pred`, one byte) is reported as UINT8.
+pub fn dtype_code(dtype: DType) -> u32 {
+    match dtype {
+        DType::F32 => hw::FLOAT32,
+        DType::BF16 => hw::BFLOAT16,
+        DType::F16 => hw::FLOAT16,
+        DType::I32 => hw::INT32,
+        DType::U32 => hw::UINT32,
+        DType::U8 | DType::Bool => hw::UINT8,
+    }
+}
