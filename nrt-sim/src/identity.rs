@@ -11,7 +11,7 @@ use neuron_sys::sys::dtype::hw;
 /// 2.34 selects the hardware-code dtype table in neuron-sys (see [`dtype_code`]).
 pub const VERSION: [u64; 4] = [2, 34, 0, 0];
 /// `nrt_version_t::git_hash`: identifies the simulator (`deepinfer doctor` prints it).
-pub const VERSION_GIT_HASH: &str = "nrt-sim";
+pub const VERSION_GIT_HASH: &str = deepinfer::runner::SIM_GIT_HASH;
 /// `nrt_version_t::rt_detail`.
 pub const VERSION_DETAIL: &str = concat!(
     "nrt-sim ",

@@ -108,25 +108,15 @@ impl SimLibrary {
     }
 }
 
-/// Where cargo puts `libnrt_sim.so` for a test or bench executable, which lives in
-/// `target/<profile>/deps/`: `cargo test` writes the library into that same `deps/`
-/// directory, and `cargo build` also copies it up to `target/<profile>/`. The `deps/` copy
-/// is tried first (it is the one built with the tests), then the parent directory (for
-/// binaries and examples, which live in `target/<profile>/` and `.../examples/`).
+/// The `libnrt_sim.so` cargo built for the running test, bench or example: the first of
+/// deepinfer's [`sim_library_beside_exe`](deepinfer::runner::sim_library_beside_exe) that
+/// exists (the rule `--backend sim` also follows, minus `NEURON_RT_LIB`).
 ///
 /// `cargo test -p nrt-sim` (and `cargo test --workspace`) builds the library before this
 /// package's integration tests, because it is the package's `cdylib`. Other packages' tests
 /// must make sure it is built (`cargo build -p nrt-sim`) or locate it themselves.
 pub fn library_next_to_current_exe() -> Option<PathBuf> {
-    let exe = std::env::current_exe().ok()?;
-    let file = format!(
-        "{}nrt_sim{}",
-        std::env::consts::DLL_PREFIX,
-        std::env::consts::DLL_SUFFIX
-    );
-    exe.ancestors()
-        .skip(1)
-        .take(2)
-        .map(|dir| dir.join(&file))
+    deepinfer::runner::sim_library_beside_exe()
+        .into_iter()
         .find(|p| p.is_file())
 }

@@ -141,14 +141,24 @@ pub fn open_with_weights(
     Ok(runner)
 }
 
-/// Where `--backend sim` looks for nrt-sim, in order: `NEURON_RT_LIB` when set, then beside
-/// the executable, then its `deps/` directory, then the executable's parent directory (tests
-/// and benches live in `deps/`).
+/// Where `--backend sim` looks for nrt-sim, in order: `NEURON_RT_LIB` when set, then
+/// [`sim_library_beside_exe`].
 pub fn sim_library_candidates() -> Vec<PathBuf> {
     let mut out = Vec::new();
     if let Some(p) = std::env::var_os(neuron_sys::NEURON_RT_LIB).filter(|v| !v.is_empty()) {
         out.push(PathBuf::from(p));
     }
+    out.extend(sim_library_beside_exe());
+    out
+}
+
+/// Where cargo puts nrt-sim's library relative to the running executable, in order: beside
+/// it, in its `deps/` directory, then in its parent directory. A binary lives in
+/// `target/<profile>/` beside the library; a test or bench lives in `target/<profile>/deps/`,
+/// where `cargo test` also writes the library; an example lives one level below the library.
+/// nrt-sim's own test helpers look here too, so the rule is written once.
+pub fn sim_library_beside_exe() -> Vec<PathBuf> {
+    let mut out = Vec::new();
     if let Ok(exe) = std::env::current_exe() {
         if let Some(dir) = exe.parent() {
             out.push(dir.join(SIM_LIBRARY_FILE));
