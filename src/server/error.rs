@@ -4,7 +4,7 @@
 //! `message`, so every message says what was wrong and, where it applies, which field.
 //!
 //! Handlers build the request's own faults with the constructors below and convert everything
-//! else with `?`: the library's [`Error`](crate::Error) and a failed request's
+//! else with `?`: the library's [`Error`] and a failed request's
 //! [`Event::Failed`](crate::engine::Event::Failed) by their [`ErrorKind`], a refused submission
 //! by its [`SubmitError`]. The mapping lives here, once, so a device or internal fault can never
 //! reach a client as its invalid request. Faults of the server (5xx) are logged with their
