@@ -42,7 +42,7 @@ fn collect(outputs: Vec<Output>, results: &mut HashMap<RequestId, Result>) {
             }
             Event::Finished(f) => r.finish = Some(f),
             Event::PromptLogprobs { .. } => {}
-            Event::Failed(m) => r.failed = Some(m),
+            Event::Failed { message, .. } => r.failed = Some(message),
         }
     }
 }

@@ -16,7 +16,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use crate::error::{Error, Result};
+use crate::error::{Error, ErrorKind, Result};
 use crate::model::LogitsOutput;
 use crate::runner::step::{DecodeRow, PrefillChunk};
 use crate::runner::{Runner, Step, StepOutput};
@@ -93,8 +93,15 @@ pub enum Event {
     },
     /// It ended without generating (`max_tokens` 0).
     Finished(FinishReason),
-    /// It failed (a device or runtime error in its step); it holds no blocks any more.
-    Failed(String),
+    /// It failed; it holds no blocks any more. `kind` says whose fault it was (a device or
+    /// internal error in its step, the engine shutting down, a request the cache can never
+    /// hold), so a server can answer with the right status rather than parse `message`.
+    Failed {
+        /// The kind of the error that ended it.
+        kind: ErrorKind,
+        /// What went wrong, for a person.
+        message: String,
+    },
 }
 
 impl Event {
@@ -103,7 +110,7 @@ impl Event {
         match self {
             Event::Token(t) => t.finish.is_some(),
             Event::PromptLogprobs { .. } => false,
-            Event::Finished(_) | Event::Failed(_) => true,
+            Event::Finished(_) | Event::Failed { .. } => true,
         }
     }
 }
@@ -269,7 +276,8 @@ impl<R: Runner> Scheduler<R> {
         false
     }
 
-    /// Ends every request with [`Event::Failed`] carrying `message`.
+    /// Ends every request with [`Event::Failed`] carrying `message`, of kind
+    /// [`ErrorKind::Unavailable`]: the engine is going away, nothing is wrong with the requests.
     pub fn abort_all(&mut self, message: &str) -> Vec<Output> {
         let mut out = Vec::new();
         let all: Vec<Sequence> = self
@@ -281,7 +289,10 @@ impl<R: Runner> Scheduler<R> {
             self.blocks.release(&mut seq.blocks);
             out.push(Output {
                 id: seq.id,
-                event: Event::Failed(message.to_owned()),
+                event: Event::Failed {
+                    kind: ErrorKind::Unavailable,
+                    message: message.to_owned(),
+                },
             });
         }
         out
@@ -318,14 +329,15 @@ impl<R: Runner> Scheduler<R> {
         }
     }
 
-    /// A step's output (with a sampled token for each of its `rows`), or the message its
-    /// requests fail with; counts consecutive failures for [`Scheduler::failing`].
+    /// A step's output (with a sampled token for each of its `rows`), or the
+    /// [`Event::Failed`] its requests fail with; counts consecutive failures for
+    /// [`Scheduler::failing`].
     fn check_step(
         &mut self,
-        kind: &str,
+        step: &str,
         result: Result<StepOutput>,
         rows: usize,
-    ) -> std::result::Result<StepOutput, String> {
+    ) -> std::result::Result<StepOutput, Event> {
         let checked = result.and_then(|o| {
             if o.next_tokens.len() < rows {
                 return Err(Error::Internal(format!(
@@ -341,10 +353,13 @@ impl<R: Runner> Scheduler<R> {
                 Ok(v)
             }
             Err(e) => {
-                let message = format!("{kind} step failed: {e}");
+                let message = format!("{step} step failed: {e}");
                 self.failed_steps += 1;
                 self.last_failure = Some(message.clone());
-                Err(message)
+                Err(Event::Failed {
+                    kind: e.kind(),
+                    message,
+                })
             }
         }
     }
@@ -444,12 +459,12 @@ impl<R: Runner> Scheduler<R> {
                     out.push(accept(seq, token, lp, &self.eos_token_ids));
                 }
             }
-            Err(message) => {
+            Err(failure) => {
                 let failed: Vec<RequestId> = batch.iter().map(|&i| self.running[i].id).collect();
                 for &id in &failed {
                     out.push(Output {
                         id,
-                        event: Event::Failed(message.clone()),
+                        event: failure.clone(),
                     });
                 }
                 self.remove_where(|s| failed.contains(&s.id));
@@ -520,12 +535,12 @@ impl<R: Runner> Scheduler<R> {
                     self.remove_finished(out);
                 }
             }
-            Err(message) => {
+            Err(failure) => {
                 let mut seq = self.running.remove(i);
                 self.blocks.release(&mut seq.blocks);
                 out.push(Output {
                     id: seq.id,
-                    event: Event::Failed(message),
+                    event: failure,
                 });
             }
         }

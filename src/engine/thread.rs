@@ -386,7 +386,10 @@ fn run_loop(
                         }
                         Err(e) => {
                             metrics.record_outcome(Outcome::Rejected);
-                            let _ = events.send(Event::Failed(e.to_string()));
+                            let _ = events.send(Event::Failed {
+                                kind: e.kind(),
+                                message: e.to_string(),
+                            });
                         }
                     }
                 }
@@ -506,7 +509,7 @@ fn route(
             }
             Event::PromptLogprobs { .. } => None,
             Event::Finished(f) => Some(outcome_of(*f)),
-            Event::Failed(_) => Some(Outcome::Error),
+            Event::Failed { .. } => Some(Outcome::Error),
         };
         let delivered = client.events.send(out.event).is_ok();
         if let Some(outcome) = outcome {

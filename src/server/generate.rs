@@ -1,5 +1,6 @@
-//! `POST /v1/completions` and `POST /v1/chat/completions`: reading and checking the request,
-//! making its prompts and [`GenerationParams`]; [`super::response`] answers it.
+//! `POST /v1/completions` and `POST /v1/chat/completions`: checking the request, making its
+//! prompts and [`GenerationParams`], and submitting its choices to the engine;
+//! [`super::response`] answers with what the engine produces.
 
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -7,20 +8,17 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use axum::body::Bytes;
 use axum::extract::rejection::BytesRejection;
 use axum::extract::State;
-use axum::http::StatusCode;
-use axum::response::{IntoResponse, Response};
-use serde::de::DeserializeOwned;
+use axum::response::Response;
 use serde_json::Value;
 
-use crate::engine::GenerationParams;
-use crate::metrics::Outcome;
+use crate::engine::{GenerationParams, RequestStream};
 use crate::runner::step::SamplingParams;
-use crate::tokenizer::ChatMessage;
 
 use super::error::ApiError;
-use super::protocol::{ChatRequest, CompletionRequest, Message, Prompt, SamplingFields};
+use super::protocol::{ChatRequest, CompletionRequest, Prompt, SamplingFields};
+use super::request::{chat_prompt, check_model, encode, from_json, read_json};
 use super::response::{respond, ChoiceSpec, Flavor, Prepared};
-use super::AppState;
+use super::state::AppState;
 
 /// The most choices (prompts times `n`) one request may ask for.
 const MAX_CHOICES: usize = 64;
@@ -41,16 +39,34 @@ pub async fn chat_completions(
     answer(state, body, prepare_chat).await
 }
 
-/// Reads the body, prepares the request with `prepare`, and answers it (or the error).
+/// Prepares and submits the request, then answers it; a refusal before the engine took it is
+/// answered (and counted) as rejected.
 async fn answer(
     state: Arc<AppState>,
     body: Result<Bytes, BytesRejection>,
     prepare: fn(&AppState, &Value) -> Result<Prepared, ApiError>,
 ) -> Response {
-    match read_json(&state, body).and_then(|v| prepare(&state, &v)) {
-        Ok(p) => respond(state, p).await,
-        Err(e) => reject(&state, e),
+    match submit(&state, body, prepare) {
+        Ok((p, streams)) => respond(&state, p, streams).await,
+        Err(e) => state.reject(e),
     }
+}
+
+/// Reads the body, prepares the request with `prepare`, and submits every choice. A choice the
+/// engine refuses refuses the request (the choices already queued are cancelled when their
+/// streams drop).
+fn submit(
+    state: &AppState,
+    body: Result<Bytes, BytesRejection>,
+    prepare: fn(&AppState, &Value) -> Result<Prepared, ApiError>,
+) -> Result<(Prepared, Vec<RequestStream>), ApiError> {
+    let p = prepare(state, &read_json(state, body)?)?;
+    let streams = p
+        .choices
+        .iter()
+        .map(|c| state.engine.submit(c.prompt.clone(), c.params.clone()))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok((p, streams))
 }
 
 /// The sampling fields of a request for `model`, checked.
@@ -200,104 +216,6 @@ fn prepare_chat(state: &AppState, body: &Value) -> Result<Prepared, ApiError> {
             echo: None,
         }],
     )
-}
-
-/// The tokens of `messages` rendered with the model's chat template, ending with the prompt for
-/// the assistant's reply.
-pub(super) fn chat_prompt(state: &AppState, messages: &[Message]) -> Result<Vec<u32>, ApiError> {
-    if messages.is_empty() {
-        return Err(ApiError::invalid_field(
-            "messages",
-            "messages must contain at least one message",
-        ));
-    }
-    let tokenizer = state.tokenizer.as_ref().ok_or_else(|| {
-        ApiError::bad_request("this model has no tokenizer, so it cannot serve chat requests")
-    })?;
-    let messages = messages
-        .iter()
-        .enumerate()
-        .map(|(i, m)| {
-            Ok(ChatMessage {
-                role: m.template_role(i)?.to_owned(),
-                content: m.text(i)?,
-            })
-        })
-        .collect::<Result<Vec<_>, ApiError>>()?;
-    let text = tokenizer
-        .apply_chat_template(&messages, true)
-        .map_err(|e| ApiError::invalid_field("messages", e.to_string()))?;
-    // The template writes the bos token itself.
-    encode(state, &text, false)
-}
-
-/// Counts a refused request and turns the error into its response.
-pub(super) fn reject(state: &AppState, e: ApiError) -> Response {
-    state.engine.metrics().record_outcome(Outcome::Rejected);
-    e.into_response()
-}
-
-/// Reads the body as JSON.
-pub(super) fn read_json(
-    state: &AppState,
-    body: Result<Bytes, BytesRejection>,
-) -> Result<Value, ApiError> {
-    let bytes = body.map_err(|e| {
-        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
-            ApiError::too_large(state.config.max_body_bytes)
-        } else {
-            ApiError::bad_request(format!("cannot read the request body: {e}"))
-        }
-    })?;
-    let value: Value = serde_json::from_slice(&bytes)
-        .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
-    if !value.is_object() {
-        return Err(ApiError::bad_request(
-            "the request body must be a JSON object",
-        ));
-    }
-    Ok(value)
-}
-
-/// Reads a request type out of the body, naming the field at fault when a value has the
-/// wrong type.
-pub(super) fn from_json<T: DeserializeOwned>(body: &Value) -> Result<T, ApiError> {
-    serde_path_to_error::deserialize(body).map_err(|e| {
-        let path = e.path().to_string();
-        let inner = e.into_inner();
-        if path == "." {
-            ApiError::bad_request(format!("invalid request: {inner}"))
-        } else {
-            ApiError::invalid_field(&path, format!("invalid value for `{path}`: {inner}"))
-        }
-    })
-}
-
-pub(super) fn check_model(state: &AppState, model: &str) -> Result<(), ApiError> {
-    if model == state.config.served_model_name {
-        Ok(())
-    } else {
-        Err(ApiError::model_not_found(
-            model,
-            &state.config.served_model_name,
-        ))
-    }
-}
-
-pub(super) fn encode(
-    state: &AppState,
-    text: &str,
-    add_special_tokens: bool,
-) -> Result<Vec<u32>, ApiError> {
-    let tokenizer = state.tokenizer.as_ref().ok_or_else(|| {
-        ApiError::invalid_field(
-            "prompt",
-            "this model has no tokenizer: send the prompt as a list of token ids",
-        )
-    })?;
-    tokenizer
-        .encode(text, add_special_tokens)
-        .map_err(|e| ApiError::invalid_field("prompt", e.to_string()))
 }
 
 /// The engine's parameters for a request, checking `max_tokens` against the context.

@@ -1,5 +1,5 @@
-//! Answering a prepared request: submit its choices to the engine, then either collect their
-//! events into one JSON body or stream them as SSE chunks.
+//! Answering a submitted request: either collect its choices' events into one JSON body or
+//! stream them as SSE chunks.
 //!
 //! A request has one choice per prompt and per `n`; each is its own engine request, so they
 //! batch with everything else. Streamed chunks of different choices interleave, each carrying
@@ -16,13 +16,13 @@ use axum::Json;
 use futures::stream::{self, BoxStream, Stream, StreamExt};
 use serde_json::{json, Value};
 
-use crate::engine::{Event, FinishReason, GenerationParams, RequestStream, SubmitError};
+use crate::engine::{Event, FinishReason, GenerationParams, RequestStream};
+use crate::error::ErrorKind;
 use crate::tokenizer::Tokenizer;
 
 use super::error::ApiError;
-use super::generate::reject;
 use super::logprobs::LogprobsBuilder;
-use super::AppState;
+use super::state::AppState;
 
 /// Which endpoint a response is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -192,7 +192,7 @@ impl Choice {
                 self.finish = t.finish;
             }
             Event::Finished(f) => self.finish = Some(*f),
-            Event::Failed(_) => return None,
+            Event::Failed { .. } => return None,
         }
         let text = echo + &piece;
         if !streaming {
@@ -258,24 +258,10 @@ fn merged(streams: Vec<RequestStream>) -> BoxStream<'static, (usize, Event)> {
     stream::select_all(per_choice).boxed()
 }
 
-/// Submits every choice and answers, streamed or whole. A choice the engine refuses refuses
-/// the request (and the choices already queued are cancelled when their streams drop).
-pub async fn respond(state: Arc<AppState>, p: Prepared) -> Response {
+/// Answers a request whose choices the engine took (`streams`, one per choice in order),
+/// streamed or whole.
+pub async fn respond(state: &AppState, p: Prepared, streams: Vec<RequestStream>) -> Response {
     let logprobs = p.choices.iter().any(|c| c.params.logprobs.is_some());
-    let mut streams = Vec::with_capacity(p.choices.len());
-    for c in &p.choices {
-        match state.engine.submit(c.prompt.clone(), c.params.clone()) {
-            Ok(s) => streams.push(s),
-            Err(e) => {
-                let err = match e {
-                    SubmitError::Invalid(m) => ApiError::invalid_field("prompt", m),
-                    SubmitError::QueueFull(_) => ApiError::queue_full(e.to_string()),
-                    SubmitError::Draining => ApiError::draining(),
-                };
-                return reject(&state, err);
-            }
-        }
-    }
     let first_id = streams.first().map_or(0, |s| s.id());
     let header = Arc::new(Header {
         id: format!("{}-{}{first_id}", p.flavor.id_prefix(), state.id_prefix),
@@ -298,20 +284,29 @@ pub async fn respond(state: Arc<AppState>, p: Prepared) -> Response {
             .keep_alive(KeepAlive::default())
             .into_response()
     } else {
-        collect(header, events, choices).await
+        collect(header, events, choices).await.into_response()
     }
 }
 
-/// Waits for every choice and answers with one JSON body.
+/// What a request gets when the engine stops sending its events before the last one: the
+/// engine thread died, which is no fault of the request's.
+fn engine_stopped() -> ApiError {
+    ApiError::from_kind(
+        ErrorKind::Internal,
+        "the engine stopped before the request finished",
+    )
+}
+
+/// Waits for every choice and answers with one JSON body; a failed choice fails the request.
 async fn collect(
     header: Arc<Header>,
     mut events: BoxStream<'static, (usize, Event)>,
     mut choices: Vec<Choice>,
-) -> Response {
+) -> Result<Json<Value>, ApiError> {
     let mut done = 0;
     while let Some((i, event)) = events.next().await {
-        if let Event::Failed(m) = event {
-            return ApiError::device(m).into_response();
+        if let Event::Failed { kind, message } = event {
+            return Err(ApiError::from_kind(kind, message));
         }
         choices[i].on_event(&header, &event, false);
         if event.is_last() {
@@ -329,10 +324,10 @@ async fn collect(
                 ),
                 Some(header.usage(tokens)),
             );
-            return Json(body).into_response();
+            return Ok(Json(body));
         }
     }
-    ApiError::device("the engine stopped before the request finished").into_response()
+    Err(engine_stopped())
 }
 
 /// Where a streamed response is.
@@ -371,11 +366,11 @@ fn sse_events(
                     mut done,
                 } => loop {
                     let Some((i, event)) = events.next().await else {
-                        let e = ApiError::device("the engine stopped before the request finished");
-                        return Some((Ok(data(&e.body())), StreamState::End));
+                        return Some((Ok(data(&engine_stopped().body())), StreamState::End));
                     };
-                    if let Event::Failed(m) = event {
-                        return Some((Ok(data(&ApiError::device(m).body())), StreamState::End));
+                    if let Event::Failed { kind, message } = event {
+                        let e = ApiError::from_kind(kind, message);
+                        return Some((Ok(data(&e.body())), StreamState::End));
                     }
                     if event.is_last() {
                         done += 1;

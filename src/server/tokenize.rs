@@ -12,9 +12,9 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 
 use super::error::ApiError;
-use super::generate::{chat_prompt, check_model, encode, from_json, read_json, reject};
 use super::protocol::Message;
-use super::AppState;
+use super::request::{chat_prompt, check_model, encode, from_json, read_json};
+use super::state::AppState;
 
 /// `POST /tokenize`: a `prompt`, or chat `messages`.
 #[derive(Debug, Deserialize)]
@@ -88,7 +88,7 @@ pub async fn tokenize(
 ) -> Response {
     match read_json(&state, body).and_then(|v| tokenize_body(&state, &v)) {
         Ok(v) => Json(v).into_response(),
-        Err(e) => reject(&state, e),
+        Err(e) => state.reject(e),
     }
 }
 
@@ -99,6 +99,6 @@ pub async fn detokenize(
 ) -> Response {
     match read_json(&state, body).and_then(|v| detokenize_body(&state, &v)) {
         Ok(v) => Json(v).into_response(),
-        Err(e) => reject(&state, e),
+        Err(e) => state.reject(e),
     }
 }

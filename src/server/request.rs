@@ -1,0 +1,109 @@
+//! Reading a request, shared by every endpoint that takes a JSON body: the body as JSON, a
+//! typed request out of it (naming the field at fault), the `model` check, and prompts as
+//! tokens (plain text, or chat messages through the model's template).
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::http::StatusCode;
+use serde::de::DeserializeOwned;
+use serde_json::Value;
+
+use crate::tokenizer::ChatMessage;
+
+use super::error::ApiError;
+use super::protocol::Message;
+use super::state::AppState;
+
+/// Reads the body as a JSON object (a body over the limit is a 413).
+pub(super) fn read_json(
+    state: &AppState,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<Value, ApiError> {
+    let bytes = body.map_err(|e| {
+        if e.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::too_large(state.config.max_body_bytes)
+        } else {
+            ApiError::bad_request(format!("cannot read the request body: {e}"))
+        }
+    })?;
+    let value: Value = serde_json::from_slice(&bytes)
+        .map_err(|e| ApiError::bad_request(format!("the request body is not valid JSON: {e}")))?;
+    if !value.is_object() {
+        return Err(ApiError::bad_request(
+            "the request body must be a JSON object",
+        ));
+    }
+    Ok(value)
+}
+
+/// Reads a request type out of the body, naming the field at fault when a value has the
+/// wrong type.
+pub(super) fn from_json<T: DeserializeOwned>(body: &Value) -> Result<T, ApiError> {
+    serde_path_to_error::deserialize(body).map_err(|e| {
+        let path = e.path().to_string();
+        let inner = e.into_inner();
+        if path == "." {
+            ApiError::bad_request(format!("invalid request: {inner}"))
+        } else {
+            ApiError::invalid_field(&path, format!("invalid value for `{path}`: {inner}"))
+        }
+    })
+}
+
+/// Checks that the request asks for the model this server serves (a 404 otherwise).
+pub(super) fn check_model(state: &AppState, model: &str) -> Result<(), ApiError> {
+    if model == state.config.served_model_name {
+        Ok(())
+    } else {
+        Err(ApiError::model_not_found(
+            model,
+            &state.config.served_model_name,
+        ))
+    }
+}
+
+/// The tokens of a text prompt; without a tokenizer only token-id prompts can be served.
+pub(super) fn encode(
+    state: &AppState,
+    text: &str,
+    add_special_tokens: bool,
+) -> Result<Vec<u32>, ApiError> {
+    let tokenizer = state.tokenizer.as_ref().ok_or_else(|| {
+        ApiError::invalid_field(
+            "prompt",
+            "this model has no tokenizer: send the prompt as a list of token ids",
+        )
+    })?;
+    tokenizer
+        .encode(text, add_special_tokens)
+        .map_err(|e| ApiError::invalid_field("prompt", e.to_string()))
+}
+
+/// The tokens of `messages` rendered with the model's chat template, ending with the prompt for
+/// the assistant's reply.
+pub(super) fn chat_prompt(state: &AppState, messages: &[Message]) -> Result<Vec<u32>, ApiError> {
+    if messages.is_empty() {
+        return Err(ApiError::invalid_field(
+            "messages",
+            "messages must contain at least one message",
+        ));
+    }
+    let tokenizer = state.tokenizer.as_ref().ok_or_else(|| {
+        ApiError::bad_request("this model has no tokenizer, so it cannot serve chat requests")
+    })?;
+    let messages = messages
+        .iter()
+        .enumerate()
+        .map(|(i, m)| {
+            Ok(ChatMessage {
+                role: m.template_role(i)?.to_owned(),
+                content: m.text(i)?,
+            })
+        })
+        .collect::<Result<Vec<_>, ApiError>>()?;
+    let text = tokenizer
+        .apply_chat_template(&messages, true)
+        .map_err(|e| ApiError::invalid_field("messages", e.to_string()))?;
+    // The template writes the bos token itself.
+    encode(state, &text, false)
+}

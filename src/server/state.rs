@@ -1,0 +1,69 @@
+//! What every handler sees: the server's settings, the engine, the tokenizer; and the one way a
+//! refused request is answered (so that every refusal is counted).
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::response::{IntoResponse, Response};
+
+use crate::engine::Engine;
+use crate::metrics::Outcome;
+use crate::tokenizer::Tokenizer;
+
+use super::error::ApiError;
+
+/// How the server is set up.
+#[derive(Debug, Clone)]
+pub struct ServerConfig {
+    /// The name clients pass as `model` (and `/v1/models` lists).
+    pub served_model_name: String,
+    /// When set, `/v1/*` requests must carry `Authorization: Bearer <key>`.
+    pub api_key: Option<String>,
+    /// Request bodies larger than this get a 413.
+    pub max_body_bytes: usize,
+    /// How long shutdown waits for requests in flight before ending them.
+    pub drain_timeout: Duration,
+}
+
+/// What every handler sees.
+#[derive(Debug)]
+pub struct AppState {
+    /// The server's settings.
+    pub config: ServerConfig,
+    /// The engine thread.
+    pub engine: Arc<Engine>,
+    /// The model's tokenizer (absent: only token-id prompts are served).
+    pub tokenizer: Option<Arc<Tokenizer>>,
+    /// Makes response ids unique across restarts.
+    pub(super) id_prefix: String,
+    /// When the server started, as `/v1/models` reports the model's `created`.
+    pub(super) created: u64,
+}
+
+impl AppState {
+    /// The state for `engine` serving under `config`.
+    pub fn new(
+        config: ServerConfig,
+        engine: Arc<Engine>,
+        tokenizer: Option<Arc<Tokenizer>>,
+    ) -> Self {
+        let created = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs());
+        AppState {
+            config,
+            engine,
+            tokenizer,
+            id_prefix: format!("{created:x}-"),
+            created,
+        }
+    }
+
+    /// Answers a request the server refuses before the engine runs it (a bad request, a wrong
+    /// key, a full queue, a draining server), counting it as rejected. Failures after the
+    /// engine took the request are counted by the engine instead, so none counts twice.
+    pub(super) fn reject(&self, e: impl Into<ApiError>) -> Response {
+        self.engine.metrics().record_outcome(Outcome::Rejected);
+        e.into().into_response()
+    }
+}
