@@ -131,11 +131,6 @@ struct Server {
     control: Arc<Control>,
 }
 
-#[allow(
-    clippy::result_large_err,
-    reason = "the closure's type is the one Engine::start takes; deepinfer::Error's size is \
-              the library's to reduce"
-)]
 fn start(limits: Limits, max_waiting: usize, api_key: Option<&str>) -> Server {
     let tokenizer = Arc::new(Tokenizer::from_dir(&model_dir()).unwrap());
     let control = Arc::new(Control::default());
