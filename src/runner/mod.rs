@@ -2,8 +2,9 @@
 //!
 //! # The contract
 //!
-//! It is the seed's (`NeuronGraphRunner` over `CudaGraphRunner`, DESIGN.md "The runner
-//! contract"), in its words:
+//! It is the contract of the Python runner deepinfer reimplements (a `NeuronGraphRunner`: the
+//! `CudaGraphRunner` surface, backed by `torch.compile(backend="neuron")` with one compiled graph
+//! per captured batch size), in its words:
 //!
 //! - [`Runner::capture`]`(buckets)`: one static graph per captured bucket ([`Buckets`]: each
 //!   decode batch size and each prefill chunk size, per context length), built, compiled and
