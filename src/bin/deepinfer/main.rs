@@ -63,10 +63,15 @@ struct ModelArgs {
 }
 
 impl ModelArgs {
-    /// The model directory: the one given, else the embedded default model.
+    /// The model directory: the one given (which must be a directory), else the embedded
+    /// default model.
     fn dir(&self) -> Result<PathBuf> {
         match &self.model {
-            Some(d) => Ok(d.clone()),
+            Some(d) if d.is_dir() => Ok(d.clone()),
+            Some(d) => anyhow::bail!(
+                "model directory {} does not exist or is not a directory",
+                d.display()
+            ),
             None => default_model_dir(),
         }
     }
