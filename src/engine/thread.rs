@@ -511,15 +511,18 @@ fn route(
             Event::Finished(f) => Some(outcome_of(*f)),
             Event::Failed { .. } => Some(Outcome::Error),
         };
-        let delivered = client.events.send(out.event).is_ok();
         if let Some(outcome) = outcome {
-            clients.remove(&out.id);
-            metrics.record_outcome(if delivered {
-                outcome
-            } else {
+            // Counted before the last event goes out, so whoever reads that event (a client,
+            // a test) already sees the request in the metrics.
+            let cancelled = client.events.is_closed();
+            metrics.record_outcome(if cancelled {
                 Outcome::Cancelled
+            } else {
+                outcome
             });
-        } else if !delivered {
+            let _ = client.events.send(out.event);
+            clients.remove(&out.id);
+        } else if client.events.send(out.event).is_err() {
             clients.remove(&out.id);
             scheduler.cancel(out.id);
             metrics.record_outcome(Outcome::Cancelled);
