@@ -93,10 +93,12 @@ FP8_SOURCE = "tiny-v3"
 FP8_FIXTURE = "tiny-v3-fp8"
 # tiny-v3's quantized shapes: 32 x 64 (q_a, expert/shared gate+up), 96 x 32 (q_b), 40 x 64
 # (kv_a_proj_with_mqa), 128 x 32 (kv_b), 64 x 64 (o), 128 x 64 / 64 x 128 (dense MLP), 64 x 32
-# (expert/shared down). 16 x 16 gives every tensor >= 2 blocks in both dims, and 40 rows give
-# kv_a_proj_with_mqa a ragged last block row of 8 - as DeepSeek-V3's own kv_a_proj_with_mqa
-# (576 = 4.5 x 128 rows) has with its 128 x 128 blocks.
-FP8_BLOCK = (16, 16)
+# (expert/shared down). 16 x 12 gives every tensor >= 2 blocks in both dims; no column count
+# is a multiple of 12, so every tensor has a ragged last block column, and 40 rows give
+# kv_a_proj_with_mqa a ragged last block row of 8 as well (as DeepSeek-V3's own
+# kv_a_proj_with_mqa, 576 = 4.5 x 128 rows, has with its 128 x 128 blocks). Non-square blocks
+# catch a loader that swaps the block's two dims.
+FP8_BLOCK = (16, 12)
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
 FP8_QUANTIZATION_CONFIG = {
     "activation_scheme": "dynamic",
