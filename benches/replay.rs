@@ -18,6 +18,7 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use deepinfer::backend::hlo::emit;
 use deepinfer::config::ModelConfig;
 use deepinfer::engine::BlockAllocator;
+use deepinfer::graph::DType;
 use deepinfer::model::{
     self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, WeightSpecs,
 };
@@ -39,7 +40,7 @@ fn sim_lib() -> Option<PathBuf> {
 fn tiny() -> (ModelConfig, ModelWeights) {
     let dir = root().join("fixtures/tiny-v3");
     let cfg = ModelConfig::from_file(&dir.join("config.json")).expect("config");
-    let w = ModelWeights::load(&cfg, &Checkpoint::open(&dir).expect("checkpoint")).expect("w");
+    let w = ModelWeights::load(&cfg, &Checkpoint::open(&dir).expect("checkpoint"), DType::F32).expect("w");
     (cfg, w)
 }
 
@@ -53,6 +54,7 @@ fn replay_config() -> RunnerConfig {
             prefill_chunk: 16,
         },
         moe: None,
+        kv_dtype: DType::BF16,
     }
 }
 
@@ -123,8 +125,9 @@ fn replay(c: &mut Criterion) {
 fn capture(c: &mut Criterion) {
     let path = root().join("fixtures/configs/deepseek-v2-lite.json");
     let cfg = ModelConfig::from_file(Path::new(&path)).expect("deepseek-v2-lite config");
-    let specs = WeightSpecs::new(&cfg);
+    let specs = WeightSpecs::new(&cfg, DType::BF16);
     let layout = CacheLayout {
+        dtype: DType::BF16,
         block_size: 16,
         num_slots: 64 * 256 + 16,
     };
@@ -172,7 +175,7 @@ fn bench_model() -> (String, ModelConfig, ModelWeights) {
         .map(PathBuf::from)
         .unwrap_or_else(|| root().join("fixtures/tiny-v3"));
     let cfg = ModelConfig::from_file(&dir.join("config.json")).expect("config");
-    let w = ModelWeights::load(&cfg, &Checkpoint::open(&dir).expect("checkpoint")).expect("w");
+    let w = ModelWeights::load(&cfg, &Checkpoint::open(&dir).expect("checkpoint"), DType::F32).expect("w");
     let name = dir
         .file_name()
         .map_or("model".into(), |n| n.to_string_lossy().into_owned());

@@ -20,7 +20,9 @@ use crate::error::{Error, Result};
 use crate::graph::stats::{stats, GraphStats};
 use crate::graph::{Graph, InputRole};
 use crate::model::cost::{decode_floor, DecodeFloor};
-use crate::model::{self, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, WeightSpecs};
+use crate::model::{
+    self, DTypeChoice, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, Precision, WeightSpecs,
+};
 use crate::runner::step::{self, DecodeRow, HostArray, HostData, PrefillChunk, SamplingParams};
 use crate::runner::{CpuRunner, Runner, RunnerConfig, Step};
 use crate::weights::Checkpoint;
@@ -35,6 +37,10 @@ pub struct LowerOptions {
     /// When set: prefill all but the last of these tokens, then decode the last in row 0, and
     /// write each graph's inputs and CPU outputs for that step.
     pub inputs_from_token_ids: Option<Vec<u32>>,
+    /// `--dtype`: the weights' dtype.
+    pub dtype: DTypeChoice,
+    /// `--kv-dtype`: the KV cache's dtype.
+    pub kv_dtype: DTypeChoice,
 }
 
 /// One parameter in the manifest.
@@ -275,7 +281,18 @@ fn write_step(
 pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manifest> {
     let cfg = ModelConfig::from_file(&model_dir.join("config.json"))?;
     let max_batch = opts.batch_sizes.iter().copied().max().unwrap_or(1);
-    let rc = RunnerConfig::for_limits(max_batch, opts.ctx);
+    // Statistics need only config.json; the weights are read when inputs are written.
+    let checkpoint = match &opts.inputs_from_token_ids {
+        Some(_) => Some(Checkpoint::open(model_dir)?),
+        None => None,
+    };
+    let saved = match &checkpoint {
+        Some(c) => c.float_dtype(),
+        None => cfg.saved_dtype,
+    };
+    let precision = Precision::resolve(opts.dtype, opts.kv_dtype, saved)?;
+    let mut rc = RunnerConfig::for_limits(max_batch, opts.ctx);
+    rc.kv_dtype = precision.kv_cache;
     if rc.buckets.max_len() != opts.ctx {
         return Err(Error::InvalidInput(format!(
             "--ctx {} must be a multiple of the block size {}",
@@ -283,7 +300,7 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
         )));
     }
     std::fs::create_dir_all(out).map_err(io_err(out))?;
-    let specs = WeightSpecs::new(&cfg);
+    let specs = WeightSpecs::new(&cfg, precision.weights);
     let moe = |rows: usize| {
         cfg.routing
             .as_ref()
@@ -297,6 +314,7 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
     let layout = model::CacheLayout {
         block_size: rc.block_size,
         num_slots: rc.num_blocks * rc.block_size,
+        dtype: rc.kv_dtype,
     };
 
     let mut graphs = Vec::new();
@@ -349,7 +367,7 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
                 .sum(),
             stats: stats(g),
             metadata_bytes,
-            floor: (*kind == "decode").then(|| decode_floor(&cfg, *rows, opts.ctx, 4)),
+            floor: (*kind == "decode").then(|| decode_floor(&cfg, &specs, rc.kv_dtype, *rows, opts.ctx)),
         });
         let pb = out.join(format!("{}.hlo.pb", g.name()));
         std::fs::write(&pb, hlo::emit::to_bytes(&module)).map_err(io_err(&pb))?;
@@ -365,7 +383,8 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
                 opts.ctx.min(t + 1)
             )));
         }
-        let weights = ModelWeights::load(&cfg, &Checkpoint::open(model_dir)?)?;
+        let checkpoint = checkpoint.ok_or_else(|| Error::Internal("no checkpoint".into()))?;
+        let weights = ModelWeights::load(&cfg, &checkpoint, precision.weights)?;
         let mut runner = CpuRunner::new(cfg.clone(), weights, rc.clone())?;
         let (prompt, last) = tokens.split_at(tokens.len() - 1);
         // A fresh cache with one sequence: it owns the blocks after the scratch block.

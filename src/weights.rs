@@ -9,7 +9,8 @@
 //! Rejected alternatives:
 //! - **mmap** (`memmap2`) would avoid one copy, but `Mmap::map` is `unsafe` (the file can change
 //!   under the mapping) and the crate forbids `unsafe` outside `neuron-sys`. Since every tensor is
-//!   converted to f32 anyway, the conversion's copy is the only one that matters.
+//!   converted as it is read (to the dtype the weights are held in), the conversion's copy is
+//!   the only one that matters.
 //! - **`std::fs::read` of every shard** at open keeps parsing trivial (one
 //!   `safetensors::SafeTensors` per buffer), but holds the whole checkpoint in host memory
 //!   (31 GB for V2-Lite) on top of the converted weights.
@@ -19,11 +20,16 @@ use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Component, Path, PathBuf};
 
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use safetensors::tensor::Metadata;
 use safetensors::Dtype;
 
 use crate::error::{Error, Result};
+use crate::graph::DType;
+
+mod convert;
+
+use convert::Buffer;
 
 /// Name of a single-file checkpoint.
 const SINGLE_FILE: &str = "model.safetensors";
@@ -218,12 +224,53 @@ impl Checkpoint {
         self.tensors.get(name)
     }
 
-    /// Reads a tensor as f32 (bf16/f16/f32 converted; other dtypes: error naming tensor and
-    /// dtype), checking its shape.
-    ///
-    /// The result lives on [`Device::Cpu`]. Errors name the tensor and the expected shape when
-    /// the tensor is missing or has another shape, and the file when it cannot be read.
+    /// The float dtype the checkpoint stores its weights in: that of `model.embed_tokens.weight`
+    /// (or of the first float tensor), what `--dtype auto` serves. FP8 checkpoints keep their
+    /// embeddings in bf16, so they report bf16.
+    pub fn float_dtype(&self) -> Option<DType> {
+        let of = |e: &TensorEntry| match e.dtype {
+            Dtype::F32 => Some(DType::F32),
+            Dtype::BF16 => Some(DType::BF16),
+            Dtype::F16 => Some(DType::F16),
+            _ => None,
+        };
+        self.entry("model.embed_tokens.weight")
+            .and_then(of)
+            .or_else(|| self.tensors.values().find_map(of))
+    }
+
+    /// Reads a tensor as f32, checking its shape (see [`Checkpoint::tensor`]).
     pub fn tensor_f32(&self, name: &str, expected_shape: &[usize]) -> Result<Tensor> {
+        self.tensor(name, expected_shape, &Conversion::to(DType::F32))
+    }
+
+    /// Reads tensor `name` in `conv.dtype`, checking its shape. f32, bf16 and f16 tensors are
+    /// converted (narrowing to f16 fails on values beyond its range); a `float8_e4m3fn` tensor
+    /// is dequantized with its `<name>_scale_inv` block scales (`conv.fp8_block`).
+    ///
+    /// The result lives on the CPU. Errors name the tensor and the expected shape when
+    /// the tensor is missing or has another shape, and the file when it cannot be read.
+    pub fn tensor(&self, name: &str, expected_shape: &[usize], conv: &Conversion) -> Result<Tensor> {
+        let n = expected_shape.iter().product();
+        let mut out = Buffer::new(conv.dtype, n, name)?;
+        self.read_into(name, expected_shape, conv, &mut out)?;
+        out.into_tensor(expected_shape)
+    }
+
+    /// Reads tensors `names`, each of `shape`, stacked into one `[names.len(), ..shape]` tensor
+    /// in `conv.dtype`, converting each straight into its place (no per-tensor copies).
+    pub fn stacked(&self, names: &[String], shape: &[usize], conv: &Conversion) -> Result<Tensor> {
+        let n = names.len() * shape.iter().product::<usize>();
+        let mut out = Buffer::new(conv.dtype, n, names.first().map_or("", String::as_str))?;
+        for name in names {
+            self.read_into(name, shape, conv, &mut out)?;
+        }
+        let mut dims = vec![names.len()];
+        dims.extend_from_slice(shape);
+        out.into_tensor(&dims)
+    }
+
+    fn checked_entry(&self, name: &str, expected_shape: &[usize]) -> Result<&TensorEntry> {
         let Some(entry) = self.entry(name) else {
             return Err(Error::Weights(format!(
                 "tensor `{name}` is missing (expected shape {expected_shape:?})"
@@ -235,36 +282,101 @@ impl Checkpoint {
                 entry.shape
             )));
         }
-        let convert: fn(&[u8], &mut Vec<f32>) = match entry.dtype {
-            Dtype::F32 => |bytes, out| {
-                out.extend(
-                    bytes
-                        .chunks_exact(4)
-                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
-                )
-            },
-            // A bf16 is the top half of an f32's bits.
-            Dtype::BF16 => |bytes, out| {
-                out.extend(
-                    bytes
-                        .chunks_exact(2)
-                        .map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16)),
-                )
-            },
-            Dtype::F16 => |bytes, out| {
-                out.extend(
-                    bytes
-                        .chunks_exact(2)
-                        .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()),
-                )
-            },
-            other => {
+        Ok(entry)
+    }
+
+    /// Appends tensor `name`'s values, converted, to `out`.
+    fn read_into(
+        &self,
+        name: &str,
+        expected_shape: &[usize],
+        conv: &Conversion,
+        out: &mut Buffer,
+    ) -> Result<()> {
+        let entry = self.checked_entry(name, expected_shape)?;
+        if entry.dtype == Dtype::F8_E4M3 {
+            let mut values = self.read_f32(name, entry)?;
+            self.dequantize(name, &entry.shape, conv, &mut values)?;
+            return out.extend(&values, name);
+        }
+        self.read_chunks(name, entry, |chunk| out.extend(chunk, name))
+    }
+
+    /// Multiplies an fp8 weight's values by its block scales (`<name>_scale_inv`), checking
+    /// that the config gives a block size and that the scales' shape matches it.
+    fn dequantize(
+        &self,
+        name: &str,
+        shape: &[usize],
+        conv: &Conversion,
+        values: &mut [f32],
+    ) -> Result<()> {
+        let Some(block) = conv.fp8_block else {
+            return Err(Error::Weights(format!(
+                "tensor `{name}` is float8_e4m3fn but config.json has no \
+                 quantization_config.weight_block_size to dequantize it with"
+            )));
+        };
+        let &[rows, cols] = shape else {
+            return Err(Error::Weights(format!(
+                "tensor `{name}` is float8_e4m3fn with shape {shape:?}; block-scaled fp8 \
+                 weights are 2-D"
+            )));
+        };
+        let scale_name = format!("{name}_scale_inv");
+        let want = [rows.div_ceil(block[0]), cols.div_ceil(block[1])];
+        let entry = match self.entry(&scale_name) {
+            None => {
                 return Err(Error::Weights(format!(
-                    "tensor `{name}` has dtype {other}, which deepinfer cannot read (it reads F32, BF16 and F16)"
+                    "tensor `{name}` is float8_e4m3fn but its scales `{scale_name}` are missing \
+                     (expected shape {want:?} for blocks of {block:?})"
                 )))
             }
+            Some(e) if e.shape != want => {
+                return Err(Error::Weights(format!(
+                    "tensor `{scale_name}` has shape {:?}, but `{name}` {shape:?} in blocks of \
+                     {block:?} needs {want:?}",
+                    e.shape
+                )))
+            }
+            Some(e) if !matches!(e.dtype, Dtype::F32 | Dtype::BF16) => {
+                return Err(Error::Weights(format!(
+                    "tensor `{scale_name}` has dtype {}, fp8 block scales are F32 or BF16",
+                    e.dtype
+                )))
+            }
+            Some(e) => e,
         };
+        let scales = self.read_f32(&scale_name, entry)?;
+        convert::apply_block_scales(values, cols, &scales, block);
+        Ok(())
+    }
 
+    /// Every value of a tensor as f32.
+    fn read_f32(&self, name: &str, entry: &TensorEntry) -> Result<Vec<f32>> {
+        let mut values = Vec::with_capacity(entry.shape.iter().product());
+        self.read_chunks(name, entry, |chunk| {
+            values.extend_from_slice(chunk);
+            Ok(())
+        })?;
+        Ok(values)
+    }
+
+    /// Reads a tensor's bytes from its file a chunk at a time, decoding each chunk to f32 and
+    /// handing it to `sink`.
+    fn read_chunks(
+        &self,
+        name: &str,
+        entry: &TensorEntry,
+        mut sink: impl FnMut(&[f32]) -> Result<()>,
+    ) -> Result<()> {
+        if convert::decode(entry.dtype, &[], &mut Vec::new()).is_none() {
+            return Err(Error::Weights(format!(
+                "tensor `{name}` has dtype {}, which deepinfer cannot read (it reads F32, BF16, \
+                 F16 and block-scaled F8_E4M3)",
+                entry.dtype
+            )));
+        }
         let path = &self.shards[entry.shard];
         let io = |source| Error::Io {
             path: path.clone(),
@@ -272,9 +384,11 @@ impl Checkpoint {
         };
         let mut file = File::open(path).map_err(io)?;
         file.seek(SeekFrom::Start(entry.offset)).map_err(io)?;
-        let elem_bytes = entry.dtype.bitsize() / 8;
-        let mut values = Vec::with_capacity(entry.len / elem_bytes.max(1));
-        let mut buf = vec![0u8; READ_CHUNK_BYTES.min(entry.len)];
+        let elem_bytes = (entry.dtype.bitsize() / 8).max(1);
+        // Whole elements per chunk, so no value straddles two chunks.
+        let chunk_bytes = (READ_CHUNK_BYTES / elem_bytes * elem_bytes).min(entry.len).max(1);
+        let mut buf = vec![0u8; chunk_bytes];
+        let mut values = Vec::with_capacity(chunk_bytes / elem_bytes);
         let mut remaining = entry.len;
         while remaining > 0 {
             let n = remaining.min(buf.len());
@@ -284,10 +398,32 @@ impl Checkpoint {
                     path.display()
                 ))
             })?;
-            convert(&buf[..n], &mut values);
+            values.clear();
+            convert::decode(entry.dtype, &buf[..n], &mut values);
+            sink(&values)?;
             remaining -= n;
         }
-        Ok(Tensor::from_vec(values, expected_shape, &Device::Cpu)?)
+        Ok(())
+    }
+}
+
+/// How a tensor is read: the dtype it is held in, and for fp8 checkpoints the block size of
+/// their scales (`quantization_config.weight_block_size`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Conversion {
+    /// The dtype the values are held in (f32, bf16 or f16).
+    pub dtype: DType,
+    /// `[rows, cols]` of one fp8 scale block, if the checkpoint is block-quantized.
+    pub fp8_block: Option<[usize; 2]>,
+}
+
+impl Conversion {
+    /// Plain conversion to `dtype` (no fp8 scales).
+    pub fn to(dtype: DType) -> Self {
+        Conversion {
+            dtype,
+            fp8_block: None,
+        }
     }
 }
 

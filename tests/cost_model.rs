@@ -4,6 +4,7 @@
 use std::path::PathBuf;
 
 use deepinfer::export::{lower, LowerOptions};
+use deepinfer::model::DTypeChoice;
 
 #[test]
 fn decode_reads_stay_near_the_floor_on_published_configs() {
@@ -18,6 +19,8 @@ fn decode_reads_stay_near_the_floor_on_published_configs() {
             batch_sizes: vec![1, 64],
             ctx: 1024,
             inputs_from_token_ids: None,
+            dtype: DTypeChoice::Auto,
+            kv_dtype: DTypeChoice::Auto,
         };
         let m = lower(&dir, &dir.join("out"), &opts).unwrap();
         let floored: Vec<_> = m.costs.iter().filter(|c| c.floor.is_some()).collect();

@@ -8,19 +8,26 @@ use candle_core::{Device, Tensor};
 use common::{fixture_dir, reference, FIXTURES};
 use deepinfer::backend::{cpu, hlo};
 use deepinfer::export::{lower, LowerOptions};
+use deepinfer::model::DTypeChoice;
 use deepinfer::graph::{
     BinaryOp, CmpOp, DType, GraphBuilder, InputRole, Op, ReduceOp, Tensor as GTensor, UnaryOp,
 };
 
 #[test]
 fn emit_import_run_is_bit_identical_for_every_fixture_graph() {
-    for name in FIXTURES {
-        let out =
-            std::env::temp_dir().join(format!("deepinfer-roundtrip-{}-{name}", std::process::id()));
+    // f32, and bf16 weights and cache (bf16 literals, converts, f32-result dots).
+    let dtypes = [DType::F32, DType::BF16].map(DTypeChoice::Exactly);
+    for (name, dtype) in FIXTURES.iter().flat_map(|n| dtypes.map(|d| (*n, d))) {
+        let out = std::env::temp_dir().join(format!(
+            "deepinfer-roundtrip-{}-{name}-{dtype}",
+            std::process::id()
+        ));
         let opts = LowerOptions {
             batch_sizes: vec![1, 2, 4, 8],
             ctx: 64,
             inputs_from_token_ids: Some(reference(name).token_ids),
+            dtype,
+            kv_dtype: DTypeChoice::Auto,
         };
         let manifest = lower(&fixture_dir(name), &out, &opts).unwrap();
         assert_eq!(manifest.graphs.len(), 5);
@@ -86,6 +93,8 @@ fn corrupt_or_foreign_modules_are_errors_not_panics() {
         batch_sizes: vec![1],
         ctx: 64,
         inputs_from_token_ids: None,
+        dtype: DTypeChoice::Auto,
+        kv_dtype: DTypeChoice::Auto,
     };
     let manifest = lower(&fixture_dir("tiny-v3"), &out, &opts).unwrap();
     let bytes = std::fs::read(out.join(&manifest.graphs[1].hlo)).unwrap();
@@ -107,6 +116,8 @@ fn emitting_the_same_graph_twice_gives_the_same_bytes() {
         batch_sizes: vec![2],
         ctx: 64,
         inputs_from_token_ids: None,
+        dtype: DTypeChoice::Auto,
+        kv_dtype: DTypeChoice::Auto,
     };
     let first = lower(&fixture_dir("tiny-v3"), &out.join("a"), &opts).unwrap();
     lower(&fixture_dir("tiny-v3"), &out.join("b"), &opts).unwrap();

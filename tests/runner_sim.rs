@@ -15,6 +15,7 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 use common::RunnerExt;
 use deepinfer::config::ModelConfig;
 use deepinfer::error::Error;
+use deepinfer::graph::DType;
 use deepinfer::model::{LogitsOutput, ModelWeights};
 use deepinfer::runner::step::{DecodeRow, PrefillChunk, SamplingParams};
 use deepinfer::runner::{
@@ -51,13 +52,14 @@ fn small_config() -> RunnerConfig {
             prefill_chunk: 16,
         },
         moe: None,
+        kv_dtype: DType::F32,
     }
 }
 
 fn load(name: &str) -> (ModelConfig, ModelWeights) {
     let dir = common::fixture_dir(name);
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    let weights = ModelWeights::load(&cfg, &Checkpoint::open(&dir).unwrap()).unwrap();
+    let weights = ModelWeights::load(&cfg, &Checkpoint::open(&dir).unwrap(), DType::F32).unwrap();
     (cfg, weights)
 }
 
@@ -277,8 +279,9 @@ fn counters_show_weights_once_no_root_traffic_and_exact_metadata_bytes() {
     let (cfg, weights) = load("tiny-v3");
     // Every weight the graphs bind is written exactly once, in full.
     let mut weight_tensors = 0;
-    for name in deepinfer::model::WeightSpecs::new(&cfg).names() {
-        let bytes = weights.get(name).unwrap().elem_count() as u64 * 4;
+    let specs = weights.specs();
+    for name in specs.names() {
+        let bytes = (weights.get(name).unwrap().elem_count() * specs.dtype(name).size_in_bytes()) as u64;
         let written = c.bytes_written(name);
         if written > 0 {
             weight_tensors += 1;

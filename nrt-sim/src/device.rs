@@ -8,38 +8,19 @@
 //! this call. The price is one extra copy of each root per execution, which a test
 //! simulator can afford.
 
-use candle_core::{DType as CDType, Device, Tensor as CTensor};
+use candle_core::Tensor as CTensor;
 use deepinfer::backend::cpu;
-use deepinfer::graph::{DType, Graph};
+use deepinfer::graph::Graph;
 use neuron_sys::sys;
 
 use crate::fail::{Fail, Res};
 use crate::model_io::IoDesc;
 
-/// Copies little-endian bytes into a `Vec<T>`. A copy rather than a cast: the storage
-/// bytes carry no alignment guarantee for `T`. Trailing bytes that do not fill a `T` are
-/// ignored (the caller checked the length).
-fn collect<T: bytemuck::Pod>(bytes: &[u8]) -> Vec<T> {
-    let mut v = vec![T::zeroed(); bytes.len() / std::mem::size_of::<T>()];
-    let n = v.len() * std::mem::size_of::<T>();
-    bytemuck::cast_slice_mut::<T, u8>(&mut v).copy_from_slice(&bytes[..n]);
-    v
-}
-
 /// Builds a candle tensor of `desc`'s dtype and shape from little-endian `bytes` (whose
 /// length the caller checked against `desc.size`).
 fn to_candle(desc: &IoDesc, bytes: &[u8]) -> Res<CTensor> {
     let dims: Vec<usize> = desc.shape.iter().map(|&d| d as usize).collect();
-    let dev = &Device::Cpu;
-    let t = match desc.dtype {
-        DType::F32 => CTensor::from_vec(collect::<f32>(bytes), dims, dev),
-        DType::BF16 => CTensor::from_vec(collect::<half::bf16>(bytes), dims, dev),
-        DType::F16 => CTensor::from_vec(collect::<half::f16>(bytes), dims, dev),
-        DType::I32 => CTensor::from_vec(collect::<i32>(bytes), dims, dev),
-        DType::U32 => CTensor::from_vec(collect::<u32>(bytes), dims, dev),
-        DType::U8 | DType::Bool => CTensor::from_vec(bytes.to_vec(), dims, dev),
-    };
-    t.map_err(|e| {
+    cpu::tensor_from_bytes(desc.dtype, &dims, bytes).map_err(|e| {
         Fail::new(
             sys::NRT_FAILURE,
             format!("input `{}`: cannot build a tensor: {e}", desc.name),
@@ -50,34 +31,7 @@ fn to_candle(desc: &IoDesc, bytes: &[u8]) -> Res<CTensor> {
 /// The little-endian bytes of an output tensor, checked against its declared dtype and size.
 fn to_bytes(desc: &IoDesc, t: &CTensor) -> Res<Vec<u8>> {
     let fail = |msg: String| Fail::new(sys::NRT_FAILURE, format!("output `{}`: {msg}", desc.name));
-    let want = cpu::candle_dtype(desc.dtype);
-    if t.dtype() != want {
-        return Err(fail(format!(
-            "the CPU backend produced {:?}, the model declares {want:?}",
-            t.dtype()
-        )));
-    }
-    let flat = t.flatten_all().map_err(|e| fail(e.to_string()))?;
-    let bytes = match want {
-        CDType::F32 => flat
-            .to_vec1::<f32>()
-            .map(|v| bytemuck::cast_slice(&v).to_vec()),
-        CDType::BF16 => flat
-            .to_vec1::<half::bf16>()
-            .map(|v| bytemuck::cast_slice(&v).to_vec()),
-        CDType::F16 => flat
-            .to_vec1::<half::f16>()
-            .map(|v| bytemuck::cast_slice(&v).to_vec()),
-        CDType::I32 => flat
-            .to_vec1::<i32>()
-            .map(|v| bytemuck::cast_slice(&v).to_vec()),
-        CDType::U32 => flat
-            .to_vec1::<u32>()
-            .map(|v| bytemuck::cast_slice(&v).to_vec()),
-        CDType::U8 => flat.to_vec1::<u8>(),
-        other => return Err(fail(format!("unsupported dtype {other:?}"))),
-    }
-    .map_err(|e| fail(e.to_string()))?;
+    let bytes = cpu::tensor_to_bytes(t, desc.dtype).map_err(|e| fail(e.to_string()))?;
     if bytes.len() != desc.size {
         return Err(fail(format!(
             "the CPU backend produced {} bytes, the model declares {}",

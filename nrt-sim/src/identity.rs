@@ -30,6 +30,8 @@ pub fn dtype_code(dtype: DType) -> u32 {
         DType::F32 => hw::FLOAT32,
         DType::BF16 => hw::BFLOAT16,
         DType::F16 => hw::FLOAT16,
+        DType::F8E4M3 => hw::FP8_E4,
+        DType::I8 => hw::INT8,
         DType::I32 => hw::INT32,
         DType::U32 => hw::UINT32,
         DType::U8 | DType::Bool => hw::UINT8,

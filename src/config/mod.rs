@@ -67,9 +67,9 @@
 //! # Ignored
 //!
 //! `num_key_value_heads` and `head_dim` (MLA has its own head widths), `num_nextn_predict_layers`
-//! (the multi-token-prediction layers are skipped, as HF does), `quantization_config` (the weight
-//! loader names any tensor whose dtype it cannot read), everything about training, and any other
-//! key deepinfer does not read, whatever it holds.
+//! (the multi-token-prediction layers are skipped, as HF does), everything about training, and
+//! any other key deepinfer does not read, whatever it holds. `quantization_config` is read for
+//! FP8 checkpoints' `weight_block_size` (any other `quant_method` is refused).
 //!
 //! # How it is read
 //!
@@ -87,9 +87,11 @@ use serde_json::Value;
 
 use self::raw::RawConfig;
 use crate::error::{Error, Result};
+use crate::graph::DType;
 
 mod defaults;
 mod messages;
+mod quantization;
 mod raw;
 mod resolve;
 mod rope;
@@ -224,6 +226,12 @@ pub struct ModelConfig {
     pub bos_token_id: Option<u32>,
     /// `eos_token_id` (a number or a list in the wild), empty when absent.
     pub eos_token_ids: Vec<u32>,
+    /// `quantization_config.weight_block_size` of an FP8 checkpoint: `[rows, cols]` of one
+    /// `weight_scale_inv` block.
+    pub fp8_block: Option<[usize; 2]>,
+    /// `torch_dtype` (or transformers 5's `dtype`) when it names f32, bf16 or f16: what
+    /// `--dtype auto` means when only config.json is at hand (`lower --stats`).
+    pub saved_dtype: Option<DType>,
 }
 
 impl ModelConfig {

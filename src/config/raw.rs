@@ -113,6 +113,15 @@ pub(super) struct RawConfig {
     #[serde(deserialize_with = "value::size")]
     pub original_max_position_embeddings: Option<usize>,
 
+    /// `torch_dtype` (transformers 4) or `dtype` (transformers 5): what the weights were saved in.
+    #[serde(deserialize_with = "value::string")]
+    pub torch_dtype: Option<String>,
+    #[serde(deserialize_with = "value::string")]
+    pub dtype: Option<String>,
+    /// `quantization_config`: an FP8 checkpoint's scale blocks (see `quantization`).
+    #[serde(deserialize_with = "value::object")]
+    pub quantization_config: Option<Map<String, Value>>,
+
     // === Vocabulary ===
     #[serde(deserialize_with = "value::flag")]
     pub tie_word_embeddings: Option<bool>,

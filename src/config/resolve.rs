@@ -10,8 +10,9 @@ use serde_json::Value;
 use super::defaults::Defaults;
 use super::messages::{invalid, missing, unsupported, wrong_type};
 use super::raw::RawConfig;
-use super::{rope, routing, value, Architecture, ModelConfig};
+use super::{quantization, rope, routing, value, Architecture, ModelConfig};
 use crate::error::{Error, Result};
+use crate::graph::DType;
 
 /// Resolves every field of [`ModelConfig`] from the keys of one `config.json`.
 pub(super) fn model_config(raw: &RawConfig) -> Result<ModelConfig> {
@@ -109,6 +110,13 @@ pub(super) fn model_config(raw: &RawConfig) -> Result<ModelConfig> {
         tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
         bos_token_id: raw.bos_token_id,
         eos_token_ids: raw.eos_token_id.clone().unwrap_or_default(),
+        fp8_block: quantization::fp8_block(raw.quantization_config.as_ref())?,
+        saved_dtype: match raw.dtype.as_deref().or(raw.torch_dtype.as_deref()) {
+            Some("float32") => Some(DType::F32),
+            Some("bfloat16") => Some(DType::BF16),
+            Some("float16") => Some(DType::F16),
+            _ => None,
+        },
     })
 }
 

@@ -94,11 +94,7 @@ impl GraphBuilder {
                 format!("{} values for shape {shape}", literal.len()),
             ));
         }
-        let dtype = match literal {
-            Literal::F32(_) => DType::F32,
-            Literal::I32(_) => DType::I32,
-            Literal::U32(_) => DType::U32,
-        };
+        let dtype = literal.dtype();
         Ok(self.push(Op::Constant(literal), shape, dtype))
     }
 
@@ -131,11 +127,9 @@ impl GraphBuilder {
 
     /// A scalar constant of any numeric dtype, broadcast to `shape`.
     pub fn full(&self, v: f64, shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
-        let scalar = match dtype {
-            DType::F32 => self.scalar_f32(v as f32),
-            DType::I32 => self.scalar_i32(v as i32),
-            DType::U32 => self.scalar_u32(v as u32),
-            other => self.scalar_f32(v as f32).to_dtype(other)?,
+        let scalar = match Literal::scalar(v, dtype) {
+            Some(lit) => self.push(Op::Constant(lit), Shape(vec![]), dtype),
+            None => self.scalar_f32(v as f32).to_dtype(dtype)?,
         };
         scalar.broadcast_as(shape)
     }

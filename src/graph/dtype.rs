@@ -14,10 +14,15 @@ pub enum DType {
     BF16,
     /// IEEE half precision.
     F16,
+    /// 8-bit float, 4 exponent and 3 mantissa bits, finite only (`float8_e4m3fn`, max 448): the
+    /// weight type of the published DeepSeek-V3/R1 checkpoints.
+    F8E4M3,
     /// Signed 32-bit integer: ids, positions, slots, lengths.
     I32,
     /// Unsigned 32-bit integer with wrapping arithmetic: the sampler's counter-based generator.
     U32,
+    /// Signed byte: weight-only quantized experts (a per-row f32 scale beside them).
+    I8,
     /// Unsigned byte.
     U8,
     /// Boolean, the result of a comparison (HLO `pred`; stored as one byte on the CPU).
@@ -30,18 +35,36 @@ impl DType {
         match self {
             DType::F32 | DType::I32 | DType::U32 => 4,
             DType::BF16 | DType::F16 => 2,
-            DType::U8 | DType::Bool => 1,
+            DType::F8E4M3 | DType::I8 | DType::U8 | DType::Bool => 1,
         }
     }
 
     /// Whether the type is a floating-point type.
     pub fn is_float(self) -> bool {
-        matches!(self, DType::F32 | DType::BF16 | DType::F16)
+        matches!(self, DType::F32 | DType::BF16 | DType::F16 | DType::F8E4M3)
     }
 
     /// Whether the type is a (wrapping) integer type.
     pub fn is_int(self) -> bool {
-        matches!(self, DType::I32 | DType::U32 | DType::U8)
+        matches!(self, DType::I32 | DType::U32 | DType::I8 | DType::U8)
+    }
+
+    /// Whether the type is a float narrower than f32: matmuls on it accumulate in f32, and
+    /// norms, softmax and sampling widen it first.
+    pub fn is_reduced_float(self) -> bool {
+        matches!(self, DType::BF16 | DType::F16 | DType::F8E4M3)
+    }
+
+    /// The largest finite value, for floats: a conversion to a narrower float must not exceed
+    /// it.
+    pub fn max_finite(self) -> Option<f64> {
+        match self {
+            DType::F32 => Some(f32::MAX as f64),
+            DType::BF16 => Some(half::bf16::MAX.to_f64()),
+            DType::F16 => Some(half::f16::MAX.to_f64()),
+            DType::F8E4M3 => Some(448.0),
+            _ => None,
+        }
     }
 
     /// The short lower-case name used in dumps and manifests (`f32`, `i32`, ...).
@@ -50,8 +73,10 @@ impl DType {
             DType::F32 => "f32",
             DType::BF16 => "bf16",
             DType::F16 => "f16",
+            DType::F8E4M3 => "f8e4m3fn",
             DType::I32 => "i32",
             DType::U32 => "u32",
+            DType::I8 => "i8",
             DType::U8 => "u8",
             DType::Bool => "bool",
         }

@@ -12,7 +12,7 @@
 //! structure of several instructions (matmul, gather, top-k, ...) are not in a table: their
 //! lowering and its recognition live in `backend::hlo`.
 
-use super::NodeId;
+use super::{DType, NodeId};
 
 /// Defines one op family from a table with one line per op: its doc, its variant, its name in
 /// dumps and errors and, for families that have one, a lowering column read by the HLO emitter
@@ -169,15 +169,24 @@ op_family! {
     Min = "min", BinaryOp::Min;
 }
 
-/// Literal data of a [`Op::Constant`], in row-major order.
+/// Literal data of a [`Op::Constant`], in row-major order, one variant per dtype a constant
+/// can have.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Literal {
     /// f32 values.
     F32(Vec<f32>),
+    /// bf16 values.
+    BF16(Vec<half::bf16>),
+    /// f16 values.
+    F16(Vec<half::f16>),
+    /// f8e4m3fn values.
+    F8E4M3(Vec<float8::F8E4M3>),
     /// i32 values.
     I32(Vec<i32>),
     /// u32 values.
     U32(Vec<u32>),
+    /// i8 values.
+    I8(Vec<i8>),
 }
 
 impl Literal {
@@ -185,14 +194,46 @@ impl Literal {
     pub fn len(&self) -> usize {
         match self {
             Literal::F32(v) => v.len(),
+            Literal::BF16(v) => v.len(),
+            Literal::F16(v) => v.len(),
+            Literal::F8E4M3(v) => v.len(),
             Literal::I32(v) => v.len(),
             Literal::U32(v) => v.len(),
+            Literal::I8(v) => v.len(),
         }
     }
 
     /// Whether there are no values.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// The dtype of the values.
+    pub fn dtype(&self) -> DType {
+        match self {
+            Literal::F32(_) => DType::F32,
+            Literal::BF16(_) => DType::BF16,
+            Literal::F16(_) => DType::F16,
+            Literal::F8E4M3(_) => DType::F8E4M3,
+            Literal::I32(_) => DType::I32,
+            Literal::U32(_) => DType::U32,
+            Literal::I8(_) => DType::I8,
+        }
+    }
+
+    /// One value `v` of `dtype` (converted as a cast would: rounded for floats, truncated for
+    /// integers), or `None` for a dtype no literal has (`u8`, `bool`).
+    pub fn scalar(v: f64, dtype: DType) -> Option<Literal> {
+        Some(match dtype {
+            DType::F32 => Literal::F32(vec![v as f32]),
+            DType::BF16 => Literal::BF16(vec![half::bf16::from_f64(v)]),
+            DType::F16 => Literal::F16(vec![half::f16::from_f64(v)]),
+            DType::F8E4M3 => Literal::F8E4M3(vec![float8::F8E4M3::from_f64(v)]),
+            DType::I32 => Literal::I32(vec![v as i32]),
+            DType::U32 => Literal::U32(vec![v as u32]),
+            DType::I8 => Literal::I8(vec![v as i8]),
+            DType::U8 | DType::Bool => return None,
+        })
     }
 }
 

@@ -465,18 +465,26 @@ impl Tensor {
 
     /// Batched matrix product `[..., m, k] x [..., k, n]`.
     pub fn matmul(&self, rhs: &Tensor) -> Result<Tensor> {
+        self.matmul_to(rhs, self.dtype)
+    }
+
+    /// [`Tensor::matmul`] with a result of dtype `out`: the operands' own dtype, or f32 for
+    /// reduced-precision operands (bf16 inputs, f32 accumulation and result: HLO's `dot` with
+    /// an f32 result shape, what Neuron's matmul units do).
+    pub fn matmul_to(&self, rhs: &Tensor, out: DType) -> Result<Tensor> {
         let (a, b) = (&self.shape.0, &rhs.shape.0);
         let ok = a.len() >= 2
             && a.len() == b.len()
             && a[..a.len() - 2] == b[..b.len() - 2]
             && a[a.len() - 1] == b[b.len() - 2]
             && self.dtype == rhs.dtype
-            && self.dtype.is_float();
+            && self.dtype.is_float()
+            && (out == self.dtype || (out == DType::F32 && self.dtype.is_reduced_float()));
         if !ok {
             return Err(Error::shape(
                 "matmul",
                 format!(
-                    "{} {} x {} {}",
+                    "{} {} x {} {} -> {out}",
                     self.shape, self.dtype, rhs.shape, rhs.dtype
                 ),
             ));
@@ -484,7 +492,7 @@ impl Tensor {
         let mut d = a.clone();
         let last = d.len() - 1;
         d[last] = b[b.len() - 1];
-        Ok(self.push(Op::MatMul(self.id, rhs.id), Shape(d), self.dtype))
+        Ok(self.push(Op::MatMul(self.id, rhs.id), Shape(d), out))
     }
 
     /// Reduces `dim` (which is removed) with `op`; the named methods ([`Tensor::sum`], ...)

@@ -16,7 +16,7 @@ use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::graph::Tensor;
 
-use super::ops::{linear, rms_norm, softmax};
+use super::ops::{linear, matmul, rms_norm, softmax};
 use super::{rope, Weights};
 
 /// What one layer's attention needs from the step.
@@ -85,7 +85,7 @@ fn write_cache(
         .narrow(1, cfg.kv_lora_rank, cfg.qk_rope_head_dim)?
         .reshape([n, 1, cfg.qk_rope_head_dim])?;
     let k_pe = rope::apply(&k_pe, step.cos, step.sin)?.reshape([n, cfg.qk_rope_head_dim])?;
-    let row = x.builder().cat(&[&c_kv, &k_pe], 1)?;
+    let row = x.builder().cat(&[&c_kv, &k_pe], 1)?.to_dtype(root.dtype())?;
     root.scatter_rows(step.slots, layer * cfg.kv_cache_width(), &row)
 }
 
@@ -131,20 +131,22 @@ pub fn decode(
     let ctx = step.visible.dim(1);
     let kv = read_cache(cfg, layer, &root, step)?.reshape([b, ctx, width])?;
 
+    // The absorbed up-projections are slices of kv_b_proj viewed as [heads, nope + v, rank]:
+    // w_uk[h] = its first nope rows, w_uv[h] the v after them.
+    let nope = cfg.qk_nope_head_dim;
+    let kv_b = w
+        .get(&format!("{p}.kv_b_proj.weight"))?
+        .reshape([heads, nope + cfg.v_head_dim, rank])?;
+    let w_uk = kv_b.narrow(1, 0, nope)?;
+    let w_uv = kv_b.narrow(1, nope, cfg.v_head_dim)?;
     // q_lat[b, h] = q_nope[b, h] @ w_uk[h]: heads as the batch dimension.
-    let q_lat = q_nope
-        .permute(&[1, 0, 2])?
-        .matmul(&w.get(&format!("{p}.w_uk"))?)?
-        .permute(&[1, 0, 2])?; // [b, heads, rank]
+    let q_lat = matmul(&q_nope.permute(&[1, 0, 2])?, &w_uk)?.permute(&[1, 0, 2])?; // [b, heads, rank]
     let q = x.builder().cat(&[&q_lat, &q_pe], 2)?; // [b, heads, width]
-    let scores = q
-        .matmul(&kv.t()?)? // [b, heads, ctx]
+    let scores = matmul(&q, &kv.t()?)? // [b, heads, ctx]
         .affine(rope::softmax_scale(cfg), 0.0)?;
     let probs = masked_softmax(&scores, &step.visible.unsqueeze(1)?)?;
-    let o_lat = probs.matmul(&kv.narrow(2, 0, rank)?)?; // [b, heads, rank]
-    let o = o_lat
-        .permute(&[1, 0, 2])?
-        .matmul(&w.get(&format!("{p}.w_uv"))?.t()?)? // [heads, b, v]
+    let o_lat = matmul(&probs, &kv.narrow(2, 0, rank)?)?; // [b, heads, rank]
+    let o = matmul(&o_lat.permute(&[1, 0, 2])?, &w_uv.t()?)? // [heads, b, v]
         .permute(&[1, 0, 2])?
         .reshape([b, heads * cfg.v_head_dim])?;
     Ok((linear(&o, &w.get(&format!("{p}.o_proj.weight"))?)?, root))
@@ -185,12 +187,11 @@ pub fn prefill(
 
     let qn = q_nope.permute(&[1, 0, 2])?; // [heads, n, nope]
     let qp = q_pe.permute(&[1, 0, 2])?.reshape([heads * n, rdim])?;
-    let s_nope = qn.matmul(&k_nope.t()?)?; // [heads, n, ctx]
-    let s_pe = qp.matmul(&k_pe.t()?)?.reshape([heads, n, ctx])?;
+    let s_nope = matmul(&qn, &k_nope.t()?)?; // [heads, n, ctx]
+    let s_pe = matmul(&qp, &k_pe.t()?)?.reshape([heads, n, ctx])?;
     let scores = s_nope.add(&s_pe)?.affine(rope::softmax_scale(cfg), 0.0)?;
     let probs = masked_softmax(&scores, &step.visible.unsqueeze(0)?)?;
-    let o = probs
-        .matmul(&v)? // [heads, n, v]
+    let o = matmul(&probs, &v)? // [heads, n, v]
         .permute(&[1, 0, 2])?
         .reshape([n, heads * vdim])?;
     Ok((linear(&o, &w.get(&format!("{p}.o_proj.weight"))?)?, root))

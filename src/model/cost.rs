@@ -8,6 +8,7 @@
 //! [`crate::graph::stats`] with this floor shows how much the lowering wastes.
 
 use crate::config::ModelConfig;
+use crate::graph::DType;
 
 use super::WeightSpecs;
 
@@ -27,10 +28,15 @@ impl DecodeFloor {
     }
 }
 
-/// The floor for `batch` sequences with `ctx` cached positions each, with weights and cache of
-/// `elem_bytes` bytes per value.
-pub fn decode_floor(cfg: &ModelConfig, batch: usize, ctx: usize, elem_bytes: usize) -> DecodeFloor {
-    let specs = WeightSpecs::new(cfg);
+/// The floor for `batch` sequences with `ctx` cached positions each, with weights stored as
+/// `specs` says and a cache of `kv_dtype`.
+pub fn decode_floor(
+    cfg: &ModelConfig,
+    specs: &WeightSpecs,
+    kv_dtype: DType,
+    batch: usize,
+    ctx: usize,
+) -> DecodeFloor {
     let mut weights = 0.0f64;
     for name in specs.names() {
         let shape = specs.shape(name).unwrap_or_default();
@@ -41,8 +47,6 @@ pub fn decode_floor(cfg: &ModelConfig, batch: usize, ctx: usize, elem_bytes: usi
             } else {
                 (batch * cfg.hidden_size) as f64
             }
-        } else if name.ends_with(".kv_b_proj.weight") {
-            0.0 // decode reads the absorbed w_uk / w_uv instead
         } else if name.contains(".mlp.experts.") {
             let r = cfg
                 .routing
@@ -54,9 +58,10 @@ pub fn decode_floor(cfg: &ModelConfig, batch: usize, ctx: usize, elem_bytes: usi
         } else {
             n as f64
         };
-        weights += elems * elem_bytes as f64;
+        weights += elems * specs.dtype(name).size_in_bytes() as f64;
     }
-    let cache = (batch * ctx * cfg.num_hidden_layers * cfg.kv_cache_width() * elem_bytes) as f64;
+    let cache = (batch * ctx * cfg.num_hidden_layers * cfg.kv_cache_width()) as f64
+        * kv_dtype.size_in_bytes() as f64;
     DecodeFloor {
         weight_bytes: weights,
         cache_bytes: cache,

@@ -18,7 +18,9 @@
 //! | `temperature`, `top_p` | `[b]` f32 | `[1]` f32 |
 //! | `top_k` | `[b]` i32 | `[1]` i32 |
 //! | `seeds` | `[b]` u32 | `[1]` u32 |
-//! | `kv_cache` | `[slots, layers * width]` f32, updated in place | same |
+//! | `kv_cache` | `[slots, layers * width]` in the cache dtype, updated in place | same |
+//!
+//! Weights are inputs in their stored dtype; [`precision`] says where the forward widens.
 //!
 //! Outputs: `next_tokens` (`[b]` / `[1]` i32), `logits` on request (`[b, vocab]` for decode and
 //! the last position of prefill, or `[t, vocab]` for every position), and `kv_cache`.
@@ -29,6 +31,7 @@ pub mod inputs;
 pub mod moe;
 pub mod ops;
 pub mod params;
+pub mod precision;
 pub mod rope;
 pub mod sampling;
 
@@ -41,6 +44,7 @@ use crate::graph::{DType, Graph, GraphBuilder, InputRole, Tensor};
 
 pub use moe::MoeStrategy;
 pub use params::{ModelWeights, WeightSpecs};
+pub use precision::{DTypeChoice, Precision};
 
 /// Declares weight inputs on first use, so each graph binds only the weights it reads.
 pub struct Weights<'a> {
@@ -69,7 +73,7 @@ impl<'a> Weights<'a> {
         })?;
         let t = self
             .builder
-            .input(name, InputRole::Weight, shape.to_vec(), DType::F32)?;
+            .input(name, InputRole::Weight, shape.to_vec(), self.specs.dtype(name))?;
         self.declared
             .borrow_mut()
             .insert(name.to_string(), t.clone());
@@ -84,6 +88,8 @@ pub struct CacheLayout {
     pub block_size: usize,
     /// Rows of the KV root (`blocks * block_size`).
     pub num_slots: usize,
+    /// The cache's element type.
+    pub dtype: DType,
 }
 
 /// Which logits a graph returns besides the sampled tokens.
@@ -147,7 +153,7 @@ fn root_input(cfg: &ModelConfig, b: &GraphBuilder, cache: &CacheLayout) -> Resul
             cache.num_slots,
             cfg.num_hidden_layers * cfg.kv_cache_width(),
         ],
-        DType::F32,
+        cache.dtype,
     )
 }
 
@@ -292,7 +298,8 @@ impl StepInputs {
         };
         let x = w
             .get("model.embed_tokens.weight")?
-            .index_select(&self.input_ids, 0)?;
+            .index_select(&self.input_ids, 0)?
+            .to_dtype(DType::F32)?;
         decoder(cfg, w, x, self.root.clone(), &step, attn, strategy)
     }
 }

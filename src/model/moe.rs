@@ -12,7 +12,7 @@ use crate::config::{Architecture, ModelConfig, RoutingConfig, ScoringFunc, TopkM
 use crate::error::Result;
 use crate::graph::{DType, Tensor};
 
-use super::ops::{linear, mlp, softmax};
+use super::ops::{linear, matmul, mlp, softmax};
 use super::Weights;
 
 /// How a graph evaluates the routed experts.
@@ -47,7 +47,9 @@ pub fn route(
     let b = x.builder();
     let t = x.dim(0);
     let e = r.n_routed_experts;
-    let logits = linear(x, &w.get(&format!("{p}.weight"))?)?;
+    // The router runs in f32 whatever the weights' dtype (as DeepSeek's reference code does):
+    // its scores decide which experts run.
+    let logits = linear(x, &w.get(&format!("{p}.weight"))?.to_dtype(DType::F32)?)?;
     let scores = match r.scoring_func {
         ScoringFunc::Softmax => softmax(&logits, 1)?,
         ScoringFunc::Sigmoid => logits.sigmoid()?,
@@ -146,9 +148,9 @@ fn gathered_experts(
         .unsqueeze(1)?
         .broadcast_as([t, k, h])?
         .reshape([t * k, 1, h])?;
-    let g = xs.matmul(&gate.index_select(&flat, 0)?.t()?)?.silu()?;
-    let u = xs.matmul(&up.index_select(&flat, 0)?.t()?)?;
-    let y = g.mul(&u)?.matmul(&down.index_select(&flat, 0)?.t()?)?; // [t*k, 1, h]
+    let g = matmul(&xs, &gate.index_select(&flat, 0)?.t()?)?.silu()?;
+    let u = matmul(&xs, &up.index_select(&flat, 0)?.t()?)?;
+    let y = matmul(&g.mul(&u)?, &down.index_select(&flat, 0)?.t()?)?; // [t*k, 1, h]
     y.reshape([t, k, h])?
         .broadcast_mul(&weights.unsqueeze(2)?)?
         .sum(1)
@@ -175,8 +177,8 @@ fn dense_experts(
         )?
         .sum(1)?;
     let xs = x.unsqueeze(0)?.broadcast_as([e, t, h])?;
-    let g = xs.matmul(&gate.t()?)?.silu()?;
-    let u = xs.matmul(&up.t()?)?;
-    let y = g.mul(&u)?.matmul(&down.t()?)?; // [e, t, h]
+    let g = matmul(&xs, &gate.t()?)?.silu()?;
+    let u = matmul(&xs, &up.t()?)?;
+    let y = matmul(&g.mul(&u)?, &down.t()?)?; // [e, t, h]
     y.broadcast_mul(&routing.t()?.unsqueeze(2)?)?.sum(0)
 }

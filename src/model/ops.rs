@@ -1,11 +1,24 @@
 //! Small composite layers shared by the model builders: linear, RMSNorm, softmax, SwiGLU MLP.
 
 use crate::error::Result;
-use crate::graph::Tensor;
+use crate::graph::{DType, Tensor};
+
+/// `a @ b` under the precision policy ([`super::precision`]): when either operand is
+/// reduced-precision (a bf16 weight or cache), both meet in that dtype and the product
+/// accumulates in f32 with an f32 result; f32 operands multiply in f32.
+pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
+    let low = [a.dtype(), b.dtype()]
+        .into_iter()
+        .find(|d| d.is_reduced_float());
+    match low {
+        None => a.matmul(b),
+        Some(t) => a.to_dtype(t)?.matmul_to(&b.to_dtype(t)?, DType::F32),
+    }
+}
 
 /// `x @ w^T` for a `[rows, in]` input and an HF-layout `[out, in]` weight.
 pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    x.matmul(&w.t()?)
+    matmul(x, &w.t()?)
 }
 
 /// RMSNorm over the last dim, in f32: `x * rsqrt(mean(x^2) + eps) * w`.
@@ -13,7 +26,8 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let last = x.rank() - 1;
     let n = x.dim(last) as f64;
     let var = x.mul(x)?.sum_keepdim(last)?.affine(1.0 / n, eps)?;
-    x.broadcast_mul(&var.rsqrt()?)?.broadcast_mul(w)
+    x.broadcast_mul(&var.rsqrt()?)?
+        .broadcast_mul(&w.to_dtype(DType::F32)?)
 }
 
 /// Softmax over `dim`, max-subtracted. Rows that are all `-inf` are not produced by the model

@@ -1,30 +1,35 @@
-//! The model's parameters: what each graph input named after a weight holds, how it is read
-//! from an HF checkpoint, and the once-at-load preparation of derived weights.
+//! The model's parameters: what each graph input named after a weight holds, in which dtype it
+//! is stored, how it is read from an HF checkpoint, and the once-at-load preparation.
 //!
-//! Names follow the HF checkpoint wherever a tensor is used as stored. Two kinds of weights are
-//! derived at load so that no graph re-derives them per step:
-//! - MLA absorption: `kv_b_proj` viewed as `[heads, nope + v, kv_lora_rank]` is split into
-//!   `self_attn.w_uk` (`[heads, nope, kv_lora_rank]`) and `self_attn.w_uv`
-//!   (`[heads, v, kv_lora_rank]`), which decode multiplies into the query and the output.
-//! - Stacked experts: the per-expert `mlp.experts.E.{gate,up,down}_proj.weight` become one
-//!   `[experts, out, in]` tensor each (`mlp.experts.gate_proj`, ...), which both MoE strategies
-//!   index.
+//! Names follow the HF checkpoint wherever a tensor is used as stored. Stacked experts are
+//! the one derived weight: the per-expert `mlp.experts.E.{gate,up,down}_proj.weight` become one
+//! `[experts, out, in]` tensor each (`mlp.experts.gate_proj`, ...), which both MoE strategies
+//! index. MLA's absorbed matrices (`w_uk`, `w_uv`) are not stored: decode slices them out of
+//! `kv_b_proj` inside the graph, so the weight is held once.
+//!
+//! Every weight is stored in one dtype, the precision policy's (see [`super::precision`]), except
+//! V3's `e_score_correction_bias`, which stays f32: it is tiny and decides which experts run.
 
 use std::collections::HashMap;
 
 use candle_core::{Device, Tensor as CTensor};
 
+use crate::backend::cpu::candle_dtype;
 use crate::config::{Architecture, ModelConfig};
 use crate::error::{Error, Result};
-use crate::weights::Checkpoint;
+use crate::graph::DType;
+use crate::weights::{Checkpoint, Conversion};
 
-/// Shapes of every parameter a graph may reference, by name.
+/// Shape and stored dtype of every parameter a graph may reference, by name.
 #[derive(Debug, Clone)]
-pub struct WeightSpecs(HashMap<String, Vec<usize>>);
+pub struct WeightSpecs {
+    shapes: HashMap<String, Vec<usize>>,
+    dtype: DType,
+}
 
 impl WeightSpecs {
-    /// Every parameter of `cfg`, prepared names included.
-    pub fn new(cfg: &ModelConfig) -> Self {
+    /// Every parameter of `cfg` (stacked experts included), stored in `dtype`.
+    pub fn new(cfg: &ModelConfig, dtype: DType) -> Self {
         let mut m = HashMap::new();
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let heads = cfg.num_attention_heads;
@@ -67,14 +72,6 @@ impl WeightSpecs {
                 ],
             );
             m.insert(
-                format!("{a}.w_uk"),
-                vec![heads, cfg.qk_nope_head_dim, cfg.kv_lora_rank],
-            );
-            m.insert(
-                format!("{a}.w_uv"),
-                vec![heads, cfg.v_head_dim, cfg.kv_lora_rank],
-            );
-            m.insert(
                 format!("{a}.o_proj.weight"),
                 vec![h, heads * cfg.v_head_dim],
             );
@@ -104,73 +101,91 @@ impl WeightSpecs {
                 }
             }
         }
-        WeightSpecs(m)
+        WeightSpecs { shapes: m, dtype }
     }
 
     /// The shape of a parameter, if the model has it.
     pub fn shape(&self, name: &str) -> Option<&[usize]> {
-        self.0.get(name).map(|v| v.as_slice())
+        self.shapes.get(name).map(|v| v.as_slice())
+    }
+
+    /// The dtype parameter `name` is stored in.
+    pub fn dtype(&self, name: &str) -> DType {
+        if name.ends_with(".e_score_correction_bias") {
+            DType::F32
+        } else {
+            self.dtype
+        }
+    }
+
+    /// The dtype of the weights (the precision policy's).
+    pub fn weight_dtype(&self) -> DType {
+        self.dtype
     }
 
     /// All parameter names, sorted.
     pub fn names(&self) -> Vec<&str> {
-        let mut v: Vec<&str> = self.0.keys().map(|s| s.as_str()).collect();
+        let mut v: Vec<&str> = self.shapes.keys().map(|s| s.as_str()).collect();
         v.sort_unstable();
         v
     }
 
-    /// Total number of parameters (derived weights counted too).
+    /// Total number of parameters.
     pub fn param_count(&self) -> usize {
-        self.0.values().map(|s| s.iter().product::<usize>()).sum()
+        self.shapes.values().map(|s| s.iter().product::<usize>()).sum()
+    }
+
+    /// Bytes of all parameters as stored.
+    pub fn bytes(&self) -> u64 {
+        self.shapes
+            .iter()
+            .map(|(n, s)| (s.iter().product::<usize>() * self.dtype(n).size_in_bytes()) as u64)
+            .sum()
     }
 }
 
-/// The model's parameters as f32 host tensors, ready to bind to graph inputs by name.
+/// The model's parameters as host tensors in their stored dtypes, ready to bind to graph
+/// inputs by name.
 #[derive(Debug, Clone)]
 pub struct ModelWeights {
     tensors: HashMap<String, CTensor>,
+    specs: WeightSpecs,
 }
 
 impl ModelWeights {
-    /// Loads and prepares every parameter from a checkpoint, checking each shape.
-    pub fn load(cfg: &ModelConfig, ckpt: &Checkpoint) -> Result<Self> {
-        let specs = WeightSpecs::new(cfg);
+    /// Loads and prepares every parameter from a checkpoint in `dtype`, checking each shape.
+    /// Each tensor is converted as it is read; no wider copy of the checkpoint is ever held.
+    pub fn load(cfg: &ModelConfig, ckpt: &Checkpoint, dtype: DType) -> Result<Self> {
+        let specs = WeightSpecs::new(cfg, dtype);
+        let conv = |dtype| Conversion {
+            dtype,
+            fp8_block: cfg.fp8_block,
+        };
         let mut tensors = HashMap::new();
         for name in specs.names() {
             let shape = specs.shape(name).unwrap_or_default();
-            let t = if let Some(a) = name.strip_suffix(".w_uk").or(name.strip_suffix(".w_uv")) {
-                let kv_b = ckpt.tensor_f32(
-                    &format!("{a}.kv_b_proj.weight"),
-                    specs
-                        .shape(&format!("{a}.kv_b_proj.weight"))
-                        .unwrap_or_default(),
-                )?;
-                split_kv_b(cfg, &kv_b, name.ends_with(".w_uk"))?
-            } else if let Some((prefix, proj)) = stacked_expert(name) {
-                let r = cfg
-                    .routing
-                    .as_ref()
-                    .ok_or_else(|| Error::Config("routing".into()))?;
-                let per: Vec<CTensor> = (0..r.n_routed_experts)
-                    .map(|e| ckpt.tensor_f32(&format!("{prefix}.{e}.{proj}.weight"), &shape[1..]))
-                    .collect::<Result<_>>()?;
-                CTensor::stack(&per, 0)?
+            let dt = specs.dtype(name);
+            let t = if let Some((prefix, proj)) = stacked_expert(name) {
+                let names: Vec<String> = (0..shape[0])
+                    .map(|e| format!("{prefix}.{e}.{proj}.weight"))
+                    .collect();
+                ckpt.stacked(&names, &shape[1..], &conv(dt))?
             } else if name == "lm_head.weight" && !ckpt.contains(name) {
                 return Err(Error::Weights(format!(
                     "tensor `lm_head.weight` is missing (expected shape {shape:?}; config.json says tie_word_embeddings is false)"
                 )));
             } else {
-                ckpt.tensor_f32(name, shape)?
+                ckpt.tensor(name, shape, &conv(dt))?
             };
             tensors.insert(name.to_string(), t);
         }
-        Ok(ModelWeights { tensors })
+        Ok(ModelWeights { tensors, specs })
     }
 
-    /// Random weights (deterministic in `seed`) for benchmarks and tests of configs that have
-    /// no checkpoint. Values are scaled like a trained model's (norm weights near 1).
-    pub fn random(cfg: &ModelConfig, seed: u64) -> Result<Self> {
-        let specs = WeightSpecs::new(cfg);
+    /// Random weights in `dtype` (deterministic in `seed`) for benchmarks and tests of configs
+    /// that have no checkpoint. Values are scaled like a trained model's (norm weights near 1).
+    pub fn random(cfg: &ModelConfig, seed: u64, dtype: DType) -> Result<Self> {
+        let specs = WeightSpecs::new(cfg, dtype);
         let mut tensors = HashMap::new();
         let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         for name in specs.names() {
@@ -193,20 +208,16 @@ impl ModelWeights {
                     }
                 })
                 .collect();
-            tensors.insert(
-                name.to_string(),
-                CTensor::from_vec(data, shape, &Device::Cpu)?,
-            );
+            let t = CTensor::from_vec(data, shape, &Device::Cpu)?
+                .to_dtype(candle_dtype(specs.dtype(name)))?;
+            tensors.insert(name.to_string(), t);
         }
-        // The absorbed matrices are views of kv_b_proj, as at load: prefill (which reads
-        // kv_b_proj) and decode (which reads w_uk / w_uv) must compute the same function.
-        for l in 0..cfg.num_hidden_layers {
-            let a = format!("model.layers.{l}.self_attn");
-            let kv_b = tensors[&format!("{a}.kv_b_proj.weight")].clone();
-            tensors.insert(format!("{a}.w_uk"), split_kv_b(cfg, &kv_b, true)?);
-            tensors.insert(format!("{a}.w_uv"), split_kv_b(cfg, &kv_b, false)?);
-        }
-        Ok(ModelWeights { tensors })
+        Ok(ModelWeights { tensors, specs })
+    }
+
+    /// What the weights are: every name's shape and stored dtype.
+    pub fn specs(&self) -> &WeightSpecs {
+        &self.specs
     }
 
     /// The prepared tensor bound to the graph input `name`.
@@ -231,16 +242,4 @@ impl ModelWeights {
 fn stacked_expert(name: &str) -> Option<(&str, &str)> {
     let (prefix, proj) = name.rsplit_once('.')?;
     (prefix.ends_with(".mlp.experts") && proj.ends_with("_proj")).then_some((prefix, proj))
-}
-
-fn split_kv_b(cfg: &ModelConfig, kv_b: &CTensor, uk: bool) -> Result<CTensor> {
-    let heads = cfg.num_attention_heads;
-    let per = cfg.qk_nope_head_dim + cfg.v_head_dim;
-    let w = kv_b.reshape((heads, per, cfg.kv_lora_rank))?;
-    let part = if uk {
-        w.narrow(1, 0, cfg.qk_nope_head_dim)?
-    } else {
-        w.narrow(1, cfg.qk_nope_head_dim, cfg.v_head_dim)?
-    };
-    Ok(part.contiguous()?)
 }

@@ -6,6 +6,7 @@
 //! on. A step is padded up to the smallest bucket that holds it.
 
 use crate::error::{Error, Result};
+use crate::graph::DType;
 use crate::model::MoeStrategy;
 
 use super::step::{DecodeRow, PrefillChunk};
@@ -36,6 +37,8 @@ pub struct RunnerConfig {
     pub buckets: Buckets,
     /// Force one MoE strategy instead of choosing per bucket.
     pub moe: Option<MoeStrategy>,
+    /// The KV cache's element type (the precision policy's, see [`crate::model::precision`]).
+    pub kv_dtype: DType,
 }
 
 impl RunnerConfig {
@@ -73,6 +76,7 @@ impl RunnerConfig {
                 prefill_chunk: 64.min(max_len),
             },
             moe: None,
+            kv_dtype: DType::F32,
         }
     }
 }

@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 
-use candle_core::{DType as CDType, Device, Tensor as CTensor};
+use candle_core::{Device, Tensor as CTensor};
 
 use crate::backend::cpu;
 use crate::config::ModelConfig;
@@ -49,17 +49,18 @@ impl CpuRunner {
         let layout = CacheLayout {
             block_size: runner_cfg.block_size,
             num_slots: runner_cfg.num_blocks * runner_cfg.block_size,
+            dtype: runner_cfg.kv_dtype,
         };
         let root = CTensor::zeros(
             (
                 layout.num_slots,
                 cfg.num_hidden_layers * cfg.kv_cache_width(),
             ),
-            CDType::F32,
+            crate::backend::cpu::candle_dtype(runner_cfg.kv_dtype),
             &Device::Cpu,
         )?;
         Ok(CpuRunner {
-            specs: WeightSpecs::new(&cfg),
+            specs: weights.specs().clone(),
             cfg,
             weights,
             layout,

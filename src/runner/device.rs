@@ -20,10 +20,12 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use candle_core::Tensor as CTensor;
 use neuron_sys::{Library, Model, Runtime, Tensor, TensorSet};
 
 use super::step::{self, HostArray, HostData};
 use super::{Backend, Buckets, Runner, RunnerConfig, Step, StepKind, StepOutput};
+use crate::backend::cpu::{tensor_from_bytes, tensor_to_bytes};
 use crate::backend::hlo::emit;
 use crate::backend::neuron::compile::{compile_all, CompileJob, CompilerConfig};
 use crate::backend::neuron::progress::Progress;
@@ -192,9 +194,10 @@ impl DeviceRunner {
         let layout = CacheLayout {
             block_size: runner_cfg.block_size,
             num_slots: runner_cfg.num_blocks * runner_cfg.block_size,
+            dtype: runner_cfg.kv_dtype,
         };
         Ok(DeviceRunner {
-            specs: WeightSpecs::new(&cfg),
+            specs: weights.specs().clone(),
             cfg,
             weights,
             layout,
@@ -375,22 +378,19 @@ impl DeviceRunner {
                 if weights.contains_key(&decl.name) {
                     continue;
                 }
-                let host = self
-                    .weights
-                    .get(&decl.name)?
-                    .flatten_all()?
-                    .to_vec1::<f32>()?;
-                let bytes: &[u8] = bytemuck::cast_slice(&host);
+                let bytes = tensor_to_bytes(self.weights.get(&decl.name)?, decl.dtype)?;
                 let t = Tensor::device(rt, nc, bytes.len(), &decl.name).map_err(dev(CAP))?;
-                t.write(0, bytes).map_err(dev(CAP))?;
+                t.write(0, &bytes).map_err(dev(CAP))?;
                 uploaded += bytes.len() as u64;
                 weights.insert(decl.name.clone(), t);
             }
         }
 
         // The KV root, zeroed once (device memory is not zeroed by the allocator).
-        let root_bytes =
-            self.layout.num_slots * self.cfg.num_hidden_layers * self.cfg.kv_cache_width() * 4;
+        let root_bytes = self.layout.num_slots
+            * self.cfg.num_hidden_layers
+            * self.cfg.kv_cache_width()
+            * self.layout.dtype.size_in_bytes();
         let root = Tensor::device(rt, nc, root_bytes, "kv_cache").map_err(dev(CAP))?;
         let zeros = vec![0u8; root_bytes.min(1 << 20)];
         let mut off = 0;
@@ -735,14 +735,17 @@ impl DeviceRunner {
             .map(|b| b.tensor.clone())
     }
 
-    /// The KV root copied to the host (`[slots, layers * width]` f32); for tests and tools.
-    pub fn read_kv_root(&self) -> Result<Vec<f32>> {
+    /// The KV root copied to the host (`[slots, layers * width]` in the cache dtype); for tests
+    /// and tools.
+    pub fn read_kv_root(&self) -> Result<CTensor> {
         let st = self.captured()?;
-        let mut v = vec![0f32; st.root.size() / 4];
-        st.root
-            .read(0, bytemuck::cast_slice_mut(&mut v))
-            .map_err(dev("kv_cache"))?;
-        Ok(v)
+        let mut bytes = vec![0u8; st.root.size()];
+        st.root.read(0, &mut bytes).map_err(dev("kv_cache"))?;
+        let dims = [
+            self.layout.num_slots,
+            self.cfg.num_hidden_layers * self.cfg.kv_cache_width(),
+        ];
+        tensor_from_bytes(self.layout.dtype, &dims, &bytes)
     }
 }
 

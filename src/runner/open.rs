@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use crate::backend::neuron::compile::CompilerConfig;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::model::ModelWeights;
+use crate::model::{DTypeChoice, ModelWeights, Precision};
 use crate::weights::Checkpoint;
 
 use super::{Backend, CpuRunner, DeviceOptions, DeviceRunner, Runner, RunnerConfig};
@@ -33,7 +33,8 @@ pub fn choose_backend(asked: Option<Backend>) -> Backend {
     }
 }
 
-/// What a user sizes a runner by; [`Limits::runner_config`] turns it into buckets and a cache.
+/// What a user sizes and types a runner by: [`Limits::runner_config`] turns it into buckets and
+/// a cache, [`Limits::precision`] into the dtypes weights and cache are held in.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Limits {
     /// Sequences decoded together at most (the largest batch bucket).
@@ -45,6 +46,10 @@ pub struct Limits {
     pub kv_blocks: Option<usize>,
     /// Most prompt tokens per prefill step (default: 64, at most `max_len`).
     pub prefill_chunk: Option<usize>,
+    /// `--dtype`: the weights' dtype.
+    pub dtype: DTypeChoice,
+    /// `--kv-dtype`: the KV cache's dtype.
+    pub kv_dtype: DTypeChoice,
 }
 
 impl Limits {
@@ -55,7 +60,14 @@ impl Limits {
             max_len,
             kv_blocks: None,
             prefill_chunk: None,
+            dtype: DTypeChoice::Auto,
+            kv_dtype: DTypeChoice::Auto,
         }
+    }
+
+    /// The dtypes to serve `checkpoint` in (see [`crate::model::precision`]).
+    pub fn precision(&self, checkpoint: &Checkpoint) -> Result<Precision> {
+        Precision::resolve(self.dtype, self.kv_dtype, checkpoint.float_dtype())
     }
 
     /// The runner configuration for `cfg` within these limits, or an error naming the limit
@@ -105,8 +117,11 @@ pub fn open(backend: Backend, model_dir: &Path, limits: &Limits) -> Result<Box<d
         });
     }
     let cfg = ModelConfig::from_file(&model_dir.join("config.json"))?;
-    let runner_cfg = limits.runner_config(&cfg)?;
-    let weights = ModelWeights::load(&cfg, &Checkpoint::open(model_dir)?)?;
+    let checkpoint = Checkpoint::open(model_dir)?;
+    let precision = limits.precision(&checkpoint)?;
+    let mut runner_cfg = limits.runner_config(&cfg)?;
+    runner_cfg.kv_dtype = precision.kv_cache;
+    let weights = ModelWeights::load(&cfg, &checkpoint, precision.weights)?;
     open_with_weights(backend, cfg, weights, runner_cfg)
 }
 

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use deepinfer::config::ModelConfig;
 use deepinfer::engine::BlockAllocator;
 use deepinfer::model::LogitsOutput;
-use deepinfer::model::{ModelWeights, MoeStrategy};
+use deepinfer::model::{ModelWeights, MoeStrategy, Precision};
 use deepinfer::runner::step::{DecodeRow, PrefillChunk};
 use deepinfer::runner::{self, Backend, Runner, RunnerConfig, Step, StepOutput};
 use deepinfer::weights::Checkpoint;
@@ -40,17 +40,36 @@ pub struct Reference {
 }
 
 pub fn reference(name: &str) -> Reference {
-    let text = std::fs::read_to_string(fixture_dir(name).join("reference.json")).unwrap();
+    reference_file(name, "reference.json")
+}
+
+/// Another reference file of fixture `name` (`reference-bf16.json`, ...), with the same
+/// `token_ids`, `logits` and `greedy` keys.
+pub fn reference_file<T: serde::de::DeserializeOwned>(name: &str, file: &str) -> T {
+    let text = std::fs::read_to_string(fixture_dir(name).join(file)).unwrap();
     serde_json::from_str(&text).unwrap()
 }
 
-/// A captured CPU runner for fixture `name`, batches up to `max_batch`, 128 tokens.
+/// A captured CPU runner for fixture `name`, batches up to `max_batch`, 128 tokens, computing
+/// in f32 (the weights widened exactly: what transformers' f32 references computed).
 pub fn runner(name: &str, max_batch: usize, moe: Option<MoeStrategy>) -> Box<dyn Runner> {
+    runner_in(name, max_batch, moe, Precision::F32)
+}
+
+/// [`runner`] with weights and cache held in `precision`'s dtypes.
+pub fn runner_in(
+    name: &str,
+    max_batch: usize,
+    moe: Option<MoeStrategy>,
+    precision: Precision,
+) -> Box<dyn Runner> {
     let dir = fixture_dir(name);
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    let weights = ModelWeights::load(&cfg, &Checkpoint::open(&dir).unwrap()).unwrap();
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let weights = ModelWeights::load(&cfg, &ckpt, precision.weights).unwrap();
     let mut rc = RunnerConfig::for_limits(max_batch, 128);
     rc.moe = moe;
+    rc.kv_dtype = precision.kv_cache;
     runner::open_with_weights(Backend::Cpu, cfg, weights, rc).unwrap()
 }
 

@@ -61,18 +61,31 @@ impl CustomOp2 for RowGather {
             ));
         }
         let ids = ids_as_usize(ids, ids_l, rows)?;
-        let CpuStorage::F32(data) = src else {
-            return Err(candle_core::Error::Msg(format!(
-                "row-gather of dtype {:?}",
-                src.dtype()
-            )));
-        };
-        let mut out = Vec::with_capacity(ids.len() * cols);
-        for &r in &ids {
-            let at = src_l.start_offset() + r * stride[0];
-            out.extend_from_slice(&data[at..at + cols]);
+        let (start, row_stride) = (src_l.start_offset(), stride[0]);
+        fn pick<T: Copy>(data: &[T], ids: &[usize], start: usize, stride: usize, cols: usize) -> Vec<T> {
+            let mut out = Vec::with_capacity(ids.len() * cols);
+            for &r in ids {
+                let at = start + r * stride;
+                out.extend_from_slice(&data[at..at + cols]);
+            }
+            out
         }
-        Ok((CpuStorage::F32(out), Shape::from((ids.len(), cols))))
+        let out = match src {
+            CpuStorage::F32(d) => CpuStorage::F32(pick(d, &ids, start, row_stride, cols)),
+            CpuStorage::BF16(d) => CpuStorage::BF16(pick(d, &ids, start, row_stride, cols)),
+            CpuStorage::F16(d) => CpuStorage::F16(pick(d, &ids, start, row_stride, cols)),
+            CpuStorage::F8E4M3(d) => CpuStorage::F8E4M3(pick(d, &ids, start, row_stride, cols)),
+            CpuStorage::I32(d) => CpuStorage::I32(pick(d, &ids, start, row_stride, cols)),
+            CpuStorage::U32(d) => CpuStorage::U32(pick(d, &ids, start, row_stride, cols)),
+            CpuStorage::U8(d) => CpuStorage::U8(pick(d, &ids, start, row_stride, cols)),
+            other => {
+                return Err(candle_core::Error::Msg(format!(
+                    "row-gather of dtype {:?}",
+                    other.dtype()
+                )))
+            }
+        };
+        Ok((out, Shape::from((ids.len(), cols))))
     }
 }
 
@@ -111,20 +124,30 @@ impl InplaceOp3 for ScatterRowsInPlace {
                 "scatter-rows shape mismatch".into(),
             ));
         }
-        match (dst, src) {
-            (CpuStorage::F32(d), CpuStorage::F32(s)) => {
-                let s = &s[s0..s1];
-                for (i, &r) in ids.iter().enumerate() {
-                    let at = d0 + r * cols + self.col;
-                    d[at..at + w].copy_from_slice(&s[i * w..(i + 1) * w]);
-                }
-                Ok(())
+        let col = self.col;
+        fn put<T: Copy>(d: &mut [T], s: &[T], ids: &[usize], d0: usize, cols: usize, col: usize) {
+            let w = if ids.is_empty() { 0 } else { s.len() / ids.len() };
+            for (i, &r) in ids.iter().enumerate() {
+                let at = d0 + r * cols + col;
+                d[at..at + w].copy_from_slice(&s[i * w..(i + 1) * w]);
             }
-            (d, _) => Err(candle_core::Error::Msg(format!(
-                "scatter-rows into dtype {:?}",
-                d.dtype()
-            ))),
         }
+        match (dst, src) {
+            (CpuStorage::F32(d), CpuStorage::F32(s)) => put(d, &s[s0..s1], &ids, d0, cols, col),
+            (CpuStorage::BF16(d), CpuStorage::BF16(s)) => put(d, &s[s0..s1], &ids, d0, cols, col),
+            (CpuStorage::F16(d), CpuStorage::F16(s)) => put(d, &s[s0..s1], &ids, d0, cols, col),
+            (CpuStorage::I32(d), CpuStorage::I32(s)) => put(d, &s[s0..s1], &ids, d0, cols, col),
+            (CpuStorage::U32(d), CpuStorage::U32(s)) => put(d, &s[s0..s1], &ids, d0, cols, col),
+            (CpuStorage::U8(d), CpuStorage::U8(s)) => put(d, &s[s0..s1], &ids, d0, cols, col),
+            (d, s) => {
+                return Err(candle_core::Error::Msg(format!(
+                    "scatter-rows of {:?} into {:?}",
+                    s.dtype(),
+                    d.dtype()
+                )))
+            }
+        }
+        Ok(())
     }
 }
 

@@ -2,15 +2,20 @@
 //!
 //! Nodes run in creation order (a topological order). Each op is one candle-core call where
 //! candle has it; [`kernels`] covers what candle lacks (wrapping integer arithmetic, top-k, the
-//! strided row gather and the in-place row scatter of the KV cache). Computation is f32; weights
-//! are upcast when they are loaded, not here.
+//! strided row gather and the in-place row scatter of the KV cache) and [`matmul`] the
+//! reduced-precision matmul (bf16 operands, f32 accumulation), which widens weights tile by
+//! tile instead of converting them whole on every call.
 //!
 //! Memory: every value is dropped right after its last use. Cache roots are updated in place: a
 //! `scatter_rows` whose root is (a chain of updates of) a cache-root input, and which is that
 //! value's last use, writes into the caller's buffer instead of copying it, so the aliased output
 //! *is* the input tensor and the cache is never copied per step.
 
+mod bytes;
 mod kernels;
+mod matmul;
+
+pub use bytes::{tensor_from_bytes, tensor_to_bytes};
 
 use candle_core::{DType as CDType, Device, Tensor as CTensor};
 
@@ -25,9 +30,11 @@ pub fn candle_dtype(dtype: DType) -> CDType {
         DType::F32 => CDType::F32,
         DType::BF16 => CDType::BF16,
         DType::F16 => CDType::F16,
+        DType::F8E4M3 => CDType::F8E4M3,
         DType::I32 => CDType::I32,
         DType::U32 => CDType::U32,
-        DType::U8 | DType::Bool => CDType::U8,
+        // candle has no i8: the bytes are held as u8 and read as i8 where it matters (casts).
+        DType::I8 | DType::U8 | DType::Bool => CDType::U8,
     }
 }
 
@@ -80,7 +87,7 @@ pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
                 on_true,
                 on_false,
             } => get(*pred)?.where_cond(get(*on_true)?, get(*on_false)?)?,
-            Op::Cast(x) => get(*x)?.to_dtype(candle_dtype(node.dtype))?,
+            Op::Cast(x) => cast(get(*x)?, graph.node(*x).dtype, node.dtype)?,
             Op::Broadcast(x) => get(*x)?.broadcast_as(node.shape.dims())?,
             Op::Reshape(x) => get(*x)?.reshape(node.shape.dims())?,
             Op::Permute(x, perm) => get(*x)?.permute(perm.as_slice())?,
@@ -92,10 +99,13 @@ pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
                 let ts = xs.iter().map(|x| get(*x)).collect::<Result<Vec<_>>>()?;
                 CTensor::cat(&ts, *dim)?
             }
-            Op::MatMul(a, b) => match plan.gathered_rhs[i] {
-                Some((w, ids)) => gathered_matmul(get(*a)?, get(w)?, get(ids)?)?,
-                None => matmul(get(*a)?, get(*b)?)?,
-            },
+            Op::MatMul(a, b) => {
+                let widen = node.dtype != graph.node(*a).dtype;
+                match plan.gathered_rhs[i] {
+                    Some((w, ids)) => gathered_matmul(get(*a)?, get(w)?, get(ids)?, widen)?,
+                    None => matmul(get(*a)?, get(*b)?, widen)?,
+                }
+            }
             Op::Reduce(op, x, dim) => {
                 let x = get(*x)?;
                 match op {
@@ -202,7 +212,7 @@ impl Plan {
             };
             let fusable = perm == &[0, 2, 1]
                 && graph.node(x).shape.rank() == 3
-                && graph.node(x).dtype == DType::F32
+                && graph.node(x).dtype.is_float()
                 && counts[p.0] == 1
                 && counts[s.0] == 1;
             if fusable {
@@ -238,7 +248,8 @@ impl Plan {
 ///
 /// Rows that chose the same expert are multiplied together, so each selected expert's weights
 /// are read once per step (as a grouped MoE kernel would), not once per (token, choice).
-fn gathered_matmul(a: &CTensor, w: &CTensor, ids: &CTensor) -> Result<CTensor> {
+/// `widen`: the operands are reduced-precision and the result f32 (see [`matmul`]).
+fn gathered_matmul(a: &CTensor, w: &CTensor, ids: &CTensor, widen: bool) -> Result<CTensor> {
     let ids = ids.to_vec1::<i32>()?;
     let (n, m, k) = a.dims3()?;
     let (experts, out) = (w.dim(0)?, w.dim(1)?);
@@ -259,7 +270,7 @@ fn gathered_matmul(a: &CTensor, w: &CTensor, ids: &CTensor) -> Result<CTensor> {
     for (e, rows) in &groups {
         let idx = CTensor::new(rows.as_slice(), &Device::Cpu)?;
         let x = a.index_select(&idx, 0)?.reshape((rows.len() * m, k))?;
-        pieces.push(x.matmul(&w.get(*e)?.t()?)?.reshape((rows.len(), m, out))?);
+        pieces.push(matmul(&x, &w.get(*e)?.t()?, widen)?.reshape((rows.len(), m, out))?);
         order.extend_from_slice(rows);
     }
     let grouped = CTensor::cat(&pieces, 0)?;
@@ -309,9 +320,46 @@ fn constant(lit: &Literal, dims: &[usize]) -> Result<CTensor> {
     let dev = &Device::Cpu;
     Ok(match lit {
         Literal::F32(v) => CTensor::from_slice(v, dims, dev)?,
+        Literal::BF16(v) => CTensor::from_slice(v, dims, dev)?,
+        Literal::F16(v) => CTensor::from_slice(v, dims, dev)?,
+        Literal::F8E4M3(v) => CTensor::from_slice(v, dims, dev)?,
         Literal::I32(v) => CTensor::from_slice(v, dims, dev)?,
         Literal::U32(v) => CTensor::from_slice(v, dims, dev)?,
+        Literal::I8(v) => {
+            CTensor::from_vec(v.iter().map(|&x| x as u8).collect::<Vec<_>>(), dims, dev)?
+        }
     })
+}
+
+/// Converts `x` (graph dtype `from`) to `to`. candle converts between its own types; `i8`
+/// (held as `u8` bytes) goes through i32 with HLO's semantics: float to integer truncates
+/// toward zero and saturates at the type's range (NaN becomes 0), integer to i8 wraps.
+fn cast(x: &CTensor, from: DType, to: DType) -> Result<CTensor> {
+    if from != DType::I8 && to != DType::I8 {
+        return Ok(x.to_dtype(candle_dtype(to))?);
+    }
+    let dims = x.dims().to_vec();
+    let dev = &Device::Cpu;
+    let as_i32: Vec<i32> = if from == DType::I8 {
+        let bytes = x.flatten_all()?.to_vec1::<u8>()?;
+        bytes.iter().map(|&b| i32::from(b as i8)).collect()
+    } else if from.is_float() {
+        let v = x.flatten_all()?.to_dtype(CDType::F32)?.to_vec1::<f32>()?;
+        return Ok(CTensor::from_vec(
+            v.iter()
+                .map(|&f| f.clamp(-128.0, 127.0) as i8 as u8)
+                .collect::<Vec<_>>(),
+            dims,
+            dev,
+        )?);
+    } else {
+        x.flatten_all()?.to_dtype(CDType::I32)?.to_vec1::<i32>()?
+    };
+    if to == DType::I8 {
+        let bytes: Vec<u8> = as_i32.iter().map(|&v| v as i8 as u8).collect();
+        return Ok(CTensor::from_vec(bytes, dims, dev)?);
+    }
+    Ok(CTensor::from_vec(as_i32, dims, dev)?.to_dtype(candle_dtype(to))?)
 }
 
 fn iota(dims: &[usize], dim: usize, dtype: DType) -> Result<CTensor> {
@@ -400,7 +448,12 @@ fn binary(op: BinaryOp, a: &CTensor, b: &CTensor, dtype: DType) -> Result<CTenso
     })
 }
 
-fn matmul(a: &CTensor, b: &CTensor) -> Result<CTensor> {
+/// `a @ b`; with `widen`, reduced-precision operands give an f32 result accumulated in f32
+/// ([`matmul::WidenMatMul`]).
+fn matmul(a: &CTensor, b: &CTensor, widen: bool) -> Result<CTensor> {
+    if widen {
+        return Ok(a.apply_op2_no_bwd(b, &matmul::WidenMatMul)?);
+    }
     match a.matmul(b) {
         Ok(t) => Ok(t),
         // candle accepts plain and transposed layouts; anything else (broadcast batch strides,
@@ -410,7 +463,7 @@ fn matmul(a: &CTensor, b: &CTensor) -> Result<CTensor> {
 }
 
 fn index_select(x: &CTensor, ids: &CTensor, dim: usize) -> Result<CTensor> {
-    if dim == 0 && x.rank() == 2 && x.dtype() == CDType::F32 {
+    if dim == 0 && x.rank() == 2 {
         return Ok(x.apply_op2_no_bwd(&ids.contiguous()?, &kernels::RowGather)?);
     }
     let ids = ids.to_dtype(CDType::U32)?;

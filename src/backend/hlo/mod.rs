@@ -16,6 +16,7 @@
 
 pub mod emit;
 pub mod import;
+mod literal;
 mod opcodes;
 pub mod text;
 
@@ -43,8 +44,10 @@ pub fn primitive_type(dtype: DType) -> PrimitiveType {
         DType::F32 => PrimitiveType::F32,
         DType::BF16 => PrimitiveType::Bf16,
         DType::F16 => PrimitiveType::F16,
+        DType::F8E4M3 => PrimitiveType::F8e4m3fn,
         DType::I32 => PrimitiveType::S32,
         DType::U32 => PrimitiveType::U32,
+        DType::I8 => PrimitiveType::S8,
         DType::U8 => PrimitiveType::U8,
         DType::Bool => PrimitiveType::Pred,
     }
@@ -56,6 +59,8 @@ pub fn dtype_of(t: PrimitiveType) -> Option<DType> {
         PrimitiveType::F32 => DType::F32,
         PrimitiveType::Bf16 => DType::BF16,
         PrimitiveType::F16 => DType::F16,
+        PrimitiveType::F8e4m3fn => DType::F8E4M3,
+        PrimitiveType::S8 => DType::I8,
         PrimitiveType::S32 => DType::I32,
         PrimitiveType::U32 => DType::U32,
         PrimitiveType::U8 => DType::U8,

@@ -12,7 +12,7 @@ use deepinfer::runner::step::{DecodeRow, PrefillChunk, SamplingParams};
 use deepinfer::runner::{self, Backend, RunnerConfig, Step};
 use deepinfer::weights::Checkpoint;
 
-use crate::emit;
+use crate::{emit, PrecisionArgs};
 
 #[derive(Args)]
 pub(crate) struct BenchArgs {
@@ -34,26 +34,32 @@ pub(crate) struct BenchArgs {
     /// Print one JSON line.
     #[arg(long)]
     json: bool,
+    #[command(flatten)]
+    precision: PrecisionArgs,
 }
 
 /// Runs the command.
 pub(crate) fn run(args: BenchArgs) -> Result<()> {
-    let (cfg, weights) = match (&args.model, &args.config) {
+    let (cfg, weights, precision) = match (&args.model, &args.config) {
         (Some(dir), _) => {
             let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
-            let w = ModelWeights::load(&cfg, &Checkpoint::open(dir)?)?;
-            (cfg, w)
+            let ckpt = Checkpoint::open(dir)?;
+            let p = args.precision.resolve(ckpt.float_dtype())?;
+            let w = ModelWeights::load(&cfg, &ckpt, p.weights)?;
+            (cfg, w, p)
         }
         (None, Some(file)) => {
             let cfg = ModelConfig::from_file(file)?;
-            let w = ModelWeights::random(&cfg, 0)?;
-            (cfg, w)
+            let p = args.precision.resolve(cfg.saved_dtype)?;
+            let w = ModelWeights::random(&cfg, 0, p.weights)?;
+            (cfg, w, p)
         }
         (None, None) => bail!("pass --model or --config"),
     };
     let vocab = cfg.vocab_size as u32;
     let max_len = args.prompt_len + args.steps + 1;
-    let rc = RunnerConfig::for_limits(args.batch, max_len);
+    let mut rc = RunnerConfig::for_limits(args.batch, max_len);
+    rc.kv_dtype = precision.kv_cache;
     let mut alloc = BlockAllocator::new(rc.num_blocks, rc.block_size)?;
     let mut runner = runner::open_with_weights(Backend::Cpu, cfg, weights, rc)?;
     let mut tables = vec![Vec::new(); args.batch];

@@ -8,7 +8,7 @@ use clap::Args;
 use deepinfer::backend::neuron::compile::{compile_all, CompileJob, CompilerConfig};
 use deepinfer::export::{self, LowerOptions};
 
-use crate::{default_model_dir, emit};
+use crate::{default_model_dir, emit, PrecisionArgs};
 
 #[derive(Args)]
 pub(crate) struct LowerArgs {
@@ -47,6 +47,8 @@ pub(crate) struct LowerArgs {
     /// The NEFF cache directory.
     #[arg(long, env = "DEEPINFER_NEFF_CACHE")]
     neff_cache: Option<PathBuf>,
+    #[command(flatten)]
+    precision: PrecisionArgs,
 }
 
 /// Runs the command.
@@ -59,6 +61,8 @@ pub(crate) fn run(args: LowerArgs) -> Result<()> {
         batch_sizes: args.batch_sizes,
         ctx: args.ctx,
         inputs_from_token_ids: args.inputs_from_token_ids,
+        dtype: args.precision.dtype,
+        kv_dtype: args.precision.kv_dtype,
     };
     let manifest = export::lower(&dir, &args.out, &opts)?;
     if args.compile {

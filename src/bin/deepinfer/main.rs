@@ -20,6 +20,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
+use deepinfer::model::{DTypeChoice, Precision};
 use deepinfer::runner::{self, Backend, Limits, Runner};
 
 #[derive(Parser)]
@@ -60,6 +61,36 @@ struct ModelArgs {
     /// nrt-sim, `neuron` when libnrt and a NeuronCore are present, else `cpu`.
     #[arg(long)]
     backend: Option<Backend>,
+    #[command(flatten)]
+    precision: PrecisionArgs,
+}
+
+/// The dtypes the model is served in (see `deepinfer::model::precision`).
+#[derive(Args, Clone, Copy)]
+struct PrecisionArgs {
+    /// The weights' dtype: auto (the checkpoint's own; FP8 checkpoints are dequantized to bf16),
+    /// bf16, f16 or f32. Matmuls accumulate in f32 whatever this is.
+    #[arg(long, default_value = "auto")]
+    dtype: DTypeChoice,
+    /// The KV cache's dtype: auto (the weights'), bf16, f16 or f32.
+    #[arg(long, default_value = "auto")]
+    kv_dtype: DTypeChoice,
+}
+
+impl PrecisionArgs {
+    /// The dtypes for a checkpoint saved in `saved`.
+    fn resolve(self, saved: Option<deepinfer::graph::DType>) -> Result<Precision> {
+        Ok(Precision::resolve(self.dtype, self.kv_dtype, saved)?)
+    }
+
+    /// `limits` with these dtypes.
+    fn apply(self, limits: &Limits) -> Limits {
+        Limits {
+            dtype: self.dtype,
+            kv_dtype: self.kv_dtype,
+            ..limits.clone()
+        }
+    }
 }
 
 impl ModelArgs {
@@ -79,7 +110,7 @@ impl ModelArgs {
     /// Opens a captured runner for the model within `limits` on the chosen backend.
     fn open(&self, dir: &Path, limits: &Limits) -> Result<Box<dyn Runner>> {
         let backend = runner::choose_backend(self.backend);
-        Ok(runner::open(backend, dir, limits)?)
+        Ok(runner::open(backend, dir, &self.precision.apply(limits))?)
     }
 }
 

@@ -68,12 +68,11 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
     } else {
         None
     };
-    let limits = Limits {
-        max_batch: args.max_batch,
-        max_len: args.max_len.unwrap_or(2048),
+    let limits = args.model.precision.apply(&Limits {
         kv_blocks: args.kv_blocks,
         prefill_chunk: Some(args.prefill_chunk),
-    };
+        ..Limits::new(args.max_batch, args.max_len.unwrap_or(2048))
+    });
     // Checked here, so a bad flag fails before the model loads.
     limits.runner_config(&cfg)?;
     let eos: Vec<u32> = tokenizer

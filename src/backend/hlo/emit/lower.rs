@@ -11,11 +11,11 @@
 use super::{array_shape, comparison_type, tuple_shape, Emitter, ScalarFn};
 use crate::backend::hlo::proto::{
     hlo_instruction_proto::SliceDimensions, DotDimensionNumbers, FrontendAttributes,
-    GatherDimensionNumbers, LiteralProto, PrimitiveType, ScatterDimensionNumbers, ShapeProto,
+    GatherDimensionNumbers, PrimitiveType, ScatterDimensionNumbers, ShapeProto,
 };
-use crate::backend::hlo::{opcodes, primitive_type, INPUT_NAMES_ATTR, ROLE_ATTR};
+use crate::backend::hlo::{literal, opcodes, primitive_type, INPUT_NAMES_ATTR, ROLE_ATTR};
 use crate::error::{Error, Result};
-use crate::graph::{BinaryOp, CmpOp, Literal, NodeId, Op, ReduceOp, UnaryOp};
+use crate::graph::{BinaryOp, CmpOp, DType, NodeId, Op, ReduceOp, UnaryOp};
 
 /// The error for an op the emitter has no lowering for: a defensive arm, since every op of the
 /// tables has an opcode or a composite lowering below (the round-trip tests cover each one).
@@ -37,18 +37,7 @@ impl Emitter<'_> {
         let v = |n: &NodeId| self.value_of(n);
         Ok(match op {
             Op::Input(k) => self.lower_input(*k, shape),
-            Op::Constant(lit) => {
-                let mut l = LiteralProto {
-                    shape: Some(shape.clone()),
-                    ..Default::default()
-                };
-                match lit {
-                    Literal::F32(v) => l.f32s = v.clone(),
-                    Literal::I32(v) => l.s32s = v.clone(),
-                    Literal::U32(v) => l.u32s = v.clone(),
-                }
-                self.constant(l, shape)
-            }
+            Op::Constant(lit) => self.constant(literal::to_proto(lit, shape.clone()), shape),
             Op::Iota { dim } => self.push(opcodes::IOTA, shape, &[], |i| {
                 i.dimensions = vec![*dim as i64]
             }),
@@ -136,7 +125,7 @@ impl Emitter<'_> {
             Op::Reduce(r, x, dim) => {
                 let dims = self.dims_of(x.0).to_vec();
                 let x = v(x);
-                self.reduce(x, &dims, *dim, *r, t)
+                self.reduce(x, &dims, *dim, *r, self.dtype_of(node))
             }
             Op::ArgMax(x, dim) => self.lower_argmax(*x, *dim),
             Op::TopK(x, k) => self.lower_topk(*x, *k, shape),
@@ -193,9 +182,10 @@ impl Emitter<'_> {
     /// equal (`i32::MAX` elsewhere), reduce-min.
     fn lower_argmax(&mut self, x: NodeId, dim: usize) -> i64 {
         let dims = self.dims_of(x.0).to_vec();
-        let xt = primitive_type(self.dtype_of(x.0));
+        let x_dtype = self.dtype_of(x.0);
+        let xt = primitive_type(x_dtype);
         let x = self.value_of(&x);
-        let max = self.reduce(x, &dims, dim, ReduceOp::Max, xt);
+        let max = self.reduce(x, &dims, dim, ReduceOp::Max, x_dtype);
         let maxb = self.push(opcodes::BROADCAST, array_shape(&dims, xt), &[max], |i| {
             i.dimensions = (0..dims.len())
                 .filter(|&d| d != dim)
@@ -208,10 +198,10 @@ impl Emitter<'_> {
         let iota = self.push(opcodes::IOTA, s32.clone(), &[], |i| {
             i.dimensions = vec![dim as i64]
         });
-        let big = self.scalar(PrimitiveType::S32, i32::MAX as f64);
+        let big = self.scalar(DType::I32, i32::MAX as f64);
         let bigb = self.broadcast(big, &[], &dims, PrimitiveType::S32);
         let sel = self.push(opcodes::SELECT, s32, &[is_max, iota, bigb], |_| {});
-        self.reduce(sel, &dims, dim, ReduceOp::Min, PrimitiveType::S32)
+        self.reduce(sel, &dims, dim, ReduceOp::Min, DType::I32)
     }
 
     /// The indices of the `k` largest along the last dim: a stable descending sort of (value,
@@ -342,7 +332,7 @@ impl Emitter<'_> {
             &[rows],
             |_| {},
         );
-        let c = self.scalar(PrimitiveType::S32, col as f64);
+        let c = self.scalar(DType::I32, col as f64);
         let cb = self.broadcast(c, &[], &[n, 1], PrimitiveType::S32);
         let idx = self.push(
             opcodes::CONCATENATE,

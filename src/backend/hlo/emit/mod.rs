@@ -24,9 +24,9 @@ use super::proto::{
     HloInputOutputAliasProto, HloInstructionProto, HloModuleProto, Kind, LayoutProto, LiteralProto,
     PrimitiveType, ProgramShapeProto, ShapeProto,
 };
-use super::{primitive_type, OUTPUT_NAMES_ATTR};
+use super::{literal, primitive_type, OUTPUT_NAMES_ATTR};
 use crate::error::Result;
-use crate::graph::{BinaryOp, CmpOp, DType, Graph, ReduceOp};
+use crate::graph::{BinaryOp, CmpOp, DType, Graph, Literal, ReduceOp};
 
 /// The HLO array shape of `dims` with a row-major layout.
 pub fn array_shape(dims: &[usize], t: PrimitiveType) -> ShapeProto {
@@ -151,20 +151,18 @@ impl Emitter<'_> {
         self.push(opcodes::CONSTANT, shape, &[], |i| i.literal = Some(lit))
     }
 
-    /// A scalar constant of type `t`.
-    fn scalar(&mut self, t: PrimitiveType, v: f64) -> i64 {
-        let shape = array_shape(&[], t);
-        let mut lit = LiteralProto {
-            shape: Some(shape.clone()),
-            ..Default::default()
+    /// A scalar constant `v` of `dtype` (`bool`: `v != 0`).
+    fn scalar(&mut self, dtype: DType, v: f64) -> i64 {
+        let shape = array_shape(&[], primitive_type(dtype));
+        let lit = match Literal::scalar(v, dtype) {
+            Some(lit) => literal::to_proto(&lit, shape.clone()),
+            None => LiteralProto {
+                shape: Some(shape.clone()),
+                preds: if dtype == DType::Bool { vec![v != 0.0] } else { vec![] },
+                u8s: if dtype == DType::U8 { vec![v as u8] } else { vec![] },
+                ..Default::default()
+            },
         };
-        match t {
-            PrimitiveType::F32 => lit.f32s = vec![v as f32],
-            PrimitiveType::S32 => lit.s32s = vec![v as i32],
-            PrimitiveType::U32 => lit.u32s = vec![v as u32],
-            PrimitiveType::Pred => lit.preds = vec![v != 0.0],
-            _ => lit.u8s = vec![v as u8],
-        }
         self.constant(lit, shape)
     }
 
@@ -264,18 +262,11 @@ impl Emitter<'_> {
         dims: &[usize],
         dim: usize,
         op: ReduceOp,
-        t: PrimitiveType,
+        dtype: DType,
     ) -> i64 {
-        let init = match (op, t) {
-            (ReduceOp::Sum, _) => 0.0,
-            (ReduceOp::Max, PrimitiveType::F32) => f64::NEG_INFINITY,
-            (ReduceOp::Min, PrimitiveType::F32) => f64::INFINITY,
-            (ReduceOp::Max, PrimitiveType::S32) => i32::MIN as f64,
-            (ReduceOp::Min, PrimitiveType::S32) => i32::MAX as f64,
-            (ReduceOp::Max, _) => 0.0,
-            (ReduceOp::Min, _) => u32::MAX as f64,
-        };
-        let init = self.scalar(t, init);
+        let init = reduce_identity(op, dtype);
+        let t = primitive_type(dtype);
+        let init = self.scalar(dtype, init);
         let comp = self.scalar_fn(ScalarFn::Combine(op.combiner()), t);
         let mut out: Vec<usize> = dims.to_vec();
         out.remove(dim);
@@ -359,10 +350,33 @@ impl Emitter<'_> {
     }
 }
 
+/// The identity of `op` in `dtype`, the init value of its `reduce`: 0 for a sum, the lowest
+/// value for a max and the highest for a min (infinities where the type has them; f8e4m3fn has
+/// none, so its finite extremes).
+fn reduce_identity(op: ReduceOp, dtype: DType) -> f64 {
+    let (lowest, highest) = match dtype {
+        DType::F32 | DType::BF16 | DType::F16 => (f64::NEG_INFINITY, f64::INFINITY),
+        DType::F8E4M3 => (-448.0, 448.0),
+        DType::I32 => (i32::MIN as f64, i32::MAX as f64),
+        DType::U32 => (0.0, u32::MAX as f64),
+        DType::I8 => (i8::MIN as f64, i8::MAX as f64),
+        DType::U8 => (0.0, u8::MAX as f64),
+        DType::Bool => (0.0, 1.0),
+    };
+    match op {
+        ReduceOp::Sum => 0.0,
+        ReduceOp::Max => lowest,
+        ReduceOp::Min => highest,
+    }
+}
+
 fn comparison_type(t: PrimitiveType) -> &'static str {
     match t {
-        PrimitiveType::F32 | PrimitiveType::F16 | PrimitiveType::Bf16 => "FLOAT",
-        PrimitiveType::S32 => "SIGNED",
+        PrimitiveType::F32
+        | PrimitiveType::F16
+        | PrimitiveType::Bf16
+        | PrimitiveType::F8e4m3fn => "FLOAT",
+        PrimitiveType::S32 | PrimitiveType::S8 => "SIGNED",
         _ => "UNSIGNED",
     }
 }

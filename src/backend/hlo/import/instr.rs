@@ -6,10 +6,10 @@
 //! recognised by their shape (see the module docs of [`super`]).
 
 use super::{bad, dims, elem, Importer};
-use crate::backend::hlo::opcodes;
+use crate::backend::hlo::{literal, opcodes};
 use crate::backend::hlo::proto::HloInstructionProto;
 use crate::error::Result;
-use crate::graph::{BinaryOp, DType, Literal, Tensor, UnaryOp};
+use crate::graph::{BinaryOp, Tensor, UnaryOp};
 
 impl<'m> Importer<'m> {
     /// The s32 value of a scalar constant, looking through the broadcasts and reshapes that
@@ -68,12 +68,7 @@ impl<'m> Importer<'m> {
                     .literal
                     .as_ref()
                     .ok_or_else(|| bad(format!("{}: no literal", i.name)))?;
-                let l = match elem(shape)? {
-                    DType::F32 => Literal::F32(lit.f32s.clone()),
-                    DType::I32 => Literal::I32(lit.s32s.clone()),
-                    DType::U32 => Literal::U32(lit.u32s.clone()),
-                    other => return Err(bad(format!("{}: constant of type {other}", i.name))),
-                };
+                let l = literal::from_proto(lit, elem(shape)?, &i.name)?;
                 self.b.constant(l, out_dims)?
             }
             opcodes::IOTA => self.b.iota(
@@ -153,7 +148,7 @@ impl<'m> Importer<'m> {
                         i.name
                     )));
                 }
-                a.matmul(&self.operand(i, 1)?)?
+                a.matmul_to(&self.operand(i, 1)?, elem(shape)?)?
             }
             opcodes::REDUCE => {
                 let x = x()?;

@@ -1,0 +1,324 @@
+//! The reduced-precision matmul: bf16 / f16 / f8 operands, f32 accumulation and result.
+//!
+//! This is HLO's `dot` with bf16 operands and an f32 result shape, and what a Neuron matmul
+//! unit does. candle's own bf16 CPU matmul would instead return bf16 (rounding the
+//! accumulated sums) and, on the way, convert the whole right-hand operand (a weight of tens
+//! of MB) to f32 on every call. Here the right-hand operand, the weight, is widened tile by
+//! tile into a small f32 scratch that stays in cache and is reused for every row of the left
+//! operand, so one pass over the weight serves the whole batch; the left operand (activations,
+//! small) is widened once.
+//!
+//! Layouts: `b` is `[.., k, n]` with any strides. The weight of a linear layer arrives as the
+//! transposed view of its `[n, k]` rows (`k` contiguous); a slice of `kv_b_proj` arrives with
+//! `n` contiguous; both are read in their own order, never copied whole.
+
+use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, Layout, Shape};
+use rayon::prelude::*;
+
+/// Columns of the output (rows of the weight) widened at a time: with `k` up to a few
+/// thousand, the scratch stays within a core's L2 cache.
+const TILE: usize = 32;
+
+/// Left-operand rows from which the tiles go through candle's f32 GEMM instead of the dot
+/// loop (prefill-sized batches, where the GEMM's blocking wins over the widening's cost).
+const GEMM_ROWS: usize = 32;
+
+/// An element the kernel can widen to f32.
+trait Widen: Copy + Send + Sync {
+    fn widen(self) -> f32;
+}
+
+impl Widen for f32 {
+    fn widen(self) -> f32 {
+        self
+    }
+}
+
+impl Widen for half::bf16 {
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl Widen for half::f16 {
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+impl Widen for float8::F8E4M3 {
+    fn widen(self) -> f32 {
+        self.to_f32()
+    }
+}
+
+/// `[.., m, k] x [.., k, n] -> [.., m, n]` in f32 for float operands of any (equal or not)
+/// dtypes.
+pub(crate) struct WidenMatMul;
+
+/// The shape and strides of one operand, split into batch and matrix parts.
+struct Operand<'a> {
+    layout: &'a Layout,
+    batch: Vec<usize>,
+    rows: usize,
+    cols: usize,
+}
+
+impl<'a> Operand<'a> {
+    fn new(layout: &'a Layout) -> candle_core::Result<Self> {
+        let dims = layout.dims();
+        if dims.len() < 2 {
+            return Err(candle_core::Error::Msg("matmul operand of rank < 2".into()));
+        }
+        let r = dims.len();
+        Ok(Operand {
+            layout,
+            batch: dims[..r - 2].to_vec(),
+            rows: dims[r - 2],
+            cols: dims[r - 1],
+        })
+    }
+
+    /// Offset of batch entry `bi` (row-major over the batch dims).
+    fn batch_offset(&self, mut bi: usize) -> usize {
+        let stride = self.layout.stride();
+        let mut off = self.layout.start_offset();
+        for d in (0..self.batch.len()).rev() {
+            off += (bi % self.batch[d]) * stride[d];
+            bi /= self.batch[d];
+        }
+        off
+    }
+
+    /// Strides of the matrix dims `(rows, cols)`.
+    fn strides(&self) -> (usize, usize) {
+        let s = self.layout.stride();
+        (s[s.len() - 2], s[s.len() - 1])
+    }
+}
+
+/// The left operand widened to a contiguous f32 `[batch, m, k]`.
+fn widen_all<T: Widen>(data: &[T], op: &Operand) -> Vec<f32> {
+    let batch: usize = op.batch.iter().product();
+    let (sr, sc) = op.strides();
+    let mut out = Vec::with_capacity(batch * op.rows * op.cols);
+    for bi in 0..batch {
+        let base = op.batch_offset(bi);
+        for r in 0..op.rows {
+            let row = base + r * sr;
+            if sc == 1 {
+                out.extend(data[row..row + op.cols].iter().map(|v| v.widen()));
+            } else {
+                out.extend((0..op.cols).map(|c| data[row + c * sc].widen()));
+            }
+        }
+    }
+    out
+}
+
+/// Columns `j0..j0 + tn` of `b` (`[k, n]` at `base`), widened into `scratch` as `tn` rows of
+/// `k` (one row per output column).
+fn widen_tile<T: Widen>(
+    b: &[T],
+    base: usize,
+    (sk, sn): (usize, usize),
+    k: usize,
+    j0: usize,
+    tn: usize,
+    scratch: &mut Vec<f32>,
+) {
+    scratch.clear();
+    if sk == 1 {
+        for j in j0..j0 + tn {
+            let at = base + j * sn;
+            scratch.extend(b[at..at + k].iter().map(|v| v.widen()));
+        }
+    } else {
+        scratch.resize(tn * k, 0.0);
+        for kk in 0..k {
+            let row = base + kk * sk + j0 * sn;
+            for j in 0..tn {
+                scratch[j * k + kk] = b[row + j * sn].widen();
+            }
+        }
+    }
+}
+
+/// `sum(x[i] * y[i])` with independent partial sums, so the loop vectorizes.
+fn dot(x: &[f32], y: &[f32]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (xc, yc) = (x.chunks_exact(8), y.chunks_exact(8));
+    let tail: f32 = xc
+        .remainder()
+        .iter()
+        .zip(yc.remainder())
+        .map(|(a, b)| a * b)
+        .sum();
+    for (a, b) in xc.zip(yc) {
+        for l in 0..8 {
+            acc[l] += a[l] * b[l];
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// One output tile `[m, tn]` of batch entry `bi`, row-major.
+fn tile<T: Widen>(
+    a: &[f32],
+    b: &[T],
+    bop: &Operand,
+    (bi, j0, tn): (usize, usize, usize),
+    m: usize,
+) -> Vec<f32> {
+    let k = bop.rows;
+    let mut scratch = Vec::with_capacity(tn * k);
+    widen_tile(b, bop.batch_offset(bi), bop.strides(), k, j0, tn, &mut scratch);
+    let a = &a[bi * m * k..(bi + 1) * m * k];
+    let mut out = vec![0f32; m * tn];
+    for (i, row) in a.chunks_exact(k.max(1)).enumerate().take(m) {
+        for (j, w) in scratch.chunks_exact(k.max(1)).enumerate() {
+            out[i * tn + j] = dot(row, w);
+        }
+    }
+    out
+}
+
+fn run<T: Widen>(
+    a: &[f32],
+    b: &[T],
+    bop: &Operand,
+    batch: usize,
+    m: usize,
+) -> candle_core::Result<Vec<f32>> {
+    let (k, n) = (bop.rows, bop.cols);
+    let tiles: Vec<(usize, usize, usize)> = (0..batch)
+        .flat_map(|bi| (0..n).step_by(TILE).map(move |j0| (bi, j0, TILE.min(n - j0))))
+        .collect();
+    let mut out = vec![0f32; batch * m * n];
+    let place = |out: &mut [f32], (bi, j0, tn): (usize, usize, usize), t: &[f32]| {
+        for i in 0..m {
+            let at = bi * m * n + i * n + j0;
+            out[at..at + tn].copy_from_slice(&t[i * tn..(i + 1) * tn]);
+        }
+    };
+    if m >= GEMM_ROWS && k > 0 {
+        // Prefill-sized: widen a larger tile and let the f32 GEMM (itself parallel) do the
+        // arithmetic.
+        const GEMM_TILE: usize = 256;
+        let dev = &candle_core::Device::Cpu;
+        let mut scratch = Vec::with_capacity(GEMM_TILE * k);
+        for bi in 0..batch {
+            let lhs = candle_core::Tensor::from_slice(&a[bi * m * k..(bi + 1) * m * k], (m, k), dev)?;
+            for j0 in (0..n).step_by(GEMM_TILE) {
+                let tn = GEMM_TILE.min(n - j0);
+                widen_tile(b, bop.batch_offset(bi), bop.strides(), k, j0, tn, &mut scratch);
+                let w = candle_core::Tensor::from_slice(&scratch, (tn, k), dev)?;
+                let t = lhs.matmul(&w.t()?)?.flatten_all()?.to_vec1::<f32>()?;
+                place(&mut out, (bi, j0, tn), &t);
+            }
+        }
+        return Ok(out);
+    }
+    let done: Vec<Vec<f32>> = tiles.par_iter().map(|&t| tile(a, b, bop, t, m)).collect();
+    for (t, data) in tiles.into_iter().zip(done) {
+        place(&mut out, t, &data);
+    }
+    Ok(out)
+}
+
+fn widen_lhs(s: &CpuStorage, op: &Operand) -> candle_core::Result<Vec<f32>> {
+    Ok(match s {
+        CpuStorage::F32(v) => widen_all(v, op),
+        CpuStorage::BF16(v) => widen_all(v, op),
+        CpuStorage::F16(v) => widen_all(v, op),
+        CpuStorage::F8E4M3(v) => widen_all(v, op),
+        other => {
+            return Err(candle_core::Error::Msg(format!(
+                "widening matmul of dtype {:?}",
+                other.dtype()
+            )))
+        }
+    })
+}
+
+impl CustomOp2 for WidenMatMul {
+    fn name(&self) -> &'static str {
+        "widen-matmul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        a_s: &CpuStorage,
+        a_l: &Layout,
+        b_s: &CpuStorage,
+        b_l: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (aop, bop) = (Operand::new(a_l)?, Operand::new(b_l)?);
+        if aop.batch != bop.batch || aop.cols != bop.rows {
+            return Err(candle_core::Error::Msg(format!(
+                "widening matmul of {:?} and {:?}",
+                a_l.dims(),
+                b_l.dims()
+            )));
+        }
+        let batch: usize = aop.batch.iter().product();
+        let m = aop.rows;
+        let a = widen_lhs(a_s, &aop)?;
+        let out = match b_s {
+            CpuStorage::F32(v) => run(&a, v, &bop, batch, m)?,
+            CpuStorage::BF16(v) => run(&a, v, &bop, batch, m)?,
+            CpuStorage::F16(v) => run(&a, v, &bop, batch, m)?,
+            CpuStorage::F8E4M3(v) => run(&a, v, &bop, batch, m)?,
+            other => {
+                return Err(candle_core::Error::Msg(format!(
+                    "widening matmul of dtype {:?}",
+                    other.dtype()
+                )))
+            }
+        };
+        let mut dims = aop.batch.clone();
+        dims.extend([m, bop.cols]);
+        Ok((CpuStorage::F32(out), Shape::from(dims)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device, Tensor};
+
+    /// The kernel against f64 arithmetic on the widened values, for each layout it reads
+    /// (`k`-contiguous weight rows, `n`-contiguous slices, batched) and both row regimes.
+    #[test]
+    fn matches_f64_reference_on_every_layout() {
+        let dev = &Device::Cpu;
+        for &(batch, m, k, n) in &[(1, 1, 70, 45), (3, 5, 33, 40), (1, 40, 19, 300)] {
+            let a: Vec<f32> = (0..batch * m * k).map(|i| ((i * 7 % 13) as f32 - 6.0) / 8.0).collect();
+            let w: Vec<f32> = (0..batch * n * k).map(|i| ((i * 5 % 17) as f32 - 8.0) / 16.0).collect();
+            let a = Tensor::from_vec(a, (batch, m, k), dev).unwrap().to_dtype(DType::BF16).unwrap();
+            let w = Tensor::from_vec(w, (batch, n, k), dev).unwrap().to_dtype(DType::BF16).unwrap();
+            let a64 = a.to_dtype(DType::F64).unwrap();
+            let w64 = w.to_dtype(DType::F64).unwrap();
+            let want = a64.matmul(&w64.t().unwrap()).unwrap();
+            // Weight rows read along k (the linear-layer layout) ...
+            let got = a.apply_op2_no_bwd(&w.t().unwrap(), &WidenMatMul).unwrap();
+            // ... and a contiguous [k, n] operand read along n.
+            let wt = w.t().unwrap().contiguous().unwrap();
+            let got2 = a.apply_op2_no_bwd(&wt, &WidenMatMul).unwrap();
+            for g in [got, got2] {
+                assert_eq!(g.dtype(), DType::F32);
+                let d = (g.to_dtype(DType::F64).unwrap() - &want)
+                    .unwrap()
+                    .abs()
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .max(0)
+                    .unwrap()
+                    .to_scalar::<f64>()
+                    .unwrap();
+                assert!(d < 1e-4, "{batch}x{m}x{k}x{n}: {d}");
+            }
+        }
+    }
+}
