@@ -47,9 +47,9 @@ pub fn route(
     let b = x.builder();
     let t = x.dim(0);
     let e = r.n_routed_experts;
-    // The router runs in f32 whatever the weights' dtype (as DeepSeek's reference code does):
-    // its scores decide which experts run.
-    let logits = linear(x, &w.get(&format!("{p}.weight"))?.to_dtype(DType::F32)?)?;
+    // The router runs in f32 on an f32 weight whatever the policy (see `params`): its scores
+    // decide which experts run.
+    let logits = linear(x, &w.get(&format!("{p}.weight"))?)?;
     let scores = match r.scoring_func {
         ScoringFunc::Softmax => softmax(&logits, 1)?,
         ScoringFunc::Sigmoid => logits.sigmoid()?,

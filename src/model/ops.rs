@@ -3,17 +3,12 @@
 use crate::error::Result;
 use crate::graph::{DType, Tensor};
 
-/// `a @ b` under the precision policy ([`super::precision`]): when either operand is
-/// reduced-precision (a bf16 weight or cache), both meet in that dtype and the product
-/// accumulates in f32 with an f32 result; f32 operands multiply in f32.
+/// `a @ b` under the precision policy ([`super::precision`]): a reduced-precision operand (a
+/// bf16 weight or cache) is widened to f32 and the product computed in f32. The widening is
+/// exact, so only the storage rounding remains; backends fuse the convert into the matmul
+/// (the CPU widens weight tiles as it reads them) rather than converting a weight whole.
 pub fn matmul(a: &Tensor, b: &Tensor) -> Result<Tensor> {
-    let low = [a.dtype(), b.dtype()]
-        .into_iter()
-        .find(|d| d.is_reduced_float());
-    match low {
-        None => a.matmul(b),
-        Some(t) => a.to_dtype(t)?.matmul_to(&b.to_dtype(t)?, DType::F32),
-    }
+    a.to_dtype(DType::F32)?.matmul(&b.to_dtype(DType::F32)?)
 }
 
 /// `x @ w^T` for a `[rows, in]` input and an HF-layout `[out, in]` weight.

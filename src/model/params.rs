@@ -8,7 +8,10 @@
 //! `kv_b_proj` inside the graph, so the weight is held once.
 //!
 //! Every weight is stored in one dtype, the precision policy's (see [`super::precision`]), except
-//! V3's `e_score_correction_bias`, which stays f32: it is tiny and decides which experts run.
+//! the router's (`mlp.gate.weight`, and V3's `e_score_correction_bias`), which stays f32: it is
+//! tiny (experts x hidden) and decides which experts run, where a rounding flips a choice and
+//! changes the output by far more than rounding elsewhere does. transformers keeps it in f32
+//! for the same reason (`_keep_in_fp32_modules`).
 
 use std::collections::HashMap;
 
@@ -109,9 +112,10 @@ impl WeightSpecs {
         self.shapes.get(name).map(|v| v.as_slice())
     }
 
-    /// The dtype parameter `name` is stored in.
+    /// The dtype parameter `name` is stored in: the router's weight and bias are f32 whatever
+    /// the policy (see the module docs).
     pub fn dtype(&self, name: &str) -> DType {
-        if name.ends_with(".e_score_correction_bias") {
+        if name.ends_with(".mlp.gate.weight") || name.ends_with(".e_score_correction_bias") {
             DType::F32
         } else {
             self.dtype

@@ -3,14 +3,25 @@
 //!
 //! Weights are held in one dtype (by default the checkpoint's own: `--dtype auto`), on the
 //! device and on the CPU, and the KV cache in one dtype (`--kv-dtype`, by default the weights').
-//! Activations are f32 between ops: the residual stream, RMSNorm, softmax, the router's scores,
-//! the RoPE tables and sampling all run in f32. A matmul whose operand is reduced-precision
-//! (a bf16 weight, a bf16 cache) rounds its other operand to that dtype and accumulates in f32
-//! with an f32 result ([`super::ops::matmul`]); that rounding of the matmul inputs is the only
-//! place activations are bf16. This is the Neuron (and cuBLAS) practice: bf16 operands for the
-//! matrix units, f32 accumulation and f32 everywhere precision is cheap. It is more accurate
-//! than running the whole model in bf16, as transformers does with `torch_dtype=bfloat16`
-//! (tests/precision.rs holds the measurement).
+//! The router's weights stay f32 (see [`super::params`]).
+//!
+//! Activations are never rounded to bf16: the residual stream, RMSNorm, softmax, the router's
+//! scores, the RoPE tables and sampling run in f32, and a matmul with a bf16 operand (a weight,
+//! the cache) widens that operand to f32, exactly, and multiplies in f32
+//! ([`super::ops::matmul`]). So the only rounding is the storage's. Backends read the bf16
+//! operand through the widening: the CPU widens weight tiles inside the matmul; on Neuron the
+//! weights move from HBM as bf16, which is what bounds decode.
+//!
+//! Why not bf16 matmul inputs (an HLO `dot` of bf16 operands with an f32 result), as Neuron
+//! practice does for throughput? Measured on the fixtures (`tests/precision.rs`, against
+//! transformers in f32, max |logit difference|): rounding the activations to bf16 before every
+//! matmul gave 5.3e-2, 3.0e-2 and 2.9e-1 on tiny-v3, tiny-v2-lite and tiny-v2-group (the last a
+//! routing decision flipped at one position), against transformers-bf16's own 5.3e-2, 4.6e-2
+//! and 6.0e-2; widening instead gives 4.4e-2, 1.2e-2 and 3.3e-2, ahead of transformers-bf16 on
+//! every fixture. Decode is bound by reading the weights, not by the matmul units' rate, so the
+//! f32 arithmetic costs decode little; for compute-bound prefill on trn1, neuronx-cc's
+//! `--auto-cast matmult --auto-cast-type bf16` turns the f32 matmuls back into bf16 ones, the
+//! trade made explicitly.
 
 use std::fmt;
 use std::str::FromStr;

@@ -100,10 +100,16 @@ pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
                 CTensor::cat(&ts, *dim)?
             }
             Op::MatMul(a, b) => {
-                let widen = node.dtype != graph.node(*a).dtype;
-                match plan.gathered_rhs[i] {
-                    Some((w, ids)) => gathered_matmul(get(*a)?, get(w)?, get(ids)?, widen)?,
-                    None => matmul(get(*a)?, get(*b)?, widen)?,
+                // Widening: operands of another dtype than the result (reduced-precision
+                // operands with an f32 result, or a fused widening cast of the right operand).
+                let a_dtype = graph.node(*a).dtype;
+                match (plan.gathered_rhs[i], plan.widened_rhs[i]) {
+                    (Some((w, ids)), _) => {
+                        let widen = node.dtype != a_dtype || graph.node(w).dtype != a_dtype;
+                        gathered_matmul(get(*a)?, get(w)?, get(ids)?, widen)?
+                    }
+                    (None, Some(x)) => matmul(get(*a)?, get(x)?, true)?,
+                    (None, None) => matmul(get(*a)?, get(*b)?, node.dtype != a_dtype)?,
                 }
             }
             Op::Reduce(op, x, dim) => {
@@ -180,13 +186,19 @@ pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
 /// How the nodes of a graph are executed: which ones are fused away, and the resulting use
 /// counts.
 ///
-/// One fusion matters on the CPU: `matmul(a, permute(index_select(w, ids, 0), [0, 2, 1]))`, the
-/// gather MoE strategy. Executed literally it copies every selected expert's weights each step
-/// (tens of MB per layer); fused, each row multiplies against its expert's slice of the stacked
-/// weight in place, reading only what it needs.
+/// Two fusions matter on the CPU, both to avoid copying weights on every step:
+/// - a `cast` to f32 of a reduced-precision operand that only a matmul reads (how the model
+///   widens bf16 weights and caches, see `model::ops::matmul`) is not executed: the matmul
+///   reads the bf16 values and widens them tile by tile ([`matmul::WidenMatMul`]).
+/// - `matmul(a, [cast](permute(index_select(w, ids, 0), [0, 2, 1])))`, the gather MoE strategy.
+///   Executed literally it copies every selected expert's weights each step (tens of MB per
+///   layer); fused, each row multiplies against its expert's slice of the stacked weight in
+///   place, reading only what it needs.
 struct Plan {
-    /// `gathered_rhs[m] = Some((w, ids))` for a fused matmul `m`.
+    /// `gathered_rhs[m] = Some((w, ids))` for a fused gathered matmul `m`.
     gathered_rhs: Vec<Option<(NodeId, NodeId)>>,
+    /// `widened_rhs[m] = Some(x)` for a matmul `m` whose right operand is a fused cast of `x`.
+    widened_rhs: Vec<Option<NodeId>>,
     /// Nodes computed inside a fused node instead of on their own.
     skipped: Vec<bool>,
     /// Reads of each node by executed nodes and outputs.
@@ -199,26 +211,38 @@ impl Plan {
         let counts = graph.use_counts();
         let mut plan = Plan {
             gathered_rhs: vec![None; n],
+            widened_rhs: vec![None; n],
             skipped: vec![false; n],
             use_counts: vec![0; n],
         };
+        let single_use = |id: NodeId| counts[id.0] == 1;
         for (m, node) in graph.nodes().iter().enumerate() {
-            let Op::MatMul(_, p) = node.op else { continue };
-            let Op::Permute(s, ref perm) = graph.node(p).op else {
-                continue;
+            let Op::MatMul(_, b) = node.op else { continue };
+            // A widening cast that only this matmul reads.
+            let (rhs, cast) = match graph.node(b).op {
+                Op::Cast(x)
+                    if single_use(b)
+                        && graph.node(b).dtype == DType::F32
+                        && graph.node(x).dtype.is_reduced_float() =>
+                {
+                    (x, Some(b))
+                }
+                _ => (b, None),
             };
-            let Op::IndexSelect { x, ids, dim: 0 } = graph.node(s).op else {
-                continue;
-            };
-            let fusable = perm == &[0, 2, 1]
-                && graph.node(x).shape.rank() == 3
-                && graph.node(x).dtype.is_float()
-                && counts[p.0] == 1
-                && counts[s.0] == 1;
-            if fusable {
-                plan.gathered_rhs[m] = Some((x, ids));
-                plan.skipped[p.0] = true;
-                plan.skipped[s.0] = true;
+            if let Some((p, s, x, ids)) = gathered_operand(graph, rhs) {
+                if single_use(p) && single_use(s) {
+                    plan.gathered_rhs[m] = Some((x, ids));
+                    plan.skipped[p.0] = true;
+                    plan.skipped[s.0] = true;
+                    if let Some(c) = cast {
+                        plan.skipped[c.0] = true;
+                    }
+                    continue;
+                }
+            }
+            if let Some(c) = cast {
+                plan.widened_rhs[m] = Some(rhs);
+                plan.skipped[c.0] = true;
             }
         }
         for i in 0..n {
@@ -237,11 +261,25 @@ impl Plan {
         if self.skipped[i] {
             return vec![];
         }
-        match (self.gathered_rhs[i], &graph.nodes()[i].op) {
-            (Some((w, ids)), Op::MatMul(a, _)) => vec![*a, w, ids],
-            _ => graph.nodes()[i].op.operands(),
+        match (&graph.nodes()[i].op, self.gathered_rhs[i], self.widened_rhs[i]) {
+            (Op::MatMul(a, _), Some((w, ids)), _) => vec![*a, w, ids],
+            (Op::MatMul(a, _), None, Some(x)) => vec![*a, x],
+            (op, _, _) => op.operands(),
         }
     }
+}
+
+/// `(permute, index_select, w, ids)` when `rhs` is `permute(index_select(w, ids, 0), [0, 2, 1])`
+/// of a 3-D float `w`: the selected experts' weights, transposed.
+fn gathered_operand(graph: &Graph, rhs: NodeId) -> Option<(NodeId, NodeId, NodeId, NodeId)> {
+    let Op::Permute(s, ref perm) = graph.node(rhs).op else {
+        return None;
+    };
+    let Op::IndexSelect { x, ids, dim: 0 } = graph.node(s).op else {
+        return None;
+    };
+    let w = graph.node(x);
+    (perm == &[0, 2, 1] && w.shape.rank() == 3 && w.dtype.is_float()).then_some((rhs, s, x, ids))
 }
 
 /// `out[i] = a[i] @ w[ids[i]]^T` for `a: [n, m, k]`, `w: [experts, out, k]`, `ids: [n]`.
