@@ -11,8 +11,7 @@ use std::path::Path;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use deepinfer::config::ModelConfig;
 use deepinfer::engine::BlockAllocator;
-use deepinfer::graph::DType;
-use deepinfer::model::{LogitsOutput, ModelWeights};
+use deepinfer::model::{LogitsOutput, ModelWeights, Precision};
 use deepinfer::runner::step::{DecodeRow, PrefillChunk, SamplingParams};
 use deepinfer::runner::{self, Backend, RunnerConfig, Step};
 
@@ -26,7 +25,7 @@ fn decode_step(c: &mut Criterion) {
     }
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/configs/medium-bench.json");
     let cfg = ModelConfig::from_file(&path).expect("medium config");
-    let weights = ModelWeights::random(&cfg, 0, DType::F32).expect("random weights");
+    let weights = ModelWeights::random(&cfg, 0, &Precision::F32).expect("random weights");
     let mut group = c.benchmark_group("cpu_decode_step_medium");
     group.sample_size(10);
     for batch in [1usize, 8, 32] {

@@ -9,12 +9,14 @@ use criterion::{criterion_group, criterion_main, Criterion};
 use deepinfer::backend::hlo::emit;
 use deepinfer::config::ModelConfig;
 use deepinfer::graph::DType;
-use deepinfer::model::{self, CacheLayout, GraphSpec, LogitsOutput, MoeStrategy, WeightSpecs};
+use deepinfer::model::{
+    self, CacheLayout, GraphSpec, LogitsOutput, MoeStrategy, Precision, WeightSpecs,
+};
 
 fn lower_v2_lite(c: &mut Criterion) {
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/configs/deepseek-v2-lite.json");
     let cfg = ModelConfig::from_file(&path).expect("config");
-    let specs = WeightSpecs::new(&cfg, DType::BF16);
+    let specs = WeightSpecs::new(&cfg, &Precision::all(DType::BF16));
     let layout = CacheLayout {
         dtype: DType::BF16,
         block_size: 16,

@@ -20,7 +20,7 @@ use deepinfer::config::ModelConfig;
 use deepinfer::engine::BlockAllocator;
 use deepinfer::graph::DType;
 use deepinfer::model::{
-    self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, WeightSpecs,
+    self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, Precision, WeightSpecs,
 };
 use deepinfer::runner::step::{DecodeRow, SamplingParams};
 use deepinfer::runner::{
@@ -40,7 +40,12 @@ fn sim_lib() -> Option<PathBuf> {
 fn tiny() -> (ModelConfig, ModelWeights) {
     let dir = root().join("fixtures/tiny-v3");
     let cfg = ModelConfig::from_file(&dir.join("config.json")).expect("config");
-    let w = ModelWeights::load(&cfg, &Checkpoint::open(&dir).expect("checkpoint"), DType::F32).expect("w");
+    let w = ModelWeights::load(
+        &cfg,
+        &Checkpoint::open(&dir).expect("checkpoint"),
+        &Precision::F32,
+    )
+    .expect("w");
     (cfg, w)
 }
 
@@ -125,7 +130,7 @@ fn replay(c: &mut Criterion) {
 fn capture(c: &mut Criterion) {
     let path = root().join("fixtures/configs/deepseek-v2-lite.json");
     let cfg = ModelConfig::from_file(Path::new(&path)).expect("deepseek-v2-lite config");
-    let specs = WeightSpecs::new(&cfg, DType::BF16);
+    let specs = WeightSpecs::new(&cfg, &Precision::all(DType::BF16));
     let layout = CacheLayout {
         dtype: DType::BF16,
         block_size: 16,
@@ -175,7 +180,12 @@ fn bench_model() -> (String, ModelConfig, ModelWeights) {
         .map(PathBuf::from)
         .unwrap_or_else(|| root().join("fixtures/tiny-v3"));
     let cfg = ModelConfig::from_file(&dir.join("config.json")).expect("config");
-    let w = ModelWeights::load(&cfg, &Checkpoint::open(&dir).expect("checkpoint"), DType::F32).expect("w");
+    let w = ModelWeights::load(
+        &cfg,
+        &Checkpoint::open(&dir).expect("checkpoint"),
+        &Precision::F32,
+    )
+    .expect("w");
     let name = dir
         .file_name()
         .map_or("model".into(), |n| n.to_string_lossy().into_owned());

@@ -21,7 +21,7 @@ use crate::graph::stats::{stats, GraphStats};
 use crate::graph::{Graph, InputRole};
 use crate::model::cost::{decode_floor, DecodeFloor};
 use crate::model::{
-    self, DTypeChoice, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, Precision, WeightSpecs,
+    self, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, PrecisionChoice, WeightSpecs,
 };
 use crate::runner::step::{self, DecodeRow, HostArray, HostData, PrefillChunk, SamplingParams};
 use crate::runner::{CpuRunner, Runner, RunnerConfig, Step};
@@ -37,10 +37,8 @@ pub struct LowerOptions {
     /// When set: prefill all but the last of these tokens, then decode the last in row 0, and
     /// write each graph's inputs and CPU outputs for that step.
     pub inputs_from_token_ids: Option<Vec<u32>>,
-    /// `--dtype`: the weights' dtype.
-    pub dtype: DTypeChoice,
-    /// `--kv-dtype`: the KV cache's dtype.
-    pub kv_dtype: DTypeChoice,
+    /// `--dtype`, `--kv-dtype`, `--quantize`.
+    pub precision: PrecisionChoice,
 }
 
 /// One parameter in the manifest.
@@ -290,7 +288,7 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
         Some(c) => c.float_dtype(),
         None => cfg.saved_dtype,
     };
-    let precision = Precision::resolve(opts.dtype, opts.kv_dtype, saved)?;
+    let precision = opts.precision.resolve(saved, &cfg)?;
     let mut rc = RunnerConfig::for_limits(max_batch, opts.ctx);
     rc.kv_dtype = precision.kv_cache;
     if rc.buckets.max_len() != opts.ctx {
@@ -300,7 +298,7 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
         )));
     }
     std::fs::create_dir_all(out).map_err(io_err(out))?;
-    let specs = WeightSpecs::new(&cfg, precision.weights);
+    let specs = WeightSpecs::new(&cfg, &precision);
     let moe = |rows: usize| {
         cfg.routing
             .as_ref()
@@ -367,7 +365,8 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
                 .sum(),
             stats: stats(g),
             metadata_bytes,
-            floor: (*kind == "decode").then(|| decode_floor(&cfg, &specs, rc.kv_dtype, *rows, opts.ctx)),
+            floor: (*kind == "decode")
+                .then(|| decode_floor(&cfg, &specs, rc.kv_dtype, *rows, opts.ctx)),
         });
         let pb = out.join(format!("{}.hlo.pb", g.name()));
         std::fs::write(&pb, hlo::emit::to_bytes(&module)).map_err(io_err(&pb))?;
@@ -384,7 +383,7 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
             )));
         }
         let checkpoint = checkpoint.ok_or_else(|| Error::Internal("no checkpoint".into()))?;
-        let weights = ModelWeights::load(&cfg, &checkpoint, precision.weights)?;
+        let weights = ModelWeights::load(&cfg, &checkpoint, &precision)?;
         let mut runner = CpuRunner::new(cfg.clone(), weights, rc.clone())?;
         let (prompt, last) = tokens.split_at(tokens.len() - 1);
         // A fresh cache with one sequence: it owns the blocks after the scratch block.

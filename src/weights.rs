@@ -250,7 +250,12 @@ impl Checkpoint {
     ///
     /// The result lives on the CPU. Errors name the tensor and the expected shape when
     /// the tensor is missing or has another shape, and the file when it cannot be read.
-    pub fn tensor(&self, name: &str, expected_shape: &[usize], conv: &Conversion) -> Result<Tensor> {
+    pub fn tensor(
+        &self,
+        name: &str,
+        expected_shape: &[usize],
+        conv: &Conversion,
+    ) -> Result<Tensor> {
         let n = expected_shape.iter().product();
         let mut out = Buffer::new(conv.dtype, n, name)?;
         self.read_into(name, expected_shape, conv, &mut out)?;
@@ -386,7 +391,9 @@ impl Checkpoint {
         file.seek(SeekFrom::Start(entry.offset)).map_err(io)?;
         let elem_bytes = (entry.dtype.bitsize() / 8).max(1);
         // Whole elements per chunk, so no value straddles two chunks.
-        let chunk_bytes = (READ_CHUNK_BYTES / elem_bytes * elem_bytes).min(entry.len).max(1);
+        let chunk_bytes = (READ_CHUNK_BYTES / elem_bytes * elem_bytes)
+            .min(entry.len)
+            .max(1);
         let mut buf = vec![0u8; chunk_bytes];
         let mut values = Vec::with_capacity(chunk_bytes / elem_bytes);
         let mut remaining = entry.len;

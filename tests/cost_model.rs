@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use deepinfer::export::{lower, LowerOptions};
-use deepinfer::model::DTypeChoice;
+use deepinfer::model::PrecisionChoice;
 
 #[test]
 fn decode_reads_stay_near_the_floor_on_published_configs() {
@@ -19,8 +19,7 @@ fn decode_reads_stay_near_the_floor_on_published_configs() {
             batch_sizes: vec![1, 64],
             ctx: 1024,
             inputs_from_token_ids: None,
-            dtype: DTypeChoice::Auto,
-            kv_dtype: DTypeChoice::Auto,
+            precision: PrecisionChoice::default(),
         };
         let m = lower(&dir, &dir.join("out"), &opts).unwrap();
         let floored: Vec<_> = m.costs.iter().filter(|c| c.floor.is_some()).collect();

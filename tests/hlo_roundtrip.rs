@@ -8,10 +8,10 @@ use candle_core::{Device, Tensor};
 use common::{fixture_dir, reference, FIXTURES};
 use deepinfer::backend::{cpu, hlo};
 use deepinfer::export::{lower, LowerOptions};
-use deepinfer::model::DTypeChoice;
 use deepinfer::graph::{
     BinaryOp, CmpOp, DType, GraphBuilder, InputRole, Op, ReduceOp, Tensor as GTensor, UnaryOp,
 };
+use deepinfer::model::{DTypeChoice, PrecisionChoice};
 
 #[test]
 fn emit_import_run_is_bit_identical_for_every_fixture_graph() {
@@ -26,8 +26,10 @@ fn emit_import_run_is_bit_identical_for_every_fixture_graph() {
             batch_sizes: vec![1, 2, 4, 8],
             ctx: 64,
             inputs_from_token_ids: Some(reference(name).token_ids),
-            dtype,
-            kv_dtype: DTypeChoice::Auto,
+            precision: PrecisionChoice {
+                dtype,
+                ..Default::default()
+            },
         };
         let manifest = lower(&fixture_dir(name), &out, &opts).unwrap();
         assert_eq!(manifest.graphs.len(), 5);
@@ -93,8 +95,7 @@ fn corrupt_or_foreign_modules_are_errors_not_panics() {
         batch_sizes: vec![1],
         ctx: 64,
         inputs_from_token_ids: None,
-        dtype: DTypeChoice::Auto,
-        kv_dtype: DTypeChoice::Auto,
+        precision: PrecisionChoice::default(),
     };
     let manifest = lower(&fixture_dir("tiny-v3"), &out, &opts).unwrap();
     let bytes = std::fs::read(out.join(&manifest.graphs[1].hlo)).unwrap();
@@ -116,8 +117,7 @@ fn emitting_the_same_graph_twice_gives_the_same_bytes() {
         batch_sizes: vec![2],
         ctx: 64,
         inputs_from_token_ids: None,
-        dtype: DTypeChoice::Auto,
-        kv_dtype: DTypeChoice::Auto,
+        precision: PrecisionChoice::default(),
     };
     let first = lower(&fixture_dir("tiny-v3"), &out.join("a"), &opts).unwrap();
     lower(&fixture_dir("tiny-v3"), &out.join("b"), &opts).unwrap();

@@ -7,8 +7,9 @@ mod common;
 
 use common::{max_abs_diff_rows, reference, reference_file, runner_in, Reference, FIXTURES};
 use deepinfer::engine::{self, StopConditions};
+use deepinfer::export::{lower, LowerOptions};
 use deepinfer::graph::DType;
-use deepinfer::model::Precision;
+use deepinfer::model::{MoeStrategy, Precision, PrecisionChoice, Quantize};
 use deepinfer::runner::step::SamplingParams;
 use deepinfer::runner::Runner;
 use serde::Deserialize;
@@ -27,10 +28,7 @@ struct GreedyAgreement {
     leading_tokens_equal: usize,
 }
 
-const BF16: Precision = Precision {
-    weights: DType::BF16,
-    kv_cache: DType::BF16,
-};
+const BF16: Precision = Precision::all(DType::BF16);
 
 fn argmax(row: &[f32]) -> usize {
     let mut best = 0;
@@ -57,7 +55,13 @@ fn greedy(run: &mut dyn Runner, r: &Reference) -> Vec<u32> {
         max_tokens: r.greedy.generated_token_ids.len(),
         stop_token_ids: vec![],
     };
-    engine::generate(run, &r.greedy.prompt_token_ids, SamplingParams::GREEDY, &stop).unwrap()
+    engine::generate(
+        run,
+        &r.greedy.prompt_token_ids,
+        SamplingParams::GREEDY,
+        &stop,
+    )
+    .unwrap()
 }
 
 fn leading_equal(a: &[u32], b: &[u32]) -> usize {
@@ -117,4 +121,108 @@ fn fp8_checkpoint_matches_transformers_on_its_dequantized_weights() {
     eprintln!("{name}: max |logit - transformers| = {worst:e}");
     assert!(worst < 1e-4, "{worst}");
     assert_eq!(greedy(&mut run, &r), r.greedy.generated_token_ids);
+}
+
+const INT8_EXPERTS: Precision = Precision {
+    quantize: Quantize::ExpertsInt8,
+    ..Precision::F32
+};
+
+#[test]
+fn int8_experts_match_transformers_on_the_dequantized_weights() {
+    for name in FIXTURES {
+        let r: Reference = reference_file(name, "reference-int8-experts.json");
+        // Both MoE strategies: the gathered one (dequantizing the selected experts) and the
+        // dense one (all experts).
+        for moe in [MoeStrategy::Gather, MoeStrategy::Dense] {
+            let mut run = runner_in(name, 1, Some(moe), INT8_EXPERTS);
+            let logits = engine::score(&mut run, &r.token_ids).unwrap();
+            let worst = max_abs_diff_rows(&logits, &r.logits);
+            eprintln!("{name} {moe:?}: max |logit - transformers(int8 experts)| = {worst:e}");
+            assert!(worst < 1e-4, "{name} {moe:?}: {worst}");
+            assert_eq!(greedy(&mut run, &r), r.greedy.generated_token_ids, "{name}");
+        }
+        // Not vacuous: the quantized model differs from the f32 one.
+        let f32_ref = reference(name);
+        assert!(max_abs_diff_rows(&r.logits, &f32_ref.logits) > 1e-3);
+    }
+}
+
+#[test]
+fn quantizing_a_model_without_routed_experts_is_refused_before_loading() {
+    let src = common::fixture_dir("tiny-v3").join("config.json");
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src).unwrap()).unwrap();
+    cfg["n_routed_experts"] = serde_json::Value::Null;
+    let dir = std::env::temp_dir().join(format!("deepinfer-dense-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
+    let opts = LowerOptions {
+        batch_sizes: vec![1],
+        ctx: 64,
+        inputs_from_token_ids: None,
+        precision: PrecisionChoice {
+            quantize: Quantize::ExpertsInt8,
+            ..Default::default()
+        },
+    };
+    let err = lower(&dir, &dir.join("out"), &opts)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("--quantize experts-int8"), "{err}");
+    assert!(
+        !dir.join("out").exists(),
+        "nothing is written before the check"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// FP8 checkpoints whose scales are missing, misshapen, or whose config gives no block size
+/// fail naming the tensor or key.
+#[test]
+fn broken_fp8_checkpoints_name_what_is_wrong() {
+    use deepinfer::config::ModelConfig;
+    use deepinfer::model::ModelWeights;
+    use deepinfer::weights::Checkpoint;
+    let src = common::fixture_dir("tiny-v3-fp8");
+    let cfg = ModelConfig::from_file(&src.join("config.json")).unwrap();
+    let ckpt = Checkpoint::open(&src).unwrap();
+    // No block size: the config lost its quantization_config.
+    let no_block = ModelConfig {
+        fp8_block: None,
+        ..cfg.clone()
+    };
+    let err = ModelWeights::load(&no_block, &ckpt, &Precision::F32)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("weight_block_size"), "{err}");
+    // The wrong block size: the scales' shape no longer matches.
+    let wrong = ModelConfig {
+        fp8_block: Some([12, 16]),
+        ..cfg.clone()
+    };
+    let err = ModelWeights::load(&wrong, &ckpt, &Precision::F32)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("_scale_inv") && err.contains("needs"), "{err}");
+    // A scale tensor missing from the file.
+    let dir = std::env::temp_dir().join(format!("deepinfer-fp8-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(src.join(f), dir.join(f)).unwrap();
+    }
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let dropped = "model.layers.0.self_attn.o_proj.weight_scale_inv";
+    let kept: Vec<(String, safetensors::tensor::TensorView)> = st
+        .tensors()
+        .into_iter()
+        .filter(|(n, _)| n != dropped)
+        .collect();
+    safetensors::serialize_to_file(kept, None, &dir.join("model.safetensors")).unwrap();
+    let err = ModelWeights::load(&cfg, &Checkpoint::open(&dir).unwrap(), &Precision::F32)
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(dropped) && err.contains("missing"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -16,7 +16,7 @@ use common::RunnerExt;
 use deepinfer::config::ModelConfig;
 use deepinfer::error::Error;
 use deepinfer::graph::DType;
-use deepinfer::model::{LogitsOutput, ModelWeights};
+use deepinfer::model::{LogitsOutput, ModelWeights, Precision};
 use deepinfer::runner::step::{DecodeRow, PrefillChunk, SamplingParams};
 use deepinfer::runner::{
     self, Backend, Buckets, DeviceOptions, DeviceRunner, MetadataSource, Runner, RunnerConfig,
@@ -57,15 +57,24 @@ fn small_config() -> RunnerConfig {
 }
 
 fn load(name: &str) -> (ModelConfig, ModelWeights) {
+    load_in(name, &Precision::F32)
+}
+
+fn load_in(name: &str, precision: &Precision) -> (ModelConfig, ModelWeights) {
     let dir = common::fixture_dir(name);
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    let weights = ModelWeights::load(&cfg, &Checkpoint::open(&dir).unwrap(), DType::F32).unwrap();
+    let weights = ModelWeights::load(&cfg, &Checkpoint::open(&dir).unwrap(), precision).unwrap();
     (cfg, weights)
 }
 
 /// A device runner on nrt-sim, captured (the concrete type: some tests read its buffers).
 fn device(name: &str, rc: RunnerConfig) -> DeviceRunner {
-    let (cfg, weights) = load(name);
+    device_in(name, rc, &Precision::F32)
+}
+
+fn device_in(name: &str, mut rc: RunnerConfig, precision: &Precision) -> DeviceRunner {
+    rc.kv_dtype = precision.kv_cache;
+    let (cfg, weights) = load_in(name, precision);
     let lib = Library::open(sim_path()).expect("load nrt-sim");
     let buckets = rc.buckets.clone();
     let mut d = DeviceRunner::new(cfg, weights, rc, lib, DeviceOptions::sim()).expect("nrt-sim");
@@ -256,6 +265,40 @@ fn generate_and_score_match_the_cpu_twin() {
     assert!(diff <= 1e-5, "{diff}");
 }
 
+/// bf16 weights and cache, and int8 experts, through the real FFI path: bf16 drifts from
+/// transformers' f32 logits no more than transformers' own bf16 run does, and int8 experts
+/// match transformers on the dequantized weights.
+#[test]
+fn reduced_precision_on_nrt_sim_matches_the_transformers_references() {
+    let _g = serial();
+    let name = "tiny-v2-lite";
+    let r = common::reference(name);
+    let bf16 = Precision::all(DType::BF16);
+    let mut d = device_in(name, RunnerConfig::for_limits(1, 128), &bf16);
+    let logits = deepinfer::engine::score(&mut d, &r.token_ids).unwrap();
+    let drift = common::max_abs_diff_rows(&logits, &r.logits);
+    let peer: serde_json::Value = common::reference_file(name, "reference-bf16.json");
+    let peer_drift = peer["max_abs_diff_vs_f32"].as_f64().unwrap() as f32;
+    eprintln!("nrt-sim bf16: max |logit - f32| {drift:.3e} (transformers-bf16 {peer_drift:.3e})");
+    assert!(
+        drift <= peer_drift && drift > 1e-5,
+        "{drift} vs {peer_drift}"
+    );
+    // The cache really is bf16 on the device: two bytes a value.
+    let root = d.read_kv_root().unwrap();
+    assert_eq!(root.dtype(), candle_core::DType::BF16);
+
+    let int8 = Precision {
+        quantize: deepinfer::model::Quantize::ExpertsInt8,
+        ..Precision::F32
+    };
+    let r: common::Reference = common::reference_file(name, "reference-int8-experts.json");
+    let mut d = device_in(name, RunnerConfig::for_limits(1, 128), &int8);
+    let logits = deepinfer::engine::score(&mut d, &r.token_ids).unwrap();
+    let worst = common::max_abs_diff_rows(&logits, &r.logits);
+    assert!(worst < 1e-4, "int8 experts on nrt-sim: {worst}");
+}
+
 fn meta_bytes_decode(b: usize, ctx: usize) -> u64 {
     // input_ids, positions, slot_mapping, context_lens, temperature, top_k, top_p, seeds: [b];
     // block_tables: [b, ctx / 16]. All four bytes an element.
@@ -281,7 +324,8 @@ fn counters_show_weights_once_no_root_traffic_and_exact_metadata_bytes() {
     let mut weight_tensors = 0;
     let specs = weights.specs();
     for name in specs.names() {
-        let bytes = (weights.get(name).unwrap().elem_count() * specs.dtype(name).size_in_bytes()) as u64;
+        let bytes =
+            (weights.get(name).unwrap().elem_count() * specs.dtype(name).size_in_bytes()) as u64;
         let written = c.bytes_written(name);
         if written > 0 {
             weight_tensors += 1;

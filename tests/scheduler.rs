@@ -12,8 +12,7 @@ use deepinfer::config::ModelConfig;
 use deepinfer::engine::{
     self, Event, FinishReason, GenerationParams, Output, RequestId, Scheduler, StopConditions,
 };
-use deepinfer::graph::DType;
-use deepinfer::model::ModelWeights;
+use deepinfer::model::{ModelWeights, Precision};
 use deepinfer::runner::step::SamplingParams;
 use deepinfer::runner::{self, Backend, Buckets, Runner, RunnerConfig, Step, StepOutput};
 use deepinfer::tokenizer::Tokenizer;
@@ -61,7 +60,8 @@ fn run_to_end<R: Runner>(s: &mut Scheduler<R>, results: &mut HashMap<RequestId, 
 fn load(name: &str) -> (ModelConfig, ModelWeights) {
     let dir = fixture_dir(name);
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    let weights = ModelWeights::load(&cfg, &Checkpoint::open(&dir).unwrap(), DType::F32).unwrap();
+    let weights =
+        ModelWeights::load(&cfg, &Checkpoint::open(&dir).unwrap(), &Precision::F32).unwrap();
     (cfg, weights)
 }
 

@@ -85,7 +85,10 @@ fn write_cache(
         .narrow(1, cfg.kv_lora_rank, cfg.qk_rope_head_dim)?
         .reshape([n, 1, cfg.qk_rope_head_dim])?;
     let k_pe = rope::apply(&k_pe, step.cos, step.sin)?.reshape([n, cfg.qk_rope_head_dim])?;
-    let row = x.builder().cat(&[&c_kv, &k_pe], 1)?.to_dtype(root.dtype())?;
+    let row = x
+        .builder()
+        .cat(&[&c_kv, &k_pe], 1)?
+        .to_dtype(root.dtype())?;
     root.scatter_rows(step.slots, layer * cfg.kv_cache_width(), &row)
 }
 
@@ -134,9 +137,9 @@ pub fn decode(
     // The absorbed up-projections are slices of kv_b_proj viewed as [heads, nope + v, rank]:
     // w_uk[h] = its first nope rows, w_uv[h] the v after them.
     let nope = cfg.qk_nope_head_dim;
-    let kv_b = w
-        .get(&format!("{p}.kv_b_proj.weight"))?
-        .reshape([heads, nope + cfg.v_head_dim, rank])?;
+    let kv_b =
+        w.get(&format!("{p}.kv_b_proj.weight"))?
+            .reshape([heads, nope + cfg.v_head_dim, rank])?;
     let w_uk = kv_b.narrow(1, 0, nope)?;
     let w_uv = kv_b.narrow(1, nope, cfg.v_head_dim)?;
     // q_lat[b, h] = q_nope[b, h] @ w_uk[h]: heads as the batch dimension.

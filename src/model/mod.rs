@@ -44,7 +44,7 @@ use crate::graph::{DType, Graph, GraphBuilder, InputRole, Tensor};
 
 pub use moe::MoeStrategy;
 pub use params::{ModelWeights, WeightSpecs};
-pub use precision::{DTypeChoice, Precision};
+pub use precision::{DTypeChoice, Precision, PrecisionChoice, Quantize};
 
 /// Declares weight inputs on first use, so each graph binds only the weights it reads.
 pub struct Weights<'a> {
@@ -71,9 +71,12 @@ impl<'a> Weights<'a> {
         let shape = self.specs.shape(name).ok_or_else(|| {
             Error::shape("weight", format!("the model has no parameter `{name}`"))
         })?;
-        let t = self
-            .builder
-            .input(name, InputRole::Weight, shape.to_vec(), self.specs.dtype(name))?;
+        let t = self.builder.input(
+            name,
+            InputRole::Weight,
+            shape.to_vec(),
+            self.specs.dtype(name),
+        )?;
         self.declared
             .borrow_mut()
             .insert(name.to_string(), t.clone());

@@ -113,9 +113,9 @@ pub fn moe(
 ) -> Result<Tensor> {
     let (ids, weights) = route(cfg, r, w, layer, x)?;
     let p = format!("model.layers.{layer}.mlp");
-    let gate = w.get(&format!("{p}.experts.gate_proj"))?;
-    let up = w.get(&format!("{p}.experts.up_proj"))?;
-    let down = w.get(&format!("{p}.experts.down_proj"))?;
+    let gate = Experts::new(w, &format!("{p}.experts.gate_proj"))?;
+    let up = Experts::new(w, &format!("{p}.experts.up_proj"))?;
+    let down = Experts::new(w, &format!("{p}.experts.down_proj"))?;
     let routed = match strategy {
         MoeStrategy::Gather => gathered_experts(x, &ids, &weights, &gate, &up, &down)?,
         MoeStrategy::Dense => dense_experts(x, &ids, &weights, &gate, &up, &down)?,
@@ -133,13 +133,55 @@ pub fn moe(
     routed.add(&shared)
 }
 
+/// One stacked expert projection (`[experts, out, in]`), with its per-output-channel scales
+/// when it is int8.
+struct Experts {
+    w: Tensor,
+    scale: Option<Tensor>,
+}
+
+impl Experts {
+    fn new(w: &Weights, name: &str) -> Result<Self> {
+        let weight = w.get(name)?;
+        let scale = match weight.dtype() {
+            DType::I8 => Some(w.get(&format!("{name}_scale"))?),
+            _ => None,
+        };
+        Ok(Experts { w: weight, scale })
+    }
+
+    /// The experts `ids` selects (`[n, out, in]`), dequantized (`q as f32 * scale`) if int8:
+    /// only the selected experts are dequantized, right before their matmul.
+    fn select(&self, ids: &Tensor) -> Result<Tensor> {
+        let w = self.w.index_select(ids, 0)?;
+        match &self.scale {
+            None => Ok(w),
+            Some(s) => w
+                .to_dtype(DType::F32)?
+                .broadcast_mul(&s.index_select(ids, 0)?.unsqueeze(2)?),
+        }
+    }
+
+    /// Every expert, dequantized if int8.
+    fn all(&self) -> Result<Tensor> {
+        match &self.scale {
+            None => Ok(self.w.clone()),
+            Some(s) => self.w.to_dtype(DType::F32)?.broadcast_mul(&s.unsqueeze(2)?),
+        }
+    }
+
+    fn dim(&self, d: usize) -> usize {
+        self.w.dim(d)
+    }
+}
+
 fn gathered_experts(
     x: &Tensor,
     ids: &Tensor,
     weights: &Tensor,
-    gate: &Tensor,
-    up: &Tensor,
-    down: &Tensor,
+    gate: &Experts,
+    up: &Experts,
+    down: &Experts,
 ) -> Result<Tensor> {
     let (t, h) = (x.dim(0), x.dim(1));
     let k = ids.dim(1);
@@ -148,9 +190,9 @@ fn gathered_experts(
         .unsqueeze(1)?
         .broadcast_as([t, k, h])?
         .reshape([t * k, 1, h])?;
-    let g = matmul(&xs, &gate.index_select(&flat, 0)?.t()?)?.silu()?;
-    let u = matmul(&xs, &up.index_select(&flat, 0)?.t()?)?;
-    let y = matmul(&g.mul(&u)?, &down.index_select(&flat, 0)?.t()?)?; // [t*k, 1, h]
+    let g = matmul(&xs, &gate.select(&flat)?.t()?)?.silu()?;
+    let u = matmul(&xs, &up.select(&flat)?.t()?)?;
+    let y = matmul(&g.mul(&u)?, &down.select(&flat)?.t()?)?; // [t*k, 1, h]
     y.reshape([t, k, h])?
         .broadcast_mul(&weights.unsqueeze(2)?)?
         .sum(1)
@@ -160,9 +202,9 @@ fn dense_experts(
     x: &Tensor,
     ids: &Tensor,
     weights: &Tensor,
-    gate: &Tensor,
-    up: &Tensor,
-    down: &Tensor,
+    gate: &Experts,
+    up: &Experts,
+    down: &Experts,
 ) -> Result<Tensor> {
     let (t, h) = (x.dim(0), x.dim(1));
     let (e, k) = (gate.dim(0), ids.dim(1));
@@ -177,8 +219,8 @@ fn dense_experts(
         )?
         .sum(1)?;
     let xs = x.unsqueeze(0)?.broadcast_as([e, t, h])?;
-    let g = matmul(&xs, &gate.t()?)?.silu()?;
-    let u = matmul(&xs, &up.t()?)?;
-    let y = matmul(&g.mul(&u)?, &down.t()?)?; // [e, t, h]
+    let g = matmul(&xs, &gate.all()?.t()?)?.silu()?;
+    let u = matmul(&xs, &up.all()?.t()?)?;
+    let y = matmul(&g.mul(&u)?, &down.all()?.t()?)?; // [e, t, h]
     y.broadcast_mul(&routing.t()?.unsqueeze(2)?)?.sum(0)
 }

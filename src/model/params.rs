@@ -23,16 +23,19 @@ use crate::error::{Error, Result};
 use crate::graph::DType;
 use crate::weights::{Checkpoint, Conversion};
 
+use super::precision::{Precision, Quantize};
+
 /// Shape and stored dtype of every parameter a graph may reference, by name.
 #[derive(Debug, Clone)]
 pub struct WeightSpecs {
     shapes: HashMap<String, Vec<usize>>,
-    dtype: DType,
+    precision: Precision,
 }
 
 impl WeightSpecs {
-    /// Every parameter of `cfg` (stacked experts included), stored in `dtype`.
-    pub fn new(cfg: &ModelConfig, dtype: DType) -> Self {
+    /// Every parameter of `cfg` (stacked experts, and their scales when quantized, included),
+    /// stored as `precision` says.
+    pub fn new(cfg: &ModelConfig, precision: &Precision) -> Self {
         let mut m = HashMap::new();
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let heads = cfg.num_attention_heads;
@@ -89,6 +92,11 @@ impl WeightSpecs {
                     m.insert(format!("{mp}.experts.gate_proj"), vec![e, i, h]);
                     m.insert(format!("{mp}.experts.up_proj"), vec![e, i, h]);
                     m.insert(format!("{mp}.experts.down_proj"), vec![e, h, i]);
+                    if precision.quantize == Quantize::ExpertsInt8 {
+                        m.insert(format!("{mp}.experts.gate_proj_scale"), vec![e, i]);
+                        m.insert(format!("{mp}.experts.up_proj_scale"), vec![e, i]);
+                        m.insert(format!("{mp}.experts.down_proj_scale"), vec![e, h]);
+                    }
                     if cfg.n_shared_experts > 0 {
                         let s = i * cfg.n_shared_experts;
                         m.insert(format!("{mp}.shared_experts.gate_proj.weight"), vec![s, h]);
@@ -104,7 +112,10 @@ impl WeightSpecs {
                 }
             }
         }
-        WeightSpecs { shapes: m, dtype }
+        WeightSpecs {
+            shapes: m,
+            precision: *precision,
+        }
     }
 
     /// The shape of a parameter, if the model has it.
@@ -113,18 +124,24 @@ impl WeightSpecs {
     }
 
     /// The dtype parameter `name` is stored in: the router's weight and bias are f32 whatever
-    /// the policy (see the module docs).
+    /// the policy, and so are quantized experts' scales (see the module docs).
     pub fn dtype(&self, name: &str) -> DType {
-        if name.ends_with(".mlp.gate.weight") || name.ends_with(".e_score_correction_bias") {
+        if name.ends_with(".mlp.gate.weight")
+            || name.ends_with(".e_score_correction_bias")
+            || name.ends_with("_proj_scale")
+        {
             DType::F32
+        } else if stacked_expert(name).is_some() && self.precision.quantize == Quantize::ExpertsInt8
+        {
+            DType::I8
         } else {
-            self.dtype
+            self.precision.weights
         }
     }
 
-    /// The dtype of the weights (the precision policy's).
-    pub fn weight_dtype(&self) -> DType {
-        self.dtype
+    /// The precision the specs describe.
+    pub fn precision(&self) -> &Precision {
+        &self.precision
     }
 
     /// All parameter names, sorted.
@@ -136,7 +153,10 @@ impl WeightSpecs {
 
     /// Total number of parameters.
     pub fn param_count(&self) -> usize {
-        self.shapes.values().map(|s| s.iter().product::<usize>()).sum()
+        self.shapes
+            .values()
+            .map(|s| s.iter().product::<usize>())
+            .sum()
     }
 
     /// Bytes of all parameters as stored.
@@ -159,8 +179,8 @@ pub struct ModelWeights {
 impl ModelWeights {
     /// Loads and prepares every parameter from a checkpoint in `dtype`, checking each shape.
     /// Each tensor is converted as it is read; no wider copy of the checkpoint is ever held.
-    pub fn load(cfg: &ModelConfig, ckpt: &Checkpoint, dtype: DType) -> Result<Self> {
-        let specs = WeightSpecs::new(cfg, dtype);
+    pub fn load(cfg: &ModelConfig, ckpt: &Checkpoint, precision: &Precision) -> Result<Self> {
+        let specs = WeightSpecs::new(cfg, precision);
         let conv = |dtype| Conversion {
             dtype,
             fp8_block: cfg.fp8_block,
@@ -173,7 +193,16 @@ impl ModelWeights {
                 let names: Vec<String> = (0..shape[0])
                     .map(|e| format!("{prefix}.{e}.{proj}.weight"))
                     .collect();
-                ckpt.stacked(&names, &shape[1..], &conv(dt))?
+                if dt == DType::I8 {
+                    let (q, scales) =
+                        quantize_experts(ckpt, &names, &shape[1..], &conv(DType::F32))?;
+                    tensors.insert(format!("{name}_scale"), scales);
+                    q
+                } else {
+                    ckpt.stacked(&names, &shape[1..], &conv(dt))?
+                }
+            } else if name.ends_with("_proj_scale") {
+                continue; // made with its experts
             } else if name == "lm_head.weight" && !ckpt.contains(name) {
                 return Err(Error::Weights(format!(
                     "tensor `lm_head.weight` is missing (expected shape {shape:?}; config.json says tie_word_embeddings is false)"
@@ -188,8 +217,8 @@ impl ModelWeights {
 
     /// Random weights in `dtype` (deterministic in `seed`) for benchmarks and tests of configs
     /// that have no checkpoint. Values are scaled like a trained model's (norm weights near 1).
-    pub fn random(cfg: &ModelConfig, seed: u64, dtype: DType) -> Result<Self> {
-        let specs = WeightSpecs::new(cfg, dtype);
+    pub fn random(cfg: &ModelConfig, seed: u64, precision: &Precision) -> Result<Self> {
+        let specs = WeightSpecs::new(cfg, precision);
         let mut tensors = HashMap::new();
         let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         for name in specs.names() {
@@ -212,8 +241,21 @@ impl ModelWeights {
                     }
                 })
                 .collect();
-            let t = CTensor::from_vec(data, shape, &Device::Cpu)?
-                .to_dtype(candle_dtype(specs.dtype(name)))?;
+            if name.ends_with("_proj_scale") {
+                continue; // made with its experts
+            }
+            let t = if specs.dtype(name) == DType::I8 {
+                let (q, scales) = quantize_rows(&data, shape[shape.len() - 1]);
+                let rows = &shape[..shape.len() - 1];
+                tensors.insert(
+                    format!("{name}_scale"),
+                    CTensor::from_vec(scales, rows, &Device::Cpu)?,
+                );
+                CTensor::from_vec(q, shape, &Device::Cpu)?
+            } else {
+                CTensor::from_vec(data, shape, &Device::Cpu)?
+                    .to_dtype(candle_dtype(specs.dtype(name)))?
+            };
             tensors.insert(name.to_string(), t);
         }
         Ok(ModelWeights { tensors, specs })
@@ -240,6 +282,51 @@ impl ModelWeights {
             "lm_head.weight"
         }
     }
+}
+
+/// Reads each expert (`names`, each of `shape` `[out, in]`) as f32 and quantizes it to int8,
+/// stacked: `([experts, out, in]` int8 (held as u8 bytes), `[experts, out]` f32 scales`)`.
+fn quantize_experts(
+    ckpt: &Checkpoint,
+    names: &[String],
+    shape: &[usize],
+    conv: &Conversion,
+) -> Result<(CTensor, CTensor)> {
+    let (mut q, mut scales) = (Vec::new(), Vec::new());
+    for name in names {
+        let w = ckpt
+            .tensor(name, shape, conv)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        let (qe, se) = quantize_rows(&w, shape[1]);
+        q.extend(qe);
+        scales.extend(se);
+    }
+    let mut dims = vec![names.len()];
+    dims.extend_from_slice(shape);
+    Ok((
+        CTensor::from_vec(q, dims.as_slice(), &Device::Cpu)?,
+        CTensor::from_vec(scales, (names.len(), shape[0]), &Device::Cpu)?,
+    ))
+}
+
+/// Symmetric int8 quantization of each row of `cols` values: `scale = max|w| / 127` (1 for a
+/// row of zeros), `q = round_half_even(w / scale)` clamped to ±127, in f32 arithmetic; returns
+/// the codes as bytes (two's complement, how the CPU backend holds i8) and one scale per row.
+/// `q * scale` is the dequantized weight the graph computes.
+pub fn quantize_rows(w: &[f32], cols: usize) -> (Vec<u8>, Vec<f32>) {
+    let mut q = Vec::with_capacity(w.len());
+    let mut scales = Vec::with_capacity(w.len() / cols.max(1));
+    for row in w.chunks_exact(cols.max(1)) {
+        let amax = row.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let scale = if amax > 0.0 { amax / 127.0 } else { 1.0 };
+        q.extend(
+            row.iter()
+                .map(|&v| ((v / scale).round_ties_even().clamp(-127.0, 127.0) as i8) as u8),
+        );
+        scales.push(scale);
+    }
+    (q, scales)
 }
 
 /// `(prefix, proj)` for a stacked expert name like `model.layers.3.mlp.experts.gate_proj`.

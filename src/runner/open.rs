@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use crate::backend::neuron::compile::CompilerConfig;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::model::{DTypeChoice, ModelWeights, Precision};
+use crate::model::{ModelWeights, PrecisionChoice};
 use crate::weights::Checkpoint;
 
 use super::{Backend, CpuRunner, DeviceOptions, DeviceRunner, Runner, RunnerConfig};
@@ -34,7 +34,7 @@ pub fn choose_backend(asked: Option<Backend>) -> Backend {
 }
 
 /// What a user sizes and types a runner by: [`Limits::runner_config`] turns it into buckets and
-/// a cache, [`Limits::precision`] into the dtypes weights and cache are held in.
+/// a cache; its `precision` resolves into the dtypes weights and cache are held in.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Limits {
     /// Sequences decoded together at most (the largest batch bucket).
@@ -46,10 +46,8 @@ pub struct Limits {
     pub kv_blocks: Option<usize>,
     /// Most prompt tokens per prefill step (default: 64, at most `max_len`).
     pub prefill_chunk: Option<usize>,
-    /// `--dtype`: the weights' dtype.
-    pub dtype: DTypeChoice,
-    /// `--kv-dtype`: the KV cache's dtype.
-    pub kv_dtype: DTypeChoice,
+    /// `--dtype`, `--kv-dtype`, `--quantize`.
+    pub precision: PrecisionChoice,
 }
 
 impl Limits {
@@ -60,14 +58,8 @@ impl Limits {
             max_len,
             kv_blocks: None,
             prefill_chunk: None,
-            dtype: DTypeChoice::Auto,
-            kv_dtype: DTypeChoice::Auto,
+            precision: PrecisionChoice::default(),
         }
-    }
-
-    /// The dtypes to serve `checkpoint` in (see [`crate::model::precision`]).
-    pub fn precision(&self, checkpoint: &Checkpoint) -> Result<Precision> {
-        Precision::resolve(self.dtype, self.kv_dtype, checkpoint.float_dtype())
     }
 
     /// The runner configuration for `cfg` within these limits, or an error naming the limit
@@ -118,10 +110,10 @@ pub fn open(backend: Backend, model_dir: &Path, limits: &Limits) -> Result<Box<d
     }
     let cfg = ModelConfig::from_file(&model_dir.join("config.json"))?;
     let checkpoint = Checkpoint::open(model_dir)?;
-    let precision = limits.precision(&checkpoint)?;
+    let precision = limits.precision.resolve(checkpoint.float_dtype(), &cfg)?;
     let mut runner_cfg = limits.runner_config(&cfg)?;
     runner_cfg.kv_dtype = precision.kv_cache;
-    let weights = ModelWeights::load(&cfg, &checkpoint, precision.weights)?;
+    let weights = ModelWeights::load(&cfg, &checkpoint, &precision)?;
     open_with_weights(backend, cfg, weights, runner_cfg)
 }
 

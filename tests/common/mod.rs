@@ -66,7 +66,7 @@ pub fn runner_in(
     let dir = fixture_dir(name);
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let ckpt = Checkpoint::open(&dir).unwrap();
-    let weights = ModelWeights::load(&cfg, &ckpt, precision.weights).unwrap();
+    let weights = ModelWeights::load(&cfg, &ckpt, &precision).unwrap();
     let mut rc = RunnerConfig::for_limits(max_batch, 128);
     rc.moe = moe;
     rc.kv_dtype = precision.kv_cache;

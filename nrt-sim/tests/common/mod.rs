@@ -343,6 +343,7 @@ pub fn lowered_tiny_v3() -> &'static (PathBuf, Manifest) {
                 batch_sizes: vec![1, 4],
                 ctx: 64,
                 inputs_from_token_ids: Some(tokens),
+                precision: Default::default(),
             },
         )
         .expect("lower tiny-v3");

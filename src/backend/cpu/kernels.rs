@@ -62,7 +62,13 @@ impl CustomOp2 for RowGather {
         }
         let ids = ids_as_usize(ids, ids_l, rows)?;
         let (start, row_stride) = (src_l.start_offset(), stride[0]);
-        fn pick<T: Copy>(data: &[T], ids: &[usize], start: usize, stride: usize, cols: usize) -> Vec<T> {
+        fn pick<T: Copy>(
+            data: &[T],
+            ids: &[usize],
+            start: usize,
+            stride: usize,
+            cols: usize,
+        ) -> Vec<T> {
             let mut out = Vec::with_capacity(ids.len() * cols);
             for &r in ids {
                 let at = start + r * stride;
@@ -126,7 +132,11 @@ impl InplaceOp3 for ScatterRowsInPlace {
         }
         let col = self.col;
         fn put<T: Copy>(d: &mut [T], s: &[T], ids: &[usize], d0: usize, cols: usize, col: usize) {
-            let w = if ids.is_empty() { 0 } else { s.len() / ids.len() };
+            let w = if ids.is_empty() {
+                0
+            } else {
+                s.len() / ids.len()
+            };
             for (i, &r) in ids.iter().enumerate() {
                 let at = d0 + r * cols + col;
                 d[at..at + w].copy_from_slice(&s[i * w..(i + 1) * w]);

@@ -12,7 +12,7 @@
 //! transposed view of its `[n, k]` rows (`k` contiguous); a slice of `kv_b_proj` arrives with
 //! `n` contiguous; both are read in their own order, never copied whole.
 
-use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, Layout, Shape};
+use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, CustomOp3, Layout, Shape};
 use rayon::prelude::*;
 
 /// Columns of the output (rows of the weight) widened at a time: with `k` up to a few
@@ -49,6 +49,12 @@ impl Widen for half::f16 {
 impl Widen for float8::F8E4M3 {
     fn widen(self) -> f32 {
         self.to_f32()
+    }
+}
+
+impl Widen for i8 {
+    fn widen(self) -> f32 {
+        f32::from(self)
     }
 }
 
@@ -117,7 +123,9 @@ fn widen_all<T: Widen>(data: &[T], op: &Operand) -> Vec<f32> {
 }
 
 /// Columns `j0..j0 + tn` of `b` (`[k, n]` at `base`), widened into `scratch` as `tn` rows of
-/// `k` (one row per output column).
+/// `k` (one row per output column), each multiplied by its `scales[j]` when given (int8
+/// weights: `q as f32 * scale`, the graph's dequantization, in the same f32 arithmetic).
+#[allow(clippy::too_many_arguments)]
 fn widen_tile<T: Widen>(
     b: &[T],
     base: usize,
@@ -125,20 +133,25 @@ fn widen_tile<T: Widen>(
     k: usize,
     j0: usize,
     tn: usize,
+    scales: Option<&[f32]>,
     scratch: &mut Vec<f32>,
 ) {
     scratch.clear();
     if sk == 1 {
         for j in j0..j0 + tn {
             let at = base + j * sn;
-            scratch.extend(b[at..at + k].iter().map(|v| v.widen()));
+            match scales {
+                None => scratch.extend(b[at..at + k].iter().map(|v| v.widen())),
+                Some(s) => scratch.extend(b[at..at + k].iter().map(|v| v.widen() * s[j])),
+            }
         }
     } else {
         scratch.resize(tn * k, 0.0);
         for kk in 0..k {
             let row = base + kk * sk + j0 * sn;
             for j in 0..tn {
-                scratch[j * k + kk] = b[row + j * sn].widen();
+                let v = b[row + j * sn].widen();
+                scratch[j * k + kk] = scales.map_or(v, |s| v * s[j0 + j]);
             }
         }
     }
@@ -167,12 +180,23 @@ fn tile<T: Widen>(
     a: &[f32],
     b: &[T],
     bop: &Operand,
+    scales: Option<&[f32]>,
     (bi, j0, tn): (usize, usize, usize),
     m: usize,
 ) -> Vec<f32> {
     let k = bop.rows;
     let mut scratch = Vec::with_capacity(tn * k);
-    widen_tile(b, bop.batch_offset(bi), bop.strides(), k, j0, tn, &mut scratch);
+    let scales = scales.map(|s| &s[bi * bop.cols..(bi + 1) * bop.cols]);
+    widen_tile(
+        b,
+        bop.batch_offset(bi),
+        bop.strides(),
+        k,
+        j0,
+        tn,
+        scales,
+        &mut scratch,
+    );
     let a = &a[bi * m * k..(bi + 1) * m * k];
     let mut out = vec![0f32; m * tn];
     for (i, row) in a.chunks_exact(k.max(1)).enumerate().take(m) {
@@ -183,16 +207,23 @@ fn tile<T: Widen>(
     out
 }
 
+/// The product of the widened `a` (`[batch, m, k]`) and `b`, with `b`'s column `j` of batch
+/// entry `bi` scaled by `scales[bi * n + j]` when given.
 fn run<T: Widen>(
     a: &[f32],
     b: &[T],
     bop: &Operand,
+    scales: Option<&[f32]>,
     batch: usize,
     m: usize,
 ) -> candle_core::Result<Vec<f32>> {
     let (k, n) = (bop.rows, bop.cols);
     let tiles: Vec<(usize, usize, usize)> = (0..batch)
-        .flat_map(|bi| (0..n).step_by(TILE).map(move |j0| (bi, j0, TILE.min(n - j0))))
+        .flat_map(|bi| {
+            (0..n)
+                .step_by(TILE)
+                .map(move |j0| (bi, j0, TILE.min(n - j0)))
+        })
         .collect();
     let mut out = vec![0f32; batch * m * n];
     let place = |out: &mut [f32], (bi, j0, tn): (usize, usize, usize), t: &[f32]| {
@@ -208,10 +239,21 @@ fn run<T: Widen>(
         let dev = &candle_core::Device::Cpu;
         let mut scratch = Vec::with_capacity(GEMM_TILE * k);
         for bi in 0..batch {
-            let lhs = candle_core::Tensor::from_slice(&a[bi * m * k..(bi + 1) * m * k], (m, k), dev)?;
+            let lhs =
+                candle_core::Tensor::from_slice(&a[bi * m * k..(bi + 1) * m * k], (m, k), dev)?;
             for j0 in (0..n).step_by(GEMM_TILE) {
                 let tn = GEMM_TILE.min(n - j0);
-                widen_tile(b, bop.batch_offset(bi), bop.strides(), k, j0, tn, &mut scratch);
+                let s = scales.map(|s| &s[bi * n..(bi + 1) * n]);
+                widen_tile(
+                    b,
+                    bop.batch_offset(bi),
+                    bop.strides(),
+                    k,
+                    j0,
+                    tn,
+                    s,
+                    &mut scratch,
+                );
                 let w = candle_core::Tensor::from_slice(&scratch, (tn, k), dev)?;
                 let t = lhs.matmul(&w.t()?)?.flatten_all()?.to_vec1::<f32>()?;
                 place(&mut out, (bi, j0, tn), &t);
@@ -219,7 +261,10 @@ fn run<T: Widen>(
         }
         return Ok(out);
     }
-    let done: Vec<Vec<f32>> = tiles.par_iter().map(|&t| tile(a, b, bop, t, m)).collect();
+    let done: Vec<Vec<f32>> = tiles
+        .par_iter()
+        .map(|&t| tile(a, b, bop, scales, t, m))
+        .collect();
     for (t, data) in tiles.into_iter().zip(done) {
         place(&mut out, t, &data);
     }
@@ -241,6 +286,52 @@ fn widen_lhs(s: &CpuStorage, op: &Operand) -> candle_core::Result<Vec<f32>> {
     })
 }
 
+/// The shared body of [`WidenMatMul`] and [`ScaledMatMul`].
+fn forward(
+    a_s: &CpuStorage,
+    a_l: &Layout,
+    b_s: &CpuStorage,
+    b_l: &Layout,
+    scales: Option<&[f32]>,
+) -> candle_core::Result<(CpuStorage, Shape)> {
+    let (aop, bop) = (Operand::new(a_l)?, Operand::new(b_l)?);
+    if aop.batch != bop.batch || aop.cols != bop.rows {
+        return Err(candle_core::Error::Msg(format!(
+            "widening matmul of {:?} and {:?}",
+            a_l.dims(),
+            b_l.dims()
+        )));
+    }
+    let batch: usize = aop.batch.iter().product();
+    let m = aop.rows;
+    if scales.is_some_and(|s| s.len() != batch * bop.cols) {
+        return Err(candle_core::Error::Msg(
+            "scaled matmul: one scale per output column".into(),
+        ));
+    }
+    let a = widen_lhs(a_s, &aop)?;
+    let out = match (b_s, scales) {
+        (CpuStorage::F32(v), _) => run(&a, v, &bop, scales, batch, m)?,
+        (CpuStorage::BF16(v), _) => run(&a, v, &bop, scales, batch, m)?,
+        (CpuStorage::F16(v), _) => run(&a, v, &bop, scales, batch, m)?,
+        (CpuStorage::F8E4M3(v), _) => run(&a, v, &bop, scales, batch, m)?,
+        // int8 weights are held as u8 bytes; only meaningful with their scales.
+        (CpuStorage::U8(v), Some(_)) => {
+            let q: &[i8] = bytemuck::cast_slice(v);
+            run(&a, q, &bop, scales, batch, m)?
+        }
+        (other, _) => {
+            return Err(candle_core::Error::Msg(format!(
+                "widening matmul of dtype {:?}",
+                other.dtype()
+            )))
+        }
+    };
+    let mut dims = aop.batch.clone();
+    dims.extend([m, bop.cols]);
+    Ok((CpuStorage::F32(out), Shape::from(dims)))
+}
+
 impl CustomOp2 for WidenMatMul {
     fn name(&self) -> &'static str {
         "widen-matmul"
@@ -253,32 +344,34 @@ impl CustomOp2 for WidenMatMul {
         b_s: &CpuStorage,
         b_l: &Layout,
     ) -> candle_core::Result<(CpuStorage, Shape)> {
-        let (aop, bop) = (Operand::new(a_l)?, Operand::new(b_l)?);
-        if aop.batch != bop.batch || aop.cols != bop.rows {
-            return Err(candle_core::Error::Msg(format!(
-                "widening matmul of {:?} and {:?}",
-                a_l.dims(),
-                b_l.dims()
-            )));
-        }
-        let batch: usize = aop.batch.iter().product();
-        let m = aop.rows;
-        let a = widen_lhs(a_s, &aop)?;
-        let out = match b_s {
-            CpuStorage::F32(v) => run(&a, v, &bop, batch, m)?,
-            CpuStorage::BF16(v) => run(&a, v, &bop, batch, m)?,
-            CpuStorage::F16(v) => run(&a, v, &bop, batch, m)?,
-            CpuStorage::F8E4M3(v) => run(&a, v, &bop, batch, m)?,
-            other => {
-                return Err(candle_core::Error::Msg(format!(
-                    "widening matmul of dtype {:?}",
-                    other.dtype()
-                )))
-            }
+        forward(a_s, a_l, b_s, b_l, None)
+    }
+}
+
+/// `a @ dequant(q)` for int8 `q` (`[.., k, n]`, held as u8 bytes) with one f32 scale per output
+/// column (`[.., n]`, contiguous): the weight-only int8 experts, dequantized tile by tile.
+pub(crate) struct ScaledMatMul;
+
+impl CustomOp3 for ScaledMatMul {
+    fn name(&self) -> &'static str {
+        "scaled-matmul"
+    }
+
+    fn cpu_fwd(
+        &self,
+        a_s: &CpuStorage,
+        a_l: &Layout,
+        q_s: &CpuStorage,
+        q_l: &Layout,
+        s_s: &CpuStorage,
+        s_l: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        let (CpuStorage::F32(s), Some((s0, s1))) = (s_s, s_l.contiguous_offsets()) else {
+            return Err(candle_core::Error::Msg(
+                "scaled matmul: scales must be contiguous f32".into(),
+            ));
         };
-        let mut dims = aop.batch.clone();
-        dims.extend([m, bop.cols]);
-        Ok((CpuStorage::F32(out), Shape::from(dims)))
+        forward(a_s, a_l, q_s, q_l, Some(&s[s0..s1]))
     }
 }
 
@@ -293,10 +386,20 @@ mod tests {
     fn matches_f64_reference_on_every_layout() {
         let dev = &Device::Cpu;
         for &(batch, m, k, n) in &[(1, 1, 70, 45), (3, 5, 33, 40), (1, 40, 19, 300)] {
-            let a: Vec<f32> = (0..batch * m * k).map(|i| ((i * 7 % 13) as f32 - 6.0) / 8.0).collect();
-            let w: Vec<f32> = (0..batch * n * k).map(|i| ((i * 5 % 17) as f32 - 8.0) / 16.0).collect();
-            let a = Tensor::from_vec(a, (batch, m, k), dev).unwrap().to_dtype(DType::BF16).unwrap();
-            let w = Tensor::from_vec(w, (batch, n, k), dev).unwrap().to_dtype(DType::BF16).unwrap();
+            let a: Vec<f32> = (0..batch * m * k)
+                .map(|i| ((i * 7 % 13) as f32 - 6.0) / 8.0)
+                .collect();
+            let w: Vec<f32> = (0..batch * n * k)
+                .map(|i| ((i * 5 % 17) as f32 - 8.0) / 16.0)
+                .collect();
+            let a = Tensor::from_vec(a, (batch, m, k), dev)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap();
+            let w = Tensor::from_vec(w, (batch, n, k), dev)
+                .unwrap()
+                .to_dtype(DType::BF16)
+                .unwrap();
             let a64 = a.to_dtype(DType::F64).unwrap();
             let w64 = w.to_dtype(DType::F64).unwrap();
             let want = a64.matmul(&w64.t().unwrap()).unwrap();

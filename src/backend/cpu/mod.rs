@@ -99,6 +99,14 @@ pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
                 let ts = xs.iter().map(|x| get(*x)).collect::<Result<Vec<_>>>()?;
                 CTensor::cat(&ts, *dim)?
             }
+            Op::MatMul(a, _) if plan.dequantized_rhs[i].is_some() => {
+                let d = plan.dequantized_rhs[i].ok_or_else(|| Error::Internal("plan".into()))?;
+                let (x, q, s) = (get(*a)?, get(d.q)?, get(d.scale)?);
+                match d.ids {
+                    Some(ids) => gathered_matmul(x, q, get(ids)?, true, Some(s))?,
+                    None => x.apply_op3_no_bwd(&q.t()?, s, &matmul::ScaledMatMul)?,
+                }
+            }
             Op::MatMul(a, b) => {
                 // Widening: operands of another dtype than the result (reduced-precision
                 // operands with an f32 result, or a fused widening cast of the right operand).
@@ -106,7 +114,7 @@ pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
                 match (plan.gathered_rhs[i], plan.widened_rhs[i]) {
                     (Some((w, ids)), _) => {
                         let widen = node.dtype != a_dtype || graph.node(w).dtype != a_dtype;
-                        gathered_matmul(get(*a)?, get(w)?, get(ids)?, widen)?
+                        gathered_matmul(get(*a)?, get(w)?, get(ids)?, widen, None)?
                     }
                     (None, Some(x)) => matmul(get(*a)?, get(x)?, true)?,
                     (None, None) => matmul(get(*a)?, get(*b)?, node.dtype != a_dtype)?,
@@ -197,6 +205,9 @@ pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
 struct Plan {
     /// `gathered_rhs[m] = Some((w, ids))` for a fused gathered matmul `m`.
     gathered_rhs: Vec<Option<(NodeId, NodeId)>>,
+    /// `dequantized_rhs[m]` for a matmul `m` whose right operand is int8 experts dequantized
+    /// in the graph (gathered or all of them).
+    dequantized_rhs: Vec<Option<Dequantized>>,
     /// `widened_rhs[m] = Some(x)` for a matmul `m` whose right operand is a fused cast of `x`.
     widened_rhs: Vec<Option<NodeId>>,
     /// Nodes computed inside a fused node instead of on their own.
@@ -211,6 +222,7 @@ impl Plan {
         let counts = graph.use_counts();
         let mut plan = Plan {
             gathered_rhs: vec![None; n],
+            dequantized_rhs: vec![None; n],
             widened_rhs: vec![None; n],
             skipped: vec![false; n],
             use_counts: vec![0; n],
@@ -229,6 +241,15 @@ impl Plan {
                 }
                 _ => (b, None),
             };
+            if let Some((d, fused)) = dequantized_operand(graph, rhs) {
+                if fused.iter().all(|&f| single_use(f)) {
+                    plan.dequantized_rhs[m] = Some(d);
+                    for f in fused {
+                        plan.skipped[f.0] = true;
+                    }
+                    continue;
+                }
+            }
             if let Some((p, s, x, ids)) = gathered_operand(graph, rhs) {
                 if single_use(p) && single_use(s) {
                     plan.gathered_rhs[m] = Some((x, ids));
@@ -261,12 +282,74 @@ impl Plan {
         if self.skipped[i] {
             return vec![];
         }
-        match (&graph.nodes()[i].op, self.gathered_rhs[i], self.widened_rhs[i]) {
+        let op = &graph.nodes()[i].op;
+        if let (Op::MatMul(a, _), Some(d)) = (op, self.dequantized_rhs[i]) {
+            return [*a, d.q, d.scale].into_iter().chain(d.ids).collect();
+        }
+        match (op, self.gathered_rhs[i], self.widened_rhs[i]) {
             (Op::MatMul(a, _), Some((w, ids)), _) => vec![*a, w, ids],
             (Op::MatMul(a, _), None, Some(x)) => vec![*a, x],
             (op, _, _) => op.operands(),
         }
     }
+}
+
+/// int8 experts dequantized in the graph, as `model::moe` writes it:
+/// `permute(cast(q') * broadcast(reshape(s')), [0, 2, 1])` where `q'`, `s'` are `q`, `s` or
+/// `index_select(q, ids)`, `index_select(s, ids)` (the same `ids`).
+#[derive(Debug, Clone, Copy)]
+struct Dequantized {
+    /// `[experts, out, in]` int8 codes.
+    q: NodeId,
+    /// `[experts, out]` f32 scales.
+    scale: NodeId,
+    /// The selected experts, when gathered.
+    ids: Option<NodeId>,
+}
+
+/// The int8 dequantization feeding a matmul's right operand, with the nodes the fusion
+/// replaces.
+fn dequantized_operand(graph: &Graph, rhs: NodeId) -> Option<(Dequantized, Vec<NodeId>)> {
+    let Op::Permute(mul, ref perm) = graph.node(rhs).op else {
+        return None;
+    };
+    let Op::Binary(BinaryOp::Mul, cast, bcast) = graph.node(mul).op else {
+        return None;
+    };
+    let Op::Cast(qs) = graph.node(cast).op else {
+        return None;
+    };
+    let Op::Broadcast(reshaped) = graph.node(bcast).op else {
+        return None;
+    };
+    let Op::Reshape(ss) = graph.node(reshaped).op else {
+        return None;
+    };
+    if perm != &[0, 2, 1]
+        || graph.node(qs).dtype != DType::I8
+        || graph.node(cast).dtype != DType::F32
+    {
+        return None;
+    }
+    let mut fused = vec![rhs, mul, cast, bcast, reshaped];
+    let (q, scale, ids) = match (&graph.node(qs).op, &graph.node(ss).op) {
+        (
+            Op::IndexSelect { x: q, ids, dim: 0 },
+            Op::IndexSelect {
+                x: s,
+                ids: ids2,
+                dim: 0,
+            },
+        ) if ids == ids2 => {
+            fused.extend([qs, ss]);
+            (*q, *s, Some(*ids))
+        }
+        _ => (qs, ss, None),
+    };
+    let ok = graph.node(q).shape.rank() == 3
+        && graph.node(scale).shape.dims() == &graph.node(q).shape.dims()[..2]
+        && graph.node(scale).dtype == DType::F32;
+    ok.then_some((Dequantized { q, scale, ids }, fused))
 }
 
 /// `(permute, index_select, w, ids)` when `rhs` is `permute(index_select(w, ids, 0), [0, 2, 1])`
@@ -286,8 +369,15 @@ fn gathered_operand(graph: &Graph, rhs: NodeId) -> Option<(NodeId, NodeId, NodeI
 ///
 /// Rows that chose the same expert are multiplied together, so each selected expert's weights
 /// are read once per step (as a grouped MoE kernel would), not once per (token, choice).
-/// `widen`: the operands are reduced-precision and the result f32 (see [`matmul`]).
-fn gathered_matmul(a: &CTensor, w: &CTensor, ids: &CTensor, widen: bool) -> Result<CTensor> {
+/// `widen`: the operands are reduced-precision and the result f32 (see [`matmul`]). With
+/// `scales` (`[experts, out]`), `w` is int8 and each expert's rows are dequantized as read.
+fn gathered_matmul(
+    a: &CTensor,
+    w: &CTensor,
+    ids: &CTensor,
+    widen: bool,
+    scales: Option<&CTensor>,
+) -> Result<CTensor> {
     let ids = ids.to_vec1::<i32>()?;
     let (n, m, k) = a.dims3()?;
     let (experts, out) = (w.dim(0)?, w.dim(1)?);
@@ -308,7 +398,12 @@ fn gathered_matmul(a: &CTensor, w: &CTensor, ids: &CTensor, widen: bool) -> Resu
     for (e, rows) in &groups {
         let idx = CTensor::new(rows.as_slice(), &Device::Cpu)?;
         let x = a.index_select(&idx, 0)?.reshape((rows.len() * m, k))?;
-        pieces.push(matmul(&x, &w.get(*e)?.t()?, widen)?.reshape((rows.len(), m, out))?);
+        let we = w.get(*e)?.t()?;
+        let y = match scales {
+            Some(s) => x.apply_op3_no_bwd(&we, &s.get(*e)?, &matmul::ScaledMatMul)?,
+            None => matmul(&x, &we, widen)?,
+        };
+        pieces.push(y.reshape((rows.len(), m, out))?);
         order.extend_from_slice(rows);
     }
     let grouped = CTensor::cat(&pieces, 0)?;

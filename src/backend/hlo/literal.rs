@@ -74,7 +74,10 @@ mod tests {
             Literal::I32(vec![-3, 4]),
             Literal::U32(vec![5, u32::MAX]),
             Literal::BF16(vec![half::bf16::from_f32(1.5), half::bf16::from_f32(-1e30)]),
-            Literal::F16(vec![half::f16::from_f32(0.25), half::f16::from_f32(-65504.0)]),
+            Literal::F16(vec![
+                half::f16::from_f32(0.25),
+                half::f16::from_f32(-65504.0),
+            ]),
             Literal::F8E4M3(vec![
                 float8::F8E4M3::from_f32(448.0),
                 float8::F8E4M3::from_f32(-0.015625),

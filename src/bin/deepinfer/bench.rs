@@ -44,14 +44,14 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         (Some(dir), _) => {
             let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
             let ckpt = Checkpoint::open(dir)?;
-            let p = args.precision.resolve(ckpt.float_dtype())?;
-            let w = ModelWeights::load(&cfg, &ckpt, p.weights)?;
+            let p = args.precision.choice().resolve(ckpt.float_dtype(), &cfg)?;
+            let w = ModelWeights::load(&cfg, &ckpt, &p)?;
             (cfg, w, p)
         }
         (None, Some(file)) => {
             let cfg = ModelConfig::from_file(file)?;
-            let p = args.precision.resolve(cfg.saved_dtype)?;
-            let w = ModelWeights::random(&cfg, 0, p.weights)?;
+            let p = args.precision.choice().resolve(cfg.saved_dtype, &cfg)?;
+            let w = ModelWeights::random(&cfg, 0, &p)?;
             (cfg, w, p)
         }
         (None, None) => bail!("pass --model or --config"),

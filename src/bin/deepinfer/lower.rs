@@ -61,8 +61,7 @@ pub(crate) fn run(args: LowerArgs) -> Result<()> {
         batch_sizes: args.batch_sizes,
         ctx: args.ctx,
         inputs_from_token_ids: args.inputs_from_token_ids,
-        dtype: args.precision.dtype,
-        kv_dtype: args.precision.kv_dtype,
+        precision: args.precision.choice(),
     };
     let manifest = export::lower(&dir, &args.out, &opts)?;
     if args.compile {

@@ -158,8 +158,16 @@ impl Emitter<'_> {
             Some(lit) => literal::to_proto(&lit, shape.clone()),
             None => LiteralProto {
                 shape: Some(shape.clone()),
-                preds: if dtype == DType::Bool { vec![v != 0.0] } else { vec![] },
-                u8s: if dtype == DType::U8 { vec![v as u8] } else { vec![] },
+                preds: if dtype == DType::Bool {
+                    vec![v != 0.0]
+                } else {
+                    vec![]
+                },
+                u8s: if dtype == DType::U8 {
+                    vec![v as u8]
+                } else {
+                    vec![]
+                },
                 ..Default::default()
             },
         };
@@ -256,14 +264,7 @@ impl Emitter<'_> {
 
     /// `op` over dimension `dim` of `x` (of shape `dims`), which is removed: a `reduce` from the
     /// op's identity calling its combiner.
-    fn reduce(
-        &mut self,
-        x: i64,
-        dims: &[usize],
-        dim: usize,
-        op: ReduceOp,
-        dtype: DType,
-    ) -> i64 {
+    fn reduce(&mut self, x: i64, dims: &[usize], dim: usize, op: ReduceOp, dtype: DType) -> i64 {
         let init = reduce_identity(op, dtype);
         let t = primitive_type(dtype);
         let init = self.scalar(dtype, init);
@@ -372,10 +373,9 @@ fn reduce_identity(op: ReduceOp, dtype: DType) -> f64 {
 
 fn comparison_type(t: PrimitiveType) -> &'static str {
     match t {
-        PrimitiveType::F32
-        | PrimitiveType::F16
-        | PrimitiveType::Bf16
-        | PrimitiveType::F8e4m3fn => "FLOAT",
+        PrimitiveType::F32 | PrimitiveType::F16 | PrimitiveType::Bf16 | PrimitiveType::F8e4m3fn => {
+            "FLOAT"
+        }
         PrimitiveType::S32 | PrimitiveType::S8 => "SIGNED",
         _ => "UNSIGNED",
     }

@@ -6,8 +6,8 @@
 //! recognised by their shape (see the module docs of [`super`]).
 
 use super::{bad, dims, elem, Importer};
-use crate::backend::hlo::{literal, opcodes};
 use crate::backend::hlo::proto::HloInstructionProto;
+use crate::backend::hlo::{literal, opcodes};
 use crate::error::Result;
 use crate::graph::{BinaryOp, Tensor, UnaryOp};
 
