@@ -643,8 +643,6 @@ def scatter_cases():
         c.input("src", r_((2, 2)))
         c.output(c.op("scatter_rows", "root", "rows", "src", col=1), "y")
         cases.append(c)
-        why = "the CPU's scatter kernel handles f32 roots only (`scatter-rows into dtype ...`), though the builder accepts any dtype"
-        c.known(cpu=why, hlo_cpu=why, nrt_sim=why)
     return cases
 
 

@@ -5,7 +5,8 @@
 #    fixtures, the CLI, the graph, the compile driver, ...).
 # 2. XLA conformance: every graph we emit for every fixture (prefill, and decode at batch 1, 2, 4
 #    and 8) runs in XLA itself (jaxlib on the CPU) and must match our CPU backend, and the decode
-#    logits must match transformers' reference. jax is installed into .venv from PyPI.
+#    logits must match transformers' reference; then bf16 and int8-expert graphs against our
+#    CPU backend. jax is installed into .venv from PyPI.
 #    Then the conformance suite's cases (tests/conformance/*.json) run as our emitted HLO in XLA and
 #    must match numpy's expected values, as they do on the CPU backend, emit -> import -> CPU and
 #    nrt-sim in step 1 (scripts/xla_conformance.py).
@@ -17,7 +18,7 @@ cd "$(dirname "$0")/.."
 
 cargo test --workspace
 
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import jax, safetensors, openai, pytest, httpx, transformers, jinja2" 2>/dev/null; then
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import jax, ml_dtypes, safetensors, openai, pytest, httpx, transformers, jinja2" 2>/dev/null; then
     python3 -m venv .venv
     .venv/bin/pip install --quiet -r scripts/requirements-test.txt
 fi
@@ -27,10 +28,22 @@ trap 'rm -rf "$out"' EXIT
 status=0
 for fixture in tiny-v3 tiny-v2-lite tiny-v2-group; do
     ids=$(.venv/bin/python -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['token_ids'])))" "fixtures/$fixture/reference.json")
-    target/release/deepinfer lower --model "fixtures/$fixture" --out "$out/$fixture" \
+    target/release/deepinfer lower --model "fixtures/$fixture" --out "$out/$fixture" --dtype f32 \
         --batch-sizes 1,2,4,8 --ctx 64 --inputs-from-token-ids "$ids" > /dev/null
     echo "== XLA conformance: $fixture"
     .venv/bin/python scripts/xla_check.py "$out/$fixture" --reference "fixtures/$fixture/reference.json" || status=1
+done
+# Reduced precision: bf16 weights and cache (bf16 literals, converts into f32 dots), and int8
+# experts dequantized in the graph. XLA against our CPU backend; their meaning against
+# transformers is tests/precision.rs's.
+for run in "tiny-v2-lite:bf16:--dtype bf16" "tiny-v3:int8:--dtype bf16 --quantize experts-int8"; do
+    IFS=: read -r fixture tag flags <<< "$run"
+    ids=$(.venv/bin/python -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['token_ids'])))" "fixtures/$fixture/reference.json")
+    # shellcheck disable=SC2086  # $flags is a list of flags
+    target/release/deepinfer lower --model "fixtures/$fixture" --out "$out/$fixture-$tag" $flags \
+        --batch-sizes 1,8 --ctx 64 --inputs-from-token-ids "$ids" > /dev/null
+    echo "== XLA conformance: $fixture ($flags)"
+    .venv/bin/python scripts/xla_check.py "$out/$fixture-$tag" || status=1
 done
 echo "== XLA conformance: tests/conformance"
 .venv/bin/python scripts/make_conformance.py --check > /dev/null || status=1
