@@ -5,6 +5,8 @@
 //! `NAME.hlo.pb` (the `HloModuleProto`), `NAME.hlo.txt` (for humans), and with token ids
 //! `NAME.inputs.safetensors` (every parameter's value, keyed by parameter name) and
 //! `NAME.outputs.safetensors` (what the CPU backend computes from them, keyed by output name).
+//! Graphs return the logits the device runner binds (decode: the sampled rows'; prefill: every
+//! position's), so their statistics count what a device step really writes.
 //! `manifest.json` lists every graph's parameters (HLO parameter order), outputs (root tuple
 //! order) and aliases.
 
@@ -24,7 +26,7 @@ use crate::model::{
     self, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, PrecisionChoice, WeightSpecs,
 };
 use crate::runner::step::{self, DecodeRow, HostArray, HostData, PrefillChunk, SamplingParams};
-use crate::runner::{CpuRunner, Runner, RunnerConfig, Step};
+use crate::runner::{CpuRunner, Runner, RunnerConfig, Step, StepKind};
 use crate::weights::Checkpoint;
 
 /// What to lower.
@@ -304,11 +306,6 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
             .as_ref()
             .map_or(MoeStrategy::Dense, |r| MoeStrategy::for_tokens(r, rows))
     };
-    let with_logits = if opts.inputs_from_token_ids.is_some() {
-        LogitsOutput::Sampled
-    } else {
-        LogitsOutput::None
-    };
     let layout = model::CacheLayout {
         block_size: rc.block_size,
         num_slots: rc.num_blocks * rc.block_size,
@@ -324,7 +321,7 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
         &GraphSpec {
             rows: t,
             ctx: opts.ctx,
-            logits: with_logits,
+            logits: StepKind::Prefill.device_logits(),
             moe: moe(t),
         },
     )?;
@@ -337,7 +334,7 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
             &GraphSpec {
                 rows: b,
                 ctx: opts.ctx,
-                logits: with_logits,
+                logits: StepKind::Decode.device_logits(),
                 moe: moe(b),
             },
         )?;

@@ -42,3 +42,123 @@ fn decode_reads_stay_near_the_floor_on_published_configs() {
         let _ = std::fs::remove_dir_all(&dir);
     }
 }
+
+/// Weight bytes as stored, against an independent count from the published config.json values
+/// (written out here, not read through our config code) and the model cards' parameter counts:
+/// DeepSeek-V2-Lite 15.7B, DeepSeek-V3 671B (without its multi-token-prediction module).
+#[test]
+fn weight_bytes_agree_with_an_independent_count() {
+    use deepinfer::config::ModelConfig;
+    use deepinfer::graph::DType;
+    use deepinfer::model::{Precision, Quantize, WeightSpecs};
+
+    struct Published {
+        name: &'static str,
+        hidden: u64,
+        layers: u64,
+        dense_layers: u64,
+        vocab: u64,
+        heads: u64,
+        q_lora: Option<u64>,
+        dense_inter: u64,
+        expert_inter: u64,
+        experts: u64,
+        shared: u64,
+        card_params: f64,
+    }
+    let models = [
+        Published {
+            name: "deepseek-v2-lite",
+            hidden: 2048,
+            layers: 27,
+            dense_layers: 1,
+            vocab: 102400,
+            heads: 16,
+            q_lora: None,
+            dense_inter: 10944,
+            expert_inter: 1408,
+            experts: 64,
+            shared: 2,
+            card_params: 15.7e9,
+        },
+        Published {
+            name: "deepseek-v3",
+            hidden: 7168,
+            layers: 61,
+            dense_layers: 3,
+            vocab: 129280,
+            heads: 128,
+            q_lora: Some(1536),
+            dense_inter: 18432,
+            expert_inter: 2048,
+            experts: 256,
+            shared: 1,
+            card_params: 671e9,
+        },
+    ];
+    for m in models {
+        // MLA: kv_lora_rank 512, rope 64, nope 128, v 128 in both.
+        let (rank, rope, nope, v) = (512, 64, 128, 128);
+        let h = m.hidden;
+        let q = match m.q_lora {
+            Some(r) => r * h + r + m.heads * (nope + rope) * r,
+            None => m.heads * (nope + rope) * h,
+        };
+        let attn = q + (rank + rope) * h + rank + m.heads * (nope + v) * rank + h * m.heads * v;
+        let norms = 2 * h;
+        let dense_mlp = 3 * m.dense_inter * h;
+        let routed = m.experts * 3 * m.expert_inter * h;
+        let router = m.experts * h
+            + if m.name == "deepseek-v3" {
+                m.experts
+            } else {
+                0
+            };
+        let moe_rest = m.shared * 3 * m.expert_inter * h;
+        let moe_layers = m.layers - m.dense_layers;
+        let total = m.layers * (attn + norms)
+            + m.dense_layers * dense_mlp
+            + moe_layers * (routed + router + moe_rest)
+            + 2 * m.vocab * h
+            + h;
+        let rel = (total as f64 - m.card_params).abs() / m.card_params;
+        assert!(
+            rel < 0.005,
+            "{}: independent count {total} vs the card's {}",
+            m.name,
+            m.card_params
+        );
+
+        let path = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+            .join(format!("fixtures/configs/{}.json", m.name));
+        let cfg = ModelConfig::from_file(&path).unwrap();
+        let bf16 = WeightSpecs::new(&cfg, &Precision::all(DType::BF16));
+        assert_eq!(bf16.param_count() as u64, total, "{}", m.name);
+        // bf16 everywhere except the f32 router.
+        let router_bytes = moe_layers * router * 4;
+        assert_eq!(
+            bf16.bytes(),
+            (total - moe_layers * router) * 2 + router_bytes,
+            "{}",
+            m.name
+        );
+        // int8 experts: one byte a routed weight, plus an f32 scale per output channel.
+        let int8 = WeightSpecs::new(
+            &cfg,
+            &Precision {
+                quantize: Quantize::ExpertsInt8,
+                ..Precision::all(DType::BF16)
+            },
+        );
+        let scales = moe_layers * m.experts * (2 * m.expert_inter + h) * 4;
+        let want = bf16.bytes() - moe_layers * routed + scales;
+        assert_eq!(int8.bytes(), want, "{}", m.name);
+        eprintln!(
+            "{}: {:.2} B parameters; bf16 {:.2} GB, int8 experts {:.2} GB",
+            m.name,
+            total as f64 / 1e9,
+            bf16.bytes() as f64 / 1e9,
+            int8.bytes() as f64 / 1e9
+        );
+    }
+}

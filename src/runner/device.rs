@@ -273,7 +273,7 @@ impl DeviceRunner {
                     GraphSpec {
                         rows: b,
                         ctx,
-                        logits: LogitsOutput::Sampled,
+                        logits: StepKind::Decode.device_logits(),
                         moe: self.moe_for(b),
                     },
                 ));
@@ -284,7 +284,7 @@ impl DeviceRunner {
                     GraphSpec {
                         rows: t,
                         ctx,
-                        logits: LogitsOutput::AllPositions,
+                        logits: StepKind::Prefill.device_logits(),
                         moe: self.moe_for(t),
                     },
                 ));

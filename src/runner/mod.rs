@@ -127,6 +127,18 @@ pub(crate) enum StepKind {
     Prefill,
 }
 
+impl StepKind {
+    /// The logits a device graph of this kind returns (and so binds an output buffer for):
+    /// decode the sampled rows', prefill every position's, so one captured graph serves
+    /// every request. The cost model counts these outputs too.
+    pub(crate) fn device_logits(self) -> LogitsOutput {
+        match self {
+            StepKind::Decode => LogitsOutput::Sampled,
+            StepKind::Prefill => LogitsOutput::AllPositions,
+        }
+    }
+}
+
 /// What one executed step returns.
 #[derive(Debug, Clone)]
 pub struct StepOutput {
