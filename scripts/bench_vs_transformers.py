@@ -1,4 +1,4 @@
-"""Compare CPU decode throughput of deepinfer with HF transformers (eager, float32).
+"""Compare CPU decode throughput of deepinfer with HF transformers (eager, float32 and bfloat16).
 
 What: builds a random float32 checkpoint for a deepseek config (default: the synthetic
 ~340M-parameter fixtures/configs/medium-bench.json; published config spelling, per-expert
@@ -6,12 +6,15 @@ tensor names, the same seeded scaled-up init as scripts/make_fixtures.py), then 
 size measures
 
   * transformers: a 16-token random prompt is prefilled, then `--steps` single-token greedy
-    decode steps with the KV cache are timed (torch.set_num_threads(--threads));
+    decode steps with the KV cache are timed (torch.set_num_threads(--threads)), with the model
+    in float32 and then in bfloat16;
   * deepinfer: `<deepinfer> bench --model DIR --batch B --prompt-len 16 --steps N --json`
     with RAYON_NUM_THREADS=--threads, which prints one JSON line
-    {"batch": B, "tokens_per_s": X, "ms_per_step": Y};
+    {"batch": B, "tokens_per_s": X, "ms_per_step": Y}, once per precision of --precisions
+    (f32: `--dtype f32`; bf16: `--dtype bf16`; int8: `--dtype bf16 --quantize experts-int8`);
 
-and prints a table of tokens/s (batch * steps / seconds) and the deepinfer/transformers ratio.
+and prints a table of tokens/s (batch * steps / seconds) and each deepinfer precision's ratio
+to the faster of transformers' two.
 
 Why: a like-for-like CPU baseline for the Rust engine's decode path (same weights, same
 threads, same prompt length and step count).
@@ -82,10 +85,17 @@ def transformers_tokens_per_s(model, batch, steps):
     return batch * steps / (time.perf_counter() - start)
 
 
-def deepinfer_tokens_per_s(binary, model_dir, batch, steps, threads):
+PRECISION_FLAGS = {
+    "f32": ["--dtype", "f32"],
+    "bf16": ["--dtype", "bf16"],
+    "int8": ["--dtype", "bf16", "--quantize", "experts-int8"],
+}
+
+
+def deepinfer_tokens_per_s(binary, model_dir, batch, steps, threads, precision):
     """tokens/s reported by `deepinfer bench`, or None (with the reason printed) if unavailable."""
     cmd = [str(binary), "bench", "--model", str(model_dir), "--batch", str(batch),
-           "--prompt-len", str(PROMPT_LEN), "--steps", str(steps), "--json"]
+           "--prompt-len", str(PROMPT_LEN), "--steps", str(steps), "--json", *PRECISION_FLAGS[precision]]
     env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
     try:
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
@@ -112,7 +122,9 @@ def main():
     parser.add_argument("--threads", type=int, default=2, help="torch threads / RAYON_NUM_THREADS")
     parser.add_argument("--deepinfer", type=Path, default=Path("target/release/deepinfer"))
     parser.add_argument("--checkpoint-dir", type=Path, help="write the checkpoint here and keep it")
+    parser.add_argument("--precisions", default="f32,bf16,int8", help="deepinfer precisions: f32, bf16, int8")
     args = parser.parse_args()
+    precisions = args.precisions.split(",")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     torch.set_num_threads(args.threads)
     transformers.utils.logging.disable_progress_bar()
@@ -125,19 +137,25 @@ def main():
         print(f"{params / 1e6:.1f}M parameters; {args.threads} threads; prompt {PROMPT_LEN}; {args.steps} steps")
 
         hf = {}
-        for batch in batch_sizes:
-            hf[batch] = transformers_tokens_per_s(model, batch, args.steps)
-            print(f"transformers batch {batch}: {hf[batch]:.2f} tok/s")
+        for dtype in (torch.float32, torch.bfloat16):
+            model = model.to(dtype)
+            for batch in batch_sizes:
+                hf[(str(dtype).removeprefix("torch."), batch)] = transformers_tokens_per_s(model, batch, args.steps)
+                print(f"transformers {dtype} batch {batch}: {hf[(str(dtype).removeprefix('torch.'), batch)]:.2f} tok/s")
         del model
 
-        ours = {b: deepinfer_tokens_per_s(args.deepinfer, model_dir, b, args.steps, args.threads) for b in batch_sizes}
+        ours = {(p, b): deepinfer_tokens_per_s(args.deepinfer, model_dir, b, args.steps, args.threads, p)
+                for p in precisions for b in batch_sizes}
 
-    print(f"\n{'batch':>5}  {'transformers tok/s':>18}  {'deepinfer tok/s':>15}  {'ratio':>6}")
+    head = f"{'batch':>5}  {'hf f32':>8}  {'hf bf16':>8}" + "".join(f"  {'ours ' + p:>10}  {'ratio':>6}" for p in precisions)
+    print("\ntokens/s; ratio = ours / the faster transformers\n" + head)
     for b in batch_sizes:
-        theirs, mine = hf[b], ours[b]
-        mine_s = f"{mine:.2f}" if mine is not None else "n/a"
-        ratio_s = f"{mine / theirs:.2f}x" if mine is not None else "n/a"
-        print(f"{b:>5}  {theirs:>18.2f}  {mine_s:>15}  {ratio_s:>6}")
+        best = max(hf[("float32", b)], hf[("bfloat16", b)])
+        row = f"{b:>5}  {hf[('float32', b)]:>8.2f}  {hf[('bfloat16', b)]:>8.2f}"
+        for p in precisions:
+            mine = ours[(p, b)]
+            row += f"  {mine:>10.2f}  {mine / best:>5.2f}x" if mine is not None else f"  {'n/a':>10}  {'n/a':>6}"
+        print(row)
 
 
 if __name__ == "__main__":
