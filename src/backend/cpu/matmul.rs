@@ -1,12 +1,14 @@
-//! The reduced-precision matmul: bf16 / f16 / f8 operands, f32 accumulation and result.
+//! The widening matmul: bf16 / f16 / f8 / f32 operands (int8 with per-column scales), f32
+//! accumulation and result.
 //!
-//! This is HLO's `dot` with bf16 operands and an f32 result shape, and what a Neuron matmul
-//! unit does. candle's own bf16 CPU matmul would instead return bf16 (rounding the
-//! accumulated sums) and, on the way, convert the whole right-hand operand (a weight of tens
-//! of MB) to f32 on every call. Here the right-hand operand, the weight, is widened tile by
-//! tile into a small f32 scratch that stays in cache and is reused for every row of the left
-//! operand, so one pass over the weight serves the whole batch; the left operand (activations,
-//! small) is widened once.
+//! The model multiplies in f32 and holds weights and the cache in bf16 (`model::precision`):
+//! the graph says `matmul(x, convert_f32(w))`. Executed literally, the convert would copy a
+//! whole weight (tens of MB) to f32 on every call, as candle's own bf16 matmul also does. Here
+//! the matmul reads the bf16 values and widens them as it goes: each weight row (an output
+//! column) is read once per call, straight into the dot product for a single left row or into
+//! a `k`-float buffer that stays in L1 and serves every left row. Decode is bound by reading
+//! the weights, so reading half the bytes is the point. Prefill-sized left operands (from
+//! [`GEMM_ROWS`] rows) widen tiles of the weight and let candle's f32 GEMM do the arithmetic.
 //!
 //! Layouts: `b` is `[.., k, n]` with any strides. The weight of a linear layer arrives as the
 //! transposed view of its `[n, k]` rows (`k` contiguous); a slice of `kv_b_proj` arrives with
@@ -15,8 +17,7 @@
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, CustomOp3, Layout, Shape};
 use rayon::prelude::*;
 
-/// Columns of the output (rows of the weight) widened at a time: with `k` up to a few
-/// thousand, the scratch stays within a core's L2 cache.
+/// Output columns (weight rows) per parallel task.
 const TILE: usize = 32;
 
 /// Left-operand rows from which the tiles go through candle's f32 GEMM instead of the dot
@@ -36,7 +37,9 @@ impl Widen for f32 {
 
 impl Widen for half::bf16 {
     fn widen(self) -> f32 {
-        self.to_f32()
+        // A bf16 is the top half of an f32 (exact, NaN payloads included); a plain shift,
+        // unlike `to_f32`'s NaN branch, vectorizes.
+        f32::from_bits(u32::from(self.to_bits()) << 16)
     }
 }
 
@@ -175,36 +178,62 @@ fn dot(x: &[f32], y: &[f32]) -> f32 {
     acc.iter().sum::<f32>() + tail
 }
 
-/// One output tile `[m, tn]` of batch entry `bi`, row-major.
-fn tile<T: Widen>(
+/// `sum(x[i] * widen(w[i]))`, the widening fused into the dot (one pass, vectorizable).
+fn dot_widen<T: Widen>(x: &[f32], w: &[T]) -> f32 {
+    let mut acc = [0f32; 8];
+    let (xc, wc) = (x.chunks_exact(8), w.chunks_exact(8));
+    let tail: f32 = xc
+        .remainder()
+        .iter()
+        .zip(wc.remainder())
+        .map(|(a, b)| a * b.widen())
+        .sum();
+    for (a, b) in xc.zip(wc) {
+        for l in 0..8 {
+            acc[l] += a[l] * b[l].widen();
+        }
+    }
+    acc.iter().sum::<f32>() + tail
+}
+
+/// Output column `j` of batch entry `bi` for every left row, into `out` (`m` values).
+///
+/// The weight column (a weight row of a linear layer) is read once: straight into the dot
+/// when there is one left row, otherwise widened into `row` (`k` f32, which stays in L1) and
+/// multiplied with every left row.
+#[allow(clippy::too_many_arguments)]
+fn column<T: Widen>(
     a: &[f32],
     b: &[T],
     bop: &Operand,
     scales: Option<&[f32]>,
-    (bi, j0, tn): (usize, usize, usize),
+    (bi, j): (usize, usize),
     m: usize,
-) -> Vec<f32> {
-    let k = bop.rows;
-    let mut scratch = Vec::with_capacity(tn * k);
-    let scales = scales.map(|s| &s[bi * bop.cols..(bi + 1) * bop.cols]);
-    widen_tile(
-        b,
-        bop.batch_offset(bi),
-        bop.strides(),
-        k,
-        j0,
-        tn,
-        scales,
-        &mut scratch,
-    );
+    row: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let (k, n) = (bop.rows, bop.cols);
     let a = &a[bi * m * k..(bi + 1) * m * k];
-    let mut out = vec![0f32; m * tn];
-    for (i, row) in a.chunks_exact(k.max(1)).enumerate().take(m) {
-        for (j, w) in scratch.chunks_exact(k.max(1)).enumerate() {
-            out[i * tn + j] = dot(row, w);
-        }
+    let base = bop.batch_offset(bi);
+    let (sk, sn) = bop.strides();
+    let at = base + j * sn;
+    if sk == 1 && m == 1 && scales.is_none() {
+        out[0] = dot_widen(a, &b[at..at + k]);
+        return;
     }
-    out
+    row.clear();
+    if sk == 1 {
+        row.extend(b[at..at + k].iter().map(|v| v.widen()));
+    } else {
+        row.extend((0..k).map(|kk| b[at + kk * sk].widen()));
+    }
+    if let Some(s) = scales {
+        let sj = s[bi * n + j];
+        row.iter_mut().for_each(|v| *v *= sj);
+    }
+    for (o, x) in out.iter_mut().zip(a.chunks_exact(k.max(1))) {
+        *o = dot(x, row);
+    }
 }
 
 /// The product of the widened `a` (`[batch, m, k]`) and `b`, with `b`'s column `j` of batch
@@ -218,13 +247,6 @@ fn run<T: Widen>(
     m: usize,
 ) -> candle_core::Result<Vec<f32>> {
     let (k, n) = (bop.rows, bop.cols);
-    let tiles: Vec<(usize, usize, usize)> = (0..batch)
-        .flat_map(|bi| {
-            (0..n)
-                .step_by(TILE)
-                .map(move |j0| (bi, j0, TILE.min(n - j0)))
-        })
-        .collect();
     let mut out = vec![0f32; batch * m * n];
     let place = |out: &mut [f32], (bi, j0, tn): (usize, usize, usize), t: &[f32]| {
         for i in 0..m {
@@ -261,12 +283,29 @@ fn run<T: Widen>(
         }
         return Ok(out);
     }
-    let done: Vec<Vec<f32>> = tiles
-        .par_iter()
-        .map(|&t| tile(a, b, bop, scales, t, m))
-        .collect();
-    for (t, data) in tiles.into_iter().zip(done) {
-        place(&mut out, t, &data);
+    // Column-major (`[batch, n, m]`), so each parallel chunk of output columns is one
+    // contiguous slice; transposed back below (a no-op for one left row).
+    let mut cols = vec![0f32; batch * n * m];
+    cols.par_chunks_mut(TILE * m.max(1))
+        .enumerate()
+        .for_each_init(
+            || Vec::with_capacity(k),
+            |row, (c, chunk)| {
+                for (jj, o) in chunk.chunks_exact_mut(m.max(1)).enumerate() {
+                    let g = c * TILE + jj;
+                    column(a, b, bop, scales, (g / n, g % n), m, row, o);
+                }
+            },
+        );
+    if m == 1 {
+        return Ok(cols);
+    }
+    for bi in 0..batch {
+        for j in 0..n {
+            for i in 0..m {
+                out[bi * m * n + i * n + j] = cols[bi * n * m + j * m + i];
+            }
+        }
     }
     Ok(out)
 }
