@@ -1,7 +1,8 @@
 //! CPU decode-step latency on the synthetic ~300M-parameter "medium" DeepSeek-V3 config
 //! (`fixtures/configs/medium-bench.json`: 64 experts, top-6, noaux_tc routing) at batch 1, 8
-//! and 32, with random weights. Each iteration re-runs one decode step at a fixed position
-//! (context 17), so every sample does the same work.
+//! and 32, with random weights held in f32, in bf16 (bf16 cache too) and in bf16 with int8
+//! routed experts. Each iteration re-runs one decode step at a fixed position (context 17), so
+//! every sample does the same work.
 //!
 //! Run with `cargo bench --bench decode`. `scripts/bench_vs_transformers.py` compares the same
 //! config against transformers' eager CPU decode.
@@ -11,7 +12,8 @@ use std::path::Path;
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use deepinfer::config::ModelConfig;
 use deepinfer::engine::BlockAllocator;
-use deepinfer::model::{LogitsOutput, ModelWeights, Precision};
+use deepinfer::graph::DType;
+use deepinfer::model::{LogitsOutput, ModelWeights, Precision, Quantize};
 use deepinfer::runner::step::{DecodeRow, PrefillChunk, SamplingParams};
 use deepinfer::runner::{self, Backend, RunnerConfig, Step};
 
@@ -25,50 +27,59 @@ fn decode_step(c: &mut Criterion) {
     }
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/configs/medium-bench.json");
     let cfg = ModelConfig::from_file(&path).expect("medium config");
-    let weights = ModelWeights::random(&cfg, 0, &Precision::F32).expect("random weights");
+    let bf16 = Precision::all(DType::BF16);
+    let int8 = Precision {
+        quantize: Quantize::ExpertsInt8,
+        ..bf16
+    };
     let mut group = c.benchmark_group("cpu_decode_step_medium");
     group.sample_size(10);
-    for batch in [1usize, 8, 32] {
-        let rc = RunnerConfig::for_limits(batch, 64);
-        let mut blocks = BlockAllocator::new(rc.num_blocks, rc.block_size).expect("blocks");
-        let mut runner = runner::open_with_weights(Backend::Cpu, cfg.clone(), weights.clone(), rc)
-            .expect("runner");
-        let mut tables = vec![Vec::new(); batch];
-        for (i, table) in tables.iter_mut().enumerate() {
-            let prompt: Vec<u32> = (0..PROMPT as u32)
-                .map(|j| (j * 7 + i as u32 * 13 + 1) % 32000)
-                .collect();
-            blocks.grow(table, PROMPT + 1).expect("blocks");
-            let chunk = PrefillChunk {
-                tokens: &prompt,
-                start: 0,
-                blocks: table,
-                sampling: SamplingParams::GREEDY,
-            };
-            runner
-                .replay(&Step::Prefill {
-                    chunk: &chunk,
-                    logits: LogitsOutput::None,
+    for (tag, precision) in [("f32", Precision::F32), ("bf16", bf16), ("int8", int8)] {
+        let weights = ModelWeights::random(&cfg, 0, &precision).expect("random weights");
+        for batch in [1usize, 8, 32] {
+            let mut rc = RunnerConfig::for_limits(batch, 64);
+            rc.kv_dtype = precision.kv_cache;
+            let mut blocks = BlockAllocator::new(rc.num_blocks, rc.block_size).expect("blocks");
+            let mut runner =
+                runner::open_with_weights(Backend::Cpu, cfg.clone(), weights.clone(), rc)
+                    .expect("runner");
+            let mut tables = vec![Vec::new(); batch];
+            for (i, table) in tables.iter_mut().enumerate() {
+                let prompt: Vec<u32> = (0..PROMPT as u32)
+                    .map(|j| (j * 7 + i as u32 * 13 + 1) % 32000)
+                    .collect();
+                blocks.grow(table, PROMPT + 1).expect("blocks");
+                let chunk = PrefillChunk {
+                    tokens: &prompt,
+                    start: 0,
+                    blocks: table,
+                    sampling: SamplingParams::GREEDY,
+                };
+                runner
+                    .replay(&Step::Prefill {
+                        chunk: &chunk,
+                        logits: LogitsOutput::None,
+                    })
+                    .expect("prefill");
+            }
+            let rows: Vec<DecodeRow> = tables
+                .iter()
+                .map(|t| DecodeRow {
+                    token: 5,
+                    position: PROMPT,
+                    blocks: t,
+                    sampling: SamplingParams::GREEDY,
                 })
-                .expect("prefill");
+                .collect();
+            let step = Step::Decode {
+                rows: &rows,
+                logits: LogitsOutput::None,
+            };
+            group.throughput(Throughput::Elements(batch as u64));
+            group.bench_with_input(BenchmarkId::new(tag, batch), &batch, |b, _| {
+                b.iter(|| runner.replay(&step).expect("decode"))
+            });
         }
-        let rows: Vec<DecodeRow> = tables
-            .iter()
-            .map(|t| DecodeRow {
-                token: 5,
-                position: PROMPT,
-                blocks: t,
-                sampling: SamplingParams::GREEDY,
-            })
-            .collect();
-        let step = Step::Decode {
-            rows: &rows,
-            logits: LogitsOutput::None,
-        };
-        group.throughput(Throughput::Elements(batch as u64));
-        group.bench_with_input(BenchmarkId::from_parameter(batch), &batch, |b, _| {
-            b.iter(|| runner.replay(&step).expect("decode"))
-        });
     }
     group.finish();
 }

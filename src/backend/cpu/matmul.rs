@@ -15,6 +15,7 @@
 //! `n` contiguous; both are read in their own order, never copied whole.
 
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, CustomOp3, Layout, Shape};
+use pulp::{Arch, Simd, WithSimd};
 use rayon::prelude::*;
 
 /// Output columns (weight rows) per parallel task.
@@ -160,79 +161,70 @@ fn widen_tile<T: Widen>(
     }
 }
 
-/// `sum(x[i] * y[i])` with independent partial sums, so the loop vectorizes.
-fn dot(x: &[f32], y: &[f32]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (xc, yc) = (x.chunks_exact(8), y.chunks_exact(8));
-    let tail: f32 = xc
-        .remainder()
-        .iter()
-        .zip(yc.remainder())
-        .map(|(a, b)| a * b)
-        .sum();
-    for (a, b) in xc.zip(yc) {
-        for l in 0..8 {
-            acc[l] += a[l] * b[l];
+/// `sum(x[i] * y[i])` in the widest vectors the CPU has (pulp picks AVX2+FMA or falls back
+/// at run time), with four independent accumulators to hide the FMA latency.
+#[inline(always)]
+fn simd_dot<S: Simd>(simd: S, x: &[f32], y: &[f32]) -> f32 {
+    let (xh, xt) = S::as_simd_f32s(x);
+    let (yh, yt) = S::as_simd_f32s(y);
+    let mut acc = [simd.splat_f32s(0.0); 4];
+    let (xc, yc) = (xh.chunks_exact(4), yh.chunks_exact(4));
+    let (xr, yr) = (xc.remainder(), yc.remainder());
+    for (xs, ys) in xc.zip(yc) {
+        for l in 0..4 {
+            acc[l] = simd.mul_add_f32s(xs[l], ys[l], acc[l]);
         }
     }
-    acc.iter().sum::<f32>() + tail
-}
-
-/// `sum(x[i] * widen(w[i]))`, the widening fused into the dot (one pass, vectorizable).
-fn dot_widen<T: Widen>(x: &[f32], w: &[T]) -> f32 {
-    let mut acc = [0f32; 8];
-    let (xc, wc) = (x.chunks_exact(8), w.chunks_exact(8));
-    let tail: f32 = xc
-        .remainder()
-        .iter()
-        .zip(wc.remainder())
-        .map(|(a, b)| a * b.widen())
-        .sum();
-    for (a, b) in xc.zip(wc) {
-        for l in 0..8 {
-            acc[l] += a[l] * b[l].widen();
-        }
+    for (x, y) in xr.iter().zip(yr) {
+        acc[0] = simd.mul_add_f32s(*x, *y, acc[0]);
     }
-    acc.iter().sum::<f32>() + tail
+    let sum = simd.add_f32s(simd.add_f32s(acc[0], acc[1]), simd.add_f32s(acc[2], acc[3]));
+    simd.reduce_sum_f32s(sum) + xt.iter().zip(yt).map(|(a, b)| a * b).sum::<f32>()
 }
 
-/// Output column `j` of batch entry `bi` for every left row, into `out` (`m` values).
+/// One parallel task: output columns `g0..` (numbered over batch x n), each column's `m`
+/// values into `out` (`[columns, m]`).
 ///
-/// The weight column (a weight row of a linear layer) is read once: straight into the dot
-/// when there is one left row, otherwise widened into `row` (`k` f32, which stays in L1) and
-/// multiplied with every left row.
-#[allow(clippy::too_many_arguments)]
-fn column<T: Widen>(
-    a: &[f32],
-    b: &[T],
-    bop: &Operand,
-    scales: Option<&[f32]>,
-    (bi, j): (usize, usize),
+/// Each weight column (a weight row of a linear layer) is widened once into `row` (`k` f32,
+/// which stays in L1) and multiplied with every left row: one pass over the weight per call.
+struct Columns<'a, T> {
+    a: &'a [f32],
+    b: &'a [T],
+    bop: &'a Operand<'a>,
+    scales: Option<&'a [f32]>,
+    g0: usize,
     m: usize,
-    row: &mut Vec<f32>,
-    out: &mut [f32],
-) {
-    let (k, n) = (bop.rows, bop.cols);
-    let a = &a[bi * m * k..(bi + 1) * m * k];
-    let base = bop.batch_offset(bi);
-    let (sk, sn) = bop.strides();
-    let at = base + j * sn;
-    if sk == 1 && m == 1 && scales.is_none() {
-        out[0] = dot_widen(a, &b[at..at + k]);
-        return;
-    }
-    row.clear();
-    if sk == 1 {
-        row.extend(b[at..at + k].iter().map(|v| v.widen()));
-    } else {
-        row.extend((0..k).map(|kk| b[at + kk * sk].widen()));
-    }
-    if let Some(s) = scales {
-        let sj = s[bi * n + j];
-        row.iter_mut().for_each(|v| *v *= sj);
-    }
-    for (o, x) in out.iter_mut().zip(a.chunks_exact(k.max(1))) {
-        *o = dot(x, row);
+    row: &'a mut Vec<f32>,
+    out: &'a mut [f32],
+}
+
+impl<T: Widen> WithSimd for Columns<'_, T> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, simd: S) {
+        let (k, n, m) = (self.bop.rows, self.bop.cols, self.m);
+        let (sk, sn) = self.bop.strides();
+        let row = self.row;
+        for (jj, o) in self.out.chunks_exact_mut(m.max(1)).enumerate() {
+            let g = self.g0 + jj;
+            let (bi, j) = (g / n, g % n);
+            let at = self.bop.batch_offset(bi) + j * sn;
+            row.clear();
+            if sk == 1 {
+                row.extend(self.b[at..at + k].iter().map(|v| v.widen()));
+            } else {
+                row.extend((0..k).map(|kk| self.b[at + kk * sk].widen()));
+            }
+            if let Some(s) = self.scales {
+                let sj = s[bi * n + j];
+                row.iter_mut().for_each(|v| *v *= sj);
+            }
+            let a = &self.a[bi * m * k..(bi + 1) * m * k];
+            for (o, x) in o.iter_mut().zip(a.chunks_exact(k.max(1))) {
+                *o = simd_dot(simd, x, row);
+            }
+        }
     }
 }
 
@@ -286,15 +278,22 @@ fn run<T: Widen>(
     // Column-major (`[batch, n, m]`), so each parallel chunk of output columns is one
     // contiguous slice; transposed back below (a no-op for one left row).
     let mut cols = vec![0f32; batch * n * m];
+    let arch = Arch::new();
     cols.par_chunks_mut(TILE * m.max(1))
         .enumerate()
         .for_each_init(
             || Vec::with_capacity(k),
             |row, (c, chunk)| {
-                for (jj, o) in chunk.chunks_exact_mut(m.max(1)).enumerate() {
-                    let g = c * TILE + jj;
-                    column(a, b, bop, scales, (g / n, g % n), m, row, o);
-                }
+                arch.dispatch(Columns {
+                    a,
+                    b,
+                    bop,
+                    scales,
+                    g0: c * TILE,
+                    m,
+                    row,
+                    out: chunk,
+                })
             },
         );
     if m == 1 {
