@@ -7,14 +7,35 @@ Floats are evaluated in float64 and rounded to float32 only at the end (the best
 implementation could return); integers use the exact 32-bit semantics XLA documents (wrapping
 arithmetic, truncating division, x / 0 = -1 (signed) or all ones (unsigned), x % 0 = x, shifts by
 32 or more give 0).
+
+The reduced-precision dtypes (bf16, f16, f8e4m3fn, from ml_dtypes, and i8) are held in their own
+numpy types. An arithmetic op on them (a reduction) is evaluated in float64 on the widened values
+and rounded once to the op's dtype, since its result is a value of that dtype; the check
+evaluation computes it in the dtype itself (ml_dtypes rounds every step), the way an HLO `reduce`
+whose combiner adds two bf16 values may.
 """
 
 import zlib
 
+import ml_dtypes
 import numpy as np
 
 F32, I32, U32, BOOL = "f32", "i32", "u32", "bool"
-NP_DTYPE = {F32: np.float32, I32: np.int32, U32: np.uint32, BOOL: np.bool_}
+BF16, F16, F8, I8 = "bf16", "f16", "f8e4m3fn", "i8"
+NP_DTYPE = {
+    F32: np.float32,
+    I32: np.int32,
+    U32: np.uint32,
+    BOOL: np.bool_,
+    BF16: ml_dtypes.bfloat16,
+    F16: np.float16,
+    F8: ml_dtypes.float8_e4m3fn,
+    I8: np.int8,
+}
+# Float dtypes narrower than f32; every value of them is exactly a float32.
+REDUCED = (BF16, F16, F8)
+FLOATS = (F32,) + REDUCED
+INTS = {I32: (-(2**31), 2**31 - 1), U32: (0, 2**32 - 1), I8: (-128, 127)}
 I32_MIN, I32_MAX, U32_MAX = -(2**31), 2**31 - 1, 2**32 - 1
 NAN, INF = float("nan"), float("inf")
 
@@ -44,8 +65,10 @@ def f32_json(v):
 
 
 def encode(arr, dtype):
+    """A case's JSON values. A bf16, f16 or f8e4m3fn value is written as its float32 widening,
+    which is exact (the Rust side refuses a number the dtype cannot hold)."""
     flat = np.asarray(arr).reshape(-1)
-    if dtype == F32:
+    if dtype in FLOATS:
         return [f32_json(v) for v in flat.astype(np.float32)]
     if dtype == BOOL:
         return [bool(v) for v in flat]
@@ -62,14 +85,41 @@ def dtype_of(arr):
         return U32
     if dt in (np.float32, np.float64):
         return F32
+    for name in (BF16, F16, F8, I8):
+        if dt == NP_DTYPE[name]:
+            return name
     raise TypeError(f"no graph dtype for {dt}")
 
 
 def decode(dtype, shape, data):
     """The inverse of `encode`: a case's JSON values as a numpy array."""
-    if dtype == F32:
+    if dtype in FLOATS:
         data = [{"nan": NAN, "inf": INF, "-inf": -INF}[v] if isinstance(v, str) else v for v in data]
+        # Through float32, which holds every value exactly (ml_dtypes converts a float64 through
+        # float32 anyway).
+        return np.array(data, dtype=np.float32).astype(NP_DTYPE[dtype]).reshape(shape)
     return np.array(data, dtype=NP_DTYPE[dtype]).reshape(shape)
+
+
+def is_float(arr):
+    return dtype_of(arr) in FLOATS
+
+
+def round_to(x, dt):
+    """float64 values rounded once, to nearest even, to the narrow float type `dt` (bf16, f16,
+    f8e4m3fn; out of range as ml_dtypes converts). ml_dtypes converts a float64 through float32,
+    which can round twice (1 + 2^-8 + 2^-30 would become bf16 1.0 instead of 1 + 2^-7); rounding
+    to float32 *to odd* first (truncate, then set the last bit if anything was cut off) makes
+    the second rounding the correctly rounded one, as float32 has at least two more significand
+    bits than each of these types."""
+    x = np.asarray(x, dtype=np.float64)
+    with np.errstate(over="ignore"):
+        r = x.astype(np.float32)
+        wide = r.astype(np.float64)
+        inexact = np.isfinite(x) & (wide != x)
+        r = np.where(inexact & (np.abs(wide) > np.abs(x)), np.nextafter(r, np.float32(0)), r).astype(np.float32)
+        bits = np.where(inexact, r.view(np.uint32) | np.uint32(1), r.view(np.uint32)).astype(np.uint32)
+        return bits.view(np.float32).astype(dt).reshape(x.shape)
 
 
 # === The numpy interpreter ===
@@ -100,6 +150,10 @@ COMPARE = {
 REDUCE_INIT = {
     ("reduce_max", F32): -INF,
     ("reduce_min", F32): INF,
+    ("reduce_max", BF16): -INF,
+    ("reduce_min", BF16): INF,
+    ("reduce_max", F16): -INF,
+    ("reduce_min", F16): INF,
     ("reduce_max", I32): I32_MIN,
     ("reduce_min", I32): I32_MAX,
     ("reduce_max", U32): 0,
@@ -150,12 +204,20 @@ def shift(a, b, left):
 def cast(x, to, ftype):
     """Conversion as XLA (and Rust's `as`) define it: float to integer truncates toward zero and
     saturates, NaN becomes 0 (numpy's own cast of NaN or out-of-range values is undefined, so the
-    rule is spelled out); integer to integer wraps; to f32 rounds to nearest even."""
+    rule is spelled out; XLA's convert does the same for s8, measured with jaxlib 0.10.2);
+    integer to integer wraps; to f32 rounds to nearest even, and a narrow float widens exactly.
+    A float to bf16, f16 or f8e4m3fn rounds to nearest even from the float32 value (the graph's
+    f32 values are float32; a narrow float is exactly one); ml_dtypes gives out-of-range values
+    what the type has: +-inf for bf16 and f16, NaN for f8e4m3fn (it has no infinity; XLA's
+    convert does the same)."""
     if to == F32:
         return x.astype(np.float32).astype(ftype)
-    if x.dtype.kind == "f":
-        lo, hi = (I32_MIN, I32_MAX) if to == I32 else (0, U32_MAX)
-        t = np.trunc(np.nan_to_num(x.astype(np.float64), nan=0.0, posinf=hi, neginf=lo))
+    if to in REDUCED:
+        assert is_float(x), f"{dtype_of(x)} -> {to}: only float sources have a single rounding here"
+        return x.astype(np.float32).astype(NP_DTYPE[to])
+    if is_float(x):
+        lo, hi = INTS[to]
+        t = np.trunc(np.nan_to_num(x.astype(np.float32).astype(np.float64), nan=0.0, posinf=hi, neginf=lo))
         return np.clip(t, lo, hi).astype(np.int64).astype(NP_DTYPE[to])
     return x.astype(np.int64).astype(NP_DTYPE[to]) if x.dtype != np.bool_ else x.astype(NP_DTYPE[to])
 
@@ -183,8 +245,16 @@ def evaluate(case, ftype):
     return {o["name"]: env[o["value"]] for o in case.outputs}
 
 
+# Ops that compute new values from their operands (not data movement): on a narrow float they
+# round (see the module docs).
+ARITHMETIC = set(UNARY) | {"add", "sub", "mul", "div", "maximum", "minimum", "reduce_sum", "reduce_max", "reduce_min"}
+
+
 def run_op(st, args, ftype):
     op = st["op"]
+    if op in ARITHMETIC and dtype_of(args[0]) in REDUCED and ftype == np.float64:
+        dt = args[0].dtype
+        return round_to(run_op(st, [a.astype(np.float64) for a in args], np.float64), dt)
     x = args[0] if args else None
     if op == "constant":
         a = np.array(st["data_array"], dtype=NP_DTYPE[st["dtype"]]).reshape(st["shape"])
@@ -207,7 +277,7 @@ def run_op(st, args, ftype):
         if op == "mul":
             return x * y
         if op == "div":
-            return x / y if x.dtype.kind == "f" else int_div(x, y, signed)
+            return x / y if is_float(x) else int_div(x, y, signed)
         if op == "rem":
             return int_rem(x, y, signed)
         if op == "maximum":
@@ -239,6 +309,11 @@ def run_op(st, args, ftype):
         return np.concatenate(args, axis=st["dim"])
     if op == "matmul":
         return np.matmul(x, args[1])
+    if op == "matmul_to":
+        # Narrow operands, an f32 result: the products and sums of the widened values (float64
+        # for the reference, float32 for the check evaluation).
+        assert st["dtype"] == F32, st
+        return np.matmul(x.astype(ftype), args[1].astype(ftype))
     if op in ("reduce_sum", "reduce_max", "reduce_min"):
         d = st["dim"]
         if op == "reduce_sum":
@@ -272,7 +347,7 @@ def mismatch(got, want, out):
     atol + rtol * |want|; integers and bools are exact."""
     if got.shape != want.shape or dtype_of(got) != dtype_of(want):
         return f"`{out['name']}`: got {got.dtype} {list(got.shape)}, want {want.dtype} {list(want.shape)}"
-    if out["dtype"] == F32:
+    if out["dtype"] in FLOATS:
         g, w = got.astype(np.float64).reshape(-1), want.astype(np.float64).reshape(-1)
         nan = np.isnan(w) | np.isnan(g)
         inf = ~nan & (np.isinf(w) | np.isinf(g))
@@ -329,6 +404,9 @@ class Case:
 
     def const(self, data, dtype, shape=None):
         a = np.asarray(data, dtype=NP_DTYPE[dtype])
+        if dtype in REDUCED:
+            want = np.asarray(data, dtype=np.float64)
+            assert np.array_equal(a.astype(np.float64), want, equal_nan=True), f"{self.name}: {data} is not exactly {dtype}"
         shape = list(a.shape) if shape is None else shape
         return self.op("constant", dtype=dtype, shape=shape, data_array=a.reshape(-1))
 
@@ -348,10 +426,11 @@ class Case:
             want = ref[o["name"]]
             o["dtype"] = dtype_of(want)
             o["shape"] = list(want.shape)
-            if o["dtype"] == F32:
+            if o["dtype"] in FLOATS:
                 assert "atol" in o, f"{self.name}.{o['name']}: a float output needs atol and rtol"
-                with np.errstate(over="ignore"):
-                    want = want.astype(np.float32)
+                if o["dtype"] == F32:
+                    with np.errstate(over="ignore"):
+                        want = want.astype(np.float32)
             else:
                 assert "atol" not in o, f"{self.name}.{o['name']}: integer and bool outputs are exact"
             o["array"] = want
@@ -384,7 +463,7 @@ class Case:
             if "aliases" in o:
                 e["aliases"] = o["aliases"]
             e["dtype"], e["shape"] = o["dtype"], o["shape"]
-            if o["dtype"] == F32:
+            if o["dtype"] in FLOATS:
                 e["atol"], e["rtol"] = o["atol"], o["rtol"]
             e["data"] = encode(o["array"], o["dtype"])
             outs.append(e)

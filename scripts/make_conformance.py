@@ -9,17 +9,19 @@ tests/conformance/README.md.
 
 Why: the expected values come from here, not from deepinfer, so every executor is checked against
 an independent reference, and one set of cases serves all executors (the regex crate's testdata
-idea). Everything here is plain numpy; nothing imports or runs deepinfer.
+idea). Everything here is plain numpy (with ml_dtypes for the bf16 and f8e4m3fn types); nothing
+imports or runs deepinfer.
 
 The cases of single ops are defined below, the blocks in conformance_blocks.py, and the reference
 in conformance_reference.py: `evaluate` interprets a program with numpy, op by op. Floats are
 evaluated in float64 and rounded to float32 only at the end (the best value an f32 implementation
-could return); integers use the exact 32-bit semantics XLA documents (wrapping arithmetic,
-truncating division, x / 0 = -1 (signed) or all ones (unsigned), x % 0 = x, shifts by 32 or more
-give 0). Each case is also evaluated entirely in float32 and must pass its own comparison rule
-against the reference: a tolerance is never tighter than an honest float32 implementation needs,
-and integer or bool results that depend on float rounding (a near tie in top-k, say) are refused
-as ill-conditioned instead of being written. Blocks also check the program against the textbook
+could return); an op on bf16, f16 or f8e4m3fn values is rounded once to its dtype; integers use
+the exact 32-bit semantics XLA documents (wrapping arithmetic, truncating division, x / 0 = -1
+(signed) or all ones (unsigned), x % 0 = x, shifts by 32 or more give 0). Each case is also
+evaluated entirely in float32 (narrow float types in their own type) and must pass its own
+comparison rule against the reference: a tolerance is never tighter than an honest float32
+implementation needs, and integer or bool results that depend on float rounding (a near tie in
+top-k, say) are refused as ill-conditioned instead of being written. Blocks also check the program against the textbook
 numpy formula of the block, so the op program is known to express what its name says.
 
 Inputs come from a numpy Generator seeded from the case's name (crc32), so adding or editing one
@@ -36,15 +38,21 @@ import sys
 import zlib
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 from conformance_blocks import block_cases
 from conformance_reference import (
+    BF16,
     BOOL,
     COMPARE,
     EXACT,
+    F8,
+    F16,
     F32,
     F_EDGES,
+    FLOATS,
+    I8,
     I32,
     I32_MAX,
     I32_MIN,
@@ -64,12 +72,40 @@ from conformance_reference import (
 
 OUT_DIR = Path(__file__).resolve().parent.parent / "tests" / "conformance"
 
+# Edges of the narrow types (ml_dtypes.finfo): the largest finite bf16 ((2 - 2^-7) * 2^127), f16
+# and f8e4m3fn values, and the f8e4m3fn smallest subnormal.
+BF16_MAX = float(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+F16_MAX = 65504.0
+F8_MAX = 448.0
+F8_TINY = 2.0**-9
+
+
+def exact_for(dtype):
+    """The comparison of an output that computes nothing (data movement, constants) or is
+    correctly rounded: exact for every dtype (floats state a zero tolerance)."""
+    return EXACT if dtype in FLOATS else {}
+
+
+def narrow(rng, shape, dtype, lo=-4.0, hi=4.0):
+    """Random values of a narrow float type: uniform float32 values rounded to `dtype`."""
+    return floats(rng, shape, lo, hi).astype(NP_DTYPE[dtype])
+
+
+def narrow_edges(dtype):
+    """NaN, the infinities (f8e4m3fn has none: its largest finite values instead), the largest
+    finite values, -0, a subnormal where it is a normal float32 (f16, f8e4m3fn), as `dtype`."""
+    edges = {
+        BF16: [NAN, INF, -INF, BF16_MAX, -BF16_MAX, 2.0**-126, -0.0, 1.0078125],
+        F16: [NAN, INF, -INF, F16_MAX, -F16_MAX, 2.0**-24, -(2.0**-24), 2.0**-14, -0.0],
+        F8: [NAN, F8_MAX, -F8_MAX, F8_TINY, -F8_TINY, 2.0**-6, -0.0, 1.125],
+    }[dtype]
+    return np.array(edges, dtype=np.float32).astype(NP_DTYPE[dtype])
+
 # Real disagreements found by this suite, attached to their cases with `Case.known`: the executors
 # report each as a known failure and fail once the case passes (so the entry goes when the bug is
 # fixed). Each one is a bug to fix, not a tolerance.
 CPU_NAN_MAX = "candle's maximum/minimum keep the first operand when the second is NaN (`if a < b {b} else {a}`); XLA and numpy propagate NaN"
 CPU_NAN_REDUCE = "candle's max/min reduction skips a NaN unless it is the first element of the row; XLA's reduce and numpy propagate it"
-CPU_EMPTY_REDUCE = "candle's max/min reduction refuses an empty dimension (EmptyTensor); XLA returns the reduction's init value (-inf / +inf)"
 CPU_NAN_ARGMAX = "candle's argmax skips a NaN unless it is the row's first element; numpy and jnp.argmax return the first NaN"
 CPU_INT_SUM = (
     "candle sums integers with `+`, which panics on overflow when overflow checks are on (the test profile; nrt-sim "
@@ -287,9 +323,82 @@ def convert_cases():
         c.input("x", np.array([True, False, True, True, False]))
         c.output(c.op("cast", "x", dtype=to), "y", **(EXACT if to == F32 else {}))
         cases.append(c)
+    cases += narrow_convert_cases(fam)
     c = Case(fam, "f32_to_i32_empty", "a cast of a [0] value")
     c.input("x", np.zeros(0, dtype=np.float32))
     c.output(c.op("cast", "x", dtype=I32), "y")
+    cases.append(c)
+    return cases
+
+
+def narrow_convert_cases(fam):
+    """Conversions to and from bf16, f16, f8e4m3fn and i8. Every one is exact or correctly
+    rounded (to nearest even), so every output is compared exactly."""
+    cases = []
+    f32 = lambda *v: np.array(v, dtype=np.float32)  # noqa: E731
+    below = lambda v: float(np.nextafter(np.float32(v), np.float32(0)))  # noqa: E731
+    # (dtype, values that round (ties to even, the overflow threshold and its neighbour), range of
+    # the random values). The overflow threshold is the largest finite value plus half an ulp:
+    # a tie whose even neighbour is the next power of two, so it rounds to inf.
+    bf16_over = (2 - 2.0**-8) * 2.0**127
+    rounding = {
+        BF16: (
+            "1 + 2^-8 and 1 + 3 * 2^-8 are ties (to 1 and 1 + 2^-6), 1 + 2^-8 + 2^-23 rounds up; (2 - 2^-8) * 2^127 is the overflow tie (to inf), the float32 below it rounds to the largest bf16, f32::MAX and larger overflow",
+            [1 + 2.0**-8, 1 + 3 * 2.0**-8, 1 + 2.0**-8 + 2.0**-23, bf16_over, -bf16_over, below(bf16_over), 3.4028235e38, BF16_MAX, 2.0**-126, 0.1],
+            1e6,
+        ),
+        F16: (
+            "1 + 2^-11 and 1 + 3 * 2^-11 are ties, 65520 is the overflow tie (to inf) and the float32 below it rounds to 65504, 1e5 overflows; 2^-25 and 1.5 * 2^-24 are subnormal ties (to 0 and 2^-23), 0.75 * 2^-24 rounds up to the smallest subnormal, 1e-8 to 0",
+            [1 + 2.0**-11, 1 + 3 * 2.0**-11, 65520.0, -65520.0, below(65520.0), 1e5, -1e5, F16_MAX, 2.0**-25, 1.5 * 2.0**-24, 0.75 * 2.0**-24, 1e-8, 2.0**-14, 0.1],
+            1e4,
+        ),
+        F8: (
+            "1.0625 and 1.1875 are ties (to 1 and 1.25), 464 is the tie between 448 and the missing 480 (to 448, the even one), 2^-10 and 1.5 * 2^-9 are subnormal ties (to 0 and 2^-8), 2^-11 rounds to 0",
+            [1.0625, 1.1875, -1.1875, 464.0, -464.0, below(464.0), 2.0**-10, 1.5 * 2.0**-9, 2.0**-11, 0.3, 240.5],
+            400.0,
+        ),
+    }
+    for dtype, (doc, vals, span) in rounding.items():
+        c = Case(fam, f"f32_to_{dtype}", f"f32 -> {dtype} rounds to nearest even, keeps NaN, +-inf (bf16, f16), +-0: {doc}")
+        specials = [NAN, -0.0, 0.0, 1.0] + ([INF, -INF] if dtype != F8 else [])
+        c.input("x", np.concatenate([f32(*specials, *vals), floats(c.rng, 16, -span, span)]))
+        c.output(c.op("cast", "x", dtype=dtype), "y", **EXACT)
+        cases.append(c)
+    c = Case(fam, "f32_to_f8e4m3fn_out_of_range", "f32 -> f8e4m3fn beyond its range: f8e4m3fn has no infinity, and XLA's convert and ml_dtypes give NaN for |x| above the 464 tie and for +-inf (not a saturated +-448)")
+    c.input("x", f32(464.03125, -464.03125, 480.0, 1000.0, -1000.0, 1e9, 3.4028235e38, INF, -INF))
+    c.output(c.op("cast", "x", dtype=F8), "y", **EXACT)
+    cases.append(c)
+    why = (
+        "the CPU's convert to f8e4m3fn (candle's to_dtype, float8's F8E4M3::from_f32) saturates: |x| > 464 and +-inf "
+        "become +-448 (CUDA's __NV_SATFINITE); XLA's convert, like ml_dtypes, gives NaN (measured with jaxlib 0.10.2)"
+    )
+    c.known(cpu=why, hlo_cpu=why, nrt_sim=why)
+    for dtype in (BF16, F16):
+        c = Case(fam, f"{dtype}_to_f32", f"{dtype} -> f32 is exact: NaN, +-inf, the largest finite values, the smallest {'normal' if dtype == BF16 else 'subnormal and normal'}, -0, random values")
+        c.input("x", np.concatenate([narrow_edges(dtype), narrow(c.rng, 16, dtype, -1000, 1000)]))
+        c.output(c.op("cast", "x", dtype=F32), "y", **EXACT)
+        cases.append(c)
+    c = Case(fam, "f8e4m3fn_to_f32", "f8e4m3fn -> f32 is exact: all 256 bit patterns (the subnormals, +-448, both NaNs 0x7f and 0xff, -0)")
+    c.input("x", np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).reshape(16, 16))
+    c.output(c.op("cast", "x", dtype=F32), "y", **EXACT)
+    cases.append(c)
+    c = Case(fam, "f32_to_i8", "f32 -> i8 truncates toward zero (+-0.999 -> 0, +-2.5 -> +-2, 127.9 -> 127, -128.9 -> -128)")
+    c.input("x", np.concatenate([f32(0.5, -0.5, 0.999, -0.999, 2.5, -2.5, -0.0, 127.0, 127.9, -128.0, -128.9, 126.5, -7.7), floats(c.rng, 12, -120, 120)]))
+    c.output(c.op("cast", "x", dtype=I8), "y")
+    cases.append(c)
+    c = Case(fam, "f32_to_i8_out_of_range", "f32 -> i8 out of range saturates to -128 / 127 and NaN becomes 0, as XLA's convert does (measured with jaxlib 0.10.2) and as for i32")
+    c.input("x", f32(128.0, -129.0, 300.0, -300.0, 1e10, -1e10, 3.4028235e38, INF, -INF, NAN))
+    c.output(c.op("cast", "x", dtype=I8), "y")
+    cases.append(c)
+    i8_edges = np.array([-128, -127, -1, 0, 1, 7, 127], dtype=np.int8)
+    for to in (F32, I32):
+        c = Case(fam, f"i8_to_{to}", f"i8 -> {to} is exact and sign-extends (-128, -1 stay negative: the CPU holds i8 as u8 bytes)")
+        c.input("x", np.concatenate([i8_edges, c.rng.integers(-128, 128, 9).astype(np.int8)]))
+        c.output(c.op("cast", "x", dtype=to), "y", **exact_for(to))
+        cases.append(c)
+    c = Case(fam, "i32_to_i8", "i32 -> i8 keeps the low byte (wraps: 128 -> -128, 255 -> -1, 300 -> 44)")
+    c.input("x", np.array([I32_MIN, -129, -128, -1, 0, 127, 128, 255, 256, 300, I32_MAX], dtype=np.int32))
+    c.output(c.op("cast", "x", dtype=I8), "y")
     cases.append(c)
     return cases
 
@@ -348,6 +457,26 @@ def shape_cases():
         b_ = c.op("broadcast", s_, shape=[2, 2, 2])
         c.output(c.op("concat", b_, s_, dim=0), "y")
         cases.append(c)
+    movement_data = {
+        BF16: narrow_edges(BF16)[:6],
+        F16: narrow_edges(F16)[:6],
+        F8: narrow_edges(F8)[:6],
+        I8: np.array([-128, 127, -1, 0, 1, 7], dtype=np.int8),
+    }
+    for dtype, x in movement_data.items():
+        c = Case(fam, f"movement_{dtype}", f"reshape, permute, slice, broadcast and concat on a {dtype} value holding its edge values (copied bit for bit)")
+        c.input("x", x.reshape(2, 3))
+        r_ = c.op("reshape", "x", shape=[3, 2, 1])
+        p_ = c.op("permute", r_, perm=[2, 0, 1])
+        s_ = c.op("slice", p_, dim=1, start=1, len=2)
+        b_ = c.op("broadcast", s_, shape=[2, 2, 2])
+        c.output(c.op("concat", b_, s_, dim=0), "y", **exact_for(dtype))
+        cases.append(c)
+    c = Case(fam, "transpose_bf16_weight", "a bf16 [out, in] weight transposed and made contiguous by a concat (the layout change a bf16 weight goes through)")
+    c.input("w", narrow(c.rng, (4, 6), BF16), role="weight")
+    t = c.op("permute", "w", perm=[1, 0])
+    c.output(c.op("concat", t, c.op("slice", t, dim=1, start=0, len=1), dim=1), "y", **EXACT)
+    cases.append(c)
     c = Case(fam, "unsqueeze_squeeze", "a size-1 dim inserted and removed (both reshapes), around a broadcast")
     c.input("x", floats(c.rng, (3,)))
     u = c.op("reshape", "x", shape=[3, 1])
@@ -392,6 +521,20 @@ def constant_cases():
         c.output(k, "k", **(EXACT if dtype == F32 else {}))
         c.output(c.op("add", "x", k), "y", **(EXACT if dtype == F32 else {}))
         cases.append(c)
+    for name, doc, data, dtype, shape in (
+        ("constant_bf16", "bf16 literals: +-inf, NaN, the largest finite bf16 (3.39e38) of both signs, the smallest normal (2^-126), -0, 0.1 as bf16, -256", [-INF, INF, NAN, BF16_MAX, -BF16_MAX, 2.0**-126, -0.0, 0.10009765625, 1.5, -256.0], BF16, [2, 5]),
+        ("constant_f16", "f16 literals: 65504 (the largest finite) of both signs, +-inf, NaN, the smallest subnormal (2^-24) and normal (2^-14), -0, 0.1 as f16", [F16_MAX, -F16_MAX, INF, -INF, NAN, 2.0**-24, 2.0**-14, -0.0, 0.0999755859375, 1.0], F16, [2, 5]),
+        ("constant_f8e4m3fn", "f8e4m3fn literals: 448 (the largest finite; there is no infinity) of both signs, NaN, the smallest subnormal (2^-9) of both signs, the smallest normal (2^-6), -0", [F8_MAX, -F8_MAX, NAN, F8_TINY, -F8_TINY, 2.0**-6, -0.0, 1.125, 240.0, -0.875], F8, [5, 2]),
+        ("constant_i8", "i8 literals at both ends of the range", [-128, 127, -1, 0, 1, 7], I8, [3, 2]),
+    ):
+        c = Case(fam, name, doc)
+        k = c.const(data, dtype, shape)
+        # Widened as well, so the literal feeds a computation besides being an output (the graph
+        # has no elementwise arithmetic on these types).
+        wide = I32 if dtype == I8 else F32
+        c.output(k, "k", **exact_for(dtype))
+        c.output(c.op("cast", k, dtype=wide), "wide", **exact_for(wide))
+        cases.append(c)
     return cases
 
 
@@ -430,15 +573,10 @@ def reduce_cases():
         c.input("x", np.zeros((3, 0), dtype=np.float32))
         c.output(c.op(op, "x", dim=1), "y", **EXACT)
         cases.append(c)
-        if op != "reduce_sum":
-            c.known(cpu=CPU_EMPTY_REDUCE, hlo_cpu=CPU_EMPTY_REDUCE, nrt_sim=CPU_EMPTY_REDUCE)
         c = Case(fam, f"{op[7:]}_f32_empty_rest", f"{op} over a full dim of a [0, 4] value gives a [0] value")
         c.input("x", np.zeros((0, 4), dtype=np.float32))
         c.output(c.op(op, "x", dim=1), "y", **EXACT)
         cases.append(c)
-        if op != "reduce_sum":
-            why = "candle's max/min reduction refuses any empty input (EmptyTensor), even when only the kept dims are empty and the result is an empty value"
-            c.known(cpu=why, hlo_cpu=why, nrt_sim=why)
         for dtype in (I32, U32):
             c = Case(fam, f"{op[7:]}_{dtype}", f"{op} on {dtype} over dim 1 (sums wrap on overflow)")
             x = ints(c.rng, (4, 3), dtype)
@@ -447,10 +585,56 @@ def reduce_cases():
             cases.append(c)
             if op == "reduce_sum":
                 c.known(cpu=CPU_INT_SUM, hlo_cpu=CPU_INT_SUM, nrt_sim=CPU_INT_SUM)
+    for op, dtype, init in (("reduce_max", I32, "i32::MIN"), ("reduce_min", U32, "u32::MAX")):
+        c = Case(fam, f"{op[7:]}_{dtype}_empty_dim", f"{op} over a {dtype} dimension of size 0 gives the init value, {init}")
+        c.input("x", np.zeros((2, 0), dtype=NP_DTYPE[dtype]))
+        c.output(c.op(op, "x", dim=1), "y")
+        cases.append(c)
     c = Case(fam, "sum_i32_small", "an i32 sum that does not overflow (the MoE hit count)")
     c.input("x", ints(c.rng, (3, 5), I32, -100, 100))
     c.output(c.op("reduce_sum", "x", dim=0), "y")
     cases.append(c)
+    cases += narrow_reduce_cases(fam)
+    return cases
+
+
+def narrow_reduce_cases(fam):
+    """Sums, maxima and minima of bf16 and f16 values. An HLO reduce over bf16 adds in bf16 (its
+    combiner returns bf16), in an order of the backend's choosing, so a sum of arbitrary values
+    may round differently per executor; the values here are multiples of 1/8 within [-4, 4], so
+    every partial sum of a row (at most 4 * 4 = 16 in magnitude, a multiple of 1/8) is exact in
+    bf16 (8 significant bits) and f16, every order gives the one exact sum, and the comparison is
+    exact. Overflow is tested with rows whose partial sums overflow in every order."""
+    cases = []
+    for dtype in (BF16, F16):
+        big = 2.0**127 if dtype == BF16 else 40000.0
+        for op in ("reduce_sum", "reduce_max", "reduce_min"):
+            c = Case(fam, f"{op[7:]}_{dtype}", f"{op} over the middle dim of a [3, 4, 5] {dtype} value (multiples of 1/8 within [-4, 4]: exact sums)")
+            c.input("x", (c.rng.integers(-32, 33, (3, 4, 5)) / 8).astype(NP_DTYPE[dtype]))
+            c.output(c.op(op, "x", dim=1), "y", **EXACT)
+            cases.append(c)
+            c = Case(fam, f"{op[7:]}_{dtype}_edges", f"{op} over {dtype} rows holding +inf, -inf, both (the sum is NaN), all -inf, all +inf, +-0, and values whose sum overflows to +-inf in {dtype} ({big:g} + {big:g})")
+            x = np.array(
+                [
+                    [INF, 1.0, 2.0, 3.0],
+                    [-INF, -1.0, -2.0, -3.0],
+                    [INF, -INF, 0.0, 1.0],
+                    [-INF, -INF, -INF, -INF],
+                    [INF, INF, INF, INF],
+                    [-0.0, 0.0, -0.0, 0.0],
+                    [big, big, 0.0, 1.0],
+                    [-big, -big, -1.0, 0.0],
+                ],
+                dtype=np.float32,
+            ).astype(NP_DTYPE[dtype])
+            c.input("x", x)
+            c.output(c.op(op, "x", dim=1), "y", **EXACT)
+            cases.append(c)
+            init = {"reduce_sum": "0", "reduce_max": "-inf", "reduce_min": "+inf"}[op]
+            c = Case(fam, f"{op[7:]}_{dtype}_empty_dim", f"{op} over a {dtype} dimension of size 0 gives the {dtype} identity, {init} (the init value of the HLO reduce; an emitter that wrote the f32 identity's bits or a finite extreme fails here)")
+            c.input("x", np.zeros((3, 0), dtype=NP_DTYPE[dtype]))
+            c.output(c.op(op, "x", dim=1), "y", **EXACT)
+            cases.append(c)
     return cases
 
 
@@ -516,6 +700,42 @@ def matmul_cases():
     c.input("b", b)
     c.output(c.op("matmul", "a", "b"), "y", **MM)
     cases.append(c)
+    # Narrow operands, an f32 result (`matmul_to`, HLO's dot with an f32 result shape). The
+    # expected value is numpy's float64 product of the widened values; the product of two bf16
+    # (8-bit) or f16 (11-bit) significands is exact in float32, so only the f32 sums round, and
+    # MM's reasoning holds as for f32 operands.
+    for name, doc, dtype, sa, sb in (
+        ("matmul_to_bf16", "bf16 [3, 5] x [5, 4] -> f32", BF16, (3, 5), (5, 4)),
+        ("matmul_to_bf16_batched", "bf16 [2, 3, 4] x [2, 4, 5] -> f32", BF16, (2, 3, 4), (2, 4, 5)),
+        ("matmul_to_bf16_k0", "bf16 [2, 0] x [0, 3] -> f32 zeros (an empty sum)", BF16, (2, 0), (0, 3)),
+        ("matmul_to_f16", "f16 [3, 6] x [6, 2] -> f32", F16, (3, 6), (6, 2)),
+    ):
+        c = Case(fam, name, doc)
+        c.input("a", narrow(c.rng, sa, dtype))
+        c.input("b", narrow(c.rng, sb, dtype), role="weight")
+        c.output(c.op("matmul_to", "a", "b", dtype=F32), "y", **MM)
+        cases.append(c)
+    c = Case(fam, "matmul_to_bf16_transposed_rhs", "bf16 x @ w^T -> f32 with w a bf16 HF-layout [out, in] weight (a permuted, strided operand)")
+    c.input("x", narrow(c.rng, (3, 6), BF16))
+    c.input("w", narrow(c.rng, (4, 6), BF16), role="weight")
+    c.output(c.op("matmul_to", "x", c.op("permute", "w", perm=[1, 0]), dtype=F32), "y", **MM)
+    cases.append(c)
+    c = Case(fam, "matmul_to_bf16_nonfinite", "bf16 operands with inf and NaN -> f32: inf * 0 is NaN, inf + finite is inf, NaN spreads")
+    c.input("a", np.array([[INF, 0, 1], [1, 2, 3], [NAN, 1, 1], [-INF, 1, 0]], dtype=np.float32).astype(NP_DTYPE[BF16]))
+    c.input("b", np.array([[0, 1], [1, 1], [1, 2]], dtype=np.float32).astype(NP_DTYPE[BF16]))
+    c.output(c.op("matmul_to", "a", "b", dtype=F32), "y", **MM)
+    cases.append(c)
+    c = Case(fam, "matmul_to_f16_beyond_f16", "f16 operands whose products and sums exceed f16's range (300 * 300 * 2 = 180000 > 65504): the f32 result is finite, where f16 accumulation would give inf")
+    c.input("a", np.array([[300, 300], [-300, 255]], dtype=np.float16))
+    c.input("b", np.array([[300, 1], [300, -2]], dtype=np.float16))
+    c.output(c.op("matmul_to", "a", "b", dtype=F32), "y", **MM)
+    cases.append(c)
+    c = Case(fam, "matmul_widened_bf16_rhs", "x @ f32(w^T) with x f32 and w a bf16 [out, in] weight widened by a cast only the matmul reads (the model's bf16 weights; the CPU fuses the cast into the matmul)")
+    c.input("x", floats(c.rng, (3, 6)))
+    c.input("w", narrow(c.rng, (4, 6), BF16), role="weight")
+    wt = c.op("cast", c.op("permute", "w", perm=[1, 0]), dtype=F32)
+    c.output(c.op("matmul", "x", wt), "y", **MM)
+    cases.append(c)
     return cases
 
 
@@ -550,6 +770,23 @@ def gather_cases():
         c.input("ids", np.array([2, 2, 0], dtype=np.int32))
         c.output(c.op("index_select", "x", "ids", dim=0), "y")
         cases.append(c)
+    for dtype in (BF16, F16, F8, I8):
+        c = Case(fam, f"index_select_{dtype}", f"rows of a [4, 3] {dtype} weight holding its edge values (the embedding lookup of a {dtype} table), repeated and out of order")
+        x = np.array([-128, 127, -1, 0, 1, 7, 5, -5, 100, -100, 2, 3], dtype=np.int8) if dtype == I8 else np.concatenate([narrow_edges(dtype)[:6], narrow(c.rng, 6, dtype)])
+        c.input("x", x.reshape(4, 3), role="weight")
+        c.input("ids", np.array([3, 0, 0, 2, 1], dtype=np.int32))
+        c.output(c.op("index_select", "x", "ids", dim=0), "y", **exact_for(dtype))
+        cases.append(c)
+    c = Case(fam, "index_select_bf16_3d", "stacked bf16 expert weights: slices of dim 0 of a [4, 2, 3] value")
+    c.input("x", narrow(c.rng, (4, 2, 3), BF16), role="weight")
+    c.input("ids", np.array([3, 0, 3], dtype=np.int32))
+    c.output(c.op("index_select", "x", "ids", dim=0), "y", **EXACT)
+    cases.append(c)
+    c = Case(fam, "gather_bf16", "per-row picks of bf16 data along dim 1")
+    c.input("x", narrow(c.rng, (3, 5), BF16))
+    c.input("ids", c.rng.integers(0, 5, (3, 4)).astype(np.int32))
+    c.output(c.op("gather", "x", "ids", dim=1), "y", **EXACT)
+    cases.append(c)
     c = Case(fam, "index_select_no_ids", "zero ids give an empty result")
     c.input("x", floats(c.rng, (3, 2)))
     c.input("ids", np.zeros(0, dtype=np.int32))
@@ -643,6 +880,25 @@ def scatter_cases():
         c.input("src", r_((2, 2)))
         c.output(c.op("scatter_rows", "root", "rows", "src", col=1), "y")
         cases.append(c)
+    for dtype in (BF16, F16, F8, I8):
+        c = Case(fam, f"scatter_rows_{dtype}", f"rows written into a {dtype} root (a {dtype} KV cache), source rows holding the type's edge values")
+        if dtype == I8:
+            root, src = c.rng.integers(-128, 128, (4, 3)).astype(np.int8), np.array([[-128, 127], [-1, 0]], dtype=np.int8)
+        else:
+            root, src = narrow(c.rng, (4, 3), dtype), narrow_edges(dtype)[:4].reshape(2, 2)
+        c.input("root", root)
+        c.input("rows", np.array([0, 3], dtype=np.int32))
+        c.input("src", src)
+        c.output(c.op("scatter_rows", "root", "rows", "src", col=1), "y", **exact_for(dtype))
+        cases.append(c)
+    c = Case(fam, "scatter_rows_bf16_in_place", "a bf16 cache root updated in place (the output aliases the root), then read back widened to f32 as attention reads the cache")
+    c.input("kv", narrow(c.rng, (5, 4), BF16), role="cache_root")
+    c.input("rows", np.array([4, 1], dtype=np.int32))
+    c.input("src", narrow(c.rng, (2, 3), BF16))
+    new = c.op("scatter_rows", "kv", "rows", "src", col=1)
+    c.output(new, "kv", aliases="kv", **EXACT)
+    c.output(c.op("cast", new, dtype=F32), "read", **EXACT)
+    cases.append(c)
     return cases
 
 

@@ -28,6 +28,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -43,9 +44,20 @@ def load_cases(case_dir: Path) -> dict:
     return {f.stem: json.loads(f.read_text())["cases"] for f in files}
 
 
+def to_npz(a: np.ndarray) -> np.ndarray:
+    """An output as .npz can hold it: .npz has no ml_dtypes types (a bf16 array would read back as
+    raw void bytes), so those are stored as their bits, beside their type's name (`from_npz`)."""
+    return a.view(f"u{a.dtype.itemsize}") if a.dtype.kind == "V" else a
+
+
+def from_npz(a: np.ndarray, dtype_name: str) -> np.ndarray:
+    """The inverse of `to_npz`."""
+    return a.view(getattr(ml_dtypes, dtype_name)) if hasattr(ml_dtypes, dtype_name) else a
+
+
 def run_cases(case_dir: Path, hlo_dir: Path, names: list, out: Path) -> None:
-    """Child process: run the named cases, save outputs as .npz entries `CASE/K` (output K) and
-    errors as `CASE/error`."""
+    """Child process: run the named cases, save outputs as .npz entries `CASE/K` (output K, with
+    its numpy type's name in `CASE/K/dtype`) and errors as `CASE/error`."""
     cases = {c["name"]: c for cs in load_cases(case_dir).values() for c in cs}
     saved = {}
     for name in names:
@@ -54,7 +66,8 @@ def run_cases(case_dir: Path, hlo_dir: Path, names: list, out: Path) -> None:
             run = compile_module((hlo_dir / f"{name}.hlo.pb").read_bytes())
             outs = run([decode(i["dtype"], i["shape"], i["data"]) for i in c["inputs"]])
             for k, o in enumerate(outs):
-                saved[f"{name}/{k}"] = o
+                saved[f"{name}/{k}"] = to_npz(o)
+                saved[f"{name}/{k}/dtype"] = np.array(o.dtype.name)
         except Exception as e:  # noqa: BLE001 - reported as the case's failure
             saved[f"{name}/error"] = np.array(f"{type(e).__name__}: {e}")
     np.savez(out, **saved)
@@ -102,6 +115,8 @@ def check_all(families: dict, case_dir: Path, hlo_dir: Path) -> dict:
         errors = []
         for k, o in enumerate(by_name[name]["outputs"]):
             got = outputs.get(f"{name}/{k}")
+            if got is not None:
+                got = from_npz(got, str(outputs[f"{name}/{k}/dtype"]))
             want = decode(o["dtype"], o["shape"], o["data"])
             e = f"`{o['name']}`: XLA returned no output {k}" if got is None else mismatch(got, want, o)
             if e:

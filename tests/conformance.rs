@@ -312,8 +312,8 @@ fn reduce_name(r: ReduceOp) -> &'static str {
     }
 }
 
-/// `op.dtype` for each node (`cast.from->to` for a cast; the operand's dtype for compare,
-/// argmax and top-k).
+/// `op.dtype` for each node (`cast.from->to` for a cast, `matmul.from->to` for a matmul whose
+/// result dtype is not its operands'; the operand's dtype for compare, argmax and top-k).
 fn coverage_keys(g: &Graph) -> Vec<String> {
     let dt = |id: deepinfer::graph::NodeId| g.node(id).dtype.name();
     g.nodes()
@@ -334,6 +334,7 @@ fn coverage_keys(g: &Graph) -> Vec<String> {
                 Op::Permute(..) => format!("permute.{d}"),
                 Op::Slice { .. } => format!("slice.{d}"),
                 Op::Concat(..) => format!("concat.{d}"),
+                Op::MatMul(a, _) if dt(*a) != d => format!("matmul.{}->{d}", dt(*a)),
                 Op::MatMul(..) => format!("matmul.{d}"),
                 Op::Reduce(r, _, _) => format!("{}.{d}", reduce_name(*r)),
                 Op::ArgMax(x, _) => format!("argmax.{}", dt(*x)),
@@ -346,8 +347,10 @@ fn coverage_keys(g: &Graph) -> Vec<String> {
         .collect()
 }
 
-/// Every op with every dtype its builder method accepts today (bf16, f16 and u8 values come
-/// with the issue that makes weights keep their precision).
+/// Every op with every dtype its builder method accepts today, for f32, i32, u32 and bool; for
+/// the narrow types (bf16, f16, f8e4m3fn, i8) what the model does with them: literals, casts to
+/// and from f32 (and i8 to and from i32), reductions (bf16, f16), matmuls with an f32 result,
+/// data movement, gathers and cache writes. u8 has no cases: no graph holds u8 values.
 fn required_keys() -> BTreeSet<String> {
     const ALL: &[&str] = &["f32", "i32", "u32", "bool"];
     const NUM: &[&str] = &["f32", "i32", "u32"];
@@ -390,7 +393,44 @@ fn required_keys() -> BTreeSet<String> {
                 .flat_map(move |op| dts.iter().map(move |d| format!("{op}.{d}")))
         })
         .collect();
+    const NARROW: &[&str] = &["bf16", "f16", "f8e4m3fn", "i8"];
+    let narrow: &[(&[&str], &[&str])] = &[
+        (
+            &[
+                "input",
+                "constant",
+                "broadcast",
+                "reshape",
+                "permute",
+                "slice",
+                "concat",
+                "index_select",
+                "scatter_rows",
+            ],
+            NARROW,
+        ),
+        (
+            &["reduce_sum", "reduce_max", "reduce_min"],
+            &["bf16", "f16"],
+        ),
+        (&["gather"], &["bf16"]),
+        (&["matmul"], &["bf16->f32", "f16->f32"]),
+    ];
+    keys.extend(narrow.iter().flat_map(|(ops, dts)| {
+        ops.iter()
+            .flat_map(move |op| dts.iter().map(move |d| format!("{op}.{d}")))
+    }));
     for cast in [
+        "f32->bf16",
+        "f32->f16",
+        "f32->f8e4m3fn",
+        "bf16->f32",
+        "f16->f32",
+        "f8e4m3fn->f32",
+        "f32->i8",
+        "i8->f32",
+        "i8->i32",
+        "i32->i8",
         "f32->i32",
         "f32->u32",
         "i32->f32",

@@ -9,7 +9,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType as CDType, Device, Tensor as CTensor};
+use deepinfer::backend::cpu::{candle_dtype, tensor_from_bytes};
 use deepinfer::graph::{DType, Graph, GraphBuilder, InputRole, Literal, Tensor};
+use float8::F8E4M3;
+use half::{bf16, f16};
 use serde::Deserialize;
 use serde_json::Value as Json;
 
@@ -118,12 +121,16 @@ pub fn load(family: &str) -> Result<CaseFile, String> {
 
 // === Values ===
 
-/// The elements of an array, row-major.
+/// The elements of an array, row-major, each in its own Rust type.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Data {
     F32(Vec<f32>),
+    BF16(Vec<bf16>),
+    F16(Vec<f16>),
+    F8E4M3(Vec<F8E4M3>),
     I32(Vec<i32>),
     U32(Vec<u32>),
+    I8(Vec<i8>),
     Bool(Vec<bool>),
 }
 
@@ -139,8 +146,12 @@ pub struct Array {
 pub fn dtype(name: &str) -> Result<DType, String> {
     Ok(match name {
         "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        "f8e4m3fn" => DType::F8E4M3,
         "i32" => DType::I32,
         "u32" => DType::U32,
+        "i8" => DType::I8,
         "bool" => DType::Bool,
         other => return Err(format!("unknown dtype `{other}`")),
     })
@@ -161,6 +172,25 @@ fn f32_of(v: &Json) -> Result<f32, String> {
     }
 }
 
+/// A narrow float written as its f32 widening: the value must be exactly one of the type (`nan`
+/// any NaN), so a case cannot ask for a value the type does not have (an f8e4m3fn infinity, a
+/// bf16 with more than 8 significant bits) and have it silently rounded here.
+fn narrow_of<T: Copy>(
+    v: &Json,
+    name: &str,
+    from: impl Fn(f32) -> T,
+    to: impl Fn(T) -> f32,
+) -> Result<T, String> {
+    let x = f32_of(v)?;
+    let n = from(x);
+    let back = to(n);
+    if (x.is_nan() && back.is_nan()) || back.to_bits() == x.to_bits() {
+        Ok(n)
+    } else {
+        Err(format!("{v} is not exactly a {name} value"))
+    }
+}
+
 impl Array {
     /// Decodes a case's JSON values (see the README for the encoding).
     pub fn decode(dtype_name: &str, shape: &[usize], values: &[Json]) -> Result<Array, String> {
@@ -174,6 +204,30 @@ impl Array {
         let int = |v: &Json| v.as_i64().ok_or_else(|| format!("{v} is not an integer"));
         let data = match dtype(dtype_name)? {
             DType::F32 => Data::F32(values.iter().map(f32_of).collect::<Result<_, _>>()?),
+            DType::BF16 => Data::BF16(
+                values
+                    .iter()
+                    .map(|v| narrow_of(v, "bf16", bf16::from_f32, bf16::to_f32))
+                    .collect::<Result<_, _>>()?,
+            ),
+            DType::F16 => Data::F16(
+                values
+                    .iter()
+                    .map(|v| narrow_of(v, "f16", f16::from_f32, f16::to_f32))
+                    .collect::<Result<_, _>>()?,
+            ),
+            DType::F8E4M3 => Data::F8E4M3(
+                values
+                    .iter()
+                    .map(|v| narrow_of(v, "f8e4m3fn", F8E4M3::from_f32, |x| x.to_f32()))
+                    .collect::<Result<_, _>>()?,
+            ),
+            DType::I8 => Data::I8(
+                values
+                    .iter()
+                    .map(|v| int(v).and_then(|i| i8::try_from(i).map_err(|e| e.to_string())))
+                    .collect::<Result<_, _>>()?,
+            ),
             DType::I32 => Data::I32(
                 values
                     .iter()
@@ -204,30 +258,57 @@ impl Array {
     pub fn dtype(&self) -> DType {
         match self.data {
             Data::F32(_) => DType::F32,
+            Data::BF16(_) => DType::BF16,
+            Data::F16(_) => DType::F16,
+            Data::F8E4M3(_) => DType::F8E4M3,
             Data::I32(_) => DType::I32,
             Data::U32(_) => DType::U32,
+            Data::I8(_) => DType::I8,
             Data::Bool(_) => DType::Bool,
+        }
+    }
+
+    /// The elements of a float array as f32 (exact for the narrow types, whose outputs compare
+    /// by their widening under the case's rule); `None` for integers and bools.
+    fn widened(&self) -> Option<Vec<f32>> {
+        match &self.data {
+            Data::F32(v) => Some(v.clone()),
+            Data::BF16(v) => Some(v.iter().map(|x| x.to_f32()).collect()),
+            Data::F16(v) => Some(v.iter().map(|x| x.to_f32()).collect()),
+            Data::F8E4M3(v) => Some(v.iter().map(|x| x.to_f32()).collect()),
+            Data::I32(_) | Data::U32(_) | Data::I8(_) | Data::Bool(_) => None,
         }
     }
 
     fn len(&self) -> usize {
         match &self.data {
             Data::F32(v) => v.len(),
+            Data::BF16(v) => v.len(),
+            Data::F16(v) => v.len(),
+            Data::F8E4M3(v) => v.len(),
             Data::I32(v) => v.len(),
             Data::U32(v) => v.len(),
+            Data::I8(v) => v.len(),
             Data::Bool(v) => v.len(),
         }
     }
 
-    /// A fresh candle tensor holding the array (bools as one byte each, as the CPU backend
-    /// stores them).
+    /// A fresh candle tensor holding the array in the candle dtype the CPU backend uses for its
+    /// graph dtype (bools and i8 as one byte each: candle has no i8).
     pub fn to_candle(&self) -> Result<CTensor, String> {
         let dev = &Device::Cpu;
         let shape = self.shape.as_slice();
         match &self.data {
             Data::F32(v) => CTensor::from_slice(v, shape, dev),
+            Data::BF16(v) => CTensor::from_slice(v, shape, dev),
+            Data::F16(v) => CTensor::from_slice(v, shape, dev),
+            Data::F8E4M3(v) => CTensor::from_slice(v, shape, dev),
             Data::I32(v) => CTensor::from_slice(v, shape, dev),
             Data::U32(v) => CTensor::from_slice(v, shape, dev),
+            Data::I8(_) => {
+                return tensor_from_bytes(DType::I8, shape, &self.to_le_bytes())
+                    .map_err(|e| format!("cannot build an i8 tensor: {e}"))
+            }
             Data::Bool(v) => {
                 let bytes: Vec<u8> = v.iter().map(|&b| u8::from(b)).collect();
                 CTensor::from_vec(bytes, shape, dev)
@@ -240,13 +321,7 @@ impl Array {
     pub fn from_candle(t: &CTensor, dtype: DType) -> Result<Array, String> {
         let err = |e: candle_core::Error| e.to_string();
         let flat = t.flatten_all().map_err(err)?;
-        let want = match dtype {
-            DType::F32 => CDType::F32,
-            DType::I32 => CDType::I32,
-            DType::U32 => CDType::U32,
-            DType::Bool => CDType::U8,
-            other => return Err(format!("no case encoding for {other}")),
-        };
+        let want: CDType = candle_dtype(dtype);
         if t.dtype() != want {
             return Err(format!(
                 "a {:?} tensor where {dtype} was declared",
@@ -255,9 +330,20 @@ impl Array {
         }
         let data = match dtype {
             DType::F32 => Data::F32(flat.to_vec1().map_err(err)?),
+            DType::BF16 => Data::BF16(flat.to_vec1().map_err(err)?),
+            DType::F16 => Data::F16(flat.to_vec1().map_err(err)?),
+            DType::F8E4M3 => Data::F8E4M3(flat.to_vec1().map_err(err)?),
             DType::I32 => Data::I32(flat.to_vec1().map_err(err)?),
             DType::U32 => Data::U32(flat.to_vec1().map_err(err)?),
-            _ => Data::Bool(bools(&flat.to_vec1::<u8>().map_err(err)?)?),
+            DType::I8 => Data::I8(
+                flat.to_vec1::<u8>()
+                    .map_err(err)?
+                    .into_iter()
+                    .map(|b| b as i8)
+                    .collect(),
+            ),
+            DType::Bool => Data::Bool(bools(&flat.to_vec1::<u8>().map_err(err)?)?),
+            other => return Err(format!("no case encoding for {other}")),
         };
         Ok(Array {
             shape: t.dims().to_vec(),
@@ -269,8 +355,12 @@ impl Array {
     pub fn to_le_bytes(&self) -> Vec<u8> {
         match &self.data {
             Data::F32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Data::BF16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Data::F16(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Data::F8E4M3(v) => v.iter().map(|x| x.to_bits()).collect(),
             Data::I32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             Data::U32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+            Data::I8(v) => v.iter().map(|&x| x as u8).collect(),
             Data::Bool(v) => v.iter().map(|&b| u8::from(b)).collect(),
         }
     }
@@ -282,10 +372,15 @@ impl Array {
             return Err(format!("{} bytes for {n} elements of {dtype}", bytes.len()));
         }
         let words = || bytes.chunks_exact(4).map(|c| [c[0], c[1], c[2], c[3]]);
+        let halves = || bytes.chunks_exact(2).map(|c| [c[0], c[1]]);
         let data = match dtype {
             DType::F32 => Data::F32(words().map(f32::from_le_bytes).collect()),
+            DType::BF16 => Data::BF16(halves().map(bf16::from_le_bytes).collect()),
+            DType::F16 => Data::F16(halves().map(f16::from_le_bytes).collect()),
+            DType::F8E4M3 => Data::F8E4M3(bytes.iter().map(|&b| F8E4M3::from_bits(b)).collect()),
             DType::I32 => Data::I32(words().map(i32::from_le_bytes).collect()),
             DType::U32 => Data::U32(words().map(u32::from_le_bytes).collect()),
+            DType::I8 => Data::I8(bytes.iter().map(|&b| b as i8).collect()),
             DType::Bool => Data::Bool(bools(bytes)?),
             other => return Err(format!("no case encoding for {other}")),
         };
@@ -351,8 +446,12 @@ fn apply(b: &GraphBuilder, st: &Stmt, args: &[Tensor]) -> Result<Tensor, String>
             let values = need(&st.data, op, "data")?;
             let lit = match Array::decode(&need(&st.dtype, op, "dtype")?, &shape, &values)?.data {
                 Data::F32(v) => Literal::F32(v),
+                Data::BF16(v) => Literal::BF16(v),
+                Data::F16(v) => Literal::F16(v),
+                Data::F8E4M3(v) => Literal::F8E4M3(v),
                 Data::I32(v) => Literal::I32(v),
                 Data::U32(v) => Literal::U32(v),
+                Data::I8(v) => Literal::I8(v),
                 Data::Bool(_) => return Err("there are no bool literals".into()),
             };
             b.constant(lit, shape)
@@ -445,6 +544,10 @@ fn apply(b: &GraphBuilder, st: &Stmt, args: &[Tensor]) -> Result<Tensor, String>
             arity(2)?;
             args[0].matmul(&args[1])
         }
+        "matmul_to" => {
+            arity(2)?;
+            args[0].matmul_to(&args[1], dtype(&need(&st.dtype, op, "dtype")?)?)
+        }
         "reduce_sum" | "reduce_max" | "reduce_min" => {
             arity(1)?;
             match op {
@@ -527,7 +630,7 @@ pub fn prepare(case: &Case) -> Result<Prepared<'_>, String> {
                 want.shape
             ));
         }
-        let float = want.dtype() == DType::F32;
+        let float = want.dtype().is_float();
         if float != (o.atol.is_some() && o.rtol.is_some()) {
             return Err(format!(
                 "output `{}`: float outputs state atol and rtol, others compare exactly",
@@ -578,6 +681,15 @@ fn f32_ok(got: f32, want: f32, atol: f64, rtol: f64) -> bool {
     (g - w).abs() <= atol + rtol * w.abs()
 }
 
+/// Notes every element where `got` and `want` differ.
+fn exact<T: PartialEq + ToString>(got: &[T], want: &[T], bad: &mut Vec<(usize, String, String)>) {
+    for (i, (a, b)) in got.iter().zip(want).enumerate() {
+        if a != b {
+            bad.push((i, a.to_string(), b.to_string()));
+        }
+    }
+}
+
 /// Compares one output; the error lists the first mismatches with their indices.
 pub fn compare(got: &Array, want: &Array, spec: &OutputSpec) -> Result<(), String> {
     if got.shape != want.shape || got.dtype() != want.dtype() || got.len() != want.len() {
@@ -591,35 +703,21 @@ pub fn compare(got: &Array, want: &Array, spec: &OutputSpec) -> Result<(), Strin
         ));
     }
     let mut bad: Vec<(usize, String, String)> = Vec::new();
-    let mut note = |i: usize, g: String, w: String| bad.push((i, g, w));
-    match (&got.data, &want.data) {
-        (Data::F32(g), Data::F32(w)) => {
-            let (atol, rtol) = (spec.atol.unwrap_or(0.0), spec.rtol.unwrap_or(0.0));
-            for (i, (&a, &b)) in g.iter().zip(w).enumerate() {
-                if !f32_ok(a, b, atol, rtol) {
-                    note(i, format!("{a:?}"), format!("{b:?}"));
-                }
+    if let (Some(g), Some(w)) = (got.widened(), want.widened()) {
+        let (atol, rtol) = (spec.atol.unwrap_or(0.0), spec.rtol.unwrap_or(0.0));
+        for (i, (&a, &b)) in g.iter().zip(&w).enumerate() {
+            if !f32_ok(a, b, atol, rtol) {
+                bad.push((i, format!("{a:?}"), format!("{b:?}")));
             }
         }
-        (Data::I32(g), Data::I32(w)) => g
-            .iter()
-            .zip(w)
-            .enumerate()
-            .filter(|(_, (a, b))| a != b)
-            .for_each(|(i, (a, b))| note(i, a.to_string(), b.to_string())),
-        (Data::U32(g), Data::U32(w)) => g
-            .iter()
-            .zip(w)
-            .enumerate()
-            .filter(|(_, (a, b))| a != b)
-            .for_each(|(i, (a, b))| note(i, a.to_string(), b.to_string())),
-        (Data::Bool(g), Data::Bool(w)) => g
-            .iter()
-            .zip(w)
-            .enumerate()
-            .filter(|(_, (a, b))| a != b)
-            .for_each(|(i, (a, b))| note(i, a.to_string(), b.to_string())),
-        _ => return Err(format!("`{}`: dtypes differ", spec.name)),
+    } else {
+        match (&got.data, &want.data) {
+            (Data::I32(g), Data::I32(w)) => exact(g, w, &mut bad),
+            (Data::U32(g), Data::U32(w)) => exact(g, w, &mut bad),
+            (Data::I8(g), Data::I8(w)) => exact(g, w, &mut bad),
+            (Data::Bool(g), Data::Bool(w)) => exact(g, w, &mut bad),
+            _ => return Err(format!("`{}`: dtypes differ", spec.name)),
+        }
     }
     if bad.is_empty() {
         return Ok(());

@@ -146,6 +146,9 @@ impl InplaceOp3 for ScatterRowsInPlace {
             (CpuStorage::F32(d), CpuStorage::F32(s)) => put(d, &s[s0..s1], &ids, d0, cols, col),
             (CpuStorage::BF16(d), CpuStorage::BF16(s)) => put(d, &s[s0..s1], &ids, d0, cols, col),
             (CpuStorage::F16(d), CpuStorage::F16(s)) => put(d, &s[s0..s1], &ids, d0, cols, col),
+            (CpuStorage::F8E4M3(d), CpuStorage::F8E4M3(s)) => {
+                put(d, &s[s0..s1], &ids, d0, cols, col)
+            }
             (CpuStorage::I32(d), CpuStorage::I32(s)) => put(d, &s[s0..s1], &ids, d0, cols, col),
             (CpuStorage::U32(d), CpuStorage::U32(s)) => put(d, &s[s0..s1], &ids, d0, cols, col),
             (CpuStorage::U8(d), CpuStorage::U8(s)) => put(d, &s[s0..s1], &ids, d0, cols, col),

@@ -124,6 +124,8 @@ pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
                 let x = get(*x)?;
                 match op {
                     ReduceOp::Sum => x.sum(*dim)?,
+                    // candle refuses an empty max/min; HLO's reduce gives its init value.
+                    _ if x.elem_count() == 0 => empty_reduce(*op, node.dtype, node.shape.dims())?,
                     ReduceOp::Max => x.max(*dim)?,
                     ReduceOp::Min => x.min(*dim)?,
                 }
@@ -493,6 +495,17 @@ fn cast(x: &CTensor, from: DType, to: DType) -> Result<CTensor> {
         return Ok(CTensor::from_vec(bytes, dims, dev)?);
     }
     Ok(CTensor::from_vec(as_i32, dims, dev)?.to_dtype(candle_dtype(to))?)
+}
+
+/// The result of reducing an empty input with `op`: every element (if any: only the reduced
+/// dim may be empty) is the reduction's identity, the init value of the HLO `reduce` the
+/// emitter writes (-inf for an f32 or bf16 max, +inf for a min, the extremes of the integer
+/// types).
+fn empty_reduce(op: ReduceOp, dtype: DType, dims: &[usize]) -> Result<CTensor> {
+    let v = crate::backend::hlo::emit::reduce_identity(op, dtype);
+    let lit = Literal::scalar(v, dtype)
+        .ok_or_else(|| Error::shape(op.name(), format!("a reduction of {dtype} values")))?;
+    Ok(constant(&lit, &[])?.broadcast_as(dims)?.contiguous()?)
 }
 
 fn iota(dims: &[usize], dim: usize, dtype: DType) -> Result<CTensor> {

@@ -353,8 +353,9 @@ impl Emitter<'_> {
 
 /// The identity of `op` in `dtype`, the init value of its `reduce`: 0 for a sum, the lowest
 /// value for a max and the highest for a min (infinities where the type has them; f8e4m3fn has
-/// none, so its finite extremes).
-fn reduce_identity(op: ReduceOp, dtype: DType) -> f64 {
+/// none, so its finite extremes). A reduction over an empty dimension returns it, so the CPU
+/// backend reads it from here too.
+pub(crate) fn reduce_identity(op: ReduceOp, dtype: DType) -> f64 {
     let (lowest, highest) = match dtype {
         DType::F32 | DType::BF16 | DType::F16 => (f64::NEG_INFINITY, f64::INFINITY),
         DType::F8E4M3 => (-448.0, 448.0),
