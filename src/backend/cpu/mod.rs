@@ -470,6 +470,9 @@ fn constant(lit: &Literal, dims: &[usize]) -> Result<CTensor> {
 /// (held as `u8` bytes) goes through i32 with HLO's semantics: float to integer truncates
 /// toward zero and saturates at the type's range (NaN becomes 0), integer to i8 wraps.
 fn cast(x: &CTensor, from: DType, to: DType) -> Result<CTensor> {
+    if to == DType::F8E4M3 && from != DType::I8 {
+        return to_f8e4m3fn(x);
+    }
     if from != DType::I8 && to != DType::I8 {
         return Ok(x.to_dtype(candle_dtype(to))?);
     }
@@ -495,6 +498,25 @@ fn cast(x: &CTensor, from: DType, to: DType) -> Result<CTensor> {
         return Ok(CTensor::from_vec(bytes, dims, dev)?);
     }
     Ok(CTensor::from_vec(as_i32, dims, dev)?.to_dtype(candle_dtype(to))?)
+}
+
+/// Converts to f8e4m3fn as HLO's `convert` does: round to nearest even, and NaN (the type has
+/// no infinity) for NaN, ±inf and magnitudes beyond the 464 tie between 448 and the next
+/// power (float8's own conversion saturates those to ±448 instead, CUDA's `SATFINITE`).
+fn to_f8e4m3fn(x: &CTensor) -> Result<CTensor> {
+    let dims = x.dims().to_vec();
+    let v = x.flatten_all()?.to_dtype(CDType::F32)?.to_vec1::<f32>()?;
+    let out: Vec<float8::F8E4M3> = v
+        .iter()
+        .map(|&f| {
+            if f.is_nan() || f.abs() > 464.0 {
+                float8::F8E4M3::from_bits(0x7f | if f.is_sign_negative() { 0x80 } else { 0 })
+            } else {
+                float8::F8E4M3::from_f32(f)
+            }
+        })
+        .collect();
+    Ok(CTensor::from_vec(out, dims, &Device::Cpu)?)
 }
 
 /// The result of reducing an empty input with `op`: every element (if any: only the reduced
