@@ -43,7 +43,11 @@ for run in "tiny-v2-lite:bf16:--dtype bf16" "tiny-v3:int8:--dtype bf16 --quantiz
     target/release/deepinfer lower --model "fixtures/$fixture" --out "$out/$fixture-$tag" $flags \
         --batch-sizes 1,8 --ctx 64 --inputs-from-token-ids "$ids" > /dev/null
     echo "== XLA conformance: $fixture ($flags)"
-    .venv/bin/python scripts/xla_check.py "$out/$fixture-$tag" || status=1
+    # --tol 1e-3: a prefill graph writes its cache rows in bf16 and reads them back; where XLA's
+    # and our f32 results differ in their last bits, a row can round to the neighbouring bf16
+    # value (one bf16 ulp, ~0.4%), which moves that prefill's logits by ~2e-4 (measured). Decode
+    # graphs, whose cache comes in as an input, agree within 2e-6.
+    .venv/bin/python scripts/xla_check.py "$out/$fixture-$tag" --tol 1e-3 || status=1
 done
 echo "== XLA conformance: tests/conformance"
 .venv/bin/python scripts/make_conformance.py --check > /dev/null || status=1

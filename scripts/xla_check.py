@@ -61,7 +61,10 @@ def run_module(pb_path: str, inputs_path: str, names: list[str], out_path: str) 
 
     run = compile_module(Path(pb_path).read_bytes())
     values = load_file(inputs_path)
-    np.savez(out_path, *run([values[n] for n in names]))
+    # .npz cannot hold ml_dtypes' bfloat16 (it reads back as raw bytes): widen such outputs
+    # to float32, which is exact; the check compares them against the bf16 CPU outputs.
+    outputs = run([values[n] for n in names])
+    np.savez(out_path, *[o.astype(np.float32) if o.dtype.name == "bfloat16" else o for o in outputs])
 
 
 def check_graph(out_dir: Path, g: dict, tol: float, reference) -> list[str]:
