@@ -103,7 +103,7 @@ pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
                 let d = plan.dequantized_rhs[i].ok_or_else(|| Error::Internal("plan".into()))?;
                 let (x, q, s) = (get(*a)?, get(d.q)?, get(d.scale)?);
                 match d.ids {
-                    Some(ids) => gathered_matmul(x, q, get(ids)?, true, Some(s))?,
+                    Some(ids) => gathered_matmul(x, q, get(ids)?, Some(s))?,
                     None => x.apply_op3_no_bwd(&q.t()?, s, &matmul::ScaledMatMul)?,
                 }
             }
@@ -112,10 +112,7 @@ pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
                 // operands with an f32 result, or a fused widening cast of the right operand).
                 let a_dtype = graph.node(*a).dtype;
                 match (plan.gathered_rhs[i], plan.widened_rhs[i]) {
-                    (Some((w, ids)), _) => {
-                        let widen = node.dtype != a_dtype || graph.node(w).dtype != a_dtype;
-                        gathered_matmul(get(*a)?, get(w)?, get(ids)?, widen, None)?
-                    }
+                    (Some((w, ids)), _) => gathered_matmul(get(*a)?, get(w)?, get(ids)?, None)?,
                     (None, Some(x)) => matmul(get(*a)?, get(x)?, true)?,
                     (None, None) => matmul(get(*a)?, get(*b)?, node.dtype != a_dtype)?,
                 }
@@ -367,54 +364,27 @@ fn gathered_operand(graph: &Graph, rhs: NodeId) -> Option<(NodeId, NodeId, NodeI
     (perm == &[0, 2, 1] && w.shape.rank() == 3 && w.dtype.is_float()).then_some((rhs, s, x, ids))
 }
 
-/// `out[i] = a[i] @ w[ids[i]]^T` for `a: [n, m, k]`, `w: [experts, out, k]`, `ids: [n]`.
-///
-/// Rows that chose the same expert are multiplied together, so each selected expert's weights
-/// are read once per step (as a grouped MoE kernel would), not once per (token, choice).
-/// `widen`: the operands are reduced-precision and the result f32 (see [`matmul`]). With
-/// `scales` (`[experts, out]`), `w` is int8 and each expert's rows are dequantized as read.
+/// `out[i] = a[i] @ w[ids[i]]^T` for `a: [n, m, k]`, `w: [experts, out, k]` (any float dtype,
+/// or int8 with `scales: [experts, out]`), `ids: [n]`: [`matmul::gathered`], after checking the
+/// ids.
 fn gathered_matmul(
     a: &CTensor,
     w: &CTensor,
     ids: &CTensor,
-    widen: bool,
     scales: Option<&CTensor>,
 ) -> Result<CTensor> {
-    let ids = ids.to_vec1::<i32>()?;
-    let (n, m, k) = a.dims3()?;
-    let (experts, out) = (w.dim(0)?, w.dim(1)?);
-    let mut groups: Vec<(usize, Vec<u32>)> = Vec::new();
-    for (i, &e) in ids.iter().enumerate() {
-        if e < 0 || e as usize >= experts {
-            return Err(Error::Internal(format!(
+    let experts = w.dim(0)?;
+    let ids = ids
+        .to_vec1::<i32>()?
+        .into_iter()
+        .map(|e| match usize::try_from(e) {
+            Ok(e) if e < experts => Ok(e),
+            _ => Err(Error::Internal(format!(
                 "expert index {e} out of range 0..{experts}"
-            )));
-        }
-        match groups.iter_mut().find(|(g, _)| *g == e as usize) {
-            Some((_, rows)) => rows.push(i as u32),
-            None => groups.push((e as usize, vec![i as u32])),
-        }
-    }
-    let mut pieces = Vec::with_capacity(groups.len());
-    let mut order = Vec::with_capacity(n);
-    for (e, rows) in &groups {
-        let idx = CTensor::new(rows.as_slice(), &Device::Cpu)?;
-        let x = a.index_select(&idx, 0)?.reshape((rows.len() * m, k))?;
-        let we = w.get(*e)?.t()?;
-        let y = match scales {
-            Some(s) => x.apply_op3_no_bwd(&we, &s.get(*e)?, &matmul::ScaledMatMul)?,
-            None => matmul(&x, &we, widen)?,
-        };
-        pieces.push(y.reshape((rows.len(), m, out))?);
-        order.extend_from_slice(rows);
-    }
-    let grouped = CTensor::cat(&pieces, 0)?;
-    // Row `order[j]` of the output is row `j` of `grouped`: invert the permutation.
-    let mut inverse = vec![0u32; n];
-    for (j, &i) in order.iter().enumerate() {
-        inverse[i as usize] = j as u32;
-    }
-    Ok(grouped.index_select(&CTensor::new(inverse.as_slice(), &Device::Cpu)?, 0)?)
+            ))),
+        })
+        .collect::<Result<Vec<usize>>>()?;
+    Ok(matmul::gathered(a, w, &ids, scales)?)
 }
 
 fn check_inputs(graph: &Graph, inputs: &[CTensor]) -> Result<()> {
@@ -619,7 +589,10 @@ fn binary(op: BinaryOp, a: &CTensor, b: &CTensor, dtype: DType) -> Result<CTenso
 /// `a @ b`; with `widen`, reduced-precision operands give an f32 result accumulated in f32
 /// ([`matmul::WidenMatMul`]).
 fn matmul(a: &CTensor, b: &CTensor, widen: bool) -> Result<CTensor> {
-    if widen {
+    // Few left rows (decode) in f32: the same kernel reads each weight row once, at any
+    // strides (candle's GEMM is slower at one row, and copies operands it cannot stride).
+    let few_rows = a.rank() >= 2 && a.dim(a.rank() - 2)? < matmul::GEMM_ROWS;
+    if widen || (few_rows && a.dtype() == CDType::F32 && b.dtype() == CDType::F32) {
         return Ok(a.apply_op2_no_bwd(b, &matmul::WidenMatMul)?);
     }
     match a.matmul(b) {
