@@ -578,6 +578,20 @@ mod tests {
     use super::*;
     use candle_core::{DType, Device, Tensor};
 
+    /// max |a - b| in f64 (`b` already f64).
+    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
+        let d = (a.to_dtype(DType::F64).unwrap() - b)
+            .unwrap()
+            .abs()
+            .unwrap();
+        d.flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar()
+            .unwrap()
+    }
+
     /// The kernel against f64 arithmetic on the widened values, for each layout it reads
     /// (`k`-contiguous weight rows, `n`-contiguous slices, batched) and both row regimes.
     #[test]
@@ -608,16 +622,7 @@ mod tests {
             let got2 = a.apply_op2_no_bwd(&wt, &WidenMatMul).unwrap();
             for g in [got, got2] {
                 assert_eq!(g.dtype(), DType::F32);
-                let d = (g.to_dtype(DType::F64).unwrap() - &want)
-                    .unwrap()
-                    .abs()
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .max(0)
-                    .unwrap()
-                    .to_scalar::<f64>()
-                    .unwrap();
+                let d = max_diff(&g, &want);
                 assert!(d < 1e-4, "{batch}x{m}x{k}x{n}: {d}");
             }
         }
@@ -669,16 +674,7 @@ mod tests {
                     .unwrap()
                     .matmul(&dense.get(ei).unwrap().t().unwrap())
                     .unwrap();
-                let d = (got.get(i).unwrap().to_dtype(DType::F64).unwrap() - want)
-                    .unwrap()
-                    .abs()
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .max(0)
-                    .unwrap()
-                    .to_scalar::<f64>()
-                    .unwrap();
+                let d = max_diff(&got.get(i).unwrap(), &want);
                 assert!(d < 1e-4, "row {i}: {d}");
             }
         }
