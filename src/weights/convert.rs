@@ -141,4 +141,22 @@ mod tests {
             ]
         );
     }
+
+    /// Narrowing to f16 refuses a value beyond its range, naming the tensor and the way out;
+    /// bf16 (f32's range) takes it.
+    #[test]
+    fn f16_overflow_is_an_error_naming_the_tensor() {
+        let mut b = Buffer::new(DType::F16, 2, "w").unwrap();
+        let err = b
+            .extend(&[1.0, 1.0e5], "model.layers.0.mlp.down_proj.weight")
+            .unwrap_err();
+        let msg = err.to_string();
+        assert!(
+            msg.contains("model.layers.0.mlp.down_proj.weight") && msg.contains("--dtype bf16"),
+            "{msg}"
+        );
+        let mut b = Buffer::new(DType::BF16, 2, "w").unwrap();
+        b.extend(&[1.0, 1.0e5], "w").unwrap();
+        assert!(Buffer::new(DType::I8, 1, "w").is_err());
+    }
 }
