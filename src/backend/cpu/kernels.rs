@@ -235,6 +235,115 @@ pub(crate) fn int_binary<T: WrappingInt>(op: BinaryOp, a: &[T], b: &[T]) -> Vec<
     a.iter().zip(b).map(|(&x, &y)| T::apply(op, x, y)).collect()
 }
 
+/// An operand of [`IntBinary`] as stored: contiguous, one value broadcast everywhere (a
+/// constant, the common case), or anything else (gathered through its layout).
+enum IntOperand<'a, T> {
+    Slice(&'a [T]),
+    Scalar(T),
+    Owned(Vec<T>),
+}
+
+impl<'a, T: Copy> IntOperand<'a, T> {
+    fn new(data: &'a [T], l: &Layout) -> Self {
+        if let Some((start, end)) = l.contiguous_offsets() {
+            return IntOperand::Slice(&data[start..end]);
+        }
+        if l.stride().iter().all(|&s| s == 0) {
+            return IntOperand::Scalar(data[l.start_offset()]);
+        }
+        IntOperand::Owned(strided_offsets(l).into_iter().map(|i| data[i]).collect())
+    }
+}
+
+/// The storage offset of every element of `l`, in row-major order.
+fn strided_offsets(l: &Layout) -> Vec<usize> {
+    let (dims, stride) = (l.dims(), l.stride());
+    let n = l.shape().elem_count();
+    let mut out = Vec::with_capacity(n);
+    let mut index = vec![0usize; dims.len()];
+    let mut offset = l.start_offset();
+    for _ in 0..n {
+        out.push(offset);
+        for d in (0..dims.len()).rev() {
+            index[d] += 1;
+            offset += stride[d];
+            if index[d] < dims[d] {
+                break;
+            }
+            offset -= stride[d] * dims[d];
+            index[d] = 0;
+        }
+    }
+    out
+}
+
+/// [`int_binary`] on candle storage, reading operands in place (no copy of a contiguous or
+/// broadcast-constant operand): the sampler's hashing runs several of these over the whole
+/// vocabulary every step.
+pub(crate) struct IntBinary(pub BinaryOp);
+
+impl IntBinary {
+    fn apply<T: WrappingInt>(&self, a: &[T], al: &Layout, b: &[T], bl: &Layout) -> Vec<T> {
+        let op = self.0;
+        match (IntOperand::new(a, al), IntOperand::new(b, bl)) {
+            (IntOperand::Scalar(x), IntOperand::Scalar(y)) => {
+                vec![T::apply(op, x, y); al.shape().elem_count()]
+            }
+            (IntOperand::Scalar(x), IntOperand::Slice(y)) => {
+                y.iter().map(|&y| T::apply(op, x, y)).collect()
+            }
+            (IntOperand::Slice(x), IntOperand::Scalar(y)) => {
+                x.iter().map(|&x| T::apply(op, x, y)).collect()
+            }
+            (x, y) => {
+                let x = x.into_vec(al.shape().elem_count());
+                let y = y.into_vec(bl.shape().elem_count());
+                int_binary(op, &x, &y)
+            }
+        }
+    }
+}
+
+impl<T: Copy> IntOperand<'_, T> {
+    fn into_vec(self, n: usize) -> Vec<T> {
+        match self {
+            IntOperand::Slice(s) => s.to_vec(),
+            IntOperand::Scalar(v) => vec![v; n],
+            IntOperand::Owned(v) => v,
+        }
+    }
+}
+
+impl CustomOp2 for IntBinary {
+    fn name(&self) -> &'static str {
+        "int-binary"
+    }
+
+    fn cpu_fwd(
+        &self,
+        a: &CpuStorage,
+        al: &Layout,
+        b: &CpuStorage,
+        bl: &Layout,
+    ) -> candle_core::Result<(CpuStorage, Shape)> {
+        if al.shape() != bl.shape() {
+            return Err(candle_core::Error::Msg("int-binary shape mismatch".into()));
+        }
+        let out = match (a, b) {
+            (CpuStorage::I32(x), CpuStorage::I32(y)) => CpuStorage::I32(self.apply(x, al, y, bl)),
+            (CpuStorage::U32(x), CpuStorage::U32(y)) => CpuStorage::U32(self.apply(x, al, y, bl)),
+            (x, y) => {
+                return Err(candle_core::Error::Msg(format!(
+                    "int-binary of {:?} and {:?}",
+                    x.dtype(),
+                    y.dtype()
+                )))
+            }
+        };
+        Ok((out, al.shape().clone()))
+    }
+}
+
 /// Indices of the `k` largest values of each row of `n` values, largest first; ties go to the
 /// lower index (a stable descending sort, as the HLO lowering does).
 pub(crate) fn topk_rows(x: &[f32], n: usize, k: usize) -> Vec<i32> {
@@ -279,5 +388,48 @@ mod tests {
         );
         assert_eq!(int_binary(BinaryOp::Shr, &[-8i32], &[28]), vec![15]);
         assert_eq!(int_binary(BinaryOp::Div, &[7i32], &[0]), vec![-1]);
+    }
+
+    /// The in-place int op agrees with the slice op for contiguous, broadcast-constant and
+    /// transposed operands.
+    #[test]
+    fn int_binary_reads_every_layout() {
+        use candle_core::{Device, Tensor};
+        let dev = &Device::Cpu;
+        let a = Tensor::from_vec(
+            (0..12u32)
+                .map(|v| v.wrapping_mul(0x9E37_79B9))
+                .collect::<Vec<_>>(),
+            (3, 4),
+            dev,
+        )
+        .unwrap();
+        let c = Tensor::new(7u32, dev)
+            .unwrap()
+            .broadcast_as((3, 4))
+            .unwrap();
+        let t = Tensor::from_vec((0..12u32).collect::<Vec<_>>(), (4, 3), dev)
+            .unwrap()
+            .t()
+            .unwrap();
+        let flat = |x: &Tensor| {
+            x.contiguous()
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<u32>()
+                .unwrap()
+        };
+        for op in [
+            BinaryOp::Mul,
+            BinaryOp::Shr,
+            BinaryOp::BitXor,
+            BinaryOp::Add,
+        ] {
+            for (x, y) in [(&a, &c), (&c, &a), (&a, &t), (&t, &c), (&c, &c)] {
+                let got = x.apply_op2_no_bwd(y, &IntBinary(op)).unwrap();
+                assert_eq!(flat(&got), int_binary(op, &flat(x), &flat(y)), "{op:?}");
+            }
+        }
     }
 }

@@ -544,31 +544,8 @@ fn unary(op: UnaryOp, x: &CTensor, dtype: DType) -> Result<CTensor> {
 }
 
 fn binary(op: BinaryOp, a: &CTensor, b: &CTensor, dtype: DType) -> Result<CTensor> {
-    let dims = a.dims().to_vec();
-    match dtype {
-        DType::I32 => {
-            let (x, y) = (
-                a.flatten_all()?.to_vec1::<i32>()?,
-                b.flatten_all()?.to_vec1::<i32>()?,
-            );
-            return Ok(CTensor::from_vec(
-                kernels::int_binary(op, &x, &y),
-                dims,
-                &Device::Cpu,
-            )?);
-        }
-        DType::U32 => {
-            let (x, y) = (
-                a.flatten_all()?.to_vec1::<u32>()?,
-                b.flatten_all()?.to_vec1::<u32>()?,
-            );
-            return Ok(CTensor::from_vec(
-                kernels::int_binary(op, &x, &y),
-                dims,
-                &Device::Cpu,
-            )?);
-        }
-        _ => {}
+    if matches!(dtype, DType::I32 | DType::U32) {
+        return Ok(a.apply_op2_no_bwd(b, &kernels::IntBinary(op))?);
     }
     Ok(match op {
         BinaryOp::Add => a.add(b)?,
