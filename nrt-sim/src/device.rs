@@ -31,15 +31,17 @@ fn to_candle(desc: &IoDesc, bytes: &[u8]) -> Res<CTensor> {
 /// The little-endian bytes of an output tensor, checked against its declared dtype and size.
 fn to_bytes(desc: &IoDesc, t: &CTensor) -> Res<Vec<u8>> {
     let fail = |msg: String| Fail::new(sys::NRT_FAILURE, format!("output `{}`: {msg}", desc.name));
-    let bytes = cpu::tensor_to_bytes(t, desc.dtype).map_err(|e| fail(e.to_string()))?;
-    if bytes.len() != desc.size {
-        return Err(fail(format!(
-            "the CPU backend produced {} bytes, the model declares {}",
-            bytes.len(),
-            desc.size
-        )));
-    }
-    Ok(bytes)
+    cpu::with_tensor_bytes(t, desc.dtype, |bytes| {
+        if bytes.len() != desc.size {
+            return Err(fail(format!(
+                "the CPU backend produced {} bytes, the model declares {}",
+                bytes.len(),
+                desc.size
+            )));
+        }
+        Ok(bytes.to_vec())
+    })
+    .map_err(|e| fail(e.to_string()))?
 }
 
 /// Runs `graph` on the input bytes (one per declared input, in order) and returns the

@@ -25,7 +25,7 @@ use neuron_sys::{Library, Model, Runtime, Tensor, TensorSet};
 
 use super::step::{self, HostArray, HostData};
 use super::{Backend, Buckets, Runner, RunnerConfig, Step, StepKind, StepOutput};
-use crate::backend::cpu::{tensor_from_bytes, tensor_to_bytes};
+use crate::backend::cpu::{tensor_from_bytes, with_tensor_bytes};
 use crate::backend::hlo::emit;
 use crate::backend::neuron::compile::{compile_all, CompileJob, CompilerConfig};
 use crate::backend::neuron::progress::Progress;
@@ -378,10 +378,13 @@ impl DeviceRunner {
                 if weights.contains_key(&decl.name) {
                     continue;
                 }
-                let bytes = tensor_to_bytes(self.weights.get(&decl.name)?, decl.dtype)?;
-                let t = Tensor::device(rt, nc, bytes.len(), &decl.name).map_err(dev(CAP))?;
-                t.write(0, &bytes).map_err(dev(CAP))?;
-                uploaded += bytes.len() as u64;
+                let host = self.weights.get(&decl.name)?;
+                let (t, n) = with_tensor_bytes(host, decl.dtype, |bytes| -> Result<_> {
+                    let t = Tensor::device(rt, nc, bytes.len(), &decl.name).map_err(dev(CAP))?;
+                    t.write(0, bytes).map_err(dev(CAP))?;
+                    Ok((t, bytes.len() as u64))
+                })??;
+                uploaded += n;
                 weights.insert(decl.name.clone(), t);
             }
         }

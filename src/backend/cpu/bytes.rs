@@ -5,7 +5,7 @@
 //! are held by candle as `u8` storage (candle has no `i8`) with the same bits, and `bool` as one
 //! byte, so both copy through unchanged.
 
-use candle_core::{DType as CDType, Device, Tensor as CTensor};
+use candle_core::{backend::BackendStorage, CpuStorage, Device, Storage, Tensor as CTensor};
 
 use super::candle_dtype;
 use crate::error::{Error, Result};
@@ -51,8 +51,10 @@ pub fn tensor_from_bytes(dtype: DType, dims: &[usize], bytes: &[u8]) -> Result<C
     })
 }
 
-/// The little-endian bytes of a host tensor that holds values of graph dtype `dtype`.
-pub fn tensor_to_bytes(t: &CTensor, dtype: DType) -> Result<Vec<u8>> {
+/// Calls `f` with the little-endian bytes of a host tensor that holds values of graph dtype
+/// `dtype`. A contiguous tensor's storage is lent as is (no copy: weights are uploaded from
+/// it, up to hundreds of MB at a time); any other layout is made contiguous first.
+pub fn with_tensor_bytes<R>(t: &CTensor, dtype: DType, f: impl FnOnce(&[u8]) -> R) -> Result<R> {
     let want = candle_dtype(dtype);
     if t.dtype() != want {
         return Err(Error::shape(
@@ -60,22 +62,32 @@ pub fn tensor_to_bytes(t: &CTensor, dtype: DType) -> Result<Vec<u8>> {
             format!("a {:?} tensor read as {dtype}", t.dtype()),
         ));
     }
-    let flat = t.flatten_all()?;
-    Ok(match want {
-        CDType::F32 => bytemuck::cast_slice(&flat.to_vec1::<f32>()?).to_vec(),
-        CDType::BF16 => bytemuck::cast_slice(&flat.to_vec1::<half::bf16>()?).to_vec(),
-        CDType::F16 => bytemuck::cast_slice(&flat.to_vec1::<half::f16>()?).to_vec(),
-        CDType::F8E4M3 => flat
-            .to_vec1::<float8::F8E4M3>()?
-            .iter()
-            .map(|v| v.to_bits())
-            .collect(),
-        CDType::I32 => bytemuck::cast_slice(&flat.to_vec1::<i32>()?).to_vec(),
-        CDType::U32 => bytemuck::cast_slice(&flat.to_vec1::<u32>()?).to_vec(),
-        CDType::U8 => flat.to_vec1::<u8>()?,
+    let t = if t.is_contiguous() {
+        t.clone()
+    } else {
+        t.contiguous()?
+    };
+    let (storage, layout) = t.storage_and_layout();
+    let (Storage::Cpu(cpu), Some((start, end))) = (&*storage, layout.contiguous_offsets()) else {
+        return Err(Error::Internal(
+            "tensor bytes of a non-CPU or strided tensor".into(),
+        ));
+    };
+    Ok(match cpu {
+        CpuStorage::F32(v) => f(bytemuck::cast_slice(&v[start..end])),
+        CpuStorage::BF16(v) => f(bytemuck::cast_slice(&v[start..end])),
+        CpuStorage::F16(v) => f(bytemuck::cast_slice(&v[start..end])),
+        CpuStorage::I32(v) => f(bytemuck::cast_slice(&v[start..end])),
+        CpuStorage::U32(v) => f(bytemuck::cast_slice(&v[start..end])),
+        CpuStorage::U8(v) => f(&v[start..end]),
+        CpuStorage::F8E4M3(v) => {
+            let bits: Vec<u8> = v[start..end].iter().map(|x| x.to_bits()).collect();
+            f(&bits)
+        }
         other => {
             return Err(Error::Internal(format!(
-                "a host tensor of candle dtype {other:?}"
+                "a host tensor of candle dtype {:?}",
+                other.dtype()
             )))
         }
     })

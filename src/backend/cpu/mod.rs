@@ -15,7 +15,7 @@ mod bytes;
 mod kernels;
 mod matmul;
 
-pub use bytes::{tensor_from_bytes, tensor_to_bytes};
+pub use bytes::{tensor_from_bytes, with_tensor_bytes};
 
 use candle_core::{DType as CDType, Device, Tensor as CTensor};
 
