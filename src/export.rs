@@ -372,15 +372,14 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
         manifest.graphs.push(describe(g, kind, *rows, opts.ctx));
     }
 
-    if let Some(tokens) = &opts.inputs_from_token_ids {
+    if let (Some(tokens), Some(checkpoint)) = (&opts.inputs_from_token_ids, &checkpoint) {
         if tokens.len() < 2 || tokens.len() > opts.ctx.min(t + 1) {
             return Err(Error::InvalidInput(format!(
                 "--inputs-from-token-ids needs 2 to {} tokens (one prefill chunk, then one decode step)",
                 opts.ctx.min(t + 1)
             )));
         }
-        let checkpoint = checkpoint.ok_or_else(|| Error::Internal("no checkpoint".into()))?;
-        let weights = ModelWeights::load(&cfg, &checkpoint, &precision)?;
+        let weights = ModelWeights::load(&cfg, checkpoint, &precision)?;
         let mut runner = CpuRunner::new(cfg.clone(), weights, rc.clone())?;
         let (prompt, last) = tokens.split_at(tokens.len() - 1);
         // A fresh cache with one sequence: it owns the blocks after the scratch block.

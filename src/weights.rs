@@ -375,7 +375,7 @@ impl Checkpoint {
         entry: &TensorEntry,
         mut sink: impl FnMut(&[f32]) -> Result<()>,
     ) -> Result<()> {
-        if convert::decode(entry.dtype, &[], &mut Vec::new()).is_none() {
+        if !convert::readable(entry.dtype) {
             return Err(Error::Weights(format!(
                 "tensor `{name}` has dtype {}, which deepinfer cannot read (it reads F32, BF16, \
                  F16 and block-scaled F8_E4M3)",

@@ -55,18 +55,6 @@ impl DType {
         matches!(self, DType::BF16 | DType::F16 | DType::F8E4M3)
     }
 
-    /// The largest finite value, for floats: a conversion to a narrower float must not exceed
-    /// it.
-    pub fn max_finite(self) -> Option<f64> {
-        match self {
-            DType::F32 => Some(f32::MAX as f64),
-            DType::BF16 => Some(half::bf16::MAX.to_f64()),
-            DType::F16 => Some(half::f16::MAX.to_f64()),
-            DType::F8E4M3 => Some(448.0),
-            _ => None,
-        }
-    }
-
     /// The short lower-case name used in dumps and manifests (`f32`, `i32`, ...).
     pub fn name(self) -> &'static str {
         match self {

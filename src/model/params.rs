@@ -139,11 +139,6 @@ impl WeightSpecs {
         }
     }
 
-    /// The precision the specs describe.
-    pub fn precision(&self) -> &Precision {
-        &self.precision
-    }
-
     /// All parameter names, sorted.
     pub fn names(&self) -> Vec<&str> {
         let mut v: Vec<&str> = self.shapes.keys().map(|s| s.as_str()).collect();

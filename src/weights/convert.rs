@@ -63,6 +63,14 @@ impl Buffer {
     }
 }
 
+/// Whether [`decode`] reads stored dtype `dtype`.
+pub(super) fn readable(dtype: Dtype) -> bool {
+    matches!(
+        dtype,
+        Dtype::F32 | Dtype::BF16 | Dtype::F16 | Dtype::F8_E4M3
+    )
+}
+
 /// Decodes little-endian `bytes` of stored dtype `dtype` into f32 values appended to `out`
 /// (exact for every dtype here). `None` for a dtype deepinfer does not read.
 pub(super) fn decode(dtype: Dtype, bytes: &[u8], out: &mut Vec<f32>) -> Option<()> {

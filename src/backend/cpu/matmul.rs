@@ -126,38 +126,24 @@ fn widen_all<T: Widen>(data: &[T], op: &Operand) -> Vec<f32> {
     out
 }
 
-/// Columns `j0..j0 + tn` of `b` (`[k, n]` at `base`), widened into `scratch` as `tn` rows of
-/// `k` (one row per output column), each multiplied by its `scales[j]` when given (int8
-/// weights: `q as f32 * scale`, the graph's dequantization, in the same f32 arithmetic).
-#[allow(clippy::too_many_arguments)]
-fn widen_tile<T: Widen>(
+/// Appends the `k` values of one weight column (an output column: from `at`, `sk` apart)
+/// widened to f32, each times `scale` when given (int8 weights: `q as f32 * scale`, the
+/// graph's dequantization in the same f32 arithmetic).
+#[inline(always)]
+fn push_widened<T: Widen>(
+    out: &mut Vec<f32>,
     b: &[T],
-    base: usize,
-    (sk, sn): (usize, usize),
-    k: usize,
-    j0: usize,
-    tn: usize,
-    scales: Option<&[f32]>,
-    scratch: &mut Vec<f32>,
+    (at, k, sk): (usize, usize, usize),
+    scale: Option<f32>,
 ) {
-    scratch.clear();
+    let from = out.len();
     if sk == 1 {
-        for j in j0..j0 + tn {
-            let at = base + j * sn;
-            match scales {
-                None => scratch.extend(b[at..at + k].iter().map(|v| v.widen())),
-                Some(s) => scratch.extend(b[at..at + k].iter().map(|v| v.widen() * s[j])),
-            }
-        }
+        out.extend(b[at..at + k].iter().map(|v| v.widen()));
     } else {
-        scratch.resize(tn * k, 0.0);
-        for kk in 0..k {
-            let row = base + kk * sk + j0 * sn;
-            for j in 0..tn {
-                let v = b[row + j * sn].widen();
-                scratch[j * k + kk] = scales.map_or(v, |s| v * s[j0 + j]);
-            }
-        }
+        out.extend((0..k).map(|kk| b[at + kk * sk].widen()));
+    }
+    if let Some(s) = scale {
+        out[from..].iter_mut().for_each(|v| *v *= s);
     }
 }
 
@@ -211,15 +197,8 @@ impl<T: Widen> WithSimd for Columns<'_, T> {
             let (bi, j) = (g / n, g % n);
             let at = self.bop.batch_offset(bi) + j * sn;
             row.clear();
-            if sk == 1 {
-                row.extend(self.b[at..at + k].iter().map(|v| v.widen()));
-            } else {
-                row.extend((0..k).map(|kk| self.b[at + kk * sk].widen()));
-            }
-            if let Some(s) = self.scales {
-                let sj = s[bi * n + j];
-                row.iter_mut().for_each(|v| *v *= sj);
-            }
+            let scale = self.scales.map(|s| s[bi * n + j]);
+            push_widened(row, self.b, (at, k, sk), scale);
             let a = &self.a[bi * m * k..(bi + 1) * m * k];
             for (o, x) in o.iter_mut().zip(a.chunks_exact(k.max(1))) {
                 *o = simd_dot(simd, x, row);
@@ -250,17 +229,11 @@ impl<T: Widen> WithSimd for ExpertTask<'_, T> {
     fn with_simd<S: Simd>(self, simd: S) -> Vec<f32> {
         let (m, k, tn) = (self.m, self.k, self.tn);
         let mut res = vec![0f32; self.rows.len() * m * tn];
-        let mut row = vec![0f32; k];
+        let mut row = Vec::with_capacity(k);
         for jj in 0..tn {
-            let j = self.j0 + jj;
-            let at = (self.e * self.out_n + j) * k;
-            for (r, v) in row.iter_mut().zip(&self.w[at..at + k]) {
-                *r = v.widen();
-            }
-            if let Some(s) = self.scales {
-                let sj = s[self.e * self.out_n + j];
-                row.iter_mut().for_each(|v| *v *= sj);
-            }
+            let j = self.e * self.out_n + self.j0 + jj;
+            row.clear();
+            push_widened(&mut row, self.w, (j * k, k, 1), self.scales.map(|s| s[j]));
             for (ri, &r) in self.rows.iter().enumerate() {
                 for mi in 0..m {
                     let x = &self.a[(r * m + mi) * k..][..k];
@@ -412,22 +385,18 @@ fn run<T: Widen>(
         const GEMM_TILE: usize = 256;
         let dev = &candle_core::Device::Cpu;
         let mut scratch = Vec::with_capacity(GEMM_TILE * k);
+        let (sk, sn) = bop.strides();
         for bi in 0..batch {
+            let base = bop.batch_offset(bi);
             let lhs =
                 candle_core::Tensor::from_slice(&a[bi * m * k..(bi + 1) * m * k], (m, k), dev)?;
             for j0 in (0..n).step_by(GEMM_TILE) {
                 let tn = GEMM_TILE.min(n - j0);
-                let s = scales.map(|s| &s[bi * n..(bi + 1) * n]);
-                widen_tile(
-                    b,
-                    bop.batch_offset(bi),
-                    bop.strides(),
-                    k,
-                    j0,
-                    tn,
-                    s,
-                    &mut scratch,
-                );
+                scratch.clear();
+                for j in j0..j0 + tn {
+                    let scale = scales.map(|s| s[bi * n + j]);
+                    push_widened(&mut scratch, b, (base + j * sn, k, sk), scale);
+                }
                 let w = candle_core::Tensor::from_slice(&scratch, (tn, k), dev)?;
                 let t = lhs.matmul(&w.t()?)?.flatten_all()?.to_vec1::<f32>()?;
                 place(&mut out, (bi, j0, tn), &t);
