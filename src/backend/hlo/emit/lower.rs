@@ -110,18 +110,7 @@ impl Emitter<'_> {
                     i.dimensions = vec![*dim as i64]
                 })
             }
-            Op::MatMul(a, b) => {
-                let r = self.dims_of(a.0).len() as i64;
-                let (a, b) = (v(a), v(b));
-                self.push(opcodes::DOT, shape, &[a, b], |i| {
-                    i.dot_dimension_numbers = Some(DotDimensionNumbers {
-                        lhs_contracting_dimensions: vec![r - 1],
-                        rhs_contracting_dimensions: vec![r - 2],
-                        lhs_batch_dimensions: (0..r - 2).collect(),
-                        rhs_batch_dimensions: (0..r - 2).collect(),
-                    })
-                })
-            }
+            Op::MatMul(a, b) => self.lower_matmul(*a, *b, shape),
             Op::Reduce(r, x, dim) => {
                 let dims = self.dims_of(x.0).to_vec();
                 let x = v(x);
@@ -141,6 +130,57 @@ impl Emitter<'_> {
     }
 
     /// Entry parameter `k`, named for the runtime (`neff_input_names`) and tagged with its role.
+    /// A matmul as one `dot`. A right operand that is a transpose of its last two dims (a
+    /// weight used as `[out, in]`, a cache read as keys), possibly through converts, is not
+    /// transposed: the `dot` contracts its last dim instead (`rhs_contracting_dimensions =
+    /// [rank - 1]`), and the converts are applied to the untransposed value. The transpose and
+    /// any convert no other instruction uses are then dead, and [`Emitter::finish`] drops them,
+    /// so no graph makes a transposed copy of a weight per step (issue 13: neuronx-cc does not
+    /// promise to fold it).
+    fn lower_matmul(&mut self, a: NodeId, b: NodeId, shape: ShapeProto) -> i64 {
+        let r = self.dims_of(a.0).len() as i64;
+        let (rhs, contracting) = match self.transposed_operand(b) {
+            Some((base, casts)) => {
+                let dims = self.dims_of(base.0).to_vec();
+                let mut x = self.value_of(&base);
+                for dtype in casts {
+                    let to = array_shape(&dims, primitive_type(dtype));
+                    x = self.push(opcodes::CONVERT, to, &[x], |_| {});
+                }
+                (x, r - 1)
+            }
+            None => (self.value_of(&b), r - 2),
+        };
+        let lhs = self.value_of(&a);
+        self.push(opcodes::DOT, shape, &[lhs, rhs], |i| {
+            i.dot_dimension_numbers = Some(DotDimensionNumbers {
+                lhs_contracting_dimensions: vec![r - 1],
+                rhs_contracting_dimensions: vec![contracting],
+                lhs_batch_dimensions: (0..r - 2).collect(),
+                rhs_batch_dimensions: (0..r - 2).collect(),
+            })
+        })
+    }
+
+    /// When `n` is `cast(...cast(permute(base)))` with the permute swapping the last two dims
+    /// only: `base` and the casts' dtypes, innermost first.
+    fn transposed_operand(&self, mut n: NodeId) -> Option<(NodeId, Vec<DType>)> {
+        let mut casts = Vec::new();
+        while let Op::Cast(x) = self.graph.node(n).op {
+            casts.push(self.dtype_of(n.0));
+            n = x;
+        }
+        let Op::Permute(base, ref perm) = self.graph.node(n).op else {
+            return None;
+        };
+        let r = perm.len();
+        let swaps_last_two = r >= 2
+            && perm[..r - 2].iter().enumerate().all(|(i, &p)| p == i)
+            && perm[r - 2..] == [r - 1, r - 2];
+        casts.reverse();
+        swaps_last_two.then_some((base, casts))
+    }
+
     fn lower_input(&mut self, k: usize, shape: ShapeProto) -> i64 {
         let decl = &self.graph.inputs()[k];
         // The role attribute lets the importer restore the input's role; other consumers

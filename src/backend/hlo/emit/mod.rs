@@ -14,7 +14,7 @@
 
 mod lower;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use prost::Message;
 
@@ -317,10 +317,16 @@ impl Emitter<'_> {
         };
         let entry_id = self.id();
         let entry_name = "main".to_string();
+        let instructions = live(std::mem::take(&mut self.entry), root);
+        let called: HashSet<i64> = instructions
+            .iter()
+            .flat_map(|i| i.called_computation_ids.iter().copied())
+            .collect();
         let mut computations = std::mem::take(&mut self.callees);
+        computations.retain(|c| called.contains(&c.id));
         computations.push(HloComputationProto {
             name: entry_name.clone(),
-            instructions: std::mem::take(&mut self.entry),
+            instructions,
             program_shape: Some(program.clone()),
             id: entry_id,
             root_id: root,
@@ -349,6 +355,29 @@ impl Emitter<'_> {
                 .then_some(HloInputOutputAliasProto { entries: aliases }),
         })
     }
+}
+
+/// The entry instructions the root depends on, in their order, plus every parameter (the
+/// signature keeps them all). A lowering may leave an instruction unused (a transpose folded
+/// into a `dot`); this drops it rather than hand neuronx-cc dead code.
+fn live(entry: Vec<HloInstructionProto>, root: i64) -> Vec<HloInstructionProto> {
+    let index: HashMap<i64, usize> = entry.iter().enumerate().map(|(k, i)| (i.id, k)).collect();
+    let mut keep = vec![false; entry.len()];
+    let mut stack = vec![root];
+    while let Some(id) = stack.pop() {
+        if let Some(&k) = index.get(&id) {
+            if !keep[k] {
+                keep[k] = true;
+                stack.extend(&entry[k].operand_ids);
+            }
+        }
+    }
+    entry
+        .into_iter()
+        .zip(keep)
+        .filter(|(i, keep)| *keep || i.opcode == opcodes::PARAMETER)
+        .map(|(i, _)| i)
+        .collect()
 }
 
 /// The identity of `op` in `dtype`, the init value of its `reduce`: 0 for a sum, the lowest

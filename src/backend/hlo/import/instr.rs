@@ -138,8 +138,11 @@ impl<'m> Importer<'m> {
                 let a = self.operand(i, 0)?;
                 let r = a.rank() as i64;
                 let batch: Vec<i64> = (0..r - 2).collect();
+                // The right operand contracts its second-to-last dim (`[k, n]`) or, as the
+                // emitter writes a weight used as `[out, in]`, its last (`[n, k]`).
+                let transposed = dn.rhs_contracting_dimensions == [r - 1];
                 if dn.lhs_contracting_dimensions != [r - 1]
-                    || dn.rhs_contracting_dimensions != [r - 2]
+                    || !(transposed || dn.rhs_contracting_dimensions == [r - 2])
                     || dn.lhs_batch_dimensions != batch
                     || dn.rhs_batch_dimensions != batch
                 {
@@ -148,7 +151,9 @@ impl<'m> Importer<'m> {
                         i.name
                     )));
                 }
-                a.matmul_to(&self.operand(i, 1)?, elem(shape)?)?
+                let b = self.operand(i, 1)?;
+                let b = if transposed { b.t()? } else { b };
+                a.matmul_to(&b, elem(shape)?)?
             }
             opcodes::REDUCE => {
                 let x = x()?;
