@@ -295,6 +295,23 @@ pub enum Op {
     /// The i32 indices of the `k` largest values along the last dim, largest first, ties broken
     /// by the lower index (HLO: a stable descending `sort` of (value, iota), then a slice).
     TopK(NodeId, usize),
+    /// Per row `r` of `x` and `w` (`[rows, n]`, f32) and `target` (`[rows]`, f32): the
+    /// largest value `t` whose weighted mass `sum(w[r, i] for x[r, i] >= t)` reaches
+    /// `target[r]`. With unit weights and `target = k` that is the k-th largest value (ties
+    /// included); with probabilities it is a nucleus's cut; with `x = -index` it is an
+    /// inverse-CDF draw. `+inf` when `target <= 0`; `-inf` when even the whole row falls short
+    /// (or `target` is NaN). NaN values of `x` never count. The sampler's exact top-k, top-p
+    /// and draw, with no sort (neuronx-cc rewrites a wide sort into a top-k it caps at 16,384).
+    /// HLO: a `call` of a bisection over the 32 bits of the threshold's order-preserving key,
+    /// with compares and sums only (`backend::hlo::emit`).
+    MassThreshold {
+        /// The values.
+        x: NodeId,
+        /// Their weights.
+        w: NodeId,
+        /// The mass to reach, per row.
+        target: NodeId,
+    },
     /// Rows (or slices) of `x` along `dim` picked by the 1-D i32 `ids`.
     IndexSelect {
         /// Source.
@@ -350,6 +367,7 @@ impl Op {
             Op::Reduce(r, _, _) => r.name(),
             Op::ArgMax(..) => "argmax",
             Op::TopK(..) => "topk",
+            Op::MassThreshold { .. } => "mass_threshold",
             Op::IndexSelect { .. } => "index_select",
             Op::Gather { .. } => "gather",
             Op::ScatterRows { .. } => "scatter_rows",
@@ -376,6 +394,7 @@ impl Op {
                 on_false,
             } => vec![*pred, *on_true, *on_false],
             Op::Concat(xs, _) => xs.clone(),
+            Op::MassThreshold { x, w, target } => vec![*x, *w, *target],
             Op::IndexSelect { x, ids, .. } | Op::Gather { x, ids, .. } => vec![*x, *ids],
             Op::ScatterRows {
                 root, rows, src, ..

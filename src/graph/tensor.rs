@@ -555,6 +555,38 @@ impl Tensor {
         Ok(self.push(Op::TopK(self.id, k), Shape(d), DType::I32))
     }
 
+    /// Per row: the largest value `t` of `self` (`[rows, n]`, f32) whose mass under the
+    /// weights `w` (`sum(w[i] for self[i] >= t)`) reaches `target` (`[rows]`, f32); see
+    /// [`Op::MassThreshold`] for the edge cases. Exact top-k, top-p and inverse-CDF draws
+    /// without a sort.
+    pub fn mass_threshold(&self, w: &Tensor, target: &Tensor) -> Result<Tensor> {
+        let ok = self.rank() == 2
+            && self.dtype == DType::F32
+            && w.shape == self.shape
+            && w.dtype == DType::F32
+            && target.shape.0 == [self.shape.0[0]]
+            && target.dtype == DType::F32;
+        if !ok {
+            return Err(Error::shape(
+                "mass_threshold",
+                format!(
+                    "values {} {}, weights {} {}, target {} {} (want [rows, n] f32 twice and \
+                     [rows] f32)",
+                    self.shape, self.dtype, w.shape, w.dtype, target.shape, target.dtype
+                ),
+            ));
+        }
+        Ok(self.push(
+            Op::MassThreshold {
+                x: self.id,
+                w: w.id,
+                target: target.id,
+            },
+            target.shape.clone(),
+            DType::F32,
+        ))
+    }
+
     /// Slices of `dim` picked by the 1-D i32 `ids`.
     pub fn index_select(&self, ids: &Tensor, dim: usize) -> Result<Tensor> {
         if dim >= self.rank() || ids.rank() != 1 || ids.dtype != DType::I32 {

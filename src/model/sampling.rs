@@ -1,32 +1,39 @@
 //! Sampling inside the graph: greedy, temperature, top-k and top-p, with per-row parameters and a
-//! per-row seed.
+//! per-row seed, exact for every `top_k` and `top_p`.
 //!
-//! Randomness comes from a counter-based generator: the uniform for row `r`, vocabulary entry `i`
-//! is a hash of (seed, position, i). It needs no state between steps, gives the same draw for the
-//! same (seed, position) whatever the batch, and is plain integer HLO (multiply, xor, shift), so
-//! the CPU and Neuron draw the same tokens. A token is drawn by the Gumbel-max trick:
-//! `argmax(z + g)` with `g = -ln(-ln(u))` samples from `softmax(z)`, with no sort and no cumsum
-//! over the vocabulary.
+//! A sampled row keeps the tokens whose scaled logit `z` is at or above one cut, then draws one
+//! of them by inverse CDF with one uniform number:
 //!
-//! top-k and top-p become one threshold on the scaled logits, found among the
-//! [`MAX_CANDIDATES`] best tokens (a sort of the whole vocabulary is slow to compile and run on
-//! Neuron; NxD Inference uses the same global top-k cap). Exact for `top_k <= MAX_CANDIDATES` and
-//! for nuclei of at most that many tokens; a larger nucleus is cut to the candidates. With
-//! neither set, sampling is over the whole vocabulary. Rows with `temperature <= 0` are greedy.
+//! 1. **top-k** keeps `z >= ` the k-th largest `z` (tokens tied with it stay, as in vLLM).
+//! 2. **top-p**, on what top-k kept and renormalised (the order of HF's and vLLM's warpers),
+//!    keeps the smallest set of best tokens whose probability reaches `top_p`: `z >=` the
+//!    largest value whose mass at or above reaches `top_p` of the kept mass.
+//! 3. **The draw** is the first token, in vocabulary order, whose running mass reaches
+//!    `u * total`: exactly a draw from the renormalised distribution.
+//!
+//! All three are one op, [`Tensor::mass_threshold`] (the largest value whose weighted mass at
+//! or above reaches a target), which needs no sort: a vocabulary-wide sort is what neuronx-cc
+//! turns into a top-k it caps at 16,384 (aws-neuron/aws-neuron-sdk issue 1339), and V2-Lite's
+//! vocabulary is 102,400. Rows with `temperature <= 0` are a plain argmax.
+//!
+//! The uniform comes from a counter-based generator: a hash of (seed, position), so it needs no
+//! state between steps and gives the same draw for the same (seed, position) whatever the
+//! batch. The hash is murmur3's 32-bit finalizer, whose u32 multiplies wrap; a NeuronCore's
+//! vector engines compute arithmetic in fp32 (NKI `nki.isa.tensor_tensor`), where such a product
+//! would lose bits. So the graph multiplies in 11-bit limbs whose products and sums stay below
+//! 2^24, in f32, where they are exact on every engine, and reassembles the 32-bit result with
+//! shifts, masks and xors; see [`wrapping_mul`]. The result is bit for bit the u32 hash.
 
 use crate::error::Result;
-use crate::graph::{DType, Literal, Tensor};
-
-/// How many best tokens the top-k/top-p threshold is searched among.
-pub const MAX_CANDIDATES: usize = 256;
+use crate::graph::{DType, Tensor};
 
 /// Per-row sampling parameters, each `[b]`.
 pub struct SamplingInputs<'a> {
     /// Temperature (f32); `<= 0` means greedy.
     pub temperature: &'a Tensor,
-    /// top-k (i32); `<= 0` means off.
+    /// top-k (i32); `<= 0` (or the vocabulary size and above) means off.
     pub top_k: &'a Tensor,
-    /// top-p (f32); `>= 1` means off.
+    /// top-p (f32); `>= 1` means off; `<= 0` keeps the best token only.
     pub top_p: &'a Tensor,
     /// Seed (u32).
     pub seeds: &'a Tensor,
@@ -34,32 +41,77 @@ pub struct SamplingInputs<'a> {
     pub positions: &'a Tensor,
 }
 
+/// The limbs a u32 is multiplied in: (shift, bits). Products of two limbs stay below 2^22 and
+/// the sums [`wrapping_mul`] forms below 2^24.
+const LIMBS: [(u32, u32); 3] = [(0, 11), (11, 11), (22, 10)];
+
+/// `x * c` modulo 2^32 for u32 `x`, exact on an engine that computes arithmetic in fp32:
+/// with 11-bit limbs `x = x0 + x1·2^11 + x2·2^22` (and `c` alike), the product modulo 2^32 is
+/// `x0c0 + (x0c1 + x1c0)·2^11 + (x0c2 + x1c1 + x2c0)·2^22`; each coefficient is below 2^24, so
+/// it is formed exactly in f32, and the carries between limbs are taken with shifts and masks.
+pub fn wrapping_mul(x: &Tensor, c: u32) -> Result<Tensor> {
+    let u = |v: u32| x.full_like(f64::from(v));
+    let limb = |t: &Tensor, (shift, bits): (u32, u32)| -> Result<Tensor> {
+        t.shr(&u(shift)?)?.bitand(&u((1 << bits) - 1)?)
+    };
+    let xs = LIMBS
+        .iter()
+        .map(|&l| limb(x, l)?.to_dtype(DType::F32))
+        .collect::<Result<Vec<_>>>()?;
+    let cs = LIMBS.map(|(shift, bits)| f64::from((c >> shift) & ((1 << bits) - 1)));
+    // Coefficient k of the product: the sum of x_i * c_j over i + j = k.
+    let coefficient = |k: usize| -> Result<Tensor> {
+        let mut sum = xs[0].affine(cs[k], 0.0)?;
+        for i in 1..=k {
+            sum = sum.add(&xs[i].affine(cs[k - i], 0.0)?)?;
+        }
+        Ok(sum)
+    };
+    let mut out: Option<Tensor> = None;
+    let mut carry: Option<Tensor> = None;
+    for (k, &(shift, bits)) in LIMBS.iter().enumerate() {
+        let mut coef = coefficient(k)?;
+        if let Some(c) = &carry {
+            coef = coef.add(&c.to_dtype(DType::F32)?)?;
+        }
+        let coef = coef.to_dtype(DType::U32)?;
+        let digit = coef.bitand(&u((1 << bits) - 1)?)?.shl(&u(shift)?)?;
+        carry = Some(coef.shr(&u(bits)?)?);
+        out = Some(match out {
+            None => digit,
+            Some(o) => o.bitxor(&digit)?,
+        });
+    }
+    Ok(out.expect("LIMBS is not empty"))
+}
+
 /// murmur3's 32-bit finalizer: a bijective mix with good avalanche.
 fn fmix32(x: &Tensor) -> Result<Tensor> {
-    let c = |v: u32| x.full_like(v as f64);
+    let c = |v: u32| x.full_like(f64::from(v));
     let mut h = x.bitxor(&x.shr(&c(16)?)?)?;
-    h = h.mul(&c(0x85eb_ca6b)?)?;
+    h = wrapping_mul(&h, 0x85eb_ca6b)?;
     h = h.bitxor(&h.shr(&c(13)?)?)?;
-    h = h.mul(&c(0xc2b2_ae35)?)?;
+    h = wrapping_mul(&h, 0xc2b2_ae35)?;
     h.bitxor(&h.shr(&c(16)?)?)
 }
 
-/// Uniforms in (0, 1), `[b, n]`, from each row's seed and position.
-pub fn uniform(seeds: &Tensor, positions: &Tensor, n: usize) -> Result<Tensor> {
-    let b = seeds.builder();
-    let rows = seeds.dim(0);
+/// The generator's 32 random bits for each row (`[b]`, u32):
+/// `fmix32(seed ^ fmix32(position ^ 0x9e3779b9))`.
+pub fn random_bits(seeds: &Tensor, positions: &Tensor) -> Result<Tensor> {
     let pos = positions.to_dtype(DType::U32)?;
-    let key = fmix32(&seeds.bitxor(&fmix32(&pos.add(&pos.full_like(0x9e37_79b9u32 as f64)?)?)?)?)?;
-    let idx = b.iota([rows, n], DType::I32, 1)?.to_dtype(DType::U32)?;
-    let golden = idx.full_like(0x27d4_eb2fu32 as f64)?;
-    let x = fmix32(
-        &key.unsqueeze(1)?
-            .broadcast_as([rows, n])?
-            .bitxor(&idx.mul(&golden)?)?,
-    )?;
-    // 24 random bits, centred in their interval so 0 and 1 are never produced.
-    let bits = x.shr(&x.full_like(8.0)?)?.to_dtype(DType::F32)?;
-    bits.affine(1.0 / (1u32 << 24) as f64, 0.5 / (1u32 << 24) as f64)
+    seeds
+        .bitxor(&fmix32(
+            &pos.bitxor(&pos.full_like(f64::from(0x9e37_79b9u32))?)?,
+        )?)
+        .and_then(|k| fmix32(&k))
+}
+
+/// One uniform in (0, 1) per row (`[b]`, f32): the top 23 random bits, centred in their
+/// interval (`(k + 0.5) / 2^23`, exact in f32), so 0 and 1 are never produced.
+pub fn uniform(seeds: &Tensor, positions: &Tensor) -> Result<Tensor> {
+    let bits = random_bits(seeds, positions)?;
+    let k = bits.shr(&bits.full_like(9.0)?)?.to_dtype(DType::F32)?;
+    k.affine(1.0 / f64::from(1u32 << 23), 0.5 / f64::from(1u32 << 23))
 }
 
 /// The next token of each row (`[b]`, i32) from its logits (`[b, vocab]`, f32).
@@ -69,46 +121,44 @@ pub fn sample(logits: &Tensor, p: &SamplingInputs<'_>) -> Result<Tensor> {
     let greedy = logits.argmax(1)?;
 
     let zero = p.temperature.full_like(0.0)?;
+    let neg_inf = p.temperature.full_like(f64::NEG_INFINITY)?;
     let sampling = p.temperature.gt(&zero)?;
     let temp = sampling.where_cond(p.temperature, &p.temperature.full_like(1.0)?)?;
     let z = logits.broadcast_div(&temp.unsqueeze(1)?)?;
+    let z_max = z.max_keepdim(1)?; // [b, 1]
+    let e = z.broadcast_sub(&z_max)?.exp()?; // softmax(z), unnormalised
+    let none = e.full_like(0.0)?;
 
-    // Candidates: the best tokens, best first, with their probabilities under softmax(z).
-    let k = MAX_CANDIDATES.min(vocab);
-    let cand = z.topk(k)?;
-    let cand_z = z.gather(&cand, 1)?;
-    let zmax = cand_z.narrow(1, 0, 1)?;
-    let denom = z.broadcast_sub(&zmax)?.exp()?.sum_keepdim(1)?;
-    let cand_p = cand_z.broadcast_sub(&zmax)?.exp()?.broadcast_div(&denom)?;
-    // Probability mass strictly before each candidate: a product with a strictly upper
-    // triangular matrix of ones.
-    let tri: Vec<f32> = (0..k * k)
-        .map(|i| if i / k < i % k { 1.0 } else { 0.0 })
-        .collect();
-    let before = cand_p.matmul(&b.constant(Literal::F32(tri), [k, k])?)?;
+    // top-k: the k-th largest z, for 0 < k < vocab.
+    let k_positive = p.top_k.gt(&p.top_k.full_like(0.0)?)?;
+    let k_on =
+        k_positive.where_cond(&p.top_k.lt(&p.top_k.full_like(vocab as f64)?)?, &k_positive)?;
+    let k_target = k_on.where_cond(&p.top_k.to_dtype(DType::F32)?, &zero)?;
+    let t_k = z.mass_threshold(&z.full_like(1.0)?, &k_target)?;
+    let t_k = k_on.where_cond(&t_k, &neg_inf)?;
+    let e_k = z.ge(&t_k.unsqueeze(1)?)?.where_cond(&e, &none)?;
 
-    let rank = b.iota([rows, k], DType::I32, 1)?;
-    let top_k_on = p.top_k.gt(&p.top_k.full_like(0.0)?)?;
-    let top_p_on = p.top_p.lt(&p.top_p.full_like(1.0)?)?;
-    let k_eff = top_k_on.where_cond(p.top_k, &p.top_k.full_like(k as f64)?)?;
-    let p_eff = top_p_on.where_cond(p.top_p, &p.top_p.full_like(2.0)?)?;
-    let within_k = rank.lt(&k_eff.unsqueeze(1)?)?;
-    let within_p = before.lt(&p_eff.unsqueeze(1)?)?;
-    let first = rank.eq(&rank.full_like(0.0)?)?;
-    let both = within_k.where_cond(&within_p.to_dtype(DType::F32)?, &cand_p.full_like(0.0)?)?;
-    let kept = first.where_cond(&cand_p.full_like(1.0)?, &both)?;
-    let kept = kept.gt(&kept.full_like(0.5)?)?;
-    let inf = cand_z.full_like(f64::INFINITY)?;
-    let cut = kept.where_cond(&cand_z, &inf)?.min(1)?; // smallest kept candidate
-    let restricted =
-        top_p_on.where_cond(&p.top_p.full_like(1.0)?, &top_k_on.to_dtype(DType::F32)?)?;
-    let restricted = restricted.gt(&restricted.full_like(0.5)?)?;
-    let threshold = restricted.where_cond(&cut, &cut.full_like(f64::NEG_INFINITY)?)?;
-    let allowed = z.ge(&threshold.unsqueeze(1)?)?;
-    let masked = allowed.where_cond(&z, &z.full_like(f64::NEG_INFINITY)?)?;
+    // top-p on what top-k kept: the largest z whose mass at or above reaches top_p of it.
+    let p_on = p.top_p.lt(&p.top_p.full_like(1.0)?)?;
+    let p_target = p_on.where_cond(&p.top_p.mul(&e_k.sum(1)?)?, &zero)?;
+    let t_p = z.mass_threshold(&e_k, &p_target)?;
+    let t_p = p_on.where_cond(&t_p, &neg_inf)?;
 
-    let u = uniform(p.seeds, p.positions, vocab)?;
-    let gumbel = u.log()?.neg()?.log()?.neg()?;
-    let drawn = masked.add(&gumbel)?.argmax(1)?;
-    sampling.where_cond(&drawn, &greedy)
+    // Both cuts, never above the best token (a top_p <= 0 keeps that one).
+    let cut = t_k.maximum(&t_p)?.minimum(&z_max.squeeze(1)?)?;
+    let kept = z.ge(&cut.unsqueeze(1)?)?.where_cond(&e, &none)?;
+
+    // The draw: the first token whose running mass reaches u * total, as the largest
+    // -index whose mass at or above (the tokens up to that index) reaches it.
+    let u = uniform(p.seeds, p.positions)?;
+    let draw_target = sampling.where_cond(&u.mul(&kept.sum(1)?)?, &zero)?;
+    let neg_index = b
+        .iota([rows, vocab], DType::I32, 1)?
+        .to_dtype(DType::F32)?
+        .neg()?;
+    let at = neg_index.mass_threshold(&kept, &draw_target)?;
+    // -inf only if rounding left u * total above the summed mass (u < 1): take the best token.
+    let found = at.gt(&neg_inf)?.where_cond(&sampling, &zero.gt(&zero)?)?;
+    let token = found.where_cond(&at, &zero)?.neg()?.to_dtype(DType::I32)?;
+    found.where_cond(&token, &greedy)
 }

@@ -14,6 +14,7 @@
 mod bytes;
 mod kernels;
 mod matmul;
+mod threshold;
 
 pub use bytes::{tensor_from_bytes, with_tensor_bytes};
 
@@ -134,6 +135,21 @@ pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
                 let data = x.flatten_all()?.to_vec1::<f32>()?;
                 CTensor::from_vec(
                     kernels::topk_rows(&data, n, *k),
+                    node.shape.dims(),
+                    &Device::Cpu,
+                )?
+            }
+            Op::MassThreshold { x, w, target } => {
+                let x = get(*x)?;
+                let n = x.dim(1)?;
+                let rows = |t: &CTensor| -> Result<Vec<f32>> { Ok(t.flatten_all()?.to_vec1()?) };
+                CTensor::from_vec(
+                    threshold::mass_threshold_rows(
+                        &rows(x)?,
+                        &rows(get(*w)?)?,
+                        &rows(get(*target)?)?,
+                        n,
+                    ),
                     node.shape.dims(),
                     &Device::Cpu,
                 )?

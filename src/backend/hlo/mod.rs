@@ -25,6 +25,9 @@ pub mod text;
 const INPUT_NAMES_ATTR: &str = "neff_input_names";
 /// The root tuple's frontend attribute holding the graph outputs' names, comma-separated.
 const OUTPUT_NAMES_ATTR: &str = "neff_output_names";
+/// A `call`'s frontend attribute naming the graph op it computes (a composite whose body is
+/// plain HLO, read back by the importer as that one op).
+const COMPOSITE_ATTR: &str = "deepinfer_composite";
 /// Entry parameters' frontend attribute holding the input's [`crate::graph::InputRole`] name,
 /// so the importer restores it; other consumers ignore unknown attributes.
 const ROLE_ATTR: &str = "deepinfer_role";

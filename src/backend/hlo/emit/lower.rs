@@ -118,6 +118,11 @@ impl Emitter<'_> {
             }
             Op::ArgMax(x, dim) => self.lower_argmax(*x, *dim),
             Op::TopK(x, k) => self.lower_topk(*x, *k, shape),
+            Op::MassThreshold { x, w, target } => {
+                let (rows, n) = (self.dims_of(x.0)[0], self.dims_of(x.0)[1]);
+                let (x, w, target) = (v(x), v(w), v(target));
+                self.lower_mass_threshold(x, w, target, rows, n)
+            }
             Op::IndexSelect { x, ids, dim } => self.lower_index_select(*x, *ids, *dim, shape),
             Op::Gather { x, ids, dim } => self.lower_gather(*x, *ids, *dim, shape),
             Op::ScatterRows {
@@ -211,7 +216,14 @@ impl Emitter<'_> {
     }
 
     /// `compare` in direction `c` of two operands of element type `xt`.
-    fn compare(&mut self, c: CmpOp, x: i64, y: i64, shape: ShapeProto, xt: PrimitiveType) -> i64 {
+    pub(super) fn compare(
+        &mut self,
+        c: CmpOp,
+        x: i64,
+        y: i64,
+        shape: ShapeProto,
+        xt: PrimitiveType,
+    ) -> i64 {
         self.push(opcodes::COMPARE, shape, &[x, y], |i| {
             i.comparison_direction = c.name().into();
             i.comparison_type = comparison_type(xt).into();

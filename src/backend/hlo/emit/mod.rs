@@ -13,6 +13,9 @@
 //! `graph::op` for the elementwise and reduction families, plain-HLO structures for the rest.
 
 mod lower;
+mod threshold;
+
+pub(crate) use threshold::MASS_THRESHOLD;
 
 use std::collections::{HashMap, HashSet};
 
@@ -62,6 +65,7 @@ pub fn emit(graph: &Graph) -> Result<HloModuleProto> {
         next_id: 1,
         callees: Vec::new(),
         scalar_fns: HashMap::new(),
+        threshold_fns: HashMap::new(),
         entry: Vec::new(),
         value: vec![0; graph.nodes().len()],
     };
@@ -92,6 +96,8 @@ struct Emitter<'g> {
     callees: Vec<HloComputationProto>,
     /// The computation id of each (scalar function, element type) emitted so far.
     scalar_fns: HashMap<(ScalarFn, i32), i64>,
+    /// The computation id of the mass-threshold bisection for each `(rows, n)` emitted so far.
+    threshold_fns: HashMap<(usize, usize), i64>,
     /// The entry computation's instructions, operands before users.
     entry: Vec<HloInstructionProto>,
     /// The instruction holding each node's value.
@@ -318,10 +324,20 @@ impl Emitter<'_> {
         let entry_id = self.id();
         let entry_name = "main".to_string();
         let instructions = live(std::mem::take(&mut self.entry), root);
-        let called: HashSet<i64> = instructions
+        // The callees the live instructions call, and theirs (callers come after callees).
+        let mut called: HashSet<i64> = instructions
             .iter()
             .flat_map(|i| i.called_computation_ids.iter().copied())
             .collect();
+        for c in self.callees.iter().rev() {
+            if called.contains(&c.id) {
+                called.extend(
+                    c.instructions
+                        .iter()
+                        .flat_map(|i| i.called_computation_ids.clone()),
+                );
+            }
+        }
         let mut computations = std::mem::take(&mut self.callees);
         computations.retain(|c| called.contains(&c.id));
         computations.push(HloComputationProto {

@@ -6,8 +6,9 @@
 //! recognised by their shape (see the module docs of [`super`]).
 
 use super::{bad, dims, elem, Importer};
+use crate::backend::hlo::emit::MASS_THRESHOLD;
 use crate::backend::hlo::proto::HloInstructionProto;
-use crate::backend::hlo::{literal, opcodes};
+use crate::backend::hlo::{literal, opcodes, COMPOSITE_ATTR};
 use crate::error::Result;
 use crate::graph::{BinaryOp, Tensor, UnaryOp};
 
@@ -119,6 +120,21 @@ impl<'m> Importer<'m> {
                     t = t.narrow(d, s.start as usize, (s.limit - s.start) as usize)?;
                 }
                 t
+            }
+            opcodes::CALL => {
+                // Only the composites the emitter writes, named by their attribute; the body
+                // is not read (it is the op's lowering, which XLA and neuronx-cc run).
+                let composite = i
+                    .frontend_attributes
+                    .as_ref()
+                    .and_then(|f| f.map.get(COMPOSITE_ATTR));
+                if composite.map(String::as_str) != Some(MASS_THRESHOLD) {
+                    return Err(bad(format!(
+                        "{}: a call of {composite:?} (only {MASS_THRESHOLD} is read back)",
+                        i.name
+                    )));
+                }
+                x()?.mass_threshold(&self.operand(i, 1)?, &self.operand(i, 2)?)?
             }
             opcodes::CONCATENATE => {
                 let ts = i

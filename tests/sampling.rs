@@ -1,0 +1,460 @@
+//! The in-graph sampler against its definitions, on the CPU backend and through nrt-sim (the HLO
+//! as a NEFF, with the mass threshold read back as the composite it is):
+//!
+//! - the generator is murmur3's finalizer bit for bit (reference: plain `u32::wrapping_mul`),
+//!   though the graph multiplies in f32 limbs;
+//! - 10,000 seeded draws from one row of a 32,000-token vocabulary with `top_k = 1000` and
+//!   `top_p = 0.99` follow the exact renormalised distribution (computed here in f64 by sorting,
+//!   top-k, renormalising, top-p), by a chi-square test at p > 0.001, and never leave its
+//!   support; a sampler that cut the nucleus to fewer candidates, or applied top-p before
+//!   top-k, puts draws outside it;
+//! - greedy rows, `top_k = 1` and a tiny `top_p` give the argmax.
+//!
+//! XLA runs the same generator and mass threshold bit for bit in the conformance suite
+//! (`blocks.json`, `mass_threshold.json`).
+
+use std::sync::Arc;
+
+use candle_core::Tensor as CTensor;
+use deepinfer::backend::{cpu, hlo};
+use deepinfer::graph::{DType, Graph, GraphBuilder, InputRole};
+use deepinfer::model::sampling::{self, SamplingInputs};
+use neuron_sys::{Library, Model, Runtime, Tensor as NTensor, TensorSet};
+use statrs::distribution::{ChiSquared, ContinuousCDF};
+
+const VOCAB: usize = 32_000;
+const DRAWS: usize = 10_000;
+/// Draws per execution (rows of one graph).
+const ROWS: usize = 500;
+const TEMPERATURE: f32 = 0.8;
+const TOP_K: i32 = 1000;
+const TOP_P: f32 = 0.99;
+
+/// murmur3's 32-bit finalizer, as published.
+fn fmix32(mut h: u32) -> u32 {
+    h ^= h >> 16;
+    h = h.wrapping_mul(0x85eb_ca6b);
+    h ^= h >> 13;
+    h = h.wrapping_mul(0xc2b2_ae35);
+    h ^ (h >> 16)
+}
+
+/// The generator's definition: `fmix32(seed ^ fmix32(position ^ 0x9e3779b9))`.
+fn random_bits(seed: u32, position: i32) -> u32 {
+    fmix32(seed ^ fmix32(position as u32 ^ 0x9e37_79b9))
+}
+
+/// One input of a test graph: its name, dtype, shape and little-endian bytes.
+struct Input {
+    name: &'static str,
+    dtype: DType,
+    shape: Vec<usize>,
+    bytes: Vec<u8>,
+}
+
+fn input<T: bytemuck::Pod>(name: &'static str, dtype: DType, shape: &[usize], v: &[T]) -> Input {
+    Input {
+        name,
+        dtype,
+        shape: shape.to_vec(),
+        bytes: bytemuck::cast_slice(v).to_vec(),
+    }
+}
+
+/// A graph over `inputs` (metadata) whose outputs `build` makes.
+fn graph(
+    inputs: &[Input],
+    build: impl FnOnce(&[deepinfer::graph::Tensor]) -> Vec<(String, deepinfer::graph::Tensor)>,
+) -> Graph {
+    let b = GraphBuilder::new("sampling_test");
+    let xs: Vec<_> = inputs
+        .iter()
+        .map(|i| {
+            b.input(i.name, InputRole::Metadata, i.shape.clone(), i.dtype)
+                .unwrap()
+        })
+        .collect();
+    for (name, t) in build(&xs) {
+        b.output(name, &t).unwrap();
+    }
+    b.finish().unwrap()
+}
+
+/// Output `k` as raw little-endian bytes, on the CPU backend.
+fn run_cpu(g: &Graph, inputs: &[Input]) -> Vec<Vec<u8>> {
+    let args: Vec<CTensor> = inputs
+        .iter()
+        .map(|i| cpu::tensor_from_bytes(i.dtype, &i.shape, &i.bytes).unwrap())
+        .collect();
+    cpu::run(g, &args)
+        .unwrap()
+        .iter()
+        .zip(g.outputs())
+        .map(|(t, o)| cpu::with_tensor_bytes(t, g.node(o.node).dtype, |b| b.to_vec()).unwrap())
+        .collect()
+}
+
+/// nrt-sim over its first core.
+fn sim() -> Runtime {
+    let path = nrt_sim::library_next_to_current_exe()
+        .expect("libnrt_sim.so next to the test binary (cargo test --workspace builds it)");
+    let lib: Arc<Library> = Library::open(&path).unwrap();
+    Runtime::shared(lib, 0, 1).unwrap()
+}
+
+/// Each output's bytes after running `g`'s HLO as a NEFF in nrt-sim.
+fn run_sim(rt: &Runtime, g: &Graph, inputs: &[Input]) -> Vec<Vec<u8>> {
+    let neff = hlo::emit::to_bytes(&hlo::emit::emit(g).unwrap());
+    let model = Model::load(rt, &neff, Some(0), None).unwrap();
+    let mut ins = TensorSet::new(rt).unwrap();
+    let mut outs = TensorSet::new(rt).unwrap();
+    let mut keep = Vec::new();
+    for i in inputs {
+        let t = NTensor::device(rt, 0, i.bytes.len(), i.name).unwrap();
+        t.write(0, &i.bytes).unwrap();
+        ins.add(i.name, &t).unwrap();
+        keep.push(t);
+    }
+    let out_tensors: Vec<NTensor> = g
+        .outputs()
+        .iter()
+        .map(|o| {
+            let node = g.node(o.node);
+            let size = node.shape.dims().iter().product::<usize>() * node.dtype.size_in_bytes();
+            let t = NTensor::device(rt, 0, size, &o.name).unwrap();
+            outs.add(&o.name, &t).unwrap();
+            t
+        })
+        .collect();
+    model.execute(&ins, &outs).unwrap();
+    out_tensors
+        .iter()
+        .map(|t| t.read_vec(0, t.size()).unwrap())
+        .collect()
+}
+
+fn u32s(b: &[u8]) -> Vec<u32> {
+    b.chunks_exact(4)
+        .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+fn f32s(b: &[u8]) -> Vec<f32> {
+    b.chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+fn i32s(b: &[u8]) -> Vec<i32> {
+    b.chunks_exact(4)
+        .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect()
+}
+
+#[test]
+fn the_generator_is_murmur3_bit_for_bit() {
+    // Edge seeds and positions, then a spread of both.
+    let mut seeds: Vec<u32> = vec![0, 1, u32::MAX, 0x8000_0000, 0x7fff_ffff, 0x9e37_79b9];
+    let mut positions: Vec<i32> = vec![0, 1, i32::MAX, 4095, 1 << 24, 123_456];
+    for k in 0..250u32 {
+        seeds.push(k.wrapping_mul(0x2545_f491) ^ (k << 7));
+        positions.push((k as i32) * 8191 % 1_000_003);
+    }
+    let n = seeds.len();
+    let xs: Vec<u32> = seeds
+        .iter()
+        .map(|s| s.rotate_left(13) ^ 0xdead_beef)
+        .collect();
+    let inputs = [
+        input("seeds", DType::U32, &[n], &seeds),
+        input("positions", DType::I32, &[n], &positions),
+        input("x", DType::U32, &[n], &xs),
+    ];
+    let constants = [
+        0u32,
+        1,
+        u32::MAX,
+        0x85eb_ca6b,
+        0xc2b2_ae35,
+        0x0000_07ff,
+        0xffc0_0000,
+    ];
+    let g = graph(&inputs, |t| {
+        let mut outs: Vec<(String, _)> = vec![
+            ("bits".into(), sampling::random_bits(&t[0], &t[1]).unwrap()),
+            ("uniform".into(), sampling::uniform(&t[0], &t[1]).unwrap()),
+        ];
+        for c in constants {
+            outs.push((
+                format!("x_times_{c:x}"),
+                sampling::wrapping_mul(&t[2], c).unwrap(),
+            ));
+        }
+        outs
+    });
+    let want_bits: Vec<u32> = seeds
+        .iter()
+        .zip(&positions)
+        .map(|(&s, &p)| random_bits(s, p))
+        .collect();
+    let want_uniform: Vec<f32> = want_bits
+        .iter()
+        .map(|&b| ((b >> 9) as f64 + 0.5) as f32 / (1u32 << 23) as f32)
+        .collect();
+    let rt = sim();
+    for (executor, outs) in [
+        ("cpu", run_cpu(&g, &inputs)),
+        ("nrt-sim", run_sim(&rt, &g, &inputs)),
+    ] {
+        assert_eq!(u32s(&outs[0]), want_bits, "{executor}: random bits");
+        let u = f32s(&outs[1]);
+        assert!(
+            u.iter().all(|&u| u > 0.0 && u < 1.0),
+            "{executor}: uniforms in (0, 1)"
+        );
+        assert_eq!(
+            u.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            want_uniform.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+            "{executor}: uniforms"
+        );
+        for (k, c) in constants.iter().enumerate() {
+            let want: Vec<u32> = xs.iter().map(|x| x.wrapping_mul(*c)).collect();
+            assert_eq!(u32s(&outs[2 + k]), want, "{executor}: x * {c:#x}");
+        }
+    }
+}
+
+/// The test row: token `t` has rank `(t * 7919) % VOCAB` (a permutation: 7919 is prime to
+/// 32,000) and logit `-rank / 235`, so the scaled logits fall by 1/294 per rank: the top 1000
+/// hold 97% of the mass and top-p 0.99 of them keeps 792 tokens, so both filters bind (and the
+/// crossing is 4e-5 away from either neighbour, far beyond f32 rounding).
+fn test_logits() -> Vec<f32> {
+    (0..VOCAB)
+        .map(|t| -((t * 7919 % VOCAB) as f32) / 235.0)
+        .collect()
+}
+
+/// The exact distribution after temperature, top-k and top-p (renormalised after each), in
+/// f64, by sorting: token -> probability, zero outside the nucleus.
+fn exact_distribution(logits: &[f32]) -> Vec<f64> {
+    let z: Vec<f64> = logits.iter().map(|&l| f64::from(l / TEMPERATURE)).collect();
+    let mut order: Vec<usize> = (0..z.len()).collect();
+    order.sort_by(|&a, &b| z[b].total_cmp(&z[a]));
+    let top: Vec<usize> = order[..TOP_K as usize].to_vec();
+    let zmax = z[top[0]];
+    let e: Vec<f64> = top.iter().map(|&t| (z[t] - zmax).exp()).collect();
+    let total: f64 = e.iter().sum();
+    let mut probs = vec![0.0; z.len()];
+    let mut cum = 0.0;
+    let mut nucleus = 0.0;
+    let mut kept = Vec::new();
+    for (k, &t) in top.iter().enumerate() {
+        kept.push((t, e[k]));
+        cum += e[k] / total;
+        nucleus += e[k];
+        if cum >= f64::from(TOP_P) {
+            // The crossing must not be within float rounding of top_p, or f32 could cut
+            // elsewhere.
+            assert!(
+                cum - f64::from(TOP_P) > 1e-5,
+                "top-p crossing too close to call"
+            );
+            assert!(
+                f64::from(TOP_P) - (cum - e[k] / total) > 1e-5,
+                "top-p crossing too close to call"
+            );
+            break;
+        }
+    }
+    for (t, m) in kept {
+        probs[t] = m / nucleus;
+    }
+    probs
+}
+
+/// Chi-square goodness of fit of `counts` to `probs` over `n` draws, tokens binned in order of
+/// probability so that every bin expects at least 5; returns (statistic, dof, p-value).
+fn chi_square(counts: &[usize], probs: &[f64], n: usize) -> (f64, usize, f64) {
+    let mut support: Vec<usize> = (0..probs.len()).filter(|&t| probs[t] > 0.0).collect();
+    support.sort_by(|&a, &b| probs[b].total_cmp(&probs[a]));
+    let mut bins: Vec<(f64, usize)> = Vec::new();
+    let (mut want, mut got) = (0.0, 0);
+    for t in support {
+        want += probs[t] * n as f64;
+        got += counts[t];
+        if want >= 5.0 {
+            bins.push((want, got));
+            (want, got) = (0.0, 0);
+        }
+    }
+    if let Some(last) = bins.last_mut() {
+        last.0 += want;
+        last.1 += got;
+    }
+    let stat: f64 = bins.iter().map(|&(w, g)| (g as f64 - w).powi(2) / w).sum();
+    let dof = bins.len() - 1;
+    let p = 1.0 - ChiSquared::new(dof as f64).unwrap().cdf(stat);
+    (stat, dof, p)
+}
+
+/// `DRAWS` draws of the test row, `ROWS` per execution, each row with its own seed.
+fn draws(run: impl Fn(&Graph, &[Input]) -> Vec<Vec<u8>>) -> Vec<i32> {
+    let row = test_logits();
+    let logits: Vec<f32> = (0..ROWS).flat_map(|_| row.iter().copied()).collect();
+    let mut tokens = Vec::with_capacity(DRAWS);
+    let mut g = None;
+    for chunk in 0..DRAWS / ROWS {
+        let seeds: Vec<u32> = (0..ROWS).map(|r| (chunk * ROWS + r) as u32).collect();
+        let inputs = [
+            input("logits", DType::F32, &[ROWS, VOCAB], &logits),
+            input("temperature", DType::F32, &[ROWS], &vec![TEMPERATURE; ROWS]),
+            input("top_k", DType::I32, &[ROWS], &vec![TOP_K; ROWS]),
+            input("top_p", DType::F32, &[ROWS], &vec![TOP_P; ROWS]),
+            input("seeds", DType::U32, &[ROWS], &seeds),
+            input("positions", DType::I32, &[ROWS], &vec![17i32; ROWS]),
+        ];
+        let g = g.get_or_insert_with(|| {
+            graph(&inputs, |t| {
+                let p = SamplingInputs {
+                    temperature: &t[1],
+                    top_k: &t[2],
+                    top_p: &t[3],
+                    seeds: &t[4],
+                    positions: &t[5],
+                };
+                vec![("next".into(), sampling::sample(&t[0], &p).unwrap())]
+            })
+        });
+        tokens.extend(i32s(&run(g, &inputs)[0]));
+    }
+    tokens
+}
+
+fn assert_follows_the_distribution(executor: &str, tokens: &[i32]) {
+    let probs = exact_distribution(&test_logits());
+    let support = probs.iter().filter(|&&p| p > 0.0).count();
+    // Both filters bind: fewer than top_k survive top-p, and far more than a 256-candidate cap.
+    assert_eq!(support, 792, "nucleus size");
+    let mut counts = vec![0usize; VOCAB];
+    for &t in tokens {
+        let t = usize::try_from(t).expect("a token id");
+        assert!(
+            probs[t] > 0.0,
+            "{executor}: drew token {t}, outside the top-k/top-p nucleus"
+        );
+        counts[t] += 1;
+    }
+    let (stat, dof, p) = chi_square(&counts, &probs, tokens.len());
+    eprintln!("{executor}: chi-square {stat:.1} on {dof} dof, p = {p:.4}");
+    assert!(
+        p > 0.001,
+        "{executor}: chi-square {stat:.1} on {dof} dof, p = {p:.2e}"
+    );
+}
+
+#[test]
+fn draws_follow_the_renormalised_distribution_on_the_cpu() {
+    assert_follows_the_distribution("cpu", &draws(run_cpu));
+}
+
+#[test]
+fn draws_follow_the_renormalised_distribution_through_nrt_sim() {
+    let rt = sim();
+    assert_follows_the_distribution("nrt-sim", &draws(|g, i| run_sim(&rt, g, i)));
+}
+
+#[test]
+fn greedy_top_k_1_and_a_tiny_top_p_give_the_argmax() {
+    let row = test_logits();
+    let best = row
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .map(|(t, _)| t as i32)
+        .unwrap();
+    // Row 0 greedy; row 1 top_k = 1; row 2 top_p = 1e-6; row 3 top_p = 0; then sampled rows
+    // with neither filter (whole vocabulary) and with top_k = vocab (off).
+    let rows = 6;
+    let logits: Vec<f32> = (0..rows).flat_map(|_| row.iter().copied()).collect();
+    let inputs = [
+        input("logits", DType::F32, &[rows, VOCAB], &logits),
+        input(
+            "temperature",
+            DType::F32,
+            &[rows],
+            &[0.0f32, 1.0, 1.0, 1.0, 1.0, 1.0],
+        ),
+        input(
+            "top_k",
+            DType::I32,
+            &[rows],
+            &[0i32, 1, 0, 0, 0, VOCAB as i32],
+        ),
+        input(
+            "top_p",
+            DType::F32,
+            &[rows],
+            &[1.0f32, 1.0, 1e-6, 0.0, 1.0, 1.0],
+        ),
+        input("seeds", DType::U32, &[rows], &[1u32, 2, 3, 4, 5, 6]),
+        input("positions", DType::I32, &[rows], &[0i32; 6]),
+    ];
+    let g = graph(&inputs, |t| {
+        let p = SamplingInputs {
+            temperature: &t[1],
+            top_k: &t[2],
+            top_p: &t[3],
+            seeds: &t[4],
+            positions: &t[5],
+        };
+        vec![("next".into(), sampling::sample(&t[0], &p).unwrap())]
+    });
+    let rt = sim();
+    for (executor, outs) in [
+        ("cpu", run_cpu(&g, &inputs)),
+        ("nrt-sim", run_sim(&rt, &g, &inputs)),
+    ] {
+        let got = i32s(&outs[0]);
+        assert_eq!(got[..4], [best; 4], "{executor}: {got:?}");
+        assert!(
+            got[4..].iter().all(|&t| (0..VOCAB as i32).contains(&t)),
+            "{executor}: {got:?}"
+        );
+    }
+}
+
+/// The CPU kernel of the mass threshold and XLA's bisection agree on the edges in the
+/// conformance suite; here the composite survives the HLO round trip as one op.
+#[test]
+fn the_mass_threshold_is_one_call_in_hlo_and_one_op_after_import() {
+    let inputs = [
+        input(
+            "x",
+            DType::F32,
+            &[2, 4],
+            &[1.0f32, 2.0, 3.0, 4.0, -1.0, 0.5, 0.5, 9.0],
+        ),
+        input("w", DType::F32, &[2, 4], &[1.0f32; 8]),
+        input("target", DType::F32, &[2], &[2.0f32, 3.0]),
+    ];
+    let g = graph(&inputs, |t| {
+        vec![("t".into(), t[0].mass_threshold(&t[1], &t[2]).unwrap())]
+    });
+    let module = hlo::emit::emit(&g).unwrap();
+    let calls: Vec<_> = module
+        .computations
+        .iter()
+        .flat_map(|c| &c.instructions)
+        .filter(|i| i.opcode == "call")
+        .collect();
+    assert_eq!(calls.len(), 1);
+    let imported = hlo::import::import(&module).unwrap();
+    let out = imported.node(imported.outputs()[0].node);
+    assert!(
+        matches!(out.op, deepinfer::graph::Op::MassThreshold { .. }),
+        "{:?}",
+        out.op
+    );
+    let got = f32s(&run_cpu(&imported, &inputs)[0]);
+    assert_eq!(got, [3.0, 0.5]);
+}
