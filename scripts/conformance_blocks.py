@@ -37,13 +37,38 @@ def np_sigmoid(x):
     return 1 / (1 + np.exp(-x))
 
 
+# The limbs of model/sampling.rs: (shift, bits).
+LIMBS = ((0, 11), (11, 11), (22, 10))
+
+
+def wrapping_mul(c, x, const, n):
+    """x * const modulo 2^32 on a [n] u32 value, as model/sampling.rs writes it: 11-bit limbs
+    multiplied and summed in f32 (every coefficient below 2^24, so exact), carries by shifts."""
+    k = lambda v: c.op("broadcast", c.const([v], U32, []), shape=[n])  # noqa: E731
+    f = lambda v: c.op("broadcast", c.const([float(v)], F32, []), shape=[n])  # noqa: E731
+    xs = [c.op("cast", c.op("bitand", c.op("shr", x, k(s)), k((1 << b) - 1)), dtype=F32) for s, b in LIMBS]
+    cs = [(const >> s) & ((1 << b) - 1) for s, b in LIMBS]
+    out = carry = None
+    for i, (s, b) in enumerate(LIMBS):
+        coef = c.op("mul", xs[0], f(cs[i]))
+        for j in range(1, i + 1):
+            coef = c.op("add", coef, c.op("mul", xs[j], f(cs[i - j])))
+        if carry is not None:
+            coef = c.op("add", coef, c.op("cast", carry, dtype=F32))
+        coef = c.op("cast", coef, dtype=U32)
+        digit = c.op("shl", c.op("bitand", coef, k((1 << b) - 1)), k(s))
+        carry = c.op("shr", coef, k(b))
+        out = digit if out is None else c.op("bitxor", out, digit)
+    return out
+
+
 def fmix32(c, x, n):
     """murmur3's finalizer on a [n] u32 value, as model/sampling.rs writes it."""
     k = lambda v: c.op("broadcast", c.const([v], U32, []), shape=[n])  # noqa: E731
     h = c.op("bitxor", x, c.op("shr", x, k(16)))
-    h = c.op("mul", h, k(0x85EBCA6B))
+    h = wrapping_mul(c, h, 0x85EBCA6B, n)
     h = c.op("bitxor", h, c.op("shr", h, k(13)))
-    h = c.op("mul", h, k(0xC2B2AE35))
+    h = wrapping_mul(c, h, 0xC2B2AE35, n)
     return c.op("bitxor", h, c.op("shr", h, k(16)))
 
 
@@ -153,120 +178,132 @@ def block_cases():
     c.check = close_to(rope_ref)
     cases.append(c)
 
-    # --- the sampler's counter-based uniforms (model/sampling.rs: uniform) ---
-    c = Case(fam, "sampler_uniform", "uniforms in (0, 1) from fmix32(seed ^ fmix32(pos + golden)) ^ idx * 0x27d4eb2f: wrapping u32 multiply, xor, logical shift, u32 -> f32")
-    rows, vocab = 3, 8
-    seeds = np.array([0, 12345, U32_MAX], dtype=np.uint32)
-    posn = np.array([0, 7, 2**31 - 1], dtype=np.int32)
+    # --- the sampler's counter-based uniform (model/sampling.rs: uniform, wrapping_mul) ---
+    c = Case(
+        fam,
+        "sampler_uniform",
+        "one uniform per row from fmix32(seed ^ fmix32(pos ^ golden)), each u32 multiply done in 11-bit limbs "
+        "whose products and sums stay below 2^24 in f32, reassembled with shifts, masks and xors: bit for bit "
+        "the wrapping u32 hash; u = ((bits >> 9) + 0.5) / 2^23",
+    )
+    seeds = np.array([0, 1, 12345, U32_MAX, 0x80000000, 0x9E3779B9], dtype=np.uint32)
+    posn = np.array([0, 1, 7, 2**31 - 1, 1 << 24, 65535], dtype=np.int32)
+    rows = len(seeds)
     c.input("seeds", seeds)
     c.input("positions", posn)
     p = c.op("cast", "positions", dtype=U32)
-    p = c.op("add", p, c.op("broadcast", c.const([0x9E3779B9], U32, []), shape=[rows]))
-    key = fmix32(c, c.op("bitxor", "seeds", fmix32(c, p, rows)), rows)
-    idx = c.op("cast", c.op("iota", dtype=I32, shape=[rows, vocab], dim=1), dtype=U32)
-    mixed = c.op("mul", idx, c.op("broadcast", c.const([0x27D4EB2F], U32, []), shape=[rows, vocab]))
-    keyb = c.op("broadcast", c.op("reshape", key, shape=[rows, 1]), shape=[rows, vocab])
-    xb = c.op("reshape", c.op("bitxor", keyb, mixed), shape=[rows * vocab])
-    h = c.op("reshape", fmix32(c, xb, rows * vocab), shape=[rows, vocab])
-    bits = c.op("cast", c.op("shr", h, c.op("broadcast", c.const([8], U32, []), shape=[rows, vocab])), dtype=F32)
-    scale = c.op("broadcast", c.const([1.0 / 2**24], F32, []), shape=[rows, vocab])
-    half = c.op("broadcast", c.const([0.5 / 2**24], F32, []), shape=[rows, vocab])
-    c.output(h, "hash")
-    # Exact: a 24-bit integer times 2^-24 plus 2^-25 is exactly representable in float32.
-    c.output(c.op("add", c.op("mul", bits, scale), half), "u", **EXACT)
+    p = c.op("bitxor", p, c.op("broadcast", c.const([0x9E3779B9], U32, []), shape=[rows]))
+    bits = fmix32(c, c.op("bitxor", "seeds", fmix32(c, p, rows)), rows)
+    k = c.op("cast", c.op("shr", bits, c.op("broadcast", c.const([9], U32, []), shape=[rows])), dtype=F32)
+    scale = c.op("broadcast", c.const([1.0 / 2**23], F32, []), shape=[rows])
+    half = c.op("broadcast", c.const([0.5 / 2**23], F32, []), shape=[rows])
+    c.output(bits, "bits")
+    # Exact: a 23-bit integer times 2^-23 plus 2^-24 is exactly representable in float32.
+    c.output(c.op("add", c.op("mul", k, scale), half), "u", **EXACT)
 
     def uniform_ref():
-        k = np_fmix32(seeds ^ np_fmix32((posn.view(np.uint32).astype(np.uint64) + 0x9E3779B9).astype(np.uint32)))
-        i = np.arange(vocab, dtype=np.uint64)
-        hh = np_fmix32(((k[:, None].astype(np.uint64) ^ ((i * 0x27D4EB2F) & 0xFFFFFFFF)[None, :]) & 0xFFFFFFFF).astype(np.uint32))
-        return {"hash": hh, "u": ((hh >> 8).astype(np.float64) + 0.5) / 2**24}
+        bb = np_fmix32(seeds ^ np_fmix32(posn.view(np.uint32) ^ np.uint32(0x9E3779B9)))
+        return {"bits": bb, "u": ((bb >> 9).astype(np.float64) + 0.5) / 2**23}
 
     c.check = close_to(uniform_ref, rtol=0, atol=0)
     cases.append(c)
 
-    # --- top-k / top-p threshold as the sampler computes it (model/sampling.rs: sample) ---
+    # --- top-k and top-p as the sampler cuts (model/sampling.rs: sample) ---
     c = Case(
         fam,
-        "sampler_topk_topp_mask",
-        "the sampler's mask: candidates by top-k, mass before each candidate by a triangular matmul, the threshold "
-        "kept by top_k and top_p (each off in one row), logits below it set to -inf",
+        "sampler_topk_topp_cut",
+        "the sampler's cut: top-k as the k-th largest scaled logit (ties kept), top-p on the top-k survivors "
+        "renormalised, both as mass thresholds, never above the best token; rows: top-k only, top-p only, both, "
+        "neither, k = 1, top_p = 0, k = vocab (off), a tie at the k-th value",
     )
-    rows, vocab, k = 3, 12, 6
+    rows, vocab = 8, 12
     z = floats(c.rng, (rows, vocab), -3, 3)
-    top_k = np.array([2, 0, 4], dtype=np.int32)
-    top_p = np.array([1.0, 0.6, 0.5], dtype=np.float32)
+    z[7, [2, 5, 9]] = [2.5, 3.5, 2.5]
+    z[7, [0, 1, 3, 4, 6, 7, 8, 10, 11]] = np.minimum(z[7, [0, 1, 3, 4, 6, 7, 8, 10, 11]], 2.0)
+    top_k = np.array([3, 0, 5, 0, 1, 0, vocab, 2], dtype=np.int32)
+    top_p = np.array([1.0, 0.7, 0.6, 1.0, 1.0, 0.0, 1.0, 1.0], dtype=np.float32)
     c.input("z", z)
     c.input("top_k", top_k)
     c.input("top_p", top_p)
     bc = lambda v, dt, shape: c.op("broadcast", c.const([v], dt, []), shape=shape)  # noqa: E731
-    col = lambda v: c.op("reshape", v, shape=[rows, 1])  # noqa: E731
-    cand = c.op("topk", "z", k=k)
-    cz = c.op("gather", "z", cand, dim=1)
-    zmax = c.op("slice", cz, dim=1, start=0, len=1)
-    denom = c.op("reshape", c.op("reduce_sum", c.op("exp", c.op("sub", "z", c.op("broadcast", zmax, shape=[rows, vocab]))), dim=1), shape=[rows, 1])
-    cp = c.op("div", c.op("exp", c.op("sub", cz, c.op("broadcast", zmax, shape=[rows, k]))), c.op("broadcast", denom, shape=[rows, k]))
-    tri = c.const(np.triu(np.ones((k, k), dtype=np.float32), 1), F32)
-    before = c.op("matmul", cp, tri)
-    rank = c.op("iota", dtype=I32, shape=[rows, k], dim=1)
-    k_on = c.op("gt", "top_k", bc(0, I32, [rows]))
+    col = lambda v: c.op("broadcast", c.op("reshape", v, shape=[rows, 1]), shape=[rows, vocab])  # noqa: E731
+    zmax = c.op("reduce_max", "z", dim=1)
+    e = c.op("exp", c.op("sub", "z", col(zmax)))
+    zero_r, ninf_r = bc(0.0, F32, [rows]), bc(-INF, F32, [rows])
+    k_pos = c.op("gt", "top_k", bc(0, I32, [rows]))
+    k_on = c.op("where", k_pos, c.op("lt", "top_k", bc(vocab, I32, [rows])), k_pos)
+    t_k = c.op("mass_threshold", "z", bc(1.0, F32, [rows, vocab]), c.op("where", k_on, c.op("cast", "top_k", dtype=F32), zero_r))
+    t_k = c.op("where", k_on, t_k, ninf_r)
+    e_k = c.op("where", c.op("ge", "z", col(t_k)), e, bc(0.0, F32, [rows, vocab]))
     p_on = c.op("lt", "top_p", bc(1.0, F32, [rows]))
-    k_eff = c.op("where", k_on, "top_k", bc(k, I32, [rows]))
-    p_eff = c.op("where", p_on, "top_p", bc(2.0, F32, [rows]))
-    within_k = c.op("lt", rank, c.op("broadcast", col(k_eff), shape=[rows, k]))
-    within_p = c.op("lt", before, c.op("broadcast", col(p_eff), shape=[rows, k]))
-    first = c.op("eq", rank, bc(0, I32, [rows, k]))
-    both = c.op("where", within_k, c.op("cast", within_p, dtype=F32), bc(0.0, F32, [rows, k]))
-    kept = c.op("gt", c.op("where", first, bc(1.0, F32, [rows, k]), both), bc(0.5, F32, [rows, k]))
-    cut = c.op("reduce_min", c.op("where", kept, cz, bc(INF, F32, [rows, k])), dim=1)
-    restricted = c.op("where", p_on, bc(1.0, F32, [rows]), c.op("cast", k_on, dtype=F32))
-    restricted = c.op("gt", restricted, bc(0.5, F32, [rows]))
-    thr = c.op("where", restricted, cut, bc(-INF, F32, [rows]))
-    allowed = c.op("ge", "z", c.op("broadcast", col(thr), shape=[rows, vocab]))
-    c.output(cand, "candidates")
-    c.output(allowed, "allowed")
-    c.output(c.op("where", allowed, "z", bc(-INF, F32, [rows, vocab])), "masked", **EXACT)
+    p_target = c.op("where", p_on, c.op("mul", "top_p", c.op("reduce_sum", e_k, dim=1)), zero_r)
+    t_p = c.op("where", p_on, c.op("mass_threshold", "z", e_k, p_target), ninf_r)
+    cut = c.op("minimum", c.op("maximum", t_k, t_p), zmax)
+    c.output(c.op("ge", "z", col(cut)), "kept")
 
-    def mask_ref():
+    def cut_ref():
         zd = z.astype(np.float64)
-        allowed_ = np.zeros_like(zd, dtype=bool)
+        kept = np.zeros_like(zd, dtype=bool)
         for r in range(rows):
             order = np.argsort(-zd[r], kind="stable")
-            probs = np.exp(zd[r] - zd[r].max()) / np.exp(zd[r] - zd[r].max()).sum()
-            kk = top_k[r] if top_k[r] > 0 else vocab
-            keep = set(order[:kk].tolist())
+            keep = np.ones(vocab, dtype=bool)
+            if 0 < top_k[r] < vocab:
+                keep &= zd[r] >= zd[r][order[top_k[r] - 1]]  # ties with the k-th value stay
             if top_p[r] < 1:
-                mass, nucleus = 0.0, set()
-                for i in order[:k]:
-                    if mass < top_p[r] or not nucleus:
-                        nucleus.add(int(i))
-                    mass += probs[i]
-                keep &= nucleus
-            allowed_[r, list(keep)] = True
-        return {"allowed": allowed_, "masked": np.where(allowed_, zd, -np.inf)}
+                probs = np.where(keep, np.exp(zd[r] - zd[r].max()), 0.0)
+                probs /= probs.sum()
+                cum, cut_value = 0.0, zd[r].max()
+                for i in order:
+                    if not keep[i]:
+                        break
+                    cum += probs[i]
+                    cut_value = zd[r][i]
+                    if cum >= top_p[r]:
+                        break
+                keep &= zd[r] >= cut_value
+            kept[r] = keep
+        return {"kept": kept}
 
-    c.check = close_to(mask_ref)
+    c.check = close_to(cut_ref)
     cases.append(c)
 
-    # --- Gumbel-max draw with greedy rows (model/sampling.rs: sample, last lines) ---
-    c = Case(fam, "gumbel_argmax", "argmax(masked + -log(-log(u))) where temperature > 0, argmax(logits) where it is 0; -inf logits are never drawn")
-    rows, vocab = 3, 10
+    # --- the draw: inverse CDF, greedy rows (model/sampling.rs: sample, last lines) ---
+    c = Case(
+        fam,
+        "sampler_inverse_cdf_draw",
+        "the first token whose running mass of softmax(logits / T) reaches u * total (a -inf logit is never "
+        "drawn); argmax where the temperature is 0",
+    )
+    rows, vocab = 4, 10
     logits = floats(c.rng, (rows, vocab), -2, 2)
     logits[0, 3] = -INF
-    u = c.rng.uniform(0.02, 0.98, (rows, vocab)).astype(np.float32)
-    temp = np.array([1.0, 0.0, 0.7], dtype=np.float32)
+    u = np.array([0.3, 0.5, 0.8, 0.1], dtype=np.float32)
+    temp = np.array([1.0, 0.0, 0.7, 1.3], dtype=np.float32)
     c.input("logits", logits)
     c.input("u", u)
     c.input("temperature", temp)
+    bc = lambda v, dt, shape: c.op("broadcast", c.const([v], dt, []), shape=shape)  # noqa: E731
+    col = lambda v: c.op("broadcast", c.op("reshape", v, shape=[rows, 1]), shape=[rows, vocab])  # noqa: E731
+    zero_r = bc(0.0, F32, [rows])
     greedy = c.op("argmax", "logits", dim=1)
-    sampling = c.op("gt", "temperature", bc(0.0, F32, [rows]))
+    sampling = c.op("gt", "temperature", zero_r)
     t = c.op("where", sampling, "temperature", bc(1.0, F32, [rows]))
-    zz = c.op("div", "logits", c.op("broadcast", col(t), shape=[rows, vocab]))
-    gumbel = c.op("neg", c.op("log", c.op("neg", c.op("log", "u"))))
-    drawn = c.op("argmax", c.op("add", zz, gumbel), dim=1)
-    c.output(c.op("where", sampling, drawn, greedy), "next_tokens")
-    tt = np.where(temp > 0, temp, 1).astype(np.float64)
-    gum = -np.log(-np.log(u.astype(np.float64)))
-    c.check = close_to(lambda: {"next_tokens": np.where(temp > 0, np.argmax(logits / tt[:, None] + gum, 1), np.argmax(logits, 1)).astype(np.int32)})
+    zz = c.op("div", "logits", col(t))
+    q = c.op("exp", c.op("sub", zz, col(c.op("reduce_max", zz, dim=1))))
+    target = c.op("where", sampling, c.op("mul", "u", c.op("reduce_sum", q, dim=1)), zero_r)
+    neg_index = c.op("neg", c.op("cast", c.op("iota", dtype=I32, shape=[rows, vocab], dim=1), dtype=F32))
+    at = c.op("mass_threshold", neg_index, q, target)
+    found = c.op("where", c.op("gt", at, bc(-INF, F32, [rows])), sampling, c.op("gt", zero_r, zero_r))
+    token = c.op("cast", c.op("neg", c.op("where", found, at, zero_r)), dtype=I32)
+    c.output(c.op("where", found, token, greedy), "next_tokens")
+
+    def draw_ref():
+        tt = np.where(temp > 0, temp, 1).astype(np.float64)
+        p = np_softmax(logits.astype(np.float64) / tt[:, None])
+        drawn = np.array([np.argmax(np.cumsum(p[r]) >= u[r]) for r in range(rows)])
+        return {"next_tokens": np.where(temp > 0, drawn, np.argmax(logits, 1)).astype(np.int32)}
+
+    c.check = close_to(draw_ref)
     cases.append(c)
 
     # --- MoE routing, noaux_tc with groups (model/moe.rs: route) ---

@@ -233,6 +233,28 @@ def topk(x, k):
     return np.array(out, dtype=np.int32).reshape(x.shape[:-1] + (k,))
 
 
+def mass_threshold(x, w, target):
+    """Per row: the largest value t of x whose mass sum(w[x >= t]) reaches the target (summed in
+    the evaluation's float type); +inf for a target <= 0, -inf for a NaN target or a row whose
+    whole mass falls short. NaN values never count; a subnormal answer is 0 (engines that flush
+    subnormals, XLA's CPU among them, cannot tell it from 0)."""
+    out = []
+    for row, wr, t in zip(x, w, target):
+        if np.isnan(t):
+            out.append(-np.inf)
+            continue
+        if t <= 0:
+            out.append(np.inf)
+            continue
+        found = -np.inf
+        for v in sorted({float(v) for v in row if not np.isnan(v)}, reverse=True):
+            if np.sum(wr[row >= v], dtype=wr.dtype) >= t:
+                found = v
+                break
+        out.append(0.0 if found != 0 and abs(found) < np.finfo(np.float32).tiny else found)
+    return np.array(out, dtype=x.dtype)
+
+
 def evaluate(case, ftype):
     """Runs a case's program with numpy, floats in `ftype`. Returns {output name: array}."""
     env = {}
@@ -325,6 +347,8 @@ def run_op(st, args, ftype):
         return np.argmax(x, axis=st["dim"]).astype(np.int32)
     if op == "topk":
         return topk(x, st["k"])
+    if op == "mass_threshold":
+        return mass_threshold(x, args[1], args[2])
     if op == "index_select":
         return np.take(x, args[1], axis=st["dim"])
     if op == "gather":

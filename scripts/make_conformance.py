@@ -928,6 +928,65 @@ def topk_cases():
     return cases
 
 
+def mass_threshold_cases():
+    fam = "mass_threshold"
+    cases = []
+    bc = lambda c, v, shape: c.op("broadcast", c.const([v], F32, []), shape=shape)  # noqa: E731
+    c = Case(fam, "mass_threshold_kth", "unit weights: the k-th largest value, ties counted once each (k = 3 lands on a tie), -0 and +0 equal, NaN never counted, infinities as values, a subnormal k-th value read as 0")
+    x = np.array(
+        [
+            [1, 3, 3, -1, 2, 0, 3, -2],
+            [-0.0, 0.0, -1, 1e-30, -1e-30, NAN, 5, NAN],
+            [INF, 2, -INF, 7, NAN, -3, 0.5, 0.25],
+            [4, 4, 4, 4, 4, 4, 4, 4],
+            [1e-40, 2, 3, -1, -5e-40, 9, -2, -3],
+        ],
+        dtype=np.float32,
+    )
+    c.input("x", x)
+    c.input("target", np.array([3, 3, 2, 5, 4], dtype=np.float32))
+    c.output(c.op("mass_threshold", "x", bc(c, 1.0, [5, 8]), "target"), "t", **EXACT)
+    cases.append(c)
+
+    c = Case(fam, "mass_threshold_edges", "target <= 0 gives +inf; a NaN target, or one above the row's whole mass, gives -inf; a target met only by counting -inf gives -inf; an all-NaN row gives -inf")
+    x = np.array([[1, 2, 3], [1, 2, 3], [1, 2, 3], [1, 2, 3], [1, -INF, 2], [NAN, NAN, NAN], [1, 2, 3]], dtype=np.float32)
+    c.input("x", x)
+    c.input("target", np.array([0, -1, NAN, 3.5, 3, 1, 3], dtype=np.float32))
+    c.output(c.op("mass_threshold", "x", bc(c, 1.0, [7, 3]), "target"), "t", **EXACT)
+    cases.append(c)
+
+    c = Case(fam, "mass_threshold_weighted", "probability weights, targets a fraction of each row's mass (a nucleus's cut); zero weights count nothing")
+    z = floats(c.rng, (4, 24), -3, 3)
+    w = np.exp(z - z.max(1, keepdims=True)).astype(np.float32)
+    w[1, :6] = 0.0
+    c.input("x", z)
+    c.input("w", w)
+    c.input("frac", np.array([0.5, 0.9, 0.25, 0.99], dtype=np.float32))
+    total = c.op("reduce_sum", "w", dim=1)
+    # A value of x, so exact: the float32 evaluation (different rounding of the sums) must pick
+    # the same value, or the script refuses the inputs as too close to a step of the mass.
+    c.output(c.op("mass_threshold", "x", "w", c.op("mul", "frac", total)), "t", **EXACT)
+    cases.append(c)
+
+    c = Case(fam, "mass_threshold_inverse_cdf", "values -index, weights probabilities: the first index whose running mass reaches u * total, an inverse-CDF draw")
+    rows, n = 4, 16
+    w = np.exp(floats(c.rng, (rows, n), -2, 2)).astype(np.float32)
+    w[2, 5:] = 0.0
+    c.input("w", w)
+    c.input("u", np.array([0.05, 0.5, 0.95, 0.999], dtype=np.float32))
+    neg_index = c.op("neg", c.op("cast", c.op("iota", dtype=I32, shape=[rows, n], dim=1), dtype=F32))
+    at = c.op("mass_threshold", neg_index, "w", c.op("mul", "u", c.op("reduce_sum", "w", dim=1)))
+    c.output(c.op("cast", c.op("neg", at), dtype=I32), "index")
+    cases.append(c)
+
+    c = Case(fam, "mass_threshold_wide", "one row of 20,000 values (wider than neuronx-cc's 16,384-wide top-k): the 17,000th largest")
+    c.input("x", floats(c.rng, (1, 20000), -8, 8))
+    c.input("target", np.array([17000], dtype=np.float32))
+    c.output(c.op("mass_threshold", "x", bc(c, 1.0, [1, 20000]), "target"), "t", **EXACT)
+    cases.append(c)
+    return cases
+
+
 FAMILIES = {
     "unary": unary_cases,
     "binary": binary_cases,
@@ -943,6 +1002,7 @@ FAMILIES = {
     "gather": gather_cases,
     "scatter": scatter_cases,
     "topk": topk_cases,
+    "mass_threshold": mass_threshold_cases,
     "blocks": block_cases,
 }
 

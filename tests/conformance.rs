@@ -29,8 +29,22 @@ use executors::{Executor, Sim};
 /// Every case file, by family. A file on disk that is not listed here fails
 /// [`every_case_file_is_listed`].
 const FAMILIES: &[&str] = &[
-    "unary", "binary", "compare", "select", "convert", "shape", "iota", "constant", "reduce",
-    "argmax", "matmul", "gather", "scatter", "topk", "blocks",
+    "unary",
+    "binary",
+    "compare",
+    "select",
+    "convert",
+    "shape",
+    "iota",
+    "constant",
+    "reduce",
+    "argmax",
+    "matmul",
+    "gather",
+    "scatter",
+    "topk",
+    "mass_threshold",
+    "blocks",
 ];
 
 /// Executor names `known_failures` may use: the Rust ones and `xla` (scripts/xla_conformance.py).
@@ -339,6 +353,7 @@ fn coverage_keys(g: &Graph) -> Vec<String> {
                 Op::Reduce(r, _, _) => format!("{}.{d}", reduce_name(*r)),
                 Op::ArgMax(x, _) => format!("argmax.{}", dt(*x)),
                 Op::TopK(x, _) => format!("topk.{}", dt(*x)),
+                Op::MassThreshold { .. } => format!("mass_threshold.{d}"),
                 Op::IndexSelect { .. } => format!("index_select.{d}"),
                 Op::Gather { .. } => format!("gather.{d}"),
                 Op::ScatterRows { .. } => format!("scatter_rows.{d}"),
@@ -384,7 +399,7 @@ fn required_keys() -> BTreeSet<String> {
             ],
             F,
         ),
-        (&["matmul", "argmax", "topk"], F),
+        (&["matmul", "argmax", "topk", "mass_threshold"], F),
     ];
     let mut keys: BTreeSet<String> = table
         .iter()

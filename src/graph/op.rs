@@ -300,7 +300,8 @@ pub enum Op {
     /// `target[r]`. With unit weights and `target = k` that is the k-th largest value (ties
     /// included); with probabilities it is a nucleus's cut; with `x = -index` it is an
     /// inverse-CDF draw. `+inf` when `target <= 0`; `-inf` when even the whole row falls short
-    /// (or `target` is NaN). NaN values of `x` never count. The sampler's exact top-k, top-p
+    /// (or `target` is NaN). NaN values of `x` never count, and a subnormal answer is 0 (as
+    /// engines that flush subnormals find it). The sampler's exact top-k, top-p
     /// and draw, with no sort (neuronx-cc rewrites a wide sort into a top-k it caps at 16,384).
     /// HLO: a `call` of a bisection over the 32 bits of the threshold's order-preserving key,
     /// with compares and sums only (`backend::hlo::emit`).

@@ -564,6 +564,10 @@ fn apply(b: &GraphBuilder, st: &Stmt, args: &[Tensor]) -> Result<Tensor, String>
             arity(1)?;
             args[0].topk(need(&st.k, op, "k")?)
         }
+        "mass_threshold" => {
+            arity(3)?;
+            args[0].mass_threshold(&args[1], &args[2])
+        }
         "index_select" => {
             arity(2)?;
             args[0].index_select(&args[1], dim()?)

@@ -11,7 +11,8 @@
 //! multiplied or added, and a float compare is exact on every engine.
 //!
 //! A key whose value is NaN (the keys below -inf's and above +inf's) never passes, and a key
-//! that ends on one (no value reaches the target) stands for -inf. The bisection is its own
+//! that ends on one (no value reaches the target) stands for -inf. A subnormal answer is
+//! returned as 0, the value engines that flush subnormals (XLA's CPU does) find. The bisection is its own
 //! computation, called once per op and emitted once per shape, and the call carries the
 //! [`COMPOSITE_ATTR`] attribute so the importer (and nrt-sim) reads it back as the one op
 //! rather than 32 steps of it; XLA, and neuronx-cc after inlining, run the body.
@@ -134,6 +135,18 @@ impl Emitter<'_> {
             key = self.push(opcodes::SELECT, row_u.clone(), &[ok, cand, key], |_| {});
         }
         let t = value_of(self, key);
+        // A subnormal answer is 0: where subnormals compare as zero (XLA's CPU flushes them),
+        // every subnormal key passes whenever 0 does, so the search ends on the largest one.
+        let magnitude = self.push("abs", row_f.clone(), &[t], |_| {});
+        let tiny = row_const(self, DType::F32, f64::from(f32::MIN_POSITIVE));
+        let subnormal = self.compare(CmpOp::Lt, magnitude, tiny, row_p.clone(), f32_);
+        let zeros_r = row_const(self, DType::F32, 0.0);
+        let t = self.push(
+            opcodes::SELECT,
+            row_f.clone(),
+            &[subnormal, zeros_r, t],
+            |_| {},
+        );
         let nan = self.compare(CmpOp::Ne, t, t, row_p.clone(), f32_);
         let root = self.push(opcodes::SELECT, row_f.clone(), &[nan, neg_inf, t], |_| {});
         let instructions = std::mem::replace(&mut self.entry, entry);
