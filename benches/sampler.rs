@@ -55,8 +55,8 @@ fn sampler(c: &mut Criterion) {
         let logits = CTensor::from_vec(logits, (rows, VOCAB), dev).expect("logits");
         let vec_f32 = |v: f32| CTensor::from_vec(vec![v; rows], rows, dev).expect("tensor");
         let vec_i32 = |v: i32| CTensor::from_vec(vec![v; rows], rows, dev).expect("tensor");
-        let seeds = CTensor::from_vec((0..rows as u32).collect::<Vec<_>>(), rows, dev)
-            .expect("seeds");
+        let seeds =
+            CTensor::from_vec((0..rows as u32).collect::<Vec<_>>(), rows, dev).expect("seeds");
         let args = |temperature: f32, top_k: i32, top_p: f32| {
             vec![
                 logits.clone(),

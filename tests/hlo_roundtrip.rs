@@ -112,7 +112,7 @@ fn no_graph_transposes_an_operand_of_a_dot() {
                 batch_sizes: vec![1, 4],
                 ctx: 64,
                 inputs_from_token_ids: None,
-                precision: precision.clone(),
+                precision,
             };
             let manifest = lower(&fixture_dir(name), &out, &opts).unwrap();
             for g in &manifest.graphs {
