@@ -5,7 +5,7 @@
 
 mod common;
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::process::Command;
 
 use deepinfer::backend::hlo::emit::array_shape;
@@ -61,7 +61,7 @@ impl Module {
     fn param(&mut self, name: &str, role: Option<&str>, shape: ShapeProto) -> i64 {
         let n = self.params;
         self.params += 1;
-        let mut map = HashMap::from([("neff_input_names".to_string(), name.to_string())]);
+        let mut map = BTreeMap::from([("neff_input_names".to_string(), name.to_string())]);
         if let Some(r) = role {
             map.insert("deepinfer_role".into(), r.into());
         }
