@@ -14,6 +14,10 @@
 #    at the serve defaults (24 graphs each): every graph a Neuron capture compiles must pass
 #    every rule (src/backend/neuron/check). `--neuron-runtime 2.30.50` is the runtime minimum
 #    `deepinfer doctor` enforces (tensors of 4 GiB or more: the V2 and V3 KV roots).
+#    Expected to fail until the sampler (vocabulary-wide sort, u32 multiplies) and weight
+#    transposes are gone; V2 and V3 also exceed the instruction-budget estimate at the larger
+#    buckets (whole-model graphs on one NeuronCore), which needs tensor parallelism or smaller
+#    graphs, not a looser rule.
 # 4. The server end to end (tests/server, pytest): the official `openai` client drives a live
 #    `deepinfer serve` on the default model; transformers' tokenizer and `deepinfer generate`
 #    are the references. Installed into .venv from PyPI with the rest.

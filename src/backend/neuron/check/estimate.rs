@@ -220,3 +220,83 @@ pub fn compile_minutes(instructions: u64, wide_reduction: bool) -> f64 {
     };
     BASE_MINUTES + scaled + wide
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::hlo::emit::array_shape;
+    use crate::backend::hlo::proto::{HloComputationProto, PrimitiveType};
+
+    fn inst(id: i64, opcode: &str, dims: &[usize], operands: &[i64]) -> HloInstructionProto {
+        HloInstructionProto {
+            name: format!("i{id}"),
+            opcode: opcode.into(),
+            shape: Some(array_shape(dims, PrimitiveType::F32)),
+            id,
+            operand_ids: operands.to_vec(),
+            ..Default::default()
+        }
+    }
+
+    fn module(insts: Vec<HloInstructionProto>) -> HloModuleProto {
+        let root = insts.last().map_or(0, |i| i.id);
+        HloModuleProto {
+            name: "m".into(),
+            computations: vec![HloComputationProto {
+                name: "main".into(),
+                instructions: insts,
+                id: 100,
+                root_id: root,
+                ..Default::default()
+            }],
+            entry_computation_id: 100,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn elementwise_counts_tiles_and_layout_ops_count_nothing() {
+        let m = module(vec![
+            inst(1, "parameter", &[256, 1024], &[]),
+            inst(2, "reshape", &[1024, 256], &[1]),
+            // 262,144 elements: 4 tiles of 128 x 512.
+            inst(3, "exponential", &[1024, 256], &[2]),
+            // A reduce over a 1024-wide row: the operand's 4 tiles.
+            {
+                let mut r = inst(4, "reduce", &[256], &[1]);
+                r.dimensions = vec![1];
+                r
+            },
+        ]);
+        assert_eq!(instructions(&m), 4 + 4);
+        assert!(!has_wide_reduction(&m));
+    }
+
+    #[test]
+    fn a_vocabulary_wide_reduction_is_noticed_and_costs_minutes() {
+        let mut r = inst(2, "reduce", &[8], &[1]);
+        r.dimensions = vec![1];
+        let wide = module(vec![inst(1, "parameter", &[8, 102_400], &[]), r.clone()]);
+        assert!(has_wide_reduction(&wide));
+        let narrow = module(vec![inst(1, "parameter", &[8, 16_384], &[]), r]);
+        assert!(!has_wide_reduction(&narrow));
+        assert_eq!(compile_minutes(0, false), BASE_MINUTES);
+        assert_eq!(
+            compile_minutes(0, true),
+            BASE_MINUTES + WIDE_REDUCTION_MINUTES
+        );
+        assert_eq!(
+            compile_minutes(INSTRUCTION_BUDGET, false),
+            BASE_MINUTES + BUDGET_MINUTES
+        );
+    }
+
+    #[test]
+    fn a_sort_costs_a_bitonic_network() {
+        let mut s = inst(2, "sort", &[2, 1024], &[1]);
+        s.dimensions = vec![1];
+        let m = module(vec![inst(1, "parameter", &[2, 1024], &[]), s]);
+        // log2(1024) = 10: 55 stages of 3 instructions over one tile.
+        assert_eq!(instructions(&m), 3 * 55);
+    }
+}
