@@ -151,31 +151,42 @@ pub(super) fn sort_width(inst: &HloInstructionProto, keys: &ShapeProto) -> u64 {
 
 /// The estimated engine instructions of `module`'s entry computation (see the module docs).
 pub fn instructions(module: &HloModuleProto) -> u64 {
+    instructions_by_opcode(module).iter().map(|(_, n)| n).sum()
+}
+
+/// [`instructions`] per opcode, largest first (ties by name): what the estimate is made of.
+pub fn instructions_by_opcode(module: &HloModuleProto) -> Vec<(String, u64)> {
     let Some(entry) = module
         .computations
         .iter()
         .find(|c| c.id == module.entry_computation_id)
     else {
-        return 0;
+        return Vec::new();
     };
     let shapes: std::collections::HashMap<i64, &ShapeProto> = entry
         .instructions
         .iter()
         .filter_map(|i| i.shape.as_ref().map(|s| (i.id, s)))
         .collect();
-    entry
-        .instructions
-        .iter()
-        .map(|inst| {
-            let operand = |k: usize| {
-                inst.operand_ids
-                    .get(k)
-                    .and_then(|id| shapes.get(id))
-                    .map(|s| (*s).clone())
-            };
-            instruction_cost(inst, &operand)
-        })
-        .sum()
+    let mut by_opcode: std::collections::BTreeMap<&str, u64> = Default::default();
+    for inst in &entry.instructions {
+        let operand = |k: usize| {
+            inst.operand_ids
+                .get(k)
+                .and_then(|id| shapes.get(id))
+                .map(|s| (*s).clone())
+        };
+        let cost = instruction_cost(inst, &operand);
+        if cost > 0 {
+            *by_opcode.entry(inst.opcode.as_str()).or_default() += cost;
+        }
+    }
+    let mut out: Vec<(String, u64)> = by_opcode
+        .into_iter()
+        .map(|(o, n)| (o.to_string(), n))
+        .collect();
+    out.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+    out
 }
 
 /// Whether the entry computation reduces or sorts over a dimension wider than
@@ -269,6 +280,10 @@ mod tests {
             },
         ]);
         assert_eq!(instructions(&m), 4 + 4);
+        assert_eq!(
+            instructions_by_opcode(&m),
+            [("exponential".to_string(), 4), ("reduce".to_string(), 4)]
+        );
         assert!(!has_wide_reduction(&m));
     }
 

@@ -123,6 +123,8 @@ pub struct GraphCheck {
     pub hlo_instructions: usize,
     /// Estimated engine instructions ([`estimate::instructions`]).
     pub estimated_instructions: u64,
+    /// The estimate per opcode, largest first ([`estimate::instructions_by_opcode`]).
+    pub estimate_by_opcode: Vec<(String, u64)>,
     /// Estimated compile minutes ([`estimate::compile_minutes`]).
     pub compile_minutes: f64,
     /// Every violation found.
@@ -332,7 +334,8 @@ pub fn check_module(module: &HloModuleProto, opts: &CheckOptions) -> GraphCheck 
         }
     }
 
-    let estimated = estimate::instructions(module);
+    let by_opcode = estimate::instructions_by_opcode(module);
+    let estimated: u64 = by_opcode.iter().map(|(_, n)| n).sum();
     let minutes = estimate::compile_minutes(estimated, estimate::has_wide_reduction(module));
     if estimated > INSTRUCTION_BUDGET {
         findings.push(Finding {
@@ -352,6 +355,7 @@ pub fn check_module(module: &HloModuleProto, opts: &CheckOptions) -> GraphCheck 
             .map(|c| c.instructions.len())
             .sum(),
         estimated_instructions: estimated,
+        estimate_by_opcode: by_opcode,
         compile_minutes: minutes,
         findings,
     }
@@ -493,6 +497,28 @@ impl fmt::Display for CheckReport {
                     writeln!(f, "  all: {}", kinds.join(", "))?;
                 }
             }
+        }
+        // What the largest estimate is made of, so a reader can judge it.
+        if let Some(big) = self
+            .graphs
+            .iter()
+            .max_by_key(|g| g.estimated_instructions)
+            .filter(|g| g.estimated_instructions > 0)
+        {
+            let total = big.estimated_instructions as f64;
+            let parts: Vec<String> = big
+                .estimate_by_opcode
+                .iter()
+                .take(5)
+                .map(|(o, n)| format!("{o} {:.0}%", 100.0 * *n as f64 / total))
+                .collect();
+            writeln!(
+                f,
+                "largest instruction estimate: {} {} ({})",
+                big.name,
+                big.estimated_instructions,
+                parts.join(", ")
+            )?;
         }
         let n = self.graphs.len();
         let serial = self.serial_minutes();
