@@ -291,17 +291,19 @@ pub fn upgrade_advice(
     let problem = match version.map(|v| (v, min.met_by(v))) {
         Some((_, Some(true))) => return None,
         Some((v, Some(false))) => format!(
-            "{what}'s version {v} is older than {} ({})",
+            "{what}'s version {v} is older than {}, needed for {}",
             min.version_text(),
             min.reason
         ),
         Some((v, None)) => format!(
-            "{what}'s version `{v}` cannot be read, so it cannot be shown to be at least {} ({})",
+            "{what}'s version `{v}` cannot be read, so it cannot be shown to be at least {}, \
+             needed for {}",
             min.version_text(),
             min.reason
         ),
         None => format!(
-            "{what} does not report its version, so it cannot be shown to be at least {} ({})",
+            "{what} does not report its version, so it cannot be shown to be at least {}, \
+             needed for {}",
             min.version_text(),
             min.reason
         ),

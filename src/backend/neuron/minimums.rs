@@ -34,7 +34,7 @@ impl Minimum {
 
 impl fmt::Display for Minimum {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, ">= {} ({})", self.version_text(), self.reason)
+        write!(f, ">= {} for {}", self.version_text(), self.reason)
     }
 }
 
@@ -46,7 +46,7 @@ impl fmt::Display for Minimum {
 /// tensor dtype codes into `nrt.h`, which `neuron-sys` reads by runtime version.
 pub const RUNTIME: Minimum = Minimum {
     version: crate::backend::neuron::check::accepted::LARGE_TENSOR_RUNTIME,
-    reason: "Neuron SDK 2.28.0: first runtime with tensors of 4 GiB or more",
+    reason: "tensors of 4 GiB or more (first in Neuron SDK 2.28.0)",
     upgrade: "upgrade the runtime from the AWS Neuron repository: `sudo apt-get update && sudo \
               apt-get install --only-upgrade aws-neuronx-runtime-lib aws-neuronx-collectives \
               aws-neuronx-dkms` (yum: `sudo yum update aws-neuronx-runtime-lib \
