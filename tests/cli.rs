@@ -381,3 +381,38 @@ fn a_neuron_capture_says_how_many_neffs_it_compiles_before_it_starts() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("at least 1"));
 }
+
+/// `--compile-timeout` reaches the compile driver: `--backend neuron` over nrt-sim with the fake
+/// compiler hanging is killed after the given second, and the error says so.
+#[test]
+fn compile_timeout_reaches_the_compiler_at_capture() {
+    let cc = fake_compiler_dir("hang", "2.21.18209.0+043b1bf7");
+    std::fs::write(cc.join("mode"), "hang").unwrap();
+    let cache = cc.join("neff-cache");
+    let out = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
+        .args([
+            "generate",
+            "--backend",
+            "neuron",
+            "--model",
+            &fixture("tiny-v3"),
+        ])
+        .args([
+            "--token-ids",
+            "1,2",
+            "--max-tokens",
+            "1",
+            "--compile-timeout",
+            "1",
+        ])
+        .env("NEURON_RT_LIB", nrt_sim_library())
+        .env("PATH", format!("{}:/usr/bin:/bin", cc.display()))
+        .env("DEEPINFER_NEFF_CACHE", &cache)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("capture compiles 2 NEFFs"), "{err}");
+    assert!(err.contains("timed out after 1 s"), "{err}");
+    let _ = std::fs::remove_dir_all(&cc);
+}
