@@ -13,7 +13,8 @@
 # 3. `deepinfer lower --check neuron` on the published configs of DeepSeek-V2-Lite, V2 and V3
 #    at the serve defaults (24 graphs each): every graph a Neuron capture compiles must pass
 #    every rule (src/backend/neuron/check). `--neuron-runtime 2.30.50` is the runtime minimum
-#    `deepinfer doctor` enforces (tensors of 4 GiB or more: the V2 and V3 KV roots).
+#    `deepinfer doctor` enforces (tensors of 4 GiB or more: the V2 and V3 KV roots at 2048
+#    tokens x 32 sequences, and V3's stacked bf16 expert weights, 7.5 GB per layer and matrix).
 #    Expected to fail until the sampler (vocabulary-wide sort, u32 multiplies) and weight
 #    transposes are gone; V2 and V3 also exceed the instruction-budget estimate at the larger
 #    buckets (whole-model graphs on one NeuronCore), which needs tensor parallelism or smaller
