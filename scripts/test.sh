@@ -10,7 +10,16 @@
 #    Then the conformance suite's cases (tests/conformance/*.json) run as our emitted HLO in XLA and
 #    must match numpy's expected values, as they do on the CPU backend, emit -> import -> CPU and
 #    nrt-sim in step 1 (scripts/xla_conformance.py).
-# 3. The server end to end (tests/server, pytest): the official `openai` client drives a live
+# 3. `deepinfer lower --check neuron` on the published configs of DeepSeek-V2-Lite, V2 and V3
+#    at the serve defaults (24 graphs each): every graph a Neuron capture compiles must pass
+#    every rule (src/backend/neuron/check). `--neuron-runtime 2.30.50` is the runtime minimum
+#    `deepinfer doctor` enforces (tensors of 4 GiB or more: the V2 and V3 KV roots at 2048
+#    tokens x 32 sequences, and V3's stacked bf16 expert weights, 7.5 GB per layer and matrix).
+#    Expected to fail until the sampler (vocabulary-wide sort, u32 multiplies) and weight
+#    transposes are gone; V2 and V3 also exceed the instruction-budget estimate at the larger
+#    buckets (whole-model graphs on one NeuronCore), which needs tensor parallelism or smaller
+#    graphs, not a looser rule.
+# 4. The server end to end (tests/server, pytest): the official `openai` client drives a live
 #    `deepinfer serve` on the default model; transformers' tokenizer and `deepinfer generate`
 #    are the references. Installed into .venv from PyPI with the rest.
 set -euo pipefail
@@ -58,6 +67,11 @@ echo "== XLA conformance: tests/conformance"
 .venv/bin/python scripts/make_conformance.py --check > /dev/null || status=1
 DEEPINFER_CONFORMANCE_OUT="$out/conformance" cargo test --quiet --test conformance || status=1
 .venv/bin/python scripts/xla_conformance.py tests/conformance "$out/conformance" || status=1
+for config in deepseek-v2-lite deepseek-v2 deepseek-v3; do
+    echo "== lower --check neuron: fixtures/configs/$config.json"
+    target/release/deepinfer lower --check neuron --model "fixtures/configs/$config.json" \
+        --neuron-runtime 2.30.50 || status=1
+done
 echo "== server end to end (tests/server)"
 .venv/bin/python -m pytest tests/server -q || status=1
 exit $status

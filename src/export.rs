@@ -16,6 +16,7 @@ use std::path::Path;
 use candle_core::Tensor as CTensor;
 use serde::Serialize;
 
+use crate::backend::neuron::check::{check_module, CheckOptions, CheckReport};
 use crate::backend::{cpu, hlo};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
@@ -26,7 +27,7 @@ use crate::model::{
     self, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, PrecisionChoice, WeightSpecs,
 };
 use crate::runner::step::{self, DecodeRow, HostArray, HostData, PrefillChunk, SamplingParams};
-use crate::runner::{CpuRunner, Runner, RunnerConfig, Step, StepKind};
+use crate::runner::{CpuRunner, Limits, Runner, RunnerConfig, Step, StepKind};
 use crate::weights::Checkpoint;
 
 /// What to lower.
@@ -419,4 +420,48 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
         serde_json::to_string_pretty(&manifest).map_err(|e| Error::Internal(e.to_string()))?;
     std::fs::write(&path, json).map_err(io_err(&path))?;
     Ok(manifest)
+}
+
+/// `deepinfer lower --check neuron`: builds and lowers every graph a Neuron capture within
+/// `limits` would compile (each decode and prefill bucket, the MoE strategy chosen per bucket as
+/// the Neuron runner chooses it), and checks each emitted module
+/// ([`crate::backend::neuron::check`]). Needs only the model's configuration (weights are graph
+/// inputs, so their shapes come from it; precision `auto` resolves to the saved dtype in
+/// config.json). `opts` says what the deployment's runtime supports; `jobs` is the number of compiler processes for the wall-time estimate.
+///
+/// Graphs are built, emitted and checked one at a time, so memory stays at one module.
+pub fn check_neuron(
+    cfg: &ModelConfig,
+    limits: &Limits,
+    opts: &CheckOptions,
+    jobs: usize,
+) -> Result<CheckReport> {
+    let precision = limits.precision.resolve(cfg.saved_dtype, cfg)?;
+    let mut rc = limits.runner_config(cfg)?;
+    rc.kv_dtype = precision.kv_cache;
+    rc.buckets.validate(rc.block_size)?;
+    let specs = WeightSpecs::new(cfg, &precision);
+    let layout = model::CacheLayout {
+        block_size: rc.block_size,
+        num_slots: rc.num_blocks * rc.block_size,
+        dtype: rc.kv_dtype,
+    };
+    let mut graphs = Vec::with_capacity(rc.buckets.graph_count());
+    for (kind, rows, ctx) in rc.buckets.graphs() {
+        let spec = GraphSpec {
+            rows,
+            ctx,
+            logits: kind.device_logits(),
+            moe: cfg
+                .routing
+                .as_ref()
+                .map_or(MoeStrategy::Dense, |r| MoeStrategy::for_tokens(r, rows)),
+        };
+        let g = match kind {
+            StepKind::Decode => model::build_decode(cfg, &specs, &layout, &spec)?,
+            StepKind::Prefill => model::build_prefill(cfg, &specs, &layout, &spec)?,
+        };
+        graphs.push(check_module(&hlo::emit::emit(&g)?, opts));
+    }
+    Ok(CheckReport { graphs, jobs })
 }

@@ -268,3 +268,151 @@ fn doctor_reports_missing_runtime_and_finds_nrt_sim_through_neuron_rt_lib() {
         "neuronx-cc is still missing, so the backend cannot run"
     );
 }
+
+/// tests/fake-neuronx-cc in a fresh directory, reporting `version`.
+fn fake_compiler_dir(tag: &str, version: &str) -> PathBuf {
+    let dir = std::env::temp_dir().join(format!("deepinfer-cli-cc-{}-{tag}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fake-neuronx-cc/neuronx-cc");
+    std::fs::copy(script, dir.join("neuronx-cc")).unwrap();
+    std::fs::write(dir.join("version"), version).unwrap();
+    dir
+}
+
+#[test]
+fn doctor_checks_versions_against_the_minimums() {
+    let sim = nrt_sim_library();
+    let run = |cc: &PathBuf| {
+        // The fake compiler is a shell script: it needs the usual tools on PATH after it.
+        let path = format!("{}:/usr/bin:/bin", cc.display());
+        Command::new(env!("CARGO_BIN_EXE_deepinfer"))
+            .arg("doctor")
+            .env("NEURON_RT_LIB", &sim)
+            .env("PATH", path)
+            .output()
+            .unwrap()
+    };
+    let line = |text: &str, label: &str| {
+        text.lines()
+            .find(|l| l.starts_with(label))
+            .unwrap_or_default()
+            .to_string()
+    };
+
+    // nrt-sim reports runtime 2.34.0.0 (>= 2.30.50); a compiler older than 2.18.121 gets the
+    // upgrade command, and the backend is not ready.
+    let old = fake_compiler_dir("old", "2.17.194.0+0ab0e1b4");
+    let out = run(&old);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let libnrt = line(&text, "libnrt");
+    assert!(
+        libnrt.contains("ok") && libnrt.contains("2.34.0.0") && libnrt.contains("2.30.50"),
+        "{text}"
+    );
+    let cc = line(&text, "neuronx-cc");
+    assert!(
+        cc.contains("UPGRADE")
+            && cc.contains("2.17.194.0")
+            && cc.contains("2.18.121")
+            && cc.contains("pip install --upgrade neuronx-cc"),
+        "{text}"
+    );
+    assert!(!out.status.success(), "{text}");
+
+    // A new enough compiler: everything is ok, exit 0.
+    let new = fake_compiler_dir("new", "2.21.18209.0+043b1bf7");
+    let out = run(&new);
+    let text = String::from_utf8_lossy(&out.stdout);
+    let cc = line(&text, "neuronx-cc");
+    assert!(cc.contains("ok") && cc.contains("2.21.18209.0"), "{text}");
+    assert!(!text.contains("UPGRADE"), "{text}");
+    assert!(out.status.success(), "{text}");
+    let _ = std::fs::remove_dir_all(&old);
+    let _ = std::fs::remove_dir_all(&new);
+}
+
+#[test]
+fn a_neuron_capture_says_how_many_neffs_it_compiles_before_it_starts() {
+    // No libnrt here: the capture fails after the announcement. Limits of one sequence of 4
+    // tokens: batch bucket 1, context 16, prefill chunk 16: one decode and one prefill NEFF.
+    let out = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
+        .args([
+            "generate",
+            "--backend",
+            "neuron",
+            "--model",
+            &fixture("tiny-v3"),
+        ])
+        .args([
+            "--token-ids",
+            "1,2",
+            "--max-tokens",
+            "2",
+            "--compile-timeout",
+            "600",
+        ])
+        .env("NEURON_RT_LIB", "/nonexistent/libnrt.so.1")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    let first = err.lines().next().unwrap_or_default();
+    assert!(
+        first.contains("capture compiles 2 NEFFs")
+            && first.contains("batch 1 x context 16")
+            && first.contains("chunk 16 x context 16"),
+        "{err}"
+    );
+    assert!(
+        err.lines().nth(1).unwrap_or_default().starts_with("error:"),
+        "{err}"
+    );
+
+    let out = deepinfer(&[
+        "generate",
+        "--model",
+        &fixture("tiny-v3"),
+        "--token-ids",
+        "1",
+        "--compile-timeout",
+        "0",
+    ]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("at least 1"));
+}
+
+/// `--compile-timeout` reaches the compile driver: `--backend neuron` over nrt-sim with the fake
+/// compiler hanging is killed after the given second, and the error says so.
+#[test]
+fn compile_timeout_reaches_the_compiler_at_capture() {
+    let cc = fake_compiler_dir("hang", "2.21.18209.0+043b1bf7");
+    std::fs::write(cc.join("mode"), "hang").unwrap();
+    let cache = cc.join("neff-cache");
+    let out = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
+        .args([
+            "generate",
+            "--backend",
+            "neuron",
+            "--model",
+            &fixture("tiny-v3"),
+        ])
+        .args([
+            "--token-ids",
+            "1,2",
+            "--max-tokens",
+            "1",
+            "--compile-timeout",
+            "1",
+        ])
+        .env("NEURON_RT_LIB", nrt_sim_library())
+        .env("PATH", format!("{}:/usr/bin:/bin", cc.display()))
+        .env("DEEPINFER_NEFF_CACHE", &cache)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(err.contains("capture compiles 2 NEFFs"), "{err}");
+    assert!(err.contains("timed out after 1 s"), "{err}");
+    let _ = std::fs::remove_dir_all(&cc);
+}

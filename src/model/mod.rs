@@ -125,6 +125,11 @@ fn metadata(b: &GraphBuilder, name: &str, shape: Vec<usize>, dtype: DType) -> Re
 
 /// Cache slot of every context position: `block_tables[s, j / block] * block + j % block`,
 /// flattened to `[seqs * ctx]`.
+///
+/// For a power-of-two block (every block size the runner uses) the product is a left shift:
+/// NeuronCore vector engines compute integer arithmetic in fp32, so an integer multiply is
+/// exact only below 2^24, while a shift is a bit operation (see
+/// `backend::neuron::check`, which flags integer multiplies).
 fn context_slots(block_tables: &Tensor, ctx: usize, block: usize) -> Result<Tensor> {
     let b = block_tables.builder();
     let seqs = block_tables.dim(0);
@@ -132,7 +137,12 @@ fn context_slots(block_tables: &Tensor, ctx: usize, block: usize) -> Result<Tens
     let blk = j.full_like(block as f64)?;
     let which = j.div(&blk)?;
     let blocks = block_tables.gather(&which, 1)?;
-    blocks.mul(&blk)?.add(&j.rem(&blk)?)?.reshape([seqs * ctx])
+    let first = if block.is_power_of_two() {
+        blocks.shl(&j.full_like(f64::from(block.trailing_zeros()))?)?
+    } else {
+        blocks.mul(&blk)?
+    };
+    first.add(&j.rem(&blk)?)?.reshape([seqs * ctx])
 }
 
 fn check_spec(spec: &GraphSpec, cache: &CacheLayout) -> Result<()> {

@@ -47,7 +47,7 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::model::LogitsOutput;
 
-pub use buckets::{Buckets, RunnerConfig};
+pub use buckets::{Buckets, RunnerConfig, CTX_BUCKET_RATIO, MIN_CTX_BUCKET};
 pub use cpu::CpuRunner;
 pub use device::{CaptureStats, DeviceOptions, DeviceRunner, MetadataSource, NeffSource};
 pub use open::{

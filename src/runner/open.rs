@@ -2,6 +2,7 @@
 //! server and the tests share.
 
 use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use crate::backend::neuron::compile::CompilerConfig;
 use crate::config::ModelConfig;
@@ -48,6 +49,9 @@ pub struct Limits {
     pub prefill_chunk: Option<usize>,
     /// `--dtype`, `--kv-dtype`, `--quantize`.
     pub precision: PrecisionChoice,
+    /// `--compile-timeout`: how long one neuronx-cc process may run (default
+    /// [`crate::backend::neuron::compile::DEFAULT_TIMEOUT`]).
+    pub compile_timeout: Option<Duration>,
 }
 
 impl Limits {
@@ -59,7 +63,18 @@ impl Limits {
             kv_blocks: None,
             prefill_chunk: None,
             precision: PrecisionChoice::default(),
+            compile_timeout: None,
         }
+    }
+
+    /// The compiler configuration a Neuron capture within these limits uses: the defaults
+    /// ([`CompilerConfig::default`]) with `compile_timeout` applied.
+    pub fn compiler_config(&self) -> CompilerConfig {
+        let mut cc = CompilerConfig::default();
+        if let Some(t) = self.compile_timeout {
+            cc.timeout = t;
+        }
+        cc
     }
 
     /// The runner configuration for `cfg` within these limits, or an error naming the limit
@@ -114,7 +129,7 @@ pub fn open(backend: Backend, model_dir: &Path, limits: &Limits) -> Result<Box<d
     let mut runner_cfg = limits.runner_config(&cfg)?;
     runner_cfg.kv_dtype = precision.kv_cache;
     let weights = ModelWeights::load(&cfg, &checkpoint, &precision)?;
-    open_with_weights(backend, cfg, weights, runner_cfg)
+    open_captured(backend, cfg, weights, runner_cfg, limits.compiler_config())
 }
 
 /// [`open`] with a configuration and weights already in memory (random weights for a
@@ -124,6 +139,17 @@ pub fn open_with_weights(
     cfg: ModelConfig,
     weights: ModelWeights,
     runner_cfg: RunnerConfig,
+) -> Result<Box<dyn Runner>> {
+    open_captured(backend, cfg, weights, runner_cfg, CompilerConfig::default())
+}
+
+/// [`open_with_weights`] compiling with `compiler` on the Neuron backend.
+fn open_captured(
+    backend: Backend,
+    cfg: ModelConfig,
+    weights: ModelWeights,
+    runner_cfg: RunnerConfig,
+    compiler: CompilerConfig,
 ) -> Result<Box<dyn Runner>> {
     let buckets = runner_cfg.buckets.clone();
     let mut runner: Box<dyn Runner> = match backend {
@@ -140,7 +166,7 @@ pub fn open_with_weights(
         }
         Backend::Neuron => {
             let lib = neuron_sys::Library::load()?;
-            let opts = DeviceOptions::neuron(CompilerConfig::default());
+            let opts = DeviceOptions::neuron(compiler);
             Box::new(DeviceRunner::new(cfg, weights, runner_cfg, lib, opts)?)
         }
     };

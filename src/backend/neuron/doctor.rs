@@ -1,5 +1,7 @@
 //! `deepinfer doctor`: what a Neuron run needs on this machine (libnrt, visible NeuronCores,
-//! `neuronx-cc`), found or missing, and for each missing one how to get it.
+//! `neuronx-cc`), found or missing, the runtime's and the compiler's versions against the
+//! minimums the graphs need ([`super::minimums`]), and for each missing or too old one how to
+//! get it.
 //!
 //! It never initialises the runtime (that would claim NeuronCores) and never panics: libnrt is
 //! only loaded (through `neuron-sys`, which holds every `unsafe`) and asked its version and core
@@ -12,6 +14,8 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use neuron_sys::{Candidate, Error as NeuronError, Library};
+
+use super::minimums;
 
 /// How to install libnrt.
 const FIX_LIBNRT: &str = "install the `aws-neuronx-runtime-lib` package from the AWS Neuron apt \
@@ -45,6 +49,8 @@ pub struct LibnrtInfo {
     pub file: Option<PathBuf>,
     /// `nrt_get_version`'s answer, when the runtime has it.
     pub version: Option<String>,
+    /// Why and how to upgrade, when the version is below [`minimums::RUNTIME`] (or unknown).
+    pub upgrade: Option<Missing>,
 }
 
 /// neuronx-cc as found.
@@ -54,6 +60,8 @@ pub struct CompilerInfo {
     pub path: PathBuf,
     /// The version line of `neuronx-cc --version`, or why it could not be had.
     pub version: Result<String, String>,
+    /// Why and how to upgrade, when the version is below [`minimums::COMPILER`] (or unknown).
+    pub upgrade: Option<Missing>,
 }
 
 /// What `deepinfer doctor` reports: one entry per thing a Neuron run needs.
@@ -69,9 +77,11 @@ pub struct DoctorReport {
 }
 
 impl DoctorReport {
-    /// Whether everything `--backend neuron` needs was found.
+    /// Whether everything `--backend neuron` needs was found, at a version new enough.
     pub fn neuron_ready(&self) -> bool {
-        self.libnrt.is_ok() && self.neuron_cores.is_ok() && self.neuronx_cc.is_ok()
+        matches!(&self.libnrt, Ok(i) if i.upgrade.is_none())
+            && self.neuron_cores.is_ok()
+            && matches!(&self.neuronx_cc, Ok(i) if i.upgrade.is_none())
     }
 }
 
@@ -82,7 +92,12 @@ impl fmt::Display for DoctorReport {
         }
         match &self.libnrt {
             Ok(info) => {
-                write!(f, "{:<12} ok: {}", "libnrt", info.library)?;
+                let status = if info.upgrade.is_some() {
+                    "UPGRADE"
+                } else {
+                    "ok"
+                };
+                write!(f, "{:<12} {status}: {}", "libnrt", info.library)?;
                 if let Some(file) = info
                     .file
                     .as_ref()
@@ -91,8 +106,12 @@ impl fmt::Display for DoctorReport {
                     write!(f, " ({})", file.display())?;
                 }
                 match &info.version {
-                    Some(v) => writeln!(f, ", version {v}")?,
-                    None => writeln!(f, ", version unknown (no nrt_get_version)")?,
+                    Some(v) => write!(f, ", version {v}")?,
+                    None => write!(f, ", version unknown (no nrt_get_version)")?,
+                }
+                match &info.upgrade {
+                    Some(u) => writeln!(f, ": {}. To fix: {}.", u.problem, u.fix)?,
+                    None => writeln!(f, " (needs {})", minimums::RUNTIME)?,
                 }
             }
             Err(m) => missing(f, "libnrt", m)?,
@@ -113,15 +132,22 @@ impl fmt::Display for DoctorReport {
             Err(m) => missing(f, "NeuronCores", m)?,
         }
         match &self.neuronx_cc {
-            Ok(info) => match &info.version {
-                Ok(v) => writeln!(f, "{:<12} ok: {}, {v}", "neuronx-cc", info.path.display()),
-                Err(e) => writeln!(
-                    f,
-                    "{:<12} ok: {} (but `--version` failed: {e})",
-                    "neuronx-cc",
-                    info.path.display()
-                ),
-            },
+            Ok(info) => {
+                let status = if info.upgrade.is_some() {
+                    "UPGRADE"
+                } else {
+                    "ok"
+                };
+                write!(f, "{:<12} {status}: {}", "neuronx-cc", info.path.display())?;
+                match &info.version {
+                    Ok(v) => write!(f, ", version {v}")?,
+                    Err(e) => write!(f, " (`--version` failed: {e})")?,
+                }
+                match &info.upgrade {
+                    Some(u) => writeln!(f, ": {}. To fix: {}.", u.problem, u.fix),
+                    None => writeln!(f, " (needs {})", minimums::COMPILER),
+                }
+            }
             Err(m) => missing(f, "neuronx-cc", m),
         }
     }
@@ -182,10 +208,12 @@ fn check_libnrt(candidates: &[Candidate]) -> (Result<LibnrtInfo, Missing>, Cores
         Ok(v) => v.map(|v| v.to_string()),
         Err(e) => Some(format!("unknown ({e})")),
     };
+    let upgrade = upgrade_advice("the runtime", version.as_deref(), &minimums::RUNTIME);
     let info = LibnrtInfo {
         library: lib.name().to_string(),
         file: mapped_file(lib.name()),
         version,
+        upgrade,
     };
     let cores = match lib.visible_nc_count() {
         Ok(Some(0)) => Err(Missing {
@@ -227,7 +255,13 @@ fn check_neuronx_cc(path: Option<&OsStr>) -> Result<CompilerInfo, Missing> {
     match find_on_path("neuronx-cc", path) {
         Some(exe) => {
             let version = run_version(&exe);
-            Ok(CompilerInfo { path: exe, version })
+            let upgrade =
+                upgrade_advice("the compiler", version.as_deref().ok(), &minimums::COMPILER);
+            Ok(CompilerInfo {
+                path: exe,
+                version,
+                upgrade,
+            })
         }
         None => {
             let mut fix = FIX_NEURONX_CC.to_string();
@@ -244,6 +278,40 @@ fn check_neuronx_cc(path: Option<&OsStr>) -> Result<CompilerInfo, Missing> {
             })
         }
     }
+}
+
+/// Why and how to upgrade `what`, whose reported version is `version`, to meet `min`; `None`
+/// when it is new enough. A version that cannot be read cannot be shown to meet the minimum,
+/// so it gets the advice too.
+pub fn upgrade_advice(
+    what: &str,
+    version: Option<&str>,
+    min: &minimums::Minimum,
+) -> Option<Missing> {
+    let problem = match version.map(|v| (v, min.met_by(v))) {
+        Some((_, Some(true))) => return None,
+        Some((v, Some(false))) => format!(
+            "{what}'s version {v} is older than {}, needed for {}",
+            min.version_text(),
+            min.reason
+        ),
+        Some((v, None)) => format!(
+            "{what}'s version `{v}` cannot be read, so it cannot be shown to be at least {}, \
+             needed for {}",
+            min.version_text(),
+            min.reason
+        ),
+        None => format!(
+            "{what} does not report its version, so it cannot be shown to be at least {}, \
+             needed for {}",
+            min.version_text(),
+            min.reason
+        ),
+    };
+    Some(Missing {
+        problem,
+        fix: min.upgrade.to_string(),
+    })
 }
 
 /// The first executable file called `name` in the directories of `path` (`PATH` syntax).
@@ -367,6 +435,76 @@ mod tests {
         assert_eq!(cc.path, exe);
         assert_eq!(cc.version.as_deref(), Ok("2.99.1.0+test"));
         let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// tests/fake-neuronx-cc copied into a fresh directory with its `version` file.
+    #[cfg(unix)]
+    fn fake_compiler(tag: &str, version: &str) -> PathBuf {
+        let dir = empty_dir(tag);
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fake-neuronx-cc/neuronx-cc");
+        std::fs::copy(script, dir.join("neuronx-cc")).expect("copy the fake compiler");
+        std::fs::write(dir.join("version"), version).expect("write its version");
+        dir
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_compiler_older_than_the_minimum_gets_upgrade_advice() {
+        let dir = fake_compiler("cc-old", "2.17.194.0+0ab0e1b4");
+        let path = OsString::from(dir.as_os_str());
+        let cc = check_neuronx_cc(Some(&path)).expect("found");
+        assert_eq!(cc.version.as_deref(), Ok("2.17.194.0+0ab0e1b4"));
+        let advice = cc.upgrade.as_ref().expect("too old");
+        assert!(advice.problem.contains("2.17.194.0"), "{advice:?}");
+        assert!(advice.problem.contains("2.18.121"), "{advice:?}");
+        assert!(
+            advice.fix.contains("pip install --upgrade neuronx-cc"),
+            "{advice:?}"
+        );
+        let report = DoctorReport {
+            libnrt: Err(Missing {
+                problem: "absent".into(),
+                fix: "install".into(),
+            }),
+            neuron_cores: Ok(Some(2)),
+            neuronx_cc: Ok(cc),
+        };
+        let text = report.to_string();
+        let line = text.lines().find(|l| l.starts_with("neuronx-cc")).unwrap();
+        assert!(
+            line.contains("UPGRADE") && line.contains("pip install --upgrade"),
+            "{text}"
+        );
+        assert_eq!(text.lines().count(), 3, "{text}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[cfg(unix)]
+    #[test]
+    fn a_compiler_at_or_above_the_minimum_is_ok() {
+        for (tag, version) in [
+            ("cc-min", "2.18.121.0+9e31e41a"),
+            ("cc-new", "2.21.18209.0+043b1bf7"),
+        ] {
+            let dir = fake_compiler(tag, version);
+            let path = OsString::from(dir.as_os_str());
+            let cc = check_neuronx_cc(Some(&path)).expect("found");
+            assert_eq!(cc.upgrade, None, "{version}");
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+    }
+
+    #[test]
+    fn a_runtime_older_than_2_30_50_gets_upgrade_advice() {
+        let min = &minimums::RUNTIME;
+        assert_eq!(upgrade_advice("the runtime", Some("2.34.0.0"), min), None);
+        assert_eq!(upgrade_advice("the runtime", Some("2.30.50.0"), min), None);
+        for old in [Some("2.29.40.0"), Some("2.22.19.0"), None] {
+            let a = upgrade_advice("the runtime", old, min).expect("too old or unknown");
+            assert!(a.problem.contains("2.30.50"), "{a:?}");
+            assert!(a.problem.contains("4 GiB"), "{a:?}");
+            assert!(a.fix.contains("aws-neuronx-runtime-lib"), "{a:?}");
+        }
     }
 
     #[test]

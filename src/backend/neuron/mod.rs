@@ -1,15 +1,19 @@
 //! The Neuron backend: compiling graphs with `neuronx-cc` and running them through libnrt.
 //!
+//! - [`check`]: `lower --check neuron`, what neuronx-cc and libnrt would reject in a module.
 //! - [`compile`]: the `neuronx-cc` driver and its NEFF cache.
 //! - [`doctor`]: `deepinfer doctor`'s report of what a Neuron run needs on this machine.
+//! - [`minimums`]: the oldest runtime and compiler versions the graphs need, and why.
 //! - [`progress`]: how long operations (capture, compile) report progress, for the binary to draw.
 //! - The libnrt runtime itself (loaded at run time through `neuron-sys`): its safe level is
 //!   re-exported here unchanged, with its error type [`NeuronError`] (which [`crate::Error`]
 //!   wraps), and [`open_runtime`] opens it. All `unsafe` lives in `neuron-sys`; this crate is
 //!   `forbid(unsafe_code)`.
 
+pub mod check;
 pub mod compile;
 pub mod doctor;
+pub mod minimums;
 pub mod progress;
 
 pub use neuron_sys::{

@@ -1,23 +1,56 @@
 //! `deepinfer lower`: every bucket graph as XLA HLO with a manifest, optionally compiled to
-//! NEFFs.
+//! NEFFs; or, with `--check neuron`, every graph a capture would compile checked against what
+//! neuronx-cc and libnrt accept.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
 
 use anyhow::{Context, Result};
-use clap::Args;
+use clap::{Args, ValueEnum};
+use deepinfer::backend::neuron::check::CheckOptions;
 use deepinfer::backend::neuron::compile::{compile_all, CompileJob, CompilerConfig};
+use deepinfer::config::ModelConfig;
 use deepinfer::export::{self, LowerOptions};
+use deepinfer::runner::Limits;
 
 use crate::{default_model_dir, emit, PrecisionArgs};
 
+/// What `--check` checks the graphs against.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub(crate) enum CheckTarget {
+    /// neuronx-cc and libnrt on trn1 (see `deepinfer::backend::neuron::check`).
+    Neuron,
+}
+
 #[derive(Args)]
 pub(crate) struct LowerArgs {
-    /// Checkpoint directory (only config.json is needed unless --inputs-from-token-ids is given).
+    /// Checkpoint directory (only config.json is needed unless --inputs-from-token-ids is given);
+    /// with --check, a config.json file also works.
     #[arg(long)]
     model: Option<PathBuf>,
-    /// Output directory.
-    #[arg(long)]
-    out: PathBuf,
+    /// Output directory (not needed with --check).
+    #[arg(long, required_unless_present = "check")]
+    out: Option<PathBuf>,
+    /// Instead of writing files, build every graph a capture within --max-batch / --max-len /
+    /// --prefill-chunk would compile (the serve defaults unless given), check each emitted
+    /// module against the target's rules, print one table (graph x rule), the NEFF count and a
+    /// compile-time estimate, and exit non-zero on a violation.
+    #[arg(long, value_enum)]
+    check: Option<CheckTarget>,
+    /// With --check: sequences decoded together at most (the largest batch bucket), as serve.
+    #[arg(long, default_value_t = 32, requires = "check")]
+    max_batch: usize,
+    /// With --check: longest sequence (default: the model's, at most 2048, as serve).
+    #[arg(long, requires = "check")]
+    max_len: Option<usize>,
+    /// With --check: most prompt tokens per prefill step, as serve.
+    #[arg(long, default_value_t = 64, requires = "check")]
+    prefill_chunk: usize,
+    /// With --check: the Neuron runtime library version the graphs will run on (as `deepinfer
+    /// doctor` reports it, e.g. 2.30.50). Tensors of 4 GiB or more are accepted from 2.30.50
+    /// (SDK 2.28); without this flag they are violations.
+    #[arg(long, requires = "check", value_parser = parse_version)]
+    neuron_runtime: Option<(u64, u64, u64)>,
     /// Decode batch sizes, one graph each.
     #[arg(long, value_delimiter = ',', default_value = "1")]
     batch_sizes: Vec<usize>,
@@ -41,14 +74,64 @@ pub(crate) struct LowerArgs {
     /// neuronx-cc's `--target`.
     #[arg(long, default_value = "trn1")]
     neuron_target: String,
-    /// Compiler processes run at once (default: one per 8 CPUs).
+    /// Compiler processes run at once (default: one per 8 CPUs). With --check, the jobs the
+    /// compile-time estimate assumes (default 1: a trn1.2xlarge has 8 vCPUs).
     #[arg(long)]
     compile_jobs: Option<usize>,
+    /// Seconds one neuronx-cc process may run before it is killed (default 3600).
+    #[arg(long, value_parser = parse_seconds)]
+    compile_timeout: Option<Duration>,
     /// The NEFF cache directory.
     #[arg(long, env = "DEEPINFER_NEFF_CACHE")]
     neff_cache: Option<PathBuf>,
     #[command(flatten)]
     precision: PrecisionArgs,
+}
+
+/// A whole number of seconds, at least 1 (`--compile-timeout`).
+pub(crate) fn parse_seconds(s: &str) -> Result<Duration, String> {
+    match s.parse::<u64>() {
+        Ok(n) if n > 0 => Ok(Duration::from_secs(n)),
+        _ => Err(format!(
+            "`{s}` is not a whole number of seconds of at least 1"
+        )),
+    }
+}
+
+/// `MAJOR.MINOR[.PATCH[.MORE]]` as (major, minor, patch).
+fn parse_version(s: &str) -> Result<(u64, u64, u64), String> {
+    deepinfer::backend::neuron::minimums::parse_version_triple(s)
+        .ok_or_else(|| format!("`{s}` is not a version such as 2.30.50"))
+}
+
+/// `lower --check neuron`: prints the table; an error (non-zero exit) when a graph breaks a
+/// rule.
+fn check(args: &LowerArgs, dir: &Path) -> Result<()> {
+    let config = if dir.is_file() {
+        dir.to_path_buf()
+    } else {
+        dir.join("config.json")
+    };
+    let cfg = ModelConfig::from_file(&config)?;
+    let limits = args.precision.apply(&Limits {
+        prefill_chunk: Some(args.prefill_chunk),
+        ..Limits::new(args.max_batch, args.max_len.unwrap_or(2048))
+    });
+    let opts = CheckOptions {
+        runtime: args.neuron_runtime,
+    };
+    let report = export::check_neuron(&cfg, &limits, &opts, args.compile_jobs.unwrap_or(1))?;
+    emit(&format!("neuron check of {}", config.display()))?;
+    emit(report.to_string().trim_end())?;
+    if report.clean() {
+        Ok(())
+    } else {
+        anyhow::bail!(
+            "{} of {} graphs break a neuron rule (see the table above)",
+            report.failing(),
+            report.graphs.len()
+        )
+    }
 }
 
 /// Runs the command.
@@ -57,13 +140,19 @@ pub(crate) fn run(args: LowerArgs) -> Result<()> {
         Some(d) => d.clone(),
         None => default_model_dir()?,
     };
+    if args.check.is_some() {
+        return check(&args, &dir);
+    }
+    let Some(out) = args.out.clone() else {
+        anyhow::bail!("--out is required unless --check is given");
+    };
     let opts = LowerOptions {
         batch_sizes: args.batch_sizes,
         ctx: args.ctx,
         inputs_from_token_ids: args.inputs_from_token_ids,
         precision: args.precision.choice(),
     };
-    let manifest = export::lower(&dir, &args.out, &opts)?;
+    let manifest = export::lower(&dir, &out, &opts)?;
     if args.compile {
         let mut cfg = CompilerConfig {
             program: args.neuronx_cc.clone(),
@@ -76,11 +165,14 @@ pub(crate) fn run(args: LowerArgs) -> Result<()> {
         if let Some(d) = &args.neff_cache {
             cfg.cache_dir = d.clone();
         }
+        if let Some(t) = args.compile_timeout {
+            cfg.timeout = t;
+        }
         let jobs = manifest
             .graphs
             .iter()
             .map(|g| {
-                let hlo = std::fs::read(args.out.join(&g.hlo))
+                let hlo = std::fs::read(out.join(&g.hlo))
                     .with_context(|| format!("reading {}", g.hlo))?;
                 Ok(CompileJob {
                     name: g.name.clone(),
@@ -89,7 +181,7 @@ pub(crate) fn run(args: LowerArgs) -> Result<()> {
             })
             .collect::<Result<Vec<_>>>()?;
         for neff in compile_all(&cfg, &jobs)? {
-            let path = args.out.join(format!("{}.neff", neff.name));
+            let path = out.join(format!("{}.neff", neff.name));
             std::fs::write(&path, &neff.neff)
                 .with_context(|| format!("writing {}", path.display()))?;
             let how = if neff.cache_hit { "cached" } else { "compiled" };
@@ -100,11 +192,7 @@ pub(crate) fn run(args: LowerArgs) -> Result<()> {
         emit(export::stats_table(&manifest.costs).trim_end())?;
     } else {
         for g in &manifest.graphs {
-            emit(&format!(
-                "{} -> {}",
-                g.name,
-                args.out.join(&g.hlo).display()
-            ))?;
+            emit(&format!("{} -> {}", g.name, out.join(&g.hlo).display()))?;
         }
     }
     Ok(())

@@ -61,6 +61,9 @@ struct ModelArgs {
     /// nrt-sim, `neuron` when libnrt and a NeuronCore are present, else `cpu`.
     #[arg(long)]
     backend: Option<Backend>,
+    /// Seconds one neuronx-cc process may run at capture before it is killed (default 3600).
+    #[arg(long, value_parser = lower::parse_seconds)]
+    compile_timeout: Option<std::time::Duration>,
     #[command(flatten)]
     precision: PrecisionArgs,
 }
@@ -114,10 +117,20 @@ impl ModelArgs {
         }
     }
 
+    /// `limits` with these dtypes and this compile timeout.
+    fn limits(&self, limits: &Limits) -> Limits {
+        Limits {
+            compile_timeout: self.compile_timeout,
+            ..self.precision.apply(limits)
+        }
+    }
+
     /// Opens a captured runner for the model within `limits` on the chosen backend.
     fn open(&self, dir: &Path, limits: &Limits) -> Result<Box<dyn Runner>> {
         let backend = runner::choose_backend(self.backend);
-        Ok(runner::open(backend, dir, &self.precision.apply(limits))?)
+        let limits = self.limits(limits);
+        announce_capture(backend, dir, &limits)?;
+        Ok(runner::open(backend, dir, &limits)?)
     }
 }
 
@@ -150,6 +163,29 @@ fn emit(line: &str) -> Result<()> {
         Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => std::process::exit(0),
         r => Ok(r?),
     }
+}
+
+/// Before a Neuron capture, says on stderr how many NEFFs it compiles (one per decode and
+/// prefill bucket): each takes minutes, so the user should know what the wait is for. Other
+/// backends compile nothing and print nothing (tests count stderr lines).
+fn announce_capture(backend: Backend, dir: &Path, limits: &Limits) -> Result<()> {
+    if backend != Backend::Neuron {
+        return Ok(());
+    }
+    let cfg = deepinfer::config::ModelConfig::from_file(&dir.join("config.json"))?;
+    let b = limits.runner_config(&cfg)?.buckets;
+    let list = |v: &[usize]| v.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
+    eprintln!(
+        "deepinfer: capture compiles {} NEFFs ({} decode: batch {} x context {}; {} prefill:          chunk {} x context {}); NEFFs already in the cache are reused",
+        b.graph_count(),
+        b.batch.len() * b.ctx.len(),
+        list(&b.batch),
+        list(&b.ctx),
+        b.prefill_sizes().len() * b.ctx.len(),
+        list(&b.prefill_sizes()),
+        list(&b.ctx),
+    );
+    Ok(())
 }
 
 /// candle-core asks for its thread count on every matrix product, and without

@@ -68,7 +68,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
     } else {
         None
     };
-    let limits = args.model.precision.apply(&Limits {
+    let limits = args.model.limits(&Limits {
         kv_blocks: args.kv_blocks,
         prefill_chunk: Some(args.prefill_chunk),
         ..Limits::new(args.max_batch, args.max_len.unwrap_or(2048))
@@ -91,6 +91,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
     };
     let metrics = Arc::new(Metrics::new());
     let backend = runner::choose_backend(args.model.backend);
+    crate::announce_capture(backend, &dir, &limits)?;
     let runner_dir = dir.clone();
     let engine = Engine::start(
         move || runner::open(backend, &runner_dir, &limits),

@@ -94,10 +94,11 @@ pub const DEFAULT_FLAGS: &[&str] = &[
     "--enable-saturate-infinity",
 ];
 
-/// How long one compiler process may run before it is killed (one hour).
+/// How long one compiler process may run before it is killed (one hour), unless
+/// `--compile-timeout` (`crate::runner::Limits::compile_timeout`) says otherwise.
 ///
 /// A hang guard, not a performance budget: a large MoE decode graph can legitimately take tens of
-/// minutes at `-O1`.
+/// minutes at `-O1` (`lower --check neuron` prints an estimate per graph).
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(3600);
 
 /// How `neuronx-cc` is found, run, and where its NEFFs are cached.
