@@ -25,9 +25,14 @@ pub mod text;
 const INPUT_NAMES_ATTR: &str = "neff_input_names";
 /// The root tuple's frontend attribute holding the graph outputs' names, comma-separated.
 const OUTPUT_NAMES_ATTR: &str = "neff_output_names";
-/// A `call`'s frontend attribute naming the graph op it computes (a composite whose body is
-/// plain HLO, read back by the importer as that one op).
+/// The frontend attribute of the last instruction of a composite op's inlined lowering (the
+/// mass threshold's bisection): the op's name. The importer reads the run back as that op.
 const COMPOSITE_ATTR: &str = "deepinfer_composite";
+/// Beside [`COMPOSITE_ATTR`]: the composite's operands, as comma-separated instruction ids.
+const COMPOSITE_OPERANDS_ATTR: &str = "deepinfer_composite_operands";
+/// The frontend attribute of every other instruction of a composite's lowering (the op's name):
+/// the importer skips them.
+const COMPOSITE_PART_ATTR: &str = "deepinfer_composite_part";
 /// Entry parameters' frontend attribute holding the input's [`crate::graph::InputRole`] name,
 /// so the importer restores it; other consumers ignore unknown attributes.
 const ROLE_ATTR: &str = "deepinfer_role";

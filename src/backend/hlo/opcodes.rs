@@ -48,11 +48,6 @@ pub(super) const GET_TUPLE_ELEMENT: &str = "get-tuple-element";
 pub(super) const GATHER: &str = "gather";
 /// Windows written at an index array (`scatter_rows`).
 pub(super) const SCATTER: &str = "scatter";
-/// The same bits read as another type of the same width (inside the mass threshold).
-pub(super) const BITCAST_CONVERT: &str = "bitcast-convert";
-/// A call of another computation (a composite op such as the mass threshold, named by its
-/// `deepinfer_composite` attribute).
-pub(super) const CALL: &str = "call";
 /// The entry computation's root: one element per graph output.
 pub(super) const TUPLE: &str = "tuple";
 

@@ -65,7 +65,6 @@ pub fn emit(graph: &Graph) -> Result<HloModuleProto> {
         next_id: 1,
         callees: Vec::new(),
         scalar_fns: HashMap::new(),
-        threshold_fns: HashMap::new(),
         entry: Vec::new(),
         value: vec![0; graph.nodes().len()],
     };
@@ -96,8 +95,6 @@ struct Emitter<'g> {
     callees: Vec<HloComputationProto>,
     /// The computation id of each (scalar function, element type) emitted so far.
     scalar_fns: HashMap<(ScalarFn, i32), i64>,
-    /// The computation id of the mass-threshold bisection for each `(rows, n)` emitted so far.
-    threshold_fns: HashMap<(usize, usize), i64>,
     /// The entry computation's instructions, operands before users.
     entry: Vec<HloInstructionProto>,
     /// The instruction holding each node's value.

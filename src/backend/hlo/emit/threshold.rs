@@ -1,34 +1,56 @@
-//! [`Op::MassThreshold`](crate::graph::Op::MassThreshold) as HLO: a `call` of a bisection.
+//! [`Op::MassThreshold`](crate::graph::Op::MassThreshold) as HLO: a bisection, inlined and
+//! tagged.
 //!
 //! The threshold is the largest value `t` whose weighted mass `sum(w[i] for x[i] >= t)`
 //! reaches the target. The mass only falls as `t` rises, and the f32 values are ordered like
 //! their *keys* (the bits with the sign bit flipped for positives, every bit flipped for
 //! negatives), so the answer's key is built one bit at a time, from the top: set the bit if the
 //! value of the key so far with that bit set still reaches the target. 32 steps of a compare
-//! and a sum over the row find the exact value, with bit operations on the `[rows]` keys and
-//! float compares on the values only: nothing is sorted (neuronx-cc turns a sort wider than
-//! 16,384 into a top-k it refuses: aws-neuron/aws-neuron-sdk issue 1339), no integer is
-//! multiplied or added, and a float compare is exact on every engine.
+//! and a sum over the row find the exact value. Nothing is sorted (neuronx-cc turns a sort
+//! wider than 16,384 into a top-k it refuses: aws-neuron/aws-neuron-sdk issue 1339), no integer
+//! is multiplied or added, and every float operation is exact.
 //!
-//! A key whose value is NaN (the keys below -inf's and above +inf's) never passes, and a key
-//! that ends on one (no value reaches the target) stands for -inf. A subnormal answer is
-//! returned as 0, the value engines that flush subnormals (XLA's CPU does) find. The bisection is its own
-//! computation, called once per op and emitted once per shape, and the call carries the
-//! [`COMPOSITE_ATTR`] attribute so the importer (and nrt-sim) reads it back as the one op
-//! rather than 32 steps of it; XLA, and neuronx-cc after inlining, run the body.
+//! A key's value is computed, not reinterpreted (no `bitcast-convert`, which no public source
+//! shows neuronx-cc accepting): exponent and mantissa are cut out with shifts and masks, and the
+//! value is `(1 + mantissa / 2^23) * 2^(exponent - 127)`, the power of two read from a
+//! 256-entry table (`gather`), with the sign applied by a select. The table maps exponent 0
+//! (zero and the subnormals) to 0 and exponent 255 (infinities and NaNs) to infinity, so every
+//! key has a value, the values never decrease as the key grows, and the search needs no NaN
+//! case: a target no value reaches leaves the key at 0, whose value is -inf, and a target
+//! `<= 0` takes it to the top, +inf. A subnormal answer comes out as 0, which is also what an
+//! engine that flushes subnormals (XLA's CPU) computes.
+//!
+//! The instructions are written into the entry computation, each tagged with the frontend
+//! attribute [`COMPOSITE_PART_ATTR`] and the last with [`COMPOSITE_ATTR`] naming the op and
+//! [`COMPOSITE_OPERANDS_ATTR`] its three operands: the importer (and so nrt-sim) reads the
+//! tagged run back as the one op; XLA and neuronx-cc run the instructions (frontend attributes
+//! are metadata to them).
 
 use super::{array_shape, Emitter};
-use crate::backend::hlo::proto::{
-    FrontendAttributes, HloComputationProto, PrimitiveType, ProgramShapeProto,
+use crate::backend::hlo::proto::{FrontendAttributes, GatherDimensionNumbers, PrimitiveType};
+use crate::backend::hlo::{
+    literal, opcodes, primitive_type, COMPOSITE_ATTR, COMPOSITE_OPERANDS_ATTR, COMPOSITE_PART_ATTR,
 };
-use crate::backend::hlo::{opcodes, COMPOSITE_ATTR};
-use crate::graph::{BinaryOp, CmpOp, DType, ReduceOp};
+use crate::graph::{BinaryOp, CmpOp, DType, Literal, ReduceOp};
 
-/// The [`COMPOSITE_ATTR`] value of a mass threshold's `call`.
+/// The [`COMPOSITE_ATTR`] value of a mass threshold.
 pub(crate) const MASS_THRESHOLD: &str = "mass_threshold";
 
+/// `2^(e - 127)` for each biased exponent `e`: 0 for `e = 0` (zero and subnormals, which are
+/// flushed) and infinity for `e = 255` (infinities and NaNs).
+fn exponent_table() -> Vec<f32> {
+    (0..256)
+        .map(|e| match e {
+            0 => 0.0,
+            255 => f32::INFINITY,
+            e => f32::from_bits((e as u32) << 23),
+        })
+        .collect()
+}
+
 impl Emitter<'_> {
-    /// A `call` of the bisection for `[rows, n]` values `x`, weights `w` and `[rows]` targets.
+    /// The bisection for `[rows, n]` values `x`, weights `w` and `[rows]` targets; returns the
+    /// instruction holding the `[rows]` thresholds.
     pub(super) fn lower_mass_threshold(
         &mut self,
         x: i64,
@@ -37,76 +59,121 @@ impl Emitter<'_> {
         rows: usize,
         n: usize,
     ) -> i64 {
-        let body = match self.threshold_fns.get(&(rows, n)) {
-            Some(&id) => id,
-            None => {
-                let id = self.threshold_body(rows, n);
-                self.threshold_fns.insert((rows, n), id);
-                id
+        let first = self.entry.len();
+        let root = self.bisection(x, w, target, rows, n);
+        // Tag the run: every instruction as a part, the last as the op with its operands.
+        let count = self.entry.len() - first;
+        for (k, inst) in self.entry[first..].iter_mut().enumerate() {
+            let map = &mut inst
+                .frontend_attributes
+                .get_or_insert_with(FrontendAttributes::default)
+                .map;
+            if k + 1 == count {
+                map.insert(COMPOSITE_ATTR.into(), MASS_THRESHOLD.into());
+                map.insert(COMPOSITE_OPERANDS_ATTR.into(), format!("{x},{w},{target}"));
+            } else {
+                map.insert(COMPOSITE_PART_ATTR.into(), MASS_THRESHOLD.into());
             }
-        };
-        let map = [(COMPOSITE_ATTR.to_string(), MASS_THRESHOLD.to_string())].into();
-        self.push(
-            opcodes::CALL,
-            array_shape(&[rows], PrimitiveType::F32),
-            &[x, w, target],
-            |i| {
-                i.called_computation_ids = vec![body];
-                i.frontend_attributes = Some(FrontendAttributes { map });
-            },
-        )
+        }
+        root
     }
 
-    /// The bisection's computation; returns its id.
-    fn threshold_body(&mut self, rows: usize, n: usize) -> i64 {
-        // The body's instructions go to their own list; the entry's wait.
-        let entry = std::mem::take(&mut self.entry);
-        let f32_ = PrimitiveType::F32;
-        let (row_f, row_u, row_p) = (
-            array_shape(&[rows], f32_),
-            array_shape(&[rows], PrimitiveType::U32),
-            array_shape(&[rows], PrimitiveType::Pred),
-        );
-        let (mat_f, mat_p) = (
-            array_shape(&[rows, n], f32_),
-            array_shape(&[rows, n], PrimitiveType::Pred),
-        );
-        let params = [mat_f.clone(), mat_f.clone(), row_f.clone()];
-        let [x, w, target] = [0, 1, 2].map(|k| {
-            self.push(opcodes::PARAMETER, params[k].clone(), &[], |i| {
-                i.parameter_number = k as i64
-            })
-        });
-        let zero = self.scalar(DType::F32, 0.0);
-        let zeros = self.push(opcodes::BROADCAST, mat_f.clone(), &[zero], |_| {});
+    fn bisection(&mut self, x: i64, w: i64, target: i64, rows: usize, n: usize) -> i64 {
+        let (f32_, u32_) = (PrimitiveType::F32, PrimitiveType::U32);
+        let row_f = array_shape(&[rows], f32_);
+        let row_u = array_shape(&[rows], u32_);
+        let row_p = array_shape(&[rows], PrimitiveType::Pred);
+        let mat_f = array_shape(&[rows, n], f32_);
+        let mat_p = array_shape(&[rows, n], PrimitiveType::Pred);
         let row_const = |e: &mut Self, dtype: DType, v: f64| {
             let s = e.scalar(dtype, v);
-            let shape = array_shape(&[rows], crate::backend::hlo::primitive_type(dtype));
+            let shape = array_shape(&[rows], primitive_type(dtype));
             e.push(opcodes::BROADCAST, shape, &[s], |_| {})
         };
+        let zero = self.scalar(DType::F32, 0.0);
+        let zeros = self.push(opcodes::BROADCAST, mat_f.clone(), &[zero], |_| {});
+        let table_shape = array_shape(&[256], f32_);
+        let table = self.constant(
+            literal::to_proto(&Literal::F32(exponent_table()), table_shape.clone()),
+            table_shape,
+        );
+        let c23 = row_const(self, DType::U32, 23.0);
         let c31 = row_const(self, DType::U32, 31.0);
         let c1 = row_const(self, DType::U32, 1.0);
-        let positive_mask = row_const(self, DType::U32, f64::from(0x8000_0000u32));
-        let negative_mask = row_const(self, DType::U32, f64::from(u32::MAX));
-        let neg_inf = row_const(self, DType::F32, f64::NEG_INFINITY);
-        let xor = BinaryOp::BitXor.hlo_opcode();
-        // The value of a key: flip the sign bit back (positives) or every bit (negatives).
+        let byte = row_const(self, DType::U32, 255.0);
+        let mantissa_mask = row_const(self, DType::U32, f64::from((1u32 << 23) - 1));
+        let sign_mask = row_const(self, DType::U32, f64::from(0x7fff_ffffu32));
+        let all_ones = row_const(self, DType::U32, f64::from(u32::MAX));
+        let one = row_const(self, DType::F32, 1.0);
+        let ulp = row_const(self, DType::F32, 1.0 / f64::from(1u32 << 23));
+        let (xor, and, shr) = (
+            BinaryOp::BitXor.hlo_opcode(),
+            BinaryOp::BitAnd.hlo_opcode(),
+            BinaryOp::Shr.hlo_opcode(),
+        );
+        // The value of a key, by arithmetic that is exact (see the module docs).
         let value_of = |e: &mut Self, key: i64| {
-            let top = e.push(
-                BinaryOp::Shr.hlo_opcode(),
-                row_u.clone(),
-                &[key, c31],
-                |_| {},
-            );
-            let positive = e.compare(CmpOp::Eq, top, c1, row_p.clone(), PrimitiveType::U32);
-            let mask = e.push(
+            let top = e.push(shr, row_u.clone(), &[key, c31], |_| {});
+            let positive = e.compare(CmpOp::Eq, top, c1, row_p.clone(), u32_);
+            let magnitude_bits = e.push(and, row_u.clone(), &[key, sign_mask], |_| {});
+            let flipped = e.push(xor, row_u.clone(), &[key, all_ones], |_| {});
+            let bits = e.push(
                 opcodes::SELECT,
                 row_u.clone(),
-                &[positive, positive_mask, negative_mask],
+                &[positive, magnitude_bits, flipped],
                 |_| {},
             );
-            let bits = e.push(xor, row_u.clone(), &[key, mask], |_| {});
-            e.push(opcodes::BITCAST_CONVERT, row_f.clone(), &[bits], |_| {})
+            let shifted = e.push(shr, row_u.clone(), &[bits, c23], |_| {});
+            let exponent = e.push(and, row_u.clone(), &[shifted, byte], |_| {});
+            let index = e.push(
+                opcodes::CONVERT,
+                array_shape(&[rows], PrimitiveType::S32),
+                &[exponent],
+                |_| {},
+            );
+            let index = e.push(
+                opcodes::RESHAPE,
+                array_shape(&[rows, 1], PrimitiveType::S32),
+                &[index],
+                |_| {},
+            );
+            let scale = e.push(opcodes::GATHER, row_f.clone(), &[table, index], |i| {
+                i.gather_dimension_numbers = Some(GatherDimensionNumbers {
+                    collapsed_slice_dims: vec![0],
+                    start_index_map: vec![0],
+                    index_vector_dim: 1,
+                    ..Default::default()
+                });
+                i.gather_slice_sizes = vec![1];
+            });
+            let mantissa = e.push(and, row_u.clone(), &[bits, mantissa_mask], |_| {});
+            let mantissa = e.push(opcodes::CONVERT, row_f.clone(), &[mantissa], |_| {});
+            let fraction = e.push(
+                BinaryOp::Mul.hlo_opcode(),
+                row_f.clone(),
+                &[mantissa, ulp],
+                |_| {},
+            );
+            let significand = e.push(
+                BinaryOp::Add.hlo_opcode(),
+                row_f.clone(),
+                &[fraction, one],
+                |_| {},
+            );
+            let magnitude = e.push(
+                BinaryOp::Mul.hlo_opcode(),
+                row_f.clone(),
+                &[significand, scale],
+                |_| {},
+            );
+            let negate = crate::graph::UnaryOp::Neg.hlo_opcode().unwrap_or("negate");
+            let negative = e.push(negate, row_f.clone(), &[magnitude], |_| {});
+            e.push(
+                opcodes::SELECT,
+                row_f.clone(),
+                &[positive, magnitude, negative],
+                |_| {},
+            )
         };
         let mut key = row_const(self, DType::U32, 0.0);
         for bit in (0..32).rev() {
@@ -125,43 +192,13 @@ impl Emitter<'_> {
             );
             let mass = self.reduce(kept, &[rows, n], 1, ReduceOp::Sum, DType::F32);
             let reaches = self.compare(CmpOp::Ge, mass, target, row_p.clone(), f32_);
-            let not_nan = self.compare(CmpOp::Eq, t, t, row_p.clone(), f32_);
-            let ok = self.push(
-                BinaryOp::BitAnd.hlo_opcode(),
-                row_p.clone(),
-                &[reaches, not_nan],
+            key = self.push(
+                opcodes::SELECT,
+                row_u.clone(),
+                &[reaches, cand, key],
                 |_| {},
             );
-            key = self.push(opcodes::SELECT, row_u.clone(), &[ok, cand, key], |_| {});
         }
-        let t = value_of(self, key);
-        // A subnormal answer is 0: where subnormals compare as zero (XLA's CPU flushes them),
-        // every subnormal key passes whenever 0 does, so the search ends on the largest one.
-        let magnitude = self.push("abs", row_f.clone(), &[t], |_| {});
-        let tiny = row_const(self, DType::F32, f64::from(f32::MIN_POSITIVE));
-        let subnormal = self.compare(CmpOp::Lt, magnitude, tiny, row_p.clone(), f32_);
-        let zeros_r = row_const(self, DType::F32, 0.0);
-        let t = self.push(
-            opcodes::SELECT,
-            row_f.clone(),
-            &[subnormal, zeros_r, t],
-            |_| {},
-        );
-        let nan = self.compare(CmpOp::Ne, t, t, row_p.clone(), f32_);
-        let root = self.push(opcodes::SELECT, row_f.clone(), &[nan, neg_inf, t], |_| {});
-        let instructions = std::mem::replace(&mut self.entry, entry);
-        let id = self.id();
-        self.callees.push(HloComputationProto {
-            name: format!("{MASS_THRESHOLD}_{rows}x{n}.{id}"),
-            instructions,
-            program_shape: Some(ProgramShapeProto {
-                parameters: params.to_vec(),
-                result: Some(row_f),
-                parameter_names: ["values", "weights", "target"].map(String::from).to_vec(),
-            }),
-            id,
-            root_id: root,
-        });
-        id
+        value_of(self, key)
     }
 }

@@ -8,7 +8,7 @@
 use super::{bad, dims, elem, Importer};
 use crate::backend::hlo::emit::MASS_THRESHOLD;
 use crate::backend::hlo::proto::HloInstructionProto;
-use crate::backend::hlo::{literal, opcodes, COMPOSITE_ATTR};
+use crate::backend::hlo::{literal, opcodes, COMPOSITE_ATTR, COMPOSITE_OPERANDS_ATTR};
 use crate::error::Result;
 use crate::graph::{BinaryOp, Tensor, UnaryOp};
 
@@ -43,8 +43,41 @@ impl<'m> Importer<'m> {
             && second.operand_ids.first() == i.operand_ids.first())
     }
 
+    /// The last instruction of a composite's lowering read back as the op it names, from the
+    /// operands its attribute lists (the run's other instructions are skipped; see
+    /// `emit::threshold`).
+    fn composite(&self, i: &HloInstructionProto, name: &str) -> Result<Tensor> {
+        if name != MASS_THRESHOLD {
+            return Err(bad(format!("{}: unknown composite `{name}`", i.name)));
+        }
+        let ids: Vec<i64> = i
+            .frontend_attributes
+            .as_ref()
+            .and_then(|f| f.map.get(COMPOSITE_OPERANDS_ATTR))
+            .map(|s| {
+                s.split(',')
+                    .map(str::parse)
+                    .collect::<std::result::Result<_, _>>()
+            })
+            .transpose()
+            .map_err(|e| bad(format!("{}: composite operands: {e}", i.name)))?
+            .unwrap_or_default();
+        let [x, w, target] = ids[..] else {
+            return Err(bad(format!(
+                "{}: {name} needs 3 operands in {COMPOSITE_OPERANDS_ATTR}, got {ids:?}",
+                i.name
+            )));
+        };
+        self.val(x)?
+            .mass_threshold(&self.val(w)?, &self.val(target)?)
+    }
+
     /// The graph value of entry instruction `i`, whose operands are converted already.
     pub(super) fn convert(&mut self, i: &'m HloInstructionProto) -> Result<Tensor> {
+        let attrs = i.frontend_attributes.as_ref().map(|f| &f.map);
+        if let Some(name) = attrs.and_then(|a| a.get(COMPOSITE_ATTR)) {
+            return self.composite(i, name);
+        }
         let shape = Self::shape(i)?;
         let out_dims = if i.opcode == opcodes::TUPLE || i.opcode == opcodes::SORT {
             vec![]
@@ -120,21 +153,6 @@ impl<'m> Importer<'m> {
                     t = t.narrow(d, s.start as usize, (s.limit - s.start) as usize)?;
                 }
                 t
-            }
-            opcodes::CALL => {
-                // Only the composites the emitter writes, named by their attribute; the body
-                // is not read (it is the op's lowering, which XLA and neuronx-cc run).
-                let composite = i
-                    .frontend_attributes
-                    .as_ref()
-                    .and_then(|f| f.map.get(COMPOSITE_ATTR));
-                if composite.map(String::as_str) != Some(MASS_THRESHOLD) {
-                    return Err(bad(format!(
-                        "{}: a call of {composite:?} (only {MASS_THRESHOLD} is read back)",
-                        i.name
-                    )));
-                }
-                x()?.mass_threshold(&self.operand(i, 1)?, &self.operand(i, 2)?)?
             }
             opcodes::CONCATENATE => {
                 let ts = i

@@ -24,7 +24,9 @@ use prost::Message;
 use super::proto::{
     HloComputationProto, HloInstructionProto, HloModuleProto, PrimitiveType, ShapeProto,
 };
-use super::{dtype_of, opcodes, INPUT_NAMES_ATTR, OUTPUT_NAMES_ATTR, ROLE_ATTR};
+use super::{
+    dtype_of, opcodes, COMPOSITE_PART_ATTR, INPUT_NAMES_ATTR, OUTPUT_NAMES_ATTR, ROLE_ATTR,
+};
 use crate::error::{Error, Result};
 use crate::graph::{DType, Graph, GraphBuilder, InputRole, Tensor};
 
@@ -181,7 +183,11 @@ pub fn import(m: &HloModuleProto) -> Result<Graph> {
         imp.params.push(t);
     }
     for i in &entry.instructions {
-        if i.opcode == opcodes::PARAMETER {
+        let part = i
+            .frontend_attributes
+            .as_ref()
+            .is_some_and(|f| f.map.contains_key(COMPOSITE_PART_ATTR));
+        if i.opcode == opcodes::PARAMETER || part {
             continue;
         }
         if i.id == entry.root_id && i.opcode == opcodes::TUPLE {
