@@ -80,6 +80,21 @@ fn graph(
     b.finish().unwrap()
 }
 
+/// The sampler over inputs (logits, temperature, top_k, top_p, seeds, positions), output
+/// `next`.
+fn sampler_graph(inputs: &[Input]) -> Graph {
+    graph(inputs, |t| {
+        let p = SamplingInputs {
+            temperature: &t[1],
+            top_k: &t[2],
+            top_p: &t[3],
+            seeds: &t[4],
+            positions: &t[5],
+        };
+        vec![("next".into(), sampling::sample(&t[0], &p).unwrap())]
+    })
+}
+
 /// Output `k` as raw little-endian bytes, on the CPU backend.
 fn run_cpu(g: &Graph, inputs: &[Input]) -> Vec<Vec<u8>> {
     let args: Vec<CTensor> = inputs
@@ -313,18 +328,7 @@ fn draws(run: impl Fn(&Graph, &[Input]) -> Vec<Vec<u8>>) -> Vec<i32> {
             input("seeds", DType::U32, &[ROWS], &seeds),
             input("positions", DType::I32, &[ROWS], &vec![17i32; ROWS]),
         ];
-        let g = g.get_or_insert_with(|| {
-            graph(&inputs, |t| {
-                let p = SamplingInputs {
-                    temperature: &t[1],
-                    top_k: &t[2],
-                    top_p: &t[3],
-                    seeds: &t[4],
-                    positions: &t[5],
-                };
-                vec![("next".into(), sampling::sample(&t[0], &p).unwrap())]
-            })
-        });
+        let g = g.get_or_insert_with(|| sampler_graph(&inputs));
         tokens.extend(i32s(&run(g, &inputs)[0]));
     }
     tokens
@@ -399,16 +403,7 @@ fn greedy_top_k_1_and_a_tiny_top_p_give_the_argmax() {
         input("seeds", DType::U32, &[rows], &[1u32, 2, 3, 4, 5, 6]),
         input("positions", DType::I32, &[rows], &[0i32; 6]),
     ];
-    let g = graph(&inputs, |t| {
-        let p = SamplingInputs {
-            temperature: &t[1],
-            top_k: &t[2],
-            top_p: &t[3],
-            seeds: &t[4],
-            positions: &t[5],
-        };
-        vec![("next".into(), sampling::sample(&t[0], &p).unwrap())]
-    });
+    let g = sampler_graph(&inputs);
     let rt = sim();
     for (executor, outs) in [
         ("cpu", run_cpu(&g, &inputs)),
