@@ -140,13 +140,17 @@ mod state;
 mod tensor;
 mod tensor_set;
 
-pub use config::{ENV_FAIL_EXECUTE, ENV_FAIL_LOAD, ENV_FREE_EXECUTE, ENV_SLOW_EXECUTE_MS};
-pub use counters::{Counters, Live, ModelCounters};
+pub use config::{
+    DEFAULT_HBM_BYTES, ENV_FAIL_EXECUTE, ENV_FAIL_LOAD, ENV_FREE_EXECUTE, ENV_HBM_BYTES,
+    ENV_SLOW_EXECUTE_MS,
+};
+pub use counters::{CoreMemory, Counters, Live, ModelCounters};
 pub use fault_child::{is_fault_child, run_test_in_child, CHILD_ENV};
 pub use identity::{
     dtype_code, TOTAL_NC_COUNT, VERSION, VERSION_DETAIL, VERSION_GIT_HASH, VISIBLE_NC_COUNT,
 };
 pub use reader::{library_next_to_current_exe, Error, SimLibrary};
+pub use tensor::FILL_BYTE;
 
 /// Clears the cumulative counters of the nrt-sim copy linked into the caller (the Rust
 /// twin of `nrt_sim_reset_counters`; for a `dlopen`ed library use [`SimLibrary::reset`]).

@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::backend::neuron::compile::CompilerConfig;
+use crate::backend::neuron::sim_neff::NeffNames;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::model::{ModelWeights, PrecisionChoice};
@@ -13,6 +14,9 @@ use super::{Backend, CpuRunner, DeviceOptions, DeviceRunner, Runner, RunnerConfi
 
 /// The file name of nrt-sim's shared library.
 pub const SIM_LIBRARY_FILE: &str = "libnrt_sim.so";
+
+/// The file name of nrt-sim's stand-in compiler (`src/bin/nrt-sim-neuronx-cc.rs`).
+pub const SIM_COMPILER_FILE: &str = "nrt-sim-neuronx-cc";
 
 /// The `git_hash` nrt-sim reports from `nrt_get_version`: how a loaded libnrt is recognised
 /// as the simulator (whose "NEFF" is our HLO, so nothing must be compiled for it).
@@ -130,12 +134,13 @@ pub fn open_with_weights(
         Backend::Cpu => Box::new(CpuRunner::new(cfg, weights, runner_cfg)?),
         Backend::Sim => {
             let lib = neuron_sys::Library::open(&find_sim_library()?)?;
+            let names = NeffNames::from_env().map_err(|e| Error::InvalidInput(e.to_string()))?;
             Box::new(DeviceRunner::new(
                 cfg,
                 weights,
                 runner_cfg,
                 lib,
-                DeviceOptions::sim(),
+                DeviceOptions::sim_named(names),
             )?)
         }
         Backend::Neuron => {
@@ -146,6 +151,42 @@ pub fn open_with_weights(
     };
     runner.capture(&buckets)?;
     Ok(runner)
+}
+
+/// The stand-in compiler `--backend sim` runs: the first of [`sim_library_beside_exe`]'s
+/// directories holding [`SIM_COMPILER_FILE`] (cargo writes it to `target/<profile>/`, beside the
+/// CLI and one level above a test binary), else the bare name, looked up on `PATH` by the
+/// compile driver (which reports a clear error when it is nowhere).
+pub fn sim_compiler() -> PathBuf {
+    sim_library_beside_exe()
+        .into_iter()
+        .filter_map(|lib| lib.parent().map(|d| d.join(SIM_COMPILER_FILE)))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| PathBuf::from(SIM_COMPILER_FILE))
+}
+
+/// The compile driver's configuration for nrt-sim: the stand-in compiler ([`sim_compiler`]), the
+/// default flags plus the naming convention (`names`, part of the cache key), and a cache of its
+/// own (`$DEEPINFER_NEFF_CACHE` when set, else `<tmp>/deepinfer-nrt-sim-neff`: sim NEFFs are
+/// cheap to remake and do not belong in the user's NEFF cache). One compiler process per CPU,
+/// since the stand-in is quick and single-threaded.
+pub fn sim_compiler_config(names: NeffNames) -> CompilerConfig {
+    let base = CompilerConfig::default();
+    let cache_dir = if std::env::var_os("DEEPINFER_NEFF_CACHE").is_none_or(|v| v.is_empty()) {
+        std::env::temp_dir().join("deepinfer-nrt-sim-neff")
+    } else {
+        base.cache_dir.clone()
+    };
+    let mut flags = base.flags.clone();
+    flags.push(names.flag());
+    CompilerConfig {
+        program: sim_compiler(),
+        flags,
+        jobs: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        cache_dir,
+        progress: false,
+        ..base
+    }
 }
 
 /// Where `--backend sim` looks for nrt-sim, in order: `NEURON_RT_LIB` when set, then
