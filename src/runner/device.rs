@@ -131,6 +131,8 @@ struct MetaBuf {
 struct Loaded {
     name: String,
     model: Model,
+    /// The NEFF names its tensors are bound under.
+    names: NeffBinding,
     inputs: TensorSet,
     outputs: TensorSet,
     /// Index into the context bucket's metadata buffers.
@@ -259,6 +261,14 @@ impl DeviceRunner {
     /// Whether the graphs are captured (false after [`Runner::destroy`]).
     pub fn is_captured(&self) -> bool {
         self.state.is_some()
+    }
+
+    /// The NEFF names graph `graph`'s inputs and outputs are bound under (what its loaded model
+    /// reports, mapped onto the graph by [`super::binding`]), or `None` when no such graph is
+    /// captured.
+    pub fn bound_names(&self, graph: &str) -> Option<&NeffBinding> {
+        let st = self.state.as_ref()?;
+        st.graphs.values().find(|l| l.name == graph).map(|l| &l.names)
     }
 
     /// Names of the loaded graphs, largest first.
@@ -560,6 +570,7 @@ impl DeviceRunner {
                 Loaded {
                     name: name.to_string(),
                     model,
+                    names,
                     inputs,
                     outputs,
                     ctx_index,
