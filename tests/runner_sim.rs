@@ -13,12 +13,12 @@ use std::process::Command;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use common::RunnerExt;
+use deepinfer::backend::neuron::sim_neff::NeffNames;
 use deepinfer::config::ModelConfig;
 use deepinfer::error::Error;
 use deepinfer::graph::DType;
 use deepinfer::model::{LogitsOutput, ModelWeights, Precision};
 use deepinfer::runner::step::{DecodeRow, PrefillChunk, SamplingParams};
-use deepinfer::backend::neuron::sim_neff::NeffNames;
 use deepinfer::runner::{
     self, Backend, Buckets, DeviceOptions, DeviceRunner, MetadataSource, NeffSource, Runner,
     RunnerConfig, StepOutput,
@@ -220,7 +220,10 @@ fn every_neff_naming_convention_is_bound_and_agrees_with_the_cpu_twin() {
             DeviceOptions::sim_named(names),
         );
         let graphs = d.graph_names();
-        assert!(graphs.len() >= 3 * 2 + 2, "decode 1/2/4 and prefill, per context");
+        assert!(
+            graphs.len() >= 3 * 2 + 2,
+            "decode 1/2/4 and prefill, per context"
+        );
         for g in &graphs {
             let b = d.bound_names(g).unwrap().clone();
             let kv_in = b
@@ -230,7 +233,10 @@ fn every_neff_naming_convention_is_bound_and_agrees_with_the_cpu_twin() {
                 .unwrap();
             match names {
                 NeffNames::Ours | NeffNames::MustAlias => {
-                    assert!(b.inputs.contains(&"kv_cache.must_alias_input".to_string()), "{b:?}");
+                    assert!(
+                        b.inputs.contains(&"kv_cache.must_alias_input".to_string()),
+                        "{b:?}"
+                    );
                     assert!(b.outputs.contains(&"kv_cache".to_string()), "{b:?}");
                     assert!(b.outputs.contains(&"next_tokens".to_string()), "{b:?}");
                 }
@@ -283,8 +289,14 @@ for a in \"$@\"; do case \"$a\" in --output=*) \
     let buckets = rc.buckets.clone();
     let mut d = DeviceRunner::new(cfg, weights, rc, lib, opts).unwrap();
     let err = d.capture(&buckets).unwrap_err().to_string();
-    assert!(err.contains("NEFF outputs with no graph output [\"next_tokenz\"]"), "{err}");
-    assert!(err.contains("graph outputs with no NEFF output [\"next_tokens\"]"), "{err}");
+    assert!(
+        err.contains("NEFF outputs with no graph output [\"next_tokenz\"]"),
+        "{err}"
+    );
+    assert!(
+        err.contains("graph outputs with no NEFF output [\"next_tokens\"]"),
+        "{err}"
+    );
     assert!(err.contains("the graph has [\"next_tokens\""), "{err}");
     assert!(!d.is_captured());
 }

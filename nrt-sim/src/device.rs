@@ -45,7 +45,6 @@ impl Bound {
     }
 }
 
-
 /// Builds a candle tensor of `desc`'s dtype and shape from little-endian `bytes` (whose
 /// length the caller checked against `desc.size`).
 fn to_candle(desc: &IoDesc, bytes: &[u8]) -> Res<CTensor> {

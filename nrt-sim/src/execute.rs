@@ -46,7 +46,12 @@ use crate::state::{state, TensorSet};
 
 /// The bytes shared by input `i` and output `o` (or by two outputs) must be a declared alias,
 /// bound to the very same bytes; see the module docs.
-fn check_sharing(model: &str, inputs: &[Bound], outputs: &[Bound], aliases: &[Option<usize>]) -> Res<()> {
+fn check_sharing(
+    model: &str,
+    inputs: &[Bound],
+    outputs: &[Bound],
+    aliases: &[Option<usize>],
+) -> Res<()> {
     for (o, out) in outputs.iter().enumerate() {
         for (i, inp) in inputs.iter().enumerate() {
             if !out.overlaps(inp) {

@@ -75,14 +75,7 @@ pub(crate) fn describe(
         .inputs()
         .iter()
         .zip(input_names)
-        .map(|(d, name)| {
-            desc(
-                name,
-                sys::NRT_TENSOR_USAGE_INPUT,
-                d.dtype,
-                d.shape.dims(),
-            )
-        })
+        .map(|(d, name)| desc(name, sys::NRT_TENSOR_USAGE_INPUT, d.dtype, d.shape.dims()))
         .collect::<Res<Vec<_>>>()?;
     let outputs = graph
         .outputs()
@@ -90,12 +83,7 @@ pub(crate) fn describe(
         .zip(output_names)
         .map(|(o, name)| {
             let n = graph.node(o.node);
-            desc(
-                name,
-                sys::NRT_TENSOR_USAGE_OUTPUT,
-                n.dtype,
-                n.shape.dims(),
-            )
+            desc(name, sys::NRT_TENSOR_USAGE_OUTPUT, n.dtype, n.shape.dims())
         })
         .collect::<Res<Vec<_>>>()?;
     Ok((inputs, outputs))

@@ -32,19 +32,18 @@ use crate::model_io::{InfoArray, IoDesc};
 /// Device memory in use per NeuronCore (bytes of live device storage), kept beside the storage
 /// that frees it on drop (see [`Storage`]) rather than in the locked state: the last view of a
 /// storage may be dropped by an execution that holds no lock.
-static HBM_USED: [AtomicU64; VISIBLE_NC_COUNT as usize] = [const { AtomicU64::new(0) }; VISIBLE_NC_COUNT as usize];
+static HBM_USED: [AtomicU64; VISIBLE_NC_COUNT as usize] =
+    [const { AtomicU64::new(0) }; VISIBLE_NC_COUNT as usize];
 /// The highest [`HBM_USED`] since load or the last counters reset, per NeuronCore.
-static HBM_PEAK: [AtomicU64; VISIBLE_NC_COUNT as usize] = [const { AtomicU64::new(0) }; VISIBLE_NC_COUNT as usize];
+static HBM_PEAK: [AtomicU64; VISIBLE_NC_COUNT as usize] =
+    [const { AtomicU64::new(0) }; VISIBLE_NC_COUNT as usize];
 
 /// Reserves `size` bytes of `core`'s device memory of `capacity`, or says how much is in use.
 pub(crate) fn reserve_hbm(core: u32, size: u64, capacity: u64) -> Result<(), u64> {
     let used = &HBM_USED[core as usize];
-    let now = used
-        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |u| {
-            u.checked_add(size).filter(|&n| n <= capacity)
-        })
-        ?
-        + size;
+    let now = used.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |u| {
+        u.checked_add(size).filter(|&n| n <= capacity)
+    })? + size;
     HBM_PEAK[core as usize].fetch_max(now, Ordering::SeqCst);
     Ok(())
 }

@@ -55,7 +55,8 @@ pub(crate) fn allocate(
         st.require_running("nrt_tensor_allocate")?;
         st.config.hbm_bytes
     };
-    let device = (placement == sys::NRT_TENSOR_PLACEMENT_DEVICE).then_some((vnc as u32, size as u64));
+    let device =
+        (placement == sys::NRT_TENSOR_PLACEMENT_DEVICE).then_some((vnc as u32, size as u64));
     if let Some((core, bytes)) = device {
         reserve_hbm(core, bytes, capacity).map_err(|used| {
             Fail::new(

@@ -361,12 +361,37 @@ fn corrupt_neffs_and_bad_load_arguments_fail_to_load() {
     let mut other_version = good.clone();
     other_version[8] = 9;
     let cases: [(&str, &[u8], u32, &str); 6] = [
-        ("garbage", b"definitely not a protobuf \xff\xff\xff", sys::NRT_INVALID, "not an nrt-sim NEFF"),
+        (
+            "garbage",
+            b"definitely not a protobuf \xff\xff\xff",
+            sys::NRT_INVALID,
+            "not an nrt-sim NEFF",
+        ),
         ("raw HLO", &hlo, sys::NRT_INVALID, "not an nrt-sim NEFF"),
-        ("truncated", &good[..good.len() / 2], sys::NRT_INVALID, "truncated nrt-sim NEFF"),
-        ("cut short", &good[..good.len() - 3], sys::NRT_INVALID, "truncated nrt-sim NEFF"),
-        ("a NEFF from neuronx-cc", b"NEFF\x00\x01\x02\x03 not ours", sys::NRT_INVALID, "not an nrt-sim NEFF"),
-        ("another format version", &other_version, sys::NRT_UNSUPPORTED_NEFF_VERSION, "format version 9"),
+        (
+            "truncated",
+            &good[..good.len() / 2],
+            sys::NRT_INVALID,
+            "truncated nrt-sim NEFF",
+        ),
+        (
+            "cut short",
+            &good[..good.len() - 3],
+            sys::NRT_INVALID,
+            "truncated nrt-sim NEFF",
+        ),
+        (
+            "a NEFF from neuronx-cc",
+            b"NEFF\x00\x01\x02\x03 not ours",
+            sys::NRT_INVALID,
+            "not an nrt-sim NEFF",
+        ),
+        (
+            "another format version",
+            &other_version,
+            sys::NRT_UNSUPPORTED_NEFF_VERSION,
+            "format version 9",
+        ),
     ];
     for (what, bytes, status, why) in cases {
         let (s, m) = raw.load(bytes);

@@ -27,7 +27,11 @@ fn device_memory_past_a_core_s_capacity_is_nrt_resource() {
         let _rt = sim.runtime();
         let raw = sim.raw();
         let before = sim.counters();
-        assert!(before.hbm.iter().all(|m| m.capacity == 16 << 30), "{:?}", before.hbm);
+        assert!(
+            before.hbm.iter().all(|m| m.capacity == 16 << 30),
+            "{:?}",
+            before.hbm
+        );
         let (s, t) = raw.allocate(63_000_000_000, "a 63 GB root");
         assert_eq!(s, sys::NRT_RESOURCE);
         assert!(t.is_null());
@@ -72,7 +76,10 @@ fn child_capacity() {
     let (s, b) = raw.allocate(400, "b");
     assert_eq!(s, OK, "exactly full");
     let c = sim.counters();
-    assert_eq!((c.hbm[0].used, c.hbm[0].peak, c.hbm[0].capacity), (1000, 1000, 1000));
+    assert_eq!(
+        (c.hbm[0].used, c.hbm[0].peak, c.hbm[0].capacity),
+        (1000, 1000, 1000)
+    );
     assert_eq!((c.hbm[1].used, c.hbm[1].peak), (1000, 1000));
     // Freeing gives the memory back (the storage goes with its last view), the peak stays.
     raw.free(b);
@@ -81,7 +88,11 @@ fn child_capacity() {
     assert_eq!((c.hbm[0].used, c.hbm[0].peak), (600, 1000));
     assert_eq!((c.hbm[1].used, c.hbm_peak(1)), (0, 1000));
     sim.hooks.reset();
-    assert_eq!(sim.counters().hbm_peak(0), 600, "a reset restarts the peak at the use");
+    assert_eq!(
+        sim.counters().hbm_peak(0),
+        600,
+        "a reset restarts the peak at the use"
+    );
 }
 
 #[test]
@@ -146,7 +157,11 @@ fn storage_shared_without_a_declared_alias_is_an_error() {
     let (_, model) = raw.load(&tiny_neff());
     let b = TinyBindings::new(&raw);
     let fails = |outputs, inputs, why: &str| {
-        assert_eq!(raw.execute(model, inputs, outputs), sys::NRT_INVALID, "{why}");
+        assert_eq!(
+            raw.execute(model, inputs, outputs),
+            sys::NRT_INVALID,
+            "{why}"
+        );
         let err = sim.counters().last_error.unwrap();
         assert!(err.contains(why), "{err}");
     };
@@ -187,7 +202,11 @@ fn storage_shared_without_a_declared_alias_is_an_error() {
     assert_eq!(raw.add(outs, "c", other_c), OK);
     let (_, other_c_slice) = raw.slice(other_c, 0, 16);
     assert_eq!(raw.add(outs, "y", other_c_slice), OK);
-    fails(outs, b.inputs, "outputs `y` and `c` of model `tiny` are bound to overlapping bytes");
+    fails(
+        outs,
+        b.inputs,
+        "outputs `y` and `c` of model `tiny` are bound to overlapping bytes",
+    );
 
     // Nothing was written; the declared alias on the same bytes runs.
     assert_eq!(b.read_f32(&raw, b.c, 8), [0.0; 8]);
@@ -208,7 +227,10 @@ fn never_written_memory_reads_as_the_fill_pattern() {
     let rt = sim.runtime();
     let t = Tensor::device(&rt, 0, 24, "fresh").unwrap();
     assert_eq!(t.read_vec(0, 24).unwrap(), vec![FILL_BYTE; 24]);
-    assert!(f32::from_le_bytes([FILL_BYTE; 4]).is_nan(), "an f32 of it is NaN");
+    assert!(
+        f32::from_le_bytes([FILL_BYTE; 4]).is_nan(),
+        "an f32 of it is NaN"
+    );
 
     // A root that was never cleared poisons the update: the uninitialised read is visible.
     let model = Model::load(&rt, &tiny_neff(), Some(0), None).unwrap();
@@ -240,7 +262,10 @@ fn the_neff_reports_the_names_of_the_convention_it_was_compiled_with() {
         NeffNames::Ours | NeffNames::MustAlias => {
             (vec!["x", "h", "c.must_alias_input"], vec!["y", "c"])
         }
-        NeffNames::Positional => (vec!["input0", "input1", "input2"], vec!["output0", "output1"]),
+        NeffNames::Positional => (
+            vec!["input0", "input1", "input2"],
+            vec!["output0", "output1"],
+        ),
     };
     for names in NeffNames::ALL {
         let neff = SimNeff::compile(&hlo, names).unwrap().encode();
@@ -254,11 +279,14 @@ fn the_neff_reports_the_names_of_the_convention_it_was_compiled_with() {
     }
     // The conventions differ on a module whose aliased parameter carries no suffix (a foreign
     // emitter's): ours keeps `c`, must-alias appends it once.
-    let mut module = <deepinfer::backend::hlo::proto::HloModuleProto as prost::Message>::decode(
-        hlo.as_slice(),
-    )
-    .unwrap();
-    for i in module.computations.iter_mut().flat_map(|c| c.instructions.iter_mut()) {
+    let mut module =
+        <deepinfer::backend::hlo::proto::HloModuleProto as prost::Message>::decode(hlo.as_slice())
+            .unwrap();
+    for i in module
+        .computations
+        .iter_mut()
+        .flat_map(|c| c.instructions.iter_mut())
+    {
         if let Some(n) = i
             .frontend_attributes
             .as_mut()
@@ -270,15 +298,25 @@ fn the_neff_reports_the_names_of_the_convention_it_was_compiled_with() {
     let plain = prost::Message::encode_to_vec(&module);
     let ours = SimNeff::compile(&plain, NeffNames::Ours).unwrap();
     let must = SimNeff::compile(&plain, NeffNames::MustAlias).unwrap();
-    assert_eq!((ours.inputs[2].as_str(), ours.outputs[1].as_str()), ("c", "c"));
+    assert_eq!(
+        (ours.inputs[2].as_str(), ours.outputs[1].as_str()),
+        ("c", "c")
+    );
     assert_eq!(must.inputs[2], "c.must_alias_input");
     // Executing binds by those names: a `c` input is unknown to the positional NEFF.
     let raw = sim.raw();
-    let (_, m) = raw.load(&SimNeff::compile(&hlo, NeffNames::Positional).unwrap().encode());
+    let (_, m) = raw.load(
+        &SimNeff::compile(&hlo, NeffNames::Positional)
+            .unwrap()
+            .encode(),
+    );
     let b = TinyBindings::new(&raw);
     assert_eq!(raw.execute(m, b.inputs, b.outputs), sys::NRT_INVALID);
     let err = sim.counters().last_error.unwrap();
-    assert!(err.contains("input `input0` of model `tiny` is not bound"), "{err}");
+    assert!(
+        err.contains("input `input0` of model `tiny` is not bound"),
+        "{err}"
+    );
     b.free(&raw);
     assert_eq!(raw.unload(m), OK);
 }
@@ -294,8 +332,12 @@ fn a_view_of_the_root_read_after_its_in_place_update_sees_the_old_value() {
     let root = b
         .input("root", InputRole::CacheRoot, vec![4, 2], DType::F32)
         .unwrap();
-    let rows = b.input("rows", InputRole::Metadata, vec![1], DType::I32).unwrap();
-    let src = b.input("src", InputRole::Metadata, vec![1, 2], DType::F32).unwrap();
+    let rows = b
+        .input("rows", InputRole::Metadata, vec![1], DType::I32)
+        .unwrap();
+    let src = b
+        .input("src", InputRole::Metadata, vec![1, 2], DType::F32)
+        .unwrap();
     let view = root.narrow(0, 0, 2).unwrap();
     let updated = root.scatter_rows(&rows, 0, &src).unwrap();
     let twice = view.affine(2.0, 0.0).unwrap(); // computed after the update
@@ -306,14 +348,20 @@ fn a_view_of_the_root_read_after_its_in_place_update_sees_the_old_value() {
 
     let sim = Sim::open();
     let rt = sim.runtime();
-    let model = Model::load(&rt, &neff_of(&emit::to_bytes(&emit::emit(&g).unwrap())), Some(0), None)
-        .unwrap();
+    let model = Model::load(
+        &rt,
+        &neff_of(&emit::to_bytes(&emit::emit(&g).unwrap())),
+        Some(0),
+        None,
+    )
+    .unwrap();
     let r = Tensor::device(&rt, 0, 32, "root").unwrap();
     let rows_t = Tensor::device(&rt, 0, 4, "rows").unwrap();
     let src_t = Tensor::device(&rt, 0, 8, "src").unwrap();
     let old_t = Tensor::device(&rt, 0, 16, "old").unwrap();
     let twice_t = Tensor::device(&rt, 0, 16, "twice_old").unwrap();
-    r.write(0, &f32_bytes(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0])).unwrap();
+    r.write(0, &f32_bytes(&[1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0]))
+        .unwrap();
     rows_t.write(0, &0i32.to_le_bytes()).unwrap();
     src_t.write(0, &f32_bytes(&[-1.0, -2.0])).unwrap();
     let mut ins = TensorSet::new(&rt).unwrap();

@@ -63,7 +63,13 @@ fn aliased_inputs(graph: &Graph) -> Vec<bool> {
 }
 
 /// Which graph item (by index) a NEFF name stands for under the rules, or `None`.
-fn match_one(name: &str, ours: &[String], emitted: &[String], aliased: &[bool], prefix: &str) -> Option<usize> {
+fn match_one(
+    name: &str,
+    ours: &[String],
+    emitted: &[String],
+    aliased: &[bool],
+    prefix: &str,
+) -> Option<usize> {
     let n = ours.len();
     (0..n)
         .find(|&i| name == ours[i] || name == emitted[i])
@@ -141,7 +147,14 @@ pub fn bind(graph: &Graph, neff_inputs: &[String], neff_outputs: &[String]) -> R
     let ours_out: Vec<String> = graph.outputs().iter().map(|o| o.name.clone()).collect();
     let no_alias = vec![false; ours_out.len()];
     Ok(NeffBinding {
-        inputs: bind_direction(graph, "input", neff_inputs, &ours_in, &emitted.inputs, &aliased)?,
+        inputs: bind_direction(
+            graph,
+            "input",
+            neff_inputs,
+            &ours_in,
+            &emitted.inputs,
+            &aliased,
+        )?,
         outputs: bind_direction(
             graph,
             "output",
@@ -161,7 +174,9 @@ mod tests {
     /// Inputs `w`, `kv_cache` (aliased by output `kv_cache`), `ids`; outputs `next`, `kv_cache`.
     fn graph() -> Graph {
         let b = GraphBuilder::new("g");
-        let w = b.input("w", InputRole::Weight, vec![2], DType::F32).unwrap();
+        let w = b
+            .input("w", InputRole::Weight, vec![2], DType::F32)
+            .unwrap();
         let kv = b
             .input("kv_cache", InputRole::CacheRoot, vec![2], DType::F32)
             .unwrap();
@@ -234,9 +249,16 @@ mod tests {
         .to_string();
         assert!(e.contains("[\"w.must_alias_input\"]"), "{e}");
         assert!(e.contains("graph inputs with no NEFF input [\"w\"]"), "{e}");
-        assert!(e.contains("the graph has [\"w\", \"kv_cache\", \"ids\"]"), "{e}");
+        assert!(
+            e.contains("the graph has [\"w\", \"kv_cache\", \"ids\"]"),
+            "{e}"
+        );
         // An unknown output, an out-of-range position, a zero-padded position.
-        for outs in [v(&["next", "cache"]), v(&["output0", "output2"]), v(&["output00", "output1"])] {
+        for outs in [
+            v(&["next", "cache"]),
+            v(&["output0", "output2"]),
+            v(&["output00", "output1"]),
+        ] {
             let e = bind(&g, &v(&["w", "kv_cache", "ids"]), &outs)
                 .unwrap_err()
                 .to_string();
@@ -247,7 +269,10 @@ mod tests {
         let e = bind(&g, &v(&["w", "kv_cache"]), &v(&["next", "kv_cache"]))
             .unwrap_err()
             .to_string();
-        assert!(e.contains("graph inputs with no NEFF input [\"ids\"]"), "{e}");
+        assert!(
+            e.contains("graph inputs with no NEFF input [\"ids\"]"),
+            "{e}"
+        );
         // Two NEFF names for one input.
         let e = bind(
             &g,

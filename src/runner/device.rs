@@ -268,7 +268,10 @@ impl DeviceRunner {
     /// captured.
     pub fn bound_names(&self, graph: &str) -> Option<&NeffBinding> {
         let st = self.state.as_ref()?;
-        st.graphs.values().find(|l| l.name == graph).map(|l| &l.names)
+        st.graphs
+            .values()
+            .find(|l| l.name == graph)
+            .map(|l| &l.names)
     }
 
     /// Names of the loaded graphs, largest first.
@@ -537,7 +540,13 @@ impl DeviceRunner {
                         ),
                     });
                 }
-                check_size(name, "input", &names.inputs[k], sizes.get(&names.inputs[k]), &t)?;
+                check_size(
+                    name,
+                    "input",
+                    &names.inputs[k],
+                    sizes.get(&names.inputs[k]),
+                    &t,
+                )?;
                 inputs.add(&names.inputs[k], &t).map_err(dev(name))?;
             }
             let mut outputs = TensorSet::new(rt).map_err(dev(name))?;
@@ -795,7 +804,11 @@ fn reported_io(model: &Model, graph: &Graph) -> Result<(NeffBinding, HashMap<Str
     let ins: Vec<String> = io.inputs().map(|t| t.name.clone()).collect();
     let outs: Vec<String> = io.outputs().map(|t| t.name.clone()).collect();
     let binding = bind(graph, &ins, &outs)?;
-    let sizes = io.tensors.iter().map(|t| (t.name.clone(), t.size)).collect();
+    let sizes = io
+        .tensors
+        .iter()
+        .map(|t| (t.name.clone(), t.size))
+        .collect();
     Ok((binding, sizes))
 }
 

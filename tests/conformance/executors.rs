@@ -181,7 +181,9 @@ pub fn nrt_sim(sim: &Sim, p: &Prepared<'_>, hlo: &[u8]) -> Result<Vec<Array>, St
         .ok_or("compile: no NEFF")?
         .neff;
     let model = Model::load(rt, &neff, Some(0), None).map_err(|e| format!("nrt_load: {e}"))?;
-    let io = model.io().map_err(|e| format!("nrt_get_model_tensor_info: {e}"))?;
+    let io = model
+        .io()
+        .map_err(|e| format!("nrt_get_model_tensor_info: {e}"))?;
     let names = binding::bind(
         &p.graph,
         &io.inputs().map(|t| t.name.clone()).collect::<Vec<_>>(),

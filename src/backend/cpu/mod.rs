@@ -170,9 +170,8 @@ pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
                 // (a view taken earlier, read later) shares its storage.
                 let in_place = root_of[root.0].is_some_and(|k| {
                     remaining[root.0] == 1
-                        && !(0..i).any(|j| {
-                            j != root.0 && shares[j] == Some(k) && values[j].is_some()
-                        })
+                        && !(0..i)
+                            .any(|j| j != root.0 && shares[j] == Some(k) && values[j].is_some())
                 });
                 let target = if in_place {
                     root_of[i] = root_of[root.0];

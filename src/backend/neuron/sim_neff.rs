@@ -124,7 +124,9 @@ impl NeffNames {
                 names.outputs.clone(),
             ),
             NeffNames::Positional => (
-                (0..names.inputs.len()).map(|i| format!("input{i}")).collect(),
+                (0..names.inputs.len())
+                    .map(|i| format!("input{i}"))
+                    .collect(),
                 (0..names.outputs.len())
                     .map(|i| format!("output{i}"))
                     .collect(),
@@ -330,7 +332,9 @@ mod tests {
     /// `y = x + 1`, `c <- c + x` (aliased).
     fn module() -> Vec<u8> {
         let b = GraphBuilder::new("t");
-        let x = b.input("x", InputRole::Metadata, vec![2], DType::F32).unwrap();
+        let x = b
+            .input("x", InputRole::Metadata, vec![2], DType::F32)
+            .unwrap();
         let c = b
             .input("c", InputRole::CacheRoot, vec![2], DType::F32)
             .unwrap();
@@ -374,13 +378,19 @@ mod tests {
         assert_eq!(SimNeff::decode(b""), Err(SimNeffError::NotANeff));
         for cut in [9, 14, bytes.len() - 1] {
             assert!(
-                matches!(SimNeff::decode(&bytes[..cut]), Err(SimNeffError::Truncated(_))),
+                matches!(
+                    SimNeff::decode(&bytes[..cut]),
+                    Err(SimNeffError::Truncated(_))
+                ),
                 "cut at {cut}"
             );
         }
         let mut longer = bytes.clone();
         longer.push(0);
-        assert_eq!(SimNeff::decode(&longer), Err(SimNeffError::TrailingBytes(1)));
+        assert_eq!(
+            SimNeff::decode(&longer),
+            Err(SimNeffError::TrailingBytes(1))
+        );
         let mut v2 = bytes.clone();
         v2[8] = 2;
         assert_eq!(
@@ -397,7 +407,10 @@ mod tests {
             Err(SimNeffError::BadName { .. })
         ));
         assert!(SimNeff::compile(b"\xff\xff not hlo", NeffNames::Ours).is_err());
-        assert_eq!(NeffNames::parse("positional").unwrap(), NeffNames::Positional);
+        assert_eq!(
+            NeffNames::parse("positional").unwrap(),
+            NeffNames::Positional
+        );
         assert!(NeffNames::parse("input-i").is_err());
     }
 }

@@ -24,9 +24,7 @@ use prost::Message;
 use super::proto::{
     HloComputationProto, HloInstructionProto, HloModuleProto, PrimitiveType, ShapeProto,
 };
-use super::{
-    dtype_of, opcodes, INPUT_NAMES_ATTR, MUST_ALIAS_SUFFIX, OUTPUT_NAMES_ATTR, ROLE_ATTR,
-};
+use super::{dtype_of, opcodes, INPUT_NAMES_ATTR, MUST_ALIAS_SUFFIX, OUTPUT_NAMES_ATTR, ROLE_ATTR};
 use crate::error::{Error, Result};
 use crate::graph::{DType, Graph, GraphBuilder, InputRole, Tensor};
 
