@@ -19,7 +19,7 @@ pub const SIM_LIBRARY_FILE: &str = "libnrt_sim.so";
 pub const SIM_COMPILER_FILE: &str = "nrt-sim-neuronx-cc";
 
 /// The `git_hash` nrt-sim reports from `nrt_get_version`: how a loaded libnrt is recognised
-/// as the simulator (whose "NEFF" is our HLO, so nothing must be compiled for it).
+/// as the simulator (whose NEFFs its stand-in compiler writes, see [`sim_compiler`]).
 pub const SIM_GIT_HASH: &str = "nrt-sim";
 
 /// The backend to use: the one asked for, else `sim` when `NEURON_RT_LIB` points at nrt-sim,

@@ -4,8 +4,8 @@
 //! - [`emit`]: graph -> module. One graph node becomes one or a few plain HLO instructions from
 //!   the set neuronx-cc accepts (no `conditional`, no data-dependent `while`, no dynamic shapes,
 //!   i32 indices).
-//! - [`import`]: module (as [`emit`] writes it) -> graph, so `nrt-sim` can run a "NEFF" that is
-//!   our HLO on the CPU backend.
+//! - [`import`]: module (as [`emit`] writes it) -> graph, so `nrt-sim` can run the HLO its NEFF
+//!   container carries on the CPU backend.
 //! - [`text`]: a human-readable HLO text rendering.
 //! - `opcodes`: the opcode spellings both directions share; the elementwise and reduction ops'
 //!   opcodes are in the graph's op tables ([`crate::graph::UnaryOp::hlo_opcode`], ...), read

@@ -1,8 +1,8 @@
 //! `HloModuleProto` (as [`super::emit`] writes it) -> graph.
 //!
-//! `nrt-sim` uses this to run a "NEFF" that is our HLO on the CPU backend. Each HLO instruction
-//! maps back to the graph op it came from; the few multi-instruction lowerings are recognized
-//! by their structure (not by names or metadata): `multiply(x, logistic(x))` is `silu`,
+//! `nrt-sim` uses this to run the HLO its NEFF container carries on the CPU backend. Each HLO
+//! instruction maps back to the graph op it came from; the few multi-instruction lowerings are
+//! recognized by their structure (not by names or metadata): `multiply(x, logistic(x))` is `silu`,
 //! `get-tuple-element(sort(x, iota), 1)` is a full descending top-k, a `gather` with one
 //! collapsed dim is `index_select` and one with full coordinates is `gather`, and a `scatter`
 //! whose indices are `concatenate(reshape(rows), broadcast(col))` is `scatter_rows`. So emit ->
