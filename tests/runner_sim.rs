@@ -795,6 +795,54 @@ fn child_load_fault() {
     );
 }
 
+/// The runner's device memory is what nrt-sim counts against the core: every tensor capture
+/// allocates is on core 0 (weights, the KV root, metadata, outputs), and a core too small for
+/// them fails the capture with `NRT_RESOURCE`, leaking nothing.
+#[test]
+fn capture_uses_core_0_s_hbm_and_fails_when_it_does_not_fit() {
+    {
+        let _g = serial();
+        let d = device("tiny-v3", small_config());
+        let c = hooks().counters().unwrap();
+        assert!(d.is_captured());
+        assert_eq!(
+            c.hbm[0].used, c.live.bytes,
+            "every live tensor is on core 0"
+        );
+        assert_eq!(c.hbm[1].used, 0);
+        assert!(c.hbm[0].peak >= c.hbm[0].used);
+        assert_eq!(c.hbm[0].capacity, nrt_sim::DEFAULT_HBM_BYTES);
+    }
+    run_child("child_hbm_too_small", &[(nrt_sim::ENV_HBM_BYTES, "65536")]);
+}
+
+#[test]
+#[ignore = "runs in a child process started by its parent test"]
+fn child_hbm_too_small() {
+    if !is_child() {
+        return capture_uses_core_0_s_hbm_and_fails_when_it_does_not_fit();
+    }
+    let (cfg, weights) = load("tiny-v3");
+    let lib = Library::open(sim_path()).unwrap();
+    let rc = small_config();
+    let buckets = rc.buckets.clone();
+    let mut d = DeviceRunner::new(cfg, weights, rc, lib, DeviceOptions::sim()).unwrap();
+    let err = d.capture(&buckets).unwrap_err().to_string();
+    assert!(err.contains("NRT_RESOURCE"), "{err}");
+    let c = hooks().counters().unwrap();
+    let last = c.last_error.clone().unwrap();
+    assert!(
+        last.contains("of its 65536 bytes of device memory are in use"),
+        "{last}"
+    );
+    assert_eq!(
+        (c.live.tensors, c.hbm[0].used),
+        (0, 0),
+        "a failed capture leaks nothing"
+    );
+    assert!(c.hbm[0].peak <= 65536, "{:?}", c.hbm);
+}
+
 // === The CLI's --backend ===
 
 fn cli(args: &[&str], env: &[(&str, &std::ffi::OsStr)]) -> std::process::Output {
