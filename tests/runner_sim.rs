@@ -278,7 +278,7 @@ for a in \"$@\"; do case \"$a\" in --output=*) \
     .unwrap();
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
-    let mut opts = DeviceOptions::sim();
+    let mut opts = DeviceOptions::sim_named(NeffNames::Ours);
     if let NeffSource::Sim(cc) = &mut opts.neff {
         cc.program = script;
         cc.cache_dir = dir.path().join("cache");

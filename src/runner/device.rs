@@ -25,7 +25,7 @@ use candle_core::Tensor as CTensor;
 use neuron_sys::{Library, Model, Runtime, Tensor, TensorSet};
 
 use super::binding::{bind, NeffBinding};
-use super::open::sim_compiler_config;
+use super::open::{sim_compiler_config, sim_compiler_config_from_env};
 use super::step::{self, HostArray, HostData};
 use super::{Backend, Buckets, Runner, RunnerConfig, Step, StepKind, StepOutput};
 use crate::backend::cpu::{tensor_from_bytes, with_tensor_bytes};
@@ -84,10 +84,14 @@ pub struct DeviceOptions {
 }
 
 impl DeviceOptions {
-    /// nrt-sim on core 0, its NEFFs named after the default convention
-    /// ([`NeffNames::MustAlias`]).
+    /// nrt-sim on core 0, its NEFFs named after the convention `NRT_SIM_NEFF_NAMES` names, else
+    /// the default ([`NeffNames::MustAlias`]); see [`super::sim_compiler_config_from_env`].
     pub fn sim() -> Self {
-        Self::sim_named(NeffNames::default())
+        DeviceOptions {
+            neff: NeffSource::Sim(sim_compiler_config_from_env()),
+            nc: 0,
+            metadata: MetadataSource::Host,
+        }
     }
 
     /// nrt-sim on core 0, its stand-in compiler told to name NEFF tensors after `names`.

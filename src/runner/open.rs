@@ -4,7 +4,7 @@
 use std::path::{Path, PathBuf};
 
 use crate::backend::neuron::compile::CompilerConfig;
-use crate::backend::neuron::sim_neff::NeffNames;
+use crate::backend::neuron::sim_neff::{NeffNames, ENV_NEFF_NAMES, NAMES_FLAG};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::model::{ModelWeights, PrecisionChoice};
@@ -171,6 +171,24 @@ pub fn sim_compiler() -> PathBuf {
 /// cheap to remake and do not belong in the user's NEFF cache). One compiler process per CPU,
 /// since the stand-in is quick and single-threaded.
 pub fn sim_compiler_config(names: NeffNames) -> CompilerConfig {
+    sim_compiler_config_flag(names.flag())
+}
+
+/// [`sim_compiler_config`] with the convention `NRT_SIM_NEFF_NAMES` names, else the default,
+/// passed to the stand-in as given: a value naming no convention fails the compile with the
+/// stand-in's message (at capture, where a `Result` is returned), never silently the default.
+/// How `NRT_SIM_NEFF_NAMES=positional cargo test --workspace` runs every sim test under that
+/// convention.
+pub fn sim_compiler_config_from_env() -> CompilerConfig {
+    let value = std::env::var(ENV_NEFF_NAMES)
+        .ok()
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| NeffNames::default().as_str().to_string());
+    sim_compiler_config_flag(format!("{NAMES_FLAG}={value}"))
+}
+
+fn sim_compiler_config_flag(names_flag: String) -> CompilerConfig {
     let base = CompilerConfig::default();
     let cache_dir = if std::env::var_os("DEEPINFER_NEFF_CACHE").is_none_or(|v| v.is_empty()) {
         std::env::temp_dir().join("deepinfer-nrt-sim-neff")
@@ -178,7 +196,7 @@ pub fn sim_compiler_config(names: NeffNames) -> CompilerConfig {
         base.cache_dir.clone()
     };
     let mut flags = base.flags.clone();
-    flags.push(names.flag());
+    flags.push(names_flag);
     CompilerConfig {
         program: sim_compiler(),
         flags,
