@@ -7,14 +7,16 @@
 //!
 //! - **Another core.** Every device tensor bound must live on the model's NeuronCore:
 //!   `NRT_INVALID`. libnrt refuses such a set at execution ("Tensor input249 allocated on vnc 0
-//!   must be allocated on same vnc as model (1)", logged by `NMGR:dlr_check_tensor_set_on_same_vtpb_v2`;
-//!   huggingface/optimum-neuron PRs #267 and #725). The status it returns is not published;
+//!   must be allocated on same vnc as model (1)", logged by
+//!   `NMGR:dlr_check_tensor_set_on_same_vtpb_v2`; huggingface/optimum-neuron PRs #267 and #725).
+//!   The status it returns is not published;
 //!   `nrt_status.h` files tensor-set mismatches ("input tensor name/size mismatch") under
 //!   `NRT_INVALID`, and `nrt_tensor_copy` between device tensors of two cores is `NRT_INVALID`
 //!   too, so nrt-sim answers `NRT_INVALID`.
 //! - **Undeclared sharing.** An input and an output whose bytes overlap must be a declared
 //!   alias (the output must-aliases that input) bound to the very same bytes; two outputs may
-//!   not overlap at all. Otherwise `NRT_INVALID`. libnrt does not check this, but the result on
+//!   not overlap at all. Otherwise `NRT_INVALID`. libnrt does not check this (nkipy's qwen3
+//!   example binds one tensor as input `x` and output `output0` and runs), but the result on
 //!   a device is whatever the schedule makes of it: NxD notes the aliases are "needed to avoid
 //!   overwrite on the buffers when reusing the same buffers for inputs and outputs", and nkipy
 //!   inserts copies because "inputs and outputs occupy separate memory regions". nrt-sim used to
@@ -22,12 +24,15 @@
 //!
 //! # In place
 //!
-//! The inputs are read from their storage into the CPU backend's tensors and the outputs written
-//! back into the bound storage, an aliased output into the very bytes its input was read from;
-//! nothing is snapshotted in between. Given the two rules above, only a declared alias shares
-//! bytes, and its semantics are XLA's: the graph reads the old value of the parameter and the
-//! output holds the new one, whatever the order of the reads and the update (the CPU backend
-//! keeps that promise, see `deepinfer::backend::cpu::run`).
+//! The outputs are written into the bound storage, an aliased output into the very bytes its
+//! input was read from. The CPU backend cannot compute on the caller's bytes (candle owns its
+//! storage), so each input is still read into a candle tensor before the graph runs; but nrt-sim
+//! no longer relies on that copy for a defined result (there is no separate snapshot of the
+//! inputs, and the rules above leave a declared alias as the only bytes an input and an output
+//! share), and inside the graph the root is updated in place with XLA's semantics: the graph
+//! reads the parameter's old value and the output holds the new one, whatever the order of the
+//! reads and the update (`deepinfer::backend::cpu::run`, which used to return the new value
+//! through a view of the root read after the update).
 //!
 //! Split in two so the state lock is held only while planning: the copies and the
 //! arithmetic run on `Arc`s of the tensors' storage, unlocked.

@@ -128,9 +128,9 @@
 //! `nrt_tensor_write` / `nrt_tensor_read`), executions per model name and per live model
 //! handle, live tensors / sets / models / info arrays / bytes, total bytes allocated, loads,
 //! execute calls and failures, errors, invalid-handle uses, the last error, what was
-//! alive at the last `nrt_close`, and device memory per NeuronCore (in use, peak, capacity). From Rust, [`SimLibrary::open`] the same `.so` the test
-//! loaded and call [`SimLibrary::counters`] / [`SimLibrary::reset`];
-//! [`library_next_to_current_exe`] finds the file cargo built.
+//! alive at the last `nrt_close`, and device memory per NeuronCore (in use, peak, capacity). From
+//! Rust, [`SimLibrary::open`] the same `.so` the test loaded and call [`SimLibrary::counters`] /
+//! [`SimLibrary::reset`]; [`library_next_to_current_exe`] finds the file cargo built.
 //!
 //! # Limits
 //!

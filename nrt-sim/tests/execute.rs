@@ -1,6 +1,6 @@
-//! Loading and executing NEFFs (nrt-sim's container around deepinfer HLO) through the C ABI: model I/O description,
-//! bindings by name, in-place cache roots, the lowered `fixtures/tiny-v3` graphs against
-//! the CPU backend's outputs, and every binding and load error.
+//! Loading and executing NEFFs (nrt-sim's container around deepinfer HLO) through the C ABI:
+//! model I/O description, bindings by name, in-place cache roots, the lowered `fixtures/tiny-v3`
+//! graphs against the CPU backend's outputs, and every binding and load error.
 
 mod common;
 

@@ -510,7 +510,7 @@ impl DeviceRunner {
                 StepKind::Prefill => &prefill_meta[ctx_index],
             };
             let model = Model::load(rt, neff, Some(nc), None).map_err(dev(name))?;
-            let (names, sizes) = reported_io(&model, g)?;
+            let (names, in_sizes, out_sizes) = reported_io(&model, g)?;
             let mut inputs = TensorSet::new(rt).map_err(dev(name))?;
             for (k, decl) in g.inputs().iter().enumerate() {
                 let want = decl.shape.dims().iter().product::<usize>() * decl.dtype.size_in_bytes();
@@ -548,7 +548,7 @@ impl DeviceRunner {
                     name,
                     "input",
                     &names.inputs[k],
-                    sizes.get(&names.inputs[k]),
+                    in_sizes.get(&names.inputs[k]),
                     &t,
                 )?;
                 inputs.add(&names.inputs[k], &t).map_err(dev(name))?;
@@ -575,7 +575,7 @@ impl DeviceRunner {
                     }
                 };
                 let neff_name = &names.outputs[k];
-                check_size(name, "output", neff_name, sizes.get(neff_name), &t)?;
+                check_size(name, "output", neff_name, out_sizes.get(neff_name), &t)?;
                 outputs.add(neff_name, &t).map_err(dev(name))?;
             }
             loaded.insert(
@@ -793,27 +793,27 @@ impl DeviceRunner {
     }
 }
 
+/// The byte size the NEFF declares for each of its inputs (or outputs), by name.
+type Sizes = HashMap<String, usize>;
+
 /// The NEFF name of every graph input and output, read back from the loaded model
 /// (`nrt_get_model_tensor_info`) and bound by [`super::binding`]'s rules, with the byte size the
-/// NEFF declares for each (empty when the runtime cannot report them: the names are then the
-/// emitted ones, and sizes are checked at the first execution).
-fn reported_io(model: &Model, graph: &Graph) -> Result<(NeffBinding, HashMap<String, usize>)> {
+/// NEFF declares for each input and output (empty when the runtime cannot report them: the names
+/// are then the emitted ones, and sizes are checked at the first execution).
+fn reported_io(model: &Model, graph: &Graph) -> Result<(NeffBinding, Sizes, Sizes)> {
     let io = match model.io() {
         Ok(io) => io,
         Err(neuron_sys::Error::Unsupported { .. }) => {
-            return Ok((NeffBinding::emitted(graph), HashMap::new()))
+            return Ok((NeffBinding::emitted(graph), Sizes::new(), Sizes::new()))
         }
         Err(e) => return Err(dev(graph.name())(e)),
     };
     let ins: Vec<String> = io.inputs().map(|t| t.name.clone()).collect();
     let outs: Vec<String> = io.outputs().map(|t| t.name.clone()).collect();
     let binding = bind(graph, &ins, &outs)?;
-    let sizes = io
-        .tensors
-        .iter()
-        .map(|t| (t.name.clone(), t.size))
-        .collect();
-    Ok((binding, sizes))
+    let ins_sizes = io.inputs().map(|t| (t.name.clone(), t.size)).collect();
+    let outs_sizes = io.outputs().map(|t| (t.name.clone(), t.size)).collect();
+    Ok((binding, ins_sizes, outs_sizes))
 }
 
 /// The tensor bound under NEFF name `neff_name` must have the size the NEFF declares (when it
