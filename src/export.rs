@@ -49,7 +49,8 @@ pub struct LowerOptions {
 pub struct ManifestParam {
     /// HLO parameter number.
     pub index: usize,
-    /// Parameter name (`neff_input_names`).
+    /// The graph input's name. Its `neff_input_names` is this name, with
+    /// [`crate::backend::hlo::MUST_ALIAS_SUFFIX`] when an output aliases it.
     pub name: String,
     /// `weight`, `metadata` or `cache_root`.
     pub role: &'static str,

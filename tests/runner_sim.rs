@@ -13,14 +13,15 @@ use std::process::Command;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use common::RunnerExt;
+use deepinfer::backend::neuron::sim_neff::NeffNames;
 use deepinfer::config::ModelConfig;
 use deepinfer::error::Error;
 use deepinfer::graph::DType;
 use deepinfer::model::{LogitsOutput, ModelWeights, Precision};
 use deepinfer::runner::step::{DecodeRow, PrefillChunk, SamplingParams};
 use deepinfer::runner::{
-    self, Backend, Buckets, DeviceOptions, DeviceRunner, MetadataSource, Runner, RunnerConfig,
-    StepOutput,
+    self, Backend, Buckets, DeviceOptions, DeviceRunner, MetadataSource, NeffSource, Runner,
+    RunnerConfig, StepOutput,
 };
 use deepinfer::weights::Checkpoint;
 use neuron_sys::Library;
@@ -72,12 +73,21 @@ fn device(name: &str, rc: RunnerConfig) -> DeviceRunner {
     device_in(name, rc, &Precision::F32)
 }
 
-fn device_in(name: &str, mut rc: RunnerConfig, precision: &Precision) -> DeviceRunner {
+fn device_in(name: &str, rc: RunnerConfig, precision: &Precision) -> DeviceRunner {
+    device_with(name, rc, precision, DeviceOptions::sim())
+}
+
+fn device_with(
+    name: &str,
+    mut rc: RunnerConfig,
+    precision: &Precision,
+    opts: DeviceOptions,
+) -> DeviceRunner {
     rc.kv_dtype = precision.kv_cache;
     let (cfg, weights) = load_in(name, precision);
     let lib = Library::open(sim_path()).expect("load nrt-sim");
     let buckets = rc.buckets.clone();
-    let mut d = DeviceRunner::new(cfg, weights, rc, lib, DeviceOptions::sim()).expect("nrt-sim");
+    let mut d = DeviceRunner::new(cfg, weights, rc, lib, opts).expect("nrt-sim");
     d.capture(&buckets).expect("capture on nrt-sim");
     d
 }
@@ -193,6 +203,102 @@ fn sim_and_cpu_agree_on_tokens_and_logits() {
         let again = workload(&mut d);
         assert_same(&want, &again, name);
     }
+}
+
+/// Each naming convention the stand-in compiler can mimic is bound by the runner (the names
+/// read back from every loaded model), and the results do not depend on it.
+#[test]
+fn every_neff_naming_convention_is_bound_and_agrees_with_the_cpu_twin() {
+    let _g = serial();
+    let mut c = cpu("tiny-v3", small_config());
+    let want = workload(&mut c);
+    for names in NeffNames::ALL {
+        let d = device_with(
+            "tiny-v3",
+            small_config(),
+            &Precision::F32,
+            DeviceOptions::sim_named(names),
+        );
+        let graphs = d.graph_names();
+        assert!(
+            graphs.len() >= 3 * 2 + 2,
+            "decode 1/2/4 and prefill, per context"
+        );
+        for g in &graphs {
+            let b = d.bound_names(g).unwrap().clone();
+            let kv_in = b
+                .inputs
+                .iter()
+                .find(|n| n.starts_with("kv_cache") || n.starts_with("input"))
+                .unwrap();
+            match names {
+                NeffNames::Ours | NeffNames::MustAlias => {
+                    assert!(
+                        b.inputs.contains(&"kv_cache.must_alias_input".to_string()),
+                        "{b:?}"
+                    );
+                    assert!(b.outputs.contains(&"kv_cache".to_string()), "{b:?}");
+                    assert!(b.outputs.contains(&"next_tokens".to_string()), "{b:?}");
+                }
+                NeffNames::Positional => {
+                    assert!(kv_in.starts_with("input"), "{b:?}");
+                    for (i, n) in b.inputs.iter().enumerate() {
+                        assert_eq!(n, &format!("input{i}"), "{g}");
+                    }
+                    for (i, n) in b.outputs.iter().enumerate() {
+                        assert_eq!(n, &format!("output{i}"), "{g}");
+                    }
+                }
+            }
+        }
+        let mut d: Box<dyn Runner> = Box::new(d);
+        assert_same(&want, &workload(&mut d), names.as_str());
+    }
+}
+
+/// A compiler whose NEFF names an output after no rule (here: the stand-in, with
+/// `next_tokens` renamed `next_tokenz` in its output) fails the capture with both sides listed.
+#[test]
+fn a_neff_name_no_rule_binds_fails_the_capture_listing_both_sides() {
+    let _g = serial();
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("renaming-neuronx-cc");
+    std::fs::write(
+        &script,
+        format!(
+            "#!/bin/sh
+set -e
+'{}' \"$@\"
+for a in \"$@\"; do case \"$a\" in --output=*) \
+             LC_ALL=C sed -i 's/next_tokens/next_tokenz/g' \"${{a#--output=}}\" ;; esac; done
+",
+            env!("CARGO_BIN_EXE_nrt-sim-neuronx-cc")
+        ),
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let mut opts = DeviceOptions::sim_named(NeffNames::Ours);
+    if let NeffSource::Sim(cc) = &mut opts.neff {
+        cc.program = script;
+        cc.cache_dir = dir.path().join("cache");
+    }
+    let (cfg, weights) = load("tiny-v3");
+    let lib = Library::open(sim_path()).unwrap();
+    let rc = small_config();
+    let buckets = rc.buckets.clone();
+    let mut d = DeviceRunner::new(cfg, weights, rc, lib, opts).unwrap();
+    let err = d.capture(&buckets).unwrap_err().to_string();
+    assert!(
+        err.contains("NEFF outputs with no graph output [\"next_tokenz\"]"),
+        "{err}"
+    );
+    assert!(
+        err.contains("graph outputs with no NEFF output [\"next_tokens\"]"),
+        "{err}"
+    );
+    assert!(err.contains("the graph has [\"next_tokens\""), "{err}");
+    assert!(!d.is_captured());
 }
 
 #[test]
@@ -687,6 +793,54 @@ fn child_load_fault() {
         (0, 0),
         "a failed capture leaks nothing"
     );
+}
+
+/// The runner's device memory is what nrt-sim counts against the core: every tensor capture
+/// allocates is on core 0 (weights, the KV root, metadata, outputs), and a core too small for
+/// them fails the capture with `NRT_RESOURCE`, leaking nothing.
+#[test]
+fn capture_uses_core_0_s_hbm_and_fails_when_it_does_not_fit() {
+    {
+        let _g = serial();
+        let d = device("tiny-v3", small_config());
+        let c = hooks().counters().unwrap();
+        assert!(d.is_captured());
+        assert_eq!(
+            c.hbm[0].used, c.live.bytes,
+            "every live tensor is on core 0"
+        );
+        assert_eq!(c.hbm[1].used, 0);
+        assert!(c.hbm[0].peak >= c.hbm[0].used);
+        assert_eq!(c.hbm[0].capacity, nrt_sim::DEFAULT_HBM_BYTES);
+    }
+    run_child("child_hbm_too_small", &[(nrt_sim::ENV_HBM_BYTES, "65536")]);
+}
+
+#[test]
+#[ignore = "runs in a child process started by its parent test"]
+fn child_hbm_too_small() {
+    if !is_child() {
+        return capture_uses_core_0_s_hbm_and_fails_when_it_does_not_fit();
+    }
+    let (cfg, weights) = load("tiny-v3");
+    let lib = Library::open(sim_path()).unwrap();
+    let rc = small_config();
+    let buckets = rc.buckets.clone();
+    let mut d = DeviceRunner::new(cfg, weights, rc, lib, DeviceOptions::sim()).unwrap();
+    let err = d.capture(&buckets).unwrap_err().to_string();
+    assert!(err.contains("NRT_RESOURCE"), "{err}");
+    let c = hooks().counters().unwrap();
+    let last = c.last_error.clone().unwrap();
+    assert!(
+        last.contains("of its 65536 bytes of device memory are in use"),
+        "{last}"
+    );
+    assert_eq!(
+        (c.live.tensors, c.hbm[0].used),
+        (0, 0),
+        "a failed capture leaks nothing"
+    );
+    assert!(c.hbm[0].peak <= 65536, "{:?}", c.hbm);
 }
 
 // === The CLI's --backend ===

@@ -16,9 +16,12 @@
 use std::sync::Arc;
 
 use candle_core::Tensor as CTensor;
+use deepinfer::backend::neuron::compile::{compile_all, CompileJob, CompilerConfig};
+use deepinfer::backend::neuron::sim_neff::NeffNames;
 use deepinfer::backend::{cpu, hlo};
 use deepinfer::graph::{DType, Graph, GraphBuilder, InputRole};
 use deepinfer::model::sampling::{self, SamplingInputs};
+use deepinfer::runner::{self, binding};
 use neuron_sys::{Library, Model, Runtime, Tensor as NTensor, TensorSet};
 use statrs::distribution::{ChiSquared, ContinuousCDF};
 
@@ -109,35 +112,64 @@ fn run_cpu(g: &Graph, inputs: &[Input]) -> Vec<Vec<u8>> {
         .collect()
 }
 
-/// nrt-sim over its first core.
-fn sim() -> Runtime {
+/// nrt-sim over its first core, and the compile driver set up for its stand-in compiler.
+struct Sim {
+    rt: Runtime,
+    compiler: CompilerConfig,
+}
+
+fn sim() -> Sim {
     let path = nrt_sim::library_next_to_current_exe()
         .expect("libnrt_sim.so next to the test binary (cargo test --workspace builds it)");
     let lib: Arc<Library> = Library::open(&path).unwrap();
-    Runtime::shared(lib, 0, 1).unwrap()
+    Sim {
+        rt: Runtime::shared(lib, 0, 1).unwrap(),
+        compiler: CompilerConfig {
+            program: env!("CARGO_BIN_EXE_nrt-sim-neuronx-cc").into(),
+            ..runner::sim_compiler_config(NeffNames::default())
+        },
+    }
 }
 
-/// Each output's bytes after running `g`'s HLO as a NEFF in nrt-sim.
-fn run_sim(rt: &Runtime, g: &Graph, inputs: &[Input]) -> Vec<Vec<u8>> {
-    let neff = hlo::emit::to_bytes(&hlo::emit::emit(g).unwrap());
+/// Each output's bytes after compiling `g`'s HLO with the stand-in compiler (through the driver
+/// and NEFF cache), loading it into nrt-sim and binding by the names the NEFF reports.
+fn run_sim(sim: &Sim, g: &Graph, inputs: &[Input]) -> Vec<Vec<u8>> {
+    let rt = &sim.rt;
+    let job = CompileJob {
+        name: g.name().to_string(),
+        hlo: hlo::emit::to_bytes(&hlo::emit::emit(g).unwrap()),
+    };
+    let neff = compile_all(&sim.compiler, std::slice::from_ref(&job))
+        .unwrap()
+        .pop()
+        .unwrap()
+        .neff;
     let model = Model::load(rt, &neff, Some(0), None).unwrap();
+    let io = model.io().unwrap();
+    let names = binding::bind(
+        g,
+        &io.inputs().map(|t| t.name.clone()).collect::<Vec<_>>(),
+        &io.outputs().map(|t| t.name.clone()).collect::<Vec<_>>(),
+    )
+    .unwrap();
     let mut ins = TensorSet::new(rt).unwrap();
     let mut outs = TensorSet::new(rt).unwrap();
     let mut keep = Vec::new();
-    for i in inputs {
-        let t = NTensor::device(rt, 0, i.bytes.len(), i.name).unwrap();
+    for (i, name) in inputs.iter().zip(&names.inputs) {
+        let t = NTensor::device(rt, 0, i.bytes.len(), name).unwrap();
         t.write(0, &i.bytes).unwrap();
-        ins.add(i.name, &t).unwrap();
+        ins.add(name, &t).unwrap();
         keep.push(t);
     }
     let out_tensors: Vec<NTensor> = g
         .outputs()
         .iter()
-        .map(|o| {
+        .zip(&names.outputs)
+        .map(|(o, name)| {
             let node = g.node(o.node);
             let size = node.shape.dims().iter().product::<usize>() * node.dtype.size_in_bytes();
-            let t = NTensor::device(rt, 0, size, &o.name).unwrap();
-            outs.add(&o.name, &t).unwrap();
+            let t = NTensor::device(rt, 0, size, name).unwrap();
+            outs.add(name, &t).unwrap();
             t
         })
         .collect();
@@ -216,10 +248,10 @@ fn the_generator_is_murmur3_bit_for_bit() {
         .iter()
         .map(|&b| ((b >> 9) as f64 + 0.5) as f32 / (1u32 << 23) as f32)
         .collect();
-    let rt = sim();
+    let sim = sim();
     for (executor, outs) in [
         ("cpu", run_cpu(&g, &inputs)),
-        ("nrt-sim", run_sim(&rt, &g, &inputs)),
+        ("nrt-sim", run_sim(&sim, &g, &inputs)),
     ] {
         assert_eq!(u32s(&outs[0]), want_bits, "{executor}: random bits");
         let u = f32s(&outs[1]);
@@ -363,8 +395,8 @@ fn draws_follow_the_renormalised_distribution_on_the_cpu() {
 
 #[test]
 fn draws_follow_the_renormalised_distribution_through_nrt_sim() {
-    let rt = sim();
-    assert_follows_the_distribution("nrt-sim", &draws(|g, i| run_sim(&rt, g, i)));
+    let sim = sim();
+    assert_follows_the_distribution("nrt-sim", &draws(|g, i| run_sim(&sim, g, i)));
 }
 
 #[test]
@@ -404,10 +436,10 @@ fn greedy_top_k_1_and_a_tiny_top_p_give_the_argmax() {
         input("positions", DType::I32, &[rows], &[0i32; 6]),
     ];
     let g = sampler_graph(&inputs);
-    let rt = sim();
+    let sim = sim();
     for (executor, outs) in [
         ("cpu", run_cpu(&g, &inputs)),
-        ("nrt-sim", run_sim(&rt, &g, &inputs)),
+        ("nrt-sim", run_sim(&sim, &g, &inputs)),
     ] {
         let got = i32s(&outs[0]);
         assert_eq!(got[..4], [best; 4], "{executor}: {got:?}");

@@ -15,9 +15,16 @@ pub const ENV_FAIL_LOAD: &str = "NRT_SIM_FAIL_LOAD";
 pub const ENV_SLOW_EXECUTE_MS: &str = "NRT_SIM_SLOW_EXECUTE_MS";
 /// `NRT_SIM_FREE_EXECUTE`.
 pub const ENV_FREE_EXECUTE: &str = "NRT_SIM_FREE_EXECUTE";
+/// `NRT_SIM_HBM_BYTES`: device memory per NeuronCore.
+pub const ENV_HBM_BYTES: &str = "NRT_SIM_HBM_BYTES";
+
+/// Device memory per NeuronCore unless `NRT_SIM_HBM_BYTES` says otherwise: 16 GiB, a trn1
+/// NeuronCore's share of its Trainium chip ("32 GiB of device memory (for storing model state)"
+/// for the chip's two NeuronCore-v2, AWS's Trainium architecture page in aws-neuron-sdk).
+pub const DEFAULT_HBM_BYTES: u64 = 16 << 30;
 
 /// The fault and timing knobs, from the environment at `nrt_init`.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Config {
     /// The execution (1-based, counting executions whose bindings validated) that fails.
     pub(crate) fail_execute: Option<u64>,
@@ -27,6 +34,20 @@ pub(crate) struct Config {
     pub(crate) slow_execute: Option<Duration>,
     /// Validate bindings, then return success without computing.
     pub(crate) free_execute: bool,
+    /// Device memory per NeuronCore, in bytes.
+    pub(crate) hbm_bytes: u64,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            fail_execute: None,
+            fail_load: None,
+            slow_execute: None,
+            free_execute: false,
+            hbm_bytes: DEFAULT_HBM_BYTES,
+        }
+    }
 }
 
 impl Config {
@@ -57,7 +78,16 @@ impl Config {
             Some("1") | Some("true") => true,
             Some(v) => return Err(bad(ENV_FREE_EXECUTE, v, "0, 1, true or false")),
         };
+        let hbm_bytes = match get(ENV_HBM_BYTES).as_deref().map(str::trim) {
+            None | Some("") => DEFAULT_HBM_BYTES,
+            Some(v) => v
+                .parse::<u64>()
+                .ok()
+                .filter(|&n| n > 0)
+                .ok_or_else(|| bad(ENV_HBM_BYTES, v, "a positive number of bytes"))?,
+        };
         Ok(Config {
+            hbm_bytes,
             fail_execute: nth(ENV_FAIL_EXECUTE)?,
             fail_load: nth(ENV_FAIL_LOAD)?,
             slow_execute: slow,

@@ -29,6 +29,21 @@ pub struct Live {
     pub bytes: u64,
 }
 
+/// One NeuronCore's device memory (HBM).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct CoreMemory {
+    /// The NeuronCore (relative to the visible ones).
+    pub core: u32,
+    /// Bytes of live device tensors on it now (an allocation counts once, however many slices
+    /// view it).
+    pub used: u64,
+    /// The most that was in use at once since the library was loaded or the counters reset.
+    pub peak: u64,
+    /// What it holds (`NRT_SIM_HBM_BYTES`, 16 GiB by default); an allocation past it fails with
+    /// `NRT_RESOURCE`.
+    pub capacity: u64,
+}
+
 /// One live model.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ModelCounters {
@@ -82,6 +97,8 @@ pub struct Counters {
     pub last_error: Option<String>,
     /// What was still alive (and then released) at the last `nrt_close`.
     pub live_at_last_close: Option<Live>,
+    /// Device memory per NeuronCore: in use, peak and capacity.
+    pub hbm: Vec<CoreMemory>,
 }
 
 impl Counters {
@@ -93,6 +110,14 @@ impl Counters {
     /// Bytes read through `nrt_tensor_read` from tensors named `name`.
     pub fn bytes_read(&self, name: &str) -> u64 {
         self.tensor_bytes_read.get(name).copied().unwrap_or(0)
+    }
+
+    /// The peak device memory of NeuronCore `core` (0 for a core nrt-sim does not have).
+    pub fn hbm_peak(&self, core: u32) -> u64 {
+        self.hbm
+            .iter()
+            .find(|m| m.core == core)
+            .map_or(0, |m| m.peak)
     }
 
     /// Completed executions of models named `name`.

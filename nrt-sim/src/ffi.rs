@@ -181,10 +181,12 @@ unsafe fn load_shell(
     })
 }
 
-/// Loads a "NEFF", which for nrt-sim is deepinfer's serialized `HloModuleProto` (the
-/// `NAME.hlo.pb` that `deepinfer lower` writes): it is imported back into a graph, which
-/// `nrt_execute` runs on the CPU backend. Bytes that are not such a module are
-/// `NRT_INVALID`. `vnc` is `-1` or a visible core; `vnc_count` is `-1` or at least 1.
+/// Loads a NEFF, which for nrt-sim is its own container written by its stand-in compiler
+/// (`deepinfer::backend::neuron::sim_neff`: the I/O names and deepinfer's serialized
+/// `HloModuleProto`): the HLO is imported back into a graph, which `nrt_execute` runs on the CPU
+/// backend. Anything else (raw HLO included) is `NRT_INVALID`; a container of another format
+/// version `NRT_UNSUPPORTED_NEFF_VERSION`. `vnc` is `-1` (core 0) or a visible core;
+/// `vnc_count` is `-1` or at least 1.
 ///
 /// # Safety
 ///
@@ -286,9 +288,10 @@ pub unsafe extern "C" fn nrt_free_model_tensor_info(
 
 // === Tensors ===
 
-/// Allocates `size` zeroed bytes. Device placement needs a visible core (`0 ..
-/// VISIBLE_NC_COUNT`); host and virtual placements ignore `vnc`. The name (optional) is
-/// the key of the byte counters. Out of memory is `NRT_RESOURCE`.
+/// Allocates `size` bytes filled with [`crate::FILL_BYTE`] (device memory is not cleared).
+/// Device placement needs a visible core (`0 .. VISIBLE_NC_COUNT`) with room in its HBM
+/// (`NRT_SIM_HBM_BYTES`, else `NRT_RESOURCE`); host and virtual placements ignore `vnc`. The
+/// name (optional) is the key of the byte counters. Out of host memory is `NRT_RESOURCE`.
 ///
 /// # Safety
 ///

@@ -1,7 +1,9 @@
-//! Models: loading a "NEFF" (deepinfer's serialized HLO, imported back into a graph),
-//! unloading, and the tensor-info arrays that describe a model's inputs and outputs.
+//! Models: loading a NEFF (nrt-sim's container: deepinfer's serialized HLO, imported back into
+//! a graph, and the I/O names the stand-in compiler gave it), unloading, and the tensor-info
+//! arrays that describe a model's inputs and outputs.
 
 use deepinfer::backend::hlo::import::import_bytes;
+use deepinfer::backend::neuron::sim_neff::{SimNeff, SimNeffError};
 use neuron_sys::sys::{self, nrt_tensor_info_array_t};
 
 use crate::config::ENV_FAIL_LOAD;
@@ -11,9 +13,11 @@ use crate::identity::VISIBLE_NC_COUNT;
 use crate::model_io::{describe, InfoArray, IoDesc};
 use crate::state::{state, ModelEntry};
 
-/// Loads `neff` on cores `vnc .. vnc + vnc_count` (`-1`: any / all). A core outside the
-/// visible ones is `NRT_LOAD_NOT_ENOUGH_NC`; bytes that are not a deepinfer HLO module are
-/// `NRT_INVALID`; the load chosen by `NRT_SIM_FAIL_LOAD` is `NRT_RESOURCE`.
+/// Loads `neff` on cores `vnc .. vnc + vnc_count` (`-1`: core 0, the first free one, as libnrt
+/// picks). A core outside the visible ones is `NRT_LOAD_NOT_ENOUGH_NC`; bytes that are not an
+/// nrt-sim NEFF (raw HLO included) or whose HLO cannot run are `NRT_INVALID`, a container of
+/// another format version `NRT_UNSUPPORTED_NEFF_VERSION`; the load chosen by `NRT_SIM_FAIL_LOAD`
+/// is `NRT_RESOURCE`.
 pub(crate) fn load(neff: &[u8], vnc: i32, vnc_count: i32) -> Res<Handle> {
     let visible = VISIBLE_NC_COUNT as i64;
     if vnc < -1 || i64::from(vnc) >= visible {
@@ -35,13 +39,19 @@ pub(crate) fn load(neff: &[u8], vnc: i32, vnc_count: i32) -> Res<Handle> {
         ));
     }
     state().require_running("nrt_load")?;
-    // Imported without the lock: parsing a large module takes a while.
-    let graph = import_bytes(neff).map_err(|e| {
+    // Decoded and imported without the lock: parsing a large module takes a while.
+    let container = SimNeff::decode(neff).map_err(|e| match e {
+        SimNeffError::UnsupportedVersion { .. } => {
+            Fail::new(sys::NRT_UNSUPPORTED_NEFF_VERSION, e.to_string())
+        }
+        e => Fail::invalid(e.to_string()),
+    })?;
+    let graph = import_bytes(&container.hlo).map_err(|e| {
         Fail::invalid(format!(
-            "not a NEFF nrt-sim can run (a deepinfer HloModuleProto): {e}"
+            "the NEFF's HLO is not a module nrt-sim can run: {e}"
         ))
     })?;
-    let (inputs, outputs) = describe(&graph)?;
+    let (inputs, outputs) = describe(&graph, &container.inputs, &container.outputs)?;
     let mut st = state();
     st.require_running("nrt_load")?;
     st.loads_since_init += 1;
@@ -60,6 +70,7 @@ pub(crate) fn load(neff: &[u8], vnc: i32, vnc_count: i32) -> Res<Handle> {
         .insert(ModelEntry {
             graph,
             name,
+            core: vnc.max(0) as u32,
             inputs,
             outputs,
             executions: 0,

@@ -28,10 +28,24 @@ pub(crate) struct IoDesc {
     pub(crate) size: usize,
 }
 
-/// Describes a graph's inputs (in parameter order) and outputs (in result order). Names of
-/// `NRT_TENSOR_NAME_MAX` bytes or more, dimensions beyond `u32` and sizes that overflow are
-/// `NRT_INVALID`.
-pub(crate) fn describe(graph: &Graph) -> Res<(Vec<IoDesc>, Vec<IoDesc>)> {
+/// Describes a graph's inputs (in parameter order) and outputs (in result order) under the NEFF
+/// names the container gives them (one per input and output, in the same order, or
+/// `NRT_INVALID`). Names of `NRT_TENSOR_NAME_MAX` bytes or more, dimensions beyond `u32` and
+/// sizes that overflow are `NRT_INVALID`.
+pub(crate) fn describe(
+    graph: &Graph,
+    input_names: &[String],
+    output_names: &[String],
+) -> Res<(Vec<IoDesc>, Vec<IoDesc>)> {
+    if input_names.len() != graph.inputs().len() || output_names.len() != graph.outputs().len() {
+        return Err(Fail::invalid(format!(
+            "the NEFF names {} inputs and {} outputs; its HLO has {} and {}",
+            input_names.len(),
+            output_names.len(),
+            graph.inputs().len(),
+            graph.outputs().len()
+        )));
+    }
     let desc = |name: &str, usage, dtype: DType, dims: &[usize]| {
         if name.len() >= sys::NRT_TENSOR_NAME_MAX {
             return Err(Fail::invalid(format!(
@@ -60,26 +74,16 @@ pub(crate) fn describe(graph: &Graph) -> Res<(Vec<IoDesc>, Vec<IoDesc>)> {
     let inputs = graph
         .inputs()
         .iter()
-        .map(|d| {
-            desc(
-                &d.name,
-                sys::NRT_TENSOR_USAGE_INPUT,
-                d.dtype,
-                d.shape.dims(),
-            )
-        })
+        .zip(input_names)
+        .map(|(d, name)| desc(name, sys::NRT_TENSOR_USAGE_INPUT, d.dtype, d.shape.dims()))
         .collect::<Res<Vec<_>>>()?;
     let outputs = graph
         .outputs()
         .iter()
-        .map(|o| {
+        .zip(output_names)
+        .map(|(o, name)| {
             let n = graph.node(o.node);
-            desc(
-                &o.name,
-                sys::NRT_TENSOR_USAGE_OUTPUT,
-                n.dtype,
-                n.shape.dims(),
-            )
+            desc(name, sys::NRT_TENSOR_USAGE_OUTPUT, n.dtype, n.shape.dims())
         })
         .collect::<Res<Vec<_>>>()?;
     Ok((inputs, outputs))

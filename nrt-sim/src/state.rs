@@ -14,24 +14,61 @@
 //! import arrow pointing one way, from the calls down to the state.
 
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
 
 use deepinfer::graph::Graph;
 use neuron_sys::sys;
 
 use crate::config::Config;
-use crate::counters::{Counters, Live, ModelCounters};
+use crate::counters::{CoreMemory, Counters, Live, ModelCounters};
 use crate::fail::{Fail, Res};
 use crate::handle::{Handle, Kind, Slab};
+use crate::identity::VISIBLE_NC_COUNT;
 use crate::model_io::{InfoArray, IoDesc};
 
 // === Objects ===
+
+/// Device memory in use per NeuronCore (bytes of live device storage), kept beside the storage
+/// that frees it on drop (see [`Storage`]) rather than in the locked state: the last view of a
+/// storage may be dropped by an execution that holds no lock.
+static HBM_USED: [AtomicU64; VISIBLE_NC_COUNT as usize] =
+    [const { AtomicU64::new(0) }; VISIBLE_NC_COUNT as usize];
+/// The highest [`HBM_USED`] since load or the last counters reset, per NeuronCore.
+static HBM_PEAK: [AtomicU64; VISIBLE_NC_COUNT as usize] =
+    [const { AtomicU64::new(0) }; VISIBLE_NC_COUNT as usize];
+
+/// Reserves `size` bytes of `core`'s device memory of `capacity`, or says how much is in use.
+pub(crate) fn reserve_hbm(core: u32, size: u64, capacity: u64) -> Result<(), u64> {
+    let used = &HBM_USED[core as usize];
+    let now = used.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |u| {
+        u.checked_add(size).filter(|&n| n <= capacity)
+    })? + size;
+    HBM_PEAK[core as usize].fetch_max(now, Ordering::SeqCst);
+    Ok(())
+}
+
+/// Returns `size` bytes of `core`'s device memory.
+pub(crate) fn release_hbm(core: u32, size: u64) {
+    HBM_USED[core as usize].fetch_sub(size, Ordering::SeqCst);
+}
 
 /// The bytes of one allocation, shared by the tensor that allocated them and its slices.
 /// libnrt's storage is refcounted the same way: a slice keeps it alive after its parent is
 /// freed.
 pub(crate) struct Storage {
     pub(crate) bytes: Mutex<Vec<u8>>,
+    /// The NeuronCore whose device memory holds it (`None` for host and virtual placement),
+    /// and its size: what it gives back to [`HBM_USED`] when the last view goes.
+    pub(crate) device: Option<(u32, u64)>,
+}
+
+impl Drop for Storage {
+    fn drop(&mut self) {
+        if let Some((core, size)) = self.device {
+            release_hbm(core, size);
+        }
+    }
 }
 
 /// A tensor: a window `offset .. offset + size` of a storage.
@@ -45,6 +82,13 @@ pub(crate) struct TensorEntry {
     pub(crate) placement: sys::nrt_tensor_placement_t,
 }
 
+impl TensorEntry {
+    /// The NeuronCore a device tensor lives on (`None` for host and virtual placement).
+    pub(crate) fn core(&self) -> Option<u32> {
+        self.storage.device.map(|(core, _)| core)
+    }
+}
+
 /// A tensor set: names bound to tensor handles. The set does not own its tensors.
 pub(crate) type TensorSet = HashMap<String, Handle>;
 
@@ -52,6 +96,8 @@ pub(crate) type TensorSet = HashMap<String, Handle>;
 pub(crate) struct ModelEntry {
     pub(crate) graph: Graph,
     pub(crate) name: String,
+    /// The NeuronCore it is loaded on.
+    pub(crate) core: u32,
     pub(crate) inputs: Vec<IoDesc>,
     pub(crate) outputs: Vec<IoDesc>,
     pub(crate) executions: u64,
@@ -212,12 +258,23 @@ impl State {
             invalid_handle_uses: s.invalid_handle_uses,
             last_error: s.last_error.clone(),
             live_at_last_close: s.live_at_last_close.clone(),
+            hbm: (0..VISIBLE_NC_COUNT)
+                .map(|core| CoreMemory {
+                    core,
+                    used: HBM_USED[core as usize].load(Ordering::SeqCst),
+                    peak: HBM_PEAK[core as usize].load(Ordering::SeqCst),
+                    capacity: self.config.hbm_bytes,
+                })
+                .collect(),
         }
     }
 
     /// Clears the cumulative counters (not the live counts, which describe objects).
     pub(crate) fn reset_counters(&mut self) {
         self.stats = Stats::default();
+        for (used, peak) in HBM_USED.iter().zip(&HBM_PEAK) {
+            peak.store(used.load(Ordering::SeqCst), Ordering::SeqCst);
+        }
         for m in self.models.values_mut() {
             m.executions = 0;
         }

@@ -1,5 +1,6 @@
-//! Tensors: allocation (zeroed host memory standing in for device memory), slices that share
-//! their source's storage, freeing, and the byte windows that reads and writes go through.
+//! Tensors: allocation (host memory standing in for device memory, counted against the
+//! NeuronCore's HBM and filled with [`FILL_BYTE`]), slices that share their source's storage,
+//! freeing, and the byte windows that reads and writes go through.
 
 use std::sync::{Arc, Mutex};
 
@@ -8,7 +9,13 @@ use neuron_sys::sys::{self, nrt_tensor_placement_t};
 use crate::fail::{Fail, Res};
 use crate::handle::{Handle, Kind};
 use crate::identity::VISIBLE_NC_COUNT;
-use crate::state::{lock_bytes, state, Storage, TensorEntry};
+use crate::state::{lock_bytes, release_hbm, reserve_hbm, state, Storage, TensorEntry};
+
+/// What every byte of a fresh allocation holds until it is written: real device memory is not
+/// cleared by the allocator, so a read of never-written memory must not see zeros. `0xFF` makes
+/// an f32 or bf16 a NaN, an i32 -1 and a u32 `u32::MAX`: an uninitialised value poisons the
+/// arithmetic or fails an index check instead of passing for a plausible zero.
+pub const FILL_BYTE: u8 = 0xFF;
 
 /// `offset .. offset + len` within `0 .. size`, or `NRT_INVALID` naming the range.
 fn check_range(what: &str, offset: usize, len: usize, size: usize) -> Res<()> {
@@ -21,9 +28,11 @@ fn check_range(what: &str, offset: usize, len: usize, size: usize) -> Res<()> {
     }
 }
 
-/// Allocates `size` zeroed bytes. Device placement needs a visible core; host and virtual
-/// placements ignore `vnc`; another placement is `NRT_INVALID`. Out of memory is
-/// `NRT_RESOURCE`. The name (empty if none) keys the byte counters.
+/// Allocates `size` bytes filled with [`FILL_BYTE`]. Device placement needs a visible core and
+/// room in its HBM (`NRT_SIM_HBM_BYTES`, else `NRT_RESOURCE`, as libnrt answers an allocation
+/// past a core's memory); host and virtual placements ignore `vnc`; another placement is
+/// `NRT_INVALID`. Out of host memory is `NRT_RESOURCE`. The name (empty if none) keys the byte
+/// counters.
 pub(crate) fn allocate(
     placement: nrt_tensor_placement_t,
     vnc: i32,
@@ -41,16 +50,40 @@ pub(crate) fn allocate(
         sys::NRT_TENSOR_PLACEMENT_HOST | sys::NRT_TENSOR_PLACEMENT_VIRTUAL => {}
         other => return Err(Fail::invalid(format!("unknown placement {other}"))),
     }
-    state().require_running("nrt_tensor_allocate")?;
-    // Zeroed without the lock: a large allocation takes a while.
+    let capacity = {
+        let st = state();
+        st.require_running("nrt_tensor_allocate")?;
+        st.config.hbm_bytes
+    };
+    let device =
+        (placement == sys::NRT_TENSOR_PLACEMENT_DEVICE).then_some((vnc as u32, size as u64));
+    if let Some((core, bytes)) = device {
+        reserve_hbm(core, bytes, capacity).map_err(|used| {
+            Fail::new(
+                sys::NRT_RESOURCE,
+                format!(
+                    "cannot allocate {size} bytes on NeuronCore {core}: {used} of its {capacity} \
+                     bytes of device memory are in use (NRT_SIM_HBM_BYTES)"
+                ),
+            )
+        })?;
+    }
+    // Filled without the lock: a large allocation takes a while.
     let mut bytes = Vec::new();
-    bytes
-        .try_reserve_exact(size)
-        .map_err(|_| Fail::new(sys::NRT_RESOURCE, format!("cannot allocate {size} bytes")))?;
-    bytes.resize(size, 0);
+    if bytes.try_reserve_exact(size).is_err() {
+        if let Some((core, n)) = device {
+            release_hbm(core, n);
+        }
+        return Err(Fail::new(
+            sys::NRT_RESOURCE,
+            format!("cannot allocate {size} bytes of host memory"),
+        ));
+    }
+    bytes.resize(size, FILL_BYTE);
     let entry = TensorEntry {
         storage: Arc::new(Storage {
             bytes: Mutex::new(bytes),
+            device,
         }),
         offset: 0,
         size,

@@ -1,15 +1,16 @@
-//! Loading and executing NEFFs (deepinfer HLO) through the C ABI: model I/O description,
-//! bindings by name, in-place cache roots, the lowered `fixtures/tiny-v3` graphs against
-//! the CPU backend's outputs, and every binding and load error.
+//! Loading and executing NEFFs (nrt-sim's container around deepinfer HLO) through the C ABI:
+//! model I/O description, bindings by name, in-place cache roots, the lowered `fixtures/tiny-v3`
+//! graphs against the CPU backend's outputs, and every binding and load error.
 
 mod common;
 
 use std::collections::HashMap;
 
 use common::{
-    bf16_bytes, f32_bytes, f32s, lowered_tiny_v3, max_abs_diff, serial, tiny_neff, Sim,
-    TinyBindings,
+    bf16_bytes, f32_bytes, f32s, lowered_tiny_v3, max_abs_diff, neff_file, serial, tiny_hlo,
+    tiny_neff, Sim, TinyBindings, C_IN,
 };
+use deepinfer::backend::hlo::neff_input_name;
 use deepinfer::export::ManifestGraph;
 use neuron_sys::sys::dtype::{hw, DtypeEncoding};
 use neuron_sys::sys::{self, NRT_STATUS};
@@ -48,7 +49,7 @@ fn tiny_graph_reports_its_io_and_updates_the_root_in_place() {
     };
     assert_eq!(row("x", TensorUsage::Input), (16, hw::FLOAT32, vec![4]));
     assert_eq!(row("h", TensorUsage::Input), (8, hw::BFLOAT16, vec![4]));
-    assert_eq!(row("c", TensorUsage::Input), (32, hw::FLOAT32, vec![2, 4]));
+    assert_eq!(row(C_IN, TensorUsage::Input), (32, hw::FLOAT32, vec![2, 4]));
     assert_eq!(row("y", TensorUsage::Output), (16, hw::FLOAT32, vec![4]));
     assert_eq!(row("c", TensorUsage::Output), (32, hw::FLOAT32, vec![2, 4]));
     assert_eq!(io.inputs().count(), 3);
@@ -56,7 +57,7 @@ fn tiny_graph_reports_its_io_and_updates_the_root_in_place() {
     let names: Vec<_> = io.tensors.iter().map(|t| t.name.as_str()).collect();
     assert_eq!(
         names,
-        ["x", "h", "c", "y", "c"],
+        ["x", "h", C_IN, "y", "c"],
         "inputs in order, then outputs"
     );
 
@@ -73,7 +74,7 @@ fn tiny_graph_reports_its_io_and_updates_the_root_in_place() {
     let mut outputs = TensorSet::new(&rt).unwrap();
     inputs.add("x", &x).unwrap();
     inputs.add("h", &h).unwrap();
-    inputs.add("c", &c).unwrap();
+    inputs.add(C_IN, &c).unwrap();
     outputs.add("y", &y).unwrap();
     outputs.add("c", &c).unwrap();
     let live = sim.counters().live;
@@ -119,7 +120,8 @@ fn bind_fixture(
         let data = st.tensor(&p.name).unwrap().data().to_vec();
         let t = Tensor::device(rt, 0, data.len(), &format!("{}/{}", g.name, p.name)).unwrap();
         t.write(0, &data).unwrap();
-        inputs.add(&p.name, &t).unwrap();
+        let aliased = g.aliases.iter().any(|a| a.parameter == p.index);
+        inputs.add(&neff_input_name(&p.name, aliased), &t).unwrap();
         by_param.insert(p.name.clone(), t);
     }
     let mut by_output = HashMap::new();
@@ -153,7 +155,7 @@ fn lowered_tiny_v3_graphs_match_the_cpu_backend() {
     for g in &manifest.graphs {
         sim.hooks.reset();
         let base = sim.counters();
-        let neff = std::fs::read(dir.join(&g.hlo)).unwrap();
+        let neff = neff_file(&dir.join(&g.hlo));
         let model = Model::load(&rt, &neff, Some(0), None).unwrap();
 
         // The I/O description matches the manifest, and decodes with neuron-sys's rule.
@@ -163,7 +165,11 @@ fn lowered_tiny_v3_graphs_match_the_cpu_backend() {
         let described = g
             .parameters
             .iter()
-            .map(|p| (&p.name, &p.shape, p.dtype, io.input(&p.name)))
+            .map(|p| {
+                let aliased = g.aliases.iter().any(|a| a.parameter == p.index);
+                let name = neff_input_name(&p.name, aliased);
+                (&p.name, &p.shape, p.dtype, io.input(&name))
+            })
             .chain(
                 g.outputs
                     .iter()
@@ -277,7 +283,7 @@ fn binding_errors_are_statuses_and_write_nothing() {
     // Missing input.
     let (_, partial) = raw.new_set();
     assert_eq!(raw.add(partial, "x", b.x), OK);
-    assert_eq!(raw.add(partial, "c", b.c), OK);
+    assert_eq!(raw.add(partial, C_IN, b.c), OK);
     assert_eq!(raw.execute(model, partial, b.outputs), sys::NRT_INVALID);
     let err = sim.counters().last_error.unwrap();
     assert!(
@@ -351,21 +357,49 @@ fn corrupt_neffs_and_bad_load_arguments_fail_to_load() {
     let raw = sim.raw();
     let failures = sim.counters().load_failures;
     let good = tiny_neff();
-    let cases: [(&str, &[u8]); 4] = [
-        ("garbage", b"definitely not a protobuf \xff\xff\xff"),
-        ("truncated", &good[..good.len() / 2]),
-        ("cut short", &good[..good.len() - 3]),
-        ("a NEFF from neuronx-cc", b"NEFF\x00\x01\x02\x03 not ours"),
+    let hlo = tiny_hlo();
+    let mut other_version = good.clone();
+    other_version[8] = 9;
+    let cases: [(&str, &[u8], u32, &str); 6] = [
+        (
+            "garbage",
+            b"definitely not a protobuf \xff\xff\xff",
+            sys::NRT_INVALID,
+            "not an nrt-sim NEFF",
+        ),
+        ("raw HLO", &hlo, sys::NRT_INVALID, "not an nrt-sim NEFF"),
+        (
+            "truncated",
+            &good[..good.len() / 2],
+            sys::NRT_INVALID,
+            "truncated nrt-sim NEFF",
+        ),
+        (
+            "cut short",
+            &good[..good.len() - 3],
+            sys::NRT_INVALID,
+            "truncated nrt-sim NEFF",
+        ),
+        (
+            "a NEFF from neuronx-cc",
+            b"NEFF\x00\x01\x02\x03 not ours",
+            sys::NRT_INVALID,
+            "not an nrt-sim NEFF",
+        ),
+        (
+            "another format version",
+            &other_version,
+            sys::NRT_UNSUPPORTED_NEFF_VERSION,
+            "format version 9",
+        ),
     ];
-    for (what, bytes) in cases {
+    for (what, bytes, status, why) in cases {
         let (s, m) = raw.load(bytes);
-        assert_eq!(s, sys::NRT_INVALID, "{what}");
+        assert_eq!(s, status, "{what}");
         assert!(m.is_null(), "{what}");
         let err = sim.counters().last_error.unwrap();
-        assert!(
-            err.starts_with("nrt_load: NRT_INVALID (2): not a NEFF nrt-sim can run"),
-            "{err}"
-        );
+        assert!(err.starts_with("nrt_load: NRT_"), "{err}");
+        assert!(err.contains(why), "{what}: {err}");
     }
     // SAFETY: a null NEFF with size 0 is rejected before any access.
     let s = unsafe { (sim.api().nrt_load)(std::ptr::null(), 0, -1, -1, &mut std::ptr::null_mut()) };
@@ -374,7 +408,7 @@ fn corrupt_neffs_and_bad_load_arguments_fail_to_load() {
     // SAFETY: `good` is readable for its length; valid out-pointer.
     let s = unsafe { (sim.api().nrt_load)(good.as_ptr().cast(), good.len(), 2, -1, &mut m) };
     assert_eq!(s, sys::NRT_LOAD_NOT_ENOUGH_NC, "core 2 of 2");
-    assert_eq!(sim.counters().load_failures, failures + 6);
+    assert_eq!(sim.counters().load_failures, failures + 8);
 
     // A collectives load checks its context and otherwise loads the same way.
     let f = sim.api().nrt_load_collectives.unwrap();
@@ -421,7 +455,7 @@ fn data_the_cpu_backend_rejects_is_a_status() {
         .unwrap();
     let sim = Sim::open();
     let rt = sim.runtime();
-    let model = Model::load(&rt, &std::fs::read(dir.join(&g.hlo)).unwrap(), None, None).unwrap();
+    let model = Model::load(&rt, &neff_file(&dir.join(&g.hlo)), None, None).unwrap();
     let (inputs, outputs, tensors) = bind_fixture(&rt, dir, g);
     let root = &tensors["in/kv_cache"];
     let kv_before = root.read_vec(0, root.size()).unwrap();

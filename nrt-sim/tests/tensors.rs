@@ -151,8 +151,9 @@ fn misuse_is_a_status_never_a_crash() {
         .contains("outside the tensor's 32 bytes"));
     assert_eq!(raw.read(t, 0, &mut buf), OK);
     assert_eq!(
-        buf, [0; 8],
-        "allocations are zeroed, and the failed write wrote nothing"
+        buf,
+        [nrt_sim::FILL_BYTE; 8],
+        "fresh allocations hold the fill pattern, and the failed write wrote nothing"
     );
     // SAFETY: a null buffer with a non-zero size is rejected before any access.
     let s = unsafe { (sim.api().nrt_tensor_read)(t, std::ptr::null_mut(), 0, 4) };

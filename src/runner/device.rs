@@ -2,12 +2,13 @@
 //! replayed with persistent device tensors.
 //!
 //! Capture ([`Runner::capture`]) builds each bucket's graph (decode per batch bucket × context
-//! bucket, prefill per context bucket), lowers it to HLO, turns it into a NEFF (neuronx-cc
-//! through the NEFF cache, or for nrt-sim the HLO bytes themselves) and loads it, largest
-//! first. It uploads the weights once, allocates the KV root once and binds it as input and
-//! aliased output `kv_cache` of every model, and allocates the step metadata buffers once per
+//! bucket, prefill per context bucket), lowers it to HLO, turns it into a NEFF through the
+//! compile driver and its NEFF cache (neuronx-cc, or for nrt-sim its stand-in compiler) and
+//! loads it, largest first. It uploads the weights once, allocates the KV root once and binds it
+//! as input and aliased output of every model, and allocates the step metadata buffers once per
 //! context bucket at the largest batch: the model for batch `b` binds slices of their first `b`
-//! rows. Outputs (`next_tokens`, `logits`) are persistent too.
+//! rows. Outputs (`next_tokens`, `logits`) are persistent too. Every tensor is bound under the
+//! name the loaded model reports for its role ([`super::binding`]), not under ours.
 //!
 //! A replay pads the step (see [`super::step`]), writes only the chosen bucket's metadata
 //! bytes, executes, and reads `next_tokens` (and the logits only when asked). It allocates no
@@ -23,12 +24,15 @@ use std::time::{Duration, Instant};
 use candle_core::Tensor as CTensor;
 use neuron_sys::{Library, Model, Runtime, Tensor, TensorSet};
 
+use super::binding::{bind, NeffBinding};
+use super::open::{sim_compiler_config, sim_compiler_config_from_env};
 use super::step::{self, HostArray, HostData};
 use super::{Backend, Buckets, Runner, RunnerConfig, Step, StepKind, StepOutput};
 use crate::backend::cpu::{tensor_from_bytes, with_tensor_bytes};
 use crate::backend::hlo::emit;
 use crate::backend::neuron::compile::{compile_all, CompileJob, CompilerConfig};
 use crate::backend::neuron::progress::Progress;
+use crate::backend::neuron::sim_neff::NeffNames;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::graph::{Graph, InputRole};
@@ -37,13 +41,24 @@ use crate::model::{
     self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, WeightSpecs,
 };
 
-/// How a device runner turns a lowered graph into the bytes `nrt_load` takes.
+/// How a device runner turns a lowered graph into the bytes `nrt_load` takes: always the compile
+/// driver ([`compile_all`]) and its NEFF cache, with one compiler or the other.
 #[derive(Debug, Clone)]
 pub enum NeffSource {
-    /// nrt-sim: the NEFF is the serialized `HloModuleProto` itself.
-    Hlo,
-    /// neuronx-cc, through the NEFF cache ([`compile_all`]).
+    /// nrt-sim: its stand-in compiler writes nrt-sim's NEFF container
+    /// ([`crate::backend::neuron::sim_neff`]); see [`super::sim_compiler_config`].
+    Sim(CompilerConfig),
+    /// neuronx-cc.
     Compile(CompilerConfig),
+}
+
+impl NeffSource {
+    /// The compile driver's configuration.
+    pub fn compiler(&self) -> &CompilerConfig {
+        match self {
+            NeffSource::Sim(c) | NeffSource::Compile(c) => c,
+        }
+    }
 }
 
 /// Where a replay finds the step metadata: the seed's `input_on_device`, as a name.
@@ -69,10 +84,20 @@ pub struct DeviceOptions {
 }
 
 impl DeviceOptions {
-    /// nrt-sim on core 0.
+    /// nrt-sim on core 0, its NEFFs named after the convention `NRT_SIM_NEFF_NAMES` names, else
+    /// the default ([`NeffNames::MustAlias`]); see [`super::sim_compiler_config_from_env`].
     pub fn sim() -> Self {
         DeviceOptions {
-            neff: NeffSource::Hlo,
+            neff: NeffSource::Sim(sim_compiler_config_from_env()),
+            nc: 0,
+            metadata: MetadataSource::Host,
+        }
+    }
+
+    /// nrt-sim on core 0, its stand-in compiler told to name NEFF tensors after `names`.
+    pub fn sim_named(names: NeffNames) -> Self {
+        DeviceOptions {
+            neff: NeffSource::Sim(sim_compiler_config(names)),
             nc: 0,
             metadata: MetadataSource::Host,
         }
@@ -110,6 +135,8 @@ struct MetaBuf {
 struct Loaded {
     name: String,
     model: Model,
+    /// The NEFF names its tensors are bound under.
+    names: NeffBinding,
     inputs: TensorSet,
     outputs: TensorSet,
     /// Index into the context bucket's metadata buffers.
@@ -240,6 +267,17 @@ impl DeviceRunner {
         self.state.is_some()
     }
 
+    /// The NEFF names graph `graph`'s inputs and outputs are bound under (what its loaded model
+    /// reports, mapped onto the graph by [`super::binding`]), or `None` when no such graph is
+    /// captured.
+    pub fn bound_names(&self, graph: &str) -> Option<&NeffBinding> {
+        let st = self.state.as_ref()?;
+        st.graphs
+            .values()
+            .find(|l| l.name == graph)
+            .map(|l| &l.names)
+    }
+
     /// Names of the loaded graphs, largest first.
     pub fn graph_names(&self) -> Vec<String> {
         self.stats
@@ -255,7 +293,7 @@ impl DeviceRunner {
         }
         match (&self.opts.neff, &self.cfg.routing) {
             // The simulator runs on the CPU backend, where the gather wins (see CpuRunner).
-            (NeffSource::Hlo, _) | (_, None) => MoeStrategy::Gather,
+            (NeffSource::Sim(_), _) | (_, None) => MoeStrategy::Gather,
             (NeffSource::Compile(_), Some(r)) => MoeStrategy::for_tokens(r, tokens),
         }
     }
@@ -332,13 +370,10 @@ impl DeviceRunner {
             });
             graphs.push((*kind, *spec, g));
         }
-        let neffs: Vec<Vec<u8>> = match &self.opts.neff {
-            NeffSource::Hlo => jobs.iter().map(|j| j.hlo.clone()).collect(),
-            NeffSource::Compile(cc) => compile_all(cc, &jobs)?
-                .into_iter()
-                .map(|c| c.neff)
-                .collect(),
-        };
+        let neffs: Vec<Vec<u8>> = compile_all(self.opts.neff.compiler(), &jobs)?
+            .into_iter()
+            .map(|c| c.neff)
+            .collect();
         progress.update(
             graphs.len(),
             &format!("loading {} models, uploading weights", graphs.len()),
@@ -474,10 +509,10 @@ impl DeviceRunner {
                 StepKind::Decode => &decode_meta[ctx_index],
                 StepKind::Prefill => &prefill_meta[ctx_index],
             };
+            let model = Model::load(rt, neff, Some(nc), None).map_err(dev(name))?;
+            let (names, in_sizes, out_sizes) = reported_io(&model, g)?;
             let mut inputs = TensorSet::new(rt).map_err(dev(name))?;
-            let mut in_sizes = HashMap::new();
-            let mut out_sizes = HashMap::new();
-            for decl in g.inputs() {
+            for (k, decl) in g.inputs().iter().enumerate() {
                 let want = decl.shape.dims().iter().product::<usize>() * decl.dtype.size_in_bytes();
                 let t = match decl.role {
                     InputRole::Weight => {
@@ -509,11 +544,17 @@ impl DeviceRunner {
                         ),
                     });
                 }
-                in_sizes.insert(decl.name.as_str(), t.size());
-                inputs.add(&decl.name, &t).map_err(dev(name))?;
+                check_size(
+                    name,
+                    "input",
+                    &names.inputs[k],
+                    in_sizes.get(&names.inputs[k]),
+                    &t,
+                )?;
+                inputs.add(&names.inputs[k], &t).map_err(dev(name))?;
             }
             let mut outputs = TensorSet::new(rt).map_err(dev(name))?;
-            for decl in g.outputs() {
+            for (k, decl) in g.outputs().iter().enumerate() {
                 let t = match (kind, decl.name.as_str()) {
                     (_, "kv_cache") => root.clone(),
                     (StepKind::Decode, "next_tokens") => {
@@ -533,16 +574,16 @@ impl DeviceRunner {
                         })
                     }
                 };
-                out_sizes.insert(decl.name.as_str(), t.size());
-                outputs.add(&decl.name, &t).map_err(dev(name))?;
+                let neff_name = &names.outputs[k];
+                check_size(name, "output", neff_name, out_sizes.get(neff_name), &t)?;
+                outputs.add(neff_name, &t).map_err(dev(name))?;
             }
-            let model = Model::load(rt, neff, Some(nc), None).map_err(dev(name))?;
-            check_io(&model, name, &in_sizes, &out_sizes)?;
             loaded.insert(
                 (*kind, spec.rows, spec.ctx),
                 Loaded {
                     name: name.to_string(),
                     model,
+                    names,
                     inputs,
                     outputs,
                     ctx_index,
@@ -752,46 +793,48 @@ impl DeviceRunner {
     }
 }
 
-/// Checks the loaded NEFF's I/O (when the runtime reports it) against what the runner bound:
-/// every NEFF input and output bound under its name, with the same byte size. A mismatch is a
-/// clear error at capture instead of a failed execution at the first replay.
-fn check_io(
-    model: &Model,
-    graph: &str,
-    inputs: &HashMap<&str, usize>,
-    outputs: &HashMap<&str, usize>,
-) -> Result<()> {
+/// The byte size the NEFF declares for each of its inputs (or outputs), by name.
+type Sizes = HashMap<String, usize>;
+
+/// The NEFF name of every graph input and output, read back from the loaded model
+/// (`nrt_get_model_tensor_info`) and bound by [`super::binding`]'s rules, with the byte size the
+/// NEFF declares for each input and output (empty when the runtime cannot report them: the names
+/// are then the emitted ones, and sizes are checked at the first execution).
+fn reported_io(model: &Model, graph: &Graph) -> Result<(NeffBinding, Sizes, Sizes)> {
     let io = match model.io() {
         Ok(io) => io,
-        Err(neuron_sys::Error::Unsupported { .. }) => return Ok(()),
-        Err(e) => return Err(dev(graph)(e)),
-    };
-    for (what, infos, bound) in [
-        ("input", io.inputs().collect::<Vec<_>>(), inputs),
-        ("output", io.outputs().collect::<Vec<_>>(), outputs),
-    ] {
-        for info in infos {
-            match bound.get(info.name.as_str()) {
-                Some(&size) if size == info.size => {}
-                Some(&size) => {
-                    return Err(Error::Binding {
-                        name: info.name.clone(),
-                        msg: format!(
-                        "graph `{graph}`: the NEFF {what} takes {} bytes, the runner bound {size}",
-                        info.size
-                    ),
-                    })
-                }
-                None => {
-                    return Err(Error::Binding {
-                        name: info.name.clone(),
-                        msg: format!("graph `{graph}`: the NEFF {what} is not bound by the runner"),
-                    })
-                }
-            }
+        Err(neuron_sys::Error::Unsupported { .. }) => {
+            return Ok((NeffBinding::emitted(graph), Sizes::new(), Sizes::new()))
         }
+        Err(e) => return Err(dev(graph.name())(e)),
+    };
+    let ins: Vec<String> = io.inputs().map(|t| t.name.clone()).collect();
+    let outs: Vec<String> = io.outputs().map(|t| t.name.clone()).collect();
+    let binding = bind(graph, &ins, &outs)?;
+    let ins_sizes = io.inputs().map(|t| (t.name.clone(), t.size)).collect();
+    let outs_sizes = io.outputs().map(|t| (t.name.clone(), t.size)).collect();
+    Ok((binding, ins_sizes, outs_sizes))
+}
+
+/// The tensor bound under NEFF name `neff_name` must have the size the NEFF declares (when it
+/// declares one): a clear error at capture instead of a failed execution at the first replay.
+fn check_size(
+    graph: &str,
+    what: &str,
+    neff_name: &str,
+    declared: Option<&usize>,
+    t: &Tensor,
+) -> Result<()> {
+    match declared {
+        Some(&size) if size != t.size() => Err(Error::Binding {
+            name: neff_name.to_string(),
+            msg: format!(
+                "graph `{graph}`: the NEFF {what} takes {size} bytes, the runner bound {}",
+                t.size()
+            ),
+        }),
+        _ => Ok(()),
     }
-    Ok(())
 }
 
 /// The `'static` name of a metadata input (one of [`inputs::ALL`]).
@@ -810,7 +853,7 @@ impl Runner for DeviceRunner {
 
     fn backend(&self) -> Backend {
         match self.opts.neff {
-            NeffSource::Hlo => Backend::Sim,
+            NeffSource::Sim(_) => Backend::Sim,
             NeffSource::Compile(_) => Backend::Neuron,
         }
     }

@@ -32,11 +32,14 @@
 //! - [`CpuRunner`]: the CPU twin, candle-core on the host (the fallback, and the reference the
 //!   device runner is tested against).
 //! - [`DeviceRunner`]: libnrt, either a NeuronCore (graphs compiled by neuronx-cc) or nrt-sim
-//!   (the same FFI path, with our HLO as the "NEFF").
+//!   (the same FFI path and the same compile driver and NEFF cache, with nrt-sim's stand-in
+//!   compiler writing its own NEFF container around our HLO). Either way the NEFF's tensors are
+//!   bound under the names the loaded model reports ([`binding`]).
 //!
 //! [`open`] loads a checkpoint, builds the runner for a [`Backend`] and captures it: the CLI,
 //! the server and the tests all open runners through it.
 
+pub mod binding;
 mod buckets;
 mod cpu;
 pub mod device;
@@ -51,8 +54,9 @@ pub use buckets::{Buckets, RunnerConfig, CTX_BUCKET_RATIO, MIN_CTX_BUCKET};
 pub use cpu::CpuRunner;
 pub use device::{CaptureStats, DeviceOptions, DeviceRunner, MetadataSource, NeffSource};
 pub use open::{
-    choose_backend, find_sim_library, open, open_with_weights, sim_library_beside_exe,
-    sim_library_candidates, Limits, SIM_GIT_HASH, SIM_LIBRARY_FILE,
+    choose_backend, find_sim_library, open, open_with_weights, sim_compiler, sim_compiler_config,
+    sim_compiler_config_from_env, sim_library_beside_exe, sim_library_candidates, Limits,
+    SIM_COMPILER_FILE, SIM_GIT_HASH, SIM_LIBRARY_FILE,
 };
 use step::{DecodeRow, PrefillChunk};
 

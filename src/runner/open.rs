@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 use crate::backend::neuron::compile::CompilerConfig;
+use crate::backend::neuron::sim_neff::{NeffNames, ENV_NEFF_NAMES, NAMES_FLAG};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::model::{ModelWeights, PrecisionChoice};
@@ -15,8 +16,11 @@ use super::{Backend, CpuRunner, DeviceOptions, DeviceRunner, Runner, RunnerConfi
 /// The file name of nrt-sim's shared library.
 pub const SIM_LIBRARY_FILE: &str = "libnrt_sim.so";
 
+/// The file name of nrt-sim's stand-in compiler (`src/bin/nrt-sim-neuronx-cc.rs`).
+pub const SIM_COMPILER_FILE: &str = "nrt-sim-neuronx-cc";
+
 /// The `git_hash` nrt-sim reports from `nrt_get_version`: how a loaded libnrt is recognised
-/// as the simulator (whose "NEFF" is our HLO, so nothing must be compiled for it).
+/// as the simulator (whose NEFFs its stand-in compiler writes, see [`sim_compiler`]).
 pub const SIM_GIT_HASH: &str = "nrt-sim";
 
 /// The backend to use: the one asked for, else `sim` when `NEURON_RT_LIB` points at nrt-sim,
@@ -156,12 +160,13 @@ fn open_captured(
         Backend::Cpu => Box::new(CpuRunner::new(cfg, weights, runner_cfg)?),
         Backend::Sim => {
             let lib = neuron_sys::Library::open(&find_sim_library()?)?;
+            let names = NeffNames::from_env().map_err(|e| Error::InvalidInput(e.to_string()))?;
             Box::new(DeviceRunner::new(
                 cfg,
                 weights,
                 runner_cfg,
                 lib,
-                DeviceOptions::sim(),
+                DeviceOptions::sim_named(names),
             )?)
         }
         Backend::Neuron => {
@@ -172,6 +177,60 @@ fn open_captured(
     };
     runner.capture(&buckets)?;
     Ok(runner)
+}
+
+/// The stand-in compiler `--backend sim` runs: the first of [`sim_library_beside_exe`]'s
+/// directories holding [`SIM_COMPILER_FILE`] (cargo writes it to `target/<profile>/`, beside the
+/// CLI and one level above a test binary), else the bare name, looked up on `PATH` by the
+/// compile driver (which reports a clear error when it is nowhere).
+pub fn sim_compiler() -> PathBuf {
+    sim_library_beside_exe()
+        .into_iter()
+        .filter_map(|lib| lib.parent().map(|d| d.join(SIM_COMPILER_FILE)))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| PathBuf::from(SIM_COMPILER_FILE))
+}
+
+/// The compile driver's configuration for nrt-sim: the stand-in compiler ([`sim_compiler`]), the
+/// default flags plus the naming convention (`names`, part of the cache key), and a cache of its
+/// own (`$DEEPINFER_NEFF_CACHE` when set, else `<tmp>/deepinfer-nrt-sim-neff`: sim NEFFs are
+/// cheap to remake and do not belong in the user's NEFF cache). One compiler process per CPU,
+/// since the stand-in is quick and single-threaded.
+pub fn sim_compiler_config(names: NeffNames) -> CompilerConfig {
+    sim_compiler_config_flag(names.flag())
+}
+
+/// [`sim_compiler_config`] with the convention `NRT_SIM_NEFF_NAMES` names, else the default,
+/// passed to the stand-in as given: a value naming no convention fails the compile with the
+/// stand-in's message (at capture, where a `Result` is returned), never silently the default.
+/// How `NRT_SIM_NEFF_NAMES=positional cargo test --workspace` runs every sim test under that
+/// convention.
+pub fn sim_compiler_config_from_env() -> CompilerConfig {
+    let value = std::env::var(ENV_NEFF_NAMES)
+        .ok()
+        .map(|v| v.trim().to_string())
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| NeffNames::default().as_str().to_string());
+    sim_compiler_config_flag(format!("{NAMES_FLAG}={value}"))
+}
+
+fn sim_compiler_config_flag(names_flag: String) -> CompilerConfig {
+    let base = CompilerConfig::default();
+    let cache_dir = if std::env::var_os("DEEPINFER_NEFF_CACHE").is_none_or(|v| v.is_empty()) {
+        std::env::temp_dir().join("deepinfer-nrt-sim-neff")
+    } else {
+        base.cache_dir.clone()
+    };
+    let mut flags = base.flags.clone();
+    flags.push(names_flag);
+    CompilerConfig {
+        program: sim_compiler(),
+        flags,
+        jobs: std::thread::available_parallelism().map_or(1, |n| n.get()),
+        cache_dir,
+        progress: false,
+        ..base
+    }
 }
 
 /// Where `--backend sim` looks for nrt-sim, in order: `NEURON_RT_LIB` when set, then

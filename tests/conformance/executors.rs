@@ -4,9 +4,10 @@
 //! - [`Executor::Cpu`]: the built graph on the CPU backend (`deepinfer::backend::cpu::run`);
 //! - [`Executor::HloCpu`]: the graph emitted as HLO bytes, imported back, then run on the CPU
 //!   backend: what nrt-sim does, without the FFI;
-//! - [`Executor::NrtSim`]: the HLO bytes loaded as a NEFF into `libnrt_sim.so` through
-//!   neuron-sys (`dlopen`, `nrt_load`, tensor sets, `nrt_execute`, reads): the path a Neuron
-//!   device takes.
+//! - [`Executor::NrtSim`]: the HLO bytes compiled by nrt-sim's stand-in compiler through the
+//!   compile driver and NEFF cache, loaded into `libnrt_sim.so` through neuron-sys (`dlopen`,
+//!   `nrt_load`, tensor sets bound by the names the NEFF reports, `nrt_execute`, reads): the path
+//!   a Neuron device takes.
 //!
 //! The fourth executor, XLA, is `scripts/xla_conformance.py`; it reads the HLO bytes this file
 //! writes (see [`hlo_out_dir`]).
@@ -17,7 +18,10 @@ use std::sync::Arc;
 use candle_core::Tensor as CTensor;
 use deepinfer::backend::cpu;
 use deepinfer::backend::hlo::{emit, import};
+use deepinfer::backend::neuron::compile::{compile_all, CompileJob, CompilerConfig};
+use deepinfer::backend::neuron::sim_neff::NeffNames;
 use deepinfer::graph::Graph;
+use deepinfer::runner::{self, binding};
 use neuron_sys::{Library, Model, Runtime, Tensor, TensorSet};
 
 use super::case::{Array, Prepared};
@@ -131,9 +135,11 @@ pub fn hlo_cpu(p: &Prepared<'_>, hlo: &[u8]) -> Result<Vec<Array>, String> {
     run_cpu(&g, p)
 }
 
-/// `libnrt_sim.so` loaded through neuron-sys, and a runtime over its first core.
+/// `libnrt_sim.so` loaded through neuron-sys, a runtime over its first core, and the compile
+/// driver's configuration for nrt-sim's stand-in compiler (the one cargo built for this test).
 pub struct Sim {
     rt: Runtime,
+    compiler: CompilerConfig,
 }
 
 impl Sim {
@@ -150,17 +156,40 @@ impl Sim {
         let lib: Arc<Library> =
             Library::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
         let rt = Runtime::shared(lib, 0, 1).map_err(|e| format!("nrt_init: {e}"))?;
-        Ok(Sim { rt })
+        let compiler = CompilerConfig {
+            program: env!("CARGO_BIN_EXE_nrt-sim-neuronx-cc").into(),
+            ..runner::sim_compiler_config(NeffNames::default())
+        };
+        Ok(Sim { rt, compiler })
     }
 }
 
-/// Executor (c): the HLO bytes as a NEFF in nrt-sim. Each input is a device tensor written
-/// with `nrt_tensor_write`; an aliased output is bound to its root's tensor (the same handle
-/// in both sets, as the device runner binds a cache root); the others get their own tensors,
-/// read back after `nrt_execute`.
+/// Executor (c): the HLO bytes compiled by nrt-sim's stand-in compiler through the compile
+/// driver and NEFF cache, loaded into nrt-sim, its tensors bound under the names the NEFF reports
+/// (the device runner's rules). Each input is a device tensor written with `nrt_tensor_write`;
+/// an aliased output is bound to its root's tensor (the same handle in both sets, as the device
+/// runner binds a cache root); the others get their own tensors, read back after `nrt_execute`.
 pub fn nrt_sim(sim: &Sim, p: &Prepared<'_>, hlo: &[u8]) -> Result<Vec<Array>, String> {
     let rt = &sim.rt;
-    let model = Model::load(rt, hlo, Some(0), None).map_err(|e| format!("nrt_load: {e}"))?;
+    let job = CompileJob {
+        name: p.graph.name().to_string(),
+        hlo: hlo.to_vec(),
+    };
+    let neff = compile_all(&sim.compiler, std::slice::from_ref(&job))
+        .map_err(|e| format!("compile: {e}"))?
+        .pop()
+        .ok_or("compile: no NEFF")?
+        .neff;
+    let model = Model::load(rt, &neff, Some(0), None).map_err(|e| format!("nrt_load: {e}"))?;
+    let io = model
+        .io()
+        .map_err(|e| format!("nrt_get_model_tensor_info: {e}"))?;
+    let names = binding::bind(
+        &p.graph,
+        &io.inputs().map(|t| t.name.clone()).collect::<Vec<_>>(),
+        &io.outputs().map(|t| t.name.clone()).collect::<Vec<_>>(),
+    )
+    .map_err(|e| e.to_string())?;
     let mut ins = TensorSet::new(rt).map_err(|e| e.to_string())?;
     let mut outs = TensorSet::new(rt).map_err(|e| e.to_string())?;
     let mut in_tensors = Vec::with_capacity(p.inputs.len());
@@ -170,7 +199,7 @@ pub fn nrt_sim(sim: &Sim, p: &Prepared<'_>, hlo: &[u8]) -> Result<Vec<Array>, St
             .map_err(|e| format!("input `{}`: {e}", decl.name))?;
         t.write(0, &bytes)
             .map_err(|e| format!("input `{}`: {e}", decl.name))?;
-        ins.add(&decl.name, &t)
+        ins.add(&names.inputs[in_tensors.len()], &t)
             .map_err(|e| format!("input `{}`: {e}", decl.name))?;
         in_tensors.push(t);
     }
@@ -184,7 +213,7 @@ pub fn nrt_sim(sim: &Sim, p: &Prepared<'_>, hlo: &[u8]) -> Result<Vec<Array>, St
                     .map_err(|e| format!("output `{}`: {e}", decl.name))?
             }
         };
-        outs.add(&decl.name, &t)
+        outs.add(&names.outputs[out_tensors.len()], &t)
             .map_err(|e| format!("output `{}`: {e}", decl.name))?;
         out_tensors.push(t);
     }

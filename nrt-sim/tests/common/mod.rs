@@ -9,6 +9,7 @@ use std::ptr;
 use std::sync::{Arc, Mutex, MutexGuard, OnceLock, PoisonError};
 
 use deepinfer::backend::hlo;
+use deepinfer::backend::neuron::sim_neff::{NeffNames, SimNeff};
 use deepinfer::export::{lower, LowerOptions, Manifest};
 use deepinfer::graph::{DType, GraphBuilder, InputRole};
 use neuron_sys::sys::{self, nrt_model_t, nrt_tensor_set_t, nrt_tensor_t, NRT_STATUS};
@@ -199,7 +200,30 @@ impl Raw<'_> {
 /// | `c` | input (cache root) | f32 | [2, 4] |
 /// | `y` | output | f32 | [4] |
 /// | `c` | output (aliases input `c`) | f32 | [2, 4] |
+///
+/// As a NEFF (see [`neff_of`]) the input `c` is named [`C_IN`].
 pub fn tiny_neff() -> Vec<u8> {
+    neff_of(&tiny_hlo())
+}
+
+/// The NEFF name of the tiny graph's aliased input `c` (the emitter's `.must_alias_input`).
+pub const C_IN: &str = "c.must_alias_input";
+
+/// Serialized HLO wrapped in nrt-sim's NEFF container, named as the HLO names its I/O (what the
+/// stand-in compiler writes under `NRT_SIM_NEFF_NAMES=ours`).
+pub fn neff_of(hlo: &[u8]) -> Vec<u8> {
+    SimNeff::compile(hlo, NeffNames::Ours)
+        .expect("the stand-in compiler accepts the module")
+        .encode()
+}
+
+/// The NEFF of a lowered graph's `.hlo.pb` file.
+pub fn neff_file(path: &Path) -> Vec<u8> {
+    neff_of(&std::fs::read(path).expect("lowered HLO"))
+}
+
+/// The tiny graph's HLO (see [`tiny_neff`]).
+pub fn tiny_hlo() -> Vec<u8> {
     let b = GraphBuilder::new("tiny");
     let x = b
         .input("x", InputRole::Metadata, vec![4], DType::F32)
@@ -271,7 +295,8 @@ pub struct TinyBindings {
 }
 
 impl TinyBindings {
-    /// x = [1, 2, 3, 4], h = [0.5; 4], c = 0, y = 0.
+    /// x = [1, 2, 3, 4], h = [0.5; 4], c = 0, y = 0 (written: fresh device memory is not
+    /// zeroed).
     pub fn new(raw: &Raw<'_>) -> TinyBindings {
         let t = |size, name| {
             let (s, t) = raw.allocate(size, name);
@@ -281,10 +306,12 @@ impl TinyBindings {
         let (x, h, c, y) = (t(16, "x"), t(8, "h"), t(32, "c"), t(16, "y"));
         assert_eq!(raw.write(x, 0, &f32_bytes(&[1.0, 2.0, 3.0, 4.0])), 0);
         assert_eq!(raw.write(h, 0, &bf16_bytes(&[0.5; 4])), 0);
+        assert_eq!(raw.write(c, 0, &[0u8; 32]), 0);
+        assert_eq!(raw.write(y, 0, &[0u8; 16]), 0);
         let (s1, inputs) = raw.new_set();
         let (s2, outputs) = raw.new_set();
         assert_eq!((s1, s2), (0, 0));
-        for (name, t) in [("x", x), ("h", h), ("c", c)] {
+        for (name, t) in [("x", x), ("h", h), (C_IN, c)] {
             assert_eq!(raw.add(inputs, name, t), 0);
         }
         assert_eq!(raw.add(outputs, "y", y), 0);

@@ -49,6 +49,12 @@ pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
     let mut values: Vec<Option<CTensor>> = vec![None; graph.nodes().len()];
     // For each value that shares a cache root's buffer, the index of that root input.
     let mut root_of: Vec<Option<usize>> = vec![None; graph.nodes().len()];
+    // For each value that may share a cache root's storage (the root itself, its in-place
+    // updates, and any view of them: candle's narrow, reshape, permute and broadcast return
+    // views), the index of that root input. An update may write the storage in place only while
+    // no other live value can see it (XLA semantics: a parameter read after its update sees the
+    // old value).
+    let mut shares: Vec<Option<usize>> = vec![None; graph.nodes().len()];
 
     for (i, node) in graph.nodes().iter().enumerate() {
         if plan.skipped[i] {
@@ -64,6 +70,7 @@ pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
             Op::Input(k) => {
                 if graph.inputs()[*k].role == InputRole::CacheRoot {
                     root_of[i] = Some(*k);
+                    shares[i] = Some(*k);
                 }
                 inputs[*k].clone()
             }
@@ -89,11 +96,21 @@ pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
                 on_false,
             } => get(*pred)?.where_cond(get(*on_true)?, get(*on_false)?)?,
             Op::Cast(x) => cast(get(*x)?, graph.node(*x).dtype, node.dtype)?,
-            Op::Broadcast(x) => get(*x)?.broadcast_as(node.shape.dims())?,
-            Op::Reshape(x) => get(*x)?.reshape(node.shape.dims())?,
-            Op::Permute(x, perm) => get(*x)?.permute(perm.as_slice())?,
+            Op::Broadcast(x) => {
+                shares[i] = shares[x.0];
+                get(*x)?.broadcast_as(node.shape.dims())?
+            }
+            Op::Reshape(x) => {
+                shares[i] = shares[x.0];
+                get(*x)?.reshape(node.shape.dims())?
+            }
+            Op::Permute(x, perm) => {
+                shares[i] = shares[x.0];
+                get(*x)?.permute(perm.as_slice())?
+            }
             Op::Slice { x, dim, start, len } => {
                 root_of[i] = root_of[x.0];
+                shares[i] = shares[x.0];
                 get(*x)?.narrow(*dim, *start, *len)?
             }
             Op::Concat(xs, dim) => {
@@ -165,9 +182,16 @@ pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
                 col,
                 src,
             } => {
-                let in_place = root_of[root.0].is_some() && remaining[root.0] == 1;
+                // In place only when this is the root's last use and no other live value
+                // (a view taken earlier, read later) shares its storage.
+                let in_place = root_of[root.0].is_some_and(|k| {
+                    remaining[root.0] == 1
+                        && !(0..i)
+                            .any(|j| j != root.0 && shares[j] == Some(k) && values[j].is_some())
+                });
                 let target = if in_place {
                     root_of[i] = root_of[root.0];
+                    shares[i] = shares[root.0];
                     get(*root)?.clone()
                 } else {
                     get(*root)?.copy()?
@@ -187,20 +211,31 @@ pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
         }
     }
 
+    // Two passes: an output that views a root's storage (a slice of the parameter, returned
+    // as is) is copied before any copy-back below writes that storage, so it keeps the value
+    // the graph computed: the parameter's old one.
     let mut outputs = Vec::with_capacity(graph.outputs().len());
     for out in graph.outputs() {
         let value = values[out.node.0].clone().ok_or_else(|| Error::Binding {
             name: out.name.clone(),
             msg: "output was never computed".into(),
         })?;
+        let is_root_update = out.aliases.is_some() && out.aliases == root_of[out.node.0];
+        outputs.push(if shares[out.node.0].is_some() && !is_root_update {
+            value.copy()?
+        } else {
+            value
+        });
+    }
+    for (out, value) in graph.outputs().iter().zip(outputs.iter_mut()) {
         match out.aliases {
             // The update went elsewhere (the root was still needed): copy it back so the
             // caller's buffer holds the new cache, as the alias promises.
             Some(k) if root_of[out.node.0] != Some(k) => {
                 inputs[k].slice_set(&value.contiguous()?, 0, 0)?;
-                outputs.push(inputs[k].clone());
+                *value = inputs[k].clone();
             }
-            _ => outputs.push(value),
+            _ => {}
         }
     }
     Ok(outputs)

@@ -4,8 +4,8 @@
 //! - [`emit`]: graph -> module. One graph node becomes one or a few plain HLO instructions from
 //!   the set neuronx-cc accepts (no `conditional`, no data-dependent `while`, no dynamic shapes,
 //!   i32 indices).
-//! - [`import`]: module (as [`emit`] writes it) -> graph, so `nrt-sim` can run a "NEFF" that is
-//!   our HLO on the CPU backend.
+//! - [`import`]: module (as [`emit`] writes it) -> graph, so `nrt-sim` can run the HLO its NEFF
+//!   container carries on the CPU backend.
 //! - [`text`]: a human-readable HLO text rendering.
 //! - `opcodes`: the opcode spellings both directions share; the elementwise and reduction ops'
 //!   opcodes are in the graph's op tables ([`crate::graph::UnaryOp::hlo_opcode`], ...), read
@@ -33,6 +33,31 @@ const COMPOSITE_OPERANDS_ATTR: &str = "deepinfer_composite_operands";
 /// The frontend attribute of every other instruction of a composite's lowering (the op's name):
 /// the importer skips them.
 const COMPOSITE_PART_ATTR: &str = "deepinfer_composite_part";
+/// The suffix of an aliased (updated in place) entry parameter's NEFF input name: a graph
+/// input `kv_cache` whose output `kv_cache` must alias it is emitted as
+/// `neff_input_names="kv_cache.must_alias_input"`, and its output keeps the plain name.
+///
+/// Why: the two NEFF tensors would otherwise share one name. This is the convention of AWS's own
+/// HLO emitter for neuronx-cc: aws-neuron/nkipy `nkipy/src/nkipy/core/trace.py`
+/// (`NKIPyKernel._mark_hlo_outputs`, "Rename mutated HLO parameters for compiler convention",
+/// @271962f2) renames every mutated parameter `<name>.must_alias_input` and names the aliased
+/// output `<name>`; `nkipy/src/nkipy/core/backend/hlo.py` (`HLOModule.inputs`, @2ab1c8f5) notes
+/// "Neuron compiler appends '.must_alias_input' to mutated params", and nkipy's examples bind the
+/// same tensor as input `cache_k.must_alias_input` and output `cache_k`. Whether neuronx-cc
+/// appends the suffix itself when it is already there is not documented, so the runner also
+/// accepts the name with the suffix twice (see `runner::binding`).
+pub const MUST_ALIAS_SUFFIX: &str = ".must_alias_input";
+
+/// The NEFF input name the emitter writes for graph input `name`: `name` itself, or with
+/// [`MUST_ALIAS_SUFFIX`] when an output must alias it.
+pub fn neff_input_name(name: &str, aliased: bool) -> String {
+    if aliased {
+        format!("{name}{MUST_ALIAS_SUFFIX}")
+    } else {
+        name.to_string()
+    }
+}
+
 /// Entry parameters' frontend attribute holding the input's [`crate::graph::InputRole`] name,
 /// so the importer restores it; other consumers ignore unknown attributes.
 const ROLE_ATTR: &str = "deepinfer_role";

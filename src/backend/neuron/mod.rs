@@ -5,6 +5,8 @@
 //! - [`doctor`]: `deepinfer doctor`'s report of what a Neuron run needs on this machine.
 //! - [`minimums`]: the oldest runtime and compiler versions the graphs need, and why.
 //! - [`progress`]: how long operations (capture, compile) report progress, for the binary to draw.
+//! - [`sim_neff`]: nrt-sim's NEFF container, which its stand-in compiler writes through the same
+//!   compile driver, so `--backend sim` takes the device path end to end.
 //! - The libnrt runtime itself (loaded at run time through `neuron-sys`): its safe level is
 //!   re-exported here unchanged, with its error type [`NeuronError`] (which [`crate::Error`]
 //!   wraps), and [`open_runtime`] opens it. All `unsafe` lives in `neuron-sys`; this crate is
@@ -15,6 +17,7 @@ pub mod compile;
 pub mod doctor;
 pub mod minimums;
 pub mod progress;
+pub mod sim_neff;
 
 pub use neuron_sys::{
     execute, Candidate, Error as NeuronError, Library, Model, ModelIo, Placement, Runtime, Tensor,

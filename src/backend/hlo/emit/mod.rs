@@ -27,7 +27,7 @@ use super::proto::{
     HloInputOutputAliasProto, HloInstructionProto, HloModuleProto, Kind, LayoutProto, LiteralProto,
     PrimitiveType, ProgramShapeProto, ShapeProto,
 };
-use super::{literal, primitive_type, OUTPUT_NAMES_ATTR};
+use super::{literal, neff_input_name, primitive_type, INPUT_NAMES_ATTR, OUTPUT_NAMES_ATTR};
 use crate::error::Result;
 use crate::graph::{BinaryOp, CmpOp, DType, Graph, Literal, ReduceOp};
 
@@ -357,6 +357,22 @@ impl Emitter<'_> {
                 })
             })
             .collect::<Vec<_>>();
+        // An aliased parameter's NEFF name carries the compiler's suffix (see
+        // `MUST_ALIAS_SUFFIX` for the convention and its source).
+        let entry_insts = computations
+            .last_mut()
+            .map(|c| c.instructions.as_mut_slice())
+            .unwrap_or_default();
+        for e in &aliases {
+            let param = entry_insts.iter_mut().find(|i| {
+                i.opcode == opcodes::PARAMETER && i.parameter_number == e.parameter_number
+            });
+            if let Some(attrs) = param.and_then(|i| i.frontend_attributes.as_mut()) {
+                if let Some(name) = attrs.map.get_mut(INPUT_NAMES_ATTR) {
+                    *name = neff_input_name(name, true);
+                }
+            }
+        }
         Ok(HloModuleProto {
             name: graph.name().to_string(),
             entry_computation_name: entry_name,

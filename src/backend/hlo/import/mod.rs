@@ -1,8 +1,8 @@
 //! `HloModuleProto` (as [`super::emit`] writes it) -> graph.
 //!
-//! `nrt-sim` uses this to run a "NEFF" that is our HLO on the CPU backend. Each HLO instruction
-//! maps back to the graph op it came from; the few multi-instruction lowerings are recognized
-//! by their structure (not by names or metadata): `multiply(x, logistic(x))` is `silu`,
+//! `nrt-sim` uses this to run the HLO its NEFF container carries on the CPU backend. Each HLO
+//! instruction maps back to the graph op it came from; the few multi-instruction lowerings are
+//! recognized by their structure (not by names or metadata): `multiply(x, logistic(x))` is `silu`,
 //! `get-tuple-element(sort(x, iota), 1)` is a full descending top-k, a `gather` with one
 //! collapsed dim is `index_select` and one with full coordinates is `gather`, and a `scatter`
 //! whose indices are `concatenate(reshape(rows), broadcast(col))` is `scatter_rows`. So emit ->
@@ -25,7 +25,8 @@ use super::proto::{
     HloComputationProto, HloInstructionProto, HloModuleProto, PrimitiveType, ShapeProto,
 };
 use super::{
-    dtype_of, opcodes, COMPOSITE_PART_ATTR, INPUT_NAMES_ATTR, OUTPUT_NAMES_ATTR, ROLE_ATTR,
+    dtype_of, opcodes, COMPOSITE_PART_ATTR, INPUT_NAMES_ATTR, MUST_ALIAS_SUFFIX, OUTPUT_NAMES_ATTR,
+    ROLE_ATTR,
 };
 use crate::error::{Error, Result};
 use crate::graph::{DType, Graph, GraphBuilder, InputRole, Tensor};
@@ -41,6 +42,83 @@ pub fn import_bytes(bytes: &[u8]) -> Result<Graph> {
     let module =
         HloModuleProto::decode(bytes).map_err(|e| bad(format!("not an HloModuleProto: {e}")))?;
     import(&module)
+}
+
+/// A module's NEFF input and output names exactly as its frontend attributes give them
+/// (`neff_input_names` per parameter, `neff_output_names` on the root), with the defaults a
+/// framework assumes where an attribute is absent (`input{k}`, `output{k}`), and which
+/// parameters an output must alias. What a compiler reads to name a NEFF's tensors.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct IoNames {
+    /// One name per parameter, by parameter number.
+    pub inputs: Vec<String>,
+    /// One name per element of the root tuple (one for a non-tuple root).
+    pub outputs: Vec<String>,
+    /// Per parameter: whether an output must alias it.
+    pub aliased: Vec<bool>,
+}
+
+/// Reads [`IoNames`] from a module (without importing its computation).
+pub fn io_names(m: &HloModuleProto) -> Result<IoNames> {
+    let entry = m
+        .computations
+        .iter()
+        .find(|c| c.id == m.entry_computation_id)
+        .ok_or_else(|| bad("no entry computation"))?;
+    let mut params: Vec<&HloInstructionProto> = entry
+        .instructions
+        .iter()
+        .filter(|i| i.opcode == opcodes::PARAMETER)
+        .collect();
+    params.sort_by_key(|i| i.parameter_number);
+    let inputs = params
+        .iter()
+        .enumerate()
+        .map(|(k, p)| {
+            p.frontend_attributes
+                .as_ref()
+                .and_then(|f| f.map.get(INPUT_NAMES_ATTR))
+                .cloned()
+                .unwrap_or_else(|| format!("input{k}"))
+        })
+        .collect::<Vec<_>>();
+    let root = entry
+        .instructions
+        .iter()
+        .find(|i| i.id == entry.root_id)
+        .ok_or_else(|| bad("the entry computation has no root"))?;
+    let count = if root.opcode == opcodes::TUPLE {
+        root.operand_ids.len()
+    } else {
+        1
+    };
+    let outputs: Vec<String> = match root
+        .frontend_attributes
+        .as_ref()
+        .and_then(|f| f.map.get(OUTPUT_NAMES_ATTR))
+    {
+        Some(s) => s.split(',').map(str::to_string).collect(),
+        None => (0..count).map(|k| format!("output{k}")).collect(),
+    };
+    if outputs.len() != count {
+        return Err(bad(format!(
+            "{OUTPUT_NAMES_ATTR} names {} outputs; the root has {count}",
+            outputs.len()
+        )));
+    }
+    let mut aliased = vec![false; inputs.len()];
+    for e in m.input_output_alias.iter().flat_map(|a| a.entries.iter()) {
+        let slot = usize::try_from(e.parameter_number)
+            .ok()
+            .and_then(|p| aliased.get_mut(p))
+            .ok_or_else(|| bad(format!("alias to unknown parameter {}", e.parameter_number)))?;
+        *slot = true;
+    }
+    Ok(IoNames {
+        inputs,
+        outputs,
+        aliased,
+    })
 }
 
 /// The dimension sizes of an array shape.
@@ -168,6 +246,12 @@ pub fn import(m: &HloModuleProto) -> Result<Graph> {
             .and_then(|a| a.get(INPUT_NAMES_ATTR))
             .cloned()
             .unwrap_or_else(|| format!("input{k}"));
+        // The emitter suffixes an aliased parameter's NEFF name; the graph input is the plain
+        // name, so emit -> import is the identity.
+        let name = match name.strip_suffix(MUST_ALIAS_SUFFIX) {
+            Some(base) if aliased.contains_key(&(k as i64)) => base.to_string(),
+            _ => name,
+        };
         let role = match attrs
             .and_then(|a| a.get(ROLE_ATTR))
             .and_then(|s| InputRole::from_name(s))
