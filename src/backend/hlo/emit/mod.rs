@@ -321,20 +321,11 @@ impl Emitter<'_> {
         let entry_id = self.id();
         let entry_name = "main".to_string();
         let instructions = live(std::mem::take(&mut self.entry), root);
-        // The callees the live instructions call, and theirs (callers come after callees).
-        let mut called: HashSet<i64> = instructions
+        // The scalar computations the live instructions call (they call nothing themselves).
+        let called: HashSet<i64> = instructions
             .iter()
             .flat_map(|i| i.called_computation_ids.iter().copied())
             .collect();
-        for c in self.callees.iter().rev() {
-            if called.contains(&c.id) {
-                called.extend(
-                    c.instructions
-                        .iter()
-                        .flat_map(|i| i.called_computation_ids.clone()),
-                );
-            }
-        }
         let mut computations = std::mem::take(&mut self.callees);
         computations.retain(|c| called.contains(&c.id));
         computations.push(HloComputationProto {
