@@ -58,8 +58,11 @@ pub struct IoNames {
     pub aliased: Vec<bool>,
 }
 
-/// Reads [`IoNames`] from a module (without importing its computation).
-pub fn io_names(m: &HloModuleProto) -> Result<IoNames> {
+/// A module's entry computation and its parameters by parameter number, which must be
+/// `0..n`.
+fn entry_parameters(
+    m: &HloModuleProto,
+) -> Result<(&HloComputationProto, Vec<&HloInstructionProto>)> {
     let entry = m
         .computations
         .iter()
@@ -71,6 +74,22 @@ pub fn io_names(m: &HloModuleProto) -> Result<IoNames> {
         .filter(|i| i.opcode == opcodes::PARAMETER)
         .collect();
     params.sort_by_key(|i| i.parameter_number);
+    if params
+        .iter()
+        .enumerate()
+        .any(|(k, p)| p.parameter_number != k as i64)
+    {
+        return Err(bad(format!(
+            "parameter numbers are not 0..{}",
+            params.len()
+        )));
+    }
+    Ok((entry, params))
+}
+
+/// Reads [`IoNames`] from a module (without importing its computation).
+pub fn io_names(m: &HloModuleProto) -> Result<IoNames> {
+    let (entry, params) = entry_parameters(m)?;
     let inputs = params
         .iter()
         .enumerate()
@@ -203,10 +222,8 @@ impl<'m> Importer<'m> {
 pub fn import(m: &HloModuleProto) -> Result<Graph> {
     let comps: HashMap<i64, &HloComputationProto> =
         m.computations.iter().map(|c| (c.id, c)).collect();
-    let entry: &HloComputationProto = comps
-        .get(&m.entry_computation_id)
-        .copied()
-        .ok_or_else(|| bad("no entry computation"))?;
+    let (entry, params) = entry_parameters(m)?;
+    let io = io_names(m)?;
     let aliased: HashMap<i64, usize> = m
         .input_output_alias
         .iter()
@@ -228,29 +245,13 @@ pub fn import(m: &HloModuleProto) -> Result<Graph> {
         values: HashMap::new(),
         params: Vec::new(),
     };
-    let mut params: Vec<&HloInstructionProto> = entry
-        .instructions
-        .iter()
-        .filter(|i| i.opcode == opcodes::PARAMETER)
-        .collect();
-    params.sort_by_key(|i| i.parameter_number);
-    for (k, p) in params.iter().enumerate() {
-        if p.parameter_number != k as i64 {
-            return Err(bad(format!(
-                "parameter numbers are not 0..{}",
-                params.len()
-            )));
-        }
+    for (k, (p, name)) in params.iter().zip(&io.inputs).enumerate() {
         let attrs = p.frontend_attributes.as_ref().map(|f| &f.map);
-        let name = attrs
-            .and_then(|a| a.get(INPUT_NAMES_ATTR))
-            .cloned()
-            .unwrap_or_else(|| format!("input{k}"));
         // The emitter suffixes an aliased parameter's NEFF name; the graph input is the plain
         // name, so emit -> import is the identity.
         let name = match name.strip_suffix(MUST_ALIAS_SUFFIX) {
-            Some(base) if aliased.contains_key(&(k as i64)) => base.to_string(),
-            _ => name,
+            Some(base) if io.aliased[k] => base.to_string(),
+            _ => name.clone(),
         };
         let role = match attrs
             .and_then(|a| a.get(ROLE_ATTR))
@@ -258,7 +259,7 @@ pub fn import(m: &HloModuleProto) -> Result<Graph> {
         {
             Some(role @ (InputRole::Weight | InputRole::CacheRoot)) => role,
             // Metadata, or no role (a foreign module): an aliased parameter is a cache root.
-            _ if aliased.contains_key(&(k as i64)) => InputRole::CacheRoot,
+            _ if io.aliased[k] => InputRole::CacheRoot,
             _ => InputRole::Metadata,
         };
         let shape = Importer::shape(p)?;
@@ -281,28 +282,13 @@ pub fn import(m: &HloModuleProto) -> Result<Graph> {
         imp.values.insert(i.id, t);
     }
     let root = imp.inst(entry.root_id)?;
-    let names: Vec<String> = root
-        .frontend_attributes
-        .as_ref()
-        .and_then(|f| f.map.get(OUTPUT_NAMES_ATTR))
-        .map(|s| s.split(',').map(str::to_string).collect())
-        .unwrap_or_else(|| {
-            (0..root.operand_ids.len())
-                .map(|k| format!("output{k}"))
-                .collect()
-        });
     let outs: Vec<i64> = if root.opcode == opcodes::TUPLE {
         root.operand_ids.clone()
     } else {
         vec![root.id]
     };
-    if names.len() != outs.len() {
-        return Err(bad(format!(
-            "{OUTPUT_NAMES_ATTR} does not match the root tuple"
-        )));
-    }
     let by_output: HashMap<usize, i64> = aliased.iter().map(|(&p, &o)| (o, p)).collect();
-    for (k, (id, name)) in outs.iter().zip(names).enumerate() {
+    for (k, (id, name)) in outs.iter().zip(io.outputs).enumerate() {
         let v = imp.val(*id)?;
         match by_output.get(&k) {
             Some(&p) => {
