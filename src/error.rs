@@ -100,6 +100,10 @@ pub enum Error {
     /// tokens than rows, a bucket the runner was asked for but never captured.
     #[error("internal error: {0}")]
     Internal(String),
+    /// A collective of a tensor-parallel step failed: another rank failed the step, or a rank
+    /// never arrived within the group's timeout.
+    #[error("collective: {0}")]
+    Collective(String),
     /// An error inside candle-core while running a graph on the CPU.
     #[error("cpu backend: {0}")]
     Candle(#[from] candle_core::Error),
@@ -149,7 +153,7 @@ impl Error {
             }
             Error::Compile(_) => ErrorKind::Compile,
             Error::Neuron(e) if e.is_library_missing() => ErrorKind::Unavailable,
-            Error::Neuron(_) | Error::Device { .. } => ErrorKind::Device,
+            Error::Neuron(_) | Error::Device { .. } | Error::Collective(_) => ErrorKind::Device,
             Error::Engine(_) => ErrorKind::Internal,
         }
     }

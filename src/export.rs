@@ -304,9 +304,9 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
     std::fs::create_dir_all(out).map_err(io_err(out))?;
     let specs = WeightSpecs::new(&cfg, &precision);
     let moe = |rows: usize| {
-        cfg.routing
-            .as_ref()
-            .map_or(MoeStrategy::Dense, |r| MoeStrategy::for_tokens(r, rows))
+        cfg.routing.as_ref().map_or(MoeStrategy::Dense, |r| {
+            MoeStrategy::for_tokens(r, rows, specs.ranks())
+        })
     };
     let layout = model::CacheLayout {
         block_size: rc.block_size,
@@ -441,7 +441,7 @@ pub fn check_neuron(
     let mut rc = limits.runner_config(cfg)?;
     rc.kv_dtype = precision.kv_cache;
     rc.buckets.validate(rc.block_size)?;
-    let specs = WeightSpecs::new(cfg, &precision);
+    let specs = WeightSpecs::sharded(cfg, &precision, rc.tp)?;
     let layout = model::CacheLayout {
         block_size: rc.block_size,
         num_slots: rc.num_blocks * rc.block_size,
@@ -453,10 +453,9 @@ pub fn check_neuron(
             rows,
             ctx,
             logits: kind.device_logits(),
-            moe: cfg
-                .routing
-                .as_ref()
-                .map_or(MoeStrategy::Dense, |r| MoeStrategy::for_tokens(r, rows)),
+            moe: cfg.routing.as_ref().map_or(MoeStrategy::Dense, |r| {
+                MoeStrategy::for_tokens(r, rows, specs.ranks())
+            }),
         };
         let g = match kind {
             StepKind::Decode => model::build_decode(cfg, &specs, &layout, &spec)?,

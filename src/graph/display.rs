@@ -39,6 +39,12 @@ impl fmt::Display for Graph {
                 | Op::Gather { dim, .. } => write!(f, "({}) dim={dim}", operands.join(", "))?,
                 Op::TopK(_, k) => write!(f, "({}) k={k}", operands.join(", "))?,
                 Op::ScatterRows { col, .. } => write!(f, "({}) col={col}", operands.join(", "))?,
+                Op::AllReduce { op, ranks, .. } => {
+                    write!(f, "({}) {} ranks={ranks}", operands.join(", "), op.name())?
+                }
+                Op::AllGather { dim, ranks, .. } => {
+                    write!(f, "({}) dim={dim} ranks={ranks}", operands.join(", "))?
+                }
                 _ => write!(f, "({})", operands.join(", "))?,
             }
             writeln!(f, " : {} {}", node.shape, node.dtype)?;

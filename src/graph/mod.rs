@@ -147,6 +147,20 @@ impl Graph {
         self.0.outputs.iter().position(|o| o.name == name)
     }
 
+    /// The size of the tensor-parallel group the graph's collectives span: 1 for a graph
+    /// without collectives (what an executor must supply, see `backend::cpu::run_rank`).
+    pub fn ranks(&self) -> usize {
+        self.0
+            .nodes
+            .iter()
+            .filter_map(|n| match n.op {
+                Op::AllReduce { ranks, .. } | Op::AllGather { ranks, .. } => Some(ranks),
+                _ => None,
+            })
+            .max()
+            .unwrap_or(1)
+    }
+
     /// For each node, how many times later nodes and outputs read it: backends use this to free
     /// intermediates after their last use and to update cache roots in place.
     pub fn use_counts(&self) -> Vec<usize> {

@@ -345,6 +345,27 @@ pub enum Op {
         /// The new values, `[rows.len(), w]`.
         src: NodeId,
     },
+    /// Elementwise `op` (sum or max) of `x` over the `ranks` ranks of the tensor-parallel group
+    /// that runs the graph; every rank gets the same result. Sums add in rank order, so every
+    /// rank computes bit-identical values. HLO: `all-reduce` over one replica group.
+    AllReduce {
+        /// How values combine.
+        op: ReduceOp,
+        /// This rank's part.
+        x: NodeId,
+        /// Ranks in the group (the graph's tensor-parallel degree).
+        ranks: usize,
+    },
+    /// The `ranks` ranks' `x` joined along `dim` in rank order (the output's `dim` is `ranks`
+    /// times `x`'s). HLO: `all-gather` over one replica group.
+    AllGather {
+        /// This rank's part.
+        x: NodeId,
+        /// The dimension the parts are joined along.
+        dim: usize,
+        /// Ranks in the group.
+        ranks: usize,
+    },
 }
 
 impl Op {
@@ -372,6 +393,8 @@ impl Op {
             Op::IndexSelect { .. } => "index_select",
             Op::Gather { .. } => "gather",
             Op::ScatterRows { .. } => "scatter_rows",
+            Op::AllReduce { .. } => "all_reduce",
+            Op::AllGather { .. } => "all_gather",
         }
     }
 
@@ -387,7 +410,9 @@ impl Op {
             | Op::Slice { x, .. }
             | Op::Reduce(_, x, _)
             | Op::ArgMax(x, _)
-            | Op::TopK(x, _) => vec![*x],
+            | Op::TopK(x, _)
+            | Op::AllReduce { x, .. }
+            | Op::AllGather { x, .. } => vec![*x],
             Op::Binary(_, a, b) | Op::Compare(_, a, b) | Op::MatMul(a, b) => vec![*a, *b],
             Op::Select {
                 pred,

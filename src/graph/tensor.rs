@@ -672,4 +672,52 @@ impl Tensor {
             self.dtype,
         ))
     }
+
+    /// The elementwise sum (or max) of this value over the `ranks` ranks of the graph's
+    /// tensor-parallel group: how a rank's partial product (a head-split attention output, an
+    /// expert subset's contribution) becomes the full one. f32 or i32 only.
+    pub fn all_reduce(&self, op: ReduceOp, ranks: usize) -> Result<Tensor> {
+        if ranks == 0 || op == ReduceOp::Min || !matches!(self.dtype, DType::F32 | DType::I32) {
+            return Err(Error::shape(
+                "all_reduce",
+                format!(
+                    "{} of {} {} over {ranks} ranks (want sum or max of f32 or i32)",
+                    op.name(),
+                    self.shape,
+                    self.dtype
+                ),
+            ));
+        }
+        Ok(self.push(
+            Op::AllReduce {
+                op,
+                x: self.id,
+                ranks,
+            },
+            self.shape.clone(),
+            self.dtype,
+        ))
+    }
+
+    /// Every rank's value joined along `dim` in rank order: how vocabulary-split logits
+    /// become the whole row.
+    pub fn all_gather(&self, dim: usize, ranks: usize) -> Result<Tensor> {
+        if ranks == 0 || dim >= self.rank() {
+            return Err(Error::shape(
+                "all_gather",
+                format!("dim {dim} of {} over {ranks} ranks", self.shape),
+            ));
+        }
+        let mut d = self.shape.0.clone();
+        d[dim] *= ranks;
+        Ok(self.push(
+            Op::AllGather {
+                x: self.id,
+                dim,
+                ranks,
+            },
+            Shape(d),
+            self.dtype,
+        ))
+    }
 }

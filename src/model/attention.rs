@@ -44,7 +44,7 @@ fn queries(
     step: &AttnStep<'_>,
 ) -> Result<(Tensor, Tensor)> {
     let n = x.dim(0);
-    let heads = cfg.num_attention_heads;
+    let heads = w.heads(cfg);
     let q = match cfg.q_lora_rank {
         Some(_) => {
             let qa = linear(x, &w.get(&format!("{p}.q_a_proj.weight"))?)?;
@@ -116,7 +116,8 @@ fn masked_softmax(scores: &Tensor, visible: &Tensor) -> Result<Tensor> {
 }
 
 /// Decode attention for `b` sequences, one new token each (absorbed MLA). Returns the
-/// attention output `[b, hidden]` and the updated root.
+/// attention output `[b, hidden]` (this rank's heads' share of it under tensor parallelism)
+/// and the updated root.
 pub fn decode(
     cfg: &ModelConfig,
     w: &Weights,
@@ -127,7 +128,7 @@ pub fn decode(
 ) -> Result<(Tensor, Tensor)> {
     let p = format!("model.layers.{layer}.self_attn");
     let b = x.dim(0);
-    let heads = cfg.num_attention_heads;
+    let heads = w.heads(cfg);
     let (width, rank) = (cfg.kv_cache_width(), cfg.kv_lora_rank);
     let (q_nope, q_pe) = queries(cfg, w, &p, x, step)?;
     let root = write_cache(cfg, w, &p, layer, x, root, step)?;
@@ -156,7 +157,8 @@ pub fn decode(
 }
 
 /// Prefill attention for `n` tokens of one sequence (decompressed MLA). Returns the attention
-/// output `[n, hidden]` and the updated root.
+/// output `[n, hidden]` (this rank's heads' share under tensor parallelism) and the updated
+/// root.
 pub fn prefill(
     cfg: &ModelConfig,
     w: &Weights,
@@ -167,7 +169,7 @@ pub fn prefill(
 ) -> Result<(Tensor, Tensor)> {
     let p = format!("model.layers.{layer}.self_attn");
     let n = x.dim(0);
-    let heads = cfg.num_attention_heads;
+    let heads = w.heads(cfg);
     let (nope, rdim, vdim, rank) = (
         cfg.qk_nope_head_dim,
         cfg.qk_rope_head_dim,

@@ -34,13 +34,14 @@ pub mod params;
 pub mod precision;
 pub mod rope;
 pub mod sampling;
+pub mod shard;
 
 use std::cell::RefCell;
 use std::collections::HashMap;
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::graph::{DType, Graph, GraphBuilder, InputRole, Tensor};
+use crate::graph::{DType, Graph, GraphBuilder, InputRole, ReduceOp, Tensor};
 
 pub use moe::MoeStrategy;
 pub use params::{ModelWeights, WeightSpecs};
@@ -81,6 +82,42 @@ impl<'a> Weights<'a> {
             .borrow_mut()
             .insert(name.to_string(), t.clone());
         Ok(t)
+    }
+
+    /// The tensor-parallel degree of the weights (1: the whole model on one rank).
+    pub fn ranks(&self) -> usize {
+        self.specs.ranks()
+    }
+
+    /// The attention heads this rank computes.
+    pub fn heads(&self, cfg: &ModelConfig) -> usize {
+        cfg.num_attention_heads / self.ranks()
+    }
+
+    /// A rank's partial result (head-split attention, split MLP, its experts) summed over
+    /// the ranks; the value itself at one rank.
+    pub fn complete(&self, partial: Tensor) -> Result<Tensor> {
+        match self.ranks() {
+            1 => Ok(partial),
+            n => partial.all_reduce(ReduceOp::Sum, n),
+        }
+    }
+
+    /// For each of the `ids` (`[n]` or `[n, k]` i32, indices into a rank-split axis of
+    /// `local_len` per rank whose first index is offset `which` of [`shard::SHARD_OFFSETS`]):
+    /// the index into this rank's shard (0 where the id is another rank's) and whether it is
+    /// this rank's.
+    pub fn local_ids(
+        &self,
+        ids: &Tensor,
+        which: usize,
+        local_len: usize,
+    ) -> Result<(Tensor, Tensor)> {
+        let start = self.get(shard::SHARD_OFFSETS)?.narrow(0, which, 1)?;
+        let local = ids.broadcast_sub(&start)?;
+        let lo = local.ge(&local.full_like(0.0)?)?;
+        let mine = lo.where_cond(&local.lt(&local.full_like(local_len as f64)?)?, &lo)?;
+        Ok((mine.where_cond(&local, &local.full_like(0.0)?)?, mine))
     }
 }
 
@@ -220,16 +257,39 @@ fn decoder(
         )?;
         let (a, r) = attn(cfg, w, layer, &h, &root, step)?;
         root = r;
-        x = x.add(&a)?;
+        x = x.add(&w.complete(a)?)?;
         let h = ops::rms_norm(
             &x,
             &w.get(&format!("{p}.post_attention_layernorm.weight"))?,
             cfg.rms_norm_eps,
         )?;
-        x = x.add(&feed_forward(cfg, w, layer, &h, strategy)?)?;
+        x = x.add(&w.complete(feed_forward(cfg, w, layer, &h, strategy)?)?)?;
     }
     let x = ops::rms_norm(&x, &w.get("model.norm.weight")?, cfg.rms_norm_eps)?;
     Ok((x, root))
+}
+
+/// The f32 embeddings of `ids` (`[n]`). Split by vocabulary, a rank looks up the ids in its
+/// rows, zeroes the others, and the all-reduce fills them in.
+fn embed(w: &Weights, ids: &Tensor) -> Result<Tensor> {
+    let table = w.get("model.embed_tokens.weight")?;
+    if w.ranks() == 1 {
+        return table.index_select(ids, 0)?.to_dtype(DType::F32);
+    }
+    let (local, mine) = w.local_ids(ids, 0, table.dim(0))?;
+    let x = table.index_select(&local, 0)?.to_dtype(DType::F32)?;
+    let mine = mine.unsqueeze(1)?.broadcast_as(x.shape().clone())?;
+    w.complete(mine.where_cond(&x, &x.full_like(0.0)?)?)
+}
+
+/// The logits of the hidden states `x` (`[n, hidden]`) over the whole vocabulary: a rank's
+/// vocabulary slice, all-gathered when the LM head is split.
+fn lm_logits(cfg: &ModelConfig, w: &Weights, x: &Tensor) -> Result<Tensor> {
+    let logits = ops::linear(x, &w.get(ModelWeights::lm_head_name(cfg))?)?;
+    match w.ranks() {
+        1 => Ok(logits),
+        n => logits.all_gather(1, n),
+    }
 }
 
 /// Declares the per-row sampling inputs and samples from `logits`.
@@ -309,10 +369,7 @@ impl StepInputs {
             ctx_slots: &self.ctx_slots,
             visible,
         };
-        let x = w
-            .get("model.embed_tokens.weight")?
-            .index_select(&self.input_ids, 0)?
-            .to_dtype(DType::F32)?;
+        let x = embed(w, &self.input_ids)?;
         decoder(cfg, w, x, self.root.clone(), &step, attn, strategy)
     }
 }
@@ -334,7 +391,7 @@ pub fn build_decode(
     let j = b.iota([rows, ctx], DType::I32, 1)?;
     let visible = j.lt(&context_lens.unsqueeze(1)?)?;
     let (x, new_root) = s.forward(cfg, &w, &visible, attention::decode, spec.moe)?;
-    let logits = ops::linear(&x, &w.get(ModelWeights::lm_head_name(cfg))?)?;
+    let logits = lm_logits(cfg, &w, &x)?;
     let next = sample_rows(&b, &logits, &s.positions)?;
     b.output("next_tokens", &next)?;
     if spec.logits != LogitsOutput::None {
@@ -362,15 +419,14 @@ pub fn build_prefill(
     let j = b.iota([t, ctx], DType::I32, 1)?;
     let visible = j.le(&s.positions.unsqueeze(1)?)?;
     let (x, new_root) = s.forward(cfg, &w, &visible, attention::prefill, spec.moe)?;
-    let lm_head = w.get(ModelWeights::lm_head_name(cfg))?;
-    let last_logits = ops::linear(&x.index_select(&last_index, 0)?, &lm_head)?;
+    let last_logits = lm_logits(cfg, &w, &x.index_select(&last_index, 0)?)?;
     let last_pos = s.positions.index_select(&last_index, 0)?;
     let next = sample_rows(&b, &last_logits, &last_pos)?;
     b.output("next_tokens", &next)?;
     match spec.logits {
         LogitsOutput::None => {}
         LogitsOutput::Sampled => b.output("logits", &last_logits)?,
-        LogitsOutput::AllPositions => b.output("logits", &ops::linear(&x, &lm_head)?)?,
+        LogitsOutput::AllPositions => b.output("logits", &lm_logits(cfg, &w, &x)?)?,
     }
     b.output_aliased("kv_cache", &new_root, &s.root)?;
     b.finish()

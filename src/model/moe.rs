@@ -25,9 +25,10 @@ pub enum MoeStrategy {
 }
 
 impl MoeStrategy {
-    /// The cheaper strategy for `tokens` tokens: gather while it reads fewer experts.
-    pub fn for_tokens(routing: &RoutingConfig, tokens: usize) -> Self {
-        if tokens * routing.num_experts_per_tok <= routing.n_routed_experts {
+    /// The cheaper strategy for `tokens` tokens on a rank of a `ranks`-way tensor-parallel
+    /// model: gather while it reads fewer experts than the rank owns.
+    pub fn for_tokens(routing: &RoutingConfig, tokens: usize, ranks: usize) -> Self {
+        if tokens * routing.num_experts_per_tok <= routing.n_routed_experts / ranks.max(1) {
             MoeStrategy::Gather
         } else {
             MoeStrategy::Dense
@@ -102,7 +103,9 @@ pub fn route(
     Ok((ids, weights))
 }
 
-/// The MoE block on normalized hidden states `x` (`[T, H]`).
+/// The MoE block on normalized hidden states `x` (`[T, H]`). Under tensor parallelism a rank
+/// evaluates the selected experts it owns (routing is computed whole on every rank) and the
+/// shared experts' slice: its share of the block's output.
 pub fn moe(
     cfg: &ModelConfig,
     r: &RoutingConfig,
@@ -114,6 +117,14 @@ pub fn moe(
     let (ids, weights) = route(cfg, r, w, layer, x)?;
     let p = format!("model.layers.{layer}.mlp");
     let gate = Experts::new(w, &format!("{p}.experts.gate_proj"))?;
+    // Another rank's expert runs here as this rank's first one, with weight 0.
+    let (ids, weights) = match w.ranks() {
+        1 => (ids, weights),
+        _ => {
+            let (local, mine) = w.local_ids(&ids, 1, gate.dim(0))?;
+            (local, mine.where_cond(&weights, &weights.full_like(0.0)?)?)
+        }
+    };
     let up = Experts::new(w, &format!("{p}.experts.up_proj"))?;
     let down = Experts::new(w, &format!("{p}.experts.down_proj"))?;
     let routed = match strategy {

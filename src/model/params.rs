@@ -24,12 +24,14 @@ use crate::graph::DType;
 use crate::weights::{Checkpoint, Conversion};
 
 use super::precision::{Precision, Quantize};
+use super::shard::{self, Split};
 
 /// Shape and stored dtype of every parameter a graph may reference, by name.
 #[derive(Debug, Clone)]
 pub struct WeightSpecs {
     shapes: HashMap<String, Vec<usize>>,
     precision: Precision,
+    ranks: usize,
 }
 
 impl WeightSpecs {
@@ -115,7 +117,31 @@ impl WeightSpecs {
         WeightSpecs {
             shapes: m,
             precision: *precision,
+            ranks: 1,
         }
+    }
+
+    /// The parameters one rank of a `ranks`-way tensor-parallel model holds: every shape
+    /// divided as [`shard::split_of`] says, plus the rank's [`shard::SHARD_OFFSETS`]. Every
+    /// rank's shards have the same shapes, so one graph serves them all.
+    pub fn sharded(cfg: &ModelConfig, precision: &Precision, ranks: usize) -> Result<Self> {
+        shard::validate(cfg, ranks)?;
+        let mut specs = WeightSpecs::new(cfg, precision);
+        if ranks > 1 {
+            for (name, shape) in specs.shapes.iter_mut() {
+                *shape = shard::shard_shape(shape, shard::split_of(name), ranks);
+            }
+            specs
+                .shapes
+                .insert(shard::SHARD_OFFSETS.to_string(), vec![2]);
+        }
+        specs.ranks = ranks;
+        Ok(specs)
+    }
+
+    /// The tensor-parallel degree these shapes are one rank's share of (1: the whole model).
+    pub fn ranks(&self) -> usize {
+        self.ranks
     }
 
     /// The shape of a parameter, if the model has it.
@@ -126,7 +152,9 @@ impl WeightSpecs {
     /// The dtype parameter `name` is stored in: the router's weight and bias are f32 whatever
     /// the policy, and so are quantized experts' scales (see the module docs).
     pub fn dtype(&self, name: &str) -> DType {
-        if name.ends_with(".mlp.gate.weight")
+        if name == shard::SHARD_OFFSETS {
+            DType::I32
+        } else if name.ends_with(".mlp.gate.weight")
             || name.ends_with(".e_score_correction_bias")
             || name.ends_with("_proj_scale")
         {
@@ -252,6 +280,45 @@ impl ModelWeights {
                     .to_dtype(candle_dtype(specs.dtype(name)))?
             };
             tensors.insert(name.to_string(), t);
+        }
+        Ok(ModelWeights { tensors, specs })
+    }
+
+    /// Rank `rank`'s shards of these (whole-model) weights for a `ranks`-way tensor-parallel
+    /// model (see [`shard`]): row splits are views of the whole tensor (no copy), column
+    /// splits are copied.
+    pub fn shard(&self, cfg: &ModelConfig, rank: usize, ranks: usize) -> Result<Self> {
+        if self.specs.ranks != 1 || rank >= ranks {
+            return Err(Error::Internal(format!(
+                "shard {rank} of {ranks} of weights that are already a 1/{} shard",
+                self.specs.ranks
+            )));
+        }
+        let specs = WeightSpecs::sharded(cfg, &self.specs.precision, ranks)?;
+        let mut tensors = HashMap::with_capacity(self.tensors.len() + 1);
+        for (name, t) in &self.tensors {
+            let split = shard::split_of(name);
+            let dim = match split {
+                Split::Replicated => {
+                    tensors.insert(name.clone(), t.clone());
+                    continue;
+                }
+                Split::Rows => 0,
+                Split::Cols => t.rank() - 1,
+            };
+            let len = t.dim(dim)? / ranks;
+            tensors.insert(name.clone(), t.narrow(dim, rank * len, len)?.contiguous()?);
+        }
+        if ranks > 1 {
+            let experts = cfg.routing.as_ref().map_or(0, |r| r.n_routed_experts);
+            let offsets = [
+                (rank * cfg.vocab_size / ranks) as i32,
+                (rank * experts / ranks) as i32,
+            ];
+            tensors.insert(
+                shard::SHARD_OFFSETS.to_string(),
+                CTensor::new(&offsets, &Device::Cpu)?,
+            );
         }
         Ok(ModelWeights { tensors, specs })
     }

@@ -40,6 +40,9 @@ pub struct RunnerConfig {
     pub moe: Option<MoeStrategy>,
     /// The KV cache's element type (the precision policy's, see [`crate::model::precision`]).
     pub kv_dtype: DType,
+    /// The tensor-parallel degree: ranks (NeuronCores, or threads on the CPU) the model is
+    /// split over, each running the same graphs on its own shards (see `model::shard`).
+    pub tp: usize,
 }
 
 /// The largest ratio between neighbouring default context buckets (see
@@ -97,6 +100,7 @@ impl RunnerConfig {
             },
             moe: None,
             kv_dtype: DType::F32,
+            tp: 1,
         }
     }
 }

@@ -5,12 +5,18 @@
 //! the buckets and forgets the graphs of earlier captures; each graph is built the first time
 //! a step needs it and kept, because on the CPU building is cheap and a server configured for
 //! `--max-batch 32 --max-len 2048` would otherwise build a hundred graphs it may never run.
+//!
+//! With tensor parallelism (`tp > 1`) each rank holds its own weight shards and its own copy
+//! of the (replicated) KV root, and a step runs every rank's graph on its own thread; the
+//! graphs' collectives meet in one [`Group`]. This is the CPU meaning of a sharded graph: what
+//! nrt-sim runs per NeuronCore, and what the tests hold against `tp = 1` and transformers.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use candle_core::{Device, Tensor as CTensor};
 
-use crate::backend::cpu;
+use crate::backend::cpu::{self, Group, DEFAULT_COLLECTIVE_TIMEOUT};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::graph::{Graph, InputRole};
@@ -25,9 +31,15 @@ use super::{Backend, Buckets, Runner, RunnerConfig, Step, StepKind, StepOutput};
 pub struct CpuRunner {
     cfg: ModelConfig,
     specs: WeightSpecs,
-    weights: ModelWeights,
+    /// One set of weights per rank (the whole model at `tp = 1`).
+    weights: Vec<ModelWeights>,
     layout: CacheLayout,
-    root: CTensor,
+    /// One KV root per rank.
+    roots: Vec<CTensor>,
+    /// Where the ranks' collectives meet (`tp > 1`).
+    group: Option<Arc<Group>>,
+    /// Steps run so far: the step number the ranks' collectives are tagged with.
+    steps: u64,
     runner_cfg: RunnerConfig,
     graphs: HashMap<(StepKind, usize, usize, LogitsOutput), Graph>,
 }
@@ -43,7 +55,8 @@ impl std::fmt::Debug for CpuRunner {
 
 impl CpuRunner {
     /// A runner with a zeroed KV root sized by `runner_cfg`; not yet captured (see
-    /// [`super::open`], which captures).
+    /// [`super::open`], which captures). `weights` are the whole model's; with
+    /// `runner_cfg.tp > 1` each rank takes its shards of them.
     pub fn new(cfg: ModelConfig, weights: ModelWeights, runner_cfg: RunnerConfig) -> Result<Self> {
         runner_cfg.buckets.validate(runner_cfg.block_size)?;
         let layout = CacheLayout {
@@ -51,32 +64,51 @@ impl CpuRunner {
             num_slots: runner_cfg.num_blocks * runner_cfg.block_size,
             dtype: runner_cfg.kv_dtype,
         };
-        let root = CTensor::zeros(
-            (
-                layout.num_slots,
-                cfg.num_hidden_layers * cfg.kv_cache_width(),
-            ),
-            crate::backend::cpu::candle_dtype(runner_cfg.kv_dtype),
-            &Device::Cpu,
-        )?;
+        let tp = runner_cfg.tp;
+        let weights = match tp {
+            1 => vec![weights],
+            _ => (0..tp)
+                .map(|r| weights.shard(&cfg, r, tp))
+                .collect::<Result<Vec<_>>>()?,
+        };
+        let roots = (0..tp)
+            .map(|_| {
+                CTensor::zeros(
+                    (
+                        layout.num_slots,
+                        cfg.num_hidden_layers * cfg.kv_cache_width(),
+                    ),
+                    cpu::candle_dtype(runner_cfg.kv_dtype),
+                    &Device::Cpu,
+                )
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(CpuRunner {
-            specs: weights.specs().clone(),
+            specs: weights[0].specs().clone(),
             cfg,
             weights,
             layout,
-            root,
+            roots,
+            group: (tp > 1).then(|| Group::new(tp, DEFAULT_COLLECTIVE_TIMEOUT)),
+            steps: 0,
             runner_cfg,
             graphs: HashMap::new(),
         })
     }
 
-    /// The KV root (for tools that snapshot the cache, e.g. `deepinfer lower`).
+    /// Rank 0's KV root (for tools that snapshot the cache, e.g. `deepinfer lower`; every
+    /// rank's root holds the same values).
     pub fn kv_root(&self) -> &CTensor {
-        &self.root
+        &self.roots[0]
     }
 
-    /// The prepared weights.
+    /// Rank 0's prepared weights (the whole model at `tp = 1`).
     pub fn weights(&self) -> &ModelWeights {
+        &self.weights[0]
+    }
+
+    /// Every rank's prepared weights, in rank order.
+    pub fn rank_weights(&self) -> &[ModelWeights] {
         &self.weights
     }
 
@@ -114,17 +146,13 @@ impl CpuRunner {
         Ok(g)
     }
 
-    fn execute(
-        &mut self,
-        graph: &Graph,
-        metadata: &[HostArray],
-        real_rows: usize,
-    ) -> Result<StepOutput> {
+    /// Rank `rank`'s inputs for `graph`.
+    fn inputs(&self, graph: &Graph, metadata: &[HostArray], rank: usize) -> Result<Vec<CTensor>> {
         let mut inputs = Vec::with_capacity(graph.inputs().len());
         for decl in graph.inputs() {
             let t = match decl.role {
-                InputRole::Weight => self.weights.get(&decl.name)?.clone(),
-                InputRole::CacheRoot => self.root.clone(),
+                InputRole::Weight => self.weights[rank].get(&decl.name)?.clone(),
+                InputRole::CacheRoot => self.roots[rank].clone(),
                 InputRole::Metadata => {
                     let a = metadata
                         .iter()
@@ -143,7 +171,54 @@ impl CpuRunner {
             };
             inputs.push(t);
         }
-        let outputs = cpu::run(graph, &inputs)?;
+        Ok(inputs)
+    }
+
+    /// Runs `graph` (on every rank, each on its own thread, when `tp > 1`) and returns rank
+    /// 0's outputs; every rank samples the same tokens from the same gathered logits.
+    fn run(&mut self, graph: &Graph, metadata: &[HostArray]) -> Result<Vec<CTensor>> {
+        let Some(group) = self.group.clone() else {
+            return cpu::run(graph, &self.inputs(graph, metadata, 0)?);
+        };
+        let step = self.steps;
+        self.steps += 1;
+        let inputs = (0..group.size())
+            .map(|r| self.inputs(graph, metadata, r))
+            .collect::<Result<Vec<_>>>()?;
+        let mut outs = std::thread::scope(|s| {
+            let handles: Vec<_> = inputs
+                .iter()
+                .enumerate()
+                .map(|(r, inputs)| {
+                    let comm = group.rank(r);
+                    s.spawn(move || cpu::run_rank(graph, inputs, &comm?, step))
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join()
+                        .unwrap_or_else(|_| Err(Error::Internal("a rank's thread panicked".into())))
+                })
+                .collect::<Vec<_>>()
+        });
+        // The first rank's own failure names the cause; the others say another rank failed.
+        if let Some(i) = outs.iter().position(|o| {
+            o.as_ref()
+                .is_err_and(|e| !matches!(e, Error::Collective(_)))
+        }) {
+            return outs.swap_remove(i);
+        }
+        outs.swap_remove(0)
+    }
+
+    fn execute(
+        &mut self,
+        graph: &Graph,
+        metadata: &[HostArray],
+        real_rows: usize,
+    ) -> Result<StepOutput> {
+        let outputs = self.run(graph, metadata)?;
         let get = |name: &str| graph.output_index(name).map(|i| &outputs[i]);
         let next = get("next_tokens")
             .ok_or_else(|| Error::Binding {

@@ -294,7 +294,9 @@ impl DeviceRunner {
         match (&self.opts.neff, &self.cfg.routing) {
             // The simulator runs on the CPU backend, where the gather wins (see CpuRunner).
             (NeffSource::Sim(_), _) | (_, None) => MoeStrategy::Gather,
-            (NeffSource::Compile(_), Some(r)) => MoeStrategy::for_tokens(r, tokens),
+            (NeffSource::Compile(_), Some(r)) => {
+                MoeStrategy::for_tokens(r, tokens, self.runner_cfg.tp)
+            }
         }
     }
 

@@ -56,6 +56,8 @@ pub struct Limits {
     /// `--compile-timeout`: how long one neuronx-cc process may run (default
     /// [`crate::backend::neuron::compile::DEFAULT_TIMEOUT`]).
     pub compile_timeout: Option<Duration>,
+    /// `--tp`: the tensor-parallel degree (default 1).
+    pub tp: usize,
 }
 
 impl Limits {
@@ -68,6 +70,7 @@ impl Limits {
             prefill_chunk: None,
             precision: PrecisionChoice::default(),
             compile_timeout: None,
+            tp: 1,
         }
     }
 
@@ -90,8 +93,10 @@ impl Limits {
         if self.max_len == 0 {
             return Err(Error::InvalidInput("--max-len must be at least 1".into()));
         }
+        crate::model::shard::validate(cfg, self.tp)?;
         let max_len = self.max_len.min(cfg.max_position_embeddings);
         let mut rc = RunnerConfig::for_limits(self.max_batch, max_len);
+        rc.tp = self.tp;
         let longest = rc.buckets.max_len();
         if let Some(blocks) = self.kv_blocks {
             let one_sequence = longest.div_ceil(rc.block_size) + 1;

@@ -12,11 +12,13 @@
 //! *is* the input tensor and the cache is never copied per step.
 
 mod bytes;
+mod collective;
 mod kernels;
 mod matmul;
 mod threshold;
 
 pub use bytes::{tensor_from_bytes, with_tensor_bytes};
+pub use collective::{Group, RankComm, DEFAULT_COLLECTIVE_TIMEOUT};
 
 use candle_core::{DType as CDType, Device, Tensor as CTensor};
 
@@ -41,9 +43,59 @@ pub fn candle_dtype(dtype: DType) -> CDType {
 
 /// Runs `graph` on `inputs` (one tensor per declared input, in order) and returns one tensor per
 /// declared output. Cache-root inputs are updated in place; their aliased outputs are the same
-/// tensors.
+/// tensors. A graph with collectives needs [`run_rank`].
 pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
+    run_with(graph, inputs, None)
+}
+
+/// One rank's step of a tensor-parallel graph: [`run`], with the graph's collectives met with
+/// the other ranks of `comm`'s group as step number `step` (every rank numbers its steps
+/// alike, so a failure is confined to the step it happened in). A failure here fails the
+/// step on every rank.
+pub fn run_rank(
+    graph: &Graph,
+    inputs: &[CTensor],
+    comm: &RankComm,
+    step: u64,
+) -> Result<Vec<CTensor>> {
+    let out = run_with(graph, inputs, Some((comm, step)));
+    if let Err(e) = &out {
+        if !matches!(e, Error::Collective(_)) {
+            comm.fail(step, &e.to_string());
+        }
+    }
+    out
+}
+
+fn run_with(
+    graph: &Graph,
+    inputs: &[CTensor],
+    comm: Option<(&RankComm, u64)>,
+) -> Result<Vec<CTensor>> {
     check_inputs(graph, inputs)?;
+    let ranks = graph.ranks();
+    match comm {
+        None if ranks > 1 => {
+            return Err(Error::Binding {
+                name: graph.name().to_string(),
+                msg: format!(
+                    "the graph has collectives over {ranks} ranks; run it on each rank with \
+                     its group (run_rank)"
+                ),
+            })
+        }
+        Some((c, _)) if c.size() != ranks && ranks > 1 => {
+            return Err(Error::Binding {
+                name: graph.name().to_string(),
+                msg: format!(
+                    "the graph's collectives span {ranks} ranks, the group has {}",
+                    c.size()
+                ),
+            })
+        }
+        _ => {}
+    }
+    let comm_of = || comm.ok_or_else(|| Error::Internal("a collective without a group".into()));
     let plan = Plan::new(graph);
     let mut remaining = plan.use_counts.clone();
     let mut values: Vec<Option<CTensor>> = vec![None; graph.nodes().len()];
@@ -200,6 +252,14 @@ pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
                 let rows = get(*rows)?.contiguous()?;
                 target.inplace_op3(&rows, &src, &kernels::ScatterRowsInPlace { col: *col })?;
                 target
+            }
+            Op::AllReduce { op, x, .. } => {
+                let (c, step) = comm_of()?;
+                c.all_reduce(step, get(*x)?, *op)?
+            }
+            Op::AllGather { x, dim, .. } => {
+                let (c, step) = comm_of()?;
+                c.all_gather(step, get(*x)?, *dim)?
             }
         };
         values[i] = Some(value);

@@ -48,6 +48,10 @@ pub(super) const GET_TUPLE_ELEMENT: &str = "get-tuple-element";
 pub(super) const GATHER: &str = "gather";
 /// Windows written at an index array (`scatter_rows`).
 pub(super) const SCATTER: &str = "scatter";
+/// A sum or max over the replicas of a group, each getting the result (`all_reduce`).
+pub(super) const ALL_REDUCE: &str = "all-reduce";
+/// The replicas' operands joined along one dimension (`all_gather`).
+pub(super) const ALL_GATHER: &str = "all-gather";
 /// The entry computation's root: one element per graph output.
 pub(super) const TUPLE: &str = "tuple";
 

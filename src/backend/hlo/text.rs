@@ -78,6 +78,18 @@ pub fn render(m: &HloModuleProto) -> String {
                         .join(",")
                 ));
             }
+            if !i.replica_groups.is_empty() {
+                let groups: Vec<String> = i
+                    .replica_groups
+                    .iter()
+                    .map(|g| {
+                        let ids: Vec<String> =
+                            g.replica_ids.iter().map(|r| r.to_string()).collect();
+                        format!("{{{}}}", ids.join(","))
+                    })
+                    .collect();
+                attrs.push(format!("replica_groups={{{}}}", groups.join(",")));
+            }
             if !i.comparison_direction.is_empty() {
                 attrs.push(format!("direction={}", i.comparison_direction));
             }

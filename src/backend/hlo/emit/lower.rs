@@ -11,7 +11,7 @@
 use super::{array_shape, comparison_type, tuple_shape, Emitter, ScalarFn};
 use crate::backend::hlo::proto::{
     hlo_instruction_proto::SliceDimensions, DotDimensionNumbers, FrontendAttributes,
-    GatherDimensionNumbers, PrimitiveType, ScatterDimensionNumbers, ShapeProto,
+    GatherDimensionNumbers, PrimitiveType, ReplicaGroup, ScatterDimensionNumbers, ShapeProto,
 };
 use crate::backend::hlo::{literal, opcodes, primitive_type, INPUT_NAMES_ATTR, ROLE_ATTR};
 use crate::error::{Error, Result};
@@ -21,6 +21,15 @@ use crate::graph::{BinaryOp, CmpOp, DType, NodeId, Op, ReduceOp, UnaryOp};
 /// tables has an opcode or a composite lowering below (the round-trip tests cover each one).
 fn no_lowering(op: &'static str) -> Error {
     Error::Internal(format!("graph op `{op}` has no HLO lowering"))
+}
+
+/// The one replica group of a tensor-parallel graph: all `ranks` replicas (cross-replica mode:
+/// no channel id, replica ids rather than global device ids, as XLA and neuronx-cc read a
+/// module compiled with `num_replicas = ranks`).
+fn every_replica(ranks: usize) -> ReplicaGroup {
+    ReplicaGroup {
+        replica_ids: (0..ranks as i64).collect(),
+    }
 }
 
 impl Emitter<'_> {
@@ -125,6 +134,21 @@ impl Emitter<'_> {
             }
             Op::IndexSelect { x, ids, dim } => self.lower_index_select(*x, *ids, *dim, shape),
             Op::Gather { x, ids, dim } => self.lower_gather(*x, *ids, *dim, shape),
+            Op::AllReduce { op, x, ranks } => {
+                let x = v(x);
+                let comp = self.scalar_fn(ScalarFn::Combine(op.combiner()), t);
+                self.push(opcodes::ALL_REDUCE, shape, &[x], |i| {
+                    i.called_computation_ids = vec![comp];
+                    i.replica_groups = vec![every_replica(*ranks)];
+                })
+            }
+            Op::AllGather { x, dim, ranks } => {
+                let x = v(x);
+                self.push(opcodes::ALL_GATHER, shape, &[x], |i| {
+                    i.dimensions = vec![*dim as i64];
+                    i.replica_groups = vec![every_replica(*ranks)];
+                })
+            }
             Op::ScatterRows {
                 root,
                 rows,

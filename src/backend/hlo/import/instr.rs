@@ -35,6 +35,27 @@ impl<'m> Importer<'m> {
             .ok_or_else(|| bad(format!("{}: expected an s32 constant", i.name)))
     }
 
+    /// The group size of collective `i`: one group holding replicas `0..n` in order, the only
+    /// form the emitter writes (a tensor-parallel graph's every rank).
+    fn replicas(&self, i: &HloInstructionProto) -> Result<usize> {
+        match &i.replica_groups[..] {
+            [g] if g
+                .replica_ids
+                .iter()
+                .copied()
+                .eq(0..g.replica_ids.len() as i64)
+                && !g.replica_ids.is_empty() =>
+            {
+                Ok(g.replica_ids.len())
+            }
+            groups => Err(bad(format!(
+                "{}: replica groups {:?}: only one group of every replica in order is supported",
+                i.name,
+                groups.iter().map(|g| &g.replica_ids).collect::<Vec<_>>()
+            ))),
+        }
+    }
+
     /// Whether `multiply` instruction `i` is silu's `multiply(x, logistic(x))`, the one
     /// composite of the unary table.
     fn is_silu(&self, i: &HloInstructionProto) -> Result<bool> {
@@ -200,6 +221,20 @@ impl<'m> Importer<'m> {
                 let op = opcodes::reduction(combiner)
                     .ok_or_else(|| bad(format!("{}: reduce with {combiner}", i.name)))?;
                 x.reduce(op, d)?
+            }
+            opcodes::ALL_REDUCE => {
+                let combiner = self.called_root(i)?;
+                let op = opcodes::reduction(combiner)
+                    .ok_or_else(|| bad(format!("{}: all-reduce with {combiner}", i.name)))?;
+                x()?.all_reduce(op, self.replicas(i)?)?
+            }
+            opcodes::ALL_GATHER => {
+                let d = *i
+                    .dimensions
+                    .first()
+                    .ok_or_else(|| bad(format!("{}: no all-gather dimension", i.name)))?
+                    as usize;
+                x()?.all_gather(d, self.replicas(i)?)?
             }
             opcodes::SORT => {
                 // Only the (values, iota) descending sort of `topk`; resolved at its

@@ -1,0 +1,126 @@
+//! Tensor parallelism against transformers and against `tp = 1`: every fixture split over 2 and
+//! 4 ranks (each rank a thread of the CPU backend running its shards, collectives meeting in
+//! one group) gives transformers' logits at every position, its greedy continuation, and
+//! decode logits within 1e-4 of the unsplit model's, for both MoE strategies.
+
+mod common;
+
+use common::{fixture_dir, max_abs_diff, max_abs_diff_rows, reference, FIXTURES};
+use deepinfer::config::ModelConfig;
+use deepinfer::engine::{self, StopConditions};
+use deepinfer::model::{LogitsOutput, ModelWeights, MoeStrategy, Precision};
+use deepinfer::runner::step::{DecodeRow, SamplingParams};
+use deepinfer::runner::{self, Backend, Runner, RunnerConfig, Step};
+use deepinfer::weights::Checkpoint;
+
+const TOL: f32 = 1e-4;
+
+fn tp_runner(name: &str, tp: usize, max_batch: usize, moe: Option<MoeStrategy>) -> Box<dyn Runner> {
+    let dir = fixture_dir(name);
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let weights = ModelWeights::load(&cfg, &ckpt, &Precision::F32).unwrap();
+    let mut rc = RunnerConfig::for_limits(max_batch, 128);
+    rc.moe = moe;
+    rc.tp = tp;
+    runner::open_with_weights(Backend::Cpu, cfg, weights, rc).unwrap()
+}
+
+#[test]
+fn split_models_match_transformers_at_every_position_and_greedily() {
+    for name in FIXTURES {
+        let r = reference(name);
+        for tp in [2, 4] {
+            let mut run = tp_runner(name, tp, 1, None);
+            let logits = engine::score(&mut run, &r.token_ids).unwrap();
+            let worst = max_abs_diff_rows(&logits, &r.logits);
+            eprintln!("{name} tp {tp}: max |logit - transformers| = {worst:e}");
+            assert!(worst < TOL, "{name} tp {tp}: {worst}");
+            let stop = StopConditions {
+                max_tokens: r.greedy.generated_token_ids.len(),
+                stop_token_ids: vec![],
+            };
+            let got = engine::generate(
+                &mut run,
+                &r.greedy.prompt_token_ids,
+                SamplingParams::GREEDY,
+                &stop,
+            )
+            .unwrap();
+            assert_eq!(got, r.greedy.generated_token_ids, "{name} tp {tp}");
+        }
+    }
+}
+
+/// Four sequences decode the reference tokens in one batch, joining a step apart; every
+/// row's logits at `tp` must be within `TOL` of `tp = 1`'s and of transformers'.
+fn decode_batch_matches(name: &str, tp: usize, moe: MoeStrategy) {
+    let r = reference(name);
+    let mut one = tp_runner(name, 1, 4, Some(moe));
+    let mut split = tp_runner(name, tp, 4, Some(moe));
+    let mut alloc = common::allocator(&*one);
+    let rows = 4;
+    let mut tables: Vec<Vec<u32>> = vec![Vec::new(); rows];
+    let n = r.token_ids.len();
+    let (mut vs_one, mut vs_hf) = (0.0f32, 0.0f32);
+    for step in 0..n + rows - 1 {
+        let active: Vec<usize> = (0..rows).filter(|&i| step >= i && step - i < n).collect();
+        for &i in &active {
+            alloc.grow(&mut tables[i], step - i + 1).unwrap();
+        }
+        let batch: Vec<DecodeRow> = active
+            .iter()
+            .map(|&i| DecodeRow {
+                token: r.token_ids[step - i],
+                position: step - i,
+                blocks: &tables[i],
+                sampling: SamplingParams::GREEDY,
+            })
+            .collect();
+        let step_of = |run: &mut Box<dyn Runner>| {
+            run.replay(&Step::Decode {
+                rows: &batch,
+                logits: LogitsOutput::Sampled,
+            })
+            .unwrap()
+        };
+        let (a, b) = (step_of(&mut one), step_of(&mut split));
+        assert_eq!(a.next_tokens, b.next_tokens, "{name} tp {tp} step {step}");
+        for (row, &i) in active.iter().enumerate() {
+            let (a, b) = (
+                &a.logits.as_ref().unwrap()[row],
+                &b.logits.as_ref().unwrap()[row],
+            );
+            vs_one = vs_one.max(max_abs_diff(a, b));
+            vs_hf = vs_hf.max(max_abs_diff(b, &r.logits[step - i]));
+        }
+    }
+    eprintln!("{name} tp {tp} {moe:?}: vs tp 1 {vs_one:e}, vs transformers {vs_hf:e}");
+    assert!(
+        vs_one < TOL && vs_hf < TOL,
+        "{name} tp {tp} {moe:?}: {vs_one} / {vs_hf}"
+    );
+}
+
+#[test]
+fn split_decode_batches_match_the_unsplit_model_with_both_moe_strategies() {
+    for name in FIXTURES {
+        for tp in [2, 4] {
+            for moe in [MoeStrategy::Gather, MoeStrategy::Dense] {
+                decode_batch_matches(name, tp, moe);
+            }
+        }
+    }
+}
+
+#[test]
+fn a_degree_that_does_not_divide_the_model_is_refused_with_the_degrees_that_do() {
+    let dir = fixture_dir("tiny-v3");
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let mut limits = runner::Limits::new(1, 64);
+    for (tp, want) in [(8, "num_attention_heads (4)"), (3, "must be one of")] {
+        limits.tp = tp;
+        let err = limits.runner_config(&cfg).unwrap_err().to_string();
+        assert!(err.contains(want), "--tp {tp}: {err}");
+    }
+}
