@@ -17,6 +17,13 @@ pub const ENV_SLOW_EXECUTE_MS: &str = "NRT_SIM_SLOW_EXECUTE_MS";
 pub const ENV_FREE_EXECUTE: &str = "NRT_SIM_FREE_EXECUTE";
 /// `NRT_SIM_HBM_BYTES`: device memory per NeuronCore.
 pub const ENV_HBM_BYTES: &str = "NRT_SIM_HBM_BYTES";
+/// `NRT_SIM_COLLECTIVE_TIMEOUT_MS`: how long a rank waits at a collective for the others.
+pub const ENV_COLLECTIVE_TIMEOUT_MS: &str = "NRT_SIM_COLLECTIVE_TIMEOUT_MS";
+
+/// How long a rank waits at a collective unless `NRT_SIM_COLLECTIVE_TIMEOUT_MS` says otherwise:
+/// long enough for the slowest rank of a CPU-backend step, short enough that a rank that never
+/// executes fails the step instead of hanging it.
+pub const DEFAULT_COLLECTIVE_TIMEOUT: Duration = Duration::from_secs(120);
 
 /// Device memory per NeuronCore unless `NRT_SIM_HBM_BYTES` says otherwise: 16 GiB, a trn1
 /// NeuronCore's share of its Trainium chip ("32 GiB of device memory (for storing model state)"
@@ -36,6 +43,8 @@ pub(crate) struct Config {
     pub(crate) free_execute: bool,
     /// Device memory per NeuronCore, in bytes.
     pub(crate) hbm_bytes: u64,
+    /// How long a rank waits at a collective for the other ranks.
+    pub(crate) collective_timeout: Duration,
 }
 
 impl Default for Config {
@@ -46,6 +55,7 @@ impl Default for Config {
             slow_execute: None,
             free_execute: false,
             hbm_bytes: DEFAULT_HBM_BYTES,
+            collective_timeout: DEFAULT_COLLECTIVE_TIMEOUT,
         }
     }
 }
@@ -86,8 +96,21 @@ impl Config {
                 .filter(|&n| n > 0)
                 .ok_or_else(|| bad(ENV_HBM_BYTES, v, "a positive number of bytes"))?,
         };
+        let collective_timeout = match get(ENV_COLLECTIVE_TIMEOUT_MS).as_deref().map(str::trim) {
+            None | Some("") => DEFAULT_COLLECTIVE_TIMEOUT,
+            Some(v) => Duration::from_millis(v.parse::<u64>().ok().filter(|&n| n > 0).ok_or_else(
+                || {
+                    bad(
+                        ENV_COLLECTIVE_TIMEOUT_MS,
+                        v,
+                        "a positive number of milliseconds",
+                    )
+                },
+            )?),
+        };
         Ok(Config {
             hbm_bytes,
+            collective_timeout,
             fail_execute: nth(ENV_FAIL_EXECUTE)?,
             fail_load: nth(ENV_FAIL_LOAD)?,
             slow_execute: slow,

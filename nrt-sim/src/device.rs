@@ -80,22 +80,33 @@ fn write_output(desc: &IoDesc, t: &CTensor, to: &Bound) -> Res<()> {
 ///
 /// An error from the CPU backend (say, a token id outside the vocabulary reaching an
 /// embedding lookup) is `NRT_EXEC_BAD_INPUT`: on a device, that is input the NEFF cannot
-/// execute correctly on.
+/// execute correctly on. A rank of a collectives group (`rank`: its handle and step) runs
+/// with [`cpu::run_rank`]; a collective that failed (another rank's failure, a rank that
+/// never came) is `NRT_EXEC_HW_ERR_COLLECTIVES`.
 pub(crate) fn run(
     graph: &Graph,
     inputs: &[IoDesc],
     outputs: &[IoDesc],
     bound_in: &[Bound],
     bound_out: &[Bound],
+    rank: Option<&(cpu::RankComm, u64)>,
 ) -> Res<()> {
     let tensors = inputs
         .iter()
         .zip(bound_in)
         .map(|(d, b)| to_candle(d, &lock_bytes(&b.storage)[b.offset..b.offset + b.size]))
         .collect::<Res<Vec<_>>>()?;
-    let results = cpu::run(graph, &tensors).map_err(|e| {
+    let results = match rank {
+        None => cpu::run(graph, &tensors),
+        Some((comm, step)) => cpu::run_rank(graph, &tensors, comm, *step),
+    }
+    .map_err(|e| {
+        let status = match e {
+            deepinfer::Error::Collective(_) => sys::NRT_EXEC_HW_ERR_COLLECTIVES,
+            _ => sys::NRT_EXEC_BAD_INPUT,
+        };
         Fail::new(
-            sys::NRT_EXEC_BAD_INPUT,
+            status,
             format!("the CPU backend failed on model `{}`: {e}", graph.name()),
         )
     })?;

@@ -39,6 +39,7 @@
 
 use std::sync::Arc;
 
+use deepinfer::backend::cpu::RankComm;
 use deepinfer::graph::Graph;
 use neuron_sys::sys;
 
@@ -180,10 +181,40 @@ fn plan(model: Handle, input_set: Handle, output_set: Handle) -> Res<Plan> {
     Ok(plan)
 }
 
+/// For a rank of a collectives group: its handle on the group and the step this execution is
+/// (counted per model, so every rank of a group numbers the same execution alike).
+fn take_step(model: Handle) -> Option<(RankComm, u64)> {
+    let mut st = state();
+    let seat = st.models.get_mut(model).ok()?.rank.as_mut()?;
+    let step = seat.steps;
+    seat.steps += 1;
+    Some((seat.comm.clone(), step))
+}
+
 /// Runs the model on the tensors bound in `input_set` and `output_set`. A binding error
 /// (unbound, wrong size: `NRT_INVALID`; freed: `NRT_INVALID_HANDLE`) and an injected fault
 /// write nothing; an error of the CPU backend is `NRT_EXEC_BAD_INPUT`.
+///
+/// A rank of a collectives group meets the other ranks at each collective of the graph. When
+/// its execution fails for any reason (those above included), the step fails on every rank:
+/// ranks waiting at a collective return at once with `NRT_EXEC_HW_ERR_COLLECTIVES`, as do
+/// ranks that arrive later; a rank that never arrives fails the step after
+/// `NRT_SIM_COLLECTIVE_TIMEOUT_MS`. The next execution starts clean.
 pub(crate) fn execute(model: Handle, input_set: Handle, output_set: Handle) -> Res<()> {
+    let rank = take_step(model);
+    let result = execute_step(model, input_set, output_set, rank.as_ref());
+    if let (Err(e), Some((comm, step))) = (&result, &rank) {
+        comm.fail(*step, &e.to_string());
+    }
+    result
+}
+
+fn execute_step(
+    model: Handle,
+    input_set: Handle,
+    output_set: Handle,
+    rank: Option<&(RankComm, u64)>,
+) -> Res<()> {
     let p = plan(model, input_set, output_set)?;
     if let Some(d) = p.config.slow_execute {
         std::thread::sleep(d);
@@ -191,7 +222,14 @@ pub(crate) fn execute(model: Handle, input_set: Handle, output_set: Handle) -> R
     if !p.config.free_execute {
         // Straight from and into the bound storage: no snapshot of the inputs (see the module
         // docs for why that is now safe, and what an aliased output means).
-        device::run(&p.graph, &p.inputs, &p.outputs, &p.bound_in, &p.bound_out)?;
+        device::run(
+            &p.graph,
+            &p.inputs,
+            &p.outputs,
+            &p.bound_in,
+            &p.bound_out,
+            rank,
+        )?;
     }
     let mut st = state();
     *st.stats.executions.entry(p.name).or_default() += 1;

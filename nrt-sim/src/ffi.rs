@@ -25,9 +25,9 @@ use neuron_sys::sys::{
 
 use crate::boundary::{catch, guard, guard_tallied, guard_value, guard_void, non_null, Tally};
 use crate::c_text::opt_str;
-use crate::fail::{Fail, Res};
+use crate::fail::Fail;
 use crate::handle::Handle;
-use crate::identity::{TOTAL_NC_COUNT, VISIBLE_NC_COUNT};
+use crate::identity::nc_count;
 use crate::tensor::{Io, Window};
 use crate::{execute, model, runtime, tensor, tensor_set};
 
@@ -62,7 +62,7 @@ pub unsafe extern "C" fn nrt_close() {
     guard_void("nrt_close", runtime::close)
 }
 
-/// Total NeuronCores: always [`TOTAL_NC_COUNT`]. Callable before `nrt_init`.
+/// Total NeuronCores: [`nc_count`] (`NRT_SIM_NC_COUNT`, default 2). Callable before `nrt_init`.
 ///
 /// # Safety
 ///
@@ -72,12 +72,12 @@ pub unsafe extern "C" fn nrt_get_total_nc_count(vnc_count: *mut u32) -> NRT_STAT
     guard("nrt_get_total_nc_count", || {
         non_null(vnc_count, "vnc_count")?;
         // SAFETY: non-null and writable (the caller's contract).
-        unsafe { vnc_count.write(TOTAL_NC_COUNT) };
+        unsafe { vnc_count.write(nc_count()) };
         Ok(())
     })
 }
 
-/// Visible NeuronCores: always [`VISIBLE_NC_COUNT`]. Callable before `nrt_init`.
+/// Visible NeuronCores: [`nc_count`] (all of them). Callable before `nrt_init`.
 ///
 /// # Safety
 ///
@@ -87,7 +87,7 @@ pub unsafe extern "C" fn nrt_get_visible_nc_count(vnc_count: *mut u32) -> NRT_ST
     guard("nrt_get_visible_nc_count", || {
         non_null(vnc_count, "vnc_count")?;
         // SAFETY: non-null and writable (the caller's contract).
-        unsafe { vnc_count.write(VISIBLE_NC_COUNT) };
+        unsafe { vnc_count.write(nc_count()) };
         Ok(())
     })
 }
@@ -163,18 +163,20 @@ unsafe fn load_shell(
     vnc: i32,
     vnc_count: i32,
     model: *mut *mut nrt_model_t,
-    check_context: impl FnOnce() -> Res<()>,
+    collectives: Option<model::CollectivesContext>,
 ) -> NRT_STATUS {
     guard_tallied(call, Tally::Load, || {
         non_null(model, "model")?;
-        check_context()?;
+        if let Some(c) = collectives {
+            model::check_collectives_context(c.device_id, c.device_count)?;
+        }
         if neff_bytes.is_null() || size == 0 {
             return Err(Fail::invalid("the NEFF is empty"));
         }
         // SAFETY: non-null, and readable for `size` bytes for the whole call (the caller's
         // contract); it is only read, and not kept after the call.
         let neff = unsafe { std::slice::from_raw_parts(neff_bytes.cast::<u8>(), size) };
-        let h = model::load(neff, vnc, vnc_count)?;
+        let h = model::load(neff, vnc, vnc_count, collectives)?;
         // SAFETY: non-null and writable (the caller's contract).
         unsafe { model.write(h.to_ptr()) };
         Ok(())
@@ -201,15 +203,15 @@ pub unsafe extern "C" fn nrt_load(
     model: *mut *mut nrt_model_t,
 ) -> NRT_STATUS {
     // SAFETY: the same contract.
-    unsafe {
-        load_shell("nrt_load", neff_bytes, size, vnc, vnc_count, model, || {
-            Ok(())
-        })
-    }
+    unsafe { load_shell("nrt_load", neff_bytes, size, vnc, vnc_count, model, None) }
 }
 
-/// [`nrt_load`] for a collectives NEFF. nrt-sim has no collectives: the context arguments
-/// are only checked (`ctx_device_id < ctx_device_count`).
+/// [`nrt_load`] for a collectives NEFF: rank `ctx_device_id` of `ctx_device_count`. The models
+/// of one graph loaded for the same device count form a group; an execution of one rank
+/// blocks at each collective until every rank of the group executes the same step, and a
+/// failure on one rank fails that step on all (see `execute`). Needs `NEURON_RT_ROOT_COMM_ID`
+/// (`host:port`), as libnrt does; `ctx_device_id < ctx_device_count`, and a graph with
+/// collectives must have `ctx_device_count` replicas.
 ///
 /// # Safety
 ///
@@ -233,7 +235,10 @@ pub unsafe extern "C" fn nrt_load_collectives(
             vnc,
             vnc_count,
             model,
-            || model::check_collectives_context(ctx_device_id, ctx_device_count),
+            Some(model::CollectivesContext {
+                device_id: ctx_device_id,
+                device_count: ctx_device_count,
+            }),
         )
     }
 }
@@ -289,7 +294,7 @@ pub unsafe extern "C" fn nrt_free_model_tensor_info(
 // === Tensors ===
 
 /// Allocates `size` bytes filled with [`crate::FILL_BYTE`] (device memory is not cleared).
-/// Device placement needs a visible core (`0 .. VISIBLE_NC_COUNT`) with room in its HBM
+/// Device placement needs a visible core (`0 .. nc_count()`, see `NRT_SIM_NC_COUNT`) with room in its HBM
 /// (`NRT_SIM_HBM_BYTES`, else `NRT_RESOURCE`); host and virtual placements ignore `vnc`. The
 /// name (optional) is the key of the byte counters. Out of host memory is `NRT_RESOURCE`.
 ///

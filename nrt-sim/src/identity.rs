@@ -18,10 +18,29 @@ pub const VERSION_DETAIL: &str = concat!(
     env!("CARGO_PKG_VERSION"),
     ": deepinfer HLO on the CPU backend"
 );
-/// NeuronCores on the simulated instance.
-pub const TOTAL_NC_COUNT: u32 = 2;
-/// NeuronCores visible to this process (core indices `0..2`).
-pub const VISIBLE_NC_COUNT: u32 = 2;
+/// `NRT_SIM_NC_COUNT`: the simulated instance's NeuronCores, read once per process (the count
+/// calls work before `nrt_init`, so it cannot wait for `nrt_init`'s configuration).
+pub const ENV_NC_COUNT: &str = "NRT_SIM_NC_COUNT";
+/// NeuronCores unless `NRT_SIM_NC_COUNT` says otherwise: a trn1.2xlarge's 2.
+pub const DEFAULT_NC_COUNT: u32 = 2;
+/// The most NeuronCores `NRT_SIM_NC_COUNT` may ask for (a trn2.48xlarge's 64 logical cores;
+/// a trn1.32xlarge has 32).
+pub const MAX_NC_COUNT: u32 = 64;
+
+static NC_COUNT: std::sync::LazyLock<u32> = std::sync::LazyLock::new(|| {
+    std::env::var(ENV_NC_COUNT)
+        .ok()
+        .and_then(|v| v.trim().parse::<u32>().ok())
+        .filter(|n| (1..=MAX_NC_COUNT).contains(n))
+        .unwrap_or(DEFAULT_NC_COUNT)
+});
+
+/// NeuronCores on the simulated instance: `NRT_SIM_NC_COUNT` (1 to [`MAX_NC_COUNT`]) as the
+/// process first read it, else [`DEFAULT_NC_COUNT`]. All of them are visible (core indices
+/// `0..n`).
+pub fn nc_count() -> u32 {
+    *NC_COUNT
+}
 
 /// The `nrt_dtype_t` code nrt-sim reports for a graph dtype: the hardware-code encoding
 /// (`neuron_sys::sys::dtype::hw`). `Bool` (HLO `pred`, one byte) is reported as UINT8.

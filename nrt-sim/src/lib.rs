@@ -51,7 +51,7 @@
 //! | Call | Answer |
 //! |---|---|
 //! | `nrt_get_version` | [`VERSION`] = 2.34.0.0, `git_hash` `"nrt-sim"`, `rt_detail` naming the crate |
-//! | `nrt_get_{total,visible}_{nc,vnc}_count` | [`TOTAL_NC_COUNT`] = [`VISIBLE_NC_COUNT`] = 2 |
+//! | `nrt_get_{total,visible}_{nc,vnc}_count` | [`nc_count`]: `NRT_SIM_NC_COUNT` (1 to 64), default 2 (a trn1.2xlarge) |
 //! | `nrt_get_model_tensor_info` | inputs (usage input, parameter order) then outputs (usage output, result order): name, bytes, dtype code, shape |
 //! | `nrt_get_status_as_str` | the name from neuron-sys's status table, or `NRT_STATUS_UNKNOWN` |
 //!
@@ -182,7 +182,8 @@ pub use config::{
 pub use counters::{CoreMemory, Counters, Live, ModelCounters};
 pub use fault_child::{is_fault_child, run_test_in_child, CHILD_ENV};
 pub use identity::{
-    dtype_code, TOTAL_NC_COUNT, VERSION, VERSION_DETAIL, VERSION_GIT_HASH, VISIBLE_NC_COUNT,
+    dtype_code, nc_count, DEFAULT_NC_COUNT, ENV_NC_COUNT, MAX_NC_COUNT, VERSION, VERSION_DETAIL,
+    VERSION_GIT_HASH,
 };
 pub use reader::{library_next_to_current_exe, Error, SimLibrary};
 pub use tensor::FILL_BYTE;

@@ -2,6 +2,9 @@
 //! a graph, and the I/O names the stand-in compiler gave it), unloading, and the tensor-info
 //! arrays that describe a model's inputs and outputs.
 
+use std::sync::Arc;
+
+use deepinfer::backend::cpu::Group;
 use deepinfer::backend::hlo::import::import_bytes;
 use deepinfer::backend::neuron::sim_neff::{SimNeff, SimNeffError};
 use neuron_sys::sys::{self, nrt_tensor_info_array_t};
@@ -9,17 +12,35 @@ use neuron_sys::sys::{self, nrt_tensor_info_array_t};
 use crate::config::ENV_FAIL_LOAD;
 use crate::fail::{Fail, Res};
 use crate::handle::{Handle, Kind};
-use crate::identity::VISIBLE_NC_COUNT;
+use crate::identity::nc_count;
 use crate::model_io::{describe, InfoArray, IoDesc};
-use crate::state::{state, ModelEntry};
+use crate::state::{state, ModelEntry, RankSeat};
+
+/// The collectives context `nrt_load_collectives` was given: this rank's global device id and
+/// the number of ranks.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct CollectivesContext {
+    pub(crate) device_id: u32,
+    pub(crate) device_count: u32,
+}
 
 /// Loads `neff` on cores `vnc .. vnc + vnc_count` (`-1`: core 0, the first free one, as libnrt
 /// picks). A core outside the visible ones is `NRT_LOAD_NOT_ENOUGH_NC`; bytes that are not an
 /// nrt-sim NEFF (raw HLO included) or whose HLO cannot run are `NRT_INVALID`, a container of
 /// another format version `NRT_UNSUPPORTED_NEFF_VERSION`; the load chosen by `NRT_SIM_FAIL_LOAD`
 /// is `NRT_RESOURCE`.
-pub(crate) fn load(neff: &[u8], vnc: i32, vnc_count: i32) -> Res<Handle> {
-    let visible = VISIBLE_NC_COUNT as i64;
+///
+/// A graph with collectives must come through `nrt_load_collectives` (`collectives`), with a
+/// device count equal to its replica count and `NEURON_RT_ROOT_COMM_ID` set, as libnrt needs to
+/// bootstrap its collectives; each rank's model takes the seat of its device id in the group of
+/// models of the same graph and device count (`NRT_INVALID` if that seat is taken).
+pub(crate) fn load(
+    neff: &[u8],
+    vnc: i32,
+    vnc_count: i32,
+    collectives: Option<CollectivesContext>,
+) -> Res<Handle> {
+    let visible = i64::from(nc_count());
     if vnc < -1 || i64::from(vnc) >= visible {
         return Err(Fail::new(
             sys::NRT_LOAD_NOT_ENOUGH_NC,
@@ -52,6 +73,7 @@ pub(crate) fn load(neff: &[u8], vnc: i32, vnc_count: i32) -> Res<Handle> {
         ))
     })?;
     let (inputs, outputs) = describe(&graph, &container.inputs, &container.outputs)?;
+    check_collectives(&graph, collectives)?;
     let mut st = state();
     st.require_running("nrt_load")?;
     st.loads_since_init += 1;
@@ -65,6 +87,10 @@ pub(crate) fn load(neff: &[u8], vnc: i32, vnc_count: i32) -> Res<Handle> {
         ));
     }
     let name = graph.name().to_string();
+    let rank = match collectives {
+        Some(ctx) => Some(seat(&st, &name, ctx)?),
+        None => None,
+    };
     let h = st
         .models
         .insert(ModelEntry {
@@ -74,14 +100,15 @@ pub(crate) fn load(neff: &[u8], vnc: i32, vnc_count: i32) -> Res<Handle> {
             inputs,
             outputs,
             executions: 0,
+            rank,
         })
         .ok_or_else(|| Fail::new(sys::NRT_RESOURCE, "too many models"))?;
     st.stats.loads += 1;
     Ok(h)
 }
 
-/// The collectives context of `nrt_load_collectives`, which nrt-sim only checks: the device
-/// must be one of the `ctx_device_count`.
+/// The collectives context of `nrt_load_collectives`: the device must be one of the
+/// `ctx_device_count`.
 pub(crate) fn check_collectives_context(ctx_device_id: u32, ctx_device_count: u32) -> Res<()> {
     if ctx_device_id >= ctx_device_count {
         return Err(Fail::invalid(format!(
@@ -89,6 +116,77 @@ pub(crate) fn check_collectives_context(ctx_device_id: u32, ctx_device_count: u3
         )));
     }
     Ok(())
+}
+
+/// `NEURON_RT_ROOT_COMM_ID`: where libnrt's collectives bootstrap (`host:port` of rank 0).
+pub const ENV_ROOT_COMM_ID: &str = "NEURON_RT_ROOT_COMM_ID";
+
+/// A graph's collectives and the way it is loaded must agree: collectives need
+/// `nrt_load_collectives` with as many devices as the graph's replicas, and the root
+/// communicator's address.
+fn check_collectives(graph: &deepinfer::graph::Graph, ctx: Option<CollectivesContext>) -> Res<()> {
+    let ranks = graph.ranks();
+    match ctx {
+        None if ranks > 1 => Err(Fail::invalid(format!(
+            "model `{}` has collectives over {ranks} ranks: load it with nrt_load_collectives",
+            graph.name()
+        ))),
+        None => Ok(()),
+        Some(c) => {
+            if ranks > 1 && ranks != c.device_count as usize {
+                return Err(Fail::invalid(format!(
+                    "model `{}` has collectives over {ranks} ranks but was loaded with \
+                     ctx_device_count {}",
+                    graph.name(),
+                    c.device_count
+                )));
+            }
+            let root = std::env::var(ENV_ROOT_COMM_ID).unwrap_or_default();
+            let valid = root
+                .rsplit_once(':')
+                .is_some_and(|(host, port)| !host.is_empty() && port.parse::<u16>().is_ok());
+            if !valid {
+                return Err(Fail::invalid(format!(
+                    "{ENV_ROOT_COMM_ID}={root:?}: collectives need the host:port of rank 0's \
+                     root communicator (for one instance, e.g. localhost:61234)"
+                )));
+            }
+            Ok(())
+        }
+    }
+}
+
+/// The seat of device `ctx.device_id` in the group of models named `name` loaded for
+/// `ctx.device_count` devices: a new group for the first rank loaded, the existing one for the
+/// others.
+fn seat(st: &crate::state::State, name: &str, ctx: CollectivesContext) -> Res<RankSeat> {
+    let mut group = None;
+    for (_, m) in st.models.iter() {
+        let Some(r) = m
+            .rank
+            .as_ref()
+            .filter(|r| m.name == name && r.comm.size() == ctx.device_count as usize)
+        else {
+            continue;
+        };
+        if r.device_id == ctx.device_id {
+            return Err(Fail::invalid(format!(
+                "model `{name}` is already loaded for device {} of {}",
+                ctx.device_id, ctx.device_count
+            )));
+        }
+        group = Some(Arc::clone(r.comm.group()));
+    }
+    let group = group
+        .unwrap_or_else(|| Group::new(ctx.device_count as usize, st.config.collective_timeout));
+    let comm = group
+        .rank(ctx.device_id as usize)
+        .map_err(|e| Fail::invalid(e.to_string()))?;
+    Ok(RankSeat {
+        comm,
+        device_id: ctx.device_id,
+        steps: 0,
+    })
 }
 
 /// Unloads a model; its handle goes stale.

@@ -17,6 +17,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard, PoisonError};
 
+use deepinfer::backend::cpu::RankComm;
 use deepinfer::graph::Graph;
 use neuron_sys::sys;
 
@@ -24,7 +25,7 @@ use crate::config::Config;
 use crate::counters::{CoreMemory, Counters, Live, ModelCounters};
 use crate::fail::{Fail, Res};
 use crate::handle::{Handle, Kind, Slab};
-use crate::identity::VISIBLE_NC_COUNT;
+use crate::identity::{nc_count, MAX_NC_COUNT};
 use crate::model_io::{InfoArray, IoDesc};
 
 // === Objects ===
@@ -32,11 +33,11 @@ use crate::model_io::{InfoArray, IoDesc};
 /// Device memory in use per NeuronCore (bytes of live device storage), kept beside the storage
 /// that frees it on drop (see [`Storage`]) rather than in the locked state: the last view of a
 /// storage may be dropped by an execution that holds no lock.
-static HBM_USED: [AtomicU64; VISIBLE_NC_COUNT as usize] =
-    [const { AtomicU64::new(0) }; VISIBLE_NC_COUNT as usize];
+static HBM_USED: [AtomicU64; MAX_NC_COUNT as usize] =
+    [const { AtomicU64::new(0) }; MAX_NC_COUNT as usize];
 /// The highest [`HBM_USED`] since load or the last counters reset, per NeuronCore.
-static HBM_PEAK: [AtomicU64; VISIBLE_NC_COUNT as usize] =
-    [const { AtomicU64::new(0) }; VISIBLE_NC_COUNT as usize];
+static HBM_PEAK: [AtomicU64; MAX_NC_COUNT as usize] =
+    [const { AtomicU64::new(0) }; MAX_NC_COUNT as usize];
 
 /// Reserves `size` bytes of `core`'s device memory of `capacity`, or says how much is in use.
 pub(crate) fn reserve_hbm(core: u32, size: u64, capacity: u64) -> Result<(), u64> {
@@ -101,6 +102,18 @@ pub(crate) struct ModelEntry {
     pub(crate) inputs: Vec<IoDesc>,
     pub(crate) outputs: Vec<IoDesc>,
     pub(crate) executions: u64,
+    /// For a model loaded with `nrt_load_collectives`: its seat in the group of ranks that
+    /// load the same graph with the same device count.
+    pub(crate) rank: Option<RankSeat>,
+}
+
+/// One rank of a collectives group: its handle on the group's meetings, its global device id,
+/// and how many executions were asked of it (the step number its collectives are tagged with;
+/// every rank of a group is asked the same executions in the same order).
+pub(crate) struct RankSeat {
+    pub(crate) comm: RankComm,
+    pub(crate) device_id: u32,
+    pub(crate) steps: u64,
 }
 
 /// Where the runtime is in its lifetime.
@@ -258,7 +271,7 @@ impl State {
             invalid_handle_uses: s.invalid_handle_uses,
             last_error: s.last_error.clone(),
             live_at_last_close: s.live_at_last_close.clone(),
-            hbm: (0..VISIBLE_NC_COUNT)
+            hbm: (0..nc_count())
                 .map(|core| CoreMemory {
                     core,
                     used: HBM_USED[core as usize].load(Ordering::SeqCst),

@@ -8,7 +8,7 @@ use neuron_sys::sys::{self, nrt_tensor_placement_t};
 
 use crate::fail::{Fail, Res};
 use crate::handle::{Handle, Kind};
-use crate::identity::VISIBLE_NC_COUNT;
+use crate::identity::nc_count;
 use crate::state::{lock_bytes, release_hbm, reserve_hbm, state, Storage, TensorEntry};
 
 /// What every byte of a fresh allocation holds until it is written: real device memory is not
@@ -41,9 +41,10 @@ pub(crate) fn allocate(
 ) -> Res<Handle> {
     match placement {
         sys::NRT_TENSOR_PLACEMENT_DEVICE => {
-            if vnc < 0 || vnc as u32 >= VISIBLE_NC_COUNT {
+            if vnc < 0 || vnc as u32 >= nc_count() {
                 return Err(Fail::invalid(format!(
-                    "device tensor on NeuronCore {vnc}; {VISIBLE_NC_COUNT} are visible"
+                    "device tensor on NeuronCore {vnc}; {} are visible",
+                    nc_count()
                 )));
             }
         }

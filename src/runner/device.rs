@@ -77,11 +77,33 @@ pub enum MetadataSource {
 pub struct DeviceOptions {
     /// How NEFFs are made.
     pub neff: NeffSource,
-    /// The NeuronCore (relative to the visible set) models and tensors live on.
+    /// The first NeuronCore (relative to the visible set) models and tensors live on; with
+    /// tensor parallelism, local rank `i` uses core `nc + i`.
     pub nc: u32,
     /// Where replays find the step metadata.
     pub metadata: MetadataSource,
+    /// Which of the `tp` ranks this process runs (see [`RankSpan`]); `None`: all of them.
+    pub ranks: Option<RankSpan>,
 }
+
+/// The ranks of a tensor-parallel model one process runs: global ranks `first .. first + count`
+/// of the model's `tp`. One instance runs them all; several instances (a model too large for
+/// one trn1.32xlarge) each run their share, and libnrt's collectives join them over EFA
+/// (bootstrapped from `NEURON_RT_ROOT_COMM_ID`, rank 0's `host:port`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RankSpan {
+    /// The global rank of this process's first NeuronCore.
+    pub first: usize,
+    /// How many ranks (NeuronCores) this process runs.
+    pub count: usize,
+}
+
+/// `NEURON_RT_ROOT_COMM_ID`: where libnrt bootstraps its collectives (`host:port` of rank 0).
+pub const ROOT_COMM_ID_ENV: &str = "NEURON_RT_ROOT_COMM_ID";
+
+/// The root communicator a single-instance tensor-parallel runner sets when
+/// `NEURON_RT_ROOT_COMM_ID` is unset: this host, and the port Neuron's examples use for it.
+pub const DEFAULT_ROOT_COMM_ID: &str = "localhost:61234";
 
 impl DeviceOptions {
     /// nrt-sim on core 0, its NEFFs named after the convention `NRT_SIM_NEFF_NAMES` names, else
@@ -91,6 +113,7 @@ impl DeviceOptions {
             neff: NeffSource::Sim(sim_compiler_config_from_env()),
             nc: 0,
             metadata: MetadataSource::Host,
+            ranks: None,
         }
     }
 
@@ -100,6 +123,7 @@ impl DeviceOptions {
             neff: NeffSource::Sim(sim_compiler_config(names)),
             nc: 0,
             metadata: MetadataSource::Host,
+            ranks: None,
         }
     }
 
@@ -109,6 +133,7 @@ impl DeviceOptions {
             neff: NeffSource::Compile(cfg),
             nc: 0,
             metadata: MetadataSource::Host,
+            ranks: None,
         }
     }
 }
@@ -143,8 +168,9 @@ struct Loaded {
     ctx_index: usize,
 }
 
-/// Everything capture allocates; dropping it unloads the models and frees the tensors.
-struct Captured {
+/// Everything capture allocates on one rank's NeuronCore; dropping it unloads the models and
+/// frees the tensors.
+struct RankState {
     // Field order is drop order: models (and their sets) first, then the tensors they bind.
     graphs: HashMap<(StepKind, usize, usize), Loaded>,
     decode_meta: Vec<Vec<MetaBuf>>,
@@ -157,11 +183,19 @@ struct Captured {
     weights: HashMap<String, Tensor>,
 }
 
+/// Every rank's capture, in local rank order (one entry without tensor parallelism).
+struct Captured {
+    ranks: Vec<RankState>,
+}
+
 /// The graph runner over libnrt (a NeuronCore, or nrt-sim).
 pub struct DeviceRunner {
     cfg: ModelConfig,
     specs: WeightSpecs,
-    weights: ModelWeights,
+    /// Each local rank's weights (its shards under tensor parallelism).
+    weights: Vec<ModelWeights>,
+    /// The global ranks this process runs.
+    span: RankSpan,
     layout: CacheLayout,
     runner_cfg: RunnerConfig,
     opts: DeviceOptions,
@@ -208,7 +242,13 @@ fn first_bytes(t: &Tensor, bytes: usize, graph: &str) -> Result<Tensor> {
 
 impl DeviceRunner {
     /// A runner over `lib` (libnrt or nrt-sim), initialising (or sharing) the runtime over
-    /// core `opts.nc`. Nothing is allocated on the device until [`Runner::capture`].
+    /// cores `opts.nc ..` (one per local rank). `weights` are the whole model's; with
+    /// `runner_cfg.tp > 1` each local rank takes its shards. Nothing is allocated on the device
+    /// until [`Runner::capture`].
+    ///
+    /// A tensor-parallel runner needs `NEURON_RT_ROOT_COMM_ID` for libnrt's collectives: when
+    /// it is unset and this process runs every rank, it is set to [`DEFAULT_ROOT_COMM_ID`]
+    /// before the runtime starts; a process running only some ranks must be given it.
     pub fn new(
         cfg: ModelConfig,
         weights: ModelWeights,
@@ -217,16 +257,59 @@ impl DeviceRunner {
         opts: DeviceOptions,
     ) -> Result<Self> {
         runner_cfg.buckets.validate(runner_cfg.block_size)?;
-        let rt = Runtime::shared(lib, opts.nc, 1)?;
+        let tp = runner_cfg.tp;
+        let span = opts.ranks.unwrap_or(RankSpan {
+            first: 0,
+            count: tp,
+        });
+        if span.count == 0 || span.first + span.count > tp {
+            return Err(Error::InvalidInput(format!(
+                "ranks {}..{} of a model split over --tp {tp}",
+                span.first,
+                span.first + span.count
+            )));
+        }
+        if tp > 1 && std::env::var_os(ROOT_COMM_ID_ENV).is_none() {
+            if span.count != tp {
+                return Err(Error::InvalidInput(format!(
+                    "{ROOT_COMM_ID_ENV} is not set: a process running ranks {}..{} of {tp} \
+                     needs the host:port of rank 0's root communicator (the same on every \
+                     instance)",
+                    span.first,
+                    span.first + span.count
+                )));
+            }
+            // Read by libnrt when it bootstraps the collectives, after this.
+            std::env::set_var(ROOT_COMM_ID_ENV, DEFAULT_ROOT_COMM_ID);
+        }
+        if let Ok(Some(visible)) = lib.visible_nc_count() {
+            let end = opts.nc as usize + span.count;
+            if span.count > 1 && end > visible as usize {
+                return Err(Error::InvalidInput(format!(
+                    "--tp {tp} needs NeuronCores {}..{end} for its {} ranks here, but only \
+                     {visible} are visible (a trn1.2xlarge has 2, a trn1.32xlarge 32; see \
+                     NEURON_RT_VISIBLE_CORES): use a smaller --tp or a larger instance",
+                    opts.nc, span.count
+                )));
+            }
+        }
+        let rt = Runtime::shared(lib, opts.nc, span.count as u32)?;
+        let weights = match tp {
+            1 => vec![weights],
+            _ => (span.first..span.first + span.count)
+                .map(|r| weights.shard(&cfg, r, tp))
+                .collect::<Result<Vec<_>>>()?,
+        };
         let layout = CacheLayout {
             block_size: runner_cfg.block_size,
             num_slots: runner_cfg.num_blocks * runner_cfg.block_size,
             dtype: runner_cfg.kv_dtype,
         };
         Ok(DeviceRunner {
-            specs: weights.specs().clone(),
+            specs: weights[0].specs().clone(),
             cfg,
             weights,
+            span,
             layout,
             runner_cfg,
             opts,
@@ -257,9 +340,15 @@ impl DeviceRunner {
         self.stats.as_ref()
     }
 
-    /// How many weight tensors live on the device (0 when not captured).
+    /// How many weight tensors live on the first local rank's NeuronCore (0 when not
+    /// captured).
     pub fn device_weight_count(&self) -> usize {
-        self.state.as_ref().map_or(0, |s| s.weights.len())
+        self.state.as_ref().map_or(0, |s| s.ranks[0].weights.len())
+    }
+
+    /// The global ranks this runner runs.
+    pub fn ranks(&self) -> RankSpan {
+        self.span
     }
 
     /// Whether the graphs are captured (false after [`Runner::destroy`]).
@@ -272,7 +361,8 @@ impl DeviceRunner {
     /// captured.
     pub fn bound_names(&self, graph: &str) -> Option<&NeffBinding> {
         let st = self.state.as_ref()?;
-        st.graphs
+        st.ranks[0]
+            .graphs
             .values()
             .find(|l| l.name == graph)
             .map(|l| &l.names)
@@ -380,10 +470,15 @@ impl DeviceRunner {
             graphs.len(),
             &format!("loading {} models, uploading weights", graphs.len()),
         );
-        let loaded = self.allocate_and_load(&graphs, &neffs);
+        let loaded = (0..self.span.count)
+            .map(|i| self.allocate_and_load(i, &graphs, &neffs))
+            .collect::<Result<Vec<_>>>();
         drop(progress);
-        let (captured, uploaded) = loaded?;
-        self.state = Some(captured);
+        let loaded = loaded?;
+        let uploaded = loaded.iter().map(|(_, n)| n).sum();
+        self.state = Some(Captured {
+            ranks: loaded.into_iter().map(|(r, _)| r).collect(),
+        });
         self.stats = Some(CaptureStats {
             graphs: graphs
                 .iter()
@@ -397,15 +492,20 @@ impl DeviceRunner {
         Ok(())
     }
 
+    /// Uploads local rank `local`'s weights to its NeuronCore, allocates its persistent
+    /// tensors and loads every graph on it (with `nrt_load_collectives` as global rank
+    /// `span.first + local` when the model is split).
     fn allocate_and_load(
         &self,
+        local: usize,
         graphs: &[(StepKind, GraphSpec, Graph)],
         neffs: &[Vec<u8>],
-    ) -> Result<(Captured, u64)> {
+    ) -> Result<(RankState, u64)> {
         const CAP: &str = "capture";
         let rt = &self.rt;
-        let nc = self.opts.nc;
+        let nc = self.opts.nc + local as u32;
         let rc = &self.runner_cfg;
+        let host_weights = &self.weights[local];
         let mut uploaded = 0u64;
 
         // Weights: once, under the graph input's name.
@@ -415,7 +515,7 @@ impl DeviceRunner {
                 if weights.contains_key(&decl.name) {
                     continue;
                 }
-                let host = self.weights.get(&decl.name)?;
+                let host = host_weights.get(&decl.name)?;
                 let (t, n) = with_tensor_bytes(host, decl.dtype, |bytes| -> Result<_> {
                     let t = Tensor::device(rt, nc, bytes.len(), &decl.name).map_err(dev(CAP))?;
                     t.write(0, bytes).map_err(dev(CAP))?;
@@ -511,7 +611,18 @@ impl DeviceRunner {
                 StepKind::Decode => &decode_meta[ctx_index],
                 StepKind::Prefill => &prefill_meta[ctx_index],
             };
-            let model = Model::load(rt, neff, Some(nc), None).map_err(dev(name))?;
+            let model = match rc.tp {
+                1 => Model::load(rt, neff, Some(nc), None),
+                tp => Model::load_collectives(
+                    rt,
+                    neff,
+                    Some(nc),
+                    None,
+                    (self.span.first + local) as u32,
+                    tp as u32,
+                ),
+            }
+            .map_err(dev(name))?;
             let (names, in_sizes, out_sizes) = reported_io(&model, g)?;
             let mut inputs = TensorSet::new(rt).map_err(dev(name))?;
             for (k, decl) in g.inputs().iter().enumerate() {
@@ -593,7 +704,7 @@ impl DeviceRunner {
             );
         }
         Ok((
-            Captured {
+            RankState {
                 graphs: loaded,
                 decode_meta,
                 prefill_meta,
@@ -624,13 +735,7 @@ impl DeviceRunner {
     }
 
     fn captured(&self) -> Result<&Captured> {
-        self.state.as_ref().ok_or_else(|| {
-            Error::Internal(
-                "the device runner is not captured (never, or destroyed since): call capture() \
-                 before replaying"
-                    .into(),
-            )
-        })
+        self.state.as_ref().ok_or_else(not_captured)
     }
 
     /// Writes `meta` into the bucket's persistent buffers (only the bucket's rows).
@@ -685,6 +790,68 @@ impl DeviceRunner {
         })
     }
 
+    /// Writes the step's metadata into every local rank's buffers for graph `key` (unless the
+    /// caller wrote them, [`MetadataSource::OnDevice`]), executes the graph on every rank
+    /// (concurrently, one thread per rank, when there are several) and returns rank 0's state to
+    /// read the outputs from. A failure on any rank fails the step; the error reported is the
+    /// failing rank's own, not the collective failure it caused on the others.
+    fn run_step(&mut self, key: (StepKind, usize, usize)) -> Result<&RankState> {
+        let copy = self.opts.metadata == MetadataSource::Host;
+        let arrays = self.staging.arrays();
+        let st = self.state.as_mut().ok_or_else(not_captured)?;
+        // Each rank's graph is handed to its thread by `&mut`: a tensor set is Send, not Sync.
+        let mut loaded: Vec<&mut Loaded> = Vec::with_capacity(st.ranks.len());
+        for r in &mut st.ranks {
+            let g = r.graphs.get_mut(&key).ok_or_else(|| {
+                Error::Internal(format!(
+                    "no {:?} graph for {} rows, context {}",
+                    key.0, key.1, key.2
+                ))
+            })?;
+            if copy {
+                let meta = match key.0 {
+                    StepKind::Decode => &r.decode_meta[g.ctx_index],
+                    StepKind::Prefill => &r.prefill_meta[g.ctx_index],
+                };
+                Self::write_meta(meta, arrays, &g.name)?;
+            }
+            loaded.push(g);
+        }
+        let execute = |g: &mut Loaded| -> Result<()> {
+            g.model.execute(&g.inputs, &g.outputs).map_err(dev(&g.name))
+        };
+        if loaded.len() == 1 {
+            execute(&mut *loaded[0])?;
+            return Ok(&st.ranks[0]);
+        }
+        let results: Vec<Result<()>> = std::thread::scope(|s| {
+            let handles: Vec<_> = loaded
+                .into_iter()
+                .map(|g| s.spawn(move || execute(g)))
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| {
+                    h.join().unwrap_or_else(|_| {
+                        Err(Error::Internal("a rank's execution thread panicked".into()))
+                    })
+                })
+                .collect()
+        });
+        let is_collective = |e: &Error| {
+            matches!(e, Error::Device { source, .. }
+                if source.status_code() == Some(neuron_sys::sys::NRT_EXEC_HW_ERR_COLLECTIVES))
+        };
+        let mut errors: Vec<Error> = results.into_iter().filter_map(|r| r.err()).collect();
+        if let Some(i) = errors.iter().position(|e| !is_collective(e)) {
+            return Err(errors.swap_remove(i));
+        }
+        if let Some(e) = errors.into_iter().next() {
+            return Err(e);
+        }
+        Ok(&st.ranks[0])
+    }
+
     /// Runs one prefill chunk on its bucket's graph.
     fn replay_prefill(
         &mut self,
@@ -697,32 +864,18 @@ impl DeviceRunner {
             .buckets
             .prefill_bucket(chunk, self.cfg.vocab_size)?;
         let n = chunk.tokens.len();
-        let copy = self.opts.metadata == MetadataSource::Host;
-        if copy {
+        if self.opts.metadata == MetadataSource::Host {
             self.staging
                 .fill_prefill(chunk, t, ctx, self.layout.block_size)?;
         }
-        let st = self.captured()?;
-        let g = st
-            .graphs
-            .get(&(StepKind::Prefill, t, ctx))
-            .ok_or_else(|| Error::Internal(format!("no prefill graph for context {ctx}")))?;
-        if copy {
-            Self::write_meta(
-                &st.prefill_meta[g.ctx_index],
-                self.staging.arrays(),
-                &g.name,
-            )?;
-        }
-        g.model
-            .execute(&g.inputs, &g.outputs)
-            .map_err(dev(&g.name))?;
+        let vocab = self.cfg.vocab_size;
+        let r = self.run_step((StepKind::Prefill, t, ctx))?;
         let want = match logits {
             LogitsOutput::None => None,
-            LogitsOutput::Sampled => Some((&st.prefill_logits, n.saturating_sub(1), 1)),
-            LogitsOutput::AllPositions => Some((&st.prefill_logits, 0, n)),
+            LogitsOutput::Sampled => Some((&r.prefill_logits, n.saturating_sub(1), 1)),
+            LogitsOutput::AllPositions => Some((&r.prefill_logits, 0, n)),
         };
-        Self::read_outputs(&st.prefill_next, want, 1, self.cfg.vocab_size, &g.name)
+        Self::read_outputs(&r.prefill_next, want, 1, vocab, "prefill")
     }
 
     /// Runs one decode step for `rows`, padded to the smallest batch bucket.
@@ -736,32 +889,14 @@ impl DeviceRunner {
             .runner_cfg
             .buckets
             .decode_bucket(rows, self.cfg.vocab_size)?;
-        let copy = self.opts.metadata == MetadataSource::Host;
-        if copy {
+        if self.opts.metadata == MetadataSource::Host {
             self.staging
                 .fill_decode(rows, batch, ctx, self.layout.block_size)?;
         }
-        let st = self.captured()?;
-        let g = st
-            .graphs
-            .get(&(StepKind::Decode, batch, ctx))
-            .ok_or_else(|| {
-                Error::Internal(format!("no decode graph for batch {batch}, context {ctx}"))
-            })?;
-        if copy {
-            Self::write_meta(&st.decode_meta[g.ctx_index], self.staging.arrays(), &g.name)?;
-        }
-        g.model
-            .execute(&g.inputs, &g.outputs)
-            .map_err(dev(&g.name))?;
-        let want = (logits != LogitsOutput::None).then_some((&st.decode_logits, 0, rows.len()));
-        Self::read_outputs(
-            &st.decode_next,
-            want,
-            rows.len(),
-            self.cfg.vocab_size,
-            &g.name,
-        )
+        let vocab = self.cfg.vocab_size;
+        let r = self.run_step((StepKind::Decode, batch, ctx))?;
+        let want = (logits != LogitsOutput::None).then_some((&r.decode_logits, 0, rows.len()));
+        Self::read_outputs(&r.decode_next, want, rows.len(), vocab, "decode")
     }
 
     /// The persistent device buffer of metadata input `name` (`input_ids`, `block_tables`, …)
@@ -771,10 +906,11 @@ impl DeviceRunner {
     pub fn metadata_buffer(&self, prefill: bool, ctx: usize, name: &str) -> Option<Tensor> {
         let st = self.state.as_ref()?;
         let i = self.runner_cfg.buckets.ctx.iter().position(|&c| c == ctx)?;
+        let r = &st.ranks[0];
         let bufs = if prefill {
-            st.prefill_meta.get(i)?
+            r.prefill_meta.get(i)?
         } else {
-            st.decode_meta.get(i)?
+            r.decode_meta.get(i)?
         };
         bufs.iter()
             .find(|b| b.name == name)
@@ -784,15 +920,24 @@ impl DeviceRunner {
     /// The KV root copied to the host (`[slots, layers * width]` in the cache dtype); for tests
     /// and tools.
     pub fn read_kv_root(&self) -> Result<CTensor> {
-        let st = self.captured()?;
-        let mut bytes = vec![0u8; st.root.size()];
-        st.root.read(0, &mut bytes).map_err(dev("kv_cache"))?;
+        let root = &self.captured()?.ranks[0].root;
+        let mut bytes = vec![0u8; root.size()];
+        root.read(0, &mut bytes).map_err(dev("kv_cache"))?;
         let dims = [
             self.layout.num_slots,
             self.cfg.num_hidden_layers * self.cfg.kv_cache_width(),
         ];
         tensor_from_bytes(self.layout.dtype, &dims, &bytes)
     }
+}
+
+/// The error for a replay before capture (or after destroy).
+fn not_captured() -> Error {
+    Error::Internal(
+        "the device runner is not captured (never, or destroyed since): call capture() before \
+         replaying"
+            .into(),
+    )
 }
 
 /// The byte size the NEFF declares for each of its inputs (or outputs), by name.

@@ -129,24 +129,7 @@ impl Model {
         nc_count: Option<u32>,
     ) -> Result<Model> {
         const CALL: &str = "nrt_load";
-        if neff.is_empty() {
-            return Err(Error::invalid(CALL, "the NEFF is empty"));
-        }
-        let vnc = match start_nc {
-            Some(nc) => {
-                rt.check_nc(CALL, nc)?;
-                i32::try_from(nc).map_err(|_| {
-                    Error::invalid(CALL, format!("NeuronCore {nc} does not fit an int32"))
-                })?
-            }
-            None => -1,
-        };
-        let vnc_count = match nc_count {
-            Some(0) => return Err(Error::invalid(CALL, "nc_count must be at least 1")),
-            Some(n) => i32::try_from(n)
-                .map_err(|_| Error::invalid(CALL, format!("nc_count {n} does not fit an int32")))?,
-            None => -1,
-        };
+        let (vnc, vnc_count) = Self::placement(rt, CALL, neff, start_nc, nc_count)?;
         let lib = &rt.inner.lib;
         let mut raw: *mut sys::nrt_model_t = ptr::null_mut();
         // SAFETY: `neff` is valid for `neff.len()` bytes of reads for the whole call (libnrt
@@ -155,7 +138,91 @@ impl Model {
             (lib.api().nrt_load)(neff.as_ptr().cast(), neff.len(), vnc, vnc_count, &mut raw)
         };
         lib.check(CALL, status)?;
-        let ptr = NonNull::new(raw).ok_or(Error::NullHandle { call: CALL })?;
+        Self::wrap(rt, CALL, raw, vnc, vnc_count)
+    }
+
+    /// Loads one rank of a NEFF with collectives (`nrt_load_collectives`): a tensor-parallel
+    /// graph whose all-reduces and all-gathers span `device_count` ranks, this one being global
+    /// rank `device_id` (ranks on other instances included: libnrt's collectives reach them
+    /// over EFA, bootstrapped from `NEURON_RT_ROOT_COMM_ID`, which must be set). `start_nc` and
+    /// `nc_count` are as for [`Model::load`]. [`Error::Unsupported`] when the runtime lacks
+    /// the call.
+    pub fn load_collectives(
+        rt: &Runtime,
+        neff: &[u8],
+        start_nc: Option<u32>,
+        nc_count: Option<u32>,
+        device_id: u32,
+        device_count: u32,
+    ) -> Result<Model> {
+        const CALL: &str = "nrt_load_collectives";
+        if device_id >= device_count {
+            return Err(Error::invalid(
+                CALL,
+                format!("device id {device_id} is not below the device count {device_count}"),
+            ));
+        }
+        let (vnc, vnc_count) = Self::placement(rt, CALL, neff, start_nc, nc_count)?;
+        let lib = &rt.inner.lib;
+        let load = lib
+            .api()
+            .nrt_load_collectives
+            .ok_or_else(|| lib.unsupported(CALL))?;
+        let mut raw: *mut sys::nrt_model_t = ptr::null_mut();
+        // SAFETY: as in `load`; the two context arguments are plain integers.
+        let status = unsafe {
+            load(
+                neff.as_ptr().cast(),
+                neff.len(),
+                vnc,
+                vnc_count,
+                device_id,
+                device_count,
+                &mut raw,
+            )
+        };
+        lib.check(CALL, status)?;
+        Self::wrap(rt, CALL, raw, vnc, vnc_count)
+    }
+
+    /// The `vnc` and `vnc_count` arguments of a load, checked.
+    fn placement(
+        rt: &Runtime,
+        call: &'static str,
+        neff: &[u8],
+        start_nc: Option<u32>,
+        nc_count: Option<u32>,
+    ) -> Result<(i32, i32)> {
+        if neff.is_empty() {
+            return Err(Error::invalid(call, "the NEFF is empty"));
+        }
+        let vnc = match start_nc {
+            Some(nc) => {
+                rt.check_nc(call, nc)?;
+                i32::try_from(nc).map_err(|_| {
+                    Error::invalid(call, format!("NeuronCore {nc} does not fit an int32"))
+                })?
+            }
+            None => -1,
+        };
+        let vnc_count = match nc_count {
+            Some(0) => return Err(Error::invalid(call, "nc_count must be at least 1")),
+            Some(n) => i32::try_from(n)
+                .map_err(|_| Error::invalid(call, format!("nc_count {n} does not fit an int32")))?,
+            None => -1,
+        };
+        Ok((vnc, vnc_count))
+    }
+
+    /// The model behind the handle a successful load wrote.
+    fn wrap(
+        rt: &Runtime,
+        call: &'static str,
+        raw: *mut sys::nrt_model_t,
+        vnc: i32,
+        vnc_count: i32,
+    ) -> Result<Model> {
+        let ptr = NonNull::new(raw).ok_or(Error::NullHandle { call })?;
         Ok(Model {
             ptr,
             start_nc: vnc,

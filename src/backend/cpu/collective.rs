@@ -212,6 +212,11 @@ impl RankComm {
         self.group.size
     }
 
+    /// The group this rank meets in (another rank of it joins with `group().rank(r)`).
+    pub fn group(&self) -> &Arc<Group> {
+        &self.group
+    }
+
     /// Fails `step` on every rank (those waiting now and those still to arrive).
     pub fn fail(&self, step: u64, why: &str) {
         self.group.fail(step, self.rank, why);

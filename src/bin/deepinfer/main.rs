@@ -64,6 +64,11 @@ struct ModelArgs {
     /// Seconds one neuronx-cc process may run at capture before it is killed (default 3600).
     #[arg(long, value_parser = lower::parse_seconds)]
     compile_timeout: Option<std::time::Duration>,
+    /// Tensor parallelism: split the model over this many NeuronCores (1, 2, 4, 8, 16, 32 or
+    /// 64; attention heads, MLP columns, experts and vocabulary divided among them). On the
+    /// CPU backend each rank is a thread.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
     #[command(flatten)]
     precision: PrecisionArgs,
 }
@@ -121,6 +126,7 @@ impl ModelArgs {
     fn limits(&self, limits: &Limits) -> Limits {
         Limits {
             compile_timeout: self.compile_timeout,
+            tp: self.tp,
             ..self.precision.apply(limits)
         }
     }
