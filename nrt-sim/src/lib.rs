@@ -176,8 +176,8 @@ mod tensor;
 mod tensor_set;
 
 pub use config::{
-    DEFAULT_HBM_BYTES, ENV_FAIL_EXECUTE, ENV_FAIL_LOAD, ENV_FREE_EXECUTE, ENV_HBM_BYTES,
-    ENV_SLOW_EXECUTE_MS,
+    DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_HBM_BYTES, ENV_COLLECTIVE_TIMEOUT_MS, ENV_FAIL_EXECUTE,
+    ENV_FAIL_LOAD, ENV_FREE_EXECUTE, ENV_HBM_BYTES, ENV_SLOW_EXECUTE_MS,
 };
 pub use counters::{CoreMemory, Counters, Live, ModelCounters};
 pub use fault_child::{is_fault_child, run_test_in_child, CHILD_ENV};
