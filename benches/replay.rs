@@ -4,6 +4,9 @@
 //!   `NRT_SIM_FREE_EXECUTE=1` (executions validate their bindings and return at once, so the
 //!   device is excluded): pad, write the bucket's metadata, execute, read `next_tokens`. Prints
 //!   the host↔device bytes of one step. Target: ≤ 50 µs at batch 64.
+//! - `replay_sim_tp/tp_N`: the same at batch 64 for the default model (8 heads) split over N
+//!   simulated NeuronCores: N metadata writes and N concurrent executions per step. Target:
+//!   `tp_8` ≤ 2 × `tp_1`.
 //! - `capture/…`: build + lower time of one bucket graph of `fixtures/configs/deepseek-v2-lite.json`
 //!   (config only; no weights).
 //! - `decode_step/…` (only with `DEEPINFER_BENCH_BACKEND=cpu|sim|neuron`): one real decode step
@@ -51,6 +54,7 @@ fn tiny() -> (ModelConfig, ModelWeights) {
 
 fn replay_config() -> RunnerConfig {
     RunnerConfig {
+        tp: 1,
         block_size: 16,
         num_blocks: 64 * 4 + 1,
         buckets: Buckets {
@@ -68,8 +72,10 @@ fn replay(c: &mut Criterion) {
         eprintln!("replay_sim skipped: libnrt_sim.so not found (cargo build -p nrt-sim)");
         return;
     };
-    // Read at nrt_init: set before the runtime exists (nothing else runs yet).
+    // Read at nrt_init (and the core count at the first call): set before the runtime
+    // exists (nothing else runs yet).
     std::env::set_var(nrt_sim::ENV_FREE_EXECUTE, "1");
+    std::env::set_var(nrt_sim::ENV_NC_COUNT, "8");
     let (cfg, weights) = tiny();
     let lib = neuron_sys::Library::open(&path).expect("nrt-sim");
     let hooks = nrt_sim::SimLibrary::open(&path).expect("hooks");
@@ -124,6 +130,42 @@ fn replay(c: &mut Criterion) {
     }
     group.finish();
     drop(runner);
+
+    // Tensor parallelism: one runtime per process, so each degree's runner is dropped before
+    // the next starts.
+    let dir = root().join("fixtures/default-model");
+    let mut group = c.benchmark_group("replay_sim_tp");
+    for tp in [1usize, 2, 8] {
+        let cfg = ModelConfig::from_file(&dir.join("config.json")).expect("config");
+        let weights = ModelWeights::random(&cfg, 0, &Precision::F32).expect("weights");
+        let lib = neuron_sys::Library::open(&path).expect("nrt-sim");
+        let rc = RunnerConfig {
+            tp,
+            ..replay_config()
+        };
+        let buckets = rc.buckets.clone();
+        let mut runner =
+            DeviceRunner::new(cfg, weights, rc, lib, DeviceOptions::sim()).expect("runner");
+        runner.capture(&buckets).expect("capture");
+        let rows: Vec<DecodeRow> = tables
+            .iter()
+            .enumerate()
+            .map(|(i, t)| DecodeRow {
+                token: (i % 50) as u32 + 1,
+                position: 30 + i % 9,
+                blocks: t,
+                sampling: SamplingParams::GREEDY,
+            })
+            .collect();
+        let step = Step::Decode {
+            rows: &rows,
+            logits: LogitsOutput::None,
+        };
+        group.bench_function(format!("tp_{tp}"), |b| {
+            b.iter(|| runner.replay(&step).expect("replay"))
+        });
+    }
+    group.finish();
     std::env::remove_var(nrt_sim::ENV_FREE_EXECUTE);
 }
 

@@ -18,7 +18,7 @@
 //! runs on drop, and capture works again afterwards.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor as CTensor;
@@ -150,6 +150,7 @@ pub struct CaptureStats {
 }
 
 /// One metadata input's persistent buffer, at the bucket's largest row count.
+#[derive(Clone)]
 struct MetaBuf {
     name: &'static str,
     tensor: Tensor,
@@ -183,9 +184,166 @@ struct RankState {
     weights: HashMap<String, Tensor>,
 }
 
-/// Every rank's capture, in local rank order (one entry without tensor parallelism).
+/// Every local rank's capture. The first rank's state is the runner's own (replay executes
+/// it on the calling thread and reads the outputs from it); every other rank's state lives on
+/// a worker thread of its own ([`RankWorkers`]), which executes that rank's graph each step.
+/// libnrt's `nrt_execute` blocks until the graph ends, and a graph with collectives ends only
+/// when every rank has run it, so the ranks must execute concurrently.
 struct Captured {
-    ranks: Vec<RankState>,
+    // Field order is drop order; the two are independent.
+    first: RankState,
+    others: RankWorkers,
+}
+
+/// The graph key of a step: kind, rows, context.
+type GraphKey = (StepKind, usize, usize);
+
+/// The worker threads of the ranks after the first, and the board they meet the runner on.
+///
+/// One step costs the runner one broadcast (every worker waits on the same condition) and one
+/// wake-up (the last worker to finish wakes it), not a message per rank each way: on a host
+/// with fewer cores than ranks, every wake-up is a context switch the step waits for.
+/// Dropping it stops the threads and waits for them, so every rank's models are unloaded and
+/// its tensors freed before the drop returns.
+struct RankWorkers {
+    /// Each worker's rank's metadata buffers (`decode`, `prefill`), which the runner fills.
+    metas: Vec<(Vec<Vec<MetaBuf>>, Vec<Vec<MetaBuf>>)>,
+    board: Arc<Board>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+/// Where the runner posts a step and the workers report on it.
+#[derive(Default)]
+struct Board {
+    state: Mutex<BoardState>,
+    /// Signalled when a step is posted (or the workers are told to stop).
+    posted: Condvar,
+    /// Signalled when the last worker has finished the step.
+    finished: Condvar,
+}
+
+#[derive(Default)]
+struct BoardState {
+    /// Steps posted so far; a worker runs each once.
+    posted: u64,
+    key: Option<GraphKey>,
+    /// Workers that have not finished the current step.
+    pending: usize,
+    errors: Vec<Error>,
+    stop: bool,
+}
+
+fn lock_board(m: &Mutex<BoardState>) -> MutexGuard<'_, BoardState> {
+    // A worker that panicked holding the lock leaves counts a step may wait on; the step
+    // itself is what fails then, not every later lock.
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl RankWorkers {
+    /// Moves each of `states` onto a thread of its own.
+    fn start(states: Vec<RankState>) -> Result<Self> {
+        let board = Arc::new(Board::default());
+        let mut metas = Vec::with_capacity(states.len());
+        let mut workers = RankWorkers {
+            metas: Vec::new(),
+            board: Arc::clone(&board),
+            threads: Vec::with_capacity(states.len()),
+        };
+        for (i, state) in states.into_iter().enumerate() {
+            metas.push((state.decode_meta.clone(), state.prefill_meta.clone()));
+            let board = Arc::clone(&board);
+            let thread = std::thread::Builder::new()
+                .name(format!("deepinfer-rank-{}", i + 1))
+                .spawn(move || Self::work(&state, &board))
+                .map_err(|e| Error::Internal(format!("cannot start a rank's thread: {e}")))?;
+            workers.threads.push(thread);
+        }
+        workers.metas = metas;
+        Ok(workers)
+    }
+
+    /// A worker: runs each posted step on its rank until told to stop.
+    fn work(state: &RankState, board: &Board) {
+        let mut seen = 0;
+        loop {
+            let key = {
+                let mut b = lock_board(&board.state);
+                while b.posted == seen && !b.stop {
+                    b = board.posted.wait(b).unwrap_or_else(|e| e.into_inner());
+                }
+                if b.stop {
+                    return;
+                }
+                seen = b.posted;
+                b.key
+            };
+            let result = match key {
+                Some(key) => state.execute(&key),
+                None => Err(Error::Internal("a step was posted without a graph".into())),
+            };
+            let mut b = lock_board(&board.state);
+            if let Err(e) = result {
+                b.errors.push(e);
+            }
+            b.pending -= 1;
+            if b.pending == 0 {
+                board.finished.notify_one();
+            }
+        }
+    }
+
+    /// Posts graph `key` to every worker.
+    fn post(&self, key: GraphKey) {
+        if self.threads.is_empty() {
+            return;
+        }
+        let mut b = lock_board(&self.board.state);
+        b.posted += 1;
+        b.key = Some(key);
+        b.pending = self.threads.len();
+        b.errors.clear();
+        drop(b);
+        self.board.posted.notify_all();
+    }
+
+    /// Waits until every worker has finished the posted step; returns their errors.
+    fn wait(&self) -> Vec<Error> {
+        if self.threads.is_empty() {
+            return Vec::new();
+        }
+        let mut b = lock_board(&self.board.state);
+        while b.pending > 0 {
+            b = self
+                .board
+                .finished
+                .wait(b)
+                .unwrap_or_else(|e| e.into_inner());
+        }
+        std::mem::take(&mut b.errors)
+    }
+}
+
+impl Drop for RankWorkers {
+    fn drop(&mut self) {
+        lock_board(&self.board.state).stop = true;
+        self.board.posted.notify_all();
+        for t in self.threads.drain(..) {
+            let _ = t.join();
+        }
+    }
+}
+
+impl RankState {
+    /// Executes graph `key` on this rank.
+    fn execute(&self, key: &(StepKind, usize, usize)) -> Result<()> {
+        let g = self.graphs.get(key).ok_or_else(|| {
+            Error::Internal(format!(
+                "no {:?} graph for {} rows, context {}",
+                key.0, key.1, key.2
+            ))
+        })?;
+        g.model.execute(&g.inputs, &g.outputs).map_err(dev(&g.name))
+    }
 }
 
 /// The graph runner over libnrt (a NeuronCore, or nrt-sim).
@@ -343,7 +501,7 @@ impl DeviceRunner {
     /// How many weight tensors live on the first local rank's NeuronCore (0 when not
     /// captured).
     pub fn device_weight_count(&self) -> usize {
-        self.state.as_ref().map_or(0, |s| s.ranks[0].weights.len())
+        self.state.as_ref().map_or(0, |s| s.first.weights.len())
     }
 
     /// The global ranks this runner runs.
@@ -361,7 +519,7 @@ impl DeviceRunner {
     /// captured.
     pub fn bound_names(&self, graph: &str) -> Option<&NeffBinding> {
         let st = self.state.as_ref()?;
-        st.ranks[0]
+        st.first
             .graphs
             .values()
             .find(|l| l.name == graph)
@@ -476,9 +634,12 @@ impl DeviceRunner {
         drop(progress);
         let loaded = loaded?;
         let uploaded = loaded.iter().map(|(_, n)| n).sum();
-        self.state = Some(Captured {
-            ranks: loaded.into_iter().map(|(r, _)| r).collect(),
-        });
+        let mut states = loaded.into_iter().map(|(r, _)| r);
+        let first = states
+            .next()
+            .ok_or_else(|| Error::Internal("a capture with no rank".into()))?;
+        let others = RankWorkers::start(states.collect())?;
+        self.state = Some(Captured { first, others });
         self.stats = Some(CaptureStats {
             graphs: graphs
                 .iter()
@@ -792,64 +953,47 @@ impl DeviceRunner {
 
     /// Writes the step's metadata into every local rank's buffers for graph `key` (unless the
     /// caller wrote them, [`MetadataSource::OnDevice`]), executes the graph on every rank
-    /// (concurrently, one thread per rank, when there are several) and returns rank 0's state to
-    /// read the outputs from. A failure on any rank fails the step; the error reported is the
-    /// failing rank's own, not the collective failure it caused on the others.
+    /// (the first here, the others on their workers, concurrently) and returns the first rank's
+    /// state to read the outputs from. A failure on any rank fails the step; the error reported
+    /// is the failing rank's own, not the collective failure it caused on the others.
     fn run_step(&mut self, key: (StepKind, usize, usize)) -> Result<&RankState> {
         let copy = self.opts.metadata == MetadataSource::Host;
         let arrays = self.staging.arrays();
-        let st = self.state.as_mut().ok_or_else(not_captured)?;
-        // Each rank's graph is handed to its thread by `&mut`: a tensor set is Send, not Sync.
-        let mut loaded: Vec<&mut Loaded> = Vec::with_capacity(st.ranks.len());
-        for r in &mut st.ranks {
-            let g = r.graphs.get_mut(&key).ok_or_else(|| {
-                Error::Internal(format!(
-                    "no {:?} graph for {} rows, context {}",
-                    key.0, key.1, key.2
-                ))
-            })?;
-            if copy {
+        let st = self.state.as_ref().ok_or_else(not_captured)?;
+        let g = st.first.graphs.get(&key).ok_or_else(|| {
+            Error::Internal(format!(
+                "no {:?} graph for {} rows, context {}",
+                key.0, key.1, key.2
+            ))
+        })?;
+        if copy {
+            let metas = std::iter::once((&st.first.decode_meta, &st.first.prefill_meta))
+                .chain(st.others.metas.iter().map(|(d, p)| (d, p)));
+            for (decode, prefill) in metas {
                 let meta = match key.0 {
-                    StepKind::Decode => &r.decode_meta[g.ctx_index],
-                    StepKind::Prefill => &r.prefill_meta[g.ctx_index],
+                    StepKind::Decode => &decode[g.ctx_index],
+                    StepKind::Prefill => &prefill[g.ctx_index],
                 };
                 Self::write_meta(meta, arrays, &g.name)?;
             }
-            loaded.push(g);
         }
-        let execute = |g: &mut Loaded| -> Result<()> {
-            g.model.execute(&g.inputs, &g.outputs).map_err(dev(&g.name))
-        };
-        if loaded.len() == 1 {
-            execute(&mut *loaded[0])?;
-            return Ok(&st.ranks[0]);
+        st.others.post(key);
+        let first = st.first.execute(&key);
+        let mut errors = st.others.wait();
+        if let Err(e) = first {
+            errors.insert(0, e);
         }
-        let results: Vec<Result<()>> = std::thread::scope(|s| {
-            let handles: Vec<_> = loaded
-                .into_iter()
-                .map(|g| s.spawn(move || execute(g)))
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join().unwrap_or_else(|_| {
-                        Err(Error::Internal("a rank's execution thread panicked".into()))
-                    })
-                })
-                .collect()
-        });
         let is_collective = |e: &Error| {
             matches!(e, Error::Device { source, .. }
                 if source.status_code() == Some(neuron_sys::sys::NRT_EXEC_HW_ERR_COLLECTIVES))
         };
-        let mut errors: Vec<Error> = results.into_iter().filter_map(|r| r.err()).collect();
         if let Some(i) = errors.iter().position(|e| !is_collective(e)) {
             return Err(errors.swap_remove(i));
         }
-        if let Some(e) = errors.into_iter().next() {
-            return Err(e);
+        match errors.into_iter().next() {
+            Some(e) => Err(e),
+            None => Ok(&st.first),
         }
-        Ok(&st.ranks[0])
     }
 
     /// Runs one prefill chunk on its bucket's graph.
@@ -906,7 +1050,7 @@ impl DeviceRunner {
     pub fn metadata_buffer(&self, prefill: bool, ctx: usize, name: &str) -> Option<Tensor> {
         let st = self.state.as_ref()?;
         let i = self.runner_cfg.buckets.ctx.iter().position(|&c| c == ctx)?;
-        let r = &st.ranks[0];
+        let r = &st.first;
         let bufs = if prefill {
             r.prefill_meta.get(i)?
         } else {
@@ -920,7 +1064,7 @@ impl DeviceRunner {
     /// The KV root copied to the host (`[slots, layers * width]` in the cache dtype); for tests
     /// and tools.
     pub fn read_kv_root(&self) -> Result<CTensor> {
-        let root = &self.captured()?.ranks[0].root;
+        let root = &self.captured()?.first.root;
         let mut bytes = vec![0u8; root.size()];
         root.read(0, &mut bytes).map_err(dev("kv_cache"))?;
         let dims = [
