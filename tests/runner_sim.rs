@@ -54,6 +54,7 @@ fn small_config() -> RunnerConfig {
         },
         moe: None,
         kv_dtype: DType::F32,
+        tp: 1,
     }
 }
 
