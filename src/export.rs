@@ -14,8 +14,8 @@
 //! runs the same module, so there is still one `NAME.hlo.pb` per graph (its collectives name the
 //! replica group `{0..N}`); what differs per rank is its weight shards and
 //! [`crate::model::shard::SHARD_OFFSETS`], so the inputs are one `NAME.rank{r}.inputs.safetensors`
-//! per rank (that rank's shards, the shared metadata, and its KV root, which holds the same
-//! values on every rank). All ranks compute the same outputs (the CPU backend checks it), so
+//! per rank (that rank's shards, the shared metadata, and the KV root: rank 0's, as every
+//! rank's root holds the same values). All ranks compute the same outputs (checked here), so
 //! `NAME.outputs.safetensors` is written once. At `tp = 1` the files are exactly those of an
 //! unsharded model.
 
