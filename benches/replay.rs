@@ -64,6 +64,7 @@ fn replay_config() -> RunnerConfig {
         },
         moe: None,
         kv_dtype: DType::BF16,
+        tp: 1,
     }
 }
 

@@ -7,6 +7,9 @@
 #    and 8) runs in XLA itself (jaxlib on the CPU) and must match our CPU backend, and the decode
 #    logits must match transformers' reference; then bf16 and int8-expert graphs against our
 #    CPU backend. jax is installed into .venv from PyPI.
+#    Then tensor parallelism: every fixture lowered for 2 and 4 ranks (`lower --tp N`: one HLO
+#    module per graph, one inputs file per rank) runs in XLA with 2 and 4 replicas; every rank
+#    must match our CPU backend and the decode logits transformers' reference.
 #    Then the conformance suite's cases (tests/conformance/*.json) run as our emitted HLO in XLA and
 #    must match numpy's expected values, as they do on the CPU backend, emit -> import -> CPU and
 #    nrt-sim in step 1 (scripts/xla_conformance.py).
@@ -18,7 +21,7 @@
 #    V2-Lite is clean. V2 and V3 break only the instruction-budget estimate at the larger
 #    buckets: a whole 236B/671B model in one NeuronCore's graph, which needs tensor parallelism
 #    (issue 14), not a looser rule; `--allow instr-budget` reports those cells without failing,
-#    and every other rule must hold on them.
+#    and every other rule must hold on them. A run is `config:flags[:tp]` (`--tp`, default 1).
 # 4. The server end to end (tests/server, pytest): the official `openai` client drives a live
 #    `deepinfer serve` on the default model; transformers' tokenizer and `deepinfer generate`
 #    are the references. Installed into .venv from PyPI with the rest.
@@ -63,16 +66,30 @@ for run in "tiny-v2-lite:bf16:reference.json:1e-3:--dtype bf16" \
     .venv/bin/python scripts/xla_check.py "$out/$fixture-$tag" --tol "$tol" \
         --reference "fixtures/$fixture/$ref" "${peer[@]}" || status=1
 done
+# Tensor parallelism: the prefill and batch-1 decode graphs of every fixture at --tp 2 and 4
+# (between them both MoE strategies: at tp 2 decode gathers the selected experts, everything else
+# runs its experts densely), run by XLA with that many replicas. About 15 s per fixture and
+# degree, nearly all of it XLA compiling two modules.
+for tp in 2 4; do
+    for fixture in tiny-v3 tiny-v2-lite tiny-v2-group; do
+        ids=$(.venv/bin/python -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['token_ids'])))" "fixtures/$fixture/reference.json")
+        target/release/deepinfer lower --model "fixtures/$fixture" --out "$out/$fixture-tp$tp" --dtype f32 \
+            --tp "$tp" --batch-sizes 1 --ctx 64 --inputs-from-token-ids "$ids" > /dev/null
+        echo "== XLA conformance: $fixture (--tp $tp, $tp replicas)"
+        .venv/bin/python scripts/xla_check.py "$out/$fixture-tp$tp" --reference "fixtures/$fixture/reference.json" || status=1
+    done
+done
 echo "== XLA conformance: tests/conformance"
 .venv/bin/python scripts/make_conformance.py --check > /dev/null || status=1
 DEEPINFER_CONFORMANCE_OUT="$out/conformance" cargo test --quiet --test conformance || status=1
 .venv/bin/python scripts/xla_conformance.py tests/conformance "$out/conformance" || status=1
 for run in deepseek-v2-lite: "deepseek-v2:--allow instr-budget" "deepseek-v3:--allow instr-budget"; do
-    IFS=: read -r config allow <<< "$run"
-    echo "== lower --check neuron: fixtures/configs/$config.json $allow"
+    IFS=: read -r config allow tp <<< "$run"
+    tp=${tp:-1}
+    echo "== lower --check neuron: fixtures/configs/$config.json --tp $tp $allow"
     # shellcheck disable=SC2086  # $allow is a list of flags
     target/release/deepinfer lower --check neuron --model "fixtures/configs/$config.json" \
-        --neuron-runtime 2.30.50 $allow || status=1
+        --neuron-runtime 2.30.50 --tp "$tp" $allow || status=1
 done
 echo "== server end to end (tests/server)"
 .venv/bin/python -m pytest tests/server -q || status=1

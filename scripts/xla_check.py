@@ -11,6 +11,14 @@ Why: neuronx-cc's front end is XLA's, so a module XLA parses and runs identicall
 check of our lowering that needs no Trainium. Each module runs in a child process, because a
 malformed module can abort jaxlib (SIGABRT) instead of raising.
 
+Tensor parallelism: when the manifest says `"tp": N` with N > 1 (`deepinfer lower --tp N`),
+each module is compiled with N replicas (`CompileOptions.num_replicas = N`, replica r on CPU
+device r, the child process started with `XLA_FLAGS=--xla_force_host_platform_device_count=N`)
+and run once on every rank's inputs (`NAME.rank{r}.inputs.safetensors`): its all-reduce and
+all-gather meet across the replicas. Every rank's outputs, the updated cache root included, must
+match the CPU backend's (all ranks compute the same values); with --reference, every rank's
+decode row-0 logits must match transformers'.
+
 How (the README's test command does this for every fixture):
 
     .venv/bin/python scripts/xla_check.py OUT_DIR [--reference fixtures/tiny-v3/reference.json]
@@ -18,6 +26,7 @@ How (the README's test command does this for every fixture):
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -26,10 +35,19 @@ import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so bf16 safetens
 import numpy as np
 
 
-def compile_module(pb: bytes):
+def compile_module(pb: bytes, replicas: int = 1):
     """Parses a serialized HloModuleProto with XLA and compiles it for the CPU. Returns a function
     from numpy arrays (one per parameter, in order) to numpy arrays (one per root tuple element).
-    Shared with scripts/xla_conformance.py."""
+    Shared with scripts/xla_conformance.py.
+
+    With replicas > 1 (the process must have been started with at least that many host devices,
+    see `replica_env`), the module is compiled for that many replicas, replica r on CPU device r,
+    and the function takes one list of arrays per replica and returns one list of outputs per
+    replica. jax 0.10.2's `execute_sharded` takes one jax Array per parameter, whose shard on
+    device r is replica r's buffer: so each parameter's per-replica arrays are put on their
+    devices and assembled into one array sharded on its leading axis (`NamedSharding` over a
+    one-axis mesh of the devices, `make_array_from_single_device_arrays`); the results
+    disassemble into one array per device, i.e. per replica."""
     import jax
     from jax._src.lib import xla_client as xc
 
@@ -41,52 +59,133 @@ def compile_module(pb: bytes):
         backend = jax.extend.backend.get_backend("cpu")
     comp = xc.XlaComputation(pb)
     mlir = xc._xla.mlir.xla_computation_to_mlir_module(comp)
-    dev = backend.local_devices()[0]
+    devs = backend.local_devices()[:replicas]
+    if len(devs) < replicas:
+        raise RuntimeError(
+            f"{replicas} replicas need {replicas} CPU devices, jax has {len(devs)} "
+            f"(start the process with {replica_env(replicas)['XLA_FLAGS']!r})"
+        )
     opts = xc.CompileOptions()
+    if replicas > 1:
+        opts.num_replicas = replicas
+        opts.num_partitions = 1
+        opts.device_assignment = xc.DeviceAssignment.create(np.arange(replicas).reshape(replicas, 1))
     if hasattr(backend, "compile_and_load"):
-        exe = backend.compile_and_load(mlir, xc.DeviceList((dev,)), opts)
+        exe = backend.compile_and_load(mlir, xc.DeviceList(tuple(devs)), opts)
     else:
         exe = backend.compile(mlir, opts)
 
-    def run(arrays):
-        res = exe.execute_sharded([jax.device_put(a, dev) for a in arrays])
-        return [np.asarray(o[0]) for o in res.disassemble_into_single_device_arrays()]
+    if replicas == 1:
 
-    return run
+        def run(arrays):
+            res = exe.execute_sharded([jax.device_put(a, devs[0]) for a in arrays])
+            return [np.asarray(o[0]) for o in res.disassemble_into_single_device_arrays()]
+
+        return run
+
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    sharding = NamedSharding(Mesh(np.array(devs), ("replica",)), PartitionSpec("replica"))
+
+    def stacked(per_replica):
+        if per_replica[0].ndim == 0:
+            raise ValueError("a scalar parameter cannot be split on a leading axis over replicas")
+        first = per_replica[0]
+        shape = (replicas * first.shape[0],) + first.shape[1:]
+        parts = [jax.device_put(a, d) for a, d in zip(per_replica, devs)]
+        return jax.make_array_from_single_device_arrays(shape, sharding, parts)
+
+    def run_replicated(per_replica_arrays):
+        if len(per_replica_arrays) != replicas:
+            raise ValueError(f"{len(per_replica_arrays)} replicas' inputs for {replicas} replicas")
+        params = [stacked(list(p)) for p in zip(*per_replica_arrays)]
+        res = exe.execute_sharded(params)
+        outputs = res.disassemble_into_single_device_arrays()  # [output][replica]
+        return [[np.asarray(o[r]) for o in outputs] for r in range(replicas)]
+
+    return run_replicated
 
 
-def run_module(pb_path: str, inputs_path: str, names: list[str], out_path: str) -> None:
-    """Child process: compile and run one module, save its outputs as .npz."""
+def replica_env(replicas: int) -> dict:
+    """The environment of a child process that runs a module with `replicas` replicas: jax's CPU
+    client makes as many host devices as XLA_FLAGS asks for when it starts, so this must be set
+    before jax is imported."""
+    env = dict(os.environ)
+    if replicas > 1:
+        flag = f"--xla_force_host_platform_device_count={replicas}"
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
+    return env
+
+
+def run_module(pb_path: str, inputs_paths: list[str], names: list[str], out_path: str) -> None:
+    """Child process: compile and run one module (with one replica per inputs file), save its
+    outputs as .npz (`r{replica}_{output index}`)."""
     from safetensors.numpy import load_file
 
-    run = compile_module(Path(pb_path).read_bytes())
-    values = load_file(inputs_path)
+    replicas = len(inputs_paths)
+    run = compile_module(Path(pb_path).read_bytes(), replicas)
+    values = [load_file(p) for p in inputs_paths]
+    if replicas == 1:
+        per_replica = [run([values[0][n] for n in names])]
+    else:
+        per_replica = run([[v[n] for n in names] for v in values])
     # .npz cannot hold ml_dtypes' bfloat16 (it reads back as raw bytes): widen such outputs
     # to float32, which is exact; the check compares them against the bf16 CPU outputs.
-    outputs = run([values[n] for n in names])
-    np.savez(out_path, *[o.astype(np.float32) if o.dtype.name == "bfloat16" else o for o in outputs])
+    np.savez(
+        out_path,
+        **{
+            f"r{r}_{i}": o.astype(np.float32) if o.dtype.name == "bfloat16" else o
+            for r, outputs in enumerate(per_replica)
+            for i, o in enumerate(outputs)
+        },
+    )
 
 
-def check_graph(out_dir: Path, g: dict, tol: float, reference, reference_tol: float) -> list[str]:
-    """Returns a list of failures (empty when the graph matches)."""
+def graph_inputs(g: dict, tp: int) -> list[str]:
+    """The graph's inputs files, one per rank (one when unsharded); empty when none were
+    written."""
+    if tp > 1:
+        files = g.get("rank_inputs") or []
+        if files and len(files) != tp:
+            raise ValueError(f"{g['name']}: {len(files)} rank inputs files for tp {tp}")
+        return files
+    return [g["inputs"]] if g.get("inputs") else []
+
+
+def check_graph(out_dir: Path, g: dict, tol: float, reference, reference_tol: float, tp: int = 1) -> list[str]:
+    """Returns a list of failures (empty when the graph matches). With tp > 1, every rank's
+    outputs are checked (labelled `@rank{r}`)."""
     from safetensors.numpy import load_file
 
     names = [p["name"] for p in g["parameters"]]
     npz = out_dir / f"{g['name']}.xla.npz"
+    inputs = [str(out_dir / f) for f in graph_inputs(g, tp)]
     child = subprocess.run(
-        [sys.executable, __file__, "--child", str(out_dir / g["hlo"]), str(out_dir / g["inputs"]), str(npz), *names],
+        [sys.executable, __file__, "--child", str(out_dir / g["hlo"]), str(npz), str(len(inputs)), *inputs, *names],
         capture_output=True,
         text=True,
+        env=replica_env(tp),
     )
     if child.returncode != 0:
         return [f"{g['name']}: XLA failed (exit {child.returncode}): {child.stderr.strip()[-2000:]}"]
     got = np.load(npz)
     want = load_file(str(out_dir / g["cpu_outputs"]))
     failures = []
+    for r in range(tp):
+        failures += check_rank(g, got, want, r if tp > 1 else None, tol, reference, reference_tol)
+    return failures
+
+
+def check_rank(g: dict, got, want, rank, tol: float, reference, reference_tol: float) -> list[str]:
+    """Checks one rank's outputs (`rank` None: the only one, unsharded) against the CPU
+    backend's and, with a reference, its decode row-0 logits against transformers'."""
+    label = g["name"] if rank is None else f"{g['name']}@rank{rank}"
+    r = rank or 0
+    failures = []
     for o in g["outputs"]:
-        x, y = got[f"arr_{o['index']}"], want[o["name"]]
+        x, y = got[f"r{r}_{o['index']}"], want[o["name"]]
         if x.shape != y.shape:
-            failures.append(f"{g['name']}.{o['name']}: shape {x.shape} vs {y.shape}")
+            failures.append(f"{label}.{o['name']}: shape {x.shape} vs {y.shape}")
         elif y.dtype.name in ("bfloat16", "float16"):
             # A value both computed in f32 and then rounded to 16 bits may round to neighbouring
             # 16-bit values when the f32 results differ in their last bits: allow one unit in
@@ -95,32 +194,33 @@ def check_graph(out_dir: Path, g: dict, tol: float, reference, reference_tol: fl
             a, b = x.astype(np.float64), y.astype(np.float64)
             excess = float(np.max(np.abs(a - b) - (tol + ulp * np.abs(b)))) if x.size else 0.0
             diff = float(np.max(np.abs(a - b))) if x.size else 0.0
-            print(f"  {g['name']}.{o['name']}: max |xla - cpu| = {diff:.3g} ({y.dtype.name})")
+            print(f"  {label}.{o['name']}: max |xla - cpu| = {diff:.3g} ({y.dtype.name})")
             if not excess <= 0.0:
-                failures.append(f"{g['name']}.{o['name']}: differs by more than one {y.dtype.name} ulp + {tol}")
+                failures.append(f"{label}.{o['name']}: differs by more than one {y.dtype.name} ulp + {tol}")
         elif np.issubdtype(y.dtype, np.floating):
             diff = float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64)))) if x.size else 0.0
-            print(f"  {g['name']}.{o['name']}: max |xla - cpu| = {diff:.3g}")
+            print(f"  {label}.{o['name']}: max |xla - cpu| = {diff:.3g}")
             if not diff <= tol:
-                failures.append(f"{g['name']}.{o['name']}: max abs diff {diff} > {tol}")
+                failures.append(f"{label}.{o['name']}: max abs diff {diff} > {tol}")
         elif not np.array_equal(x, y):
-            failures.append(f"{g['name']}.{o['name']}: {x.tolist()} != {y.tolist()}")
+            failures.append(f"{label}.{o['name']}: {x.tolist()} != {y.tolist()}")
         else:
-            print(f"  {g['name']}.{o['name']}: identical ({x.tolist() if x.size <= 8 else x.shape})")
+            print(f"  {label}.{o['name']}: identical ({x.tolist() if x.size <= 8 else x.shape})")
     if reference is not None and g["kind"] == "decode":
         k = [o["name"] for o in g["outputs"]].index("logits")
-        row0 = got[f"arr_{k}"][0].astype(np.float64)
+        row0 = got[f"r{r}_{k}"][0].astype(np.float64)
         ref = np.asarray(reference["logits"][-1], dtype=np.float64)
         diff = float(np.max(np.abs(row0 - ref)))
-        print(f"  {g['name']}: row 0 vs transformers, max |diff| = {diff:.3g} (allowed {reference_tol:.3g})")
+        print(f"  {label}: row 0 vs transformers, max |diff| = {diff:.3g} (allowed {reference_tol:.3g})")
         if not diff <= reference_tol:
-            failures.append(f"{g['name']}: row-0 logits differ from transformers by {diff}")
+            failures.append(f"{label}: row-0 logits differ from transformers by {diff}")
     return failures
 
 
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        run_module(sys.argv[2], sys.argv[3], sys.argv[5:], sys.argv[4])
+        pb, npz, count = sys.argv[2], sys.argv[3], int(sys.argv[4])
+        run_module(pb, sys.argv[5 : 5 + count], sys.argv[5 + count :], npz)
         return 0
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out_dir", type=Path)
@@ -140,16 +240,17 @@ def main() -> int:
         peer = json.loads(args.peer.read_text())
         last = np.asarray(peer["logits"][-1], dtype=np.float64)
         reference_tol = float(np.max(np.abs(last - np.asarray(reference["logits"][-1], dtype=np.float64))))
+    tp = int(manifest.get("tp", 1))
     failures, checked = [], 0
     for g in manifest["graphs"]:
-        if not g.get("inputs"):
+        if not graph_inputs(g, tp):
             continue
-        print(f"{g['name']}:")
-        failures += check_graph(args.out_dir, g, args.tol, reference, reference_tol)
+        print(f"{g['name']}:" if tp == 1 else f"{g['name']} ({tp} replicas):")
+        failures += check_graph(args.out_dir, g, args.tol, reference, reference_tol, tp)
         checked += 1
     for f in failures:
         print("FAIL", f)
-    passed = checked - len({f.split(':')[0].split('.')[0] for f in failures})
+    passed = checked - len({f.split(':')[0].split('.')[0].split('@')[0] for f in failures})
     print(f"xla_check: {passed} passed, {checked - passed} failed")
     return 1 if failures or checked == 0 else 0
 

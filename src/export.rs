@@ -8,7 +8,16 @@
 //! Graphs return the logits the device runner binds (decode: the sampled rows'; prefill: every
 //! position's), so their statistics count what a device step really writes.
 //! `manifest.json` lists every graph's parameters (HLO parameter order), outputs (root tuple
-//! order) and aliases.
+//! order) and aliases, and the tensor-parallel degree `tp`.
+//!
+//! Tensor parallelism ([`lower_sharded`] with `ranks > 1`, `deepinfer lower --tp N`): every rank
+//! runs the same module, so there is still one `NAME.hlo.pb` per graph (its collectives name the
+//! replica group `{0..N}`); what differs per rank is its weight shards and
+//! [`crate::model::shard::SHARD_OFFSETS`], so the inputs are one `NAME.rank{r}.inputs.safetensors`
+//! per rank (that rank's shards, the shared metadata, and the KV root: rank 0's, as every
+//! rank's root holds the same values). All ranks compute the same outputs (checked here), so
+//! `NAME.outputs.safetensors` is written once. At `tp = 1` the files are exactly those of an
+//! unsharded model.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -16,15 +25,16 @@ use std::path::Path;
 use candle_core::Tensor as CTensor;
 use serde::Serialize;
 
+use crate::backend::cpu::{self, Group, DEFAULT_COLLECTIVE_TIMEOUT};
+use crate::backend::hlo;
 use crate::backend::neuron::check::{check_module, CheckOptions, CheckReport};
-use crate::backend::{cpu, hlo};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::graph::stats::{stats, GraphStats};
 use crate::graph::{Graph, InputRole};
 use crate::model::cost::{decode_floor, DecodeFloor};
 use crate::model::{
-    self, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, PrecisionChoice, WeightSpecs,
+    self, shard, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, PrecisionChoice, WeightSpecs,
 };
 use crate::runner::step::{self, DecodeRow, HostArray, HostData, PrefillChunk, SamplingParams};
 use crate::runner::{CpuRunner, Limits, Runner, RunnerConfig, Step, StepKind};
@@ -95,8 +105,12 @@ pub struct ManifestGraph {
     pub ctx: usize,
     /// The `.hlo.pb` file.
     pub hlo: String,
-    /// The inputs file, when written.
+    /// The inputs file, when written for an unsharded model (`tp = 1`).
     pub inputs: Option<String>,
+    /// With `tp > 1`, when inputs are written: one inputs file per rank, in rank order (empty,
+    /// and left out of the manifest, otherwise).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub rank_inputs: Vec<String>,
     /// The CPU backend's outputs for those inputs, when written.
     pub cpu_outputs: Option<String>,
     /// Parameters in HLO order.
@@ -110,6 +124,8 @@ pub struct ManifestGraph {
 /// `manifest.json`.
 #[derive(Debug, Clone, Serialize)]
 pub struct Manifest {
+    /// The tensor-parallel degree: how many ranks (replicas) run each graph.
+    pub tp: usize,
     /// Every lowered graph.
     pub graphs: Vec<ManifestGraph>,
     /// Each graph's static cost, in the same order (printed by `--stats`, not written).
@@ -185,6 +201,7 @@ fn describe(graph: &Graph, kind: &'static str, batch: usize, ctx: usize) -> Mani
         ctx,
         hlo: format!("{}.hlo.pb", graph.name()),
         inputs: None,
+        rank_inputs: Vec::new(),
         cpu_outputs: None,
         parameters: graph
             .inputs()
@@ -233,21 +250,42 @@ fn host_tensor(a: &HostArray) -> Result<CTensor> {
     })
 }
 
-/// Binds every input of `graph` (weights, `metadata`, a copy of `root`), runs it on the CPU
-/// backend, and writes both the inputs and the outputs as safetensors.
+/// Whether two tensors hold the same values bit for bit (same shape and dtype).
+fn bit_identical(a: &CTensor, b: &CTensor) -> Result<bool> {
+    if a.shape() != b.shape() || a.dtype() != b.dtype() {
+        return Ok(false);
+    }
+    // Every dtype a graph outputs widens to f64 exactly (i32/u32 fit in its 53-bit mantissa).
+    let wide = |t: &CTensor| -> Result<Vec<u64>> {
+        Ok(t.flatten_all()?
+            .to_dtype(candle_core::DType::F64)?
+            .to_vec1::<f64>()?
+            .into_iter()
+            .map(f64::to_bits)
+            .collect())
+    };
+    Ok(wide(a)? == wide(b)?)
+}
+
+/// Binds every input of `graph` for each rank (rank `r`'s weights `weights[r]`, `metadata`, a
+/// copy of `root`), runs it on the CPU backend (every rank on its own thread when there are
+/// several), and writes the inputs (one file per rank when sharded) and rank 0's outputs as
+/// safetensors. Every rank must compute the same outputs; a difference is an internal error.
 fn write_step(
     graph: &Graph,
-    weights: &ModelWeights,
+    weights: &[ModelWeights],
     metadata: &[HostArray],
     root: &CTensor,
     out: &Path,
     entry: &mut ManifestGraph,
 ) -> Result<()> {
-    let mut inputs = Vec::new();
-    let mut named = HashMap::new();
-    for d in graph.inputs() {
-        let t =
-            match d.role {
+    let ranks = weights.len();
+    let mut rank_inputs = Vec::with_capacity(ranks);
+    for (r, weights) in weights.iter().enumerate() {
+        let mut inputs = Vec::new();
+        let mut named = HashMap::new();
+        for d in graph.inputs() {
+            let t = match d.role {
                 InputRole::Weight => weights.get(&d.name)?.clone(),
                 InputRole::CacheRoot => root.copy()?,
                 InputRole::Metadata => {
@@ -260,12 +298,40 @@ fn write_step(
                     host_tensor(a)?
                 }
             };
-        named.insert(d.name.clone(), t.clone());
-        inputs.push(t);
+            named.insert(d.name.clone(), t.clone());
+            inputs.push(t);
+        }
+        // Saved before the run: the run updates the cache root in place.
+        let inputs_file = match ranks {
+            1 => format!("{}.inputs.safetensors", graph.name()),
+            _ => format!("{}.rank{r}.inputs.safetensors", graph.name()),
+        };
+        candle_core::safetensors::save(&named, out.join(&inputs_file))?;
+        match ranks {
+            1 => entry.inputs = Some(inputs_file),
+            _ => entry.rank_inputs.push(inputs_file),
+        }
+        rank_inputs.push(inputs);
     }
-    let inputs_file = format!("{}.inputs.safetensors", graph.name());
-    candle_core::safetensors::save(&named, out.join(&inputs_file))?;
-    let outputs = cpu::run(graph, &inputs)?;
+    let outputs = match ranks {
+        1 => cpu::run(graph, &rank_inputs[0])?,
+        _ => {
+            let group = Group::new(ranks, DEFAULT_COLLECTIVE_TIMEOUT);
+            let mut all = cpu::run_group(graph, &rank_inputs, &group, 0)?;
+            for (r, outs) in all.iter().enumerate().skip(1) {
+                for ((o, a), b) in graph.outputs().iter().zip(outs).zip(&all[0]) {
+                    if !bit_identical(a, b)? {
+                        return Err(Error::Internal(format!(
+                            "{}: rank {r}'s output {} differs from rank 0's",
+                            graph.name(),
+                            o.name
+                        )));
+                    }
+                }
+            }
+            all.swap_remove(0)
+        }
+    };
     let named_out: HashMap<String, CTensor> = graph
         .outputs()
         .iter()
@@ -274,14 +340,29 @@ fn write_step(
         .collect();
     let outputs_file = format!("{}.outputs.safetensors", graph.name());
     candle_core::safetensors::save(&named_out, out.join(&outputs_file))?;
-    entry.inputs = Some(inputs_file);
     entry.cpu_outputs = Some(outputs_file);
     Ok(())
 }
 
-/// Lowers the model in `model_dir` into `out`; see the module docs for the layout.
+/// Lowers the model in `model_dir` into `out`, unsharded; see the module docs for the layout.
 pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manifest> {
+    lower_sharded(model_dir, out, opts, 1)
+}
+
+/// Lowers the model in `model_dir` into `out` for `ranks`-way tensor parallelism (1: unsharded,
+/// as [`lower`]); see the module docs for the layout. A degree that does not divide the model
+/// is an error ([`shard::validate`]'s) before anything is written.
+///
+/// The degree is an argument rather than a [`LowerOptions`] field so that callers building the
+/// options by struct literal (tests in several crates) keep compiling.
+pub fn lower_sharded(
+    model_dir: &Path,
+    out: &Path,
+    opts: &LowerOptions,
+    ranks: usize,
+) -> Result<Manifest> {
     let cfg = ModelConfig::from_file(&model_dir.join("config.json"))?;
+    shard::validate(&cfg, ranks)?;
     let max_batch = opts.batch_sizes.iter().copied().max().unwrap_or(1);
     // Statistics need only config.json; the weights are read when inputs are written.
     let checkpoint = match &opts.inputs_from_token_ids {
@@ -295,6 +376,7 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
     let precision = opts.precision.resolve(saved, &cfg)?;
     let mut rc = RunnerConfig::for_limits(max_batch, opts.ctx);
     rc.kv_dtype = precision.kv_cache;
+    rc.tp = ranks;
     if rc.buckets.max_len() != opts.ctx {
         return Err(Error::InvalidInput(format!(
             "--ctx {} must be a multiple of the block size {}",
@@ -302,7 +384,8 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
         )));
     }
     std::fs::create_dir_all(out).map_err(io_err(out))?;
-    let specs = WeightSpecs::new(&cfg, &precision);
+    // The same shapes `check_neuron` and the runners build graphs with (the whole model at 1).
+    let specs = WeightSpecs::sharded(&cfg, &precision, ranks)?;
     let moe = |rows: usize| {
         cfg.routing.as_ref().map_or(MoeStrategy::Dense, |r| {
             MoeStrategy::for_tokens(r, rows, specs.ranks())
@@ -344,6 +427,7 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
     }
 
     let mut manifest = Manifest {
+        tp: ranks,
         graphs: Vec::new(),
         costs: Vec::new(),
     };
@@ -403,7 +487,14 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
         let root = runner.kv_root().copy()?;
         for ((g, kind, rows), entry) in graphs.iter().zip(manifest.graphs.iter_mut()) {
             if *kind == "prefill" {
-                write_step(g, runner.weights(), &prefill_meta, &empty_root, out, entry)?;
+                write_step(
+                    g,
+                    runner.rank_weights(),
+                    &prefill_meta,
+                    &empty_root,
+                    out,
+                    entry,
+                )?;
             } else {
                 let row = DecodeRow {
                     token: last[0],
@@ -412,7 +503,7 @@ pub fn lower(model_dir: &Path, out: &Path, opts: &LowerOptions) -> Result<Manife
                     sampling: SamplingParams::GREEDY,
                 };
                 let meta = step::decode_step(&[row], *rows, opts.ctx, rc.block_size)?;
-                write_step(g, runner.weights(), &meta, &root, out, entry)?;
+                write_step(g, runner.rank_weights(), &meta, &root, out, entry)?;
             }
         }
     }

@@ -357,6 +357,10 @@ fn coverage_keys(g: &Graph) -> Vec<String> {
                 Op::IndexSelect { .. } => format!("index_select.{d}"),
                 Op::Gather { .. } => format!("gather.{d}"),
                 Op::ScatterRows { .. } => format!("scatter_rows.{d}"),
+                // Single-rank cases hold no collectives (tests/tp_lowering.rs and
+                // tests/tensor_parallel.rs cover them).
+                Op::AllReduce { op, .. } => format!("all_{}.{d}", reduce_name(*op)),
+                Op::AllGather { .. } => format!("all_gather.{d}"),
             }
         })
         .collect()

@@ -73,9 +73,9 @@ pub fn split_of(name: &str) -> Split {
         ".mlp.down_proj.weight",
         ".shared_experts.down_proj.weight",
     ];
-    if name == "model.embed_tokens.weight" || name == "lm_head.weight" {
-        Split::Rows
-    } else if ROWS.iter().any(|s| name.ends_with(s)) {
+    // The embedding and the LM head split by vocabulary: their rows.
+    let vocabulary = name == "model.embed_tokens.weight" || name == "lm_head.weight";
+    if vocabulary || ROWS.iter().any(|s| name.ends_with(s)) {
         Split::Rows
     } else if COLS.iter().any(|s| name.ends_with(s)) {
         Split::Cols

@@ -185,31 +185,8 @@ impl CpuRunner {
         let inputs = (0..group.size())
             .map(|r| self.inputs(graph, metadata, r))
             .collect::<Result<Vec<_>>>()?;
-        let mut outs = std::thread::scope(|s| {
-            let handles: Vec<_> = inputs
-                .iter()
-                .enumerate()
-                .map(|(r, inputs)| {
-                    let comm = group.rank(r);
-                    s.spawn(move || cpu::run_rank(graph, inputs, &comm?, step))
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| {
-                    h.join()
-                        .unwrap_or_else(|_| Err(Error::Internal("a rank's thread panicked".into())))
-                })
-                .collect::<Vec<_>>()
-        });
-        // The first rank's own failure names the cause; the others say another rank failed.
-        if let Some(i) = outs.iter().position(|o| {
-            o.as_ref()
-                .is_err_and(|e| !matches!(e, Error::Collective(_)))
-        }) {
-            return outs.swap_remove(i);
-        }
-        outs.swap_remove(0)
+        let mut outs = cpu::run_group(graph, &inputs, &group, step)?;
+        Ok(outs.swap_remove(0))
     }
 
     fn execute(

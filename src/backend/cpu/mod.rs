@@ -67,6 +67,61 @@ pub fn run_rank(
     out
 }
 
+/// Every rank's step of a tensor-parallel graph: [`run_rank`] for each rank of `group` on its
+/// own thread, with `inputs[r]` as rank `r`'s inputs, as step number `step`. Returns every
+/// rank's outputs in rank order; when the step fails, the error is the first rank's own cause
+/// (not the "another rank failed" the others report).
+pub fn run_group(
+    graph: &Graph,
+    inputs: &[Vec<CTensor>],
+    group: &std::sync::Arc<Group>,
+    step: u64,
+) -> Result<Vec<Vec<CTensor>>> {
+    if inputs.len() != group.size() {
+        return Err(Error::Internal(format!(
+            "{} ranks' inputs for a group of {}",
+            inputs.len(),
+            group.size()
+        )));
+    }
+    let outs = std::thread::scope(|s| {
+        let handles: Vec<_> = inputs
+            .iter()
+            .enumerate()
+            .map(|(r, inputs)| {
+                let comm = group.rank(r);
+                s.spawn(move || run_rank(graph, inputs, &comm?, step))
+            })
+            .collect();
+        handles
+            .into_iter()
+            .map(|h| {
+                h.join()
+                    .unwrap_or_else(|_| Err(Error::Internal("a rank's thread panicked".into())))
+            })
+            .collect::<Vec<_>>()
+    });
+    let first_cause = outs.iter().position(|o| {
+        o.as_ref()
+            .is_err_and(|e| !matches!(e, Error::Collective(_)))
+    });
+    let mut all = Vec::with_capacity(outs.len());
+    let mut first_err = None;
+    for (r, o) in outs.into_iter().enumerate() {
+        match o {
+            Ok(v) => all.push(v),
+            Err(e) if first_cause.is_none_or(|i| i == r) => {
+                first_err.get_or_insert(e);
+            }
+            Err(_) => {}
+        }
+    }
+    match first_err {
+        Some(e) => Err(e),
+        None => Ok(all),
+    }
+}
+
 fn run_with(
     graph: &Graph,
     inputs: &[CTensor],

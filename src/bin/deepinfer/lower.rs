@@ -57,6 +57,12 @@ pub(crate) struct LowerArgs {
     /// parallelism to fit.
     #[arg(long = "allow", requires = "check", value_parser = parse_rule)]
     allow: Vec<Rule>,
+    /// Tensor-parallel degree: every graph is built for one rank of N (its weight shards as
+    /// inputs, collectives over the replica group {0..N}); one HLO module per graph serves every
+    /// rank, and --inputs-from-token-ids writes one `NAME.rank{r}.inputs.safetensors` per rank.
+    /// With --check, the graphs a capture at this degree compiles.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
     /// Decode batch sizes, one graph each.
     #[arg(long, value_delimiter = ',', default_value = "1")]
     batch_sizes: Vec<usize>,
@@ -129,6 +135,7 @@ fn check(args: &LowerArgs, dir: &Path) -> Result<()> {
     let cfg = ModelConfig::from_file(&config)?;
     let limits = args.precision.apply(&Limits {
         prefill_chunk: Some(args.prefill_chunk),
+        tp: args.tp,
         ..Limits::new(args.max_batch, args.max_len.unwrap_or(2048))
     });
     let opts = CheckOptions {
@@ -178,7 +185,7 @@ pub(crate) fn run(args: LowerArgs) -> Result<()> {
         inputs_from_token_ids: args.inputs_from_token_ids,
         precision: args.precision.choice(),
     };
-    let manifest = export::lower(&dir, &out, &opts)?;
+    let manifest = export::lower_sharded(&dir, &out, &opts, args.tp)?;
     if args.compile {
         let mut cfg = CompilerConfig {
             program: args.neuronx_cc.clone(),
