@@ -54,7 +54,6 @@ fn tiny() -> (ModelConfig, ModelWeights) {
 
 fn replay_config() -> RunnerConfig {
     RunnerConfig {
-        tp: 1,
         block_size: 16,
         num_blocks: 64 * 4 + 1,
         buckets: Buckets {
