@@ -26,6 +26,7 @@ pub mod graph;
 #[cfg(feature = "server")]
 pub mod metrics;
 pub mod model;
+pub mod plan;
 pub mod runner;
 #[cfg(feature = "server")]
 pub mod server;
