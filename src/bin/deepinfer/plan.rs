@@ -324,11 +324,14 @@ fn print_table(
     ))?;
     emit(&format!(
         "host RAM while loading: {} peak (largest checkpoint tensor {} + largest shard {}{}) of {}",
-        gib(plan.host.peak()),
-        gib(plan.host.largest_checkpoint_tensor),
-        gib(plan.host.largest_shard),
+        plan::human_bytes(plan.host.peak()),
+        plan::human_bytes(plan.host.largest_checkpoint_tensor),
+        plan::human_bytes(plan.host.largest_shard),
         if plan.host.quantize_staging > 0 {
-            format!(" + one expert in f32 {}", gib(plan.host.quantize_staging))
+            format!(
+                " + one expert in f32 {}",
+                plan::human_bytes(plan.host.quantize_staging)
+            )
         } else {
             String::new()
         },
