@@ -679,3 +679,71 @@ impl fmt::Display for Experts {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lite() -> ModelConfig {
+        ModelConfig::from_file(
+            &std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                .join("fixtures/configs/deepseek-v2-lite.json"),
+        )
+        .unwrap()
+    }
+
+    /// The runner-facing call agrees with the plan it makes, and the plan at that count fills
+    /// the budget to within one block.
+    #[test]
+    fn auto_kv_blocks_is_the_plans_count() {
+        let cfg = lite();
+        let opts = PlanOptions {
+            tp: 2,
+            experts: Experts::Int8,
+            dtype: WeightDType::Float(DType::BF16),
+            ..PlanOptions::default()
+        };
+        let n = auto_kv_blocks(&cfg, &opts).unwrap();
+        let plan = Plan::compute(
+            &cfg,
+            &PlanOptions {
+                kv_blocks: KvBlocks::Exactly(n),
+                ..opts.clone()
+            },
+        )
+        .unwrap();
+        assert!(plan.fits(), "{:?}", plan.shortfalls());
+        let more = Plan::compute(
+            &cfg,
+            &PlanOptions {
+                kv_blocks: KvBlocks::Exactly(n + 1),
+                ..opts
+            },
+        )
+        .unwrap();
+        assert!(!more.fits());
+    }
+
+    #[test]
+    fn bad_tp_names_the_size_and_the_fix() {
+        let cfg = lite();
+        let err = |tp, instance| {
+            Plan::compute(
+                &cfg,
+                &PlanOptions {
+                    tp,
+                    instance,
+                    ..PlanOptions::default()
+                },
+            )
+            .unwrap_err()
+            .to_string()
+        };
+        let e = err(32, Instance::Trn1_32xlarge);
+        assert!(e.contains("num_attention_heads = 16"), "{e}");
+        assert!(e.contains("use --tp 1, 2, 4, 8, 16"), "{e}");
+        let e = err(8, Instance::Trn1_2xlarge);
+        assert!(e.contains("needs 8 NeuronCores"), "{e}");
+        assert!(err(0, Instance::Trn1_2xlarge).contains("expected one of"));
+    }
+}
