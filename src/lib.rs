@@ -5,7 +5,8 @@
 //! to XLA HLO for neuronx-cc and replay it on Trainium through libnrt.
 //!
 //! Arrows point one way: `server -> engine -> runner -> backend -> graph`, `model -> graph`;
-//! [`error`] sits below them all. Nothing below imports anything above.
+//! [`error`] sits below them all. Nothing below imports anything above. [`plan`] sizes a
+//! deployment from the config and the runner's buckets (`plan -> runner`); nothing imports it.
 //!
 //! The default `server` feature adds what serving needs (the engine, the HTTP server, the
 //! tokenizer, metrics, and the `deepinfer` binary). Without it the library is the graph, the
@@ -26,6 +27,7 @@ pub mod graph;
 #[cfg(feature = "server")]
 pub mod metrics;
 pub mod model;
+pub mod plan;
 pub mod runner;
 #[cfg(feature = "server")]
 pub mod server;

@@ -1,4 +1,4 @@
-//! The `deepinfer` command line: serve, generate, score, benchmark and lower
+//! The `deepinfer` command line: serve, generate, score, benchmark, lower and plan
 //! DeepSeek-architecture models.
 //!
 //! Each command lives in its own module with its arguments; this file holds what they share
@@ -12,6 +12,7 @@ mod bench;
 mod generate;
 mod logging;
 mod lower;
+mod plan;
 mod score;
 mod serve;
 
@@ -48,6 +49,9 @@ enum Command {
     Doctor,
     /// Serve the model over an OpenAI-compatible HTTP API.
     Serve(serve::ServeArgs),
+    /// Per-NeuronCore memory plan of a (tensor-parallel) deployment: whether it fits an
+    /// instance, and what would. Exit status 0 when it fits, 1 when not, 2 on bad flags.
+    Plan(plan::PlanArgs),
 }
 
 /// The model and backend arguments every running command takes.
@@ -224,6 +228,10 @@ fn main() -> ExitCode {
         Command::Bench(a) => bench::run(a),
         Command::Lower(a) => lower::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::Plan(a) => match plan::run(a) {
+            Ok(code) => return code,
+            Err(e) => Err(e),
+        },
         Command::Doctor => match doctor() {
             Ok(code) => return code,
             Err(e) => Err(e),
