@@ -257,11 +257,11 @@ fn totals_agree_with_published_parameter_counts() {
 /// Sum over ranks = total + (N - 1) x replicated, with the replicated bytes counted here by
 /// hand from DeepSeek-V2-Lite's config (bf16): per layer two RMSNorms of 2048, the kv_a
 /// projection 576 x 2048 and its norm of 512 (V2-Lite has no q LoRA), the f32 router 64 x 2048
-/// on the 26 MoE layers, the final norm, and the 4-byte rank index.
+/// on the 26 MoE layers, the final norm, and the rank's two i32 shard offsets.
 #[test]
 fn per_rank_sum_identity() {
     let replicated: u64 =
-        27 * (2 * 2048 * 2 + 576 * 2048 * 2 + 512 * 2) + 26 * 64 * 2048 * 4 + 2048 * 2 + 4;
+        27 * (2 * 2048 * 2 + 576 * 2048 * 2 + 512 * 2) + 26 * 64 * 2048 * 4 + 2048 * 2 + 8;
     for tp in [2u64, 4, 8, 16] {
         let t = tp.to_string();
         let v = plan(

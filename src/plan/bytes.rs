@@ -1,24 +1,14 @@
 //! Per-tensor accounting: every weight a rank holds under tensor parallelism, its shard's shape
 //! and stored dtype, and the bytes that makes.
 //!
-//! The parameter set is [`crate::model::WeightSpecs::new`]'s (at one rank), re-listed here with
-//! each tensor's sharding rule, because the runner's tensor-parallel layout is being built while
-//! this is written and `params.rs` must not depend on it. The rules (tensor parallelism degree N):
-//!
-//! | tensor | shard per rank |
-//! |---|---|
-//! | `model.embed_tokens.weight`, `lm_head.weight` | vocabulary rows: `[V/N, hidden]` |
-//! | RMSNorm weights, `q_a_proj`, `kv_a_proj_with_mqa`, the router (`mlp.gate.weight`, f32) and V3's `e_score_correction_bias` (f32), `tp_rank` (i32, N > 1 only) | replicated whole |
-//! | `q_b_proj` / `q_proj`, `kv_b_proj` | heads: `[heads/N * width, in]` |
-//! | `o_proj` | heads, columns: `[hidden, heads/N * v_head_dim]` |
-//! | dense MLP, shared experts: `gate_proj`, `up_proj` / `down_proj` | columns / rows of the intermediate: `[I/N, hidden]` / `[hidden, I/N]` |
-//! | routed experts, stacked | expert-parallel, whole experts: `[E/N, out, in]` (int8: plus `[E/N, out]` f32 scales) |
-//!
-//! `tp_rank` is a 4-byte per-rank constant input, not a model parameter; it is counted with the
-//! weights (replicated) so that the identity "sum over ranks = total + (N - 1) x replicated"
-//! holds exactly. The multi-token-prediction layers of V3 checkpoints
-//! (`num_nextn_predict_layers`, `model.layers.61.*` in the published files) are not loaded by the
-//! engine and are not counted.
+//! The tensors are the runner's own: [`crate::model::WeightSpecs::new`]'s parameters, each
+//! divided as [`crate::model::shard::split_of`] divides it (the module docs of
+//! [`crate::model::shard`] give the layout and its reasons), plus the per-rank
+//! [`crate::model::shard::SHARD_OFFSETS`] input when N > 1. That input is not a model
+//! parameter; it is counted with the weights (replicated) so that the identity "sum over ranks =
+//! total + (N - 1) x replicated" holds exactly. The multi-token-prediction layers of V3
+//! checkpoints (`num_nextn_predict_layers`, `model.layers.61.*` in the published files) are
+//! not loaded by the engine and are not counted.
 //!
 //! # FP8
 //!
@@ -33,9 +23,9 @@
 //! (`--dtype auto` plans that); `--dtype fp8` plans the storage the device would need to keep
 //! fp8 as published.
 
-use crate::config::{Architecture, ModelConfig};
+use crate::config::ModelConfig;
 use crate::graph::DType;
-use crate::model::Quantize;
+use crate::model::{shard, Precision, Quantize, WeightSpecs};
 
 /// How the model's weights are stored on the device.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -94,7 +84,7 @@ pub enum Kind {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Entry {
     /// The graph input's name (as in [`crate::model::WeightSpecs`]; `_scale_inv` for fp8
-    /// scales, `tp_rank` for the rank's index).
+    /// scales, [`shard::SHARD_OFFSETS`] for the rank's offsets).
     pub name: String,
     /// The whole tensor's shape (for block scales: the weight's shape they scale).
     pub shape: Vec<usize>,
@@ -105,7 +95,7 @@ pub struct Entry {
     /// Values or block scales.
     pub kind: Kind,
     /// The largest tensor the checkpoint holds for this entry, in bytes as stored there (one
-    /// expert of a stacked tensor); 0 for tensors made at load (int8 scales, `tp_rank`).
+    /// expert of a stacked tensor); 0 for tensors made at load (int8 scales, the shard offsets).
     pub checkpoint_bytes: u64,
 }
 
@@ -151,7 +141,7 @@ impl Entry {
 }
 
 /// Every weight a rank holds for `cfg` stored as `format` with `quantize`, at tensor
-/// parallelism `tp` (only `tp_rank`'s presence depends on it). `checkpoint` is how the
+/// parallelism `tp` (only the shard offsets' presence depends on it). `checkpoint` is how the
 /// checkpoint stores its tensors (for the host's staging peak).
 pub fn entries(
     cfg: &ModelConfig,
@@ -160,35 +150,55 @@ pub fn entries(
     checkpoint: WeightFormat,
     tp: usize,
 ) -> Vec<Entry> {
-    let mut out = Vec::new();
-    let (h, v, heads) = (cfg.hidden_size, cfg.vocab_size, cfg.num_attention_heads);
-    let size = |d: DType| d.size_in_bytes() as u64;
-    let elems = |s: &[usize]| s.iter().map(|&d| d as u64).product::<u64>();
-    // Embeddings, lm_head, norms: the non-linear float tensors.
-    let other = |out: &mut Vec<Entry>, name: String, shape: Vec<usize>, split| {
-        let checkpoint_bytes = elems(&shape) * size(checkpoint.other());
-        out.push(Entry {
-            name,
-            shape,
-            dtype: format.other(),
-            split,
-            kind: Kind::Values,
-            checkpoint_bytes,
-        });
+    let precision = Precision {
+        quantize,
+        ..Precision::all(format.float())
     };
-    // A linear weight `[out, in]` (or stacked experts `[E, out, in]`), and its fp8 scales.
-    let linear = |out: &mut Vec<Entry>, name: String, shape: Vec<usize>, split| {
-        let one = &shape[shape.len() - 2..];
-        let checkpoint_bytes = elems(one) * size(checkpoint.linear());
+    let specs = WeightSpecs::new(cfg, &precision);
+    let elems = |s: &[usize]| s.iter().map(|&d| d as u64).product::<u64>();
+    let mut out = Vec::new();
+    for name in specs.names() {
+        let shape = specs.shape(name).unwrap_or_default().to_vec();
+        let split = match shard::split_of(name) {
+            shard::Split::Replicated => Split::Replicated,
+            shard::Split::Rows => Split::Dim(0),
+            shard::Split::Cols => Split::Dim(shape.len() - 1),
+        };
+        let stored = specs.dtype(name);
+        // A linear weight `[out, in]` or stacked experts `[E, out, in]`: fp8 in the published
+        // V3 format, read from the checkpoint one `[out, in]` matrix at a time.
+        let linear = name.ends_with("_proj.weight")
+            || name.ends_with("_proj_with_mqa.weight")
+            || name.ends_with("_proj") && name.contains(".mlp.experts.");
+        let one = if linear { &shape[shape.len() - 2..] } else { &shape[..] };
+        let (dtype, checkpoint_bytes) = match stored {
+            // Made at load: int8 experts' scales.
+            DType::F32 if name.ends_with("_scale") => (stored, 0),
+            // The router (always f32, in the checkpoint too).
+            DType::F32 => (stored, elems(&shape) * 4),
+            // int8 experts, quantized at load from the checkpoint's linear weights.
+            DType::I8 => (
+                stored,
+                elems(one) * checkpoint.linear().size_in_bytes() as u64,
+            ),
+            _ if linear => (
+                format.linear(),
+                elems(one) * checkpoint.linear().size_in_bytes() as u64,
+            ),
+            _ => (
+                format.other(),
+                elems(&shape) * checkpoint.other().size_in_bytes() as u64,
+            ),
+        };
         out.push(Entry {
-            name: name.clone(),
+            name: name.to_string(),
             shape: shape.clone(),
-            dtype: format.linear(),
+            dtype,
             split,
             kind: Kind::Values,
             checkpoint_bytes,
         });
-        if let WeightFormat::Fp8Block(block) = format {
+        if let (WeightFormat::Fp8Block(block), DType::F8E4M3) = (format, dtype) {
             out.push(Entry {
                 name: format!("{name}_scale_inv"),
                 shape,
@@ -198,183 +208,21 @@ pub fn entries(
                 checkpoint_bytes: 0,
             });
         }
-    };
-    let f32_replicated = |out: &mut Vec<Entry>, name: String, shape: Vec<usize>| {
-        let checkpoint_bytes = elems(&shape) * 4;
-        out.push(Entry {
-            name,
-            shape,
-            dtype: DType::F32,
-            split: Split::Replicated,
-            kind: Kind::Values,
-            checkpoint_bytes,
-        });
-    };
-
-    other(
-        &mut out,
-        "model.embed_tokens.weight".into(),
-        vec![v, h],
-        Split::Dim(0),
-    );
-    other(
-        &mut out,
-        "model.norm.weight".into(),
-        vec![h],
-        Split::Replicated,
-    );
-    if !cfg.tie_word_embeddings {
-        other(&mut out, "lm_head.weight".into(), vec![v, h], Split::Dim(0));
     }
     if tp > 1 {
         out.push(Entry {
-            name: "tp_rank".into(),
-            shape: vec![1],
+            name: shard::SHARD_OFFSETS.into(),
+            shape: vec![2],
             dtype: DType::I32,
             split: Split::Replicated,
             kind: Kind::Values,
             checkpoint_bytes: 0,
         });
     }
-    for l in 0..cfg.num_hidden_layers {
-        let p = format!("model.layers.{l}");
-        for norm in ["input_layernorm", "post_attention_layernorm"] {
-            other(
-                &mut out,
-                format!("{p}.{norm}.weight"),
-                vec![h],
-                Split::Replicated,
-            );
-        }
-        let a = format!("{p}.self_attn");
-        match cfg.q_lora_rank {
-            Some(r) => {
-                linear(
-                    &mut out,
-                    format!("{a}.q_a_proj.weight"),
-                    vec![r, h],
-                    Split::Replicated,
-                );
-                other(
-                    &mut out,
-                    format!("{a}.q_a_layernorm.weight"),
-                    vec![r],
-                    Split::Replicated,
-                );
-                linear(
-                    &mut out,
-                    format!("{a}.q_b_proj.weight"),
-                    vec![heads * cfg.qk_head_dim(), r],
-                    Split::Dim(0),
-                );
-            }
-            None => {
-                linear(
-                    &mut out,
-                    format!("{a}.q_proj.weight"),
-                    vec![heads * cfg.qk_head_dim(), h],
-                    Split::Dim(0),
-                );
-            }
-        }
-        linear(
-            &mut out,
-            format!("{a}.kv_a_proj_with_mqa.weight"),
-            vec![cfg.kv_cache_width(), h],
-            Split::Replicated,
-        );
-        other(
-            &mut out,
-            format!("{a}.kv_a_layernorm.weight"),
-            vec![cfg.kv_lora_rank],
-            Split::Replicated,
-        );
-        linear(
-            &mut out,
-            format!("{a}.kv_b_proj.weight"),
-            vec![
-                heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
-                cfg.kv_lora_rank,
-            ],
-            Split::Dim(0),
-        );
-        linear(
-            &mut out,
-            format!("{a}.o_proj.weight"),
-            vec![h, heads * cfg.v_head_dim],
-            Split::Dim(1),
-        );
-        let mp = format!("{p}.mlp");
-        let mlp = |out: &mut Vec<Entry>, prefix: &str, i: usize| {
-            for proj in ["gate_proj", "up_proj"] {
-                linear(
-                    out,
-                    format!("{prefix}.{proj}.weight"),
-                    vec![i, h],
-                    Split::Dim(0),
-                );
-            }
-            linear(
-                out,
-                format!("{prefix}.down_proj.weight"),
-                vec![h, i],
-                Split::Dim(1),
-            );
-        };
-        match &cfg.routing {
-            Some(r) if cfg.is_moe_layer(l) => {
-                let (e, i) = (r.n_routed_experts, cfg.moe_intermediate_size);
-                f32_replicated(&mut out, format!("{mp}.gate.weight"), vec![e, h]);
-                if cfg.architecture == Architecture::DeepseekV3 {
-                    f32_replicated(
-                        &mut out,
-                        format!("{mp}.gate.e_score_correction_bias"),
-                        vec![e],
-                    );
-                }
-                for (proj, shape) in [
-                    ("gate_proj", vec![e, i, h]),
-                    ("up_proj", vec![e, i, h]),
-                    ("down_proj", vec![e, h, i]),
-                ] {
-                    let name = format!("{mp}.experts.{proj}");
-                    if quantize == Quantize::ExpertsInt8 {
-                        let one = elems(&shape[1..]) * size(checkpoint.linear());
-                        out.push(Entry {
-                            name: name.clone(),
-                            shape: shape.clone(),
-                            dtype: DType::I8,
-                            split: Split::Dim(0),
-                            kind: Kind::Values,
-                            checkpoint_bytes: one,
-                        });
-                        out.push(Entry {
-                            name: format!("{name}_scale"),
-                            shape: shape[..2].to_vec(),
-                            dtype: DType::F32,
-                            split: Split::Dim(0),
-                            kind: Kind::Values,
-                            checkpoint_bytes: 0,
-                        });
-                    } else {
-                        linear(&mut out, name, shape, Split::Dim(0));
-                    }
-                }
-                if cfg.n_shared_experts > 0 {
-                    mlp(
-                        &mut out,
-                        &format!("{mp}.shared_experts"),
-                        i * cfg.n_shared_experts,
-                    );
-                }
-            }
-            _ => mlp(&mut out, &mp, cfg.intermediate_size),
-        }
-    }
     out
 }
 
-/// Parameters in `entries` (values of weights; scales and `tp_rank` excluded).
+/// Parameters in `entries` (values of weights; scales and the shard offsets excluded).
 pub fn param_count(entries: &[Entry]) -> u64 {
     entries
         .iter()
