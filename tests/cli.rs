@@ -416,3 +416,26 @@ fn compile_timeout_reaches_the_compiler_at_capture() {
     assert!(err.contains("timed out after 1 s"), "{err}");
     let _ = std::fs::remove_dir_all(&cc);
 }
+
+#[test]
+fn a_model_too_large_for_the_cores_is_refused_before_anything_is_read_or_compiled() {
+    // Only config.json: the refusal must come from the memory plan, before the checkpoint is
+    // opened (which would fail on the missing weights) and before any graph is compiled.
+    let config = std::fs::read(
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/configs/deepseek-v2-lite.json"),
+    )
+    .unwrap();
+    let dir = temp_model("too-large", &[("config.json", &config)]);
+    let out = deepinfer(&[
+        "generate",
+        "--backend",
+        "sim",
+        "--model",
+        &dir,
+        "--token-ids",
+        "1,2",
+    ]);
+    assert_clean_error(&out, "the model does not fit a trn1.2xlarge at --tp 1");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("--tp 2 --quantize experts-int8"), "{err}");
+}

@@ -174,3 +174,42 @@ fn child_too_many_ranks() {
         "{err}"
     );
 }
+
+#[test]
+fn each_cores_peak_hbm_is_what_the_memory_plan_says() {
+    run_child("child_peak_hbm", &[CORES]);
+}
+
+#[test]
+#[ignore = "runs in a child process started by its parent test"]
+fn child_peak_hbm() {
+    if !is_child() {
+        return each_cores_peak_hbm_is_what_the_memory_plan_says();
+    }
+    let hooks = nrt_sim::SimLibrary::open(nrt_sim::library_next_to_current_exe().expect("lib"))
+        .expect("hooks");
+    for name in FIXTURES {
+        for tp in [1, 2, 4] {
+            let d = sim(name, tp);
+            let counters = hooks.counters().expect("counters");
+            let (cfg, _) = load(name);
+            let limits = runner::Limits {
+                tp,
+                ..runner::Limits::new(2, 128)
+            };
+            let plan = runner::device_plan(&cfg, &limits, Some(deepinfer::graph::DType::F32), 4)
+                .expect("plan");
+            for (core, planned) in plan.per_core().iter().enumerate() {
+                // nrt-sim allocates what the runner binds; NEFF code and scratch are the
+                // device's, which it does not model.
+                let want = planned.weights + planned.kv_cache + planned.metadata + planned.outputs;
+                let got = counters.hbm[core].peak;
+                let err = (got as f64 - want as f64).abs() / want as f64;
+                eprintln!("{name} tp {tp} core {core}: nrt-sim peak {got} B, plan {want} B");
+                assert!(err < 0.05, "{name} tp {tp} core {core}: {got} vs {want}");
+            }
+            drop(d);
+            hooks.reset();
+        }
+    }
+}

@@ -84,6 +84,28 @@ pub fn split_of(name: &str) -> Split {
     }
 }
 
+/// The sizes tensor parallelism divides among the ranks, by their config.json names: the
+/// degree must divide each.
+pub fn split_sizes(cfg: &ModelConfig) -> Vec<(&'static str, usize)> {
+    let mut sizes = vec![
+        ("num_attention_heads", cfg.num_attention_heads),
+        ("vocab_size", cfg.vocab_size),
+    ];
+    if (0..cfg.num_hidden_layers).any(|l| !cfg.is_moe_layer(l)) {
+        sizes.push(("intermediate_size", cfg.intermediate_size));
+    }
+    if let Some(r) = &cfg.routing {
+        sizes.push(("n_routed_experts", r.n_routed_experts));
+        if cfg.n_shared_experts > 0 {
+            sizes.push((
+                "n_shared_experts * moe_intermediate_size",
+                cfg.n_shared_experts * cfg.moe_intermediate_size,
+            ));
+        }
+    }
+    sizes
+}
+
 /// Checks that `ranks` divides everything the sharding splits; the error names the first
 /// quantity that does not, and the degrees that would work.
 pub fn validate(cfg: &ModelConfig, ranks: usize) -> Result<()> {
@@ -92,23 +114,7 @@ pub fn validate(cfg: &ModelConfig, ranks: usize) -> Result<()> {
             "--tp {ranks}: the tensor-parallel degree must be one of {TP_DEGREES:?}"
         )));
     }
-    let mut split: Vec<(&str, usize)> = vec![
-        ("num_attention_heads", cfg.num_attention_heads),
-        ("vocab_size", cfg.vocab_size),
-    ];
-    if (0..cfg.num_hidden_layers).any(|l| !cfg.is_moe_layer(l)) {
-        split.push(("intermediate_size", cfg.intermediate_size));
-    }
-    if let Some(r) = &cfg.routing {
-        split.push(("n_routed_experts", r.n_routed_experts));
-        if cfg.n_shared_experts > 0 {
-            split.push((
-                "n_shared_experts * moe_intermediate_size",
-                cfg.n_shared_experts * cfg.moe_intermediate_size,
-            ));
-        }
-    }
-    for (what, n) in split {
+    for (what, n) in split_sizes(cfg) {
         if !n.is_multiple_of(ranks) {
             let fits: Vec<usize> = TP_DEGREES
                 .iter()

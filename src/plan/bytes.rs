@@ -170,7 +170,11 @@ pub fn entries(
         let linear = name.ends_with("_proj.weight")
             || name.ends_with("_proj_with_mqa.weight")
             || name.ends_with("_proj") && name.contains(".mlp.experts.");
-        let one = if linear { &shape[shape.len() - 2..] } else { &shape[..] };
+        let one = if linear {
+            &shape[shape.len() - 2..]
+        } else {
+            &shape[..]
+        };
         let (dtype, checkpoint_bytes) = match stored {
             // Made at load: int8 experts' scales.
             DType::F32 if name.ends_with("_scale") => (stored, 0),

@@ -74,8 +74,8 @@ pub use self::bytes::WeightFormat;
 pub use self::instance::Instance;
 pub use self::suggest::{suggest, Suggestion};
 
-/// The tensor-parallel degrees a plan considers, as the runner supports them.
-pub const TP_CHOICES: [usize; 7] = [1, 2, 4, 8, 16, 32, 64];
+/// The tensor-parallel degrees a plan considers: the runner's.
+pub const TP_CHOICES: &[usize] = crate::model::shard::TP_DEGREES;
 
 /// The default share of each core's HBM a plan may use.
 pub const DEFAULT_HBM_UTILIZATION: f64 = 0.9;
@@ -564,39 +564,20 @@ fn check_options(cfg: &ModelConfig, opts: &PlanOptions) -> Result<()> {
     check_tp(cfg, opts.tp, opts.instance, opts.instances)
 }
 
-/// Why `tp` cannot shard `cfg`, if it cannot: the first size it does not divide.
+/// Why `tp` cannot shard `cfg`, if it cannot: the first size it does not divide (the sizes
+/// [`crate::model::shard::split_sizes`] lists).
 pub fn tp_divides(cfg: &ModelConfig, tp: usize) -> Option<String> {
-    let mut sizes = vec![
-        (
-            "num_attention_heads",
-            cfg.num_attention_heads,
-            "attention heads",
-        ),
-        ("vocab_size", cfg.vocab_size, "the vocabulary"),
-    ];
-    if (0..cfg.num_hidden_layers).any(|l| !cfg.is_moe_layer(l)) {
-        sizes.push(("intermediate_size", cfg.intermediate_size, "the dense MLP"));
-    }
-    if let Some(r) = &cfg.routing {
-        sizes.push(("n_routed_experts", r.n_routed_experts, "routed experts"));
-        if cfg.n_shared_experts > 0 {
-            sizes.push((
-                "n_shared_experts x moe_intermediate_size",
-                cfg.n_shared_experts * cfg.moe_intermediate_size,
-                "the shared experts",
-            ));
-        }
-    }
-    sizes
+    crate::model::shard::split_sizes(cfg)
         .into_iter()
-        .find(|(_, n, _)| n % tp != 0)
-        .map(|(key, n, what)| format!("{key} = {n} ({what} are split across ranks)"))
+        .find(|(_, n)| n % tp != 0)
+        .map(|(key, n)| format!("{key} = {n} (split across ranks)"))
 }
 
 /// The degrees of [`TP_CHOICES`] that shard `cfg` and fit `cores` cores.
 pub fn valid_tps(cfg: &ModelConfig, cores: usize) -> Vec<usize> {
     TP_CHOICES
-        .into_iter()
+        .iter()
+        .copied()
         .filter(|&t| t <= cores && tp_divides(cfg, t).is_none())
         .collect()
 }

@@ -198,6 +198,9 @@ struct Captured {
 /// The graph key of a step: kind, rows, context.
 type GraphKey = (StepKind, usize, usize);
 
+/// One rank's metadata buffers per context bucket: decode's, then prefill's.
+type RankMeta = (Vec<Vec<MetaBuf>>, Vec<Vec<MetaBuf>>);
+
 /// The worker threads of the ranks after the first, and the board they meet the runner on.
 ///
 /// One step costs the runner one broadcast (every worker waits on the same condition) and one
@@ -207,7 +210,7 @@ type GraphKey = (StepKind, usize, usize);
 /// its tensors freed before the drop returns.
 struct RankWorkers {
     /// Each worker's rank's metadata buffers (`decode`, `prefill`), which the runner fills.
-    metas: Vec<(Vec<Vec<MetaBuf>>, Vec<Vec<MetaBuf>>)>,
+    metas: Vec<RankMeta>,
     board: Arc<Board>,
     threads: Vec<std::thread::JoinHandle<()>>,
 }

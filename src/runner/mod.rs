@@ -54,9 +54,9 @@ pub use buckets::{Buckets, RunnerConfig, CTX_BUCKET_RATIO, MIN_CTX_BUCKET};
 pub use cpu::CpuRunner;
 pub use device::{CaptureStats, DeviceOptions, DeviceRunner, MetadataSource, NeffSource};
 pub use open::{
-    choose_backend, find_sim_library, open, open_with_weights, sim_compiler, sim_compiler_config,
-    sim_compiler_config_from_env, sim_library_beside_exe, sim_library_candidates, Limits,
-    SIM_COMPILER_FILE, SIM_GIT_HASH, SIM_LIBRARY_FILE,
+    choose_backend, device_plan, find_sim_library, open, open_with_weights, sim_compiler,
+    sim_compiler_config, sim_compiler_config_from_env, sim_library_beside_exe,
+    sim_library_candidates, Limits, SIM_COMPILER_FILE, SIM_GIT_HASH, SIM_LIBRARY_FILE,
 };
 use step::{DecodeRow, PrefillChunk};
 

@@ -40,7 +40,7 @@ pub fn choose_backend(asked: Option<Backend>) -> Backend {
 
 /// What a user sizes and types a runner by: [`Limits::runner_config`] turns it into buckets and
 /// a cache; its `precision` resolves into the dtypes weights and cache are held in.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Limits {
     /// Sequences decoded together at most (the largest batch bucket).
     pub max_batch: usize,
@@ -49,6 +49,12 @@ pub struct Limits {
     pub max_len: usize,
     /// KV-cache blocks, scratch included (default: every sequence at full length).
     pub kv_blocks: Option<usize>,
+    /// `--kv-blocks auto`: on a device, as many blocks as fit each NeuronCore's HBM after the
+    /// weights, metadata, outputs and NEFF (the memory plan's [`crate::plan::auto_kv_blocks`]);
+    /// overrides `kv_blocks`. On the CPU, the default.
+    pub kv_blocks_auto: bool,
+    /// `--hbm-utilization`: the share of each NeuronCore's HBM the memory plan may fill.
+    pub hbm_utilization: f64,
     /// Most prompt tokens per prefill step (default: 64, at most `max_len`).
     pub prefill_chunk: Option<usize>,
     /// `--dtype`, `--kv-dtype`, `--quantize`.
@@ -67,6 +73,8 @@ impl Limits {
             max_batch,
             max_len,
             kv_blocks: None,
+            kv_blocks_auto: false,
+            hbm_utilization: crate::plan::DEFAULT_HBM_UTILIZATION,
             prefill_chunk: None,
             precision: PrecisionChoice::default(),
             compile_timeout: None,
@@ -133,12 +141,77 @@ pub fn open(backend: Backend, model_dir: &Path, limits: &Limits) -> Result<Box<d
         });
     }
     let cfg = ModelConfig::from_file(&model_dir.join("config.json"))?;
+    let mut runner_cfg = limits.runner_config(&cfg)?;
+    if backend != Backend::Cpu {
+        // Before the checkpoint is read or a graph compiled: the plan must fit the NeuronCores
+        // (the dtype `auto` resolves to is config.json's, as the checkpoint is not open yet).
+        let lib = match backend {
+            Backend::Sim => neuron_sys::Library::open(&find_sim_library()?)?,
+            _ => neuron_sys::Library::load()?,
+        };
+        let cores = lib.visible_nc_count()?.unwrap_or(1) as usize;
+        let plan = device_plan(&cfg, limits, cfg.saved_dtype, cores)?;
+        if limits.kv_blocks_auto {
+            runner_cfg.num_blocks = plan.kv_blocks;
+        }
+    }
     let checkpoint = Checkpoint::open(model_dir)?;
     let precision = limits.precision.resolve(checkpoint.float_dtype(), &cfg)?;
-    let mut runner_cfg = limits.runner_config(&cfg)?;
     runner_cfg.kv_dtype = precision.kv_cache;
     let weights = ModelWeights::load(&cfg, &checkpoint, &precision)?;
     open_captured(backend, cfg, weights, runner_cfg, limits.compiler_config())
+}
+
+/// The memory plan of a device capture within `limits` on a trn instance with `cores` visible
+/// NeuronCores (a trn1.2xlarge for up to 2, a trn1.32xlarge for up to 32, else a
+/// trn2.48xlarge), for a checkpoint saved in `saved`; an error naming every shortfall and the
+/// nearest plan that fits (`deepinfer plan`'s suggestion) when it does not fit.
+pub fn device_plan(
+    cfg: &ModelConfig,
+    limits: &Limits,
+    saved: Option<crate::graph::DType>,
+    cores: usize,
+) -> Result<crate::plan::Plan> {
+    use crate::plan::{self, Instance, KvBlocks, PlanOptions, WeightDType};
+    let instance = match cores {
+        0..=2 => Instance::Trn1_2xlarge,
+        3..=32 => Instance::Trn1_32xlarge,
+        _ => Instance::Trn2_48xlarge,
+    };
+    let opts = PlanOptions {
+        instance,
+        instances: 1,
+        tp: limits.tp,
+        dtype: match limits.precision.dtype {
+            crate::model::DTypeChoice::Auto => WeightDType::Auto,
+            crate::model::DTypeChoice::Exactly(d) => WeightDType::Float(d),
+        },
+        kv_dtype: limits.precision.kv_dtype,
+        experts: limits.precision.quantize.into(),
+        max_batch: limits.max_batch,
+        max_len: limits.max_len,
+        prefill_chunk: limits.prefill_chunk,
+        kv_blocks: match (limits.kv_blocks_auto, limits.kv_blocks) {
+            (true, _) => KvBlocks::Auto,
+            (false, Some(n)) => KvBlocks::Exactly(n),
+            (false, None) => KvBlocks::Default,
+        },
+        hbm_utilization: limits.hbm_utilization,
+        saved_dtype: saved,
+    };
+    let p = plan::Plan::compute(cfg, &opts)?;
+    if p.fits() {
+        return Ok(p);
+    }
+    let fix = plan::suggest(cfg, &opts)?
+        .first()
+        .map(|s| format!("; what would: {}", s.describe()))
+        .unwrap_or_default();
+    Err(Error::InvalidInput(format!(
+        "the model does not fit a {instance} at --tp {}: {}{fix} (see `deepinfer plan`)",
+        limits.tp,
+        p.shortfalls().join("; ")
+    )))
 }
 
 /// [`open`] with a configuration and weights already in memory (random weights for a

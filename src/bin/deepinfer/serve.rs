@@ -8,6 +8,7 @@ use clap::Args;
 use deepinfer::config::ModelConfig;
 use deepinfer::engine::{Engine, EngineOptions};
 use deepinfer::metrics::Metrics;
+use deepinfer::plan::KvBlocks;
 use deepinfer::runner::{self, Limits};
 use deepinfer::server::{AppState, ServerConfig};
 use deepinfer::tokenizer::Tokenizer;
@@ -36,9 +37,15 @@ pub(crate) struct ServeArgs {
     /// Longest sequence, prompt plus completion (default: the model's, at most 2048).
     #[arg(long)]
     max_len: Option<usize>,
-    /// KV-cache blocks of 16 tokens (default: enough for --max-batch sequences of --max-len).
+    /// KV-cache blocks of 16 tokens (default: enough for --max-batch sequences of --max-len),
+    /// or `auto`: on a device, as many as fit each NeuronCore's HBM after the weights (see
+    /// `deepinfer plan`).
     #[arg(long)]
-    kv_blocks: Option<usize>,
+    kv_blocks: Option<KvBlocks>,
+    /// With `--kv-blocks auto`, and when checking that the model fits before capture: the
+    /// share of each NeuronCore's HBM the memory plan may fill.
+    #[arg(long, default_value_t = deepinfer::plan::DEFAULT_HBM_UTILIZATION)]
+    hbm_utilization: f64,
     /// Most prompt tokens per prefill step. Prefill graphs are built for 16, 64, ... up to this
     /// size, and a chunk runs on the smallest that holds it; larger chunks take long prompts in
     /// fewer steps but stall the decoding streams longer.
@@ -69,7 +76,12 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         None
     };
     let limits = args.model.limits(&Limits {
-        kv_blocks: args.kv_blocks,
+        kv_blocks: match args.kv_blocks {
+            Some(KvBlocks::Exactly(n)) => Some(n),
+            _ => None,
+        },
+        kv_blocks_auto: args.kv_blocks == Some(KvBlocks::Auto),
+        hbm_utilization: args.hbm_utilization,
         prefill_chunk: Some(args.prefill_chunk),
         ..Limits::new(args.max_batch, args.max_len.unwrap_or(2048))
     });
