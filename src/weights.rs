@@ -275,6 +275,12 @@ impl Checkpoint {
         out.into_tensor(&dims)
     }
 
+    /// Checks that tensor `name` is present with shape `expected_shape`, without reading it;
+    /// the error names the tensor.
+    pub fn check(&self, name: &str, expected_shape: &[usize]) -> Result<()> {
+        self.checked_entry(name, expected_shape).map(|_| ())
+    }
+
     fn checked_entry(&self, name: &str, expected_shape: &[usize]) -> Result<&TensorEntry> {
         let Some(entry) = self.entry(name) else {
             return Err(Error::Weights(format!(

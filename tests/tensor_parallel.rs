@@ -124,3 +124,82 @@ fn a_degree_that_does_not_divide_the_model_is_refused_with_the_degrees_that_do()
         assert!(err.contains(want), "--tp {tp}: {err}");
     }
 }
+
+/// What a device runner uploads (each rank's shards streamed from the checkpoint, one tensor at
+/// a time) is bit for bit what the CPU runner computes on (the whole model loaded, then
+/// sharded), for every dtype policy and every rank.
+#[test]
+fn streamed_shards_are_the_loaded_shards() {
+    use deepinfer::model::Quantize;
+    use std::sync::Arc;
+    for name in ["tiny-v3", "tiny-v2-lite", "tiny-v3-fp8"] {
+        let dir = fixture_dir(name);
+        let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+        let ckpt = Arc::new(Checkpoint::open(&dir).unwrap());
+        for precision in [
+            Precision::F32,
+            Precision {
+                quantize: Quantize::ExpertsInt8,
+                ..Precision::all(deepinfer::graph::DType::BF16)
+            },
+        ] {
+            let loaded = ModelWeights::load(&cfg, &ckpt, &precision).unwrap();
+            let streamed = ModelWeights::stream(&cfg, Arc::clone(&ckpt), &precision).unwrap();
+            for tp in [1, 2, 4] {
+                for rank in 0..tp {
+                    let (a, b) = if tp == 1 {
+                        (loaded.clone(), streamed.clone())
+                    } else {
+                        (
+                            loaded.shard(&cfg, rank, tp).unwrap(),
+                            streamed.shard(&cfg, rank, tp).unwrap(),
+                        )
+                    };
+                    for param in a.specs().names() {
+                        let want = a.get(param).unwrap();
+                        let got = b
+                            .fetch(param)
+                            .unwrap()
+                            .into_iter()
+                            .find(|(n, _)| n == param)
+                            .unwrap()
+                            .1;
+                        assert_eq!(got.dims(), want.dims(), "{name} {param}");
+                        let same = got
+                            .flatten_all()
+                            .unwrap()
+                            .to_dtype(candle_core::DType::F32)
+                            .unwrap()
+                            .to_vec1::<f32>()
+                            .unwrap()
+                            == want
+                                .flatten_all()
+                                .unwrap()
+                                .to_dtype(candle_core::DType::F32)
+                                .unwrap()
+                                .to_vec1::<f32>()
+                                .unwrap();
+                        assert!(same, "{name} tp {tp} rank {rank} {param}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn a_streamed_checkpoint_missing_a_tensor_is_refused_up_front_naming_it() {
+    let dir = fixture_dir("tiny-v3");
+    let mut cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    // One layer more than the checkpoint holds.
+    let missing = cfg.num_hidden_layers;
+    cfg.num_hidden_layers += 1;
+    let ckpt = std::sync::Arc::new(Checkpoint::open(&dir).unwrap());
+    let err = ModelWeights::stream(&cfg, ckpt, &Precision::F32)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains(&format!("model.layers.{missing}.")) && err.contains("is missing"),
+        "{err}"
+    );
+}

@@ -14,6 +14,7 @@
 //! for the same reason (`_keep_in_fp32_modules`).
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use candle_core::{Device, Tensor as CTensor};
 
@@ -191,12 +192,28 @@ impl WeightSpecs {
     }
 }
 
-/// The model's parameters as host tensors in their stored dtypes, ready to bind to graph
-/// inputs by name.
+/// The model's parameters in their stored dtypes, ready to bind to graph inputs by name: held
+/// as host tensors ([`ModelWeights::load`], [`ModelWeights::random`]: what the CPU backend
+/// computes on), or read from the checkpoint when asked for ([`ModelWeights::stream`]: what a
+/// device runner uploads, one tensor at a time, so the host never holds the whole model).
 #[derive(Debug, Clone)]
 pub struct ModelWeights {
     tensors: HashMap<String, CTensor>,
     specs: WeightSpecs,
+    /// For streamed weights: the checkpoint and which shard of it these weights are.
+    stream: Option<Stream>,
+}
+
+/// Where streamed weights are read from.
+#[derive(Debug, Clone)]
+struct Stream {
+    ckpt: Arc<Checkpoint>,
+    cfg: ModelConfig,
+    /// The whole model's specs (what the checkpoint holds, in the stored dtypes).
+    whole: WeightSpecs,
+    /// This rank and the rank count (0 of 1: the whole model).
+    rank: usize,
+    ranks: usize,
 }
 
 impl ModelWeights {
@@ -204,38 +221,67 @@ impl ModelWeights {
     /// Each tensor is converted as it is read; no wider copy of the checkpoint is ever held.
     pub fn load(cfg: &ModelConfig, ckpt: &Checkpoint, precision: &Precision) -> Result<Self> {
         let specs = WeightSpecs::new(cfg, precision);
-        let conv = |dtype| Conversion {
-            dtype,
-            fp8_block: cfg.fp8_block,
-        };
         let mut tensors = HashMap::new();
         for name in specs.names() {
-            let shape = specs.shape(name).unwrap_or_default();
-            let dt = specs.dtype(name);
-            let t = if let Some((prefix, proj)) = stacked_expert(name) {
-                let names: Vec<String> = (0..shape[0])
-                    .map(|e| format!("{prefix}.{e}.{proj}.weight"))
-                    .collect();
-                if dt == DType::I8 {
-                    let (q, scales) =
-                        quantize_experts(ckpt, &names, &shape[1..], &conv(DType::F32))?;
-                    tensors.insert(format!("{name}_scale"), scales);
-                    q
-                } else {
-                    ckpt.stacked(&names, &shape[1..], &conv(dt))?
-                }
-            } else if name.ends_with("_proj_scale") {
-                continue; // made with its experts
-            } else if name == "lm_head.weight" && !ckpt.contains(name) {
-                return Err(Error::Weights(format!(
-                    "tensor `lm_head.weight` is missing (expected shape {shape:?}; config.json says tie_word_embeddings is false)"
-                )));
-            } else {
-                ckpt.tensor(name, shape, &conv(dt))?
-            };
-            tensors.insert(name.to_string(), t);
+            tensors.extend(read_param(cfg, ckpt, &specs, name, 0, 1)?);
         }
-        Ok(ModelWeights { tensors, specs })
+        Ok(ModelWeights {
+            tensors,
+            specs,
+            stream: None,
+        })
+    }
+
+    /// The parameters of a checkpoint in `precision`, read only when [`ModelWeights::fetch`]
+    /// asks for one (a device runner uploading at capture): the host holds at most one tensor
+    /// as read and one shard of it at a time, not the model. Every tensor the model needs is
+    /// checked now (present, of the right shape), so a broken checkpoint fails here, naming
+    /// the tensor, not halfway through a capture.
+    pub fn stream(cfg: &ModelConfig, ckpt: Arc<Checkpoint>, precision: &Precision) -> Result<Self> {
+        let specs = WeightSpecs::new(cfg, precision);
+        for name in specs.names() {
+            for (source, shape) in checkpoint_tensors(&specs, name, 0, 1) {
+                ckpt.check(&source, &shape)?;
+            }
+        }
+        Ok(ModelWeights {
+            tensors: HashMap::new(),
+            stream: Some(Stream {
+                ckpt,
+                cfg: cfg.clone(),
+                whole: specs.clone(),
+                rank: 0,
+                ranks: 1,
+            }),
+            specs,
+        })
+    }
+
+    /// Parameter `name` as a host tensor, with any made together with it (int8 experts'
+    /// `_scale`): the held ones, or for streamed weights this rank's shard, read from the
+    /// checkpoint now (and not kept).
+    pub fn fetch(&self, name: &str) -> Result<Vec<(String, CTensor)>> {
+        let missing = || Error::Binding {
+            name: name.to_string(),
+            msg: "no such weight".into(),
+        };
+        let Some(st) = &self.stream else {
+            return Ok(vec![(name.to_string(), self.get(name)?.clone())]);
+        };
+        if name == shard::SHARD_OFFSETS {
+            let t = shard_offsets(&st.cfg, st.rank, st.ranks)?;
+            return Ok(vec![(name.to_string(), t)]);
+        }
+        // int8 experts' scales come with their experts (quantized together).
+        let param = name.strip_suffix("_scale").unwrap_or(name);
+        if self.specs.shape(param).is_none() {
+            return Err(missing());
+        }
+        let got = read_param(&st.cfg, &st.ckpt, &st.whole, param, st.rank, st.ranks)?;
+        if !got.iter().any(|(n, _)| n == name) {
+            return Err(missing());
+        }
+        Ok(got)
     }
 
     /// Random weights in `dtype` (deterministic in `seed`) for benchmarks and tests of configs
@@ -281,7 +327,11 @@ impl ModelWeights {
             };
             tensors.insert(name.to_string(), t);
         }
-        Ok(ModelWeights { tensors, specs })
+        Ok(ModelWeights {
+            tensors,
+            specs,
+            stream: None,
+        })
     }
 
     /// Rank `rank`'s shards of these (whole-model) weights for a `ranks`-way tensor-parallel
@@ -295,6 +345,17 @@ impl ModelWeights {
             )));
         }
         let specs = WeightSpecs::sharded(cfg, &self.specs.precision, ranks)?;
+        if let Some(st) = &self.stream {
+            return Ok(ModelWeights {
+                tensors: HashMap::new(),
+                specs,
+                stream: Some(Stream {
+                    rank,
+                    ranks,
+                    ..st.clone()
+                }),
+            });
+        }
         let mut tensors = HashMap::with_capacity(self.tensors.len() + 1);
         for (name, t) in &self.tensors {
             let split = shard::split_of(name);
@@ -310,17 +371,16 @@ impl ModelWeights {
             tensors.insert(name.clone(), t.narrow(dim, rank * len, len)?.contiguous()?);
         }
         if ranks > 1 {
-            let experts = cfg.routing.as_ref().map_or(0, |r| r.n_routed_experts);
-            let offsets = [
-                (rank * cfg.vocab_size / ranks) as i32,
-                (rank * experts / ranks) as i32,
-            ];
             tensors.insert(
                 shard::SHARD_OFFSETS.to_string(),
-                CTensor::new(&offsets, &Device::Cpu)?,
+                shard_offsets(cfg, rank, ranks)?,
             );
         }
-        Ok(ModelWeights { tensors, specs })
+        Ok(ModelWeights {
+            tensors,
+            specs,
+            stream: None,
+        })
     }
 
     /// What the weights are: every name's shape and stored dtype.
@@ -328,7 +388,8 @@ impl ModelWeights {
         &self.specs
     }
 
-    /// The prepared tensor bound to the graph input `name`.
+    /// The held tensor bound to the graph input `name` (none for streamed weights: see
+    /// [`ModelWeights::fetch`]).
     pub fn get(&self, name: &str) -> Result<&CTensor> {
         self.tensors.get(name).ok_or_else(|| Error::Binding {
             name: name.to_string(),
@@ -344,6 +405,95 @@ impl ModelWeights {
             "lm_head.weight"
         }
     }
+}
+
+/// Rank `rank`'s [`shard::SHARD_OFFSETS`]: its first vocabulary row and first expert.
+fn shard_offsets(cfg: &ModelConfig, rank: usize, ranks: usize) -> Result<CTensor> {
+    let experts = cfg.routing.as_ref().map_or(0, |r| r.n_routed_experts);
+    let offsets = [
+        (rank * cfg.vocab_size / ranks) as i32,
+        (rank * experts / ranks) as i32,
+    ];
+    Ok(CTensor::new(&offsets, &Device::Cpu)?)
+}
+
+/// The checkpoint tensors parameter `name` is made of for rank `rank` of `ranks`, with their
+/// shapes: the tensor itself, or for stacked experts the rank's experts' own tensors.
+fn checkpoint_tensors(
+    specs: &WeightSpecs,
+    name: &str,
+    rank: usize,
+    ranks: usize,
+) -> Vec<(String, Vec<usize>)> {
+    let shape = specs.shape(name).unwrap_or_default();
+    if let Some((prefix, proj)) = stacked_expert(name) {
+        let per = shape[0] / ranks;
+        return (rank * per..(rank + 1) * per)
+            .map(|e| (format!("{prefix}.{e}.{proj}.weight"), shape[1..].to_vec()))
+            .collect();
+    }
+    if name.ends_with("_proj_scale") {
+        return Vec::new(); // made with its experts
+    }
+    vec![(name.to_string(), shape.to_vec())]
+}
+
+/// Reads rank `rank`'s shard of parameter `name` (of the whole model's `specs`) from the
+/// checkpoint, prepared as `specs` says: converted, sharded as [`shard::split_of`] says (a
+/// stacked expert tensor reads only the rank's experts), int8 experts quantized (returned with
+/// their `_scale`). Scales alone return nothing: they come with their experts.
+fn read_param(
+    cfg: &ModelConfig,
+    ckpt: &Checkpoint,
+    specs: &WeightSpecs,
+    name: &str,
+    rank: usize,
+    ranks: usize,
+) -> Result<Vec<(String, CTensor)>> {
+    let shape = specs.shape(name).unwrap_or_default();
+    let dt = specs.dtype(name);
+    let conv = |dtype| Conversion {
+        dtype,
+        fp8_block: cfg.fp8_block,
+    };
+    if stacked_expert(name).is_some() {
+        let names: Vec<String> = checkpoint_tensors(specs, name, rank, ranks)
+            .into_iter()
+            .map(|(n, _)| n)
+            .collect();
+        return Ok(if dt == DType::I8 {
+            let (q, scales) = quantize_experts(ckpt, &names, &shape[1..], &conv(DType::F32))?;
+            vec![(name.to_string(), q), (format!("{name}_scale"), scales)]
+        } else {
+            vec![(
+                name.to_string(),
+                ckpt.stacked(&names, &shape[1..], &conv(dt))?,
+            )]
+        });
+    }
+    if name.ends_with("_proj_scale") {
+        return Ok(Vec::new());
+    }
+    if name == "lm_head.weight" && !ckpt.contains(name) {
+        return Err(Error::Weights(format!(
+            "tensor `lm_head.weight` is missing (expected shape {shape:?}; config.json says tie_word_embeddings is false)"
+        )));
+    }
+    let whole = ckpt.tensor(name, shape, &conv(dt))?;
+    let t = match (shard::split_of(name), ranks) {
+        (_, 1) | (Split::Replicated, _) => whole,
+        (split, _) => {
+            let dim = if split == Split::Rows {
+                0
+            } else {
+                whole.rank() - 1
+            };
+            let len = whole.dim(dim)? / ranks;
+            // A copy, so the whole tensor is freed once the shard is taken.
+            whole.narrow(dim, rank * len, len)?.copy()?
+        }
+    };
+    Ok(vec![(name.to_string(), t)])
 }
 
 /// Reads each expert (`names`, each of `shape` `[out, in]`) as f32 and quantizes it to int8,

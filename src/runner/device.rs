@@ -672,21 +672,26 @@ impl DeviceRunner {
         let host_weights = &self.weights[local];
         let mut uploaded = 0u64;
 
-        // Weights: once, under the graph input's name.
+        // Weights: once, under the graph input's name, each read (for streamed weights: from
+        // the checkpoint, this rank's shard only) and uploaded before the next is read.
         let mut weights: HashMap<String, Tensor> = HashMap::new();
         for (_, _, g) in graphs {
             for decl in g.inputs().iter().filter(|d| d.role == InputRole::Weight) {
                 if weights.contains_key(&decl.name) {
                     continue;
                 }
-                let host = host_weights.get(&decl.name)?;
-                let (t, n) = with_tensor_bytes(host, decl.dtype, |bytes| -> Result<_> {
-                    let t = Tensor::device(rt, nc, bytes.len(), &decl.name).map_err(dev(CAP))?;
-                    t.write(0, bytes).map_err(dev(CAP))?;
-                    Ok((t, bytes.len() as u64))
-                })??;
-                uploaded += n;
-                weights.insert(decl.name.clone(), t);
+                for (name, host) in host_weights.fetch(&decl.name)? {
+                    let Some(d) = g.inputs().iter().find(|d| d.name == name) else {
+                        continue;
+                    };
+                    let (t, n) = with_tensor_bytes(&host, d.dtype, |bytes| -> Result<_> {
+                        let t = Tensor::device(rt, nc, bytes.len(), &name).map_err(dev(CAP))?;
+                        t.write(0, bytes).map_err(dev(CAP))?;
+                        Ok((t, bytes.len() as u64))
+                    })??;
+                    uploaded += n;
+                    weights.insert(name, t);
+                }
             }
         }
 

@@ -158,7 +158,12 @@ pub fn open(backend: Backend, model_dir: &Path, limits: &Limits) -> Result<Box<d
     let checkpoint = Checkpoint::open(model_dir)?;
     let precision = limits.precision.resolve(checkpoint.float_dtype(), &cfg)?;
     runner_cfg.kv_dtype = precision.kv_cache;
-    let weights = ModelWeights::load(&cfg, &checkpoint, &precision)?;
+    // The CPU computes on host tensors; a device runner uploads each rank's shards straight
+    // from the checkpoint at capture and keeps no host copy.
+    let weights = match backend {
+        Backend::Cpu => ModelWeights::load(&cfg, &checkpoint, &precision)?,
+        _ => ModelWeights::stream(&cfg, std::sync::Arc::new(checkpoint), &precision)?,
+    };
     open_captured(backend, cfg, weights, runner_cfg, limits.compiler_config())
 }
 
