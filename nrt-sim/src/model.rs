@@ -141,6 +141,9 @@ fn check_collectives(graph: &deepinfer::graph::Graph, ctx: Option<CollectivesCon
                     c.device_count
                 )));
             }
+            if ranks == 1 && c.device_count == 1 {
+                return Ok(()); // nothing to bootstrap
+            }
             let root = std::env::var(ENV_ROOT_COMM_ID).unwrap_or_default();
             let valid = root
                 .rsplit_once(':')

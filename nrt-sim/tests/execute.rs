@@ -476,3 +476,74 @@ fn data_the_cpu_backend_rejects_is_a_status() {
         "nothing written"
     );
 }
+
+/// A graph with an all-reduce over two ranks: `y = x(rank 0) + x(rank 1)`.
+fn all_reduce_neff() -> Vec<u8> {
+    use deepinfer::graph::{DType, GraphBuilder, InputRole, ReduceOp};
+    let b = GraphBuilder::new("sum2");
+    let x = b
+        .input("x", InputRole::Metadata, vec![3], DType::F32)
+        .unwrap();
+    b.output("y", &x.all_reduce(ReduceOp::Sum, 2).unwrap())
+        .unwrap();
+    let g = b.finish().unwrap();
+    common::neff_of(&deepinfer::backend::hlo::emit::to_bytes(
+        &deepinfer::backend::hlo::emit::emit(&g).unwrap(),
+    ))
+}
+
+#[test]
+fn collectives_load_as_ranks_of_a_group_and_meet_at_execution() {
+    let _g = serial();
+    let sim = Sim::open();
+    let rt = sim.runtime();
+    let neff = all_reduce_neff();
+    let load = |core: u32, id: u32, count: u32| {
+        Model::load_collectives(&rt, &neff, Some(core), None, id, count)
+    };
+    let status = |r: Result<Model, neuron_sys::Error>| r.err().and_then(|e| e.status_code());
+
+    // A graph with collectives needs nrt_load_collectives, as many devices as its replicas,
+    // and the root communicator's address.
+    assert_eq!(
+        status(Model::load(&rt, &neff, Some(0), None)),
+        Some(sys::NRT_INVALID)
+    );
+    std::env::remove_var("NEURON_RT_ROOT_COMM_ID");
+    assert_eq!(status(load(0, 0, 2)), Some(sys::NRT_INVALID));
+    let err = sim.counters().last_error.unwrap();
+    assert!(err.contains("NEURON_RT_ROOT_COMM_ID"), "{err}");
+    std::env::set_var("NEURON_RT_ROOT_COMM_ID", "localhost:61234");
+    assert_eq!(status(load(0, 0, 3)), Some(sys::NRT_INVALID));
+
+    let r0 = load(0, 0, 2).unwrap();
+    // Device 0's seat is taken.
+    assert_eq!(status(load(1, 0, 2)), Some(sys::NRT_INVALID));
+    let r1 = load(1, 1, 2).unwrap();
+
+    let bind = |core: u32, vals: &[f32]| {
+        let x = Tensor::device(&rt, core, 12, "x").unwrap();
+        let y = Tensor::device(&rt, core, 12, "y").unwrap();
+        x.write(0, &f32_bytes(vals)).unwrap();
+        let mut i = TensorSet::new(&rt).unwrap();
+        let mut o = TensorSet::new(&rt).unwrap();
+        i.add("x", &x).unwrap();
+        o.add("y", &y).unwrap();
+        (i, o, y)
+    };
+    let (mut i0, mut o0, y0) = bind(0, &[1.0, 2.0, 3.0]);
+    let (mut i1, mut o1, y1) = bind(1, &[10.0, 20.0, 30.0]);
+    for _ in 0..3 {
+        // A tensor set is Send, not Sync: each rank's thread gets its sets by `&mut`.
+        let (s0, s1) = ((&mut i0, &mut o0), (&mut i1, &mut o1));
+        let (r0, r1) = (&r0, &r1);
+        std::thread::scope(|s| {
+            let a = s.spawn(move || r0.execute(s0.0, s0.1));
+            let b = s.spawn(move || r1.execute(s1.0, s1.1));
+            a.join().unwrap().unwrap();
+            b.join().unwrap().unwrap();
+        });
+        assert_eq!(f32s(&y0.read_vec(0, 12).unwrap()), [11.0, 22.0, 33.0]);
+        assert_eq!(f32s(&y1.read_vec(0, 12).unwrap()), [11.0, 22.0, 33.0]);
+    }
+}
