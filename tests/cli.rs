@@ -439,3 +439,63 @@ fn a_model_too_large_for_the_cores_is_refused_before_anything_is_read_or_compile
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("--tp 2 --quantize experts-int8"), "{err}");
 }
+
+/// `generate` and `score` on nrt-sim with the model split over 2 and 4 simulated NeuronCores
+/// give transformers' greedy tokens and logits (`fixtures/tiny-v3/reference.json`).
+#[test]
+fn generate_and_score_split_over_neuron_cores_match_transformers() {
+    #[derive(serde::Deserialize)]
+    struct Greedy {
+        prompt_token_ids: Vec<u32>,
+        generated_token_ids: Vec<u32>,
+    }
+    #[derive(serde::Deserialize)]
+    struct Reference {
+        token_ids: Vec<u32>,
+        logits: Vec<Vec<f32>>,
+        greedy: Greedy,
+    }
+    let model = fixture("tiny-v3");
+    let r: Reference = serde_json::from_str(
+        &std::fs::read_to_string(PathBuf::from(&model).join("reference.json")).unwrap(),
+    )
+    .unwrap();
+    let ids = |v: &[u32]| v.iter().map(u32::to_string).collect::<Vec<_>>().join(",");
+    for tp in ["2", "4"] {
+        let run = |args: &[&str]| {
+            let out = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
+                .args(args)
+                .args(["--backend", "sim", "--tp", tp, "--model", &model])
+                .env("NRT_SIM_NC_COUNT", "4")
+                .output()
+                .expect("run deepinfer");
+            let err = String::from_utf8_lossy(&out.stderr);
+            assert!(out.status.success(), "--tp {tp}: {err}");
+            serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+        };
+        let max = r.greedy.generated_token_ids.len().to_string();
+        let g = run(&[
+            "generate",
+            "--token-ids",
+            &ids(&r.greedy.prompt_token_ids),
+            "--max-tokens",
+            &max,
+            "--json",
+        ]);
+        let got: Vec<u32> = serde_json::from_value(g["token_ids"].clone()).unwrap();
+        assert_eq!(got, r.greedy.generated_token_ids, "--tp {tp}");
+        let s = run(&["score", "--token-ids", &ids(&r.token_ids)]);
+        let logits: Vec<Vec<f32>> = serde_json::from_value(s["logits"].clone()).unwrap();
+        assert_eq!(logits.len(), r.logits.len());
+        let worst = logits
+            .iter()
+            .flatten()
+            .zip(r.logits.iter().flatten())
+            .map(|(a, b)| {
+                assert!(a.is_finite(), "--tp {tp}: {a}");
+                (a - b).abs()
+            })
+            .fold(0f32, f32::max);
+        assert!(worst < 1e-4, "--tp {tp}: {worst}");
+    }
+}

@@ -17,9 +17,11 @@ def _need_sim():
                     pytrace=False)
 
 
-def test_a_split_model_serves_what_the_unsplit_model_generates(server_factory):
+@pytest.mark.parametrize("tp", ["2", "4"])
+def test_a_split_model_serves_what_the_unsplit_model_generates(server_factory, tp):
     _need_sim()
-    srv = server_factory("--backend", "sim", "--tp", "2", "--max-batch", "2", "--max-len", "128")
+    srv = server_factory("--backend", "sim", "--tp", tp, "--max-batch", "2", "--max-len", "128",
+                         env={"NRT_SIM_NC_COUNT": "4"})
     assert srv.backend != "cpu", srv.backend
     client = srv.client()
     ref = cli_generate(PROMPT_A, 8, backend="cpu")
