@@ -67,6 +67,20 @@ fn replay_config() -> RunnerConfig {
     }
 }
 
+/// One greedy decode row per block table, at varied tokens and positions.
+fn decode_rows(tables: &[Vec<u32>]) -> Vec<DecodeRow<'_>> {
+    tables
+        .iter()
+        .enumerate()
+        .map(|(i, t)| DecodeRow {
+            token: (i % 50) as u32 + 1,
+            position: 30 + i % 9,
+            blocks: t,
+            sampling: SamplingParams::GREEDY,
+        })
+        .collect()
+}
+
 fn replay(c: &mut Criterion) {
     let Some(path) = sim_lib() else {
         eprintln!("replay_sim skipped: libnrt_sim.so not found (cargo build -p nrt-sim)");
@@ -102,16 +116,7 @@ fn replay(c: &mut Criterion) {
     }
     let mut group = c.benchmark_group("replay_sim");
     for batch in [1usize, 8, 32, 64] {
-        let rows: Vec<DecodeRow> = tables[..batch]
-            .iter()
-            .enumerate()
-            .map(|(i, t)| DecodeRow {
-                token: (i % 50) as u32 + 1,
-                position: 30 + i % 9,
-                blocks: t,
-                sampling: SamplingParams::GREEDY,
-            })
-            .collect();
+        let rows = decode_rows(&tables[..batch]);
         let step = Step::Decode {
             rows: &rows,
             logits: LogitsOutput::None,
@@ -147,16 +152,7 @@ fn replay(c: &mut Criterion) {
         let mut runner =
             DeviceRunner::new(cfg, weights, rc, lib, DeviceOptions::sim()).expect("runner");
         runner.capture(&buckets).expect("capture");
-        let rows: Vec<DecodeRow> = tables
-            .iter()
-            .enumerate()
-            .map(|(i, t)| DecodeRow {
-                token: (i % 50) as u32 + 1,
-                position: 30 + i % 9,
-                blocks: t,
-                sampling: SamplingParams::GREEDY,
-            })
-            .collect();
+        let rows = decode_rows(&tables);
         let step = Step::Decode {
             rows: &rows,
             logits: LogitsOutput::None,

@@ -16,6 +16,14 @@
 //!
 //! Destroy ([`Runner::destroy`]) unloads every model and frees every tensor; it is idempotent,
 //! runs on drop, and capture works again afterwards.
+//!
+//! With tensor parallelism (`RunnerConfig::tp` > 1; the layout is `model::shard`'s) each rank
+//! is a NeuronCore (core `nc + i` for local rank `i`): the same NEFF per bucket is loaded on
+//! every rank with `nrt_load_collectives`, each rank's weight shards are uploaded to its core
+//! (streamed from the checkpoint, see [`ModelWeights::stream`]), and each rank has its own KV
+//! root (the latent cache is replicated), metadata buffers and outputs. A replay writes every
+//! rank's metadata and executes the ranks concurrently; outputs are read from the first rank
+//! (every rank holds the same gathered logits and samples the same tokens).
 
 use std::collections::HashMap;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
