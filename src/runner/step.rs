@@ -39,10 +39,15 @@ pub struct HostArray {
     pub data: HostData,
 }
 
+/// Temperatures below this are greedy (vLLM's `_SAMPLING_EPS`): dividing logits by a smaller
+/// one can overflow f32 (a temperature of 1e-40 turns every logit into ±inf and the draw into
+/// NaN), and at this one sampling is already greedy in all but ties.
+pub const MIN_TEMPERATURE: f32 = 1e-5;
+
 /// How one sequence's next token is chosen.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct SamplingParams {
-    /// `<= 0` for greedy.
+    /// Below [`MIN_TEMPERATURE`] (and `<= 0`): greedy.
     pub temperature: f32,
     /// `<= 0` for no top-k.
     pub top_k: i32,
@@ -173,7 +178,13 @@ impl StepArrays {
             first,
             inputs::TEMPERATURE,
             &n,
-            params.clone().map(|p| p.temperature),
+            params.clone().map(|p| {
+                if p.temperature < MIN_TEMPERATURE {
+                    0.0
+                } else {
+                    p.temperature
+                }
+            }),
         );
         self.i32s(
             first + 1,

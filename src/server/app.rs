@@ -56,7 +56,11 @@ async fn require_api_key(State(state): State<Arc<AppState>>, req: Request, next:
         .headers()
         .get(header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "));
+        // The scheme is case-insensitive (RFC 9110, section 11.1).
+        .and_then(|v| {
+            let (scheme, key) = v.split_once(' ')?;
+            scheme.eq_ignore_ascii_case("bearer").then_some(key)
+        });
     match given {
         Some(g) if constant_time_eq(g.trim().as_bytes(), key.as_bytes()) => next.run(req).await,
         Some(_) => state.reject(ApiError::unauthorized("Incorrect API key provided.")),

@@ -236,9 +236,21 @@ impl From<SubmitError> for ApiError {
     }
 }
 
+/// The `Retry-After` a 429 carries, in seconds.
+pub const RETRY_AFTER_SECS: &str = "1";
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(self.body())).into_response()
+        let mut r = (self.status, Json(self.body())).into_response();
+        if self.status == StatusCode::TOO_MANY_REQUESTS {
+            // A full queue drains in about a step per waiting request: a second is a retry
+            // that can find room, not a hammering one (the `openai` clients honour it).
+            r.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from_static(RETRY_AFTER_SECS),
+            );
+        }
+        r
     }
 }
 

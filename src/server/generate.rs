@@ -238,6 +238,18 @@ fn generation_params(
              leaving no room for a completion"
         )));
     }
+    let vocab = state.engine.info().vocab_size;
+    if let Some(t) = s
+        .stop_token_ids
+        .iter()
+        .flatten()
+        .find(|&&t| t as usize >= vocab)
+    {
+        return Err(ApiError::invalid_field(
+            "stop_token_ids",
+            format!("stop token id {t} is outside the vocabulary (size {vocab})"),
+        ));
+    }
     let room = max_len - prompt_len;
     let max_tokens = match max_tokens {
         // 0 is checked by the caller (completions allow it with echo).

@@ -70,8 +70,8 @@ pub struct SamplingFields {
     /// vLLM's extension: keep going past end-of-sequence.
     #[serde(default)]
     pub ignore_eos: bool,
-    /// Stream over SSE.
-    #[serde(default)]
+    /// Stream over SSE (`null`, as OpenAI's clients may send, is `false`).
+    #[serde(default, deserialize_with = "null_is_false")]
     pub stream: bool,
     /// Streaming options.
     pub stream_options: Option<StreamOptions>,
@@ -153,6 +153,11 @@ pub struct ChatRequest {
     pub max_completion_tokens: Option<i64>,
 }
 
+/// A boolean field that may also be `null` (meaning `false`).
+fn null_is_false<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    Ok(Option::<bool>::deserialize(d)?.unwrap_or(false))
+}
+
 impl SamplingFields {
     /// Refuses the fields we do not implement, and values outside their ranges.
     pub fn check(&self) -> Result<(), ApiError> {
@@ -231,7 +236,13 @@ impl SamplingFields {
         };
         match (chat, &self.logprobs) {
             (false, None | Some(Value::Null)) => Ok(None),
-            (false, Some(Value::Number(n))) => count("logprobs", n.as_i64()),
+            (false, Some(Value::Number(n))) => match n.as_i64() {
+                Some(i) => count("logprobs", Some(i)),
+                None => Err(ApiError::invalid_field(
+                    "logprobs",
+                    format!("logprobs must be an integer between 0 and {MAX_LOGPROBS}, got {n}"),
+                )),
+            },
             (false, Some(_)) => Err(ApiError::invalid_field(
                 "logprobs",
                 "logprobs must be an integer (the number of alternatives per token)",

@@ -57,6 +57,11 @@ CASES = [
     ("max_tokens-negative-chat", CH, ch(max_tokens=-1), AUTH, 400, INVALID, None, "max_tokens"),
     ("temperature-negative", C, c(temperature=-0.5), AUTH, 400, INVALID, None, "temperature"),
     ("top_p-zero", C, c(top_p=0), AUTH, 400, INVALID, None, "top_p"),
+    # Completions' logprobs is a count: a fraction or a huge float is refused, not ignored.
+    ("logprobs-fraction", C, c(logprobs=2.5), AUTH, 400, INVALID, None, "logprobs"),
+    ("logprobs-huge", C, c(logprobs=1e20), AUTH, 400, INVALID, None, "logprobs"),
+    ("stop_token_ids-outside-vocab", C, c(stop_token_ids=[4096 + 5]), AUTH, 400, INVALID, None,
+     "stop_token_ids"),
     ("top_p-above-one", C, c(top_p=1.5), AUTH, 400, INVALID, None, "top_p"),
     ("n-zero", C, c(n=0), AUTH, 400, INVALID, None, "n"),
     ("n-too-many-chat", CH, ch(n=17), AUTH, 400, INVALID, None, "n"),
@@ -203,3 +208,31 @@ def test_a_bad_request_generates_nothing(http, metrics):
         "deepinfer_generation_tokens_total")
     assert after.get("deepinfer_num_requests_running", default=None) == 0
     assert after.outcome("rejected") == before.outcome("rejected") + 1
+
+
+def test_a_tiny_temperature_is_greedy_not_garbage(client):
+    # 1e-40 passes validation (0 <= t <= 2); dividing logits by it used to overflow.
+    greedy = client.completions.create(model=MODEL_NAME, prompt="ROMEO:", max_tokens=8,
+                                       temperature=0)
+    for t in (1e-40, 1e-38, 1e-6):
+        tiny = client.completions.create(model=MODEL_NAME, prompt="ROMEO:", max_tokens=8,
+                                         temperature=t, seed=3)
+        assert tiny.choices[0].text == greedy.choices[0].text, t
+
+
+def test_stream_null_is_not_streaming(http):
+    r = http.post(C, content=c(stream=None).encode(),
+                  headers={**AUTH, "Content-Type": "application/json"})
+    assert r.status_code == 200, r.text
+    assert r.json()["object"] == "text_completion"
+
+
+def test_the_bearer_scheme_is_case_insensitive(http):
+    for scheme in ("bearer", "BEARER", "Bearer"):
+        r = http.post(C, content=c().encode(),
+                      headers={"Authorization": f"{scheme} {API_KEY}",
+                               "Content-Type": "application/json"})
+        assert r.status_code == 200, (scheme, r.text)
+    r = http.post(C, content=c().encode(),
+                  headers={"Authorization": f"Basic {API_KEY}", "Content-Type": "application/json"})
+    assert r.status_code == 401

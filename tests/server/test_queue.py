@@ -51,6 +51,8 @@ def test_queue_full_is_429(server_factory):
                 assert e.value.status_code == 429
                 assert e.value.type == "rate_limit_error"
                 assert e.value.code == "queue_full"
+                # When to come back: the openai clients honour Retry-After.
+                assert e.value.response.headers.get("retry-after") == "1"
                 assert m().get("deepinfer_num_requests_running", default=None) == 1
             finally:
                 release.set()
