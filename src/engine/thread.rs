@@ -34,7 +34,10 @@ pub const UNHEALTHY_AFTER: u32 = 3;
 /// Limits of the engine's queue.
 #[derive(Debug, Clone)]
 pub struct EngineOptions {
-    /// Requests that may wait for admission before new ones are refused.
+    /// Requests that may wait for a batch slot before new ones are refused: a request is
+    /// accepted while fewer than `max_waiting` plus the free batch slots are waiting (so an
+    /// idle server takes `max_batch + max_waiting` at once, and 0 means "only when a slot is
+    /// free").
     pub max_waiting: usize,
     /// End-of-sequence tokens (unless a request ignores them).
     pub eos_token_ids: Vec<u32>,
@@ -92,6 +95,8 @@ struct Shared {
     in_transit: AtomicUsize,
     /// In the scheduler's queue (as of the last iteration, plus arrivals since).
     queued: AtomicUsize,
+    /// Sequences running, as of the last iteration.
+    running: AtomicUsize,
     draining: AtomicBool,
     metrics: Arc<Metrics>,
 }
@@ -169,6 +174,7 @@ impl Engine {
             failing: std::sync::Mutex::new(None),
             in_transit: AtomicUsize::new(0),
             queued: AtomicUsize::new(0),
+            running: AtomicUsize::new(0),
             draining: AtomicBool::new(false),
             metrics,
         });
@@ -248,7 +254,13 @@ impl Engine {
         // Reserve a place in the queue; it is freed when the request gets a batch slot.
         let in_transit = self.shared.in_transit.fetch_add(1, Ordering::SeqCst);
         let waiting = in_transit + self.shared.queued.load(Ordering::SeqCst);
-        if waiting >= self.options.max_waiting {
+        // The free batch slots take waiting requests first: they do not count against
+        // `max_waiting` (an idle server must not refuse what it can run at once).
+        let free = self
+            .info
+            .max_batch
+            .saturating_sub(self.shared.running.load(Ordering::SeqCst));
+        if waiting >= self.options.max_waiting + free {
             self.shared.in_transit.fetch_sub(1, Ordering::SeqCst);
             return Err(SubmitError::QueueFull(waiting));
         }
@@ -418,6 +430,9 @@ fn run_loop(
         shared
             .queued
             .store(scheduler.num_waiting(), Ordering::SeqCst);
+        shared
+            .running
+            .store(scheduler.num_running(), Ordering::SeqCst);
         metrics.running.set(scheduler.num_running() as i64);
         metrics
             .waiting

@@ -64,3 +64,28 @@ def test_queue_full_is_429(server_factory):
         and x.get("deepinfer_kv_blocks_in_use", default=None) == 0, 10), m().text
     r = client.completions.create(model=MODEL_NAME, prompt="HAMLET:", max_tokens=4, temperature=0)
     assert r.choices[0].text == cli_generate("HAMLET:", 4).text
+
+
+
+def test_an_idle_server_admits_max_batch_plus_max_waiting_at_once(server_factory):
+    # 8 simultaneous requests, 4 batch slots free and 2 places to wait: exactly 6 are taken,
+    # the other 2 get 429 with Retry-After (free slots used to count as waiting places).
+    import concurrent.futures
+
+    srv = server_factory("--max-batch", "4", "--max-waiting", "2", "--max-len", "256")
+    client = srv.client()
+    barrier = threading.Barrier(8)
+
+    def one(i):
+        barrier.wait()
+        try:
+            client.completions.create(model=MODEL_NAME, prompt=f"ROMEO {i}:", max_tokens=96,
+                                      temperature=0, extra_body={"ignore_eos": True})
+            return "ok"
+        except openai.RateLimitError as e:
+            assert e.response.headers.get("retry-after") == "1"
+            return "429"
+
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(one, range(8)))
+    assert results.count("ok") == 6 and results.count("429") == 2, results

@@ -51,7 +51,9 @@ pub(crate) struct ServeArgs {
     /// fewer steps but stall the decoding streams longer.
     #[arg(long, default_value_t = 64)]
     prefill_chunk: usize,
-    /// Requests that may wait for a batch slot before new ones get 429.
+    /// Requests that may wait for a batch slot before new ones get 429 (with Retry-After);
+    /// free batch slots come on top, so an idle server accepts --max-batch + --max-waiting at
+    /// once, and 0 accepts a request only when a slot is free.
     #[arg(long, default_value_t = 256)]
     max_waiting: usize,
     /// Largest request body accepted, in bytes.
