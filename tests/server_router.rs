@@ -481,11 +481,12 @@ async fn a_full_queue_is_a_429_and_the_held_request_still_finishes() {
     let a = send(&s.app, post("/v1/completions", &stream)).await;
     assert_eq!(a.status(), StatusCode::OK);
     s.control.wait_entered(1);
-    // With one waiting place, B or else C finds the queue full (whether A still counts as
-    // waiting depends on when the engine last updated its count).
+    // Four batch slots and one waiting place: counting A, at most 4 + 1 requests are taken
+    // (free slots come on top of --max-waiting; while A's step is held the engine's counts
+    // are those of before it, so A's slot may still count as free), and the next is refused.
     let mut accepted = Vec::new();
     let mut refused = None;
-    for _ in 0..2 {
+    for _ in 0..8 {
         let r = send(&s.app, post("/v1/completions", &stream)).await;
         if r.status() == StatusCode::OK {
             accepted.push(r);
@@ -494,7 +495,16 @@ async fn a_full_queue_is_a_429_and_the_held_request_still_finishes() {
             break;
         }
     }
-    let refused = refused.expect("a second waiting request was queued beyond --max-waiting 1");
+    let refused = refused.expect("more than --max-batch + --max-waiting requests were taken");
+    assert!(
+        (1..=4).contains(&accepted.len()),
+        "{} taken besides A",
+        accepted.len()
+    );
+    assert_eq!(
+        refused.headers().get("retry-after").map(|v| v.as_bytes()),
+        Some(&b"1"[..])
+    );
     let e = error_of(refused, StatusCode::TOO_MANY_REQUESTS).await;
     assert_eq!(e["code"], "queue_full");
     assert_eq!(e["type"], "rate_limit_error");
