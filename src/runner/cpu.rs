@@ -146,28 +146,27 @@ impl CpuRunner {
         Ok(g)
     }
 
-    /// Rank `rank`'s inputs for `graph`.
-    fn inputs(&self, graph: &Graph, metadata: &[HostArray], rank: usize) -> Result<Vec<CTensor>> {
+    /// Rank `rank`'s inputs for `graph`, its metadata inputs from `metadata` (the step's
+    /// metadata as tensors, shared by every rank: see [`metadata_tensors`]).
+    fn inputs(
+        &self,
+        graph: &Graph,
+        metadata: &[(&'static str, CTensor)],
+        rank: usize,
+    ) -> Result<Vec<CTensor>> {
         let mut inputs = Vec::with_capacity(graph.inputs().len());
         for decl in graph.inputs() {
             let t = match decl.role {
                 InputRole::Weight => self.weights[rank].get(&decl.name)?.clone(),
                 InputRole::CacheRoot => self.roots[rank].clone(),
-                InputRole::Metadata => {
-                    let a = metadata
-                        .iter()
-                        .find(|a| a.name == decl.name)
-                        .ok_or_else(|| Error::Binding {
-                            name: decl.name.clone(),
-                            msg: "no metadata given for it".into(),
-                        })?;
-                    let dev = &Device::Cpu;
-                    match &a.data {
-                        HostData::I32(v) => CTensor::from_slice(v, a.shape.as_slice(), dev)?,
-                        HostData::F32(v) => CTensor::from_slice(v, a.shape.as_slice(), dev)?,
-                        HostData::U32(v) => CTensor::from_slice(v, a.shape.as_slice(), dev)?,
-                    }
-                }
+                InputRole::Metadata => metadata
+                    .iter()
+                    .find(|(name, _)| *name == decl.name)
+                    .map(|(_, t)| t.clone())
+                    .ok_or_else(|| Error::Binding {
+                        name: decl.name.clone(),
+                        msg: "no metadata given for it".into(),
+                    })?,
             };
             inputs.push(t);
         }
@@ -177,13 +176,14 @@ impl CpuRunner {
     /// Runs `graph` (on every rank, each on its own thread, when `tp > 1`) and returns rank
     /// 0's outputs; every rank samples the same tokens from the same gathered logits.
     fn run(&mut self, graph: &Graph, metadata: &[HostArray]) -> Result<Vec<CTensor>> {
+        let metadata = metadata_tensors(metadata)?;
         let Some(group) = self.group.clone() else {
-            return cpu::run(graph, &self.inputs(graph, metadata, 0)?);
+            return cpu::run(graph, &self.inputs(graph, &metadata, 0)?);
         };
         let step = self.steps;
         self.steps += 1;
         let inputs = (0..group.size())
-            .map(|r| self.inputs(graph, metadata, r))
+            .map(|r| self.inputs(graph, &metadata, r))
             .collect::<Result<Vec<_>>>()?;
         let mut outs = cpu::run_group(graph, &inputs, &group, step)?;
         Ok(outs.swap_remove(0))
@@ -216,6 +216,22 @@ impl CpuRunner {
             logits,
         })
     }
+}
+
+/// The step's host metadata as tensors, made once per step and shared by every rank.
+fn metadata_tensors(metadata: &[HostArray]) -> Result<Vec<(&'static str, CTensor)>> {
+    let dev = &Device::Cpu;
+    metadata
+        .iter()
+        .map(|a| {
+            let t = match &a.data {
+                HostData::I32(v) => CTensor::from_slice(v, a.shape.as_slice(), dev)?,
+                HostData::F32(v) => CTensor::from_slice(v, a.shape.as_slice(), dev)?,
+                HostData::U32(v) => CTensor::from_slice(v, a.shape.as_slice(), dev)?,
+            };
+            Ok((a.name, t))
+        })
+        .collect()
 }
 
 impl Runner for CpuRunner {
