@@ -107,8 +107,33 @@ struct Plan {
 /// Resolves every input and output of the model in its set, checking names and sizes, and
 /// counts the execution for `NRT_SIM_FAIL_EXECUTE` (which fails it here, before anything is
 /// written).
-fn plan(model: Handle, input_set: Handle, output_set: Handle) -> Res<Plan> {
+///
+/// For a rank of a collectives group it also takes the execution's step number (under the same
+/// lock), returned whether or not the plan succeeds, since a failure must fail that step.
+fn plan(
+    model: Handle,
+    input_set: Handle,
+    output_set: Handle,
+) -> (Option<(RankComm, u64)>, Res<Plan>) {
     let mut st = state();
+    let rank = st
+        .models
+        .get_mut(model)
+        .ok()
+        .and_then(|m| m.rank.as_mut())
+        .map(|seat| {
+            seat.steps += 1;
+            (seat.comm.clone(), seat.steps - 1)
+        });
+    (rank, plan_locked(&mut st, model, input_set, output_set))
+}
+
+fn plan_locked(
+    st: &mut crate::state::State,
+    model: Handle,
+    input_set: Handle,
+    output_set: Handle,
+) -> Res<Plan> {
     st.require_running("nrt_execute")?;
     let plan = {
         let st = &*st;
@@ -181,16 +206,6 @@ fn plan(model: Handle, input_set: Handle, output_set: Handle) -> Res<Plan> {
     Ok(plan)
 }
 
-/// For a rank of a collectives group: its handle on the group and the step this execution is
-/// (counted per model, so every rank of a group numbers the same execution alike).
-fn take_step(model: Handle) -> Option<(RankComm, u64)> {
-    let mut st = state();
-    let seat = st.models.get_mut(model).ok()?.rank.as_mut()?;
-    let step = seat.steps;
-    seat.steps += 1;
-    Some((seat.comm.clone(), step))
-}
-
 /// Runs the model on the tensors bound in `input_set` and `output_set`. A binding error
 /// (unbound, wrong size: `NRT_INVALID`; freed: `NRT_INVALID_HANDLE`) and an injected fault
 /// write nothing; an error of the CPU backend is `NRT_EXEC_BAD_INPUT`.
@@ -201,21 +216,15 @@ fn take_step(model: Handle) -> Option<(RankComm, u64)> {
 /// ranks that arrive later; a rank that never arrives fails the step after
 /// `NRT_SIM_COLLECTIVE_TIMEOUT_MS`. The next execution starts clean.
 pub(crate) fn execute(model: Handle, input_set: Handle, output_set: Handle) -> Res<()> {
-    let rank = take_step(model);
-    let result = execute_step(model, input_set, output_set, rank.as_ref());
+    let (rank, plan) = plan(model, input_set, output_set);
+    let result = plan.and_then(|p| execute_planned(model, p, rank.as_ref()));
     if let (Err(e), Some((comm, step))) = (&result, &rank) {
         comm.fail(*step, &e.to_string());
     }
     result
 }
 
-fn execute_step(
-    model: Handle,
-    input_set: Handle,
-    output_set: Handle,
-    rank: Option<&(RankComm, u64)>,
-) -> Res<()> {
-    let p = plan(model, input_set, output_set)?;
+fn execute_planned(model: Handle, p: Plan, rank: Option<&(RankComm, u64)>) -> Res<()> {
     if let Some(d) = p.config.slow_execute {
         std::thread::sleep(d);
     }
