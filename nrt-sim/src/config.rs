@@ -6,6 +6,7 @@
 use std::time::Duration;
 
 use crate::fail::{Fail, Res};
+use crate::identity::{ENV_NC_COUNT, MAX_NC_COUNT};
 
 /// `NRT_SIM_FAIL_EXECUTE`.
 pub const ENV_FAIL_EXECUTE: &str = "NRT_SIM_FAIL_EXECUTE";
@@ -96,6 +97,21 @@ impl Config {
                 .filter(|&n| n > 0)
                 .ok_or_else(|| bad(ENV_HBM_BYTES, v, "a positive number of bytes"))?,
         };
+        // Read (once per process) by the core-count calls, which work before nrt_init and
+        // cannot fail on it; a malformed value is refused here instead of silently ignored.
+        if let Some(v) = get(ENV_NC_COUNT) {
+            let ok = v
+                .trim()
+                .parse::<u32>()
+                .is_ok_and(|n| (1..=MAX_NC_COUNT).contains(&n));
+            if !ok {
+                return Err(bad(
+                    ENV_NC_COUNT,
+                    &v,
+                    &format!("a number of NeuronCores from 1 to {MAX_NC_COUNT}"),
+                ));
+            }
+        }
         let collective_timeout = match get(ENV_COLLECTIVE_TIMEOUT_MS).as_deref().map(str::trim) {
             None | Some("") => DEFAULT_COLLECTIVE_TIMEOUT,
             Some(v) => Duration::from_millis(v.parse::<u64>().ok().filter(|&n| n > 0).ok_or_else(

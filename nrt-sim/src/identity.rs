@@ -36,7 +36,8 @@ static NC_COUNT: std::sync::LazyLock<u32> = std::sync::LazyLock::new(|| {
 });
 
 /// NeuronCores on the simulated instance: `NRT_SIM_NC_COUNT` (1 to [`MAX_NC_COUNT`]) as the
-/// process first read it, else [`DEFAULT_NC_COUNT`]. All of them are visible (core indices
+/// process first read it, else [`DEFAULT_NC_COUNT`] (a malformed value is refused by
+/// `nrt_init`; the count calls, which work before it, fall back to the default). All of them are visible (core indices
 /// `0..n`).
 pub fn nc_count() -> u32 {
     *NC_COUNT

@@ -212,6 +212,39 @@ fn child_malformed_variable() {
 }
 
 #[test]
+fn a_malformed_core_count_fails_nrt_init() {
+    run_child(
+        "child_malformed_core_count",
+        &[(nrt_sim::ENV_NC_COUNT, "65")],
+    );
+}
+
+#[test]
+#[ignore = "runs in a child process started by its parent test"]
+fn child_malformed_core_count() {
+    if !is_child() {
+        return;
+    }
+    let sim = Sim::open();
+    let err = Runtime::new(sim.lib.clone(), 0, 1).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            Error::Status {
+                status: sys::NRT_INVALID,
+                ..
+            }
+        ),
+        "{err}"
+    );
+    let last = sim.counters().last_error.unwrap();
+    assert!(
+        last.contains("NRT_SIM_NC_COUNT=\"65\" is not a number of NeuronCores from 1 to 64"),
+        "{last}"
+    );
+}
+
+#[test]
 fn calls_before_nrt_init_are_uninitialized() {
     run_child("child_before_init", &[]);
 }
