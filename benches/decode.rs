@@ -57,7 +57,7 @@ fn decode_step(c: &mut Criterion) {
                 };
                 runner
                     .replay(&Step::Prefill {
-                        chunk: &chunk,
+                        chunks: &[chunk],
                         logits: LogitsOutput::None,
                     })
                     .expect("prefill");

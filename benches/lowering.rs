@@ -24,6 +24,7 @@ fn lower_v2_lite(c: &mut Criterion) {
     };
     let spec = GraphSpec {
         rows: 64,
+        seqs: 1,
         ctx: 1024,
         logits: LogitsOutput::None,
         moe: MoeStrategy::Dense,

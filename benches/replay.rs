@@ -60,6 +60,7 @@ fn replay_config() -> RunnerConfig {
             batch: vec![1, 8, 32, 64],
             ctx: vec![64],
             prefill_chunk: 16,
+            prefill_seqs: 1,
         },
         moe: None,
         kv_dtype: DType::BF16,
@@ -184,6 +185,7 @@ fn capture(c: &mut Criterion) {
     ] {
         let spec = GraphSpec {
             rows,
+            seqs: if prefill { 1 } else { rows },
             ctx,
             logits: if prefill {
                 LogitsOutput::AllPositions

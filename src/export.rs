@@ -1,7 +1,8 @@
 //! `deepinfer lower`: a model's bucket graphs as HLO files, a manifest, and optionally the
 //! inputs (and CPU-backend outputs) of one real step, so anyone can run our HLO in XLA and compare.
 //!
-//! Layout of the output directory, per graph `NAME` (`decode_b{B}_c{CTX}`, `prefill_t{T}_c{CTX}`):
+//! Layout of the output directory, per graph `NAME` (`decode_b{B}_c{CTX}`, `prefill_t{T}_c{CTX}`,
+//! and the packed prefill of two sequences `prefill_t{T}_s2_c{CTX}`):
 //! `NAME.hlo.pb` (the `HloModuleProto`), `NAME.hlo.txt` (for humans), and with token ids
 //! `NAME.inputs.safetensors` (every parameter's value, keyed by parameter name) and
 //! `NAME.outputs.safetensors` (what the CPU backend computes from them, keyed by output name).
@@ -39,6 +40,9 @@ use crate::model::{
 use crate::runner::step::{self, DecodeRow, HostArray, HostData, PrefillChunk, SamplingParams};
 use crate::runner::{CpuRunner, Limits, Runner, RunnerConfig, Step, StepKind};
 use crate::weights::Checkpoint;
+
+/// The sequences of the packed prefill graph `lower` writes besides the unpacked one.
+pub const PACKED_SEQS: usize = 2;
 
 /// What to lower.
 #[derive(Debug, Clone)]
@@ -101,8 +105,16 @@ pub struct ManifestGraph {
     pub kind: &'static str,
     /// Rows (sequences for decode, tokens for prefill).
     pub batch: usize,
+    /// Sequences the graph carries (decode: its rows; prefill: the chunks it packs).
+    pub seqs: usize,
     /// Context bucket.
     pub ctx: usize,
+    /// When inputs are written: for each row of the `logits` output, the position of the
+    /// token sequence (`--inputs-from-token-ids`) whose next-token logits it holds, or `None`
+    /// for a padding row. A reference run over those tokens (transformers) then checks every
+    /// real row, not only decode's row 0.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reference_positions: Option<Vec<Option<usize>>>,
     /// The `.hlo.pb` file.
     pub hlo: String,
     /// The inputs file, when written for an unsharded model (`tp = 1`).
@@ -193,12 +205,20 @@ fn io_err(path: &Path) -> impl FnOnce(std::io::Error) -> Error + '_ {
     }
 }
 
-fn describe(graph: &Graph, kind: &'static str, batch: usize, ctx: usize) -> ManifestGraph {
+fn describe(
+    graph: &Graph,
+    kind: &'static str,
+    batch: usize,
+    seqs: usize,
+    ctx: usize,
+) -> ManifestGraph {
     ManifestGraph {
         name: graph.name().to_string(),
         kind,
         batch,
+        seqs,
         ctx,
+        reference_positions: None,
         hlo: format!("{}.hlo.pb", graph.name()),
         inputs: None,
         rank_inputs: Vec::new(),
@@ -377,6 +397,8 @@ pub fn lower_sharded(
     let mut rc = RunnerConfig::for_limits(max_batch, opts.ctx);
     rc.kv_dtype = precision.kv_cache;
     rc.tp = ranks;
+    // Room for the two sequences of the packed prefill's inputs at full length.
+    rc.num_blocks = rc.num_blocks.max(2 * (opts.ctx / rc.block_size) + 2);
     if rc.buckets.max_len() != opts.ctx {
         return Err(Error::InvalidInput(format!(
             "--ctx {} must be a multiple of the block size {}",
@@ -399,18 +421,23 @@ pub fn lower_sharded(
 
     let mut graphs = Vec::new();
     let t = rc.buckets.prefill_chunk;
-    let prefill = model::build_prefill(
-        &cfg,
-        &specs,
-        &layout,
-        &GraphSpec {
-            rows: t,
-            ctx: opts.ctx,
-            logits: StepKind::Prefill.device_logits(),
-            moe: moe(t),
-        },
-    )?;
-    graphs.push((prefill, "prefill", t));
+    // The unpacked prefill and a packed one of two sequences (the packing the scheduler uses
+    // for a burst of prompts), then each decode batch.
+    for seqs in [1, PACKED_SEQS] {
+        let prefill = model::build_prefill(
+            &cfg,
+            &specs,
+            &layout,
+            &GraphSpec {
+                rows: t,
+                seqs,
+                ctx: opts.ctx,
+                logits: StepKind::Prefill.device_logits(),
+                moe: moe(t),
+            },
+        )?;
+        graphs.push((prefill, "prefill", t, seqs));
+    }
     for &b in &opts.batch_sizes {
         let g = model::build_decode(
             &cfg,
@@ -418,12 +445,13 @@ pub fn lower_sharded(
             &layout,
             &GraphSpec {
                 rows: b,
+                seqs: b,
                 ctx: opts.ctx,
                 logits: StepKind::Decode.device_logits(),
                 moe: moe(b),
             },
         )?;
-        graphs.push((g, "decode", b));
+        graphs.push((g, "decode", b, b));
     }
 
     let mut manifest = Manifest {
@@ -431,7 +459,7 @@ pub fn lower_sharded(
         graphs: Vec::new(),
         costs: Vec::new(),
     };
-    for (g, kind, rows) in &graphs {
+    for (g, kind, rows, seqs) in &graphs {
         let module = hlo::emit::emit(g)?;
         let metadata_bytes = g
             .inputs()
@@ -455,7 +483,9 @@ pub fn lower_sharded(
         std::fs::write(&pb, hlo::emit::to_bytes(&module)).map_err(io_err(&pb))?;
         let txt = out.join(format!("{}.hlo.txt", g.name()));
         std::fs::write(&txt, hlo::text::render(&module)).map_err(io_err(&txt))?;
-        manifest.graphs.push(describe(g, kind, *rows, opts.ctx));
+        manifest
+            .graphs
+            .push(describe(g, kind, *rows, *seqs, opts.ctx));
     }
 
     if let (Some(tokens), Some(checkpoint)) = (&opts.inputs_from_token_ids, &checkpoint) {
@@ -468,30 +498,85 @@ pub fn lower_sharded(
         let weights = ModelWeights::load(&cfg, checkpoint, &precision)?;
         let mut runner = CpuRunner::new(cfg.clone(), weights, rc.clone())?;
         let (prompt, last) = tokens.split_at(tokens.len() - 1);
-        // A fresh cache with one sequence: it owns the blocks after the scratch block.
+        // A fresh cache: the unpacked prefill and the decode use the blocks after the scratch
+        // block, the packed prefill's second sequence the ones after those.
+        let per_seq = prompt.len().div_ceil(rc.block_size) as u32;
         let first = step::SCRATCH_BLOCK + 1;
         let blocks: Vec<u32> =
             (first..first + tokens.len().div_ceil(rc.block_size) as u32).collect();
+        let next = first + blocks.len() as u32;
+        let other: Vec<u32> = (next..next + per_seq).collect();
         let chunk = PrefillChunk {
             tokens: prompt,
             start: 0,
             blocks: &blocks,
             sampling: SamplingParams::GREEDY,
         };
-        let prefill_meta = step::prefill_step(&chunk, t, opts.ctx, rc.block_size)?;
+        let prefill_meta = step::prefill_step(&[chunk.clone()], t, 1, opts.ctx, rc.block_size)?;
         let empty_root = runner.kv_root().copy()?;
+        // The packed step: the prompt's first half fresh, and its second half continuing a
+        // sequence whose first half is cached (in other blocks). Both halves' rows predict
+        // known positions of the prompt.
+        let half = prompt.len().div_ceil(2);
+        let head = PrefillChunk {
+            tokens: &prompt[..half],
+            start: 0,
+            blocks: &other,
+            sampling: SamplingParams::GREEDY,
+        };
         runner.replay(&Step::Prefill {
-            chunk: &chunk,
+            chunks: &[head],
+            logits: LogitsOutput::None,
+        })?;
+        let half_root = runner.kv_root().copy()?;
+        let packed = [
+            PrefillChunk {
+                tokens: &prompt[..half],
+                start: 0,
+                blocks: &blocks,
+                sampling: SamplingParams::GREEDY,
+            },
+            PrefillChunk {
+                tokens: &prompt[half..],
+                start: half,
+                blocks: &other,
+                sampling: SamplingParams::GREEDY,
+            },
+        ];
+        let packed_meta = step::prefill_step(&packed, t, PACKED_SEQS, opts.ctx, rc.block_size)?;
+        let packed_rows: Vec<Option<usize>> = (0..half)
+            .chain(half..prompt.len())
+            .map(Some)
+            .chain(std::iter::repeat_n(None, t - prompt.len()))
+            .collect();
+        runner.replay(&Step::Prefill {
+            chunks: &[chunk],
             logits: LogitsOutput::None,
         })?;
         let root = runner.kv_root().copy()?;
-        for ((g, kind, rows), entry) in graphs.iter().zip(manifest.graphs.iter_mut()) {
-            if *kind == "prefill" {
+        for ((g, kind, rows, seqs), entry) in graphs.iter().zip(manifest.graphs.iter_mut()) {
+            if *kind == "prefill" && *seqs == 1 {
+                let positions = (0..prompt.len()).map(Some);
+                entry.reference_positions = Some(
+                    positions
+                        .chain(std::iter::repeat_n(None, t - prompt.len()))
+                        .collect(),
+                );
                 write_step(
                     g,
                     runner.rank_weights(),
                     &prefill_meta,
                     &empty_root,
+                    out,
+                    entry,
+                )?;
+            } else if *kind == "prefill" {
+                entry.reference_positions = Some(packed_rows.clone());
+                write_step(
+                    g,
+                    runner.rank_weights(),
+                    &packed_meta,
+                    &half_root,
                     out,
                     entry,
                 )?;
@@ -503,6 +588,11 @@ pub fn lower_sharded(
                     sampling: SamplingParams::GREEDY,
                 };
                 let meta = step::decode_step(&[row], *rows, opts.ctx, rc.block_size)?;
+                entry.reference_positions = Some(
+                    std::iter::once(Some(prompt.len()))
+                        .chain(std::iter::repeat_n(None, rows - 1))
+                        .collect(),
+                );
                 write_step(g, runner.rank_weights(), &meta, &root, out, entry)?;
             }
         }
@@ -539,9 +629,10 @@ pub fn check_neuron(
         dtype: rc.kv_dtype,
     };
     let mut graphs = Vec::with_capacity(rc.buckets.graph_count());
-    for (kind, rows, ctx) in rc.buckets.graphs() {
+    for (kind, rows, seqs, ctx) in rc.buckets.graphs() {
         let spec = GraphSpec {
             rows,
+            seqs,
             ctx,
             logits: kind.device_logits(),
             moe: cfg.routing.as_ref().map_or(MoeStrategy::Dense, |r| {

@@ -133,3 +133,113 @@ fn same_seed_reproduces_and_different_seeds_differ() {
         "sampling at temperature 1 should not be greedy"
     );
 }
+
+/// A packed prefill step (three sequences' chunks side by side: two fresh prompts of different
+/// lengths and the second half of a prompt whose first half is already cached) gives every
+/// position the logits transformers gives it, samples each chunk's next token from its own
+/// last position, and leaves each sequence's cache as a decode step expects.
+#[test]
+fn packed_prefill_matches_transformers_at_every_position() {
+    use deepinfer::config::ModelConfig;
+    use deepinfer::model::{ModelWeights, Precision};
+    use deepinfer::runner::step::PrefillChunk;
+    use deepinfer::runner::{self, Backend, RunnerConfig};
+    use deepinfer::weights::Checkpoint;
+
+    for name in FIXTURES {
+        let r = reference(name);
+        let dir = common::fixture_dir(name);
+        let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+        let weights =
+            ModelWeights::load(&cfg, &Checkpoint::open(&dir).unwrap(), &Precision::F32).unwrap();
+        // Contexts 64 and 256: the 64 bucket packs up to 4 sequences.
+        let rc = RunnerConfig::for_limits(4, 256);
+        assert_eq!(rc.buckets.packed_seqs(64, 64), 4);
+        let mut run = runner::open_with_weights(Backend::Cpu, cfg, weights, rc).unwrap();
+        let ids = &r.token_ids;
+        let n = ids.len() - 1; // the last token is fed by decode below
+        let (a, b, c) = ([1u32, 2], [3u32, 4], [5u32, 6]);
+        // Sequence c's first part goes in alone first.
+        let split = n / 2;
+        let first = PrefillChunk {
+            tokens: &ids[..split],
+            start: 0,
+            blocks: &c,
+            sampling: SamplingParams::GREEDY,
+        };
+        run.replay(&Step::Prefill {
+            chunks: &[first],
+            logits: LogitsOutput::None,
+        })
+        .unwrap();
+        let short = 3;
+        let chunks = [
+            PrefillChunk {
+                tokens: &ids[..n],
+                start: 0,
+                blocks: &a,
+                sampling: SamplingParams::GREEDY,
+            },
+            PrefillChunk {
+                tokens: &ids[..short],
+                start: 0,
+                blocks: &b,
+                sampling: SamplingParams::GREEDY,
+            },
+            PrefillChunk {
+                tokens: &ids[split..n],
+                start: split,
+                blocks: &c,
+                sampling: SamplingParams::GREEDY,
+            },
+        ];
+        let out = run
+            .replay(&Step::Prefill {
+                chunks: &chunks,
+                logits: LogitsOutput::AllPositions,
+            })
+            .unwrap();
+        let want: Vec<Vec<f32>> = (0..n)
+            .chain(0..short)
+            .chain(split..n)
+            .map(|p| r.logits[p].clone())
+            .collect();
+        let got = out.logits.expect("logits");
+        let worst = max_abs_diff_rows(&got, &want);
+        eprintln!("{name}: packed prefill, max |logit - transformers| = {worst:e}");
+        assert!(worst < TOL, "{name}: {worst}");
+        let argmax = |row: &[f32]| {
+            (0..row.len())
+                .max_by(|&i, &j| row[i].total_cmp(&row[j]))
+                .unwrap() as u32
+        };
+        let expect: Vec<u32> = [n - 1, short - 1, n - 1]
+            .iter()
+            .map(|&p| argmax(&r.logits[p]))
+            .collect();
+        assert_eq!(out.next_tokens, expect, "{name}: each chunk's sample");
+
+        // Decoding the last token after each full-length sequence sees what the packed step
+        // cached.
+        let rows: Vec<DecodeRow> = [&a[..], &c[..]]
+            .iter()
+            .map(|blocks| DecodeRow {
+                token: ids[n],
+                position: n,
+                blocks,
+                sampling: SamplingParams::GREEDY,
+            })
+            .collect();
+        let dec = run
+            .replay(&Step::Decode {
+                rows: &rows,
+                logits: LogitsOutput::Sampled,
+            })
+            .unwrap();
+        let worst = max_abs_diff_rows(
+            &dec.logits.unwrap(),
+            &[r.logits[n].clone(), r.logits[n].clone()],
+        );
+        assert!(worst < TOL, "{name}: decode after packed prefill: {worst}");
+    }
+}

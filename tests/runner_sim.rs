@@ -51,6 +51,7 @@ fn small_config() -> RunnerConfig {
             batch: vec![1, 2, 4],
             ctx: vec![32, 64],
             prefill_chunk: 16,
+            prefill_seqs: 1,
         },
         moe: None,
         kv_dtype: DType::F32,
@@ -574,7 +575,8 @@ fn input_on_device_replays_what_the_caller_wrote() {
     };
     let want = c.prefill(&chunk, LogitsOutput::Sampled).unwrap();
     // The caller writes the prefill metadata into the runner's buffers itself.
-    let meta = deepinfer::runner::step::prefill_step(&chunk, 16, 32, 16).unwrap();
+    let meta =
+        deepinfer::runner::step::prefill_step(std::slice::from_ref(&chunk), 16, 1, 32, 16).unwrap();
     for a in &meta {
         let buf = d.metadata_buffer(true, 32, a.name).expect(a.name);
         let bytes: Vec<u8> = match &a.data {

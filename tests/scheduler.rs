@@ -570,3 +570,183 @@ fn consecutive_failed_steps_are_reported_until_a_step_succeeds() {
     assert_eq!(r[&9].tokens.len(), 2);
     assert!(s.failing().is_none());
 }
+
+/// A runner that records how many chunks each prefill step packed, and each step's tokens
+/// (decode: its rows; prefill: `0` then the chunks' tokens, so a prefill is told apart).
+struct Recording<R> {
+    inner: R,
+    prefill_chunks: Vec<usize>,
+    steps: Vec<(bool, usize)>,
+}
+
+impl<R: Runner> Runner for Recording<R> {
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+    fn runner_config(&self) -> &RunnerConfig {
+        self.inner.runner_config()
+    }
+    fn backend(&self) -> Backend {
+        self.inner.backend()
+    }
+    fn capture(&mut self, buckets: &Buckets) -> deepinfer::Result<()> {
+        self.inner.capture(buckets)
+    }
+    fn replay(&mut self, step: &Step<'_>) -> deepinfer::Result<StepOutput> {
+        match step {
+            Step::Prefill { chunks, .. } => {
+                self.prefill_chunks.push(chunks.len());
+                let tokens = chunks.iter().map(|c| c.tokens.len()).sum();
+                self.steps.push((true, tokens));
+            }
+            Step::Decode { rows, .. } => self.steps.push((false, rows.len())),
+        }
+        self.inner.replay(step)
+    }
+    fn destroy(&mut self) -> deepinfer::Result<()> {
+        self.inner.destroy()
+    }
+}
+
+fn recording_tiny_v3(rc: RunnerConfig) -> Scheduler<Recording<Box<dyn Runner>>> {
+    let (cfg, weights) = load("tiny-v3");
+    let inner = runner::open_with_weights(Backend::Cpu, cfg, weights, rc).unwrap();
+    let runner = Recording {
+        inner,
+        prefill_chunks: Vec::new(),
+        steps: Vec::new(),
+    };
+    Scheduler::new(runner, None, Vec::new()).unwrap()
+}
+
+/// Six prompts arriving together enter in two packed prefill steps (four sequences fit the
+/// context-64 bucket's packing), and every one continues exactly as transformers did.
+#[test]
+fn a_burst_of_prompts_is_packed_and_matches_transformers_greedy() {
+    let reference = common::reference("tiny-v3").greedy;
+    // Contexts 64 and 256; 64-token chunks; the context-64 graphs pack four sequences.
+    let rc = RunnerConfig::for_limits(8, 256);
+    assert_eq!(rc.buckets.packed_seqs(64, 64), 4);
+    let mut s = recording_tiny_v3(rc);
+    let n = reference.generated_token_ids.len();
+    for id in 0..6u64 {
+        s.add(id, reference.prompt_token_ids.clone(), greedy(n))
+            .unwrap();
+    }
+    let mut results = HashMap::new();
+    run_to_end(&mut s, &mut results);
+    for id in 0..6u64 {
+        assert_eq!(
+            results[&id].tokens, reference.generated_token_ids,
+            "request {id}"
+        );
+    }
+    assert_eq!(s.runner().prefill_chunks, [4, 2]);
+    assert_eq!(s.blocks_in_use(), 0);
+}
+
+/// With four batch slots, eight choices of one request take four; a request arriving after
+/// them gets the first slot that frees, before the other four choices.
+#[test]
+fn a_request_for_more_choices_than_slots_does_not_hold_the_engine() {
+    let prompt = common::reference("tiny-v3").greedy.prompt_token_ids;
+    let mut s = recording_tiny_v3(RunnerConfig::for_limits(4, 64));
+    let choice = |max_tokens| GenerationParams {
+        group: Some(1),
+        ..greedy(max_tokens)
+    };
+    for id in 0..8u64 {
+        // The first choice ends first and frees its slot.
+        s.add(id, prompt.clone(), choice(if id == 0 { 4 } else { 20 }))
+            .unwrap();
+    }
+    s.add(100, prompt.clone(), greedy(4)).unwrap();
+    let mut first_token_order = Vec::new();
+    while !s.is_idle() {
+        for o in s.step() {
+            if matches!(o.event, Event::Token(_)) && !first_token_order.contains(&o.id) {
+                first_token_order.push(o.id);
+            }
+        }
+    }
+    let late = first_token_order.iter().position(|&id| id == 100).unwrap();
+    let fifth = first_token_order
+        .iter()
+        .position(|&id| id >= 4 && id < 8)
+        .unwrap();
+    assert!(
+        late < fifth,
+        "the later request started after the extra choices: {first_token_order:?}"
+    );
+}
+
+/// A short prompt added while a long one is prefilling gets its first token within two
+/// steps, and the long one still finishes its prefill.
+#[test]
+fn a_short_prompt_is_not_stuck_behind_a_long_prefill() {
+    let ids = common::reference("tiny-v3").greedy.prompt_token_ids;
+    let long: Vec<u32> = ids.iter().copied().cycle().take(200).collect();
+    let mut rc = RunnerConfig::for_limits(4, 256);
+    rc.buckets.prefill_chunk = 16;
+    let mut s = recording_tiny_v3(rc);
+    s.add(1, long, greedy(2)).unwrap();
+    let mut results = HashMap::new();
+    collect(s.step(), &mut results);
+    collect(s.step(), &mut results);
+    s.add(2, ids[..4].to_vec(), greedy(2)).unwrap();
+    let mut steps = 0;
+    while results.get(&2).is_none_or(|r| r.tokens.is_empty()) {
+        collect(s.step(), &mut results);
+        steps += 1;
+    }
+    assert!(steps <= 2, "the short prompt waited {steps} steps");
+    assert!(
+        results.get(&1).is_none_or(|r| r.tokens.is_empty()),
+        "the long prompt was already done: nothing tested"
+    );
+    run_to_end(&mut s, &mut results);
+    assert_eq!(results[&1].tokens.len(), 2);
+    assert_eq!(results[&2].tokens.len(), 2);
+}
+
+/// With a token budget of 6 and four slots, no iteration feeds more than 6 tokens (decode
+/// rows plus prefill tokens), prompts still all finish, and what they generate is unchanged.
+#[test]
+fn max_num_batched_tokens_bounds_every_iteration() {
+    let reference = common::reference("tiny-v3").greedy;
+    let n = reference.generated_token_ids.len();
+    let mut s = recording_tiny_v3(RunnerConfig::for_limits(4, 64));
+    assert!(
+        s.set_max_num_batched_tokens(4).is_err(),
+        "not above the batch"
+    );
+    s.set_max_num_batched_tokens(6).unwrap();
+    let mut results = HashMap::new();
+    for id in 0..4u64 {
+        s.add(id, reference.prompt_token_ids.clone(), greedy(n))
+            .unwrap();
+        collect(s.step(), &mut results);
+    }
+    run_to_end(&mut s, &mut results);
+    for id in 0..4u64 {
+        assert_eq!(
+            results[&id].tokens, reference.generated_token_ids,
+            "request {id}"
+        );
+    }
+    let steps = &s.runner().steps;
+    for (i, &(prefill, tokens)) in steps.iter().enumerate() {
+        // A prefill right after a decode belongs to the same iteration.
+        let decoded = match i.checked_sub(1).map(|j| steps[j]) {
+            Some((false, rows)) if prefill => rows,
+            _ => 0,
+        };
+        assert!(tokens + decoded <= 6, "step {i}: {steps:?}");
+    }
+    assert!(
+        steps
+            .iter()
+            .any(|&(p, t)| p && t < reference.prompt_token_ids.len()),
+        "no prompt was cut by the budget: nothing tested ({steps:?})"
+    );
+}

@@ -146,6 +146,7 @@ fn start(limits: Limits, max_waiting: usize, api_key: Option<&str>) -> Server {
         Some(tokenizer.clone()),
         EngineOptions {
             max_waiting,
+            max_num_batched_tokens: None,
             eos_token_ids: tokenizer.eos_token_id().into_iter().collect(),
             log_stats_every: None,
         },

@@ -23,6 +23,11 @@ pub struct GenerationParams {
     /// Report the log-probability of every prompt token after the first, with this many
     /// alternatives (what evaluation harnesses score).
     pub prompt_logprobs: Option<usize>,
+    /// The choices of one HTTP request share a group; the scheduler admits waiting sequences
+    /// from the group with the fewest running first, so a request asking for more choices
+    /// than there are free batch slots cannot hold the engine (its extra choices wait while
+    /// others' requests run). `None`: a group of its own.
+    pub group: Option<u64>,
 }
 
 impl GenerationParams {
@@ -36,6 +41,7 @@ impl GenerationParams {
             ignore_eos: false,
             logprobs: None,
             prompt_logprobs: None,
+            group: None,
         }
     }
 }

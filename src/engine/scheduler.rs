@@ -7,11 +7,34 @@
 //!    slot; when the cache cannot give it, the most recently admitted sequence is preempted: its
 //!    blocks are freed and it goes back to the head of the queue, to be recomputed (prompt and
 //!    generated tokens prefilled again) once blocks free up. Nothing is dropped.
-//! 2. **Prefill**: one chunk of the oldest sequence still prefilling, admitting the head of the
-//!    queue first if none is, when a batch slot and blocks for its whole prompt are free.
+//! 2. **Prefill**: one packed prefill step: chunks of up to [`Buckets::prefill_seqs`]
+//!    sequences side by side, within the step's token budget (the runner's largest prefill
+//!    chunk, and [`Scheduler::set_max_num_batched_tokens`] minus the decode rows: vLLM's
+//!    `max_num_batched_tokens`). Waiting requests are admitted first, while a batch slot and
+//!    blocks for the whole sequence are free (a sequence admitted but not yet prefilled is the
+//!    newest, so the first a full cache preempts, at no cost).
 //!
-//! So prompts enter chunk by chunk between decode steps and the running streams keep flowing.
-//! A failed step (a device fault) fails exactly the sequences in it; the rest go on.
+//! # Fairness
+//!
+//! No single request can hold the engine:
+//!
+//! - Admission takes the waiting sequence whose group (the choices of one HTTP request, see
+//!   [`GenerationParams::group`]) has the fewest sequences running, oldest first among equals,
+//!   so a request for more choices than there are free slots runs the rest of its choices as
+//!   slots free up, alongside other requests rather than ahead of them. A preempted sequence
+//!   at the head of the queue goes first (it was running already).
+//! - Prefill alternates the order in which sequences get their chunks: on even steps the
+//!   shortest remaining prompt first (a short prompt behind long ones finishes its prefill in
+//!   one or two steps), on odd steps the oldest first (a long prompt advances at least every
+//!   other step, however many short ones arrive). Chunks are added in that order while the
+//!   budget lasts and a bucket packs them.
+//! - Scoring (prompt log-probabilities) is prefill, chunked and packed the same way.
+//!
+//! So a burst of short prompts enters a few per step between decode steps, and the running
+//! streams keep flowing. A failed step (a device fault) fails exactly the sequences in it; the
+//! rest go on.
+//!
+//! [`Buckets::prefill_seqs`]: crate::runner::Buckets::prefill_seqs
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -165,6 +188,10 @@ pub struct Scheduler<R: Runner> {
     tokenizer: Option<Arc<Tokenizer>>,
     eos_token_ids: Vec<u32>,
     max_running: usize,
+    /// Tokens one iteration may feed, decode rows and prefill tokens together.
+    token_budget: usize,
+    /// Iterations so far: their parity picks the prefill order (see the module docs).
+    iterations: u64,
     waiting: VecDeque<Sequence>,
     /// In admission order: preemption takes from the back.
     running: Vec<Sequence>,
@@ -192,12 +219,30 @@ impl<R: Runner> Scheduler<R> {
             tokenizer,
             eos_token_ids,
             max_running,
+            token_budget: usize::MAX,
+            iterations: 0,
             waiting: VecDeque::new(),
             running: Vec::new(),
             preemptions: 0,
             failed_steps: 0,
             last_failure: None,
         })
+    }
+
+    /// Limits the tokens one iteration feeds, decode rows and prefill tokens together (vLLM's
+    /// `max_num_batched_tokens`; without it the largest prefill chunk is the only bound). It
+    /// must exceed the largest decode batch, so that a step with every other slot decoding
+    /// still prefills.
+    pub fn set_max_num_batched_tokens(&mut self, tokens: usize) -> Result<()> {
+        if tokens <= self.max_running {
+            return Err(Error::InvalidInput(format!(
+                "max_num_batched_tokens ({tokens}) must exceed the largest decode batch ({}): \
+                 a step that decodes every other sequence must still prefill",
+                self.max_running
+            )));
+        }
+        self.token_budget = tokens;
+        Ok(())
     }
 
     /// The runner.
@@ -369,11 +414,15 @@ impl<R: Runner> Scheduler<R> {
         self.preemptions
     }
 
-    /// One iteration: a decode step over every decoding sequence, then one prefill chunk.
+    /// One iteration: a decode step over every decoding sequence, then one packed prefill step
+    /// with the rest of the token budget.
     pub fn step(&mut self) -> Vec<Output> {
         let mut out = Vec::new();
-        self.decode_step(&mut out);
-        self.prefill_step(&mut out);
+        let decoded = self.decode_step(&mut out);
+        let chunk = self.runner.runner_config().buckets.prefill_chunk;
+        let budget = self.token_budget.saturating_sub(decoded).min(chunk);
+        self.prefill_step(budget, &mut out);
+        self.iterations += 1;
         out
     }
 
@@ -391,7 +440,8 @@ impl<R: Runner> Scheduler<R> {
         true
     }
 
-    fn decode_step(&mut self, out: &mut Vec<Output>) {
+    /// Decodes one token for every decoding sequence; returns how many rows the step fed.
+    fn decode_step(&mut self, out: &mut Vec<Output>) -> usize {
         // Room for one more slot each, preempting from the newest until it fits.
         loop {
             let alloc = &self.blocks;
@@ -418,7 +468,7 @@ impl<R: Runner> Scheduler<R> {
             }
         }
         if batch.is_empty() {
-            return;
+            return 0;
         }
         let rows: Vec<DecodeRow<'_>> = batch
             .iter()
@@ -471,55 +521,116 @@ impl<R: Runner> Scheduler<R> {
             }
         }
         self.remove_finished(out);
+        batch.len()
     }
 
-    fn prefill_step(&mut self, out: &mut Vec<Output>) {
-        let i = match self.running.iter().position(|s| s.phase == Phase::Prefill) {
-            Some(i) => i,
-            None => match self.admit() {
-                Some(i) => i,
-                None => return,
-            },
+    /// Chooses this step's prefill chunks, admitting waiting sequences first: (index into
+    /// `running`, tokens), in the order they are packed. See the module docs for the order.
+    fn plan_prefill(&mut self, budget: usize) -> Vec<(usize, usize)> {
+        let buckets = self.runner.runner_config().buckets.clone();
+        while self.admit() {}
+        let mut order: Vec<usize> = (0..self.running.len())
+            .filter(|&i| self.running[i].phase == Phase::Prefill)
+            .collect();
+        if self.iterations % 2 == 0 {
+            // Stable: among equals, the oldest first.
+            order.sort_by_key(|&i| self.running[i].tokens.len() - self.running[i].computed);
+        }
+        let mut plan = Vec::new();
+        let (mut tokens, mut end) = (0, 0);
+        for i in order {
+            let seq = &self.running[i];
+            let n = (seq.tokens.len() - seq.computed).min(budget - tokens);
+            if n == 0 {
+                break;
+            }
+            let reach = end.max(seq.computed + n);
+            if buckets.prefill_fits(plan.len() + 1, tokens + n, reach) {
+                plan.push((i, n));
+                tokens += n;
+                end = reach;
+            }
+        }
+        plan
+    }
+
+    fn prefill_step(&mut self, budget: usize, out: &mut Vec<Output>) {
+        if budget == 0 {
+            return;
+        }
+        let plan = self.plan_prefill(budget);
+        if plan.is_empty() {
+            return;
+        }
+        let chunks: Vec<PrefillChunk<'_>> = plan
+            .iter()
+            .map(|&(i, n)| {
+                let seq = &self.running[i];
+                PrefillChunk {
+                    tokens: &seq.tokens[seq.computed..seq.computed + n],
+                    start: seq.computed,
+                    blocks: &seq.blocks,
+                    sampling: seq.params.sampling,
+                }
+            })
+            .collect();
+        // Prompt positions a chunk predicts that were not reported yet.
+        let wants_prompt_rows = |seq: &Sequence| {
+            seq.params.prompt_logprobs.is_some()
+                && seq.prompt_logprobs_sent < seq.prompt_len
+                && seq.computed < seq.prompt_len
         };
-        let chunk_size = self.runner.runner_config().buckets.prefill_chunk;
-        let seq = &self.running[i];
-        let end = (seq.computed + chunk_size).min(seq.tokens.len());
-        let chunk = PrefillChunk {
-            tokens: &seq.tokens[seq.computed..end],
-            start: seq.computed,
-            blocks: &seq.blocks,
-            sampling: seq.params.sampling,
+        let ends = |&(i, n): &(usize, usize)| {
+            let seq = &self.running[i];
+            seq.computed + n == seq.tokens.len()
         };
-        let start = seq.computed;
-        let last = end == seq.tokens.len();
-        // Prompt positions this chunk predicts that were not reported yet.
-        let prompt_rows = seq.params.prompt_logprobs.is_some()
-            && seq.prompt_logprobs_sent < seq.prompt_len
-            && start < seq.prompt_len;
-        let want = if prompt_rows {
+        let want = if plan
+            .iter()
+            .any(|&(i, _)| wants_prompt_rows(&self.running[i]))
+        {
             LogitsOutput::AllPositions
-        } else if last && seq.params.logprobs.is_some() {
+        } else if plan
+            .iter()
+            .any(|p| ends(p) && self.running[p.0].params.logprobs.is_some())
+        {
             LogitsOutput::Sampled
         } else {
             LogitsOutput::None
         };
         let result = self.runner.replay(&Step::Prefill {
-            chunk: &chunk,
+            chunks: &chunks,
             logits: want,
         });
-        match self.check_step("prefill", result, 1) {
+        drop(chunks);
+        match self.check_step("prefill", result, plan.len()) {
             Ok(StepOutput {
                 next_tokens: tokens,
                 logits,
             }) => {
-                let seq = &mut self.running[i];
-                seq.computed = end;
-                if prompt_rows {
-                    if let Some(rows) = &logits {
-                        out.push(prompt_logprobs(seq, start, end, rows));
+                // Each chunk's first logits row (AllPositions: one row per token).
+                let mut row = 0;
+                for (k, &(i, n)) in plan.iter().enumerate() {
+                    let (rows, sampled_row) = match (want, &logits) {
+                        (LogitsOutput::AllPositions, Some(l)) => {
+                            let r = l.get(row..row + n).unwrap_or(&[]);
+                            (Some(r), r.last())
+                        }
+                        (LogitsOutput::Sampled, Some(l)) => (None, l.get(k)),
+                        _ => (None, None),
+                    };
+                    row += n;
+                    let seq = &mut self.running[i];
+                    let start = seq.computed;
+                    let prompt_rows = wants_prompt_rows(seq);
+                    seq.computed += n;
+                    if prompt_rows {
+                        if let Some(rows) = rows {
+                            out.push(prompt_logprobs(seq, start, start + n, rows));
+                        }
                     }
-                }
-                if last {
+                    if seq.computed < seq.tokens.len() {
+                        continue;
+                    }
                     seq.phase = Phase::Decode;
                     if seq.params.max_tokens == 0 {
                         out.push(Output {
@@ -527,35 +638,63 @@ impl<R: Runner> Scheduler<R> {
                             event: Event::Finished(FinishReason::Length),
                         });
                     } else {
-                        // The row the token was drawn from: the chunk's last.
-                        let row = logits.as_ref().and_then(|l| l.last());
-                        let lp = logprobs_of(seq, row, tokens[0]);
-                        out.push(accept(seq, tokens[0], lp, &self.eos_token_ids));
+                        let lp = logprobs_of(seq, sampled_row, tokens[k]);
+                        out.push(accept(seq, tokens[k], lp, &self.eos_token_ids));
                     }
-                    self.remove_finished(out);
                 }
+                self.remove_finished(out);
             }
             Err(failure) => {
-                let mut seq = self.running.remove(i);
-                self.blocks.release(&mut seq.blocks);
-                out.push(Output {
-                    id: seq.id,
-                    event: failure,
-                });
+                let failed: Vec<RequestId> =
+                    plan.iter().map(|&(i, _)| self.running[i].id).collect();
+                for &id in &failed {
+                    out.push(Output {
+                        id,
+                        event: failure.clone(),
+                    });
+                }
+                self.remove_where(|s| failed.contains(&s.id));
             }
         }
     }
 
-    /// Admits the head of the queue when a batch slot and blocks for all its tokens are free.
-    fn admit(&mut self) -> Option<usize> {
-        if self.running.len() >= self.max_running {
-            return None;
+    /// Admits a waiting sequence when a batch slot and blocks for all its tokens are free: a
+    /// preempted one at the head of the queue, else the oldest of the group with the fewest
+    /// sequences running (see the module docs). False when none was admitted.
+    fn admit(&mut self) -> bool {
+        if self.running.len() >= self.max_running || self.waiting.is_empty() {
+            return false;
         }
-        let seq = self.waiting.front_mut()?;
-        self.blocks.grow(&mut seq.blocks, seq.tokens.len()).ok()?;
-        let seq = self.waiting.pop_front()?;
-        self.running.push(seq);
-        Some(self.running.len() - 1)
+        let pick = match self.waiting.front() {
+            Some(head) if head.generated() > 0 => 0,
+            _ => {
+                let running_in = |g: u64| self.running.iter().filter(|s| group_of(s) == g).count();
+                let mut best = (usize::MAX, 0);
+                for (i, seq) in self.waiting.iter().enumerate() {
+                    let n = running_in(group_of(seq));
+                    if n < best.0 {
+                        best = (n, i);
+                    }
+                    if n == 0 {
+                        break;
+                    }
+                }
+                best.1
+            }
+        };
+        let Some(seq) = self.waiting.get_mut(pick) else {
+            return false;
+        };
+        if self.blocks.grow(&mut seq.blocks, seq.tokens.len()).is_err() {
+            return false;
+        }
+        match self.waiting.remove(pick) {
+            Some(seq) => {
+                self.running.push(seq);
+                true
+            }
+            None => false,
+        }
     }
 
     /// Drops the sequences whose last event finished them (the last output of each id).
@@ -581,6 +720,11 @@ impl<R: Runner> Scheduler<R> {
             }
         }
     }
+}
+
+/// The admission group of `seq`: its request's, or its own id.
+fn group_of(seq: &Sequence) -> u64 {
+    seq.params.group.unwrap_or(seq.id)
 }
 
 /// The log-probabilities of the prompt tokens a prefill chunk over positions `start..end`

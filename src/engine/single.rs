@@ -59,7 +59,7 @@ fn prefill<R: Runner + ?Sized>(
             sampling,
         };
         outs.push(runner.replay(&Step::Prefill {
-            chunk: &chunk,
+            chunks: &[chunk],
             logits,
         })?);
     }

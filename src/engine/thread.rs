@@ -39,6 +39,9 @@ pub struct EngineOptions {
     /// idle server takes `max_batch + max_waiting` at once, and 0 means "only when a slot is
     /// free").
     pub max_waiting: usize,
+    /// Most tokens one step feeds, decode rows and prefill tokens together (see
+    /// [`Scheduler::set_max_num_batched_tokens`]); `None`: the largest prefill chunk bounds it.
+    pub max_num_batched_tokens: Option<usize>,
     /// End-of-sequence tokens (unless a request ignores them).
     pub eos_token_ids: Vec<u32>,
     /// Print a line of throughput and occupancy to stderr this often while there is work
@@ -181,6 +184,7 @@ impl Engine {
         let thread_shared = shared.clone();
         let eos = options.eos_token_ids.clone();
         let log_every = options.log_stats_every;
+        let token_budget = options.max_num_batched_tokens;
         let thread = std::thread::Builder::new()
             .name("deepinfer-engine".into())
             .spawn(move || {
@@ -198,7 +202,13 @@ impl Engine {
                     max_batch: rc.buckets.max_batch(),
                     backend: runner.backend().name(),
                 };
-                let mut scheduler = match Scheduler::new(runner, tokenizer, eos) {
+                let scheduler = Scheduler::new(runner, tokenizer, eos).and_then(|mut s| {
+                    if let Some(n) = token_budget {
+                        s.set_max_num_batched_tokens(n)?;
+                    }
+                    Ok(s)
+                });
+                let mut scheduler = match scheduler {
                     Ok(s) => s,
                     Err(e) => {
                         let _ = ready_tx.send(Err(e));

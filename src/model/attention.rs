@@ -29,8 +29,9 @@ pub struct AttnStep<'a> {
     pub slots: &'a Tensor,
     /// Cache slots of every context position, `[seqs * ctx]`, row-major by sequence.
     pub ctx_slots: &'a Tensor,
-    /// Which (query, context position) pairs may attend: `[n, ctx]` bool for prefill (one
-    /// sequence), `[seqs, ctx]` for decode (one query per sequence).
+    /// Which (query, context position) pairs may attend: `[n, seqs * ctx]` bool for prefill
+    /// (every token against every packed sequence's context), `[seqs, ctx]` for decode (one
+    /// query per sequence).
     pub visible: &'a Tensor,
 }
 
@@ -156,7 +157,8 @@ pub fn decode(
     Ok((linear(&o, &w.get(&format!("{p}.o_proj.weight"))?)?, root))
 }
 
-/// Prefill attention for `n` tokens of one sequence (decompressed MLA). Returns the attention
+/// Prefill attention for `n` tokens of one or more sequences (decompressed MLA; the mask keeps
+/// each token to its own sequence's context). Returns the attention
 /// output `[n, hidden]` (this rank's heads' share under tensor parallelism) and the updated
 /// root.
 pub fn prefill(

@@ -12,8 +12,11 @@ pub const SLOT_MAPPING: &str = "slot_mapping";
 pub const BLOCK_TABLES: &str = "block_tables";
 /// Tokens each decoding sequence attends to (its position + 1), `[rows]` i32 (decode only).
 pub const CONTEXT_LENS: &str = "context_lens";
-/// Index of the chunk's last real token, `[1]` i32 (prefill only).
+/// Index of each chunk's last real token, `[seqs]` i32 (prefill only).
 pub const LAST_INDEX: &str = "last_index";
+/// Which chunk (row of `block_tables`) each fed token belongs to, `[rows]` i32 (packed prefill
+/// only: a prefill graph of more than one sequence).
+pub const SEQ_IDS: &str = "seq_ids";
 /// Per-row sampling temperature, `[rows]` f32 (`<= 0` is greedy).
 pub const TEMPERATURE: &str = "temperature";
 /// Per-row top-k, `[rows]` i32 (`<= 0` disables it).
@@ -24,13 +27,14 @@ pub const TOP_P: &str = "top_p";
 pub const SEEDS: &str = "seeds";
 
 /// Every metadata input name, decode's and prefill's.
-pub const ALL: [&str; 10] = [
+pub const ALL: [&str; 11] = [
     INPUT_IDS,
     POSITIONS,
     SLOT_MAPPING,
     BLOCK_TABLES,
     CONTEXT_LENS,
     LAST_INDEX,
+    SEQ_IDS,
     TEMPERATURE,
     TOP_K,
     TOP_P,

@@ -7,23 +7,28 @@
 //!
 //! Graph inputs (besides weights, which take their parameter names):
 //!
-//! | name | decode `(b, ctx)` | prefill `(t, ctx)` |
+//! | name | decode `(b, ctx)` | prefill `(t, s, ctx)` |
 //! |---|---|---|
 //! | `input_ids` | `[b]` i32 | `[t]` i32 |
 //! | `positions` | `[b]` i32 | `[t]` i32 |
 //! | `slot_mapping` | `[b]` i32 | `[t]` i32 |
-//! | `block_tables` | `[b, ctx / block]` i32 | `[1, ctx / block]` i32 |
+//! | `block_tables` | `[b, ctx / block]` i32 | `[s, ctx / block]` i32 |
 //! | `context_lens` | `[b]` i32 (including the new token) | — |
-//! | `last_index` | — | `[1]` i32: the chunk's last real token |
-//! | `temperature`, `top_p` | `[b]` f32 | `[1]` f32 |
-//! | `top_k` | `[b]` i32 | `[1]` i32 |
-//! | `seeds` | `[b]` u32 | `[1]` u32 |
+//! | `last_index` | — | `[s]` i32: each chunk's last real token |
+//! | `seq_ids` | — | `[t]` i32: each token's chunk (only when `s > 1`) |
+//! | `temperature`, `top_p` | `[b]` f32 | `[s]` f32 |
+//! | `top_k` | `[b]` i32 | `[s]` i32 |
+//! | `seeds` | `[b]` u32 | `[s]` u32 |
 //! | `kv_cache` | `[slots, layers * width]` in the cache dtype, updated in place | same |
+//!
+//! A prefill graph of `s > 1` sequences is a *packed* prefill: the chunks of several sequences
+//! side by side in one step, so a burst of short prompts costs about one step instead of one
+//! each (the weights are read once for all of them).
 //!
 //! Weights are inputs in their stored dtype; [`precision`] says where the forward widens.
 //!
-//! Outputs: `next_tokens` (`[b]` / `[1]` i32), `logits` on request (`[b, vocab]` for decode and
-//! the last position of prefill, or `[t, vocab]` for every position), and `kv_cache`.
+//! Outputs: `next_tokens` (`[b]` / `[s]` i32), `logits` on request (`[b, vocab]` for decode and
+//! each chunk's last position in prefill, or `[t, vocab]` for every position), and `kv_cache`.
 
 pub mod attention;
 pub mod cost;
@@ -146,8 +151,11 @@ pub enum LogitsOutput {
 /// One bucket's graph: its kind and static sizes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GraphSpec {
-    /// Rows (decode: sequences; prefill: tokens of the chunk).
+    /// Rows (decode: sequences; prefill: tokens of the chunks).
     pub rows: usize,
+    /// Prefill: the sequences whose chunks the step packs (1: one chunk, the unpacked graph).
+    /// Decode ignores it (each row is a sequence).
+    pub seqs: usize,
     /// Context positions visible (a multiple of the block size).
     pub ctx: usize,
     /// Which logits to return.
@@ -401,8 +409,17 @@ pub fn build_decode(
     b.finish()
 }
 
-/// The prefill graph for a chunk of up to `spec.rows` tokens of one sequence whose earlier
-/// tokens are already cached, attending to up to `spec.ctx` positions.
+/// The prefill graph for chunks of up to `spec.seqs` sequences, `spec.rows` tokens in all,
+/// whose earlier tokens are already cached, each attending to up to `spec.ctx` positions of its
+/// own sequence.
+///
+/// With one sequence, every token belongs to it. With several (a packed prefill), `seq_ids`
+/// says whose each token is, and the context is every sequence's `ctx` positions side by side
+/// (`[s * ctx]`, in block-table row order): a token sees the positions of its own sequence up
+/// to its own, nothing of the others'. Attention then costs `t x s * ctx` scores where `s`
+/// separate steps would cost `s` times `t_i x ctx`; the buckets only pack where `s * ctx` is at
+/// most the longest context (see `runner::Buckets::packed_seqs`), so a packed step never
+/// attends wider than one full-context prefill does.
 pub fn build_prefill(
     cfg: &ModelConfig,
     specs: &WeightSpecs,
@@ -410,14 +427,33 @@ pub fn build_prefill(
     spec: &GraphSpec,
 ) -> Result<Graph> {
     check_spec(spec, cache)?;
-    let (t, ctx) = (spec.rows, spec.ctx);
-    let b = GraphBuilder::new(format!("prefill_t{t}_c{ctx}"));
+    let (t, seqs, ctx) = (spec.rows, spec.seqs.max(1), spec.ctx);
+    if seqs > t {
+        return Err(Error::shape(
+            "bucket",
+            format!("a prefill of {t} tokens cannot carry {seqs} sequences"),
+        ));
+    }
+    let name = match seqs {
+        1 => format!("prefill_t{t}_c{ctx}"),
+        s => format!("prefill_t{t}_s{s}_c{ctx}"),
+    };
+    let b = GraphBuilder::new(name);
     let w = Weights::new(&b, specs);
-    let s = step_inputs(&b, cfg, cache, t, 1, ctx)?;
-    let last_index = metadata(&b, inputs::LAST_INDEX, vec![1], DType::I32)?;
-    // Causal: token i sees context positions up to its own.
-    let j = b.iota([t, ctx], DType::I32, 1)?;
-    let visible = j.le(&s.positions.unsqueeze(1)?)?;
+    let s = step_inputs(&b, cfg, cache, t, seqs, ctx)?;
+    let last_index = metadata(&b, inputs::LAST_INDEX, vec![seqs], DType::I32)?;
+    // Causal within a sequence: token i sees its sequence's positions up to its own.
+    let visible = if seqs == 1 {
+        let j = b.iota([t, ctx], DType::I32, 1)?;
+        j.le(&s.positions.unsqueeze(1)?)?
+    } else {
+        let seq_ids = metadata(&b, inputs::SEQ_IDS, vec![t], DType::I32)?;
+        let pos = b.iota([t, seqs, ctx], DType::I32, 2)?;
+        let owner = b.iota([t, seqs, ctx], DType::I32, 1)?;
+        let causal = pos.le(&s.positions.reshape([t, 1, 1])?)?;
+        let own = owner.eq(&seq_ids.reshape([t, 1, 1])?)?;
+        own.where_cond(&causal, &own)?.reshape([t, seqs * ctx])?
+    };
     let (x, new_root) = s.forward(cfg, &w, &visible, attention::prefill, spec.moe)?;
     let last_logits = lm_logits(cfg, &w, &x.index_select(&last_index, 0)?)?;
     let last_pos = s.positions.index_select(&last_index, 0)?;

@@ -37,10 +37,12 @@
 //!   the KV dtype, whole on every rank;
 //! - metadata: the persistent step buffers the device runner allocates per context bucket, at
 //!   the largest batch (decode: eight `[batch]` i32/f32 vectors and `block_tables
-//!   [batch, ctx/block]`) and the prefill chunk (three `[chunk]` vectors, one block-table row,
-//!   `last_index` and four one-row sampling vectors);
+//!   [batch, ctx/block]`) and the prefill chunk packing the most sequences `s` at that
+//!   context (three `[chunk]` vectors, `seq_ids [chunk]` when `s > 1`, `s` block-table rows,
+//!   `last_index [s]` and four `[s]` sampling vectors);
 //! - outputs: `next_tokens` and f32 logits `[max_batch, vocab]` (decode) and `[chunk, vocab]`
-//!   (prefill), full vocabulary (gathered) on every rank, as at N = 1;
+//!   (prefill; its `next_tokens` at the widest packing), full vocabulary (gathered) on every
+//!   rank, as at N = 1;
 //! - NEFF code and scratchpad: an estimate, see [`neff`].
 //!
 //! # Host RAM while loading
@@ -184,6 +186,9 @@ pub struct PlanOptions {
     pub max_len: usize,
     /// Most prompt tokens per prefill step (default 64).
     pub prefill_chunk: Option<usize>,
+    /// Most sequences one prefill step packs (default
+    /// [`crate::runner::DEFAULT_PREFILL_SEQS`]).
+    pub prefill_seqs: Option<usize>,
     /// KV-cache blocks.
     pub kv_blocks: KvBlocks,
     /// Share of each core's HBM the plan may fill, in (0, 1].
@@ -206,6 +211,7 @@ impl Default for PlanOptions {
             max_batch: 32,
             max_len: 2048,
             prefill_chunk: None,
+            prefill_seqs: None,
             kv_blocks: KvBlocks::Default,
             hbm_utilization: DEFAULT_HBM_UTILIZATION,
             saved_dtype: None,
@@ -342,6 +348,7 @@ impl Plan {
                 KvBlocks::Default | KvBlocks::Auto => None,
             },
             prefill_chunk: opts.prefill_chunk,
+            prefill_seqs: opts.prefill_seqs,
             ..Limits::new(opts.max_batch, opts.max_len)
         };
         let rc = limits.runner_config(cfg)?;
@@ -535,11 +542,20 @@ fn metadata_and_outputs(cfg: &ModelConfig, buckets: &Buckets, block_size: usize)
         .map(|&ctx| {
             let width = ctx / block_size;
             let decode = 8 * b * 4 + b * width * 4;
-            let prefill = 3 * t * 4 + width * 4 + 4 + 4 * 4;
+            // At the packing of the largest chunk: `seq_ids` only when it packs.
+            let s = buckets.packed_seqs(t, ctx);
+            let seq_ids = if s > 1 { t * 4 } else { 0 };
+            let prefill = 3 * t * 4 + seq_ids + s * width * 4 + s * 4 + 4 * s * 4;
             decode + prefill
         })
         .sum();
-    let outputs = b * 4 + b * vocab * 4 + 4 + t * vocab * 4;
+    let packed = buckets
+        .ctx
+        .iter()
+        .map(|&c| buckets.packed_seqs(t, c))
+        .max()
+        .unwrap_or(1);
+    let outputs = b * 4 + b * vocab * 4 + packed * 4 + t * vocab * 4;
     (metadata as u64, outputs as u64)
 }
 

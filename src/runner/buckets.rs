@@ -25,7 +25,15 @@ pub struct Buckets {
     /// Tokens per prefill chunk: the largest prefill graph. Shorter chunks run on smaller
     /// graphs (see [`Buckets::prefill_sizes`]).
     pub prefill_chunk: usize,
+    /// The most sequences one prefill step packs together (1: one chunk per step). Where a
+    /// context bucket allows fewer, fewer are packed (see [`Buckets::packed_seqs`]).
+    pub prefill_seqs: usize,
 }
+
+/// The default [`Buckets::prefill_seqs`]: a burst of short prompts enters eight at a time.
+/// Each packing width is one more prefill graph per (chunk size, context) bucket it fits, so
+/// the set stays at one packed graph per such bucket rather than one per width.
+pub const DEFAULT_PREFILL_SEQS: usize = 8;
 
 /// A runner's fixed sizes: the cache it allocates once, and the buckets it captures.
 #[derive(Debug, Clone, PartialEq)]
@@ -97,6 +105,7 @@ impl RunnerConfig {
                 batch,
                 ctx,
                 prefill_chunk: 64.min(max_len),
+                prefill_seqs: DEFAULT_PREFILL_SEQS.min(max_batch).max(1),
             },
             moe: None,
             kv_dtype: DType::F32,
@@ -109,10 +118,14 @@ impl Buckets {
     /// Checks that there is something to capture and that every context is a whole number of
     /// `block_size` blocks.
     pub fn validate(&self, block_size: usize) -> Result<()> {
-        if self.batch.is_empty() || self.ctx.is_empty() || self.prefill_chunk == 0 {
+        if self.batch.is_empty()
+            || self.ctx.is_empty()
+            || self.prefill_chunk == 0
+            || self.prefill_seqs == 0
+        {
             return Err(Error::InvalidInput(
-                "a runner needs at least one batch bucket, one context bucket and a prefill \
-                 chunk of at least one token"
+                "a runner needs at least one batch bucket, one context bucket, a prefill \
+                 chunk of at least one token and at least one sequence per prefill"
                     .into(),
             ));
         }
@@ -129,24 +142,83 @@ impl Buckets {
     }
 
     /// How many graphs a capture of these buckets builds (and, on Neuron, compiles into
-    /// NEFFs): one decode graph per (batch, context) and one prefill graph per (chunk size,
-    /// context).
+    /// NEFFs): one decode graph per (batch, context), one prefill graph per (chunk size,
+    /// context), and one packed prefill graph per (chunk size, context) that packs.
     pub fn graph_count(&self) -> usize {
-        self.ctx.len() * (self.batch.len() + self.prefill_sizes().len())
+        self.graphs().len()
     }
 
-    /// Every graph of [`Buckets::graph_count`] as (kind, rows, context), context by context.
-    pub(crate) fn graphs(&self) -> Vec<(StepKind, usize, usize)> {
-        let mut out = Vec::with_capacity(self.graph_count());
+    /// Every graph of [`Buckets::graph_count`] as (kind, rows, sequences, context), context by
+    /// context (decode's sequences are its rows).
+    pub(crate) fn graphs(&self) -> Vec<(StepKind, usize, usize, usize)> {
+        let mut out = Vec::new();
         for &ctx in &self.ctx {
-            out.extend(self.batch.iter().map(|&b| (StepKind::Decode, b, ctx)));
-            out.extend(
-                self.prefill_sizes()
-                    .into_iter()
-                    .map(|t| (StepKind::Prefill, t, ctx)),
-            );
+            out.extend(self.batch.iter().map(|&b| (StepKind::Decode, b, b, ctx)));
+            for t in self.prefill_sizes() {
+                out.push((StepKind::Prefill, t, 1, ctx));
+                let s = self.packed_seqs(t, ctx);
+                if s > 1 {
+                    out.push((StepKind::Prefill, t, s, ctx));
+                }
+            }
         }
         out
+    }
+
+    /// How many sequences the packed prefill graph of `t` tokens at context `ctx` carries (1:
+    /// that bucket does not pack): [`Buckets::prefill_seqs`], but no more than `t` (each
+    /// sequence brings a token) and no more than `max_len / ctx`. The last bound keeps a packed
+    /// step's attention (every token against `seqs * ctx` context positions) within that of one
+    /// prefill at the longest context: short contexts pack widely, the longest not at all.
+    pub fn packed_seqs(&self, t: usize, ctx: usize) -> usize {
+        self.prefill_seqs
+            .min(t)
+            .min(self.max_len() / ctx.max(1))
+            .max(1)
+    }
+
+    /// Whether some prefill bucket holds `chunks` chunks of `tokens` tokens in all, the longest
+    /// reaching position `end` (exclusive): what a scheduler packing a step asks before adding
+    /// a chunk.
+    pub fn prefill_fits(&self, chunks: usize, tokens: usize, end: usize) -> bool {
+        self.prefill_shape(chunks, tokens, end).is_ok()
+    }
+
+    /// The (tokens, sequences, context) bucket of `chunks` chunks of `tokens` tokens in all
+    /// reaching position `end`.
+    fn prefill_shape(
+        &self,
+        chunks: usize,
+        tokens: usize,
+        end: usize,
+    ) -> Result<(usize, usize, usize)> {
+        let max = self.prefill_chunk;
+        if tokens > max {
+            return Err(Error::InvalidInput(format!(
+                "a prefill of {tokens} tokens exceeds the chunk size {max}"
+            )));
+        }
+        // The smallest of `prefill_sizes` that holds the tokens, without allocating.
+        let mut t = MIN_PREFILL_BUCKET;
+        while t < tokens && t < max {
+            t *= 4;
+        }
+        let t = t.min(max);
+        let ctx = smallest_fitting(&self.ctx, end, "context length")?;
+        let seqs = match chunks {
+            0 | 1 => 1,
+            n => {
+                let s = self.packed_seqs(t, ctx);
+                if n > s {
+                    return Err(Error::InvalidInput(format!(
+                        "{n} chunks exceed the {s} sequences a prefill of {t} tokens at context \
+                         {ctx} packs"
+                    )));
+                }
+                s
+            }
+        };
+        Ok((t, seqs, ctx))
     }
 
     /// The longest sequence any bucket holds.
@@ -174,23 +246,24 @@ impl Buckets {
         out
     }
 
-    /// The (chunk size, context) bucket of a prefill chunk, checking its tokens against `vocab`.
-    pub fn prefill_bucket(&self, chunk: &PrefillChunk<'_>, vocab: usize) -> Result<(usize, usize)> {
-        check_tokens(chunk.tokens.iter().copied(), vocab)?;
-        let (n, max) = (chunk.tokens.len(), self.prefill_chunk);
-        if n > max {
-            return Err(Error::InvalidInput(format!(
-                "a prefill chunk of {n} tokens exceeds the chunk size {max}"
-            )));
+    /// The (tokens, sequences, context) bucket of a prefill step over `chunks` (each of a
+    /// different sequence), checking their tokens against `vocab`.
+    pub fn prefill_bucket(
+        &self,
+        chunks: &[PrefillChunk<'_>],
+        vocab: usize,
+    ) -> Result<(usize, usize, usize)> {
+        if chunks.is_empty() {
+            return Err(Error::Internal("a prefill step with no chunk".into()));
         }
-        // The smallest of `prefill_sizes` that holds n, without allocating.
-        let mut t = MIN_PREFILL_BUCKET;
-        while t < n && t < max {
-            t *= 4;
-        }
-        let t = t.min(max);
-        let ctx = smallest_fitting(&self.ctx, chunk.start + n, "context length")?;
-        Ok((t, ctx))
+        check_tokens(chunks.iter().flat_map(|c| c.tokens.iter().copied()), vocab)?;
+        let tokens = chunks.iter().map(|c| c.tokens.len()).sum();
+        let end = chunks
+            .iter()
+            .map(|c| c.start + c.tokens.len())
+            .max()
+            .unwrap_or(1);
+        self.prefill_shape(chunks.len(), tokens, end)
     }
 
     /// The (batch, context) bucket of a decode step, checking its tokens against `vocab`.
@@ -233,9 +306,42 @@ mod tests {
         assert_eq!(rc.buckets.batch, [1, 2, 4, 8, 16, 32]);
         assert_eq!(rc.buckets.ctx, [128, 512, 2048]);
         assert_eq!(rc.buckets.prefill_sizes(), [16, 64]);
-        // 54 before this rule (7 batch x 6 context decode graphs + 2 x 6 prefill).
-        assert_eq!(rc.buckets.graph_count(), 24);
-        assert_eq!(rc.buckets.graphs().len(), 24);
+        // 54 before this rule (7 batch x 6 context decode graphs + 2 x 6 prefill); then 24,
+        // plus a packed prefill per chunk size at contexts 128 (8 sequences) and 512 (4).
+        assert_eq!(rc.buckets.graph_count(), 28);
+        assert_eq!(rc.buckets.packed_seqs(64, 128), 8);
+        assert_eq!(rc.buckets.packed_seqs(16, 512), 4);
+        assert_eq!(rc.buckets.packed_seqs(64, 2048), 1);
+    }
+
+    #[test]
+    fn packed_prefill_buckets_bound_sequences_by_tokens_and_context() {
+        let b = RunnerConfig::for_limits(32, 2048).buckets;
+        let chunk = |tokens: &'static [u32], start| PrefillChunk {
+            tokens,
+            start,
+            blocks: &[],
+            sampling: super::super::step::SamplingParams::GREEDY,
+        };
+        let one = [chunk(&[1; 10], 0)];
+        assert_eq!(b.prefill_bucket(&one, 100).unwrap(), (16, 1, 128));
+        let three = [chunk(&[1; 10], 0), chunk(&[2; 10], 100), chunk(&[3; 5], 0)];
+        assert_eq!(b.prefill_bucket(&three, 100).unwrap(), (64, 8, 128));
+        // Context 512 packs 4, 2048 none.
+        let far = [chunk(&[1; 4], 400), chunk(&[2; 4], 0)];
+        assert_eq!(b.prefill_bucket(&far, 100).unwrap(), (16, 4, 512));
+        let farther = [chunk(&[1; 4], 1000), chunk(&[2; 4], 0)];
+        assert!(b.prefill_bucket(&farther, 100).is_err());
+        assert!(!b.prefill_fits(2, 8, 1004));
+        assert!(b.prefill_fits(1, 8, 1004));
+        assert!(
+            !b.prefill_fits(9, 60, 100),
+            "more chunks than the widest packing"
+        );
+        assert!(
+            !b.prefill_fits(1, 65, 100),
+            "more tokens than the largest chunk"
+        );
     }
 
     #[test]

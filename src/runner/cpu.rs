@@ -41,7 +41,7 @@ pub struct CpuRunner {
     /// Steps run so far: the step number the ranks' collectives are tagged with.
     steps: u64,
     runner_cfg: RunnerConfig,
-    graphs: HashMap<(StepKind, usize, usize, LogitsOutput), Graph>,
+    graphs: HashMap<(StepKind, usize, usize, usize, LogitsOutput), Graph>,
 }
 
 impl std::fmt::Debug for CpuRunner {
@@ -121,10 +121,11 @@ impl CpuRunner {
         &mut self,
         kind: StepKind,
         rows: usize,
+        seqs: usize,
         ctx: usize,
         logits: LogitsOutput,
     ) -> Result<Graph> {
-        let key = (kind, rows, ctx, logits);
+        let key = (kind, rows, seqs, ctx, logits);
         if let Some(g) = self.graphs.get(&key) {
             return Ok(g.clone());
         }
@@ -134,6 +135,7 @@ impl CpuRunner {
         let moe = self.runner_cfg.moe.unwrap_or(MoeStrategy::Gather);
         let spec = GraphSpec {
             rows,
+            seqs,
             ctx,
             logits,
             moe,
@@ -189,11 +191,14 @@ impl CpuRunner {
         Ok(outs.swap_remove(0))
     }
 
+    /// Runs `graph` and keeps the first `real_samples` sampled tokens and `real_logits` logits
+    /// rows (the rest are padding).
     fn execute(
         &mut self,
         graph: &Graph,
         metadata: &[HostArray],
-        real_rows: usize,
+        real_samples: usize,
+        real_logits: usize,
     ) -> Result<StepOutput> {
         let outputs = self.run(graph, metadata)?;
         let get = |name: &str| graph.output_index(name).map(|i| &outputs[i]);
@@ -206,13 +211,17 @@ impl CpuRunner {
         let logits = match get("logits") {
             Some(t) => {
                 let mut rows = t.to_vec2::<f32>()?;
-                rows.truncate(real_rows);
+                rows.truncate(real_logits);
                 Some(rows)
             }
             None => None,
         };
         Ok(StepOutput {
-            next_tokens: next.into_iter().take(real_rows).map(|x| x as u32).collect(),
+            next_tokens: next
+                .into_iter()
+                .take(real_samples)
+                .map(|x| x as u32)
+                .collect(),
             logits,
         })
     }
@@ -258,15 +267,15 @@ impl Runner for CpuRunner {
         let vocab = self.cfg.vocab_size;
         let block_size = self.layout.block_size;
         match step {
-            Step::Prefill { chunk, logits } => {
-                let (t, ctx) = self.runner_cfg.buckets.prefill_bucket(chunk, vocab)?;
-                let graph = self.graph(StepKind::Prefill, t, ctx, *logits)?;
-                let meta = step::prefill_step(chunk, t, ctx, block_size)?;
+            Step::Prefill { chunks, logits } => {
+                let (t, seqs, ctx) = self.runner_cfg.buckets.prefill_bucket(chunks, vocab)?;
+                let graph = self.graph(StepKind::Prefill, t, seqs, ctx, *logits)?;
+                let meta = step::prefill_step(chunks, t, seqs, ctx, block_size)?;
                 let real = match logits {
-                    LogitsOutput::AllPositions => chunk.tokens.len(),
-                    _ => 1,
+                    LogitsOutput::AllPositions => chunks.iter().map(|c| c.tokens.len()).sum(),
+                    _ => chunks.len(),
                 };
-                self.execute(&graph, &meta, real)
+                self.execute(&graph, &meta, chunks.len(), real)
             }
             Step::Decode { rows, logits } => {
                 let (batch, ctx) = self.runner_cfg.buckets.decode_bucket(rows, vocab)?;
@@ -274,9 +283,9 @@ impl Runner for CpuRunner {
                     LogitsOutput::None => LogitsOutput::None,
                     _ => LogitsOutput::Sampled,
                 };
-                let graph = self.graph(StepKind::Decode, batch, ctx, want)?;
+                let graph = self.graph(StepKind::Decode, batch, batch, ctx, want)?;
                 let meta = step::decode_step(rows, batch, ctx, block_size)?;
-                self.execute(&graph, &meta, rows.len())
+                self.execute(&graph, &meta, rows.len(), rows.len())
             }
         }
     }

@@ -181,7 +181,7 @@ struct Loaded {
 /// frees the tensors.
 struct RankState {
     // Field order is drop order: models (and their sets) first, then the tensors they bind.
-    graphs: HashMap<(StepKind, usize, usize), Loaded>,
+    graphs: HashMap<GraphKey, Loaded>,
     decode_meta: Vec<Vec<MetaBuf>>,
     prefill_meta: Vec<Vec<MetaBuf>>,
     decode_next: Tensor,
@@ -203,8 +203,8 @@ struct Captured {
     others: RankWorkers,
 }
 
-/// The graph key of a step: kind, rows, context.
-type GraphKey = (StepKind, usize, usize);
+/// The graph key of a step: kind, rows, sequences (decode: its rows), context.
+type GraphKey = (StepKind, usize, usize, usize);
 
 /// One rank's metadata buffers per context bucket: decode's, then prefill's.
 type RankMeta = (Vec<Vec<MetaBuf>>, Vec<Vec<MetaBuf>>);
@@ -346,11 +346,11 @@ impl Drop for RankWorkers {
 
 impl RankState {
     /// Executes graph `key` on this rank.
-    fn execute(&self, key: &(StepKind, usize, usize)) -> Result<()> {
+    fn execute(&self, key: &GraphKey) -> Result<()> {
         let g = self.graphs.get(key).ok_or_else(|| {
             Error::Internal(format!(
-                "no {:?} graph for {} rows, context {}",
-                key.0, key.1, key.2
+                "no {:?} graph for {} rows of {} sequences, context {}",
+                key.0, key.1, key.2, key.3
             ))
         })?;
         g.model.execute(&g.inputs, &g.outputs).map_err(dev(&g.name))
@@ -559,41 +559,33 @@ impl DeviceRunner {
         }
     }
 
-    /// The graphs of every bucket, largest first: decode per (batch, ctx) bucket with the
-    /// sampled logits as an output, prefill per (chunk, ctx) bucket with every position's
-    /// logits. Smaller buckets bind prefixes of the largest one's metadata and output buffers.
+    /// The graphs of every bucket ([`Buckets::graphs`]), largest first: decode per (batch,
+    /// ctx) bucket with the sampled logits as an output, prefill per (chunk, sequences, ctx)
+    /// bucket with every position's logits. Smaller buckets bind prefixes of the largest one's
+    /// metadata and output buffers.
     fn specs_largest_first(&self) -> Vec<(StepKind, GraphSpec)> {
-        let rc = &self.runner_cfg;
-        let mut out = Vec::new();
-        for &ctx in &rc.buckets.ctx {
-            for &b in &rc.buckets.batch {
-                out.push((
-                    StepKind::Decode,
-                    GraphSpec {
-                        rows: b,
-                        ctx,
-                        logits: StepKind::Decode.device_logits(),
-                        moe: self.moe_for(b),
-                    },
-                ));
-            }
-            for t in rc.buckets.prefill_sizes() {
-                out.push((
-                    StepKind::Prefill,
-                    GraphSpec {
-                        rows: t,
-                        ctx,
-                        logits: StepKind::Prefill.device_logits(),
-                        moe: self.moe_for(t),
-                    },
-                ));
-            }
-        }
+        let mut out: Vec<(StepKind, GraphSpec)> = self
+            .runner_cfg
+            .buckets
+            .graphs()
+            .into_iter()
+            .map(|(kind, rows, seqs, ctx)| {
+                let spec = GraphSpec {
+                    rows,
+                    seqs,
+                    ctx,
+                    logits: kind.device_logits(),
+                    moe: self.moe_for(rows),
+                };
+                (kind, spec)
+            })
+            .collect();
         out.sort_by_key(|(k, s)| {
             (
                 std::cmp::Reverse(s.rows * s.ctx),
                 std::cmp::Reverse(s.ctx),
                 *k == StepKind::Decode,
+                std::cmp::Reverse(s.seqs),
             )
         });
         out
@@ -718,25 +710,31 @@ impl DeviceRunner {
         }
         uploaded += root_bytes as u64;
 
-        // Metadata buffers per ctx bucket, at the largest batch (decode) / chunk (prefill).
+        // Metadata buffers per ctx bucket, at the largest batch (decode) / the largest chunk
+        // packing the most sequences (prefill: every smaller prefill graph's inputs are
+        // prefixes of its, and only it and the other packed graphs read `seq_ids`).
         let max_batch = rc.buckets.batch.iter().copied().max().unwrap_or(1);
         let mut decode_meta = Vec::with_capacity(rc.buckets.ctx.len());
         let mut prefill_meta = Vec::with_capacity(rc.buckets.ctx.len());
         for &ctx in &rc.buckets.ctx {
-            for (kind, rows, out) in [
-                (StepKind::Decode, max_batch, &mut decode_meta),
+            let chunk = rc.buckets.prefill_chunk;
+            for (kind, rows, seqs, out) in [
+                (StepKind::Decode, max_batch, max_batch, &mut decode_meta),
                 (
                     StepKind::Prefill,
-                    rc.buckets.prefill_chunk,
+                    chunk,
+                    rc.buckets.packed_seqs(chunk, ctx),
                     &mut prefill_meta,
                 ),
             ] {
                 let g = graphs
                     .iter()
-                    .find(|(k, s, _)| *k == kind && s.rows == rows && s.ctx == ctx)
+                    .find(|(k, s, _)| {
+                        *k == kind && s.rows == rows && s.seqs == seqs && s.ctx == ctx
+                    })
                     .map(|(_, _, g)| g)
                     .ok_or_else(|| Error::Binding {
-                        name: format!("{kind:?} rows {rows} ctx {ctx}"),
+                        name: format!("{kind:?} rows {rows} seqs {seqs} ctx {ctx}"),
                         msg: "no captured graph".into(),
                     })?;
                 let prefix = match kind {
@@ -771,7 +769,15 @@ impl DeviceRunner {
             Tensor::device(rt, nc, max_batch * 4, "decode/next_tokens").map_err(dev(CAP))?;
         let decode_logits =
             Tensor::device(rt, nc, max_batch * vocab * 4, "decode/logits").map_err(dev(CAP))?;
-        let prefill_next = Tensor::device(rt, nc, 4, "prefill/next_tokens").map_err(dev(CAP))?;
+        let max_packed = rc
+            .buckets
+            .ctx
+            .iter()
+            .map(|&c| rc.buckets.packed_seqs(t, c))
+            .max()
+            .unwrap_or(1);
+        let prefill_next =
+            Tensor::device(rt, nc, max_packed * 4, "prefill/next_tokens").map_err(dev(CAP))?;
         let prefill_logits =
             Tensor::device(rt, nc, t * vocab * 4, "prefill/logits").map_err(dev(CAP))?;
 
@@ -853,7 +859,9 @@ impl DeviceRunner {
                     (StepKind::Decode, "logits") => {
                         first_bytes(&decode_logits, spec.rows * vocab * 4, name)?
                     }
-                    (StepKind::Prefill, "next_tokens") => prefill_next.clone(),
+                    (StepKind::Prefill, "next_tokens") => {
+                        first_bytes(&prefill_next, spec.seqs * 4, name)?
+                    }
                     (StepKind::Prefill, "logits") => {
                         first_bytes(&prefill_logits, spec.rows * vocab * 4, name)?
                     }
@@ -869,7 +877,7 @@ impl DeviceRunner {
                 outputs.add(neff_name, &t).map_err(dev(name))?;
             }
             loaded.insert(
-                (*kind, spec.rows, spec.ctx),
+                (*kind, spec.rows, spec.seqs, spec.ctx),
                 Loaded {
                     name: name.to_string(),
                     model,
@@ -942,9 +950,11 @@ impl DeviceRunner {
         Ok(())
     }
 
+    /// The first `real_rows` sampled tokens from `next`, and the logits rows `logits` names
+    /// (a buffer and ranges of its rows, read in order).
     fn read_outputs(
         next: &Tensor,
-        logits: Option<(&Tensor, usize, usize)>,
+        logits: Option<(&Tensor, &[std::ops::Range<usize>])>,
         real_rows: usize,
         vocab: usize,
         graph: &str,
@@ -953,11 +963,15 @@ impl DeviceRunner {
         next.read(0, bytemuck::cast_slice_mut(&mut tokens))
             .map_err(dev(graph))?;
         let logits = match logits {
-            Some((t, first_row, rows)) => {
-                let mut flat = vec![0f32; rows * vocab];
-                t.read(first_row * vocab * 4, bytemuck::cast_slice_mut(&mut flat))
-                    .map_err(dev(graph))?;
-                Some(flat.chunks(vocab.max(1)).map(<[f32]>::to_vec).collect())
+            Some((t, ranges)) => {
+                let mut rows = Vec::new();
+                for r in ranges {
+                    let mut flat = vec![0f32; r.len() * vocab];
+                    t.read(r.start * vocab * 4, bytemuck::cast_slice_mut(&mut flat))
+                        .map_err(dev(graph))?;
+                    rows.extend(flat.chunks(vocab.max(1)).map(<[f32]>::to_vec));
+                }
+                Some(rows)
             }
             None => None,
         };
@@ -972,14 +986,14 @@ impl DeviceRunner {
     /// (the first here, the others on their workers, concurrently) and returns the first rank's
     /// state to read the outputs from. A failure on any rank fails the step; the error reported
     /// is the failing rank's own, not the collective failure it caused on the others.
-    fn run_step(&mut self, key: (StepKind, usize, usize)) -> Result<&RankState> {
+    fn run_step(&mut self, key: GraphKey) -> Result<&RankState> {
         let copy = self.opts.metadata == MetadataSource::Host;
         let arrays = self.staging.arrays();
         let st = self.state.as_ref().ok_or_else(not_captured)?;
         let g = st.first.graphs.get(&key).ok_or_else(|| {
             Error::Internal(format!(
-                "no {:?} graph for {} rows, context {}",
-                key.0, key.1, key.2
+                "no {:?} graph for {} rows of {} sequences, context {}",
+                key.0, key.1, key.2, key.3
             ))
         })?;
         if copy {
@@ -1012,30 +1026,37 @@ impl DeviceRunner {
         }
     }
 
-    /// Runs one prefill chunk on its bucket's graph.
+    /// Runs one prefill step over `chunks` on its bucket's graph.
     fn replay_prefill(
         &mut self,
-        chunk: &step::PrefillChunk<'_>,
+        chunks: &[step::PrefillChunk<'_>],
         logits: LogitsOutput,
     ) -> Result<StepOutput> {
         self.captured()?;
-        let (t, ctx) = self
+        let (t, seqs, ctx) = self
             .runner_cfg
             .buckets
-            .prefill_bucket(chunk, self.cfg.vocab_size)?;
-        let n = chunk.tokens.len();
+            .prefill_bucket(chunks, self.cfg.vocab_size)?;
         if self.opts.metadata == MetadataSource::Host {
             self.staging
-                .fill_prefill(chunk, t, ctx, self.layout.block_size)?;
+                .fill_prefill(chunks, t, seqs, ctx, self.layout.block_size)?;
         }
         let vocab = self.cfg.vocab_size;
-        let r = self.run_step((StepKind::Prefill, t, ctx))?;
-        let want = match logits {
-            LogitsOutput::None => None,
-            LogitsOutput::Sampled => Some((&r.prefill_logits, n.saturating_sub(1), 1)),
-            LogitsOutput::AllPositions => Some((&r.prefill_logits, 0, n)),
+        let r = self.run_step((StepKind::Prefill, t, seqs, ctx))?;
+        // The graph returns every position's logits; a chunk's sample was drawn from its last.
+        let ranges: Vec<std::ops::Range<usize>> = match logits {
+            LogitsOutput::None => Vec::new(),
+            LogitsOutput::Sampled => chunks
+                .iter()
+                .scan(0, |end, c| {
+                    *end += c.tokens.len();
+                    Some(*end - 1..*end)
+                })
+                .collect(),
+            LogitsOutput::AllPositions => vec![0..chunks.iter().map(|c| c.tokens.len()).sum()],
         };
-        Self::read_outputs(&r.prefill_next, want, 1, vocab, "prefill")
+        let want = (logits != LogitsOutput::None).then_some((&r.prefill_logits, ranges.as_slice()));
+        Self::read_outputs(&r.prefill_next, want, chunks.len(), vocab, "prefill")
     }
 
     /// Runs one decode step for `rows`, padded to the smallest batch bucket.
@@ -1054,8 +1075,9 @@ impl DeviceRunner {
                 .fill_decode(rows, batch, ctx, self.layout.block_size)?;
         }
         let vocab = self.cfg.vocab_size;
-        let r = self.run_step((StepKind::Decode, batch, ctx))?;
-        let want = (logits != LogitsOutput::None).then_some((&r.decode_logits, 0, rows.len()));
+        let r = self.run_step((StepKind::Decode, batch, batch, ctx))?;
+        let all = [0..rows.len()];
+        let want = (logits != LogitsOutput::None).then_some((&r.decode_logits, &all[..]));
         Self::read_outputs(&r.decode_next, want, rows.len(), vocab, "decode")
     }
 
@@ -1179,7 +1201,7 @@ impl Runner for DeviceRunner {
 
     fn replay(&mut self, step: &Step<'_>) -> Result<StepOutput> {
         match *step {
-            Step::Prefill { chunk, logits } => self.replay_prefill(chunk, logits),
+            Step::Prefill { chunks, logits } => self.replay_prefill(chunks, logits),
             Step::Decode { rows, logits } => self.replay_decode(rows, logits),
         }
     }

@@ -50,7 +50,7 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::model::LogitsOutput;
 
-pub use buckets::{Buckets, RunnerConfig, CTX_BUCKET_RATIO, MIN_CTX_BUCKET};
+pub use buckets::{Buckets, RunnerConfig, CTX_BUCKET_RATIO, DEFAULT_PREFILL_SEQS, MIN_CTX_BUCKET};
 pub use cpu::CpuRunner;
 pub use device::{CaptureStats, DeviceOptions, DeviceRunner, MetadataSource, NeffSource};
 pub use open::{
@@ -103,15 +103,17 @@ impl std::str::FromStr for Backend {
     }
 }
 
-/// One step for [`Runner::replay`]: a prefill chunk of one sequence, or one decode token for
-/// each of a batch of sequences.
+/// One step for [`Runner::replay`]: prefill chunks of one or more sequences, or one decode
+/// token for each of a batch of sequences.
 #[derive(Debug, Clone, Copy)]
 pub enum Step<'a> {
-    /// One chunk of a sequence's prompt (the earlier part is already in the cache).
+    /// One chunk each of some sequences' prompts (their earlier parts already in the cache),
+    /// packed into one step; at most one chunk per sequence, and as many chunks as some bucket
+    /// packs ([`Buckets::prefill_fits`]).
     Prefill {
-        /// The chunk.
-        chunk: &'a PrefillChunk<'a>,
-        /// Which logits to return: none, the last position's, or every position's.
+        /// The chunks, in the order their outputs come back.
+        chunks: &'a [PrefillChunk<'a>],
+        /// Which logits to return: none, each chunk's last position's, or every position's.
         logits: LogitsOutput,
     },
     /// One new token for each row.
@@ -124,7 +126,8 @@ pub enum Step<'a> {
     },
 }
 
-/// The two graph families; with a bucket's sizes, the key of a captured graph.
+/// The two graph families; with a bucket's sizes (rows, sequences, context), the key of a
+/// captured graph.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum StepKind {
     Decode,
@@ -146,9 +149,11 @@ impl StepKind {
 /// What one executed step returns.
 #[derive(Debug, Clone)]
 pub struct StepOutput {
-    /// The sampled token of each real row (padding rows dropped).
+    /// The sampled token of each real row (decode) or chunk (prefill), padding dropped.
     pub next_tokens: Vec<u32>,
-    /// The logits, when the step asked for them: one row per real row (or per real position).
+    /// The logits, when the step asked for them: one row per real row or chunk (its last
+    /// position), or with [`LogitsOutput::AllPositions`] one per real position, chunk after
+    /// chunk.
     pub logits: Option<Vec<Vec<f32>>>,
 }
 

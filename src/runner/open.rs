@@ -57,6 +57,9 @@ pub struct Limits {
     pub hbm_utilization: f64,
     /// Most prompt tokens per prefill step (default: 64, at most `max_len`).
     pub prefill_chunk: Option<usize>,
+    /// Most sequences one prefill step packs (default
+    /// [`super::buckets::DEFAULT_PREFILL_SEQS`], at most `max_batch`; 1 turns packing off).
+    pub prefill_seqs: Option<usize>,
     /// `--dtype`, `--kv-dtype`, `--quantize`.
     pub precision: PrecisionChoice,
     /// `--compile-timeout`: how long one neuronx-cc process may run (default
@@ -76,6 +79,7 @@ impl Limits {
             kv_blocks_auto: false,
             hbm_utilization: crate::plan::DEFAULT_HBM_UTILIZATION,
             prefill_chunk: None,
+            prefill_seqs: None,
             precision: PrecisionChoice::default(),
             compile_timeout: None,
             tp: 1,
@@ -123,6 +127,14 @@ impl Limits {
                 ));
             }
             rc.buckets.prefill_chunk = chunk.min(longest);
+        }
+        if let Some(seqs) = self.prefill_seqs {
+            if seqs == 0 {
+                return Err(Error::InvalidInput(
+                    "--max-prefill-seqs must be at least 1".into(),
+                ));
+            }
+            rc.buckets.prefill_seqs = seqs.min(self.max_batch);
         }
         Ok(rc)
     }
@@ -196,6 +208,7 @@ pub fn device_plan(
         max_batch: limits.max_batch,
         max_len: limits.max_len,
         prefill_chunk: limits.prefill_chunk,
+        prefill_seqs: limits.prefill_seqs,
         kv_blocks: match (limits.kv_blocks_auto, limits.kv_blocks) {
             (true, _) => KvBlocks::Auto,
             (false, Some(n)) => KvBlocks::Exactly(n),

@@ -280,44 +280,61 @@ impl StepArrays {
         Ok(())
     }
 
-    /// Fills the metadata of a prefill step for one chunk, padded to `t` tokens and a context of
-    /// `ctx`. On error the arrays are left unspecified.
+    /// Fills the metadata of a prefill step for `chunks` (each of a different sequence), packed
+    /// in order and padded to `t` tokens, `seqs` sequences and a context of `ctx`. With
+    /// `seqs == 1` (one chunk) there is no `seq_ids` array: the unpacked graph has no such input.
+    /// On error the arrays are left unspecified.
     pub fn fill_prefill(
         &mut self,
-        chunk: &PrefillChunk<'_>,
+        chunks: &[PrefillChunk<'_>],
         t: usize,
+        seqs: usize,
         ctx: usize,
         block_size: usize,
     ) -> Result<()> {
-        let n = chunk.tokens.len();
-        if n == 0 || n > t || chunk.start + n > ctx {
+        let n: usize = chunks.iter().map(|c| c.tokens.len()).sum();
+        if chunks.is_empty() || chunks.len() > seqs || n > t {
             return Err(Error::Internal(format!(
-                "a chunk of {n} tokens at position {} does not fit {t} tokens and a context of {ctx}",
-                chunk.start
+                "{} chunks of {n} tokens in all do not fit a prefill of {seqs} sequences and {t} \
+                 tokens",
+                chunks.len()
             )));
         }
-        for p in chunk.start..chunk.start + n {
-            slot(chunk.blocks, block_size, p)?;
+        for c in chunks {
+            if c.tokens.is_empty() || c.start + c.tokens.len() > ctx {
+                return Err(Error::Internal(format!(
+                    "a chunk of {} tokens at position {} does not fit a context of {ctx}",
+                    c.tokens.len(),
+                    c.start
+                )));
+            }
+            for p in c.start..c.start + c.tokens.len() {
+                slot(c.blocks, block_size, p)?;
+            }
         }
         let width = ctx / block_size;
         let pad = t - n;
         let base = SCRATCH_BLOCK as usize * block_size;
+        let positions = || {
+            chunks
+                .iter()
+                .flat_map(|c| c.start..c.start + c.tokens.len())
+        };
         let tt = [t];
         self.i32s(
             0,
             inputs::INPUT_IDS,
             &tt,
-            chunk
-                .tokens
+            chunks
                 .iter()
-                .map(|&x| x as i32)
+                .flat_map(|c| c.tokens.iter().map(|&x| x as i32))
                 .chain(std::iter::repeat_n(0, pad)),
         );
         self.i32s(
             1,
             inputs::POSITIONS,
             &tt,
-            (chunk.start..chunk.start + n)
+            positions()
                 .map(|p| p as i32)
                 .chain(std::iter::repeat_n(0, pad)),
         );
@@ -325,18 +342,57 @@ impl StepArrays {
             2,
             inputs::SLOT_MAPPING,
             &tt,
-            (chunk.start..chunk.start + n)
-                .map(|p| slot(chunk.blocks, block_size, p).unwrap_or(base as i32))
+            chunks
+                .iter()
+                .flat_map(|c| {
+                    (c.start..c.start + c.tokens.len())
+                        .map(|p| slot(c.blocks, block_size, p).unwrap_or(base as i32))
+                })
                 .chain((n..t).map(|i| (base + i % block_size) as i32)),
         );
+        let spare = seqs - chunks.len();
         self.i32s(
             3,
             inputs::BLOCK_TABLES,
-            &[1, width],
-            block_row(chunk.blocks, width),
+            &[seqs, width],
+            chunks
+                .iter()
+                .flat_map(|c| block_row(c.blocks, width))
+                .chain(std::iter::repeat_n(SCRATCH_BLOCK as i32, spare * width)),
         );
-        self.i32s(4, inputs::LAST_INDEX, &[1], std::iter::once(n as i32 - 1));
-        self.sampling(5, std::iter::once(chunk.sampling));
+        self.i32s(
+            4,
+            inputs::LAST_INDEX,
+            &[seqs],
+            chunks
+                .iter()
+                .scan(0i32, |end, c| {
+                    *end += c.tokens.len() as i32;
+                    Some(*end - 1)
+                })
+                .chain(std::iter::repeat_n(0, spare)),
+        );
+        let mut next = 5;
+        if seqs > 1 {
+            self.i32s(
+                5,
+                inputs::SEQ_IDS,
+                &tt,
+                chunks
+                    .iter()
+                    .enumerate()
+                    .flat_map(|(i, c)| std::iter::repeat_n(i as i32, c.tokens.len()))
+                    .chain(std::iter::repeat_n(0, pad)),
+            );
+            next = 6;
+        }
+        self.sampling(
+            next,
+            chunks
+                .iter()
+                .map(|c| c.sampling)
+                .chain(std::iter::repeat_n(SamplingParams::GREEDY, spare)),
+        );
         Ok(())
     }
 }
@@ -367,15 +423,17 @@ pub fn decode_step(
     Ok(s.arrays)
 }
 
-/// The metadata of a prefill step for one chunk, padded to `t` tokens and a context of `ctx`.
+/// The metadata of a prefill step for `chunks`, padded to `t` tokens, `seqs` sequences and a
+/// context of `ctx`.
 pub fn prefill_step(
-    chunk: &PrefillChunk<'_>,
+    chunks: &[PrefillChunk<'_>],
     t: usize,
+    seqs: usize,
     ctx: usize,
     block_size: usize,
 ) -> Result<Vec<HostArray>> {
     let mut s = StepArrays::default();
-    s.fill_prefill(chunk, t, ctx, block_size)?;
+    s.fill_prefill(chunks, t, seqs, ctx, block_size)?;
     Ok(s.arrays)
 }
 

@@ -286,6 +286,7 @@ fn generation_params(
         ignore_eos: s.ignore_eos,
         logprobs,
         prompt_logprobs: None,
+        group: None,
     })
 }
 

@@ -81,7 +81,10 @@ pub trait RunnerExt: Runner {
         chunk: &PrefillChunk<'_>,
         logits: LogitsOutput,
     ) -> deepinfer::Result<StepOutput> {
-        self.replay(&Step::Prefill { chunk, logits })
+        self.replay(&Step::Prefill {
+            chunks: std::slice::from_ref(chunk),
+            logits,
+        })
     }
 
     /// Replays one decode step, with each row's logits when `logits`.

@@ -76,7 +76,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
             sampling: SamplingParams::GREEDY,
         };
         let out = runner.replay(&Step::Prefill {
-            chunk: &chunk,
+            chunks: &[chunk],
             logits: LogitsOutput::None,
         })?;
         tokens.extend(out.next_tokens.first().copied());

@@ -46,6 +46,9 @@ pub(crate) struct LowerArgs {
     /// With --check: most prompt tokens per prefill step, as serve.
     #[arg(long, default_value_t = 64, requires = "check")]
     prefill_chunk: usize,
+    /// With --check: most sequences one prefill step packs, as serve.
+    #[arg(long, default_value_t = deepinfer::runner::DEFAULT_PREFILL_SEQS, requires = "check")]
+    max_prefill_seqs: usize,
     /// With --check: the Neuron runtime library version the graphs will run on (as `deepinfer
     /// doctor` reports it, e.g. 2.30.50). Tensors of 4 GiB or more are accepted from 2.30.50
     /// (SDK 2.28); without this flag they are violations.
@@ -135,6 +138,7 @@ fn check(args: &LowerArgs, dir: &Path) -> Result<()> {
     let cfg = ModelConfig::from_file(&config)?;
     let limits = args.precision.apply(&Limits {
         prefill_chunk: Some(args.prefill_chunk),
+        prefill_seqs: Some(args.max_prefill_seqs),
         tp: args.tp,
         ..Limits::new(args.max_batch, args.max_len.unwrap_or(2048))
     });

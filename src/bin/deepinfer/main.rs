@@ -185,8 +185,11 @@ fn announce_capture(backend: Backend, dir: &Path, limits: &Limits) -> Result<()>
     let cfg = deepinfer::config::ModelConfig::from_file(&dir.join("config.json"))?;
     let b = limits.runner_config(&cfg)?.buckets;
     let list = |v: &[usize]| v.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
+    let packed = b.graph_count() - (b.batch.len() + b.prefill_sizes().len()) * b.ctx.len();
     eprintln!(
-        "deepinfer: capture compiles {} NEFFs ({} decode: batch {} x context {}; {} prefill:          chunk {} x context {}); NEFFs already in the cache are reused",
+        "deepinfer: capture compiles {} NEFFs ({} decode: batch {} x context {}; {} prefill: \
+         chunk {} x context {}; {packed} packed prefill of up to {} sequences); NEFFs already in \
+         the cache are reused",
         b.graph_count(),
         b.batch.len() * b.ctx.len(),
         list(&b.batch),
@@ -194,6 +197,7 @@ fn announce_capture(backend: Backend, dir: &Path, limits: &Limits) -> Result<()>
         b.prefill_sizes().len() * b.ctx.len(),
         list(&b.prefill_sizes()),
         list(&b.ctx),
+        b.prefill_seqs,
     );
     Ok(())
 }

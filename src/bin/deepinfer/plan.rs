@@ -56,6 +56,9 @@ pub(crate) struct PlanArgs {
     /// Most prompt tokens per prefill step (default 64), as for `serve`.
     #[arg(long)]
     prefill_chunk: Option<usize>,
+    /// Most sequences one prefill step packs (default 8), as for `serve`.
+    #[arg(long)]
+    max_prefill_seqs: Option<usize>,
     /// KV-cache blocks of 16 tokens, or `auto`: as many as fit after everything else within
     /// HBM x --hbm-utilization (default: --max-batch sequences of --max-len).
     #[arg(long)]
@@ -104,6 +107,7 @@ pub(crate) fn run(args: PlanArgs) -> Result<ExitCode> {
         max_batch: args.max_batch,
         max_len: args.max_len.unwrap_or(2048),
         prefill_chunk: args.prefill_chunk,
+        prefill_seqs: args.max_prefill_seqs,
         kv_blocks: args.kv_blocks.unwrap_or_default(),
         hbm_utilization: args.hbm_utilization,
         saved_dtype,

@@ -51,6 +51,16 @@ pub(crate) struct ServeArgs {
     /// fewer steps but stall the decoding streams longer.
     #[arg(long, default_value_t = 64)]
     prefill_chunk: usize,
+    /// Most sequences one prefill step packs together, so a burst of short prompts enters in
+    /// a few steps instead of one step each (at most --max-batch; 1 turns packing off). Each
+    /// packing adds a prefill graph per chunk size at the context buckets it fits.
+    #[arg(long, default_value_t = deepinfer::runner::DEFAULT_PREFILL_SEQS)]
+    max_prefill_seqs: usize,
+    /// Most tokens one engine step feeds, decode rows and prefill tokens together (vLLM's
+    /// --max-num-batched-tokens): lower it to keep decode steps short while prompts arrive.
+    /// Must exceed --max-batch. Default: only --prefill-chunk bounds the prefill.
+    #[arg(long)]
+    max_num_batched_tokens: Option<usize>,
     /// Requests that may wait for a batch slot before new ones get 429 (with Retry-After);
     /// free batch slots come on top, so an idle server accepts --max-batch + --max-waiting at
     /// once, and 0 accepts a request only when a slot is free.
@@ -85,10 +95,20 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         kv_blocks_auto: args.kv_blocks == Some(KvBlocks::Auto),
         hbm_utilization: args.hbm_utilization,
         prefill_chunk: Some(args.prefill_chunk),
+        prefill_seqs: Some(args.max_prefill_seqs),
         ..Limits::new(args.max_batch, args.max_len.unwrap_or(2048))
     });
     // Checked here, so a bad flag fails before the model loads.
     limits.runner_config(&cfg)?;
+    if let Some(n) = args.max_num_batched_tokens {
+        if n <= args.max_batch {
+            anyhow::bail!(
+                "--max-num-batched-tokens {n} must exceed --max-batch {}: a step that decodes \
+                 every other sequence must still prefill",
+                args.max_batch
+            );
+        }
+    }
     let eos: Vec<u32> = tokenizer
         .as_ref()
         .and_then(|t| t.eos_token_id())
@@ -112,6 +132,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         tokenizer.clone(),
         EngineOptions {
             max_waiting: args.max_waiting,
+            max_num_batched_tokens: args.max_num_batched_tokens,
             eos_token_ids: eos,
             log_stats_every: (args.log_stats_secs > 0)
                 .then(|| Duration::from_secs(args.log_stats_secs)),
