@@ -21,7 +21,7 @@ use deepinfer::model::{LogitsOutput, ModelWeights, Precision};
 use deepinfer::runner::step::{DecodeRow, PrefillChunk, SamplingParams};
 use deepinfer::runner::{
     self, Backend, Buckets, DeviceOptions, DeviceRunner, MetadataSource, NeffSource, Runner,
-    RunnerConfig, StepOutput,
+    RunnerConfig, Step, StepOutput,
 };
 use deepinfer::weights::Checkpoint;
 use neuron_sys::Library;
@@ -946,4 +946,79 @@ fn cli_neuron_without_libnrt_is_one_clear_error() {
     assert!(err.contains("/nonexistent/libnrt.so.1"), "{err}");
     assert!(err.contains("--backend cpu"), "{err}");
     assert!(!err.contains("panicked"), "{err}");
+}
+
+/// The packed prefill graphs on nrt-sim (the device runner's shared metadata buffers bound by
+/// prefix, `seq_ids`, per-chunk samples and logits rows): two sequences in one step give
+/// transformers' logits at every position, the sampled logits are each chunk's last row, and
+/// an unpacked step on the same buffers afterwards still does.
+#[test]
+fn packed_prefill_on_nrt_sim_matches_transformers() {
+    let _g = serial();
+    let name = "tiny-v3";
+    let r = common::reference(name);
+    let mut rc = RunnerConfig {
+        num_blocks: 6 * 8 + 1,
+        ..small_config()
+    };
+    rc.buckets.prefill_chunk = 64;
+    rc.buckets.ctx = vec![64, 128];
+    rc.buckets.prefill_seqs = 2;
+    assert_eq!(rc.buckets.packed_seqs(64, 64), 2);
+    let mut d = device(name, rc);
+    let names = d.graph_names();
+    for g in [
+        "prefill_t16_s2_c64",
+        "prefill_t64_s2_c64",
+        "prefill_t16_c128",
+    ] {
+        assert!(names.iter().any(|n| n == g), "{g} not captured: {names:?}");
+    }
+    assert!(!names.iter().any(|n| n.contains("_s2_c128")), "{names:?}");
+    let ids = &r.token_ids;
+    let n = ids.len();
+    let mut blocks = common::allocator(&d);
+    let (mut a, mut b, mut c) = (Vec::new(), Vec::new(), Vec::new());
+    for t in [&mut a, &mut b, &mut c] {
+        blocks.grow(t, n).unwrap();
+    }
+    let chunk = |tokens, start, blocks| PrefillChunk {
+        tokens,
+        start,
+        blocks,
+        sampling: SamplingParams::GREEDY,
+    };
+    let both = [chunk(&ids[..n], 0, &a), chunk(&ids[..3], 0, &b)];
+    let out = d
+        .replay(&Step::Prefill {
+            chunks: &both,
+            logits: LogitsOutput::AllPositions,
+        })
+        .unwrap();
+    let want: Vec<Vec<f32>> = (0..n).chain(0..3).map(|p| r.logits[p].clone()).collect();
+    let worst = common::max_abs_diff_rows(out.logits.as_ref().unwrap(), &want);
+    assert!(worst < 1e-4, "packed prefill on nrt-sim: {worst}");
+    assert_eq!(out.next_tokens.len(), 2);
+    // The rest of b's prompt, packed with a fresh c: sampled rows are each chunk's last.
+    let more = [chunk(&ids[3..n], 3, &b), chunk(&ids[..5], 0, &c)];
+    let out = d
+        .replay(&Step::Prefill {
+            chunks: &more,
+            logits: LogitsOutput::Sampled,
+        })
+        .unwrap();
+    let want = [r.logits[n - 1].clone(), r.logits[4].clone()];
+    let worst = common::max_abs_diff_rows(out.logits.as_ref().unwrap(), &want);
+    assert!(worst < 1e-4, "sampled rows of a packed prefill: {worst}");
+    // An unpacked step after the packed ones.
+    let rest = [chunk(&ids[5..n], 5, &c)];
+    let out = d
+        .replay(&Step::Prefill {
+            chunks: &rest,
+            logits: LogitsOutput::AllPositions,
+        })
+        .unwrap();
+    let want: Vec<Vec<f32>> = (5..n).map(|p| r.logits[p].clone()).collect();
+    let worst = common::max_abs_diff_rows(out.logits.as_ref().unwrap(), &want);
+    assert!(worst < 1e-4, "unpacked after packed: {worst}");
 }
