@@ -34,7 +34,8 @@ fn emit_import_run_is_bit_identical_for_every_fixture_graph() {
             },
         };
         let manifest = lower(&fixture_dir(name), &out, &opts).unwrap();
-        assert_eq!(manifest.graphs.len(), 5);
+        // Prefill, packed prefill of two sequences, four decode batches.
+        assert_eq!(manifest.graphs.len(), 6);
         for g in &manifest.graphs {
             let bytes = std::fs::read(out.join(&g.hlo)).unwrap();
             let imported = hlo::import::import_bytes(&bytes).unwrap();

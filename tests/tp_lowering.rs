@@ -102,7 +102,11 @@ fn tp_inputs_per_rank_reproduce_the_outputs_through_emit_and_import() {
             precision: PrecisionChoice::default(),
         };
         let manifest = lower_sharded(&fixture_dir(name), &out, &opts, ranks).unwrap();
-        assert_eq!(manifest.graphs.len(), 2, "prefill and decode b1");
+        assert_eq!(
+            manifest.graphs.len(),
+            3,
+            "prefill, packed prefill and decode b1"
+        );
         for g in &manifest.graphs {
             assert!(g.inputs.is_none(), "{}: no unsharded inputs file", g.name);
             let files: Vec<String> = (0..ranks)

@@ -146,7 +146,11 @@ fn bind_fixture(
 fn lowered_tiny_v3_graphs_match_the_cpu_backend() {
     let _g = serial();
     let (dir, manifest) = lowered_tiny_v3();
-    assert_eq!(manifest.graphs.len(), 3, "prefill, decode b1, decode b4");
+    assert_eq!(
+        manifest.graphs.len(),
+        4,
+        "prefill, packed prefill, decode b1, decode b4"
+    );
     let sim = Sim::open();
     let rt = sim.runtime();
     let v = sim.lib.version().unwrap().unwrap();

@@ -2,6 +2,7 @@
 //! prompts and [`GenerationParams`], and submitting its choices to the engine;
 //! [`super::response`] answers with what the engine produces.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -22,6 +23,9 @@ use super::state::AppState;
 
 /// The most choices (prompts times `n`) one request may ask for.
 const MAX_CHOICES: usize = 64;
+
+/// Numbers requests for [`GenerationParams::group`].
+static NEXT_GROUP: AtomicU64 = AtomicU64::new(1);
 
 /// `POST /v1/completions`.
 pub async fn completions(
@@ -61,10 +65,18 @@ fn submit(
     prepare: fn(&AppState, &Value) -> Result<Prepared, ApiError>,
 ) -> Result<(Prepared, Vec<RequestStream>), ApiError> {
     let p = prepare(state, &read_json(state, body)?)?;
+    // The request's choices are one admission group (see `GenerationParams::group`).
+    let group = Some(NEXT_GROUP.fetch_add(1, Ordering::Relaxed));
     let streams = p
         .choices
         .iter()
-        .map(|c| state.engine.submit(c.prompt.clone(), c.params.clone()))
+        .map(|c| {
+            let params = GenerationParams {
+                group,
+                ..c.params.clone()
+            };
+            state.engine.submit(c.prompt.clone(), params)
+        })
         .collect::<Result<Vec<_>, _>>()?;
     Ok((p, streams))
 }

@@ -51,8 +51,9 @@ def _short(base_url):
 def test_a_short_request_overtakes_the_extra_choices_of_a_big_one(server_factory):
     srv = server_factory("--max-batch", "8")
     done = {}
-    big = {"model": MODEL_NAME, "prompt": "HAMLET:", "n": 64, "max_tokens": 48,
-           "temperature": 0.8, "seed": 1, "ignore_eos": True}
+    # 4 prompts x n = 16: 64 choices, the most one request may ask for.
+    big = {"model": MODEL_NAME, "prompt": ["HAMLET:", "ROMEO:", "JULIET:", "KING LEAR:"],
+           "n": 16, "max_tokens": 48, "temperature": 0.8, "seed": 1, "ignore_eos": True}
     t = _post_in_thread(srv.base_url, big, done, "big")
     _wait_running(srv.base_url, 8)
     short_done = _short(srv.base_url)
