@@ -25,8 +25,9 @@
 //!   tell a full server from a dead one, the backlog is short (the kernel drops connections
 //!   beyond it silently), and the `openai` clients retry a 503 after `Retry-After` by
 //!   themselves. At most [`REFUSALS`] such answers are under way at once, each bounded by the
-//!   header timeout; a connection beyond those too is closed at once. So the server holds at
-//!   most `--max-connections` + [`REFUSALS`] sockets.
+//!   header timeout; a connection beyond those too gets the same 503 written at once, without
+//!   its request being read, and is closed. So the server holds at most `--max-connections` +
+//!   [`REFUSALS`] sockets.
 //!
 //! Every timeout is watched per connection by the task that drives it ([`Activity`]), not by
 //! hyper's own header timer: hyper starts that timer as soon as a response is written, so an
@@ -61,6 +62,8 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
 use tokio::time::Instant;
+
+use crate::metrics::Outcome;
 
 use super::app::app;
 use super::error::{ApiError, RETRY_AFTER_SECS};
@@ -126,6 +129,8 @@ pub(super) struct Connections {
     phase: watch::Sender<Phase>,
     /// When the limit was last reported in the log (once a minute at most, not per refusal).
     last_full_warning: Mutex<Option<Instant>>,
+    /// The whole 503 response [`Connections::refuse_at_once`] writes.
+    canned_refusal: Vec<u8>,
 }
 
 impl Connections {
@@ -140,6 +145,7 @@ impl Connections {
             state,
             slots: Arc::new(Semaphore::new(limits.max_connections as usize)),
             refusals: Arc::new(Semaphore::new(REFUSALS as usize)),
+            canned_refusal: canned_refusal(limits.max_connections),
             limits,
             phase: watch::Sender::new(Phase::Serving),
             last_full_warning: Mutex::new(None),
@@ -165,8 +171,9 @@ impl Connections {
                 self.warn_full();
                 if let Ok(permit) = self.refusals.clone().try_acquire_owned() {
                     tokio::spawn(self.clone().refuse(stream, permit));
+                } else {
+                    self.refuse_at_once(&stream);
                 }
-                // Otherwise `stream` is dropped: closed without a word.
             }
         }
     }
@@ -289,6 +296,17 @@ impl Connections {
         drop(permit);
     }
 
+    /// Answers a connection beyond even the refusals under way: the same 503, written at once
+    /// without reading the request (a fresh socket's buffer takes it whole), and the socket
+    /// closed. Best effort: a client still sending may see the connection reset instead.
+    fn refuse_at_once(&self, stream: &TcpStream) {
+        self.state
+            .engine
+            .metrics()
+            .record_outcome(Outcome::Rejected);
+        let _ = stream.try_write(&self.canned_refusal);
+    }
+
     /// The response to `req`: its body read whole (within the body timeout and the size
     /// limit), then the app's answer.
     async fn respond(&self, req: Request<Incoming>) -> Response<Body> {
@@ -325,6 +343,17 @@ impl Connections {
             Err(never) => match never {},
         }
     }
+}
+
+/// The bytes of the 503 `too_many_connections` response, as hyper would have written it.
+fn canned_refusal(limit: u32) -> Vec<u8> {
+    let body = ApiError::too_many_connections(limit).body().to_string();
+    format!(
+        "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n\
+         retry-after: {RETRY_AFTER_SECS}\r\nconnection: close\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
 }
 
 /// Whether an `accept` error concerns only the connection being accepted (the next accept
@@ -604,5 +633,24 @@ mod tests {
         drop(open);
         assert_eq!(a.times().head_started, None);
         assert_eq!(timeout_of(&a), Some(limits().idle_timeout));
+    }
+
+    #[test]
+    fn the_canned_refusal_is_a_whole_503_with_its_json_body() {
+        let bytes = canned_refusal(7);
+        let text = std::str::from_utf8(&bytes).expect("ascii");
+        let (head, body) = text.split_once("\r\n\r\n").expect("a head");
+        assert!(head.starts_with("HTTP/1.1 503 "), "{head}");
+        assert!(head.contains("\r\nretry-after: 1\r\n"), "{head}");
+        assert!(head.contains("\r\nconnection: close\r\n"), "{head}");
+        assert!(
+            head.ends_with(&format!("content-length: {}", body.len())),
+            "{head}"
+        );
+        let v: serde_json::Value = serde_json::from_str(body).expect("json");
+        assert_eq!(v["error"]["code"], "too_many_connections");
+        assert!(v["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains('7')));
     }
 }

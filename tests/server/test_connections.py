@@ -157,8 +157,17 @@ def test_beyond_max_connections_a_connection_gets_503_until_one_closes(server_fa
     e = error_of(got, 503)
     assert e["type"] == "server_error" and e["code"] == "too_many_connections", e
     assert got[1].get("retry-after") == "1", got[1]
-    # The four time out (2 s), and then everyone is served again.
-    for h in holders:
+    # 64 refusals may wait for their headers at once; beyond them, the 503 is written at once.
+    waiting = [connect(srv) for _ in range(64)]
+    for w in waiting:
+        w.sendall(b"GET /health HTTP/1.1\r\n")
+    last = connect(srv)
+    last.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    got = read_response(last, 10)
+    e = error_of(got, 503)
+    assert e["code"] == "too_many_connections" and got[1].get("retry-after") == "1", got
+    # They all time out (2 s), and then everyone is served again.
+    for h in holders + waiting:
         assert closed_within(h, 10), "a connection holding partial headers was not closed"
     assert wait_until(lambda: health(srv) == 200, 10)
 
