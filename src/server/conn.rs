@@ -1,5 +1,5 @@
-//! Connections: the accept loop, the limit on open connections, the timeouts of each, reading
-//! request bodies whole, and the phases of a shutdown.
+//! Connections: the accept loop, the limit on open connections, the timeouts of each (the
+//! request body's included), and the phases of a shutdown.
 //!
 //! `axum::serve` was replaced by this loop (hyper's HTTP/1 connection under the axum
 //! [`Router`]) because it has none of these: it waits for every connection forever at shutdown,
@@ -18,7 +18,7 @@
 //!   closes. It bounds only the wait for the body: a response may stream for as long as it
 //!   runs.
 //! - **Body size**: a `Content-Length` over `--max-body-bytes` is answered 413 at once, without
-//!   waiting for the bytes; a chunked body is cut off with a 413 when it passes the limit.
+//!   waiting for the bytes (a chunked body is still cut off by the app's limit as it is read).
 //! - **Connection limit** (`--max-connections`): beyond it, a connection is answered 503
 //!   `too_many_connections` with `Retry-After: 1`, then closed. An answer rather than a queue
 //!   (leaving the connection in the listen backlog until one closes): a queued client cannot
@@ -43,14 +43,17 @@
 //! when none is left.
 
 use std::convert::Infallible;
+use std::future::Future as _;
 use std::io;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::http::{header, HeaderValue, Request, Response};
+use axum::response::IntoResponse as _;
 use axum::Router;
 use http_body::{Body as _, Frame, SizeHint};
 use hyper::body::Incoming;
@@ -307,41 +310,41 @@ impl Connections {
         let _ = stream.try_write(&self.canned_refusal);
     }
 
-    /// The response to `req`: its body read whole (within the body timeout and the size
-    /// limit), then the app's answer.
+    /// The app's response to `req`, its body under the body timeout; a declared length over
+    /// the limit is refused before a byte of the body is read.
+    ///
+    /// The body is not read here but by the handler, as before: after the API-key check, so a
+    /// client without the key cannot make the server hold `--max-body-bytes` per connection.
     async fn respond(&self, req: Request<Incoming>) -> Response<Body> {
         let limit = self.state.config.max_body_bytes;
-        // A declared length over the limit is refused before a byte of the body is read.
         if req.body().size_hint().lower() > limit as u64 {
             return closing(self.state.reject(ApiError::too_large(limit)));
         }
-        let (parts, body) = req.into_parts();
-        let bytes =
-            match tokio::time::timeout(self.limits.body_timeout, read_body(body, limit)).await {
-                Ok(Ok(bytes)) => bytes,
-                Ok(Err(BodyError::TooLarge)) => {
-                    return closing(self.state.reject(ApiError::too_large(limit)))
-                }
-                Ok(Err(BodyError::Read(e))) => {
-                    return closing(self.state.reject(ApiError::bad_request(format!(
-                        "cannot read the request body: {e}"
-                    ))))
-                }
-                Err(_) => {
-                    return closing(
-                        self.state
-                            .reject(ApiError::body_timeout(self.limits.body_timeout.as_secs())),
-                    )
-                }
-            };
-        let req = Request::from_parts(parts, Body::from(bytes));
-        match TowerToHyperService::new(self.router.clone())
+        let timed_out = Arc::new(AtomicBool::new(false));
+        let deadline = Instant::now() + self.limits.body_timeout;
+        let req = req.map(|inner| {
+            Body::new(DeadlineBody {
+                inner,
+                deadline,
+                sleep: None,
+                timed_out: timed_out.clone(),
+            })
+        });
+        let response = match TowerToHyperService::new(self.router.clone())
             .call(req)
             .await
         {
             Ok(r) => r,
             Err(never) => match never {},
+        };
+        if timed_out.load(Ordering::Relaxed) {
+            // The handler saw its body fail and answered (and counted) a 400; the cause was
+            // the client's silence, which is a 408.
+            return closing(
+                ApiError::body_timeout(self.limits.body_timeout.as_secs()).into_response(),
+            );
         }
+        response
     }
 }
 
@@ -379,33 +382,55 @@ fn closing(mut response: Response<Body>) -> Response<Body> {
 /// Why a request body could not be read.
 #[derive(Debug, thiserror::Error)]
 enum BodyError {
-    /// It passed `--max-body-bytes`.
-    #[error("the body exceeds the limit")]
-    TooLarge,
+    /// The body timeout passed before the body's end.
+    #[error("the request body did not arrive in time")]
+    TimedOut,
     /// The connection failed while it was read.
     #[error(transparent)]
     Read(#[from] hyper::Error),
 }
 
-/// Reads `body` whole, failing as soon as it passes `limit` bytes. Nothing is reserved
-/// up front from the declared length: a client may declare much and send nothing.
-async fn read_body(mut body: Incoming, limit: usize) -> Result<Bytes, BodyError> {
-    let mut chunks: Vec<Bytes> = Vec::new();
-    let mut len = 0usize;
-    while let Some(frame) = std::future::poll_fn(|cx| Pin::new(&mut body).poll_frame(cx)).await {
-        if let Ok(data) = frame?.into_data() {
-            len += data.len();
-            if len > limit {
-                return Err(BodyError::TooLarge);
-            }
-            chunks.push(data);
+/// A request body that fails once its deadline passes while the next bytes are awaited, and
+/// says so through `timed_out`. Time spent elsewhere (the handler working, the response
+/// streaming) does not count: the deadline matters only while the body is being read.
+struct DeadlineBody {
+    inner: Incoming,
+    deadline: Instant,
+    /// Armed at the first wait (most bodies arrive with their headers and need no timer).
+    sleep: Option<Pin<Box<tokio::time::Sleep>>>,
+    timed_out: Arc<AtomicBool>,
+}
+
+impl http_body::Body for DeadlineBody {
+    type Data = Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BodyError>>> {
+        let this = self.get_mut();
+        if let Poll::Ready(frame) = Pin::new(&mut this.inner).poll_frame(cx) {
+            return Poll::Ready(frame.map(|f| f.map_err(BodyError::Read)));
         }
+        let deadline = this.deadline;
+        let sleep = this
+            .sleep
+            .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+        if sleep.as_mut().poll(cx).is_ready() {
+            this.timed_out.store(true, Ordering::Relaxed);
+            return Poll::Ready(Some(Err(BodyError::TimedOut)));
+        }
+        Poll::Pending
     }
-    Ok(match chunks.len() {
-        0 => Bytes::new(),
-        1 => chunks.swap_remove(0),
-        _ => Bytes::from(chunks.concat()),
-    })
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
 }
 
 /// Sleeps until `deadline`, or forever without one.
