@@ -155,7 +155,7 @@ def test_a_huge_declared_body_is_refused_at_once(server):
 
 
 def test_beyond_max_connections_a_connection_gets_503_until_one_closes(server_factory):
-    srv = server_factory("--max-connections", "4", "--header-timeout-secs", "2")
+    srv = server_factory("--max-connections", "4", "--header-timeout-secs", "3")
     holders = [connect(srv) for _ in range(4)]
     for h in holders:
         h.sendall(PARTIAL_HEAD)
@@ -174,7 +174,7 @@ def test_beyond_max_connections_a_connection_gets_503_until_one_closes(server_fa
     got = read_response(last, 10)
     e = error_of(got, 503)
     assert e["code"] == "too_many_connections" and got[1].get("retry-after") == "1", got
-    # They all time out (2 s), and then everyone is served again.
+    # They all time out (3 s), and then everyone is served again.
     for h in holders + waiting:
         assert closed_within(h, 10), "a connection holding partial headers was not closed"
     assert wait_until(lambda: health(srv) == 200, 10)
