@@ -20,6 +20,18 @@ use serde_json::json;
 use crate::engine::SubmitError;
 use crate::error::{Error, ErrorKind};
 
+/// What the shutdown ends the requests still running at the drain deadline with (through
+/// `Engine::abort_all`, whose events are of kind [`ErrorKind::Unavailable`]).
+/// [`ApiError::from_kind`] answers exactly this message with 503 `shutting_down`, the code a
+/// request refused while draining gets, rather than `unavailable`, which means a missing part
+/// of the installation.
+///
+/// A message rather than a kind of its own because the kind belongs to the engine's
+/// [`Event::Failed`](crate::engine::Event::Failed), which the server does not define; when the
+/// engine gains a kind for "ended by a shutdown", this constant can go.
+pub const SHUTDOWN_MESSAGE: &str =
+    "the server is shutting down and ended this request (its drain timeout passed)";
+
 /// An error response.
 #[derive(Debug, Clone)]
 pub struct ApiError {
@@ -124,6 +136,33 @@ impl ApiError {
         .with_code("shutting_down")
     }
 
+    /// 408 `request_timeout`: the client stopped sending its body; it waited `secs` seconds
+    /// for the rest. The request's fault, hence `invalid_request_error` (OpenAI's clients retry
+    /// a 408 by themselves).
+    pub fn body_timeout(secs: u64) -> Self {
+        ApiError::new(
+            StatusCode::REQUEST_TIMEOUT,
+            INVALID_REQUEST,
+            format!(
+                "the request body did not arrive within {secs} s (the server's --body-timeout-secs)"
+            ),
+        )
+        .with_code("request_timeout")
+    }
+
+    /// 503 `too_many_connections`: the server already holds its limit of open connections.
+    /// Answered with `Retry-After` (the caller adds it: see [`RETRY_AFTER_SECS`]).
+    pub fn too_many_connections(limit: u32) -> Self {
+        ApiError::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            SERVER_ERROR,
+            format!(
+                "the server already holds its limit of {limit} open connections; retry shortly"
+            ),
+        )
+        .with_code("too_many_connections")
+    }
+
     /// 500 `device_error`: the step the request was in failed on the device (or the compiler
     /// failed on its graph).
     pub fn device(message: impl Into<String>) -> Self {
@@ -171,7 +210,8 @@ impl ApiError {
     /// |---|---|---|---|
     /// | `InvalidInput` | 400 | `invalid_request_error` | none |
     /// | `ResourceExhausted` | 503 | `server_error` | `resource_exhausted` |
-    /// | `Unavailable` | 503 | `server_error` | `unavailable` |
+    /// | `Unavailable`, with [`SHUTDOWN_MESSAGE`] | 503 | `server_error` | `shutting_down` |
+    /// | `Unavailable`, otherwise | 503 | `server_error` | `unavailable` |
     /// | `Device`, `Compile` | 500 | `server_error` | `device_error` |
     /// | `Internal`, `Io`, `InvalidModel` | 500 | `server_error` | `internal_error` |
     ///
@@ -189,6 +229,14 @@ impl ApiError {
                 server_fault(StatusCode::SERVICE_UNAVAILABLE);
                 ApiError::new(StatusCode::SERVICE_UNAVAILABLE, SERVER_ERROR, message)
                     .with_code("resource_exhausted")
+            }
+            // The drain deadline passed: the server ended the request, nothing failed.
+            ErrorKind::Unavailable if message == SHUTDOWN_MESSAGE => {
+                tracing::info!("request ended by the shutdown: {message}");
+                ApiError {
+                    message,
+                    ..ApiError::draining()
+                }
             }
             ErrorKind::Unavailable => {
                 server_fault(StatusCode::SERVICE_UNAVAILABLE);
@@ -316,6 +364,43 @@ mod tests {
         assert_eq!(
             (e.status, e.code),
             (StatusCode::SERVICE_UNAVAILABLE, Some("shutting_down"))
+        );
+    }
+
+    #[test]
+    fn a_request_ended_by_the_shutdown_is_shutting_down_not_a_fault() {
+        let e = ApiError::from_kind(ErrorKind::Unavailable, SHUTDOWN_MESSAGE);
+        assert_eq!(e.error_type, SERVER_ERROR);
+        assert_eq!(e.message, SHUTDOWN_MESSAGE);
+        assert_eq!(
+            (e.status, e.code),
+            (StatusCode::SERVICE_UNAVAILABLE, Some("shutting_down"))
+        );
+        // Any other unavailability (a library not installed) keeps its own code.
+        let e = ApiError::from_kind(ErrorKind::Unavailable, "libnrt.so not found");
+        assert_eq!(e.code, Some("unavailable"));
+    }
+
+    #[test]
+    fn connection_level_refusals_are_openai_shaped() {
+        let e = ApiError::body_timeout(30);
+        assert_eq!(
+            (e.status, e.error_type, e.code),
+            (
+                StatusCode::REQUEST_TIMEOUT,
+                INVALID_REQUEST,
+                Some("request_timeout")
+            )
+        );
+        assert!(e.message.contains("30"), "{}", e.message);
+        let e = ApiError::too_many_connections(4);
+        assert_eq!(
+            (e.status, e.error_type, e.code),
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                SERVER_ERROR,
+                Some("too_many_connections")
+            )
         );
     }
 }

@@ -1,12 +1,20 @@
-//! Binding and serving: the app on a listener until SIGTERM or Ctrl-C, then the drain.
+//! Binding and serving: the app on a listener until SIGTERM or Ctrl-C, then the drain, which
+//! ends by its deadline whatever the clients do.
 //!
-//! Kept apart from [`app`] so that tests drive the app without a socket or a signal.
+//! Kept apart from [`app`](super::app) so that tests drive the app without a socket or a
+//! signal; the connections themselves (limits, timeouts) are [`conn`](super::conn)'s.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::Duration;
 
-use super::app::app;
+use super::conn::{ConnectionLimits, Connections, Phase};
+use super::error::SHUTDOWN_MESSAGE;
 use super::state::AppState;
+
+/// How long after the drain deadline the requests it ended have to send their error (a status
+/// or a stream's error event) before their connections are closed regardless.
+pub const ABORT_GRACE: Duration = Duration::from_secs(1);
 
 /// Resolves on SIGTERM or Ctrl-C.
 async fn shutdown_signal() {
@@ -30,50 +38,56 @@ async fn shutdown_signal() {
     }
 }
 
-/// Serves `state` on `listener` until SIGTERM or Ctrl-C, then drains and stops the engine.
-/// `on_ready` is called with the bound address once the server accepts connections.
+/// Serves `state` on `listener` under `limits` until SIGTERM or Ctrl-C, then drains and stops
+/// the engine. `on_ready` is called with the bound address once the server accepts
+/// connections.
+///
+/// The shutdown: the listener closes and new requests on open connections get 503; requests in
+/// flight have the drain timeout to finish; then the engine ends the rest (each gets 503
+/// `shutting_down`, as a status or a stream's error event) and, [`ABORT_GRACE`] later, every
+/// connection still open is closed, whatever it is doing. So the process ends at most the drain
+/// timeout plus [`ABORT_GRACE`] after the signal, and sooner when nothing is in flight.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     state: Arc<AppState>,
+    limits: ConnectionLimits,
     on_ready: impl FnOnce(SocketAddr),
 ) -> std::io::Result<()> {
     let addr = listener.local_addr()?;
     let engine = state.engine.clone();
     let drain_timeout = state.config.drain_timeout;
-    let (drained_tx, drained_rx) = tokio::sync::watch::channel(false);
-    let server = axum::serve(listener, app(state)).with_graceful_shutdown({
-        let engine = engine.clone();
-        async move {
-            shutdown_signal().await;
-            tracing::info!(
-                "shutting down; finishing the requests in flight (at most {}s)",
-                drain_timeout.as_secs()
-            );
-            engine.begin_drain();
-            let _ = drained_tx.send(true);
-        }
-    });
+    let conns = Connections::new(state, limits);
     on_ready(addr);
-    // After the signal, give requests in flight `drain_timeout`, then end them so their
-    // streams close and the server can stop.
-    let deadline = {
-        let engine = engine.clone();
-        let mut rx = drained_rx;
-        async move {
-            while !*rx.borrow() {
-                if rx.changed().await.is_err() {
-                    std::future::pending::<()>().await;
-                }
-            }
-            tokio::time::sleep(drain_timeout).await;
-            engine.abort_all("the server is shutting down");
-            std::future::pending::<()>().await
+    tokio::select! {
+        () = conns.accept(listener) => {}
+        () = shutdown_signal() => {}
+    }
+    // The accept loop, and with it the listener, is gone: new connections are refused.
+    tracing::info!(
+        "shutting down; finishing the requests in flight (at most {}s)",
+        drain_timeout.as_secs()
+    );
+    engine.begin_drain();
+    conns.set_phase(Phase::Draining);
+    if tokio::time::timeout(drain_timeout, conns.all_closed())
+        .await
+        .is_err()
+    {
+        tracing::warn!(
+            "the drain timeout passed with {} connections open; ending their requests",
+            conns.open()
+        );
+        engine.abort_all(SHUTDOWN_MESSAGE);
+        if tokio::time::timeout(ABORT_GRACE, conns.all_closed())
+            .await
+            .is_err()
+        {
+            conns.set_phase(Phase::Closing);
+            // Each task drops its connection as soon as it runs: this wait is for the
+            // scheduler, not for any client.
+            let _ = tokio::time::timeout(ABORT_GRACE, conns.all_closed()).await;
         }
-    };
-    let result = tokio::select! {
-        r = server => r,
-        () = deadline => Ok(()),
-    };
+    }
     engine.shutdown();
-    result
+    Ok(())
 }

@@ -236,3 +236,30 @@ def test_the_bearer_scheme_is_case_insensitive(http):
     r = http.post(C, content=c().encode(),
                   headers={"Authorization": f"Basic {API_KEY}", "Content-Type": "application/json"})
     assert r.status_code == 401
+
+
+# Pins (these pass on the main they were written against too): the server's own connection layer
+# (src/server/conn.rs) must keep the app's 405 body, and reads bodies itself, limit included.
+
+
+@pytest.mark.parametrize("method,path,allowed", [
+    ("GET", C, "POST"), ("GET", CH, "POST"), ("DELETE", "/v1/models", "GET"),
+    ("POST", "/health", "GET"), ("PUT", "/tokenize", "POST"),
+])
+def test_a_wrong_method_is_a_405_with_a_json_error_and_allow(http, method, path, allowed):
+    r = http.request(method, path, headers=AUTH)
+    assert r.status_code == 405, r.text
+    assert allowed in r.headers.get("allow", ""), r.headers
+    assert r.headers["content-type"].startswith("application/json"), r.headers
+    err = r.json()["error"]
+    assert err["type"] == INVALID and method in err["message"] and path in err["message"], err
+
+
+def test_a_chunked_body_over_the_limit_is_a_413(http):
+    def chunks():  # no Content-Length: the limit is found while reading
+        for _ in range(40):
+            yield b"x" * 65536  # 2.5 MB, the limit is 1 MiB
+
+    r = http.post(C, content=chunks(), headers={**AUTH, "Content-Type": "application/json"})
+    check_error_shape(r, 413, INVALID, "request_too_large", None)
+    assert http.get("/health").status_code == 200

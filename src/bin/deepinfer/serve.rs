@@ -10,7 +10,7 @@ use deepinfer::engine::{Engine, EngineOptions};
 use deepinfer::metrics::Metrics;
 use deepinfer::plan::KvBlocks;
 use deepinfer::runner::{self, Limits};
-use deepinfer::server::{AppState, ServerConfig};
+use deepinfer::server::{AppState, ConnectionLimits, ServerConfig};
 use deepinfer::tokenizer::Tokenizer;
 
 use crate::ModelArgs;
@@ -73,9 +73,27 @@ pub(crate) struct ServeArgs {
     /// cache use); 0 turns them off.
     #[arg(long, default_value_t = 10)]
     log_stats_secs: u64,
-    /// Seconds shutdown waits for requests in flight before ending them.
+    /// Seconds shutdown waits for requests in flight before ending them (with 503
+    /// `shutting_down`); a second later every connection still open is closed, whatever its
+    /// client does. 0 ends them at once.
     #[arg(long, default_value_t = 30)]
     drain_timeout_secs: u64,
+    /// Connections open at once; beyond it, a new connection is answered 503
+    /// `too_many_connections` with `Retry-After` and closed. Keep it below the process's
+    /// file-descriptor limit (`ulimit -n`) less a hundred or so.
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u32).range(1..))]
+    max_connections: u32,
+    /// Seconds a client has to send a request's headers (from the request's first byte, or
+    /// from the connection's opening for its first request) before its connection is closed.
+    #[arg(long, default_value_t = 10, value_parser = clap::value_parser!(u64).range(1..))]
+    header_timeout_secs: u64,
+    /// Seconds a client has to send a request's whole body once its headers are in, before a
+    /// 408 `request_timeout` (the time a response takes does not count).
+    #[arg(long, default_value_t = 30, value_parser = clap::value_parser!(u64).range(1..))]
+    body_timeout_secs: u64,
+    /// Seconds a kept-alive connection may wait for its next request before it is closed.
+    #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
+    idle_timeout_secs: u64,
 }
 
 /// Runs the command.
@@ -146,6 +164,12 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         max_body_bytes: args.max_body_bytes,
         drain_timeout: Duration::from_secs(args.drain_timeout_secs),
     };
+    let limits = ConnectionLimits {
+        max_connections: args.max_connections,
+        header_timeout: Duration::from_secs(args.header_timeout_secs),
+        body_timeout: Duration::from_secs(args.body_timeout_secs),
+        idle_timeout: Duration::from_secs(args.idle_timeout_secs),
+    };
     let state = Arc::new(AppState::new(config, engine, tokenizer));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -156,7 +180,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         let listener = tokio::net::TcpListener::bind(&addr)
             .await
             .with_context(|| format!("cannot listen on {addr}"))?;
-        deepinfer::server::serve(listener, state, |bound| {
+        deepinfer::server::serve(listener, state, limits, |bound| {
             eprintln!(
                 "deepinfer: serving \"{served_model_name}\" on http://{bound} (backend {backend})"
             );
