@@ -18,7 +18,7 @@
 //!   total latency p50 / p99 and their ratio to the idle latency (issue 15 aims at 5x at most).
 //!   The case is bounded: at most [`MIXED_MAX_SHORT`] short requests, and whatever has not
 //!   finished [`MIXED_DEADLINE`] after the big request was sent is abandoned and counted as
-//!   timed out instead of hanging the bench.
+//!   timed out instead of hanging the bench (the percentiles cover the finished ones).
 //!
 //! By default it starts `deepinfer serve --port 0 --backend cpu --max-batch 32 --max-waiting 256`
 //! (the binary cargo built alongside this bench: the release one under `cargo bench`) with the
