@@ -1,23 +1,46 @@
-//! Load generator for `deepinfer serve`: requests/s, output tokens/s, and TTFT / TPOT p50 and
-//! p99 at 1, 8 and 32 concurrent streaming clients.
+//! Load generator for `deepinfer serve`: what a client of the HTTP server sees (scheduler,
+//! tokenizer, SSE framing and batching included), in three cases.
 //!
-//! The decode bench measures one engine step in isolation; this one measures what a client of
-//! the HTTP server sees, scheduler, tokenizer, SSE framing and batching included, so a change
-//! to continuous batching shows up here as throughput at 32 clients against latency at 1.
+//! - `levels`: requests/s, output tokens/s, and TTFT / TPOT p50 and p99 at 1, 8 and 32
+//!   concurrent streaming clients, each sending requests back to back. The decode bench measures
+//!   one engine step in isolation; here a change to continuous batching shows up as throughput
+//!   at 32 clients against latency at 1.
+//! - `burst`: rounds of 32 simultaneous new streaming requests (distinct prompts), each round
+//!   waiting for the last one to finish, so every round starts on an idle server. TTFT p50 and
+//!   p99 over all of them and their ratio: if prefill takes one sequence's chunk per step, the
+//!   last of 32 new requests waits behind 31 prefills and p99 is many times p50 (issue 15 aims
+//!   at a p99 within 3x the p50).
+//! - `mixed`: head-of-line blocking. First the idle latency of a short streamed request (16
+//!   tokens; median TTFT and total latency of sequential runs); then one non-streamed request
+//!   for 64 choices (4 prompts times `n` 16, 256 tokens each, more choices than
+//!   `--max-batch` 32) and, while it runs, a short request every 100 ms (open loop: each is sent
+//!   on time whether or not the previous one has finished). Reports the short ones' TTFT and
+//!   total latency p50 / p99 and their ratio to the idle latency (issue 15 aims at 5x at most).
+//!   The case is bounded: at most [`MIXED_MAX_SHORT`] short requests, and whatever has not
+//!   finished [`MIXED_DEADLINE`] after the big request was sent is abandoned and counted as
+//!   timed out instead of hanging the bench (the percentiles cover the finished ones).
 //!
-//! By default it starts `deepinfer serve --port 0 --backend cpu --max-batch 32` (the binary
-//! cargo built alongside this bench: the release one under `cargo bench`) with the embedded
-//! default model and stops it at the end. With `DEEPINFER_BENCH_URL=http://host:port` it drives
-//! that server instead and spawns nothing (optional `DEEPINFER_BENCH_MODEL`, else the first id
-//! of `GET /v1/models`; optional `DEEPINFER_BENCH_API_KEY`, sent as a bearer token).
+//! By default it starts `deepinfer serve --port 0 --backend cpu --max-batch 32 --max-waiting 256`
+//! (the binary cargo built alongside this bench: the release one under `cargo bench`) with the
+//! embedded default model and stops it at the end. An idle server admits `--max-batch` +
+//! `--max-waiting` choices at once, so the 64-choice request and the short ones queued behind it
+//! fit; 256 is the server's default, given explicitly so the mixed case does not depend on it.
+//! With `DEEPINFER_BENCH_URL=http://host:port` it drives that server instead and spawns nothing
+//! (optional `DEEPINFER_BENCH_MODEL`, else the first id of `GET /v1/models`; optional
+//! `DEEPINFER_BENCH_API_KEY`, sent as a bearer token); its admission limits must then admit 64
+//! choices plus the short requests.
+//!
+//! `DEEPINFER_BENCH_CASES=levels,burst,mixed` picks the cases (default all, run in that order).
 //! `DEEPINFER_BENCH_REQUESTS_PER_CLIENT=N` replaces the per-level request counts and
 //! `DEEPINFER_BENCH_CLIENTS=1,8,32` the levels.
 //!
-//! Every request is `POST /v1/completions` with `stream: true`, greedy, `ignore_eos` and
-//! `max_tokens: 32`, so each one does the same amount of decode work whatever the model writes.
+//! Every streamed request is `POST /v1/completions` with `stream: true`, greedy, `ignore_eos`
+//! and `max_tokens` 32 (16 for the mixed case's short requests), so each one does the same amount
+//! of decode work whatever the model writes; every response is checked (200, that many tokens in
+//! `usage`, `[DONE]`).
 //!
-//! Run with `cargo bench --bench serve_load`. Prints an aligned table, then one JSON object
-//! per level on its own line (`grep '^{'`) for recording.
+//! Run with `cargo bench --bench serve_load`. Prints an aligned table per case, then one JSON
+//! object per level and case on its own line (`grep '^{'`) for recording.
 
 use std::collections::VecDeque;
 use std::io::{BufRead, BufReader, Write};
@@ -33,9 +56,10 @@ use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 use serde_json::{json, Value};
 
-/// How the spawned server runs: a free port, the CPU backend, and room to batch every client
-/// of the largest level.
-const SERVE_ARGS: [&str; 7] = [
+/// How the spawned server runs: a free port, the CPU backend, room to batch every client of
+/// the largest level, and a queue that admits the mixed case's 64 choices plus its short
+/// requests (an idle server takes `--max-batch` + `--max-waiting` choices at once).
+const SERVE_ARGS: [&str; 9] = [
     "serve",
     "--port",
     "0",
@@ -43,9 +67,40 @@ const SERVE_ARGS: [&str; 7] = [
     "cpu",
     "--max-batch",
     "32",
+    "--max-waiting",
+    "256",
 ];
-/// Tokens generated per request. With `ignore_eos` every request produces exactly this many.
+/// Tokens generated per request of the levels and the burst. With `ignore_eos` every request
+/// produces exactly this many.
 const MAX_TOKENS: u64 = 32;
+/// Simultaneous new requests per burst round: the spawned server's `--max-batch`, so a round
+/// fits the batch and only the prefill of 32 new prompts stands between them and their first
+/// token.
+const BURST_REQUESTS: usize = 32;
+/// Burst rounds: 320 requests, enough for a p99 that is not just the maximum.
+const BURST_ROUNDS: usize = 10;
+/// Tokens of the mixed case's short requests (the issue's "normal 16-token request").
+const SHORT_TOKENS: u64 = 16;
+/// Sequential short requests on the idle server whose median is the idle latency.
+const IDLE_RUNS: usize = 20;
+/// The mixed case's big request: these many prompts times `n` [`BIG_N`] (the server's most per
+/// prompt) makes 64 choices, twice `--max-batch`.
+const BIG_PROMPTS: usize = 4;
+/// `n` of the big request.
+const BIG_N: u64 = 16;
+/// Tokens per choice of the big request: with 64 choices 16,384 tokens, about 30 s of decoding
+/// on main on the shared 2-core development machine, long enough for a couple of hundred short
+/// requests to arrive.
+const BIG_MAX_TOKENS: u64 = 256;
+/// Time between short requests while the big one runs (open loop).
+const SHORT_INTERVAL: Duration = Duration::from_millis(100);
+/// Short requests sent at most while the big one runs (20 s of arrivals). On main they queue
+/// behind the big request's choices, so this many plus its 32 waiting choices must stay within
+/// what the server admits: 232 against `--max-waiting` 256.
+const MIXED_MAX_SHORT: usize = 200;
+/// How long after the big request is sent the mixed case gives up on whatever has not
+/// finished (issue 15 measured 77 s for one short request behind a 64-choice one on main).
+const MIXED_DEADLINE: Duration = Duration::from_secs(120);
 /// (concurrent clients, requests per client): about 1000 requests per level, enough samples
 /// for a p99 that is not just the maximum. The default model serves 20 to 40 requests/s on
 /// the 2-core development machine, so the levels take about 2 minutes together.
@@ -255,6 +310,8 @@ fn parse_ready_line(line: &str) -> Option<(String, String)> {
 /// What one streamed request measured.
 struct Sample {
     ttft: Duration,
+    /// From sending the request to `data: [DONE]`.
+    total: Duration,
     /// `None` when only one token came back (no inter-token interval to measure).
     tpot: Option<Duration>,
     completion_tokens: u64,
@@ -262,13 +319,19 @@ struct Sample {
 
 /// Sends one streaming completion and times it. TTFT runs from just before the request is
 /// sent to the first choice chunk with non-empty text (the first choice chunk if none has
-/// text); TPOT is the time from there to the last choice chunk over `completion_tokens - 1`.
-/// Any deviation from the protocol fails the request with what the server sent.
-async fn stream_completion(client: &HttpClient, target: &Target, prompt: &str) -> Result<Sample> {
+/// text); TPOT is the time from there to the last choice chunk over `completion_tokens - 1`;
+/// the total runs to `data: [DONE]`. Any deviation from the protocol (including fewer or more
+/// than `max_tokens` tokens) fails the request with what the server sent.
+async fn stream_completion(
+    client: &HttpClient,
+    target: &Target,
+    prompt: &str,
+    max_tokens: u64,
+) -> Result<Sample> {
     let body = json!({
         "model": target.model,
         "prompt": prompt,
-        "max_tokens": MAX_TOKENS,
+        "max_tokens": max_tokens,
         "temperature": 0.0,
         "ignore_eos": true,
         "stream": true,
@@ -297,7 +360,7 @@ async fn stream_completion(client: &HttpClient, target: &Target, prompt: &str) -
         );
     }
     let (mut first_choice, mut first_text, mut last_choice) = (None, None, None);
-    let (mut usage_tokens, mut finish_reason, mut done) = (None, None, false);
+    let (mut usage_tokens, mut finish_reason, mut done) = (None, None, None);
     let mut buf: Vec<u8> = Vec::new();
     while let Some(frame) = body.frame().await {
         let frame = frame.context("reading the SSE stream")?;
@@ -319,9 +382,9 @@ async fn stream_completion(client: &HttpClient, target: &Target, prompt: &str) -
                 continue;
             }
             let data = data.join("\n");
-            ensure!(!done, "data after [DONE]: {data}");
+            ensure!(done.is_none(), "data after [DONE]: {data}");
             if data == "[DONE]" {
-                done = true;
+                done = Some(now);
                 continue;
             }
             let chunk: Value = serde_json::from_str(&data)
@@ -349,14 +412,12 @@ async fn stream_completion(client: &HttpClient, target: &Target, prompt: &str) -
             }
         }
     }
-    ensure!(
-        done,
-        "stream ended without data: [DONE] (unparsed tail: {buf:?})"
-    );
+    let done = done
+        .with_context(|| format!("stream ended without data: [DONE] (unparsed tail: {buf:?})"))?;
     let completion_tokens = usage_tokens.context("no usage chunk before [DONE]")?;
     ensure!(
-        completion_tokens == MAX_TOKENS,
-        "completion_tokens {completion_tokens} != max_tokens {MAX_TOKENS} despite ignore_eos"
+        completion_tokens == max_tokens,
+        "completion_tokens {completion_tokens} != max_tokens {max_tokens} despite ignore_eos"
     );
     ensure!(
         finish_reason.as_deref() == Some("length"),
@@ -370,6 +431,7 @@ async fn stream_completion(client: &HttpClient, target: &Target, prompt: &str) -
         .then(|| (last - first) / u32::try_from(completion_tokens - 1).unwrap_or(u32::MAX));
     Ok(Sample {
         ttft: first - start,
+        total: done - start,
         tpot,
         completion_tokens,
     })
@@ -383,8 +445,48 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[rank.clamp(1, sorted.len()) - 1]
 }
 
-/// Table columns: header and the key of the level's JSON summary.
-const COLUMNS: [(&str, &str); 9] = [
+/// Milliseconds at percentile `p` of `sorted`, rounded to microseconds; null without samples.
+fn ms(sorted: &[Duration], p: f64) -> Option<f64> {
+    (!sorted.is_empty()).then(|| round3(percentile(sorted, p).as_secs_f64() * 1e3))
+}
+
+/// `num / den` rounded to thousandths, if both are known and `den` is not zero.
+fn ratio(num: Option<f64>, den: Option<f64>) -> Option<f64> {
+    match (num, den) {
+        (Some(n), Some(d)) if d > 0.0 => Some(round3(n / d)),
+        _ => None,
+    }
+}
+
+/// The given durations, sorted.
+fn sorted(samples: impl Iterator<Item = Duration>) -> Vec<Duration> {
+    let mut v: Vec<Duration> = samples.collect();
+    v.sort();
+    v
+}
+
+/// Sends one streamed request of `max_tokens`, failing it after [`REQUEST_TIMEOUT`].
+async fn timed_completion(
+    client: &HttpClient,
+    target: &Target,
+    prompt: &str,
+    max_tokens: u64,
+) -> Result<Sample> {
+    tokio::time::timeout(
+        REQUEST_TIMEOUT,
+        stream_completion(client, target, prompt, max_tokens),
+    )
+    .await
+    .map_err(|_| anyhow!("no complete response within {REQUEST_TIMEOUT:?}"))
+    .and_then(|r| r)
+    .with_context(|| format!("prompt {prompt:?}"))
+}
+
+/// A table's columns: header and the key of the case's JSON summary.
+type Columns = [(&'static str, &'static str)];
+
+/// The levels table.
+const LEVEL_COLUMNS: [(&str, &str); 9] = [
     ("clients", "clients"),
     ("requests", "requests"),
     ("wall s", "wall_s"),
@@ -396,15 +498,73 @@ const COLUMNS: [(&str, &str); 9] = [
     ("TPOT p99 ms", "tpot_ms_p99"),
 ];
 
+/// The burst table.
+const BURST_COLUMNS: [(&str, &str); 9] = [
+    ("rounds", "rounds"),
+    ("requests", "requests"),
+    ("round s p50", "round_s_p50"),
+    ("round s max", "round_s_max"),
+    ("TTFT p50 ms", "ttft_ms_p50"),
+    ("TTFT p99 ms", "ttft_ms_p99"),
+    ("p99/p50", "ttft_p99_over_p50"),
+    ("TPOT p50 ms", "tpot_ms_p50"),
+    ("TPOT p99 ms", "tpot_ms_p99"),
+];
+
+/// The mixed table: the idle latency, the short requests under load, their ratios to idle,
+/// and the big request's time.
+const MIXED_COLUMNS: [(&str, &str); 13] = [
+    ("idle TTFT ms", "idle_ttft_ms"),
+    ("idle total ms", "idle_total_ms"),
+    ("short sent", "short_sent"),
+    ("timed out", "short_timed_out"),
+    ("TTFT p50 ms", "short_ttft_ms_p50"),
+    ("TTFT p99 ms", "short_ttft_ms_p99"),
+    ("total p50 ms", "short_total_ms_p50"),
+    ("total p99 ms", "short_total_ms_p99"),
+    ("TTFT p50/idle", "short_ttft_p50_over_idle"),
+    ("TTFT p99/idle", "short_ttft_p99_over_idle"),
+    ("total p50/idle", "short_total_p50_over_idle"),
+    ("total p99/idle", "short_total_p99_over_idle"),
+    ("big s", "big_s"),
+];
+
+/// Prints the header of a table.
+fn print_header(columns: &Columns) {
+    let header: Vec<String> = columns
+        .iter()
+        .map(|(h, _)| format!("{h:>w$}", w = h.len().max(11)))
+        .collect();
+    println!("{}", header.join(" "));
+}
+
+/// Prints `row` under [`print_header`]'s header: counts as integers, the rest with two
+/// decimals, a missing value as `-`, and a timed-out one as `timeout`.
+fn print_row(columns: &Columns, row: &Value) {
+    let cells: Vec<String> = columns
+        .iter()
+        .map(|(h, key)| {
+            let w = h.len().max(11);
+            match (&row[key], row[key].as_u64(), row[key].as_f64()) {
+                (_, Some(count), _) => format!("{count:>w$}"),
+                (_, None, Some(x)) => format!("{x:>w$.2}"),
+                (Value::String(s), _, _) => format!("{s:>w$}"),
+                _ => format!("{:>w$}", "-"),
+            }
+        })
+        .collect();
+    println!("{}", cells.join(" "));
+}
+
 /// Runs `clients` concurrent clients, each sending `per_client` requests back to back, after
-/// one warm-up request; returns the level's summary (the keys of [`COLUMNS`] and more).
+/// one warm-up request; returns the level's summary (the keys of [`LEVEL_COLUMNS`] and more).
 async fn run_level(
     client: &HttpClient,
     target: &Arc<Target>,
     clients: usize,
     per_client: usize,
 ) -> Result<Value> {
-    stream_completion(client, target, PROMPTS[0])
+    stream_completion(client, target, PROMPTS[0], MAX_TOKENS)
         .await
         .context("warm-up request")?;
     let start = Instant::now();
@@ -415,12 +575,9 @@ async fn run_level(
             let mut samples = Vec::with_capacity(per_client);
             for r in 0..per_client {
                 let prompt = PROMPTS[(c * per_client + r) % PROMPTS.len()];
-                let request = stream_completion(&client, &target, prompt);
-                let sample = tokio::time::timeout(REQUEST_TIMEOUT, request)
+                let sample = timed_completion(&client, &target, prompt, MAX_TOKENS)
                     .await
-                    .map_err(|_| anyhow!("no complete response within {REQUEST_TIMEOUT:?}"))
-                    .and_then(|r| r)
-                    .with_context(|| format!("client {c}, request {r}, prompt {prompt:?}"))?;
+                    .with_context(|| format!("client {c}, request {r}"))?;
                 samples.push(sample);
             }
             anyhow::Ok(samples)
@@ -431,16 +588,11 @@ async fn run_level(
         samples.extend(task.await.context("client task panicked")??);
     }
     let secs = start.elapsed().as_secs_f64();
-    let mut ttft: Vec<Duration> = samples.iter().map(|s| s.ttft).collect();
-    let mut tpot: Vec<Duration> = samples.iter().filter_map(|s| s.tpot).collect();
-    ttft.sort();
-    tpot.sort();
-    // Milliseconds at percentile `p`, rounded to microseconds; null without samples.
-    let ms = |sorted: &[Duration], p| {
-        (!sorted.is_empty()).then(|| round3(percentile(sorted, p).as_secs_f64() * 1e3))
-    };
+    let ttft = sorted(samples.iter().map(|s| s.ttft));
+    let tpot = sorted(samples.iter().filter_map(|s| s.tpot));
     let tokens: u64 = samples.iter().map(|s| s.completion_tokens).sum();
     Ok(json!({
+        "case": "levels",
         "clients": clients,
         "requests": samples.len(),
         "max_tokens": MAX_TOKENS,
@@ -451,6 +603,201 @@ async fn run_level(
         "ttft_ms_p99": ms(&ttft, 99.0),
         "tpot_ms_p50": ms(&tpot, 50.0),
         "tpot_ms_p99": ms(&tpot, 99.0),
+    }))
+}
+
+/// The `i`-th of the burst's distinct prompts: [`PROMPTS`], then each prompt's line under
+/// another play's speaker (about the same length, so the second half costs the same prefill).
+fn burst_prompt(i: usize) -> String {
+    let n = PROMPTS.len();
+    if i < n {
+        return PROMPTS[i].to_string();
+    }
+    let speaker = PROMPTS[(i + 5) % n].split(':').next().unwrap_or_default();
+    let line = PROMPTS[i % n].split_once(':').map_or("", |(_, l)| l);
+    format!("{speaker}:{line}")
+}
+
+/// [`BURST_ROUNDS`] rounds of [`BURST_REQUESTS`] streamed requests sent together, each round
+/// after the previous one has finished (so each starts on an idle server), after one warm-up
+/// request; returns the keys of [`BURST_COLUMNS`] and more.
+async fn run_burst(client: &HttpClient, target: &Arc<Target>) -> Result<Value> {
+    stream_completion(client, target, PROMPTS[0], MAX_TOKENS)
+        .await
+        .context("warm-up request")?;
+    let mut samples = Vec::with_capacity(BURST_ROUNDS * BURST_REQUESTS);
+    let mut rounds = Vec::with_capacity(BURST_ROUNDS);
+    let start = Instant::now();
+    for round in 0..BURST_ROUNDS {
+        let round_start = Instant::now();
+        let tasks: Vec<_> = (0..BURST_REQUESTS)
+            .map(|i| {
+                let (client, target) = (client.clone(), Arc::clone(target));
+                tokio::spawn(async move {
+                    timed_completion(&client, &target, &burst_prompt(i), MAX_TOKENS).await
+                })
+            })
+            .collect();
+        for (i, task) in tasks.into_iter().enumerate() {
+            let sample = task
+                .await
+                .context("request task panicked")?
+                .with_context(|| format!("burst round {round}, request {i}"))?;
+            samples.push(sample);
+        }
+        rounds.push(round_start.elapsed());
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let ttft = sorted(samples.iter().map(|s| s.ttft));
+    let tpot = sorted(samples.iter().filter_map(|s| s.tpot));
+    let rounds = sorted(rounds.into_iter());
+    let (p50, p99) = (ms(&ttft, 50.0), ms(&ttft, 99.0));
+    let secs_at = |p| ms(&rounds, p).map(|ms| round3(ms / 1e3));
+    Ok(json!({
+        "case": "burst",
+        "rounds": BURST_ROUNDS,
+        "requests": samples.len(),
+        "max_tokens": MAX_TOKENS,
+        "wall_s": round3(secs),
+        "round_s_p50": secs_at(50.0),
+        "round_s_max": secs_at(100.0),
+        "ttft_ms_p50": p50,
+        "ttft_ms_p99": p99,
+        "ttft_p99_over_p50": ratio(p99, p50),
+        "tpot_ms_p50": ms(&tpot, 50.0),
+        "tpot_ms_p99": ms(&tpot, 99.0),
+    }))
+}
+
+/// The mixed case's big request: [`BIG_PROMPTS`] prompts times `n` [`BIG_N`], greedy,
+/// `ignore_eos`, not streamed. Returns its duration once the whole response has arrived and
+/// carries every choice's tokens.
+async fn big_completion(client: HttpClient, target: Arc<Target>) -> Result<Duration> {
+    let choices = BIG_PROMPTS as u64 * BIG_N;
+    let body = json!({
+        "model": target.model,
+        "prompt": PROMPTS[..BIG_PROMPTS],
+        "n": BIG_N,
+        "max_tokens": BIG_MAX_TOKENS,
+        "temperature": 0.0,
+        "ignore_eos": true,
+    });
+    let req = target
+        .request("POST", "/v1/completions")
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))?;
+    let start = Instant::now();
+    let resp = client
+        .request(req)
+        .await
+        .with_context(|| format!("POST {}/v1/completions", target.base))?;
+    let status = resp.status();
+    let bytes = resp
+        .into_body()
+        .collect()
+        .await
+        .context("reading the response")?
+        .to_bytes();
+    let elapsed = start.elapsed();
+    let text = String::from_utf8_lossy(&bytes);
+    ensure!(status == StatusCode::OK, "-> {status}: {text}");
+    let resp: Value =
+        serde_json::from_slice(&bytes).with_context(|| format!("not JSON: {text}"))?;
+    let got = resp["choices"].as_array().map_or(0, Vec::len) as u64;
+    ensure!(got == choices, "{got} choices, expected {choices}");
+    let tokens = resp["usage"]["completion_tokens"].as_u64();
+    ensure!(
+        tokens == Some(choices * BIG_MAX_TOKENS),
+        "usage.completion_tokens {tokens:?}, expected {} despite ignore_eos",
+        choices * BIG_MAX_TOKENS
+    );
+    Ok(elapsed)
+}
+
+/// The idle latency of a short request, then short requests every [`SHORT_INTERVAL`] while
+/// the big request runs (see the module doc); returns the keys of [`MIXED_COLUMNS`] and more.
+async fn run_mixed(client: &HttpClient, target: &Arc<Target>) -> Result<Value> {
+    stream_completion(client, target, PROMPTS[0], SHORT_TOKENS)
+        .await
+        .context("warm-up request")?;
+    let mut idle = Vec::with_capacity(IDLE_RUNS);
+    for r in 0..IDLE_RUNS {
+        let prompt = PROMPTS[r % PROMPTS.len()];
+        let sample = timed_completion(client, target, prompt, SHORT_TOKENS)
+            .await
+            .with_context(|| format!("idle request {r}"))?;
+        idle.push(sample);
+    }
+    let idle_ttft = ms(&sorted(idle.iter().map(|s| s.ttft)), 50.0);
+    let idle_total = ms(&sorted(idle.iter().map(|s| s.total)), 50.0);
+
+    let start = Instant::now();
+    let deadline = tokio::time::Instant::now() + MIXED_DEADLINE;
+    let mut big = tokio::spawn(big_completion(client.clone(), Arc::clone(target)));
+    let mut ticker =
+        tokio::time::interval_at(tokio::time::Instant::now() + SHORT_INTERVAL, SHORT_INTERVAL);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut shorts = Vec::new();
+    // `None` when the big request had not finished by the deadline.
+    let big_time = loop {
+        tokio::select! {
+            done = &mut big => {
+                break Some(done.context("big request task panicked")?.context("big request")?);
+            }
+            _ = ticker.tick(), if shorts.len() < MIXED_MAX_SHORT => {
+                let (client, target) = (client.clone(), Arc::clone(target));
+                let prompt = PROMPTS[shorts.len() % PROMPTS.len()];
+                shorts.push(tokio::spawn(async move {
+                    stream_completion(&client, &target, prompt, SHORT_TOKENS)
+                        .await
+                        .with_context(|| format!("short request {prompt:?}"))
+                }));
+            }
+            _ = tokio::time::sleep_until(deadline) => {
+                big.abort();
+                break None;
+            }
+        }
+    };
+    let sent = shorts.len();
+    let mut done = Vec::with_capacity(sent);
+    for mut short in shorts {
+        match tokio::time::timeout_at(deadline, &mut short).await {
+            Ok(sample) => done.push(sample.context("short request task panicked")??),
+            Err(_) => short.abort(),
+        }
+    }
+    let timed_out = sent - done.len();
+    let ttft = sorted(done.iter().map(|s| s.ttft));
+    let total = sorted(done.iter().map(|s| s.total));
+    let (ttft50, ttft99) = (ms(&ttft, 50.0), ms(&ttft, 99.0));
+    let (total50, total99) = (ms(&total, 50.0), ms(&total, 99.0));
+    Ok(json!({
+        "case": "mixed",
+        "idle_runs": IDLE_RUNS,
+        "idle_ttft_ms": idle_ttft,
+        "idle_total_ms": idle_total,
+        "short_max_tokens": SHORT_TOKENS,
+        "short_interval_ms": SHORT_INTERVAL.as_millis() as u64,
+        "big_choices": BIG_PROMPTS as u64 * BIG_N,
+        "big_max_tokens": BIG_MAX_TOKENS,
+        "big_s": match big_time {
+            Some(t) => json!(round3(t.as_secs_f64())),
+            None => json!("timeout"),
+        },
+        "deadline_s": MIXED_DEADLINE.as_secs(),
+        "wall_s": round3(start.elapsed().as_secs_f64()),
+        "short_sent": sent,
+        "short_done": done.len(),
+        "short_timed_out": timed_out,
+        "short_ttft_ms_p50": ttft50,
+        "short_ttft_ms_p99": ttft99,
+        "short_total_ms_p50": total50,
+        "short_total_ms_p99": total99,
+        "short_ttft_p50_over_idle": ratio(ttft50, idle_ttft),
+        "short_ttft_p99_over_idle": ratio(ttft99, idle_ttft),
+        "short_total_p50_over_idle": ratio(total50, idle_total),
+        "short_total_p99_over_idle": ratio(total99, idle_total),
     }))
 }
 
@@ -490,32 +837,94 @@ fn levels_from_env() -> Result<Vec<(usize, usize)>> {
         .collect())
 }
 
-async fn run(target: Arc<Target>, client: HttpClient, levels: &[(usize, usize)]) -> Result<()> {
+/// The cases this run measures.
+#[derive(Debug, Clone, Copy)]
+struct Cases {
+    levels: bool,
+    burst: bool,
+    mixed: bool,
+}
+
+/// `DEEPINFER_BENCH_CASES` (a comma-separated subset of `levels,burst,mixed`), all if unset.
+fn cases_from_env() -> Result<Cases> {
+    let Ok(value) = std::env::var("DEEPINFER_BENCH_CASES") else {
+        return Ok(Cases {
+            levels: true,
+            burst: true,
+            mixed: true,
+        });
+    };
+    let mut cases = Cases {
+        levels: false,
+        burst: false,
+        mixed: false,
+    };
+    for name in value.split(',').map(str::trim) {
+        match name {
+            "levels" => cases.levels = true,
+            "burst" => cases.burst = true,
+            "mixed" => cases.mixed = true,
+            _ => bail!(
+                "DEEPINFER_BENCH_CASES={value:?}: {name:?} is not one of levels, burst, mixed"
+            ),
+        }
+    }
+    Ok(cases)
+}
+
+/// Tags a case's summary for the JSON lines.
+fn tag(mut row: Value, target: &Target, backend: &str) -> Value {
+    row["bench"] = json!("serve_load");
+    row["backend"] = json!(backend);
+    row["model"] = json!(target.model);
+    row
+}
+
+async fn run(
+    target: Arc<Target>,
+    client: HttpClient,
+    cases: Cases,
+    levels: &[(usize, usize)],
+) -> Result<()> {
     let backend = if target.spawned() { "cpu" } else { "external" };
     println!(
-        "serve_load: model \"{}\" at {} (backend {backend}), max_tokens {MAX_TOKENS}, streaming",
+        "serve_load: model \"{}\" at {} (backend {backend})",
         target.model, target.base
     );
-    let header: Vec<String> = COLUMNS.iter().map(|(h, _)| format!("{h:>11}")).collect();
-    println!("{}", header.join(" "));
     let mut rows = Vec::new();
-    for &(clients, per_client) in levels {
-        let mut row = run_level(&client, &target, clients, per_client)
-            .await
-            .with_context(|| format!("level of {clients} clients"))?;
-        let cells: Vec<String> = COLUMNS
-            .iter()
-            .map(|(_, key)| match (row[key].as_u64(), row[key].as_f64()) {
-                (Some(count), _) => format!("{count:>11}"),
-                (None, Some(x)) => format!("{x:>11.2}"),
-                (None, None) => format!("{:>11}", "-"),
-            })
-            .collect();
-        println!("{}", cells.join(" "));
-        row["bench"] = json!("serve_load");
-        row["backend"] = json!(backend);
-        row["model"] = json!(target.model);
-        rows.push(row);
+    if cases.levels {
+        println!("levels: concurrent clients, max_tokens {MAX_TOKENS}, streaming");
+        print_header(&LEVEL_COLUMNS);
+        for &(clients, per_client) in levels {
+            let row = run_level(&client, &target, clients, per_client)
+                .await
+                .with_context(|| format!("level of {clients} clients"))?;
+            print_row(&LEVEL_COLUMNS, &row);
+            rows.push(tag(row, &target, backend));
+        }
+    }
+    if cases.burst {
+        println!(
+            "burst: {BURST_ROUNDS} rounds of {BURST_REQUESTS} simultaneous new requests, \
+             max_tokens {MAX_TOKENS}, streaming"
+        );
+        print_header(&BURST_COLUMNS);
+        let row = run_burst(&client, &target).await.context("burst case")?;
+        print_row(&BURST_COLUMNS, &row);
+        rows.push(tag(row, &target, backend));
+    }
+    if cases.mixed {
+        println!(
+            "mixed: short requests (max_tokens {SHORT_TOKENS}, streaming) every {} ms while one \
+             request for {} choices x {BIG_MAX_TOKENS} tokens runs; deadline {} s",
+            SHORT_INTERVAL.as_millis(),
+            BIG_PROMPTS as u64 * BIG_N,
+            MIXED_DEADLINE.as_secs()
+        );
+        print_header(&MIXED_COLUMNS);
+        let row = run_mixed(&client, &target).await.context("mixed case")?;
+        print_row(&MIXED_COLUMNS, &row);
+        rows.push(tag(row, &target, backend));
     }
     for row in rows {
         println!("{row}");
@@ -526,6 +935,7 @@ async fn run(target: Arc<Target>, client: HttpClient, levels: &[(usize, usize)])
 fn main() -> Result<()> {
     // `cargo bench` passes `--bench` (and any filter); this bench takes its settings from the
     // environment instead.
+    let cases = cases_from_env()?;
     let levels = levels_from_env()?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -542,7 +952,7 @@ fn main() -> Result<()> {
             Err(_) => Target::spawn()?,
         };
         let target = Arc::new(target);
-        let result = run(Arc::clone(&target), client, &levels).await;
+        let result = run(Arc::clone(&target), client, cases, &levels).await;
         if result.is_err() {
             target.print_log_tail();
             if let Some(status) = target.child_status() {
