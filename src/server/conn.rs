@@ -168,6 +168,12 @@ impl Connections {
                     continue;
                 }
             };
+            // Every streamed token is a small write: without TCP_NODELAY, Nagle's algorithm
+            // holds each one until the client's delayed ACK (about 40 ms on Linux) on a
+            // kept-alive connection, so a stream arrived in one burst at the end.
+            if let Err(e) = stream.set_nodelay(true) {
+                tracing::debug!("cannot set TCP_NODELAY: {e}");
+            }
             if let Ok(permit) = self.slots.clone().try_acquire_owned() {
                 tokio::spawn(self.clone().serve(stream, permit));
             } else {
