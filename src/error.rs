@@ -45,6 +45,9 @@ pub enum ErrorKind {
     /// An invariant of deepinfer itself broke (a bug): a graph built with mismatched shapes, an
     /// input the runner forgot to bind, an error inside candle-core.
     Internal,
+    /// The engine is shutting down and ended the request: nothing failed, and the same request
+    /// succeeds on a server that is up (the engine's `abort_all`).
+    ShuttingDown,
 }
 
 /// Everything that can go wrong in deepinfer's library.

@@ -322,7 +322,7 @@ impl<R: Runner> Scheduler<R> {
     }
 
     /// Ends every request with [`Event::Failed`] carrying `message`, of kind
-    /// [`ErrorKind::Unavailable`]: the engine is going away, nothing is wrong with the requests.
+    /// [`ErrorKind::ShuttingDown`]: the engine is going away, nothing is wrong with the requests.
     pub fn abort_all(&mut self, message: &str) -> Vec<Output> {
         let mut out = Vec::new();
         let all: Vec<Sequence> = self
@@ -335,7 +335,7 @@ impl<R: Runner> Scheduler<R> {
             out.push(Output {
                 id: seq.id,
                 event: Event::Failed {
-                    kind: ErrorKind::Unavailable,
+                    kind: ErrorKind::ShuttingDown,
                     message: message.to_owned(),
                 },
             });

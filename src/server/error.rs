@@ -21,14 +21,8 @@ use crate::engine::SubmitError;
 use crate::error::{Error, ErrorKind};
 
 /// What the shutdown ends the requests still running at the drain deadline with (through
-/// `Engine::abort_all`, whose events are of kind [`ErrorKind::Unavailable`]).
-/// [`ApiError::from_kind`] answers exactly this message with 503 `shutting_down`, the code a
-/// request refused while draining gets, rather than `unavailable`, which means a missing part
-/// of the installation.
-///
-/// A message rather than a kind of its own because the kind belongs to the engine's
-/// [`Event::Failed`](crate::engine::Event::Failed), which the server does not define; when the
-/// engine gains a kind for "ended by a shutdown", this constant can go.
+/// `Engine::abort_all`, whose events are of kind [`ErrorKind::ShuttingDown`]: 503
+/// `shutting_down`, the code a request refused while draining gets).
 pub const SHUTDOWN_MESSAGE: &str =
     "the server is shutting down and ended this request (its drain timeout passed)";
 
@@ -210,8 +204,8 @@ impl ApiError {
     /// |---|---|---|---|
     /// | `InvalidInput` | 400 | `invalid_request_error` | none |
     /// | `ResourceExhausted` | 503 | `server_error` | `resource_exhausted` |
-    /// | `Unavailable`, with [`SHUTDOWN_MESSAGE`] | 503 | `server_error` | `shutting_down` |
-    /// | `Unavailable`, otherwise | 503 | `server_error` | `unavailable` |
+    /// | `ShuttingDown` | 503 | `server_error` | `shutting_down` |
+    /// | `Unavailable` | 503 | `server_error` | `unavailable` |
     /// | `Device`, `Compile` | 500 | `server_error` | `device_error` |
     /// | `Internal`, `Io`, `InvalidModel` | 500 | `server_error` | `internal_error` |
     ///
@@ -231,7 +225,7 @@ impl ApiError {
                     .with_code("resource_exhausted")
             }
             // The drain deadline passed: the server ended the request, nothing failed.
-            ErrorKind::Unavailable if message == SHUTDOWN_MESSAGE => {
+            ErrorKind::ShuttingDown => {
                 tracing::info!("request ended by the shutdown: {message}");
                 ApiError {
                     message,
@@ -369,7 +363,7 @@ mod tests {
 
     #[test]
     fn a_request_ended_by_the_shutdown_is_shutting_down_not_a_fault() {
-        let e = ApiError::from_kind(ErrorKind::Unavailable, SHUTDOWN_MESSAGE);
+        let e = ApiError::from_kind(ErrorKind::ShuttingDown, SHUTDOWN_MESSAGE);
         assert_eq!(e.error_type, SERVER_ERROR);
         assert_eq!(e.message, SHUTDOWN_MESSAGE);
         assert_eq!(
