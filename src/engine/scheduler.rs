@@ -21,8 +21,13 @@
 //! - Admission takes the waiting sequence whose group (the choices of one HTTP request, see
 //!   [`GenerationParams::group`]) has the fewest sequences running, oldest first among equals,
 //!   so a request for more choices than there are free slots runs the rest of its choices as
-//!   slots free up, alongside other requests rather than ahead of them. A preempted sequence
-//!   at the head of the queue goes first (it was running already).
+//!   slots free up, alongside other requests rather than ahead of them. A sequence preempted
+//!   for memory, at the head of the queue, goes first (it was running already).
+//! - When every slot is taken, a group running fewer than its fair share of the slots (their
+//!   number divided among the groups running or waiting) takes one back from a group running
+//!   more: that group's newest sequence is preempted and recomputed later. A request that
+//!   filled an idle server with its choices thus makes room for the requests that arrive
+//!   after it, at the cost of recomputing the choices it gives back.
 //! - Prefill alternates the order in which sequences get their chunks: on even steps the
 //!   shortest remaining prompt first (a short prompt behind long ones finishes its prefill in
 //!   one or two steps), on odd steps the oldest first (a long prompt advances at least every
@@ -660,18 +665,20 @@ impl<R: Runner> Scheduler<R> {
 
     /// Admits a waiting sequence when a batch slot and blocks for all its tokens are free: a
     /// preempted one at the head of the queue, else the oldest of the group with the fewest
-    /// sequences running (see the module docs). False when none was admitted.
+    /// sequences running (see the module docs). When every slot is taken and that group runs
+    /// fewer than its fair share, a slot is taken back from a group above its share first
+    /// ([`Scheduler::reclaim_slot`]). False when none was admitted.
     fn admit(&mut self) -> bool {
-        if self.running.len() >= self.max_running || self.waiting.is_empty() {
+        if self.waiting.is_empty() {
             return false;
         }
+        let running_in = |r: &[Sequence], g: u64| r.iter().filter(|s| group_of(s) == g).count();
         let pick = match self.waiting.front() {
             Some(head) if head.generated() > 0 => 0,
             _ => {
-                let running_in = |g: u64| self.running.iter().filter(|s| group_of(s) == g).count();
                 let mut best = (usize::MAX, 0);
                 for (i, seq) in self.waiting.iter().enumerate() {
-                    let n = running_in(group_of(seq));
+                    let n = running_in(&self.running, group_of(seq));
                     if n < best.0 {
                         best = (n, i);
                     }
@@ -682,6 +689,12 @@ impl<R: Runner> Scheduler<R> {
                 best.1
             }
         };
+        if self.running.len() >= self.max_running {
+            let group = group_of(&self.waiting[pick]);
+            if !self.reclaim_slot(group) {
+                return false;
+            }
+        }
         let Some(seq) = self.waiting.get_mut(pick) else {
             return false;
         };
@@ -695,6 +708,53 @@ impl<R: Runner> Scheduler<R> {
             }
             None => false,
         }
+    }
+
+    /// Frees a batch slot for a sequence of `group` when every slot is taken: if `group` runs
+    /// fewer sequences than its fair share (the slots divided among the groups running or
+    /// waiting, rounded up) and another group runs more, that group's most recently admitted
+    /// sequence is preempted (its blocks freed, recomputed when it is admitted again) and
+    /// queued behind the others. So a request for more choices than there are slots, which
+    /// took every slot of an idle server, gives slots back as other requests arrive, instead
+    /// of making them wait for its choices to finish; with one group, nothing is preempted.
+    fn reclaim_slot(&mut self, group: u64) -> bool {
+        let mut counts: Vec<(u64, usize)> = Vec::new();
+        for s in &self.running {
+            match counts.iter_mut().find(|(g, _)| *g == group_of(s)) {
+                Some((_, n)) => *n += 1,
+                None => counts.push((group_of(s), 1)),
+            }
+        }
+        let mut groups = counts.len();
+        for s in &self.waiting {
+            let g = group_of(s);
+            if !counts.iter().any(|(c, _)| *c == g) {
+                counts.push((g, 0));
+                groups += 1;
+            }
+        }
+        let share = self.max_running.div_ceil(groups.max(1));
+        let mine = counts.iter().find(|(g, _)| *g == group).map_or(0, |c| c.1);
+        let Some(&(victim, _)) = counts
+            .iter()
+            .filter(|(g, n)| *g != group && *n > share)
+            .max_by_key(|(_, n)| *n)
+        else {
+            return false;
+        };
+        if mine >= share {
+            return false;
+        }
+        let Some(i) = self.running.iter().rposition(|s| group_of(s) == victim) else {
+            return false;
+        };
+        let mut seq = self.running.remove(i);
+        self.blocks.release(&mut seq.blocks);
+        seq.computed = 0;
+        seq.phase = Phase::Prefill;
+        self.waiting.push_back(seq);
+        self.preemptions += 1;
+        true
     }
 
     /// Drops the sequences whose last event finished them (the last output of each id).
