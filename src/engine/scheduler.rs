@@ -371,9 +371,16 @@ impl<R: Runner> Scheduler<R> {
 
     /// One iteration: a decode step over every decoding sequence, then one prefill chunk.
     pub fn step(&mut self) -> Vec<Output> {
+        self.step_with(|_| false)
+    }
+
+    /// [`Scheduler::step`] leaving out the sequences for which `skip` holds: they keep their
+    /// blocks and their place, and neither decode nor get a prefill chunk in this iteration
+    /// (the engine thread pauses a request whose client has not read its events).
+    pub fn step_with(&mut self, skip: impl Fn(RequestId) -> bool) -> Vec<Output> {
         let mut out = Vec::new();
-        self.decode_step(&mut out);
-        self.prefill_step(&mut out);
+        self.decode_step(&mut out, &skip);
+        self.prefill_step(&mut out, &skip);
         out
     }
 
@@ -391,14 +398,14 @@ impl<R: Runner> Scheduler<R> {
         true
     }
 
-    fn decode_step(&mut self, out: &mut Vec<Output>) {
+    fn decode_step(&mut self, out: &mut Vec<Output>, skip: &dyn Fn(RequestId) -> bool) {
         // Room for one more slot each, preempting from the newest until it fits.
         loop {
             let alloc = &self.blocks;
             let need: usize = self
                 .running
                 .iter()
-                .filter(|s| s.phase == Phase::Decode)
+                .filter(|s| s.phase == Phase::Decode && !skip(s.id))
                 .map(|s| {
                     alloc
                         .blocks_for(s.tokens.len())
@@ -412,6 +419,7 @@ impl<R: Runner> Scheduler<R> {
         let mut batch: Vec<usize> = Vec::new();
         for (i, seq) in self.running.iter_mut().enumerate() {
             if seq.phase == Phase::Decode
+                && !skip(seq.id)
                 && self.blocks.grow(&mut seq.blocks, seq.tokens.len()).is_ok()
             {
                 batch.push(i);
@@ -473,8 +481,12 @@ impl<R: Runner> Scheduler<R> {
         self.remove_finished(out);
     }
 
-    fn prefill_step(&mut self, out: &mut Vec<Output>) {
-        let i = match self.running.iter().position(|s| s.phase == Phase::Prefill) {
+    fn prefill_step(&mut self, out: &mut Vec<Output>, skip: &dyn Fn(RequestId) -> bool) {
+        let i = match self
+            .running
+            .iter()
+            .position(|s| s.phase == Phase::Prefill && !skip(s.id))
+        {
             Some(i) => i,
             None => match self.admit() {
                 Some(i) => i,
