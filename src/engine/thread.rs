@@ -56,17 +56,17 @@ pub const UNHEALTHY_AFTER: u32 = 3;
 /// up never pauses it (a reader wakes on the first event and takes them all), few enough that a
 /// client that stops reading costs little.
 ///
-/// A sequence steps only while its queue has room for [`MAX_EVENTS_PER_STEP`] more, and the
-/// last event of a request may go in whatever the room, so a queue holds at most capacity + 1
-/// events. The largest is a prefill chunk's prompt log-probabilities: per position 8 bytes of
-/// `Option<TokenLogprobs>` header-free data, 32 of vector header and 8 per alternative (at
-/// most 20, so about 200 bytes), times the prefill chunk (64 by default): about 13 KB. A
-/// generated token with top-20 log-probabilities is about 250 bytes (96 for the event, 160 for
-/// the alternatives, its text). So a stalled choice holds at most about 16 KB of token events,
-/// or 850 KB if its whole queue were prompt log-probabilities (which only `echo` with
-/// `logprobs` sends, once per prompt chunk); a request of `n` choices holds `n` queues (at most
-/// 64 choices). The HTTP side adds one serialized chunk per response and what hyper buffers
-/// for the socket (a bounded write buffer).
+/// The memory a stalled request holds: a sequence steps only while its queue has room for
+/// what a step adds, and the event that ends a request goes in whatever the room, so a queue
+/// holds at most capacity + 1 events. An event is at most 96 bytes (a unit test checks) plus
+/// its heap: a token's text (a few bytes) and, with log-probabilities, 8 bytes per alternative
+/// (at most 20): about 300 bytes with the allocator's overhead, so about 20 KB per stalled
+/// choice, 1.3 MB for a request of 64 choices (the most a request may ask for). The largest
+/// event is a prefill chunk's prompt log-probabilities (`echo` with `logprobs` only): about
+/// 200 bytes per position times the prefill chunk (64 by default), 13 KB, so 850 KB per choice
+/// in the worst case. The HTTP side adds, per response, one serialized chunk (a few KB) and
+/// hyper's write buffer (at most 16 chunks or about 400 KB); the socket's kernel buffers are
+/// not the process's memory.
 pub const EVENT_QUEUE_CAPACITY: usize = 64;
 
 /// The most events one scheduler iteration gives one sequence: a prefill chunk's prompt
@@ -866,5 +866,129 @@ fn route(
             scheduler.cancel(out.id);
             metrics.record_outcome(Outcome::Cancelled);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::params::FinishReason;
+    use crate::engine::scheduler::TokenEvent;
+
+    fn token(finish: Option<FinishReason>) -> Event {
+        Event::Token(TokenEvent {
+            token: 7,
+            text: "x".into(),
+            finish,
+            logprobs: None,
+        })
+    }
+
+    fn pair() -> (EventSender, RequestStream, mpsc::Receiver<Command>) {
+        let queue = Arc::new(EventQueue::default());
+        let (commands, inbox) = mpsc::channel();
+        let stream = RequestStream {
+            id: 1,
+            prompt_tokens: 1,
+            events: queue.clone(),
+            commands,
+            done: false,
+        };
+        (EventSender(queue), stream, inbox)
+    }
+
+    fn wakes(inbox: &mpsc::Receiver<Command>) -> usize {
+        inbox
+            .try_iter()
+            .filter(|c| matches!(c, Command::Wake))
+            .count()
+    }
+
+    #[test]
+    fn a_full_queue_pauses_until_its_reader_takes_half() {
+        let (tx, mut rx, inbox) = pair();
+        let mut sent = 0;
+        while tx.may_step() {
+            tx.send(token(None)).unwrap();
+            sent += 1;
+        }
+        // Room for a whole step is kept: a step adds at most MAX_EVENTS_PER_STEP.
+        assert_eq!(sent, EVENT_QUEUE_CAPACITY - MAX_EVENTS_PER_STEP + 1);
+        // The last event still goes in: nothing is ever dropped.
+        tx.send(token(Some(FinishReason::Length))).unwrap();
+        let queued = sent + 1;
+        // Taking a few does not resume it (no wake-up per event)...
+        for _ in 0..queued - RESUME_AT - 1 {
+            assert!(futures::executor::block_on(rx.next()).is_some());
+            assert!(!tx.may_step());
+        }
+        assert_eq!(wakes(&inbox), 0);
+        // ...bringing it down to half does, and wakes the engine once.
+        assert!(futures::executor::block_on(rx.next()).is_some());
+        assert_eq!(wakes(&inbox), 1);
+        assert!(tx.may_step());
+        for _ in 0..RESUME_AT - 1 {
+            assert!(futures::executor::block_on(rx.next()).is_some());
+        }
+        let last = futures::executor::block_on(rx.next()).unwrap();
+        assert!(last.is_last());
+        assert!(futures::executor::block_on(rx.next()).is_none());
+        assert_eq!(wakes(&inbox), 0);
+    }
+
+    #[test]
+    fn a_reader_waits_for_events_and_ends_when_the_engine_drops_its_end() {
+        let (tx, mut rx, _inbox) = pair();
+        let reader = std::thread::spawn(move || {
+            let mut n = 0;
+            while futures::executor::block_on(rx.next()).is_some() {
+                n += 1;
+            }
+            n
+        });
+        for _ in 0..3 {
+            std::thread::sleep(Duration::from_millis(5));
+            tx.send(token(None)).unwrap();
+        }
+        drop(tx);
+        assert_eq!(reader.join().unwrap(), 3);
+    }
+
+    #[test]
+    fn a_dropped_reader_frees_the_queue_and_cancels() {
+        let (tx, rx, inbox) = pair();
+        tx.send(token(None)).unwrap();
+        drop(rx);
+        assert!(tx.is_closed());
+        assert!(tx.send(token(None)).is_err());
+        assert!(tx.0.lock().events.is_empty());
+        assert!(matches!(inbox.try_recv(), Ok(Command::Cancel(1))));
+    }
+
+    #[test]
+    fn a_stalled_request_ends_with_one_failure_in_place_of_its_unread_events() {
+        let (tx, mut rx, _inbox) = pair();
+        while tx.may_step() {
+            tx.send(token(None)).unwrap();
+        }
+        tx.replace_all(Event::Failed {
+            kind: ErrorKind::InvalidInput,
+            message: "stalled".into(),
+        });
+        drop(tx);
+        let e = futures::executor::block_on(rx.next()).unwrap();
+        assert!(matches!(e, Event::Failed { .. }), "{e:?}");
+        assert!(futures::executor::block_on(rx.next()).is_none());
+    }
+
+    /// The sizes [`EVENT_QUEUE_CAPACITY`]'s memory bound is computed from.
+    #[test]
+    fn events_are_as_small_as_the_documented_bound_assumes() {
+        assert!(
+            std::mem::size_of::<Event>() <= 96,
+            "{}",
+            std::mem::size_of::<Event>()
+        );
+        assert!(std::mem::size_of::<Option<super::super::TokenLogprobs>>() <= 32);
     }
 }
