@@ -489,8 +489,9 @@ impl<R: Runner> Scheduler<R> {
         {
             Some(i) => i,
             None => match self.admit() {
-                Some(i) => i,
-                None => return,
+                // A skipped sequence (a preempted one back at the head) is admitted but waits.
+                Some(i) if !skip(self.running[i].id) => i,
+                _ => return,
             },
         };
         let chunk_size = self.runner.runner_config().buckets.prefill_chunk;
