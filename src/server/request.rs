@@ -39,9 +39,14 @@ where
         Semaphore::new(std::thread::available_parallelism().map_or(2, |n| n.get()))
     });
     // The semaphore is never closed, so acquiring cannot fail; were it to, the work would run
-    // without a turn rather than fail the request.
-    let _turn = turns.acquire().await.ok();
-    match tokio::task::spawn_blocking(work).await {
+    // without a turn rather than fail the request. The turn goes with the work: a request
+    // dropped meanwhile (its client gone) does not free it while the work still runs.
+    let turn = turns.acquire().await.ok();
+    let job = move || {
+        let _turn = turn;
+        work()
+    };
+    match tokio::task::spawn_blocking(job).await {
         Ok(result) => result,
         Err(e) => Err(ApiError::from_kind(
             ErrorKind::Internal,
