@@ -7,7 +7,9 @@
 //! back while the window ends in an incomplete character (the method of TGI and vLLM).
 //!
 //! [`StopStrings`] then holds back any tail that could still become a stop string, so a stream
-//! never shows text that a later token turns into a stop.
+//! never shows text that a later token turns into a stop. It matches incrementally, so its
+//! cost per token depends on neither the text generated so far nor (beyond a constant) the
+//! stop strings' length.
 
 use std::sync::Arc;
 
@@ -83,10 +85,70 @@ impl IncrementalDecoder {
 }
 
 /// Finds stop strings in streamed text, holding back what could be the start of one.
+///
+/// Each stop string is matched incrementally, Knuth-Morris-Pratt over bytes: a push costs
+/// amortized constant work per byte of new text and per stop string, however long the text so
+/// far or the stop strings are, and only the longest tail of the text that is a proper prefix
+/// of some stop string is held back (at most the longest stop string's length minus one byte).
+/// The earlier version searched the held text again on every push and tried every prefix of
+/// every stop string against its tail: quadratic in a stop string's length, about 4 ms per
+/// token with long ones. A byte automaton (a table of 256 transitions per state) would make
+/// the worst case of one push constant too, at 256 words per stop-string byte per sequence;
+/// KMP's one word per byte was preferred.
 #[derive(Debug, Clone, Default)]
 pub struct StopStrings {
-    stops: Vec<String>,
+    stops: Vec<Matcher>,
+    /// Text not released yet: the tail that could still become a stop string.
     pending: String,
+}
+
+/// One stop string's matcher.
+#[derive(Debug, Clone)]
+struct Matcher {
+    stop: Vec<u8>,
+    /// `fallback[i]`: the length of the longest proper prefix of `stop[..=i]` that is also a
+    /// suffix of it (KMP's failure function).
+    fallback: Vec<usize>,
+    /// The length of the longest prefix of `stop` the text so far ends with (less than the
+    /// whole: a whole match is reported and the state falls back).
+    state: usize,
+}
+
+impl Matcher {
+    fn new(stop: &str) -> Self {
+        let stop = stop.as_bytes().to_vec();
+        let mut fallback = vec![0; stop.len()];
+        let mut k = 0;
+        for i in 1..stop.len() {
+            while k > 0 && stop[i] != stop[k] {
+                k = fallback[k - 1];
+            }
+            if stop[i] == stop[k] {
+                k += 1;
+            }
+            fallback[i] = k;
+        }
+        Matcher {
+            stop,
+            fallback,
+            state: 0,
+        }
+    }
+
+    /// Takes the next byte of text; true when it completes the stop string.
+    fn advance(&mut self, byte: u8) -> bool {
+        while self.state > 0 && self.stop[self.state] != byte {
+            self.state = self.fallback[self.state - 1];
+        }
+        if self.stop[self.state] == byte {
+            self.state += 1;
+        }
+        if self.state == self.stop.len() {
+            self.state = self.fallback[self.state - 1];
+            return true;
+        }
+        false
+    }
 }
 
 /// What [`StopStrings::push`] lets through.
@@ -102,7 +164,11 @@ impl StopStrings {
     /// A matcher for `stops` (empty strings are ignored).
     pub fn new(stops: &[String]) -> Self {
         StopStrings {
-            stops: stops.iter().filter(|s| !s.is_empty()).cloned().collect(),
+            stops: stops
+                .iter()
+                .filter(|s| !s.is_empty())
+                .map(|s| Matcher::new(s))
+                .collect(),
             pending: String::new(),
         }
     }
@@ -115,44 +181,65 @@ impl StopStrings {
                 stopped: false,
             };
         }
+        let base = self.pending.len();
         self.pending.push_str(text);
-        // The earliest match wins: it is where the text would have stopped first.
-        if let Some(at) = self
-            .stops
-            .iter()
-            .filter_map(|s| self.pending.find(s.as_str()))
-            .min()
-        {
+        let longest = self.stops.iter().map(|m| m.stop.len()).max().unwrap_or(0);
+        // The earliest start of a match wins: it is where the text would have stopped first.
+        // Only matches ending in the new text are possible (an earlier one stopped an earlier
+        // push), and none starts before `pending` (what was released could not begin one).
+        let mut first: Option<usize> = None;
+        for (k, &byte) in text.as_bytes().iter().enumerate() {
+            let end = base + k + 1;
+            if first.is_some_and(|f| end >= f + longest) {
+                // Every match ending here or later starts at or after `first`.
+                break;
+            }
+            for m in &mut self.stops {
+                if m.advance(byte) {
+                    if let Some(start) = end.checked_sub(m.stop.len()) {
+                        first = Some(first.map_or(start, |f| f.min(start)));
+                    }
+                }
+            }
+        }
+        if let Some(at) = first {
+            // A stop string starts with a whole character, so `at` is a boundary; the loop
+            // only guards against a bug turning into a panic.
+            let mut at = at;
+            while !self.pending.is_char_boundary(at) {
+                at -= 1;
+            }
             self.pending.truncate(at);
+            self.reset();
             return StopCheck {
                 text: std::mem::take(&mut self.pending),
                 stopped: true,
             };
         }
-        let hold = self.longest_partial_match();
-        let keep = self.pending.split_off(self.pending.len() - hold);
+        // Hold back the longest tail that is a prefix of a stop string. The tail starts at a
+        // character (its first byte is a stop string's first); the loop is the same guard.
+        let hold = self.stops.iter().map(|m| m.state).max().unwrap_or(0);
+        let mut cut = self.pending.len().saturating_sub(hold);
+        while !self.pending.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        let keep = self.pending.split_off(cut);
         StopCheck {
             text: std::mem::replace(&mut self.pending, keep),
             stopped: false,
         }
     }
 
-    /// The length of the longest tail of `pending` that is a proper prefix of a stop string.
-    fn longest_partial_match(&self) -> usize {
-        let p = &self.pending;
-        self.stops
-            .iter()
-            .flat_map(|s| {
-                (1..s.len().min(p.len() + 1))
-                    .filter(|&n| s.is_char_boundary(n) && p.ends_with(&s[..n]))
-                    .max()
-            })
-            .max()
-            .unwrap_or(0)
+    /// Forgets the text so far: matching starts afresh.
+    fn reset(&mut self) {
+        for m in &mut self.stops {
+            m.state = 0;
+        }
     }
 
     /// The text held back, once generation ended for another reason.
     pub fn flush(&mut self) -> String {
+        self.reset();
         std::mem::take(&mut self.pending)
     }
 }

@@ -20,4 +20,7 @@ pub use blocks::BlockAllocator;
 pub use params::{FinishReason, GenerationParams};
 pub use scheduler::{Event, Output, RequestId, Scheduler, TokenEvent, TokenLogprobs};
 pub use single::{generate, score, StopConditions};
-pub use thread::{Engine, EngineInfo, EngineOptions, RequestStream, SubmitError};
+pub use thread::{
+    Engine, EngineInfo, EngineOptions, RequestStream, SubmitError, DEFAULT_STALL_TIMEOUT,
+    EVENT_QUEUE_CAPACITY,
+};

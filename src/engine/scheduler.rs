@@ -422,11 +422,18 @@ impl<R: Runner> Scheduler<R> {
     /// One iteration: a decode step over every decoding sequence, then one packed prefill step
     /// with the rest of the token budget.
     pub fn step(&mut self) -> Vec<Output> {
+        self.step_with(|_| false)
+    }
+
+    /// [`Scheduler::step`] leaving out the sequences for which `skip` holds: they keep their
+    /// blocks and their place, and neither decode nor get a prefill chunk in this iteration
+    /// (the engine thread pauses a request whose client has not read its events).
+    pub fn step_with(&mut self, skip: impl Fn(RequestId) -> bool) -> Vec<Output> {
         let mut out = Vec::new();
-        let decoded = self.decode_step(&mut out);
+        let decoded = self.decode_step(&mut out, &skip);
         let chunk = self.runner.runner_config().buckets.prefill_chunk;
         let budget = self.token_budget.saturating_sub(decoded).min(chunk);
-        self.prefill_step(budget, &mut out);
+        self.prefill_step(budget, &mut out, &skip);
         self.iterations += 1;
         out
     }
@@ -445,15 +452,16 @@ impl<R: Runner> Scheduler<R> {
         true
     }
 
-    /// Decodes one token for every decoding sequence; returns how many rows the step fed.
-    fn decode_step(&mut self, out: &mut Vec<Output>) -> usize {
+    /// Decodes one token for every decoding sequence not skipped; returns how many rows the
+    /// step fed.
+    fn decode_step(&mut self, out: &mut Vec<Output>, skip: &dyn Fn(RequestId) -> bool) -> usize {
         // Room for one more slot each, preempting from the newest until it fits.
         loop {
             let alloc = &self.blocks;
             let need: usize = self
                 .running
                 .iter()
-                .filter(|s| s.phase == Phase::Decode)
+                .filter(|s| s.phase == Phase::Decode && !skip(s.id))
                 .map(|s| {
                     alloc
                         .blocks_for(s.tokens.len())
@@ -467,6 +475,7 @@ impl<R: Runner> Scheduler<R> {
         let mut batch: Vec<usize> = Vec::new();
         for (i, seq) in self.running.iter_mut().enumerate() {
             if seq.phase == Phase::Decode
+                && !skip(seq.id)
                 && self.blocks.grow(&mut seq.blocks, seq.tokens.len()).is_ok()
             {
                 batch.push(i);
@@ -531,11 +540,15 @@ impl<R: Runner> Scheduler<R> {
 
     /// Chooses this step's prefill chunks, admitting waiting sequences first: (index into
     /// `running`, tokens), in the order they are packed. See the module docs for the order.
-    fn plan_prefill(&mut self, budget: usize) -> Vec<(usize, usize)> {
+    fn plan_prefill(
+        &mut self,
+        budget: usize,
+        skip: &dyn Fn(RequestId) -> bool,
+    ) -> Vec<(usize, usize)> {
         let buckets = self.runner.runner_config().buckets.clone();
         while self.admit() {}
         let mut order: Vec<usize> = (0..self.running.len())
-            .filter(|&i| self.running[i].phase == Phase::Prefill)
+            .filter(|&i| self.running[i].phase == Phase::Prefill && !skip(self.running[i].id))
             .collect();
         if self.iterations % 2 == 0 {
             // Stable: among equals, the oldest first.
@@ -559,11 +572,16 @@ impl<R: Runner> Scheduler<R> {
         plan
     }
 
-    fn prefill_step(&mut self, budget: usize, out: &mut Vec<Output>) {
+    fn prefill_step(
+        &mut self,
+        budget: usize,
+        out: &mut Vec<Output>,
+        skip: &dyn Fn(RequestId) -> bool,
+    ) {
         if budget == 0 {
             return;
         }
-        let plan = self.plan_prefill(budget);
+        let plan = self.plan_prefill(budget, skip);
         if plan.is_empty() {
             return;
         }

@@ -1,35 +1,92 @@
 //! The scheduler on a thread of its own, for the async server.
 //!
 //! The runner is built and owned by the engine thread (a device runner's handles never cross
-//! threads). Requests arrive over a channel; each gets an unbounded channel of its own for its
-//! events, so the engine never waits on a slow client. The thread sleeps while there is nothing
-//! to do and otherwise loops: take new requests and cancellations, run one scheduler iteration,
-//! route the events, update the metrics.
+//! threads). Requests arrive over a channel; the thread sleeps while there is nothing to do and
+//! otherwise loops: take new requests and cancellations, run one scheduler iteration, route the
+//! events, update the metrics.
+//!
+//! # Backpressure
+//!
+//! Each request's events go into a queue of its own that holds [`EVENT_QUEUE_CAPACITY`] events.
+//! The engine thread serves everyone, so it never waits on one client: when a request's queue
+//! has no room for what one more step could produce, its sequence is left out of the steps
+//! (paused: it keeps its KV blocks and its place, and does not count as failed) until its
+//! reader brings the queue down to half, which wakes the thread. No event is ever dropped (a
+//! paused sequence produces none; the one that ends a request always fits, see
+//! [`EVENT_QUEUE_CAPACITY`]). A sequence paused longer than the stall timeout
+//! ([`DEFAULT_STALL_TIMEOUT`], `deepinfer serve --stall-timeout-secs`) is cancelled and its
+//! blocks freed. When nothing can run (every sequence paused, or waiting for blocks that paused
+//! ones hold) the thread sleeps until a command, a reader's wake-up or the next stall deadline,
+//! instead of spinning.
+//!
+//! The queue used to be an unbounded channel: a client that never read grew the server by
+//! every token of its request (one `n = 16`, `logprobs = 20` stream took it from 48 MB to
+//! 1 GB). A bounded tokio channel was considered; its sender cannot push the one event that
+//! ends a request past a full queue, and the engine would still have to learn when its reader
+//! freed room, so the queue is a small mutex-guarded deque with a [`Notify`] for the reader
+//! and the command channel for the engine.
 //!
 //! A [`RequestStream`] dropped before its request finished (a client that went away) cancels
 //! the request, which frees its blocks before the next step.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard, PoisonError};
 use std::thread::JoinHandle;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
-use tokio::sync::mpsc as async_mpsc;
+use tokio::sync::Notify;
 
-use crate::error::{Error, Result};
+use crate::config::ModelConfig;
+use crate::error::{Error, ErrorKind, Result};
 use crate::metrics::{Metrics, Outcome};
-use crate::runner::Runner;
+use crate::runner::{Backend, Buckets, Runner, RunnerConfig, Step, StepOutput};
+use crate::tokenizer::Tokenizer;
 
 /// The runner the engine thread drives: whichever backend [`crate::runner::open`] chose.
 type EngineRunner = Box<dyn Runner>;
-use crate::tokenizer::Tokenizer;
 
 use super::params::{FinishReason, GenerationParams};
 use super::scheduler::{validate, Event, RequestId, Scheduler};
 
 /// Consecutive failed steps after which [`Engine::unhealthy`] reports the engine unhealthy.
 pub const UNHEALTHY_AFTER: u32 = 3;
+
+/// Events a request's queue holds before its sequence is paused: enough that a reader keeping
+/// up never pauses it (a reader wakes on the first event and takes them all), few enough that a
+/// client that stops reading costs little.
+///
+/// The memory a stalled request holds: a sequence steps only while its queue has room for
+/// what a step adds, and the event that ends a request goes in whatever the room, so a queue
+/// holds at most capacity + 1 events. An event is at most 96 bytes (a unit test checks) plus
+/// its heap: a token's text (a few bytes) and, with log-probabilities, 8 bytes per alternative
+/// (at most 20): about 300 bytes with the allocator's overhead, so about 20 KB per stalled
+/// choice, 1.3 MB for a request of 64 choices (the most a request may ask for). The largest
+/// event is a prefill chunk's prompt log-probabilities (`echo` with `logprobs` only): about
+/// 200 bytes per position times the prefill chunk (64 by default), 13 KB, so 850 KB per choice
+/// in the worst case. The HTTP side adds, per response, one serialized chunk (a few KB) and
+/// hyper's write buffer (at most 16 chunks or about 400 KB); the socket's kernel buffers are
+/// not the process's memory.
+pub const EVENT_QUEUE_CAPACITY: usize = 64;
+
+/// The most events one scheduler iteration gives one sequence: a prefill chunk's prompt
+/// log-probabilities and its first token.
+const MAX_EVENTS_PER_STEP: usize = 2;
+
+/// A paused sequence resumes once its reader has brought its queue down to this: resuming at
+/// the first free slot would pause and wake it on every event.
+const RESUME_AT: usize = EVENT_QUEUE_CAPACITY / 2;
+
+/// How long a request may stay paused on a full queue (its client reading nothing) before it
+/// is cancelled and its KV blocks freed, unless [`Engine::set_stall_timeout`] says otherwise.
+/// A minute outlasts any pause of a client that is reading, however slowly (one event per
+/// second still resumes it every half minute), and bounds how long a dead connection holds
+/// cache blocks.
+pub const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(60);
+
+/// The longest the thread sleeps when nothing could run and no stall deadline is nearer: a
+/// safety net, as every change that lets work run (a command, a reader's wake-up) wakes it.
+const STUCK_POLL: Duration = Duration::from_millis(100);
 
 /// Limits of the engine's queue.
 #[derive(Debug, Clone)]
@@ -81,12 +138,132 @@ enum Command {
         id: RequestId,
         prompt: Vec<u32>,
         params: GenerationParams,
-        events: async_mpsc::UnboundedSender<Event>,
+        events: EventSender,
         arrival: Instant,
     },
     Cancel(RequestId),
+    /// A reader freed room in a paused request's queue.
+    Wake,
     AbortAll(String),
     Shutdown,
+}
+
+/// The contents of one request's event queue.
+#[derive(Debug, Default)]
+struct QueueState {
+    events: VecDeque<Event>,
+    /// The engine left the sequence out of a step for want of room; the reader wakes the
+    /// engine when it brings the queue down to [`RESUME_AT`].
+    paused: bool,
+    /// The [`RequestStream`] is gone: nobody will read.
+    reader_gone: bool,
+    /// The engine dropped its end: no more events will come.
+    writer_gone: bool,
+}
+
+/// One request's events between the engine thread and its [`RequestStream`].
+#[derive(Debug, Default)]
+struct EventQueue {
+    state: Mutex<QueueState>,
+    /// Wakes the reader (one, so a wake-up that finds it not waiting is kept for its next
+    /// wait).
+    readable: Notify,
+}
+
+impl EventQueue {
+    /// The state; a panic while it was held leaves it consistent (every change is one step),
+    /// so a poisoned lock is taken anyway.
+    fn lock(&self) -> MutexGuard<'_, QueueState> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// The engine thread's end of a request's queue.
+#[derive(Debug)]
+struct EventSender(Arc<EventQueue>);
+
+impl EventSender {
+    /// Appends `event`; `Err` if the reader is gone (the request should be cancelled). Never
+    /// refuses for want of room: the engine only steps a sequence whose queue has room
+    /// ([`EventSender::may_step`]), and the last event of a request must never be lost.
+    fn send(&self, event: Event) -> std::result::Result<(), Event> {
+        let mut s = self.0.lock();
+        if s.reader_gone {
+            return Err(event);
+        }
+        s.events.push_back(event);
+        drop(s);
+        self.0.readable.notify_one();
+        Ok(())
+    }
+
+    /// Whether the sequence may take part in the next step: its queue has room for what a
+    /// step produces. If not it is marked paused, and its reader wakes the engine once the
+    /// queue is down to [`RESUME_AT`]; a paused sequence resumes only then.
+    fn may_step(&self) -> bool {
+        let mut s = self.0.lock();
+        if s.paused {
+            if s.events.len() > RESUME_AT {
+                return false;
+            }
+            s.paused = false;
+            return true;
+        }
+        if s.events.len() + MAX_EVENTS_PER_STEP > EVENT_QUEUE_CAPACITY {
+            s.paused = true;
+            return false;
+        }
+        true
+    }
+
+    /// Ends a stalled request: its unread events are dropped (its client is not reading
+    /// them, and they are what a stall costs) and `event` is its last.
+    fn replace_all(&self, event: Event) {
+        let mut s = self.0.lock();
+        s.events.clear();
+        s.events.push_back(event);
+        drop(s);
+        self.0.readable.notify_one();
+    }
+
+    /// Whether the reader is gone.
+    fn is_closed(&self) -> bool {
+        self.0.lock().reader_gone
+    }
+}
+
+impl Drop for EventSender {
+    fn drop(&mut self) {
+        self.0.lock().writer_gone = true;
+        self.0.readable.notify_one();
+    }
+}
+
+/// What a reader found in its queue.
+enum Popped {
+    /// An event; `wake` if taking it resumed the paused sequence (the engine must be told).
+    Event { event: Event, wake: bool },
+    /// Nothing yet.
+    Empty,
+    /// Nothing, and nothing will come.
+    Closed,
+}
+
+impl EventQueue {
+    fn pop(&self) -> Popped {
+        let mut s = self.lock();
+        match s.events.pop_front() {
+            Some(event) => {
+                let wake = s.paused && s.events.len() <= RESUME_AT;
+                if wake {
+                    s.paused = false;
+                }
+                Popped::Event { event, wake }
+            }
+            None if s.writer_gone => Popped::Closed,
+            None => Popped::Empty,
+        }
+    }
 }
 
 /// State shared by the handle and the engine thread.
@@ -101,6 +278,8 @@ struct Shared {
     /// Sequences running, as of the last iteration.
     running: AtomicUsize,
     draining: AtomicBool,
+    /// The stall timeout in milliseconds (see [`Engine::set_stall_timeout`]).
+    stall_timeout_ms: AtomicU64,
     metrics: Arc<Metrics>,
 }
 
@@ -116,12 +295,13 @@ pub struct Engine {
 }
 
 /// The events of one request, in order, up to the one for which [`Event::is_last`] holds.
-/// Dropping it early cancels the request.
+/// At most [`EVENT_QUEUE_CAPACITY`] (plus the last) wait unread: a request whose events are
+/// not read pauses. Dropping it early cancels the request.
 #[derive(Debug)]
 pub struct RequestStream {
     id: RequestId,
     prompt_tokens: usize,
-    events: async_mpsc::UnboundedReceiver<Event>,
+    events: Arc<EventQueue>,
     commands: mpsc::Sender<Command>,
     done: bool,
 }
@@ -142,16 +322,36 @@ impl RequestStream {
         if self.done {
             return None;
         }
-        let event = self.events.recv().await;
-        if event.as_ref().is_none_or(Event::is_last) {
-            self.done = true;
+        loop {
+            match self.events.pop() {
+                Popped::Event { event, wake } => {
+                    if wake {
+                        // The engine may be gone; then nothing is waiting for the wake-up.
+                        let _ = self.commands.send(Command::Wake);
+                    }
+                    if event.is_last() {
+                        self.done = true;
+                    }
+                    return Some(event);
+                }
+                Popped::Closed => {
+                    self.done = true;
+                    return None;
+                }
+                // A push between the check and this wait leaves a permit: no wake-up is lost.
+                Popped::Empty => self.events.readable.notified().await,
+            }
         }
-        event
     }
 }
 
 impl Drop for RequestStream {
     fn drop(&mut self) {
+        {
+            let mut s = self.events.lock();
+            s.reader_gone = true;
+            s.events.clear();
+        }
         if !self.done {
             // The engine may already be gone; then there is nothing to free.
             let _ = self.commands.send(Command::Cancel(self.id));
@@ -179,6 +379,7 @@ impl Engine {
             queued: AtomicUsize::new(0),
             running: AtomicUsize::new(0),
             draining: AtomicBool::new(false),
+            stall_timeout_ms: AtomicU64::new(DEFAULT_STALL_TIMEOUT.as_millis() as u64),
             metrics,
         });
         let thread_shared = shared.clone();
@@ -201,6 +402,10 @@ impl Engine {
                     vocab_size: runner.config().vocab_size,
                     max_batch: rc.buckets.max_batch(),
                     backend: runner.backend().name(),
+                };
+                let runner = CountingRunner {
+                    inner: runner,
+                    steps: 0,
                 };
                 let scheduler = Scheduler::new(runner, tokenizer, eos).and_then(|mut s| {
                     if let Some(n) = token_budget {
@@ -249,6 +454,15 @@ impl Engine {
         &self.shared.metrics
     }
 
+    /// Sets how long a request may stay paused because its client reads none of its events
+    /// before it is cancelled (default [`DEFAULT_STALL_TIMEOUT`]). A setting of the running
+    /// engine rather than an [`EngineOptions`] field: it is serving policy, and it applies to
+    /// stalls from the next iteration on.
+    pub fn set_stall_timeout(&self, timeout: Duration) {
+        let ms = u64::try_from(timeout.as_millis()).unwrap_or(u64::MAX);
+        self.shared.stall_timeout_ms.store(ms, Ordering::Relaxed);
+    }
+
     /// Queues a request. It is checked against the model here, so a bad one is refused before it
     /// costs anything.
     pub fn submit(
@@ -275,13 +489,13 @@ impl Engine {
             return Err(SubmitError::QueueFull(waiting));
         }
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let (tx, rx) = async_mpsc::unbounded_channel();
+        let queue = Arc::new(EventQueue::default());
         let prompt_tokens = prompt.len();
         let sent = self.commands.send(Command::Add {
             id,
             prompt,
             params,
-            events: tx,
+            events: EventSender(queue.clone()),
             arrival: Instant::now(),
         });
         if sent.is_err() {
@@ -291,7 +505,7 @@ impl Engine {
         Ok(RequestStream {
             id,
             prompt_tokens,
-            events: rx,
+            events: queue,
             commands: self.commands.clone(),
             done: false,
         })
@@ -346,18 +560,54 @@ impl Engine {
     }
 }
 
+/// The engine's runner, counting the steps it runs: an iteration that ran none could make no
+/// progress (every sequence paused, or waiting for blocks that paused ones hold), and the
+/// thread then sleeps instead of spinning. Counting here keeps the scheduler unaware of why a
+/// step might do nothing.
+struct CountingRunner {
+    inner: EngineRunner,
+    steps: u64,
+}
+
+impl Runner for CountingRunner {
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+    fn runner_config(&self) -> &RunnerConfig {
+        self.inner.runner_config()
+    }
+    fn backend(&self) -> Backend {
+        self.inner.backend()
+    }
+    fn capture(&mut self, buckets: &Buckets) -> Result<()> {
+        self.inner.capture(buckets)
+    }
+    fn replay(&mut self, step: &Step<'_>) -> Result<StepOutput> {
+        self.steps += 1;
+        self.inner.replay(step)
+    }
+    fn destroy(&mut self) -> Result<()> {
+        self.inner.destroy()
+    }
+}
+
 /// A request the engine thread is serving.
 struct Client {
-    events: async_mpsc::UnboundedSender<Event>,
+    events: EventSender,
     arrival: Instant,
     last_token: Option<Instant>,
+    /// Since when its queue has been too full to step (`None` while it steps).
+    stalled_since: Option<Instant>,
+    /// It was paused since its last token: the gap to the next is its client's, not the
+    /// engine's, and stays out of the time-per-output-token histogram.
+    resumed: bool,
 }
 
 fn run_loop(
-    scheduler: &mut Scheduler<EngineRunner>,
+    scheduler: &mut Scheduler<CountingRunner>,
     inbox: &mpsc::Receiver<Command>,
     shared: &Shared,
-    log_every: Option<std::time::Duration>,
+    log_every: Option<Duration>,
 ) {
     let metrics = &shared.metrics;
     let mut stats = StatsLine::new(metrics);
@@ -370,13 +620,21 @@ fn run_loop(
             .saturating_sub(1);
         metrics.kv_blocks_total.set(total as i64);
     }
+    // When the last iteration could run nothing, how long to sleep for a change.
+    let mut stuck: Option<Duration> = None;
     loop {
-        // Sleep while idle; otherwise take whatever arrived since the last step.
+        // Sleep while idle (or stuck); otherwise take whatever arrived since the last step.
         let mut pending: Vec<Command> = Vec::new();
         if scheduler.is_idle() {
             match inbox.recv() {
                 Ok(c) => pending.push(c),
                 Err(_) => return,
+            }
+        } else if let Some(wait) = stuck {
+            match inbox.recv_timeout(wait) {
+                Ok(c) => pending.push(c),
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => return,
             }
         }
         pending.extend(inbox.try_iter());
@@ -403,6 +661,8 @@ fn run_loop(
                                     events,
                                     arrival,
                                     last_token: None,
+                                    stalled_since: None,
+                                    resumed: false,
                                 },
                             );
                         }
@@ -421,6 +681,8 @@ fn run_loop(
                         metrics.record_outcome(Outcome::Cancelled);
                     }
                 }
+                // Only wakes the thread: the next iteration sees the room.
+                Command::Wake => {}
                 Command::AbortAll(message) => outputs.extend(scheduler.abort_all(&message)),
                 Command::Shutdown => {
                     outputs.extend(scheduler.abort_all("the server shut down"));
@@ -429,12 +691,22 @@ fn run_loop(
                 }
             }
         }
+        let stall_timeout = Duration::from_millis(shared.stall_timeout_ms.load(Ordering::Relaxed));
+        let (paused, next_deadline) =
+            pause_or_cancel(&mut clients, scheduler, metrics, stall_timeout);
+        stuck = None;
         if !scheduler.is_idle() {
             let preempted = scheduler.preemptions();
-            outputs.extend(scheduler.step());
+            let steps = scheduler.runner().steps;
+            outputs.extend(scheduler.step_with(|id| paused.contains(&id)));
             metrics
                 .preemptions
                 .inc_by(scheduler.preemptions() - preempted);
+            if scheduler.runner().steps == steps {
+                stuck = Some(next_deadline.map_or(STUCK_POLL, |d| {
+                    d.saturating_duration_since(Instant::now()).min(STUCK_POLL)
+                }));
+            }
         }
         route(outputs, &mut clients, scheduler, metrics);
         shared
@@ -459,6 +731,56 @@ fn run_loop(
     }
 }
 
+/// Decides which requests sit out the next step because their queues are full, and cancels
+/// those that have sat out longer than `stall_timeout` (their clients get a last event saying
+/// why, should they ever read). Returns the paused requests and the earliest time one of them
+/// would be cancelled.
+fn pause_or_cancel(
+    clients: &mut HashMap<RequestId, Client>,
+    scheduler: &mut Scheduler<CountingRunner>,
+    metrics: &Metrics,
+    stall_timeout: Duration,
+) -> (HashSet<RequestId>, Option<Instant>) {
+    let now = Instant::now();
+    let mut paused = HashSet::new();
+    let mut expired = Vec::new();
+    let mut next_deadline: Option<Instant> = None;
+    for (&id, client) in clients.iter_mut() {
+        if client.events.may_step() {
+            if client.stalled_since.take().is_some() {
+                client.resumed = true;
+            }
+            continue;
+        }
+        let deadline = *client.stalled_since.get_or_insert(now) + stall_timeout;
+        if deadline <= now {
+            expired.push(id);
+        } else {
+            paused.insert(id);
+            next_deadline = Some(next_deadline.map_or(deadline, |d| d.min(deadline)));
+        }
+    }
+    for id in expired {
+        let Some(client) = clients.remove(&id) else {
+            continue;
+        };
+        scheduler.cancel(id);
+        metrics.record_outcome(Outcome::Cancelled);
+        tracing::info!(
+            "request {id} cancelled: its client read none of its events for {} s",
+            stall_timeout.as_secs_f64()
+        );
+        client.events.replace_all(Event::Failed {
+            kind: ErrorKind::InvalidInput,
+            message: format!(
+                "the request was cancelled: its client read none of its stream for {} s",
+                stall_timeout.as_secs_f64()
+            ),
+        });
+    }
+    (paused, next_deadline)
+}
+
 /// The periodic stats line: throughput since the last line, and what is running now.
 struct StatsLine {
     at: Instant,
@@ -475,7 +797,7 @@ impl StatsLine {
         }
     }
 
-    fn maybe_print(&mut self, metrics: &Metrics, every: std::time::Duration) {
+    fn maybe_print(&mut self, metrics: &Metrics, every: Duration) {
         let elapsed = self.at.elapsed();
         if elapsed < every {
             return;
@@ -510,7 +832,7 @@ fn outcome_of(f: FinishReason) -> Outcome {
 fn route(
     outputs: Vec<super::scheduler::Output>,
     clients: &mut HashMap<RequestId, Client>,
-    scheduler: &mut Scheduler<EngineRunner>,
+    scheduler: &mut Scheduler<CountingRunner>,
     metrics: &Metrics,
 ) {
     let now = Instant::now();
@@ -525,11 +847,13 @@ fn route(
                     None => metrics
                         .time_to_first_token
                         .observe((now - client.arrival).as_secs_f64()),
+                    Some(_) if client.resumed => {}
                     Some(last) => metrics
                         .time_per_output_token
                         .observe((now - last).as_secs_f64()),
                 }
                 client.last_token = Some(now);
+                client.resumed = false;
                 t.finish.map(outcome_of)
             }
             Event::PromptLogprobs { .. } => None,
@@ -552,5 +876,129 @@ fn route(
             scheduler.cancel(out.id);
             metrics.record_outcome(Outcome::Cancelled);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::params::FinishReason;
+    use crate::engine::scheduler::TokenEvent;
+
+    fn token(finish: Option<FinishReason>) -> Event {
+        Event::Token(TokenEvent {
+            token: 7,
+            text: "x".into(),
+            finish,
+            logprobs: None,
+        })
+    }
+
+    fn pair() -> (EventSender, RequestStream, mpsc::Receiver<Command>) {
+        let queue = Arc::new(EventQueue::default());
+        let (commands, inbox) = mpsc::channel();
+        let stream = RequestStream {
+            id: 1,
+            prompt_tokens: 1,
+            events: queue.clone(),
+            commands,
+            done: false,
+        };
+        (EventSender(queue), stream, inbox)
+    }
+
+    fn wakes(inbox: &mpsc::Receiver<Command>) -> usize {
+        inbox
+            .try_iter()
+            .filter(|c| matches!(c, Command::Wake))
+            .count()
+    }
+
+    #[test]
+    fn a_full_queue_pauses_until_its_reader_takes_half() {
+        let (tx, mut rx, inbox) = pair();
+        let mut sent = 0;
+        while tx.may_step() {
+            tx.send(token(None)).unwrap();
+            sent += 1;
+        }
+        // Room for a whole step is kept: a step adds at most MAX_EVENTS_PER_STEP.
+        assert_eq!(sent, EVENT_QUEUE_CAPACITY - MAX_EVENTS_PER_STEP + 1);
+        // The last event still goes in: nothing is ever dropped.
+        tx.send(token(Some(FinishReason::Length))).unwrap();
+        let queued = sent + 1;
+        // Taking a few does not resume it (no wake-up per event)...
+        for _ in 0..queued - RESUME_AT - 1 {
+            assert!(futures::executor::block_on(rx.next()).is_some());
+            assert!(!tx.may_step());
+        }
+        assert_eq!(wakes(&inbox), 0);
+        // ...bringing it down to half does, and wakes the engine once.
+        assert!(futures::executor::block_on(rx.next()).is_some());
+        assert_eq!(wakes(&inbox), 1);
+        assert!(tx.may_step());
+        for _ in 0..RESUME_AT - 1 {
+            assert!(futures::executor::block_on(rx.next()).is_some());
+        }
+        let last = futures::executor::block_on(rx.next()).unwrap();
+        assert!(last.is_last());
+        assert!(futures::executor::block_on(rx.next()).is_none());
+        assert_eq!(wakes(&inbox), 0);
+    }
+
+    #[test]
+    fn a_reader_waits_for_events_and_ends_when_the_engine_drops_its_end() {
+        let (tx, mut rx, _inbox) = pair();
+        let reader = std::thread::spawn(move || {
+            let mut n = 0;
+            while futures::executor::block_on(rx.next()).is_some() {
+                n += 1;
+            }
+            n
+        });
+        for _ in 0..3 {
+            std::thread::sleep(Duration::from_millis(5));
+            tx.send(token(None)).unwrap();
+        }
+        drop(tx);
+        assert_eq!(reader.join().unwrap(), 3);
+    }
+
+    #[test]
+    fn a_dropped_reader_frees_the_queue_and_cancels() {
+        let (tx, rx, inbox) = pair();
+        tx.send(token(None)).unwrap();
+        drop(rx);
+        assert!(tx.is_closed());
+        assert!(tx.send(token(None)).is_err());
+        assert!(tx.0.lock().events.is_empty());
+        assert!(matches!(inbox.try_recv(), Ok(Command::Cancel(1))));
+    }
+
+    #[test]
+    fn a_stalled_request_ends_with_one_failure_in_place_of_its_unread_events() {
+        let (tx, mut rx, _inbox) = pair();
+        while tx.may_step() {
+            tx.send(token(None)).unwrap();
+        }
+        tx.replace_all(Event::Failed {
+            kind: ErrorKind::InvalidInput,
+            message: "stalled".into(),
+        });
+        drop(tx);
+        let e = futures::executor::block_on(rx.next()).unwrap();
+        assert!(matches!(e, Event::Failed { .. }), "{e:?}");
+        assert!(futures::executor::block_on(rx.next()).is_none());
+    }
+
+    /// The sizes [`EVENT_QUEUE_CAPACITY`]'s memory bound is computed from.
+    #[test]
+    fn events_are_as_small_as_the_documented_bound_assumes() {
+        assert!(
+            std::mem::size_of::<Event>() <= 96,
+            "{}",
+            std::mem::size_of::<Event>()
+        );
+        assert!(std::mem::size_of::<Option<super::super::TokenLogprobs>>() <= 32);
     }
 }

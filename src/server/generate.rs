@@ -17,7 +17,7 @@ use crate::runner::step::SamplingParams;
 
 use super::error::ApiError;
 use super::protocol::{ChatRequest, CompletionRequest, Prompt, SamplingFields};
-use super::request::{chat_prompt, check_model, encode, from_json, read_json};
+use super::request::{chat_prompt, check_model, encode, from_json, off_runtime, read_json};
 use super::response::{respond, ChoiceSpec, Flavor, Prepared};
 use super::state::AppState;
 
@@ -43,14 +43,16 @@ pub async fn chat_completions(
     answer(state, body, prepare_chat).await
 }
 
-/// Prepares and submits the request, then answers it; a refusal before the engine took it is
+/// Prepares and submits the request (off the async workers: parsing, chat templating and
+/// tokenizing grow with the prompt), then answers it; a refusal before the engine took it is
 /// answered (and counted) as rejected.
 async fn answer(
     state: Arc<AppState>,
     body: Result<Bytes, BytesRejection>,
     prepare: fn(&AppState, &Value) -> Result<Prepared, ApiError>,
 ) -> Response {
-    match submit(&state, body, prepare) {
+    let job = state.clone();
+    match off_runtime(move || submit(&job, body, prepare)).await {
         Ok((p, streams)) => respond(&state, p, streams).await,
         Err(e) => state.reject(e),
     }

@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 
 use super::error::ApiError;
 use super::protocol::Message;
-use super::request::{chat_prompt, check_model, encode, from_json, read_json};
+use super::request::{chat_prompt, check_model, encode, from_json, off_runtime, read_json};
 use super::state::AppState;
 
 /// `POST /tokenize`: a `prompt`, or chat `messages`.
@@ -81,23 +81,30 @@ fn detokenize_body(state: &AppState, body: &Value) -> Result<Value, ApiError> {
     Ok(json!({ "prompt": text }))
 }
 
-/// `POST /tokenize`.
+/// `POST /tokenize`, off the async workers (see [`off_runtime`]).
 pub async fn tokenize(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    match read_json(&state, body).and_then(|v| tokenize_body(&state, &v)) {
-        Ok(v) => Json(v).into_response(),
-        Err(e) => state.reject(e),
-    }
+    answer(state, body, tokenize_body).await
 }
 
-/// `POST /detokenize`.
+/// `POST /detokenize`, off the async workers (see [`off_runtime`]).
 pub async fn detokenize(
     State(state): State<Arc<AppState>>,
     body: Result<Bytes, BytesRejection>,
 ) -> Response {
-    match read_json(&state, body).and_then(|v| detokenize_body(&state, &v)) {
+    answer(state, body, detokenize_body).await
+}
+
+/// Reads the body and answers it with `work`, on a blocking thread.
+async fn answer(
+    state: Arc<AppState>,
+    body: Result<Bytes, BytesRejection>,
+    work: fn(&AppState, &Value) -> Result<Value, ApiError>,
+) -> Response {
+    let job = state.clone();
+    match off_runtime(move || read_json(&job, body).and_then(|v| work(&job, &v))).await {
         Ok(v) => Json(v).into_response(),
         Err(e) => state.reject(e),
     }

@@ -94,6 +94,13 @@ pub(crate) struct ServeArgs {
     /// Seconds a kept-alive connection may wait for its next request before it is closed.
     #[arg(long, default_value_t = 60, value_parser = clap::value_parser!(u64).range(1..))]
     idle_timeout_secs: u64,
+    /// Seconds a streamed request may stay paused because its client reads nothing before it
+    /// is cancelled and its KV-cache blocks freed. A request whose client falls behind by 64
+    /// events stops generating (keeping its blocks) until the client catches up; this bounds
+    /// how long.
+    #[arg(long, default_value_t = deepinfer::engine::DEFAULT_STALL_TIMEOUT.as_secs(),
+          value_parser = clap::value_parser!(u64).range(1..))]
+    stall_timeout_secs: u64,
 }
 
 /// Runs the command.
@@ -157,6 +164,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         },
         metrics,
     )?;
+    engine.set_stall_timeout(Duration::from_secs(args.stall_timeout_secs));
     let engine = Arc::new(engine);
     let config = ServerConfig {
         served_model_name: served_model_name.clone(),
