@@ -750,3 +750,48 @@ fn max_num_batched_tokens_bounds_every_iteration() {
         "no prompt was cut by the budget: nothing tested ({steps:?})"
     );
 }
+
+/// Eight choices of one request fill all four slots of an idle engine; a request arriving
+/// while they decode takes a slot back (one choice is preempted and later recomputed) and
+/// starts within a few steps instead of after the first choices finish, and every choice
+/// still continues exactly as transformers did.
+#[test]
+fn a_later_request_takes_a_slot_back_from_one_that_filled_the_engine() {
+    let reference = common::reference("tiny-v3").greedy;
+    let n = reference.generated_token_ids.len();
+    let mut s = recording_tiny_v3(RunnerConfig::for_limits(4, 64));
+    let choice = GenerationParams {
+        group: Some(1),
+        ..greedy(n)
+    };
+    for id in 0..8u64 {
+        s.add(id, reference.prompt_token_ids.clone(), choice.clone())
+            .unwrap();
+    }
+    let mut results = HashMap::new();
+    for _ in 0..3 {
+        collect(s.step(), &mut results);
+    }
+    assert_eq!(s.num_running(), 4);
+    s.add(100, reference.prompt_token_ids[..4].to_vec(), greedy(2))
+        .unwrap();
+    let mut steps = 0;
+    while results.get(&100).is_none_or(|r| r.tokens.is_empty()) {
+        collect(s.step(), &mut results);
+        steps += 1;
+    }
+    assert!(steps <= 2, "the later request waited {steps} steps");
+    assert!(
+        results.values().all(|r| r.finish.is_none()),
+        "a choice had already finished: nothing tested"
+    );
+    assert!(s.preemptions() >= 1);
+    run_to_end(&mut s, &mut results);
+    for id in 0..8u64 {
+        assert_eq!(
+            results[&id].tokens, reference.generated_token_ids,
+            "choice {id}"
+        );
+    }
+    assert_eq!(results[&100].tokens.len(), 2);
+}
