@@ -22,7 +22,7 @@
 //!   [`GenerationParams::group`]) has the fewest sequences running, oldest first among equals,
 //!   so a request for more choices than there are free slots runs the rest of its choices as
 //!   slots free up, alongside other requests rather than ahead of them. A sequence preempted
-//!   for memory, at the head of the queue, goes first (it was running already).
+//!   for memory goes back to the head of the queue, so it goes first among equals.
 //! - When every slot is taken, a group running fewer than its fair share of the slots (their
 //!   number divided among the groups running or waiting) takes one back from a group running
 //!   more: that group's newest sequence is preempted and recomputed later. A request that
@@ -681,9 +681,8 @@ impl<R: Runner> Scheduler<R> {
         }
     }
 
-    /// Admits a waiting sequence when a batch slot and blocks for all its tokens are free: a
-    /// preempted one at the head of the queue, else the oldest of the group with the fewest
-    /// sequences running (see the module docs). When every slot is taken and that group runs
+    /// Admits a waiting sequence when a batch slot and blocks for all its tokens are free: the
+    /// oldest of the group with the fewest sequences running (see the module docs). When every slot is taken and that group runs
     /// fewer than its fair share, a slot is taken back from a group above its share first
     /// ([`Scheduler::reclaim_slot`]). False when none was admitted.
     fn admit(&mut self) -> bool {
@@ -691,22 +690,19 @@ impl<R: Runner> Scheduler<R> {
             return false;
         }
         let running_in = |r: &[Sequence], g: u64| r.iter().filter(|s| group_of(s) == g).count();
-        let pick = match self.waiting.front() {
-            Some(head) if head.generated() > 0 => 0,
-            _ => {
-                let mut best = (usize::MAX, 0);
-                for (i, seq) in self.waiting.iter().enumerate() {
-                    let n = running_in(&self.running, group_of(seq));
-                    if n < best.0 {
-                        best = (n, i);
-                    }
-                    if n == 0 {
-                        break;
-                    }
-                }
-                best.1
+        // The oldest of the group with the fewest running (a sequence preempted for memory is
+        // at the head, so it wins among equals).
+        let mut best = (usize::MAX, 0);
+        for (i, seq) in self.waiting.iter().enumerate() {
+            let n = running_in(&self.running, group_of(seq));
+            if n < best.0 {
+                best = (n, i);
             }
-        };
+            if n == 0 {
+                break;
+            }
+        }
+        let pick = best.1;
         if self.running.len() >= self.max_running {
             let group = group_of(&self.waiting[pick]);
             if !self.reclaim_slot(group) {
