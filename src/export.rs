@@ -512,7 +512,8 @@ pub fn lower_sharded(
             blocks: &blocks,
             sampling: SamplingParams::GREEDY,
         };
-        let prefill_meta = step::prefill_step(&[chunk.clone()], t, 1, opts.ctx, rc.block_size)?;
+        let prefill_meta =
+            step::prefill_step(std::slice::from_ref(&chunk), t, 1, opts.ctx, rc.block_size)?;
         let empty_root = runner.kv_root().copy()?;
         // The packed step: the prompt's first half fresh, and its second half continuing a
         // sequence whose first half is cached (in other blocks). Both halves' rows predict

@@ -672,7 +672,7 @@ fn a_request_for_more_choices_than_slots_does_not_hold_the_engine() {
     let late = first_token_order.iter().position(|&id| id == 100).unwrap();
     let fifth = first_token_order
         .iter()
-        .position(|&id| id >= 4 && id < 8)
+        .position(|&id| (4..8).contains(&id))
         .unwrap();
     assert!(
         late < fifth,

@@ -550,7 +550,7 @@ impl<R: Runner> Scheduler<R> {
         let mut order: Vec<usize> = (0..self.running.len())
             .filter(|&i| self.running[i].phase == Phase::Prefill && !skip(self.running[i].id))
             .collect();
-        if self.iterations % 2 == 0 {
+        if self.iterations.is_multiple_of(2) {
             // Stable: among equals, the oldest first.
             order.sort_by_key(|&i| self.running[i].tokens.len() - self.running[i].computed);
         }

@@ -1053,7 +1053,9 @@ impl DeviceRunner {
                     Some(*end - 1..*end)
                 })
                 .collect(),
-            LogitsOutput::AllPositions => vec![0..chunks.iter().map(|c| c.tokens.len()).sum()],
+            LogitsOutput::AllPositions => {
+                std::iter::once(0..chunks.iter().map(|c| c.tokens.len()).sum()).collect()
+            }
         };
         let want = (logits != LogitsOutput::None).then_some((&r.prefill_logits, ranges.as_slice()));
         Self::read_outputs(&r.prefill_next, want, chunks.len(), vocab, "prefill")
@@ -1076,8 +1078,8 @@ impl DeviceRunner {
         }
         let vocab = self.cfg.vocab_size;
         let r = self.run_step((StepKind::Decode, batch, batch, ctx))?;
-        let all = [0..rows.len()];
-        let want = (logits != LogitsOutput::None).then_some((&r.decode_logits, &all[..]));
+        let all: Vec<std::ops::Range<usize>> = std::iter::once(0..rows.len()).collect();
+        let want = (logits != LogitsOutput::None).then_some((&r.decode_logits, all.as_slice()));
         Self::read_outputs(&r.decode_next, want, rows.len(), vocab, "decode")
     }
 
