@@ -197,6 +197,8 @@ pub struct Scheduler<R: Runner> {
     token_budget: usize,
     /// Iterations so far: their parity picks the prefill order (see the module docs).
     iterations: u64,
+    /// Steps handed to the runner so far (see [`Scheduler::steps_run`]).
+    steps_run: u64,
     waiting: VecDeque<Sequence>,
     /// In admission order: preemption takes from the back.
     running: Vec<Sequence>,
@@ -226,6 +228,7 @@ impl<R: Runner> Scheduler<R> {
             max_running,
             token_budget: usize::MAX,
             iterations: 0,
+            steps_run: 0,
             waiting: VecDeque::new(),
             running: Vec::new(),
             preemptions: 0,
@@ -414,6 +417,13 @@ impl<R: Runner> Scheduler<R> {
         }
     }
 
+    /// Steps handed to the runner so far. An iteration that ran none made no progress (every
+    /// sequence paused, or waiting for blocks that paused ones hold): the engine thread then
+    /// sleeps instead of spinning.
+    pub fn steps_run(&self) -> u64 {
+        self.steps_run
+    }
+
     /// Preemptions so far.
     pub fn preemptions(&self) -> u64 {
         self.preemptions
@@ -505,6 +515,7 @@ impl<R: Runner> Scheduler<R> {
         } else {
             LogitsOutput::None
         };
+        self.steps_run += 1;
         let result = self.runner.replay(&Step::Decode {
             rows: &rows,
             logits,
@@ -620,6 +631,7 @@ impl<R: Runner> Scheduler<R> {
         } else {
             LogitsOutput::None
         };
+        self.steps_run += 1;
         let result = self.runner.replay(&Step::Prefill {
             chunks: &chunks,
             logits: want,

@@ -37,10 +37,9 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::Notify;
 
-use crate::config::ModelConfig;
 use crate::error::{Error, ErrorKind, Result};
 use crate::metrics::{Metrics, Outcome};
-use crate::runner::{Backend, Buckets, Runner, RunnerConfig, Step, StepOutput};
+use crate::runner::Runner;
 use crate::tokenizer::Tokenizer;
 
 /// The runner the engine thread drives: whichever backend [`crate::runner::open`] chose.
@@ -403,10 +402,6 @@ impl Engine {
                     max_batch: rc.buckets.max_batch(),
                     backend: runner.backend().name(),
                 };
-                let runner = CountingRunner {
-                    inner: runner,
-                    steps: 0,
-                };
                 let scheduler = Scheduler::new(runner, tokenizer, eos).and_then(|mut s| {
                     if let Some(n) = token_budget {
                         s.set_max_num_batched_tokens(n)?;
@@ -560,37 +555,6 @@ impl Engine {
     }
 }
 
-/// The engine's runner, counting the steps it runs: an iteration that ran none could make no
-/// progress (every sequence paused, or waiting for blocks that paused ones hold), and the
-/// thread then sleeps instead of spinning. Counting here keeps the scheduler unaware of why a
-/// step might do nothing.
-struct CountingRunner {
-    inner: EngineRunner,
-    steps: u64,
-}
-
-impl Runner for CountingRunner {
-    fn config(&self) -> &ModelConfig {
-        self.inner.config()
-    }
-    fn runner_config(&self) -> &RunnerConfig {
-        self.inner.runner_config()
-    }
-    fn backend(&self) -> Backend {
-        self.inner.backend()
-    }
-    fn capture(&mut self, buckets: &Buckets) -> Result<()> {
-        self.inner.capture(buckets)
-    }
-    fn replay(&mut self, step: &Step<'_>) -> Result<StepOutput> {
-        self.steps += 1;
-        self.inner.replay(step)
-    }
-    fn destroy(&mut self) -> Result<()> {
-        self.inner.destroy()
-    }
-}
-
 /// A request the engine thread is serving.
 struct Client {
     events: EventSender,
@@ -604,7 +568,7 @@ struct Client {
 }
 
 fn run_loop(
-    scheduler: &mut Scheduler<CountingRunner>,
+    scheduler: &mut Scheduler<EngineRunner>,
     inbox: &mpsc::Receiver<Command>,
     shared: &Shared,
     log_every: Option<Duration>,
@@ -697,12 +661,12 @@ fn run_loop(
         stuck = None;
         if !scheduler.is_idle() {
             let preempted = scheduler.preemptions();
-            let steps = scheduler.runner().steps;
+            let steps = scheduler.steps_run();
             outputs.extend(scheduler.step_with(|id| paused.contains(&id)));
             metrics
                 .preemptions
                 .inc_by(scheduler.preemptions() - preempted);
-            if scheduler.runner().steps == steps {
+            if scheduler.steps_run() == steps {
                 stuck = Some(next_deadline.map_or(STUCK_POLL, |d| {
                     d.saturating_duration_since(Instant::now()).min(STUCK_POLL)
                 }));
@@ -737,7 +701,7 @@ fn run_loop(
 /// would be cancelled.
 fn pause_or_cancel(
     clients: &mut HashMap<RequestId, Client>,
-    scheduler: &mut Scheduler<CountingRunner>,
+    scheduler: &mut Scheduler<EngineRunner>,
     metrics: &Metrics,
     stall_timeout: Duration,
 ) -> (HashSet<RequestId>, Option<Instant>) {
@@ -832,7 +796,7 @@ fn outcome_of(f: FinishReason) -> Outcome {
 fn route(
     outputs: Vec<super::scheduler::Output>,
     clients: &mut HashMap<RequestId, Client>,
-    scheduler: &mut Scheduler<CountingRunner>,
+    scheduler: &mut Scheduler<EngineRunner>,
     metrics: &Metrics,
 ) {
     let now = Instant::now();
