@@ -86,24 +86,39 @@ impl TokenLogprobs {
     pub fn from_logits(logits: &[f32], token: u32, top: usize) -> Self {
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let lse = max + logits.iter().map(|&x| (x - max).exp()).sum::<f32>().ln();
-        let mut best: Vec<u32> = (0..logits.len() as u32).collect();
-        let by_logit = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]);
-        let top = top.min(best.len());
-        if top > 0 && top < best.len() {
-            best.select_nth_unstable_by(top - 1, by_logit);
-        }
-        best.truncate(top);
-        best.sort_by(by_logit);
         TokenLogprobs {
             logprob: logits
                 .get(token as usize)
                 .map_or(f32::NEG_INFINITY, |&x| x - lse),
-            top: best
+            top: top_k(logits, top)
                 .into_iter()
-                .map(|t| (t, logits[t as usize] - lse))
+                .map(|(x, t)| (t, x - lse))
                 .collect(),
         }
     }
+}
+
+/// The `k` largest of `logits` with their indices, largest first (equal values: the lower
+/// index first), in one pass that keeps only the `k` best so far: each logit costs one
+/// comparison with the k-th unless it enters. Selecting over the whole vocabulary instead
+/// (an index vector of 102,400 and `select_nth_unstable`) took 0.6 ms per token per choice,
+/// on the engine thread, for every request asking for log-probabilities.
+fn top_k(logits: &[f32], k: usize) -> Vec<(f32, u32)> {
+    let k = k.min(logits.len());
+    let mut best: Vec<(f32, u32)> = Vec::with_capacity(k + 1);
+    if k == 0 {
+        return best;
+    }
+    for (i, &x) in logits.iter().enumerate() {
+        if best.len() == k && x.total_cmp(&best[k - 1].0).is_le() {
+            continue;
+        }
+        // After every kept value at least as large: ties keep the lower index first.
+        let at = best.partition_point(|&(y, _)| y.total_cmp(&x).is_ge());
+        best.insert(at, (x, i as u32));
+        best.truncate(k);
+    }
+    best
 }
 
 /// What happened to a request in a step.
@@ -916,4 +931,35 @@ pub(crate) fn validate(
         )));
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::top_k;
+
+    /// Against a full sort (descending by value, the lower index first among equals), with
+    /// ties, negative values, infinities and every k from 0 to past the length.
+    #[test]
+    fn top_k_equals_the_head_of_a_full_sort() {
+        let mut state = 12345u32;
+        let mut logits: Vec<f32> = (0..300)
+            .map(|_| {
+                state = state.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                // Few distinct values, so ties are common.
+                ((state >> 24) % 23) as f32 - 11.0
+            })
+            .collect();
+        logits[7] = f32::INFINITY;
+        logits[9] = f32::NEG_INFINITY;
+        let mut sorted: Vec<(f32, u32)> = logits
+            .iter()
+            .enumerate()
+            .map(|(i, &x)| (x, i as u32))
+            .collect();
+        sorted.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        for k in [0, 1, 2, 5, 20, 299, 300, 400] {
+            let want = &sorted[..k.min(sorted.len())];
+            assert_eq!(top_k(&logits, k), want, "k = {k}");
+        }
+    }
 }
