@@ -571,8 +571,8 @@ impl<R: Runner> Scheduler<R> {
         budget: usize,
         skip: &dyn Fn(RequestId) -> bool,
     ) -> Vec<(usize, usize)> {
-        let buckets = self.runner.runner_config().buckets.clone();
         while self.admit() {}
+        let buckets = &self.runner.runner_config().buckets;
         let mut order: Vec<usize> = (0..self.running.len())
             .filter(|&i| self.running[i].phase == Phase::Prefill && !skip(self.running[i].id))
             .collect();

@@ -954,7 +954,7 @@ impl DeviceRunner {
     /// (a buffer and ranges of its rows, read in order).
     fn read_outputs(
         next: &Tensor,
-        logits: Option<(&Tensor, &[std::ops::Range<usize>])>,
+        logits: Option<(&Tensor, impl IntoIterator<Item = std::ops::Range<usize>>)>,
         real_rows: usize,
         vocab: usize,
         graph: &str,
@@ -1043,21 +1043,15 @@ impl DeviceRunner {
         }
         let vocab = self.cfg.vocab_size;
         let r = self.run_step((StepKind::Prefill, t, seqs, ctx))?;
-        // The graph returns every position's logits; a chunk's sample was drawn from its last.
-        let ranges: Vec<std::ops::Range<usize>> = match logits {
-            LogitsOutput::None => Vec::new(),
-            LogitsOutput::Sampled => chunks
-                .iter()
-                .scan(0, |end, c| {
-                    *end += c.tokens.len();
-                    Some(*end - 1..*end)
-                })
-                .collect(),
-            LogitsOutput::AllPositions => {
-                std::iter::once(0..chunks.iter().map(|c| c.tokens.len()).sum()).collect()
-            }
-        };
-        let want = (logits != LogitsOutput::None).then_some((&r.prefill_logits, ranges.as_slice()));
+        // The graph returns every position's logits, chunk after chunk; a chunk's sample was
+        // drawn from its last.
+        let all = logits == LogitsOutput::AllPositions;
+        let ranges = chunks.iter().scan(0, move |end, c| {
+            let start = *end;
+            *end += c.tokens.len();
+            Some(if all { start..*end } else { *end - 1..*end })
+        });
+        let want = (logits != LogitsOutput::None).then_some((&r.prefill_logits, ranges));
         Self::read_outputs(&r.prefill_next, want, chunks.len(), vocab, "prefill")
     }
 
@@ -1078,8 +1072,8 @@ impl DeviceRunner {
         }
         let vocab = self.cfg.vocab_size;
         let r = self.run_step((StepKind::Decode, batch, batch, ctx))?;
-        let all: Vec<std::ops::Range<usize>> = std::iter::once(0..rows.len()).collect();
-        let want = (logits != LogitsOutput::None).then_some((&r.decode_logits, all.as_slice()));
+        let all = std::iter::once(0..rows.len());
+        let want = (logits != LogitsOutput::None).then_some((&r.decode_logits, all));
         Self::read_outputs(&r.decode_next, want, rows.len(), vocab, "decode")
     }
 
