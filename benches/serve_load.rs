@@ -245,6 +245,25 @@ impl Target {
         req
     }
 
+    /// Sends `POST /v1/completions` with `body`; returns the response when its headers are
+    /// in, and when it was sent.
+    async fn post_completion(
+        &self,
+        client: &HttpClient,
+        body: &Value,
+    ) -> Result<(hyper::Response<hyper::body::Incoming>, Instant)> {
+        let req = self
+            .request("POST", "/v1/completions")
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body.to_string())))?;
+        let start = Instant::now();
+        let resp = client
+            .request(req)
+            .await
+            .with_context(|| format!("POST {}/v1/completions", self.base))?;
+        Ok((resp, start))
+    }
+
     async fn get(&self, client: &HttpClient, path: &str) -> Result<(StatusCode, String)> {
         let req = self.request("GET", path).body(Full::default())?;
         let resp = client
@@ -337,15 +356,7 @@ async fn stream_completion(
         "stream": true,
         "stream_options": {"include_usage": true},
     });
-    let req = target
-        .request("POST", "/v1/completions")
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))?;
-    let start = Instant::now();
-    let resp = client
-        .request(req)
-        .await
-        .with_context(|| format!("POST {}/v1/completions", target.base))?;
+    let (resp, start) = target.post_completion(client, &body).await?;
     let status = resp.status();
     let mut body = resp.into_body();
     if status != StatusCode::OK {
@@ -682,15 +693,7 @@ async fn big_completion(client: HttpClient, target: Arc<Target>) -> Result<Durat
         "temperature": 0.0,
         "ignore_eos": true,
     });
-    let req = target
-        .request("POST", "/v1/completions")
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))?;
-    let start = Instant::now();
-    let resp = client
-        .request(req)
-        .await
-        .with_context(|| format!("POST {}/v1/completions", target.base))?;
+    let (resp, start) = target.post_completion(&client, &body).await?;
     let status = resp.status();
     let bytes = resp
         .into_body()

@@ -190,6 +190,12 @@ fn child_malformed_variable() {
     if !is_child() {
         return;
     }
+    nrt_init_fails_naming("NRT_SIM_FAIL_EXECUTE=\"second\" is not a positive integer");
+}
+
+/// In a child whose environment holds a malformed nrt-sim variable: `nrt_init` fails with
+/// NRT_INVALID, leaves the runtime uninitialized, and its last error contains `why`.
+fn nrt_init_fails_naming(why: &str) {
     let sim = Sim::open();
     let err = Runtime::new(sim.lib.clone(), 0, 1).unwrap_err();
     assert!(
@@ -205,10 +211,7 @@ fn child_malformed_variable() {
     let c = sim.counters();
     assert!(!c.initialized);
     let last = c.last_error.unwrap();
-    assert!(
-        last.contains("NRT_SIM_FAIL_EXECUTE=\"second\" is not a positive integer"),
-        "{last}"
-    );
+    assert!(last.contains(why), "{last}");
 }
 
 #[test]
@@ -225,23 +228,7 @@ fn child_malformed_core_count() {
     if !is_child() {
         return;
     }
-    let sim = Sim::open();
-    let err = Runtime::new(sim.lib.clone(), 0, 1).unwrap_err();
-    assert!(
-        matches!(
-            err,
-            Error::Status {
-                status: sys::NRT_INVALID,
-                ..
-            }
-        ),
-        "{err}"
-    );
-    let last = sim.counters().last_error.unwrap();
-    assert!(
-        last.contains("NRT_SIM_NC_COUNT=\"65\" is not a number of NeuronCores from 1 to 64"),
-        "{last}"
-    );
+    nrt_init_fails_naming("NRT_SIM_NC_COUNT=\"65\" is not a number of NeuronCores from 1 to 64");
 }
 
 #[test]
