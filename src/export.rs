@@ -287,15 +287,23 @@ fn bit_identical(a: &CTensor, b: &CTensor) -> Result<bool> {
     Ok(wide(a)? == wide(b)?)
 }
 
+/// A copy of every cache root, by name (the runner updates its roots in place).
+fn snapshot(roots: &[(&'static str, CTensor)]) -> Result<Vec<(&'static str, CTensor)>> {
+    roots
+        .iter()
+        .map(|(name, t)| Ok((*name, t.copy()?)))
+        .collect()
+}
+
 /// Binds every input of `graph` for each rank (rank `r`'s weights `weights[r]`, `metadata`, a
-/// copy of `root`), runs it on the CPU backend (every rank on its own thread when there are
+/// copy of each of `roots`), runs it on the CPU backend (every rank on its own thread when there are
 /// several), and writes the inputs (one file per rank when sharded) and rank 0's outputs as
 /// safetensors. Every rank must compute the same outputs; a difference is an internal error.
 fn write_step(
     graph: &Graph,
     weights: &[ModelWeights],
     metadata: &[HostArray],
-    root: &CTensor,
+    roots: &[(&'static str, CTensor)],
     out: &Path,
     entry: &mut ManifestGraph,
 ) -> Result<()> {
@@ -307,7 +315,15 @@ fn write_step(
         for d in graph.inputs() {
             let t = match d.role {
                 InputRole::Weight => weights.get(&d.name)?.clone(),
-                InputRole::CacheRoot => root.copy()?,
+                InputRole::CacheRoot => roots
+                    .iter()
+                    .find(|(name, _)| *name == d.name)
+                    .ok_or_else(|| Error::Binding {
+                        name: d.name.clone(),
+                        msg: "no cache root of that name".into(),
+                    })?
+                    .1
+                    .copy()?,
                 InputRole::Metadata => {
                     let a = metadata.iter().find(|a| a.name == d.name).ok_or_else(|| {
                         Error::Binding {
@@ -514,7 +530,7 @@ pub fn lower_sharded(
         };
         let prefill_meta =
             step::prefill_step(std::slice::from_ref(&chunk), t, 1, opts.ctx, rc.block_size)?;
-        let empty_root = runner.kv_root().copy()?;
+        let empty_root = snapshot(runner.roots())?;
         // The packed step: the prompt's first half fresh, and its second half continuing a
         // sequence whose first half is cached (in other blocks). Both halves' rows predict
         // known positions of the prompt.
@@ -529,7 +545,7 @@ pub fn lower_sharded(
             chunks: &[head],
             logits: LogitsOutput::None,
         })?;
-        let half_root = runner.kv_root().copy()?;
+        let half_root = snapshot(runner.roots())?;
         let packed = [
             PrefillChunk {
                 tokens: &prompt[..half],
@@ -554,7 +570,7 @@ pub fn lower_sharded(
             chunks: &[chunk],
             logits: LogitsOutput::None,
         })?;
-        let root = runner.kv_root().copy()?;
+        let root = snapshot(runner.roots())?;
         for ((g, kind, rows, seqs), entry) in graphs.iter().zip(manifest.graphs.iter_mut()) {
             if *kind == "prefill" && *seqs == 1 {
                 let positions = (0..prompt.len()).map(Some);

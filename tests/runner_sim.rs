@@ -393,8 +393,9 @@ fn reduced_precision_on_nrt_sim_matches_the_transformers_references() {
         "{drift} vs {peer_drift}"
     );
     // The cache really is bf16 on the device: two bytes a value.
-    let root = d.read_kv_root().unwrap();
-    assert_eq!(root.dtype(), candle_core::DType::BF16);
+    let roots = d.read_roots().unwrap();
+    assert_eq!(roots[0].0, "kv_cache");
+    assert_eq!(roots[0].1.dtype(), candle_core::DType::BF16);
 
     let int8 = Precision {
         quantize: deepinfer::model::Quantize::ExpertsInt8,

@@ -39,6 +39,11 @@ impl Defaults {
             // configuration_deepseek_v3.py: n_group=8, topk_group=4, num_experts_per_tok=8,
             // norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=3,
             // max_position_embeddings=4096; the router is sigmoid + noaux_tc.
+            // configuration_deepseek_v32.py: as V3, but max_position_embeddings=163840.
+            Architecture::DeepseekV32 => Defaults {
+                max_position_embeddings: 163840,
+                ..Self::of(Architecture::DeepseekV3)
+            },
             Architecture::DeepseekV3 => Defaults {
                 scoring_func: ScoringFunc::Sigmoid,
                 topk_method: TopkMethod::NoauxTc,

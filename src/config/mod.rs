@@ -107,6 +107,30 @@ pub enum Architecture {
     DeepseekV2,
     /// `deepseek_v3`: DeepSeek-V3, R1 and relatives (sigmoid routing with a correction bias).
     DeepseekV3,
+    /// `deepseek_v32`: DeepSeek-V3.2: V3 plus DeepSeek Sparse Attention (a lightning indexer
+    /// that picks the tokens MLA attends to).
+    DeepseekV32,
+}
+
+impl Architecture {
+    /// V3's router (sigmoid scores with `e_score_correction_bias`, normalize then scale), which
+    /// V3.2 keeps unchanged.
+    pub fn routes_like_v3(self) -> bool {
+        matches!(self, Architecture::DeepseekV3 | Architecture::DeepseekV32)
+    }
+}
+
+/// DeepSeek Sparse Attention's lightning indexer (`deepseek_v32` only): per layer it scores every
+/// query against its own cached key per token and keeps the `topk` best tokens for MLA.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct IndexerConfig {
+    /// `index_n_heads`: query heads of the indexer.
+    pub n_heads: usize,
+    /// `index_head_dim`: width of an index query head and of the cached index key (its first
+    /// `qk_rope_head_dim` values are rotated).
+    pub head_dim: usize,
+    /// `index_topk`: tokens each query attends to once its context is longer.
+    pub topk: usize,
 }
 
 /// How router logits become expert affinities.
@@ -229,6 +253,8 @@ pub struct ModelConfig {
     /// `quantization_config.weight_block_size` of an FP8 checkpoint: `[rows, cols]` of one
     /// `weight_scale_inv` block.
     pub fp8_block: Option<[usize; 2]>,
+    /// The sparse-attention indexer (`deepseek_v32`); `None` for dense MLA.
+    pub indexer: Option<IndexerConfig>,
     /// `torch_dtype` (or transformers 5's `dtype`) when it names f32, bf16 or f16: what
     /// `--dtype auto` means when only config.json is at hand (`lower --stats`).
     pub saved_dtype: Option<DType>,
@@ -269,6 +295,11 @@ impl ModelConfig {
     /// Values cached per token and layer: the latent `c_kv` and the shared rotated `k_pe`.
     pub fn kv_cache_width(&self) -> usize {
         self.kv_lora_rank + self.qk_rope_head_dim
+    }
+
+    /// Values of the state root per token and layer: the indexer's key (0 without an indexer).
+    pub fn index_cache_width(&self) -> usize {
+        self.indexer.map_or(0, |i| i.head_dim)
     }
 
     /// Whether layer `layer` uses the routed-expert MLP.

@@ -118,6 +118,14 @@ pub(super) struct RawConfig {
     pub torch_dtype: Option<String>,
     #[serde(deserialize_with = "value::string")]
     pub dtype: Option<String>,
+    // === DeepSeek Sparse Attention's indexer (`deepseek_v32`) ===
+    #[serde(deserialize_with = "value::size_or_null")]
+    pub index_n_heads: Option<Option<usize>>,
+    #[serde(deserialize_with = "value::size_or_null")]
+    pub index_head_dim: Option<Option<usize>>,
+    #[serde(deserialize_with = "value::size_or_null")]
+    pub index_topk: Option<Option<usize>>,
+
     /// `quantization_config`: an FP8 checkpoint's scale blocks (see `quantization`).
     #[serde(deserialize_with = "value::object")]
     pub quantization_config: Option<Map<String, Value>>,

@@ -10,7 +10,7 @@ use serde_json::Value;
 use super::defaults::Defaults;
 use super::messages::{invalid, missing, unsupported, wrong_type};
 use super::raw::RawConfig;
-use super::{quantization, rope, routing, value, Architecture, ModelConfig};
+use super::{quantization, rope, routing, value, Architecture, IndexerConfig, ModelConfig};
 use crate::error::{Error, Result};
 use crate::graph::DType;
 
@@ -20,9 +20,11 @@ pub(super) fn model_config(raw: &RawConfig) -> Result<ModelConfig> {
         None => return Err(missing("model_type")),
         Some("deepseek_v2") => Architecture::DeepseekV2,
         Some("deepseek_v3") => Architecture::DeepseekV3,
+        Some("deepseek_v32") => Architecture::DeepseekV32,
         Some(other) => {
             return Err(Error::Config(format!(
-                "unsupported model_type {other:?} (deepinfer serves deepseek_v2 and deepseek_v3)"
+                "unsupported model_type {other:?} (deepinfer serves deepseek_v2, deepseek_v3 \
+                 and deepseek_v32)"
             )))
         }
     };
@@ -86,6 +88,10 @@ pub(super) fn model_config(raw: &RawConfig) -> Result<ModelConfig> {
         return Err(invalid("max_position_embeddings", 0, "must be at least 1"));
     }
     let rope = rope::rope(raw, max_position_embeddings)?;
+    let indexer = match architecture {
+        Architecture::DeepseekV32 => Some(indexer(raw, q_lora_rank, qk_rope_head_dim)?),
+        _ => None,
+    };
 
     Ok(ModelConfig {
         architecture,
@@ -111,12 +117,45 @@ pub(super) fn model_config(raw: &RawConfig) -> Result<ModelConfig> {
         bos_token_id: raw.bos_token_id,
         eos_token_ids: raw.eos_token_id.clone().unwrap_or_default(),
         fp8_block: quantization::fp8_block(raw.quantization_config.as_ref())?,
+        indexer,
         saved_dtype: match raw.dtype.as_deref().or(raw.torch_dtype.as_deref()) {
             Some("float32") => Some(DType::F32),
             Some("bfloat16") => Some(DType::BF16),
             Some("float16") => Some(DType::F16),
             _ => None,
         },
+    })
+}
+
+/// The indexer of a `deepseek_v32` config. Its three keys are required: two fix the index
+/// weights' shapes, and `index_topk` decides which tokens every layer attends to, so a default
+/// (transformers' 64 / 128 / 2048 describe the 671B model) would only hide a broken file.
+fn indexer(
+    raw: &RawConfig,
+    q_lora_rank: Option<usize>,
+    qk_rope_head_dim: usize,
+) -> Result<IndexerConfig> {
+    let n_heads = required_positive("index_n_heads", raw.index_n_heads)?;
+    let head_dim = required_positive("index_head_dim", raw.index_head_dim)?;
+    let topk = required_positive("index_topk", raw.index_topk)?;
+    if head_dim < qk_rope_head_dim {
+        return Err(invalid(
+            "index_head_dim",
+            head_dim,
+            &format!("must be at least qk_rope_head_dim ({qk_rope_head_dim}): RoPE rotates its first dims"),
+        ));
+    }
+    if q_lora_rank.is_none() {
+        return Err(invalid(
+            "q_lora_rank",
+            "null",
+            "deepseek_v32's indexer projects the query latent, so q_lora_rank must be set",
+        ));
+    }
+    Ok(IndexerConfig {
+        n_heads,
+        head_dim,
+        topk,
     })
 }
 

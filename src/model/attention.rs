@@ -6,6 +6,10 @@
 //! first; the context is then gathered back through the block table, so a token always sees
 //! itself and everything before it, whether it came from this step or an earlier one.
 //!
+//! DeepSeek-V3.2 adds a second cache root, the indexer's keys, and attends only to the tokens
+//! its lightning indexer selects ([`super::indexer`]): decode gathers just those latents,
+//! prefill masks the rest.
+//!
 //! Decode absorbs the up-projection (`w_uk` into the query, `w_uv` into the output), so it runs
 //! over the latents directly: MQA with one 576-wide key head for V2-Lite/V3. Prefill, where many
 //! queries share each key, decompresses keys and values once (`kv_b_proj`) and runs ordinary
@@ -17,7 +21,17 @@ use crate::error::Result;
 use crate::graph::Tensor;
 
 use super::ops::{linear, matmul, rms_norm, softmax};
-use super::{rope, Weights};
+use super::{indexer, rope, Weights};
+
+/// The cache roots a layer reads and updates: the KV root's latents and, for a model with a
+/// sparse-attention indexer (V3.2), the state root's index keys.
+#[derive(Debug, Clone)]
+pub struct Roots {
+    /// `[slots, layers * kv_cache_width]`.
+    pub kv: Tensor,
+    /// `[slots, layers * index_head_dim]` (V3.2 only).
+    pub index: Option<Tensor>,
+}
 
 /// What one layer's attention needs from the step.
 pub struct AttnStep<'a> {
@@ -33,20 +47,29 @@ pub struct AttnStep<'a> {
     /// (every token against every packed sequence's context), `[seqs, ctx]` for decode (one
     /// query per sequence).
     pub visible: &'a Tensor,
+    /// Context positions of one sequence (the bucket's `ctx`): what a query can see at most.
+    pub seq_ctx: usize,
 }
 
-/// Queries split into their non-rotated part `[n, heads, nope]` and rotated part
-/// `[n, heads, rope]`.
+/// This layer's queries: the non-rotated part `[n, heads, nope]`, the rotated part
+/// `[n, heads, rope]`, and the normalized query latent `[n, q_lora_rank]` (`None` for a plain
+/// `q_proj`), which V3.2's indexer reads too.
+struct Queries {
+    nope: Tensor,
+    pe: Tensor,
+    latent: Option<Tensor>,
+}
+
 fn queries(
     cfg: &ModelConfig,
     w: &Weights,
     p: &str,
     x: &Tensor,
     step: &AttnStep<'_>,
-) -> Result<(Tensor, Tensor)> {
+) -> Result<Queries> {
     let n = x.dim(0);
     let heads = w.heads(cfg);
-    let q = match cfg.q_lora_rank {
+    let (q, latent) = match cfg.q_lora_rank {
         Some(_) => {
             let qa = linear(x, &w.get(&format!("{p}.q_a_proj.weight"))?)?;
             let qa = rms_norm(
@@ -54,14 +77,37 @@ fn queries(
                 &w.get(&format!("{p}.q_a_layernorm.weight"))?,
                 cfg.rms_norm_eps,
             )?;
-            linear(&qa, &w.get(&format!("{p}.q_b_proj.weight"))?)?
+            (
+                linear(&qa, &w.get(&format!("{p}.q_b_proj.weight"))?)?,
+                Some(qa),
+            )
         }
-        None => linear(x, &w.get(&format!("{p}.q_proj.weight"))?)?,
-    }
-    .reshape([n, heads, cfg.qk_head_dim()])?;
-    let q_nope = q.narrow(2, 0, cfg.qk_nope_head_dim)?;
-    let q_pe = q.narrow(2, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim)?;
-    Ok((q_nope, rope::apply(&q_pe, step.cos, step.sin)?))
+        None => (linear(x, &w.get(&format!("{p}.q_proj.weight"))?)?, None),
+    };
+    let q = q.reshape([n, heads, cfg.qk_head_dim()])?;
+    let pe = q.narrow(2, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim)?;
+    Ok(Queries {
+        nope: q.narrow(2, 0, cfg.qk_nope_head_dim)?,
+        pe: rope::apply(&pe, step.cos, step.sin)?,
+        latent,
+    })
+}
+
+/// V3.2's index scores of this step's queries (`[n, cols]`, `-inf` where not visible) and the
+/// updated state root; `None` for a model without an indexer.
+fn index_scores(
+    cfg: &ModelConfig,
+    w: &Weights,
+    layer: usize,
+    x: &Tensor,
+    q: &Queries,
+    roots: &Roots,
+    step: &AttnStep<'_>,
+) -> Result<Option<(Tensor, Tensor)>> {
+    let (Some(ix), Some(root), Some(latent)) = (&cfg.indexer, &roots.index, &q.latent) else {
+        return Ok(None);
+    };
+    indexer::scores(cfg, ix, w, layer, x, latent, root, step).map(Some)
 }
 
 /// Computes this step's cache rows (`[n, width]`) and writes them into the layer's columns of
@@ -124,17 +170,42 @@ pub fn decode(
     w: &Weights,
     layer: usize,
     x: &Tensor,
-    root: &Tensor,
+    roots: &Roots,
     step: &AttnStep<'_>,
-) -> Result<(Tensor, Tensor)> {
+) -> Result<(Tensor, Roots)> {
     let p = format!("model.layers.{layer}.self_attn");
     let b = x.dim(0);
     let heads = w.heads(cfg);
     let (width, rank) = (cfg.kv_cache_width(), cfg.kv_lora_rank);
-    let (q_nope, q_pe) = queries(cfg, w, &p, x, step)?;
-    let root = write_cache(cfg, w, &p, layer, x, root, step)?;
+    let q = queries(cfg, w, &p, x, step)?;
+    let (q_nope, q_pe) = (&q.nope, &q.pe);
+    let root = write_cache(cfg, w, &p, layer, x, &roots.kv, step)?;
     let ctx = step.visible.dim(1);
-    let kv = read_cache(cfg, layer, &root, step)?.reshape([b, ctx, width])?;
+    let index = index_scores(cfg, w, layer, x, &q, roots, step)?;
+    // With an indexer and a context wider than its top-k, attend to the selected latents only:
+    // gather their slots, and keep those that are visible (a short sequence in a wide bucket
+    // selects hidden positions too; their score is -inf).
+    let (kv, visible) = match (&index, cfg.indexer) {
+        (Some((scores, _)), Some(ix)) if ix.topk < ctx => {
+            let picked = indexer::top_k_indices(scores, ix.topk)?; // [b, topk]
+            let slots = step
+                .ctx_slots
+                .reshape([b, ctx])?
+                .gather(&picked, 1)?
+                .reshape([b * ix.topk])?;
+            let kv = root
+                .narrow(1, layer * width, width)?
+                .index_select(&slots, 0)?
+                .reshape([b, ix.topk, width])?;
+            let picked_scores = scores.gather(&picked, 1)?;
+            let visible = picked_scores.gt(&picked_scores.full_like(f64::NEG_INFINITY)?)?;
+            (kv, visible)
+        }
+        _ => (
+            read_cache(cfg, layer, &root, step)?.reshape([b, ctx, width])?,
+            step.visible.clone(),
+        ),
+    };
 
     // The absorbed up-projections are slices of kv_b_proj viewed as [heads, nope + v, rank]:
     // w_uk[h] = its first nope rows, w_uv[h] the v after them.
@@ -146,15 +217,19 @@ pub fn decode(
     let w_uv = kv_b.narrow(1, nope, cfg.v_head_dim)?;
     // q_lat[b, h] = q_nope[b, h] @ w_uk[h]: heads as the batch dimension.
     let q_lat = matmul(&q_nope.permute(&[1, 0, 2])?, &w_uk)?.permute(&[1, 0, 2])?; // [b, heads, rank]
-    let q = x.builder().cat(&[&q_lat, &q_pe], 2)?; // [b, heads, width]
-    let scores = matmul(&q, &kv.t()?)? // [b, heads, ctx]
+    let q = x.builder().cat(&[&q_lat, q_pe], 2)?; // [b, heads, width]
+    let scores = matmul(&q, &kv.t()?)? // [b, heads, ctx or topk]
         .affine(rope::softmax_scale(cfg), 0.0)?;
-    let probs = masked_softmax(&scores, &step.visible.unsqueeze(1)?)?;
+    let probs = masked_softmax(&scores, &visible.unsqueeze(1)?)?;
     let o_lat = matmul(&probs, &kv.narrow(2, 0, rank)?)?; // [b, heads, rank]
     let o = matmul(&o_lat.permute(&[1, 0, 2])?, &w_uv.t()?)? // [heads, b, v]
         .permute(&[1, 0, 2])?
         .reshape([b, heads * cfg.v_head_dim])?;
-    Ok((linear(&o, &w.get(&format!("{p}.o_proj.weight"))?)?, root))
+    let roots = Roots {
+        kv: root,
+        index: index.map(|(_, r)| r),
+    };
+    Ok((linear(&o, &w.get(&format!("{p}.o_proj.weight"))?)?, roots))
 }
 
 /// Prefill attention for `n` tokens of one or more sequences (decompressed MLA; the mask keeps
@@ -166,9 +241,9 @@ pub fn prefill(
     w: &Weights,
     layer: usize,
     x: &Tensor,
-    root: &Tensor,
+    roots: &Roots,
     step: &AttnStep<'_>,
-) -> Result<(Tensor, Tensor)> {
+) -> Result<(Tensor, Roots)> {
     let p = format!("model.layers.{layer}.self_attn");
     let n = x.dim(0);
     let heads = w.heads(cfg);
@@ -178,9 +253,19 @@ pub fn prefill(
         cfg.v_head_dim,
         cfg.kv_lora_rank,
     );
-    let (q_nope, q_pe) = queries(cfg, w, &p, x, step)?;
-    let root = write_cache(cfg, w, &p, layer, x, root, step)?;
+    let q = queries(cfg, w, &p, x, step)?;
+    let (q_nope, q_pe) = (&q.nope, &q.pe);
+    let root = write_cache(cfg, w, &p, layer, x, &roots.kv, step)?;
     let ctx = step.visible.dim(1);
+    let index = index_scores(cfg, w, layer, x, &q, roots, step)?;
+    // With an indexer and a sequence context wider than its top-k, mask all but the selected.
+    let visible = match (&index, cfg.indexer) {
+        (Some((scores, _)), Some(ix)) if ix.topk < step.seq_ctx => {
+            let selected = indexer::top_k_mask(scores, ix.topk)?;
+            selected.where_cond(step.visible, &selected)?
+        }
+        _ => step.visible.clone(),
+    };
     let kv = read_cache(cfg, layer, &root, step)?; // [ctx, width]
     let kv_up = linear(
         &kv.narrow(1, 0, rank)?,
@@ -197,9 +282,13 @@ pub fn prefill(
     let s_nope = matmul(&qn, &k_nope.t()?)?; // [heads, n, ctx]
     let s_pe = matmul(&qp, &k_pe.t()?)?.reshape([heads, n, ctx])?;
     let scores = s_nope.add(&s_pe)?.affine(rope::softmax_scale(cfg), 0.0)?;
-    let probs = masked_softmax(&scores, &step.visible.unsqueeze(0)?)?;
+    let probs = masked_softmax(&scores, &visible.unsqueeze(0)?)?;
     let o = matmul(&probs, &v)? // [heads, n, v]
         .permute(&[1, 0, 2])?
         .reshape([n, heads * vdim])?;
-    Ok((linear(&o, &w.get(&format!("{p}.o_proj.weight"))?)?, root))
+    let roots = Roots {
+        kv: root,
+        index: index.map(|(_, r)| r),
+    };
+    Ok((linear(&o, &w.get(&format!("{p}.o_proj.weight"))?)?, roots))
 }

@@ -4,7 +4,8 @@
 //! must read) / memory bandwidth. The weights it must read are every weight the forward uses,
 //! except that the embedding contributes one row per sequence and each MoE layer only the experts
 //! some token selects: `E * (1 - (1 - k/E)^b)` of them in expectation under uniform routing. The
-//! cache it must read is every sequence's latent rows for the context. Comparing a graph's
+//! cache it must read is every sequence's latent rows for the context, or with V3.2's sparse
+//! attention its `index_topk` selected latents plus every position's index key. Comparing a graph's
 //! [`crate::graph::stats`] with this floor shows how much the lowering wastes.
 
 use crate::config::ModelConfig;
@@ -17,7 +18,7 @@ use super::WeightSpecs;
 pub struct DecodeFloor {
     /// Weight bytes.
     pub weight_bytes: f64,
-    /// Latent-cache bytes.
+    /// Cache bytes: latents (and V3.2's index keys).
     pub cache_bytes: f64,
 }
 
@@ -60,8 +61,10 @@ pub fn decode_floor(
         };
         weights += elems * specs.dtype(name).size_in_bytes() as f64;
     }
-    let cache = (batch * ctx * cfg.num_hidden_layers * cfg.kv_cache_width()) as f64
-        * kv_dtype.size_in_bytes() as f64;
+    let latents = cfg.indexer.map_or(ctx, |ix| ix.topk.min(ctx));
+    let per_layer = latents * cfg.kv_cache_width() + ctx * cfg.index_cache_width();
+    let cache =
+        (batch * cfg.num_hidden_layers * per_layer) as f64 * kv_dtype.size_in_bytes() as f64;
     DecodeFloor {
         weight_bytes: weights,
         cache_bytes: cache,

@@ -20,6 +20,7 @@
 //! | `top_k` | `[b]` i32 | `[s]` i32 |
 //! | `seeds` | `[b]` u32 | `[s]` u32 |
 //! | `kv_cache` | `[slots, layers * width]` in the cache dtype, updated in place | same |
+//! | `index_cache` | V3.2 only: `[slots, layers * index_head_dim]`, the state root | same |
 //!
 //! A prefill graph of `s > 1` sequences is a *packed* prefill: the chunks of several sequences
 //! side by side in one step, so a burst of short prompts costs about one step instead of one
@@ -28,10 +29,12 @@
 //! Weights are inputs in their stored dtype; [`precision`] says where the forward widens.
 //!
 //! Outputs: `next_tokens` (`[b]` / `[s]` i32), `logits` on request (`[b, vocab]` for decode and
-//! each chunk's last position in prefill, or `[t, vocab]` for every position), and `kv_cache`.
+//! each chunk's last position in prefill, or `[t, vocab]` for every position), and the updated
+//! cache roots under their input names (see [`cache_roots`]).
 
 pub mod attention;
 pub mod cost;
+pub mod indexer;
 pub mod inputs;
 pub mod moe;
 pub mod ops;
@@ -47,6 +50,8 @@ use std::collections::HashMap;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::graph::{DType, Graph, GraphBuilder, InputRole, ReduceOp, Tensor};
+
+use attention::Roots;
 
 pub use moe::MoeStrategy;
 pub use params::{ModelWeights, WeightSpecs};
@@ -203,16 +208,77 @@ fn check_spec(spec: &GraphSpec, cache: &CacheLayout) -> Result<()> {
     Ok(())
 }
 
-fn root_input(cfg: &ModelConfig, b: &GraphBuilder, cache: &CacheLayout) -> Result<Tensor> {
-    b.input(
-        "kv_cache",
-        InputRole::CacheRoot,
-        vec![
-            cache.num_slots,
-            cfg.num_hidden_layers * cfg.kv_cache_width(),
-        ],
-        cache.dtype,
-    )
+/// The input (and aliased output) name of the KV root: every layer's MLA latents.
+pub const KV_ROOT: &str = "kv_cache";
+/// The input (and aliased output) name of the state root: every layer's V3.2 index keys.
+pub const INDEX_ROOT: &str = "index_cache";
+
+/// One cache root: a persistent `[num_slots, cols]` buffer of `dtype`, every layer's cache a
+/// column range of it, bound to the graphs as a cache-root input and an output aliased to it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RootSpec {
+    /// The graph input and output name.
+    pub name: &'static str,
+    /// Rows (token slots).
+    pub rows: usize,
+    /// Values per slot, all layers side by side.
+    pub cols: usize,
+    /// Element type.
+    pub dtype: DType,
+}
+
+impl RootSpec {
+    /// The root's size in bytes.
+    pub fn bytes(&self) -> u64 {
+        (self.rows * self.cols * self.dtype.size_in_bytes()) as u64
+    }
+
+    /// The root's shape.
+    pub fn shape(&self) -> [usize; 2] {
+        [self.rows, self.cols]
+    }
+}
+
+/// The cache roots of `cfg` under `cache`, in the order graphs declare them: the KV root, then
+/// (V3.2) the state root of index keys, held in the cache dtype like the latents.
+pub fn cache_roots(cfg: &ModelConfig, cache: &CacheLayout) -> Vec<RootSpec> {
+    let mut roots = vec![RootSpec {
+        name: KV_ROOT,
+        rows: cache.num_slots,
+        cols: cfg.num_hidden_layers * cfg.kv_cache_width(),
+        dtype: cache.dtype,
+    }];
+    if cfg.indexer.is_some() {
+        roots.push(RootSpec {
+            name: INDEX_ROOT,
+            rows: cache.num_slots,
+            cols: cfg.num_hidden_layers * cfg.index_cache_width(),
+            dtype: cache.dtype,
+        });
+    }
+    roots
+}
+
+fn root_inputs(cfg: &ModelConfig, b: &GraphBuilder, cache: &CacheLayout) -> Result<Roots> {
+    let mut inputs = cache_roots(cfg, cache)
+        .into_iter()
+        .map(|r| b.input(r.name, InputRole::CacheRoot, r.shape().to_vec(), r.dtype));
+    let kv = inputs
+        .next()
+        .ok_or_else(|| Error::shape("cache", "no KV root"))??;
+    Ok(Roots {
+        kv,
+        index: inputs.next().transpose()?,
+    })
+}
+
+/// Declares every updated root as an output aliased to its input.
+fn output_roots(b: &GraphBuilder, new: &Roots, old: &Roots) -> Result<()> {
+    b.output_aliased(KV_ROOT, &new.kv, &old.kv)?;
+    if let (Some(new), Some(old)) = (&new.index, &old.index) {
+        b.output_aliased(INDEX_ROOT, new, old)?;
+    }
+    Ok(())
 }
 
 /// The MLP (dense or MoE) of `layer` on normalized hidden states.
@@ -242,20 +308,20 @@ type AttnFn = fn(
     &Weights,
     usize,
     &Tensor,
-    &Tensor,
+    &Roots,
     &attention::AttnStep<'_>,
-) -> Result<(Tensor, Tensor)>;
+) -> Result<(Tensor, Roots)>;
 
-/// Runs every decoder layer; returns the final normalized hidden states and the updated root.
+/// Runs every decoder layer; returns the final normalized hidden states and the updated roots.
 fn decoder(
     cfg: &ModelConfig,
     w: &Weights,
     mut x: Tensor,
-    mut root: Tensor,
+    mut root: Roots,
     step: &attention::AttnStep<'_>,
     attn: AttnFn,
     strategy: MoeStrategy,
-) -> Result<(Tensor, Tensor)> {
+) -> Result<(Tensor, Roots)> {
     for layer in 0..cfg.num_hidden_layers {
         let p = format!("model.layers.{layer}");
         let h = ops::rms_norm(
@@ -323,7 +389,8 @@ fn sample_rows(b: &GraphBuilder, logits: &Tensor, positions: &Tensor) -> Result<
 struct StepInputs {
     input_ids: Tensor,
     positions: Tensor,
-    root: Tensor,
+    roots: Roots,
+    ctx: usize,
     cos: Tensor,
     sin: Tensor,
     slots: Tensor,
@@ -345,13 +412,14 @@ fn step_inputs(
     let slots = metadata(b, inputs::SLOT_MAPPING, vec![rows], DType::I32)?;
     let width = ctx / cache.block_size;
     let block_tables = metadata(b, inputs::BLOCK_TABLES, vec![seqs, width], DType::I32)?;
-    let root = root_input(cfg, b, cache)?;
+    let roots = root_inputs(cfg, b, cache)?;
     let (cos, sin) = rope::cos_sin(cfg, &positions)?;
     let ctx_slots = context_slots(&block_tables, ctx, cache.block_size)?;
     Ok(StepInputs {
         input_ids,
         positions,
-        root,
+        roots,
+        ctx,
         cos,
         sin,
         slots,
@@ -361,7 +429,7 @@ fn step_inputs(
 
 impl StepInputs {
     /// Embeds the tokens and runs every layer with `attn`; returns the final normalized hidden
-    /// states and the updated root.
+    /// states and the updated roots.
     fn forward(
         &self,
         cfg: &ModelConfig,
@@ -369,16 +437,17 @@ impl StepInputs {
         visible: &Tensor,
         attn: AttnFn,
         strategy: MoeStrategy,
-    ) -> Result<(Tensor, Tensor)> {
+    ) -> Result<(Tensor, Roots)> {
         let step = attention::AttnStep {
             cos: &self.cos,
             sin: &self.sin,
             slots: &self.slots,
             ctx_slots: &self.ctx_slots,
             visible,
+            seq_ctx: self.ctx,
         };
         let x = embed(w, &self.input_ids)?;
-        decoder(cfg, w, x, self.root.clone(), &step, attn, strategy)
+        decoder(cfg, w, x, self.roots.clone(), &step, attn, strategy)
     }
 }
 
@@ -398,14 +467,14 @@ pub fn build_decode(
     let context_lens = metadata(&b, inputs::CONTEXT_LENS, vec![rows], DType::I32)?;
     let j = b.iota([rows, ctx], DType::I32, 1)?;
     let visible = j.lt(&context_lens.unsqueeze(1)?)?;
-    let (x, new_root) = s.forward(cfg, &w, &visible, attention::decode, spec.moe)?;
+    let (x, new_roots) = s.forward(cfg, &w, &visible, attention::decode, spec.moe)?;
     let logits = lm_logits(cfg, &w, &x)?;
     let next = sample_rows(&b, &logits, &s.positions)?;
     b.output("next_tokens", &next)?;
     if spec.logits != LogitsOutput::None {
         b.output("logits", &logits)?;
     }
-    b.output_aliased("kv_cache", &new_root, &s.root)?;
+    output_roots(&b, &new_roots, &s.roots)?;
     b.finish()
 }
 
@@ -454,7 +523,7 @@ pub fn build_prefill(
         let own = owner.eq(&seq_ids.reshape([t, 1, 1])?)?;
         own.where_cond(&causal, &own)?.reshape([t, seqs * ctx])?
     };
-    let (x, new_root) = s.forward(cfg, &w, &visible, attention::prefill, spec.moe)?;
+    let (x, new_roots) = s.forward(cfg, &w, &visible, attention::prefill, spec.moe)?;
     let last_logits = lm_logits(cfg, &w, &x.index_select(&last_index, 0)?)?;
     let last_pos = s.positions.index_select(&last_index, 0)?;
     let next = sample_rows(&b, &last_logits, &last_pos)?;
@@ -464,6 +533,6 @@ pub fn build_prefill(
         LogitsOutput::Sampled => b.output("logits", &last_logits)?,
         LogitsOutput::AllPositions => b.output("logits", &lm_logits(cfg, &w, &x)?)?,
     }
-    b.output_aliased("kv_cache", &new_root, &s.root)?;
+    output_roots(&b, &new_roots, &s.roots)?;
     b.finish()
 }

@@ -8,7 +8,7 @@
 //!   routing matrix that is zero outside the selection (reads each expert once: cheaper once
 //!   `tokens * top_k` exceeds the number of experts).
 
-use crate::config::{Architecture, ModelConfig, RoutingConfig, ScoringFunc, TopkMethod};
+use crate::config::{ModelConfig, RoutingConfig, ScoringFunc, TopkMethod};
 use crate::error::Result;
 use crate::graph::{DType, Tensor};
 
@@ -92,12 +92,12 @@ pub fn route(
     // V3 normalizes (when asked) and then always scales. V2's reference code normalizes when
     // asked and top_k > 1, and scales only otherwise. (HF's V2 port always scales and never
     // normalizes; the published V2 configs have norm_topk_prob = false, where all agree.)
-    let normalize = r.norm_topk_prob && (cfg.architecture == Architecture::DeepseekV3 || k > 1);
+    let normalize = r.norm_topk_prob && (cfg.architecture.routes_like_v3() || k > 1);
     if normalize {
         let denom = weights.sum_keepdim(1)?.affine(1.0, 1e-20)?;
         weights = weights.broadcast_div(&denom)?;
     }
-    if cfg.architecture == Architecture::DeepseekV3 || !normalize {
+    if cfg.architecture.routes_like_v3() || !normalize {
         weights = weights.affine(r.routed_scaling_factor, 0.0)?;
     }
     Ok((ids, weights))

@@ -25,6 +25,22 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
         .broadcast_mul(&w.to_dtype(DType::F32)?)
 }
 
+/// LayerNorm over the last dim, in f32: `(x - mean) * rsqrt(var + eps) * w + b`, with the
+/// biased variance (PyTorch's `nn.LayerNorm`). DeepSeek-V3.2's indexer normalizes its key so.
+pub fn layer_norm(x: &Tensor, w: &Tensor, b: &Tensor, eps: f64) -> Result<Tensor> {
+    let last = x.rank() - 1;
+    let n = x.dim(last) as f64;
+    let centered = x.broadcast_sub(&x.sum_keepdim(last)?.affine(1.0 / n, 0.0)?)?;
+    let var = centered
+        .mul(&centered)?
+        .sum_keepdim(last)?
+        .affine(1.0 / n, eps)?;
+    centered
+        .broadcast_mul(&var.rsqrt()?)?
+        .broadcast_mul(&w.to_dtype(DType::F32)?)?
+        .broadcast_add(&b.to_dtype(DType::F32)?)
+}
+
 /// Softmax over `dim`, max-subtracted. Rows that are all `-inf` are not produced by the model
 /// (every query sees at least one key).
 pub fn softmax(x: &Tensor, dim: usize) -> Result<Tensor> {

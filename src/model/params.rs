@@ -11,7 +11,9 @@
 //! the router's (`mlp.gate.weight`, and V3's `e_score_correction_bias`), which stays f32: it is
 //! tiny (experts x hidden) and decides which experts run, where a rounding flips a choice and
 //! changes the output by far more than rounding elsewhere does. transformers keeps it in f32
-//! for the same reason (`_keep_in_fp32_modules`).
+//! for the same reason (`_keep_in_fp32_modules`). V3.2's indexer head weights
+//! (`indexer.weights_proj.weight`, `[index_n_heads, hidden]`) stay f32 for the same reason:
+//! they decide which tokens attention sees, and transformers keeps them in f32 too.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -19,7 +21,7 @@ use std::sync::Arc;
 use candle_core::{Device, Tensor as CTensor};
 
 use crate::backend::cpu::candle_dtype;
-use crate::config::{Architecture, ModelConfig};
+use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::graph::DType;
 use crate::weights::{Checkpoint, Conversion};
@@ -84,12 +86,23 @@ impl WeightSpecs {
                 format!("{a}.o_proj.weight"),
                 vec![h, heads * cfg.v_head_dim],
             );
+            if let (Some(ix), Some(q_rank)) = (cfg.indexer, cfg.q_lora_rank) {
+                let i = format!("{a}.indexer");
+                m.insert(
+                    format!("{i}.wq_b.weight"),
+                    vec![ix.n_heads * ix.head_dim, q_rank],
+                );
+                m.insert(format!("{i}.wk.weight"), vec![ix.head_dim, h]);
+                m.insert(format!("{i}.k_norm.weight"), vec![ix.head_dim]);
+                m.insert(format!("{i}.k_norm.bias"), vec![ix.head_dim]);
+                m.insert(format!("{i}.weights_proj.weight"), vec![ix.n_heads, h]);
+            }
             let mp = format!("{p}.mlp");
             match &cfg.routing {
                 Some(r) if cfg.is_moe_layer(l) => {
                     let (e, i) = (r.n_routed_experts, cfg.moe_intermediate_size);
                     m.insert(format!("{mp}.gate.weight"), vec![e, h]);
-                    if cfg.architecture == Architecture::DeepseekV3 {
+                    if cfg.architecture.routes_like_v3() {
                         m.insert(format!("{mp}.gate.e_score_correction_bias"), vec![e]);
                     }
                     m.insert(format!("{mp}.experts.gate_proj"), vec![e, i, h]);
@@ -157,6 +170,7 @@ impl WeightSpecs {
             DType::I32
         } else if name.ends_with(".mlp.gate.weight")
             || name.ends_with(".e_score_correction_bias")
+            || name.ends_with(".indexer.weights_proj.weight")
             || name.ends_with("_proj_scale")
         {
             DType::F32

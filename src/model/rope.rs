@@ -7,6 +7,8 @@
 //! DeepSeek's weights expect pairs `(x0, x1), (x2, x3), ...` rotated as complex numbers (HF
 //! DeepSeek-V2's `apply_rotary_emb`; HF V3 de-interleaves first, which permutes the output but
 //! gives the same dot products). The same layout is applied to `q_pe` and to the cached `k_pe`.
+//! DeepSeek-V3.2's indexer is the exception: it rotates the first and second halves of its rope
+//! dims as pairs ([`apply_half_split`]), with the same angles.
 
 use crate::config::{ModelConfig, YarnConfig};
 use crate::error::Result;
@@ -122,4 +124,18 @@ pub fn apply(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let b = x.builder();
     b.cat(&[&r0.unsqueeze(3)?, &r1.unsqueeze(3)?], 3)?
         .reshape([n, h, d])
+}
+
+/// Rotates `x` (`[n, heads, rope_dim]`) by the per-row `cos`/`sin` (`[n, rope_dim / 2]`),
+/// pairing element `i` with element `i + rope_dim / 2` (transformers' `rotate_half` layout,
+/// which V3.2's indexer uses: its weights were trained so, unlike MLA's interleaved pairs).
+pub fn apply_half_split(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let half = x.dim(2) / 2;
+    let x0 = x.narrow(2, 0, half)?;
+    let x1 = x.narrow(2, half, half)?;
+    let c = cos.unsqueeze(1)?;
+    let s = sin.unsqueeze(1)?;
+    let r0 = x0.broadcast_mul(&c)?.sub(&x1.broadcast_mul(&s)?)?;
+    let r1 = x1.broadcast_mul(&c)?.add(&x0.broadcast_mul(&s)?)?;
+    x.builder().cat(&[&r0, &r1], 2)
 }

@@ -360,7 +360,10 @@ impl Plan {
         let entries = experts_entries(cfg, weights, opts.experts, checkpoint, tp);
         let est = neff::estimate(cfg, tp, &buckets, opts.instance);
         let (metadata, outputs) = metadata_and_outputs(cfg, &buckets, block_size);
-        let block_bytes = (block_size * cfg.num_hidden_layers * cfg.kv_cache_width()) as u64
+        // A block's slots in every cache root: the latents and (V3.2) the index keys.
+        let block_bytes = (block_size
+            * cfg.num_hidden_layers
+            * (cfg.kv_cache_width() + cfg.index_cache_width())) as u64
             * kv_dtype.size_in_bytes() as u64;
         let budget_per_core =
             (opts.instance.hbm_per_core() as f64 * opts.hbm_utilization).floor() as u64;

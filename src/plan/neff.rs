@@ -91,8 +91,9 @@ fn live_f32(
     let heads = cfg.num_attention_heads / tp;
     let mut n = 4 * rows * cfg.hidden_size
         + rows * heads * (cfg.qk_head_dim() + cfg.kv_lora_rank)
-        + seqs * ctx * cfg.kv_cache_width()
+        + seqs * ctx * (cfg.kv_cache_width() + cfg.index_cache_width())
         + 2 * rows * heads * ctx
+        + rows * cfg.indexer.map_or(0, |ix| ix.n_heads) * ctx
         + 2 * rows * cfg.vocab_size;
     if naive {
         n += ctx * heads * (cfg.qk_head_dim() + cfg.v_head_dim);

@@ -34,8 +34,8 @@ pub struct CpuRunner {
     /// One set of weights per rank (the whole model at `tp = 1`).
     weights: Vec<ModelWeights>,
     layout: CacheLayout,
-    /// One KV root per rank.
-    roots: Vec<CTensor>,
+    /// Every rank's cache roots (the KV root, and V3.2's state root), by graph input name.
+    roots: Vec<Vec<(&'static str, CTensor)>>,
     /// Where the ranks' collectives meet (`tp > 1`).
     group: Option<Arc<Group>>,
     /// Steps run so far: the step number the ranks' collectives are tagged with.
@@ -54,7 +54,7 @@ impl std::fmt::Debug for CpuRunner {
 }
 
 impl CpuRunner {
-    /// A runner with a zeroed KV root sized by `runner_cfg`; not yet captured (see
+    /// A runner with zeroed cache roots sized by `runner_cfg`; not yet captured (see
     /// [`super::open`], which captures). `weights` are the whole model's; with
     /// `runner_cfg.tp > 1` each rank takes its shards of them.
     pub fn new(cfg: ModelConfig, weights: ModelWeights, runner_cfg: RunnerConfig) -> Result<Self> {
@@ -73,16 +73,19 @@ impl CpuRunner {
         };
         let roots = (0..tp)
             .map(|_| {
-                CTensor::zeros(
-                    (
-                        layout.num_slots,
-                        cfg.num_hidden_layers * cfg.kv_cache_width(),
-                    ),
-                    cpu::candle_dtype(runner_cfg.kv_dtype),
-                    &Device::Cpu,
-                )
+                model::cache_roots(&cfg, &layout)
+                    .into_iter()
+                    .map(|r| {
+                        let t = CTensor::zeros(
+                            (r.rows, r.cols),
+                            cpu::candle_dtype(r.dtype),
+                            &Device::Cpu,
+                        );
+                        Ok((r.name, t?))
+                    })
+                    .collect::<Result<Vec<_>>>()
             })
-            .collect::<candle_core::Result<Vec<_>>>()?;
+            .collect::<Result<Vec<_>>>()?;
         Ok(CpuRunner {
             specs: weights[0].specs().clone(),
             cfg,
@@ -96,9 +99,9 @@ impl CpuRunner {
         })
     }
 
-    /// Rank 0's KV root (for tools that snapshot the cache, e.g. `deepinfer lower`; every
-    /// rank's root holds the same values).
-    pub fn kv_root(&self) -> &CTensor {
+    /// Rank 0's cache roots by graph input name, the KV root first (for tools that snapshot
+    /// the cache, e.g. `deepinfer lower`; every rank's roots hold the same values).
+    pub fn roots(&self) -> &[(&'static str, CTensor)] {
         &self.roots[0]
     }
 
@@ -160,7 +163,14 @@ impl CpuRunner {
         for decl in graph.inputs() {
             let t = match decl.role {
                 InputRole::Weight => self.weights[rank].get(&decl.name)?.clone(),
-                InputRole::CacheRoot => self.roots[rank].clone(),
+                InputRole::CacheRoot => self.roots[rank]
+                    .iter()
+                    .find(|(name, _)| *name == decl.name)
+                    .map(|(_, t)| t.clone())
+                    .ok_or_else(|| Error::Binding {
+                        name: decl.name.clone(),
+                        msg: "the model keeps no cache root of that name".into(),
+                    })?,
                 InputRole::Metadata => metadata
                     .iter()
                     .find(|(name, _)| *name == decl.name)

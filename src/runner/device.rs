@@ -188,7 +188,8 @@ struct RankState {
     decode_logits: Tensor,
     prefill_next: Tensor,
     prefill_logits: Tensor,
-    root: Tensor,
+    /// The cache roots (the KV root, and V3.2's state root) by graph input name.
+    roots: Vec<(&'static str, Tensor)>,
     weights: HashMap<String, Tensor>,
 }
 
@@ -695,20 +696,31 @@ impl DeviceRunner {
             }
         }
 
-        // The KV root, zeroed once (device memory is not zeroed by the allocator).
-        let root_bytes = self.layout.num_slots
-            * self.cfg.num_hidden_layers
-            * self.cfg.kv_cache_width()
-            * self.layout.dtype.size_in_bytes();
-        let root = Tensor::device(rt, nc, root_bytes, "kv_cache").map_err(dev(CAP))?;
-        let zeros = vec![0u8; root_bytes.min(1 << 20)];
-        let mut off = 0;
-        while off < root_bytes {
-            let n = zeros.len().min(root_bytes - off);
-            root.write(off, &zeros[..n]).map_err(dev(CAP))?;
-            off += n;
+        // The cache roots, each zeroed once (device memory is not zeroed by the allocator).
+        let mut roots = Vec::new();
+        for spec in model::cache_roots(&self.cfg, &self.layout) {
+            let root_bytes = spec.bytes() as usize;
+            let root = Tensor::device(rt, nc, root_bytes, spec.name).map_err(dev(CAP))?;
+            let zeros = vec![0u8; root_bytes.min(1 << 20)];
+            let mut off = 0;
+            while off < root_bytes {
+                let n = zeros.len().min(root_bytes - off);
+                root.write(off, &zeros[..n]).map_err(dev(CAP))?;
+                off += n;
+            }
+            uploaded += root_bytes as u64;
+            roots.push((spec.name, root));
         }
-        uploaded += root_bytes as u64;
+        let root_named = |name: &str, graph: &str| {
+            roots
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, t)| t.clone())
+                .ok_or_else(|| Error::Binding {
+                    name: name.to_string(),
+                    msg: format!("graph `{graph}`: the model keeps no cache root of that name"),
+                })
+        };
 
         // Metadata buffers per ctx bucket, at the largest batch (decode) / the largest chunk
         // packing the most sequences (prefill: every smaller prefill graph's inputs are
@@ -820,7 +832,7 @@ impl DeviceRunner {
                                 msg: format!("graph `{name}`: weight not uploaded"),
                             })?
                     }
-                    InputRole::CacheRoot => root.clone(),
+                    InputRole::CacheRoot => root_named(&decl.name, name)?,
                     InputRole::Metadata => {
                         let buf = meta.iter().find(|b| b.name == decl.name).ok_or_else(|| {
                             Error::Binding {
@@ -852,7 +864,8 @@ impl DeviceRunner {
             let mut outputs = TensorSet::new(rt).map_err(dev(name))?;
             for (k, decl) in g.outputs().iter().enumerate() {
                 let t = match (kind, decl.name.as_str()) {
-                    (_, "kv_cache") => root.clone(),
+                    // An updated cache root: the same tensor as the input it aliases.
+                    _ if decl.aliases.is_some() => root_named(&decl.name, name)?,
                     (StepKind::Decode, "next_tokens") => {
                         first_bytes(&decode_next, spec.rows * 4, name)?
                     }
@@ -897,7 +910,7 @@ impl DeviceRunner {
                 decode_logits,
                 prefill_next,
                 prefill_logits,
-                root,
+                roots,
                 weights,
             },
             uploaded,
@@ -1095,17 +1108,22 @@ impl DeviceRunner {
             .map(|b| b.tensor.clone())
     }
 
-    /// The KV root copied to the host (`[slots, layers * width]` in the cache dtype); for tests
-    /// and tools.
-    pub fn read_kv_root(&self) -> Result<CTensor> {
-        let root = &self.captured()?.first.root;
-        let mut bytes = vec![0u8; root.size()];
-        root.read(0, &mut bytes).map_err(dev("kv_cache"))?;
-        let dims = [
-            self.layout.num_slots,
-            self.cfg.num_hidden_layers * self.cfg.kv_cache_width(),
-        ];
-        tensor_from_bytes(self.layout.dtype, &dims, &bytes)
+    /// Every cache root copied to the host by name (`[slots, cols]` in the cache dtype, the
+    /// KV root first); for tests and tools.
+    pub fn read_roots(&self) -> Result<Vec<(&'static str, CTensor)>> {
+        let state = &self.captured()?.first;
+        model::cache_roots(&self.cfg, &self.layout)
+            .into_iter()
+            .zip(&state.roots)
+            .map(|(spec, (name, root))| {
+                let mut bytes = vec![0u8; root.size()];
+                root.read(0, &mut bytes).map_err(dev(name))?;
+                Ok((
+                    spec.name,
+                    tensor_from_bytes(spec.dtype, &spec.shape(), &bytes)?,
+                ))
+            })
+            .collect()
     }
 }
 
