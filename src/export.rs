@@ -167,12 +167,21 @@ impl GraphCost {
     }
 }
 
-/// The `--stats` table.
+/// The `--stats` table ("cache MB" is the cache rows read: the latents gathered, and
+/// V3.2's index keys).
 pub fn stats_table(costs: &[GraphCost]) -> String {
     let mb = |b: f64| b / 1e6;
     let mut out = format!(
-        "{:<22} {:>7} {:>12} {:>12} {:>11} {:>10} {:>12} {:>10}\n",
-        "graph", "instrs", "params MB", "read MB", "written MB", "GFLOP", "floor MB", "read/floor"
+        "{:<22} {:>7} {:>12} {:>12} {:>10} {:>11} {:>10} {:>12} {:>10}\n",
+        "graph",
+        "instrs",
+        "params MB",
+        "read MB",
+        "cache MB",
+        "written MB",
+        "GFLOP",
+        "floor MB",
+        "read/floor"
     );
     for c in costs {
         let written = c.stats.cache_bytes_written + c.stats.output_bytes_written;
@@ -184,11 +193,12 @@ pub fn stats_table(costs: &[GraphCost]) -> String {
             None => ("-".into(), "-".into()),
         };
         out.push_str(&format!(
-            "{:<22} {:>7} {:>12.1} {:>12.1} {:>11.2} {:>10.2} {:>12} {:>10}\n",
+            "{:<22} {:>7} {:>12.1} {:>12.1} {:>10.1} {:>11.2} {:>10.2} {:>12} {:>10}\n",
             c.name,
             c.instructions,
             mb(c.stats.parameter_bytes as f64),
             mb(c.bytes_read() as f64),
+            mb(c.stats.cache_bytes_read as f64),
             mb(written as f64),
             c.stats.flops as f64 / 1e9,
             floor,
