@@ -21,7 +21,8 @@ fn unsupported_model_type() {
     let msg = error(V2_LITE, &[("model_type", Some(json!("llama")))]);
     assert_eq!(
         msg,
-        "config.json: unsupported model_type \"llama\" (deepinfer serves deepseek_v2 and deepseek_v3)"
+        "config.json: unsupported model_type \"llama\" (deepinfer serves deepseek_v2, deepseek_v3 \
+         and deepseek_v32)"
     );
     let msg = error(V2_LITE, &[("model_type", None)]);
     assert_mentions(&msg, &["missing required key model_type"]);
@@ -205,4 +206,35 @@ fn a_key_deepinfer_reads_is_type_checked_even_where_unused() {
         msg,
         "config.json: rope_parameters.factor must be a finite number, got \"x\""
     );
+}
+
+/// A V3.2 config is V3's with the indexer's three keys; each is required and checked.
+#[test]
+fn v32_indexer_keys_are_required_and_checked() {
+    let v32 = edited(
+        V3,
+        &[
+            ("model_type", Some(json!("deepseek_v32"))),
+            ("index_n_heads", Some(json!(64))),
+            ("index_head_dim", Some(json!(128))),
+            ("index_topk", Some(json!(2048))),
+        ],
+    );
+    let ix = ModelConfig::from_json_str(&v32).unwrap().indexer.unwrap();
+    assert_eq!((ix.n_heads, ix.head_dim, ix.topk), (64, 128, 2048));
+    for key in ["index_n_heads", "index_head_dim", "index_topk"] {
+        let msg = error(&v32, &[(key, None)]);
+        assert_eq!(msg, format!("config.json: missing required key {key}"));
+        let msg = error(&v32, &[(key, Some(json!(0)))]);
+        assert_mentions(&msg, &[&format!("{key} 0"), "at least 1"]);
+        let msg = error(&v32, &[(key, Some(json!("many")))]);
+        assert_mentions(&msg, &[key, "\"many\""]);
+    }
+    let msg = error(&v32, &[("index_head_dim", Some(json!(32)))]);
+    assert_mentions(&msg, &["index_head_dim 32", "qk_rope_head_dim (64)"]);
+    let msg = error(&v32, &[("q_lora_rank", Some(Value::Null))]);
+    assert_mentions(&msg, &["q_lora_rank", "indexer"]);
+    // The keys mean nothing to V3, which ignores them.
+    let v3 = edited(V3, &[("index_topk", Some(json!(0)))]);
+    assert!(ModelConfig::from_json_str(&v3).unwrap().indexer.is_none());
 }
