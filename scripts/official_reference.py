@@ -1,10 +1,31 @@
-"""Independent float64 forward pass of the official DeepSeek-V2/V3 model math, for cross-checks.
+"""Independent float64 forward pass of the official DeepSeek-V2/V3/V3.2 model math, for cross-checks.
 
 What: a from-scratch implementation (torch, float64, no transformers) of the math of DeepSeek's
 own code: DeepSeek-V3 `inference/model.py` (MLA, YaRN `precompute_freqs_cis`, sigmoid/noaux_tc
-gate with -inf group masking, m^2 softmax scale) and the DeepSeek-V2 `modeling_deepseek.py`
-MoEGate (softmax, greedy / group_limited_greedy, normalise-or-scale rule). It reads any
-checkpoint directory of the fixtures (either config spelling, sharded or not, any float dtype).
+gate with -inf group masking, m^2 softmax scale), the DeepSeek-V2 `modeling_deepseek.py`
+MoEGate (softmax, greedy / group_limited_greedy, normalise-or-scale rule) and, for configs with
+`index_topk`, the DeepSeek Sparse Attention of DeepSeek-V3.2(-Exp) `inference/model.py` (class
+`Indexer`, as fixed on 2025-11-17). It reads any checkpoint directory of the fixtures (either
+config spelling, sharded or not, any float dtype).
+
+V3.2 indexer, per layer, on the attention input x and the MLA query latent q_lat:
+q = wq_b(q_lat) as index_n_heads heads of index_head_dim; k = LayerNorm(wk(x)) (k_norm weight and
+bias, eps 1e-6), one head shared by all; non-interleaved (half-split: pairs i, i + rope/2) RoPE on
+the first qk_rope_head_dim dims of q and k, with the same YaRN frequencies as MLA; score(s, t) =
+sum_h weights_proj(x)[s, h] * index_n_heads^-0.5 * index_head_dim^-0.5 * relu(q[s, h] . k[t]);
+causal mask; each query keeps its top-min(index_topk, seq) keys; MLA attention is then masked to
+those keys (and causally). Left out, as they are not model math: the fp8 quantisation of q/k (and
+the fp8 round trip of the MLA latent cache) and the Hadamard rotation of q and k (orthogonal, so
+q . k is unchanged).
+
+Where the official code and transformers 5 (models/deepseek_v32) differ, with no effect on the
+result: the official code applies index_head_dim^-0.5 to the head weights after the relu,
+transformers inside it (relu(a * c) = c * relu(a) for c > 0); the official code masks future keys
+with -inf, transformers' eager path with the dtype's minimum. Rows with fewer visible keys than
+index_topk select masked keys in both (top-k over the whole row); those stay masked, since the
+causal mask is applied on top of the selection. The first release of the official inference code
+applied the indexer RoPE interleaved (as in MLA); DeepSeek's 2025-11-17 fix made it half-split,
+which transformers and this script follow (the tiny-v32 fixture tells the two layouts apart).
 
 Why: reference.json files are produced with HF transformers; this script confirms that they
 encode the official semantics rather than a transformers quirk (it is how the transformers 5
@@ -13,7 +34,7 @@ exactly what the Rust engine must compute.
 
 How to run (from the repository root, reference venv):
 
-    /work/refenv/bin/python scripts/official_reference.py fixtures/tiny-v3 fixtures/tiny-v2-lite
+    /work/refenv/bin/python scripts/official_reference.py fixtures/tiny-v3 fixtures/tiny-v2-lite fixtures/tiny-v32
 
 It prints, per fixture, the largest |logit difference| against reference.json and whether the
 greedy continuation matches; scripts/make_fixtures.py runs the same check on every fixture it
@@ -87,6 +108,17 @@ def apply_rope(x, rotations):
     return torch.view_as_real(pairs * rot).reshape(shape)
 
 
+def apply_rope_half(x, rotations):
+    """Non-interleaved (half-split) RoPE on the last dim of x [seq, ..., rope_dim]: pairs (i, i + rope_dim/2).
+
+    Official V3.2 `apply_rotary_emb(x, freqs_cis, interleaved=False)`, used by the indexer only.
+    """
+    half = x.shape[-1] // 2
+    rot = rotations.view(x.shape[0], *([1] * (x.dim() - 2)), -1)
+    y = torch.complex(x[..., :half], x[..., half:]) * rot
+    return torch.cat([y.real, y.imag], dim=-1)
+
+
 def softmax_scale(cfg):
     """qk_head_dim^-0.5, times m^2 with m = 0.1 * mscale_all_dim * ln(factor) + 1 under YaRN."""
     scale = (cfg["qk_nope_head_dim"] + cfg["qk_rope_head_dim"]) ** -0.5
@@ -101,8 +133,35 @@ def rms_norm(x, weight, eps):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
 
 
+def indexer_scores(cfg, w, p, x, q_lat, rotations):
+    """Official V3.2 lightning-indexer scores [seq (query), seq (key)], -inf where causally masked.
+
+    x is the attention input [seq, hidden], q_lat the MLA query latent (q_a_layernorm output).
+    """
+    seq, heads, dim, rope_dim = x.shape[0], cfg["index_n_heads"], cfg["index_head_dim"], cfg["qk_rope_head_dim"]
+    q = (q_lat @ w[f"{p}.wq_b.weight"].T).view(seq, heads, dim)
+    k = F.layer_norm(x @ w[f"{p}.wk.weight"].T, (dim,), w[f"{p}.k_norm.weight"], w[f"{p}.k_norm.bias"], 1e-6)
+    q = torch.cat([apply_rope_half(q[..., :rope_dim], rotations), q[..., rope_dim:]], dim=-1)
+    k = torch.cat([apply_rope_half(k[:, :rope_dim], rotations), k[:, rope_dim:]], dim=-1)
+    # Official: the head weights carry both scales and multiply relu(q.k) (fp8_index).
+    weights = (x @ w[f"{p}.weights_proj.weight"].T) * heads**-0.5 * dim**-0.5
+    scores = torch.einsum("shd,td->sht", q, k).relu()
+    causal = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+    return torch.einsum("sht,sh->st", scores, weights).masked_fill(causal, float("-inf"))
+
+
+def index_mask(cfg, w, p, x, q_lat, rotations):
+    """True at the keys each query may attend to: its top-min(index_topk, seq) indexer scores, causal."""
+    scores = indexer_scores(cfg, w, p, x, q_lat, rotations)
+    selected = scores.topk(min(cfg["index_topk"], x.shape[0]), dim=-1).indices
+    # Rows with fewer visible keys than index_topk also select masked (-inf) keys, as in the official
+    # code; they stay masked because the causal mask is applied on top.
+    mask = torch.zeros_like(scores, dtype=torch.bool).scatter_(1, selected, True)
+    return mask & ~torch.ones_like(mask).triu(1)
+
+
 def mla(cfg, w, p, x, rotations):
-    """Naive MLA over a whole causal sequence x [seq, hidden]."""
+    """Naive MLA over a whole causal sequence x [seq, hidden] (DSA-sparse when config has index_topk)."""
     seq, heads = x.shape[0], cfg["num_attention_heads"]
     nope, rope_dim, v_dim, rank = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"], cfg["kv_lora_rank"]
     if cfg["q_lora_rank"] is None:
@@ -120,8 +179,10 @@ def mla(cfg, w, p, x, rotations):
     kv = (c_kv @ w[f"{p}.kv_b_proj.weight"].T).view(seq, heads, nope + v_dim)
     k_nope, v = kv.split([nope, v_dim], dim=-1)
     scores = (torch.einsum("shd,thd->hst", q_nope, k_nope) + torch.einsum("shd,td->hst", q_pe, k_pe)) * softmax_scale(cfg)
-    causal = torch.ones(seq, seq, dtype=torch.bool).triu(1)
-    probs = scores.masked_fill(causal, float("-inf")).softmax(-1)
+    masked = torch.ones(seq, seq, dtype=torch.bool).triu(1)
+    if cfg.get("index_topk") is not None:
+        masked = ~index_mask(cfg, w, f"{p}.indexer", x, q_lat, rotations)
+    probs = scores.masked_fill(masked, float("-inf")).softmax(-1)
     out = torch.einsum("hst,thd->shd", probs, v).reshape(seq, heads * v_dim)
     return out @ w[f"{p}.o_proj.weight"].T
 
