@@ -122,8 +122,8 @@ MIN_TOP2_GAP = 1e-2
 MIN_DISTINCT_TOKENS = 8
 
 # tiny-v32 (DeepSeek Sparse Attention): each query attends only to the INDEX_TOPK visible keys its
-# indexer scores highest, so attention is sparse from position INDEX_TOPK on (positions 8..15 of the
-# logits text, 8..31 of the greedy prompt + continuation). The selection must be robust: at every
+# indexer scores highest, so attention is sparse from position INDEX_TOPK on (positions 6..15 of the
+# logits text, 6..31 of the greedy prompt + continuation). The selection must be robust: at every
 # such query of every layer, the k-th and (k+1)-th largest visible indexer scores differ by more than
 # MIN_INDEX_TOPK_GAP (an engine computing in f32 in another order must select the same keys, and
 # torch's tie order is unspecified). The logits with every key selected (index_topk raised to

@@ -4,7 +4,7 @@
 # 1. `cargo test --workspace`: everything in Rust (parity with transformers on the committed
 #    fixtures, the CLI, the graph, the compile driver, ...).
 # 2. XLA conformance: every graph we emit for every fixture (prefill, and decode at batch 1, 2, 4
-#    and 8) runs in XLA itself (jaxlib on the CPU) and must match our CPU backend, and the decode
+#    and 8; tiny-v32's sparse attention included) runs in XLA itself (jaxlib on the CPU) and must match our CPU backend, and the decode
 #    logits must match transformers' reference; then bf16 and int8-expert graphs against our
 #    CPU backend. jax is installed into .venv from PyPI.
 #    Then tensor parallelism: every fixture lowered for 2 and 4 ranks (`lower --tp N`: one HLO
@@ -13,8 +13,8 @@
 #    Then the conformance suite's cases (tests/conformance/*.json) run as our emitted HLO in XLA and
 #    must match numpy's expected values, as they do on the CPU backend, emit -> import -> CPU and
 #    nrt-sim in step 1 (scripts/xla_conformance.py).
-# 3. `deepinfer lower --check neuron` on the published configs of DeepSeek-V2-Lite, V2 and V3
-#    at the serve defaults (24 graphs each): every graph a Neuron capture compiles must pass
+# 3. `deepinfer lower --check neuron` on the published configs of DeepSeek-V2-Lite, V2, V3 and
+#    V3.2 at the serve defaults (24 graphs each): every graph a Neuron capture compiles must pass
 #    every rule (src/backend/neuron/check). `--neuron-runtime 2.30.50` is the runtime minimum
 #    `deepinfer doctor` enforces (tensors of 4 GiB or more: the V2 and V3 KV roots at 2048
 #    tokens x 32 sequences, and V3's stacked bf16 expert weights, 7.5 GB per layer and matrix).
@@ -37,7 +37,7 @@ cargo build --release --workspace --quiet
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 status=0
-for fixture in tiny-v3 tiny-v2-lite tiny-v2-group; do
+for fixture in tiny-v3 tiny-v2-lite tiny-v2-group tiny-v32; do
     ids=$(.venv/bin/python -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['token_ids'])))" "fixtures/$fixture/reference.json")
     target/release/deepinfer lower --model "fixtures/$fixture" --out "$out/$fixture" --dtype f32 \
         --batch-sizes 1,2,4,8 --ctx 64 --inputs-from-token-ids "$ids" > /dev/null
@@ -70,7 +70,7 @@ done
 # runs its experts densely), run by XLA with that many replicas. About 15 s per fixture and
 # degree, nearly all of it XLA compiling two modules.
 for tp in 2 4; do
-    for fixture in tiny-v3 tiny-v2-lite tiny-v2-group; do
+    for fixture in tiny-v3 tiny-v2-lite tiny-v2-group tiny-v32; do
         ids=$(.venv/bin/python -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['token_ids'])))" "fixtures/$fixture/reference.json")
         target/release/deepinfer lower --model "fixtures/$fixture" --out "$out/$fixture-tp$tp" --dtype f32 \
             --tp "$tp" --batch-sizes 1 --ctx 64 --inputs-from-token-ids "$ids" > /dev/null
@@ -84,7 +84,7 @@ DEEPINFER_CONFORMANCE_OUT="$out/conformance" cargo test --quiet --test conforman
 .venv/bin/python scripts/xla_conformance.py tests/conformance "$out/conformance" || status=1
 # V2 and V3 as deployed: split over a trn1.32xlarge's 32 NeuronCores, each rank's graph is what
 # neuronx-cc compiles (whole, they are over its instruction budget); V2-Lite whole and at --tp 2.
-for run in deepseek-v2-lite:: deepseek-v2-lite::2 deepseek-v2::32 deepseek-v3::32; do
+for run in deepseek-v2-lite:: deepseek-v2-lite::2 deepseek-v2::32 deepseek-v3::32 deepseek-v3.2::32; do
     IFS=: read -r config allow tp <<< "$run"
     tp=${tp:-1}
     echo "== lower --check neuron: fixtures/configs/$config.json --tp $tp $allow"

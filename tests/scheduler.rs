@@ -65,7 +65,7 @@ fn load(name: &str) -> (ModelConfig, ModelWeights) {
     (cfg, weights)
 }
 
-/// tiny-v3 with prompts prefilled 3 tokens at a time, batches up to 8.
+/// Prompts prefilled 3 tokens at a time, batches up to 8.
 fn tiny_config() -> RunnerConfig {
     let mut rc = RunnerConfig::for_limits(8, 64);
     rc.buckets.prefill_chunk = 3;
@@ -76,11 +76,11 @@ fn greedy(max_tokens: usize) -> GenerationParams {
     GenerationParams::greedy(max_tokens)
 }
 
-/// Adds six copies of transformers' greedy prompt at staggered times and checks every one
+/// Adds six copies of fixture `name`'s greedy prompt at staggered times and checks every one
 /// continues exactly as transformers did.
-fn six_staggered_copies_match_transformers(rc: RunnerConfig) -> u64 {
-    let reference = common::reference("tiny-v3").greedy;
-    let (cfg, weights) = load("tiny-v3");
+fn six_staggered_copies_match_transformers(name: &str, rc: RunnerConfig) -> u64 {
+    let reference = common::reference(name).greedy;
+    let (cfg, weights) = load(name);
     let runner = runner::open_with_weights(Backend::Cpu, cfg, weights, rc).unwrap();
     let mut s = Scheduler::new(runner, None, Vec::new()).unwrap();
     let n = reference.generated_token_ids.len();
@@ -96,29 +96,37 @@ fn six_staggered_copies_match_transformers(rc: RunnerConfig) -> u64 {
     run_to_end(&mut s, &mut results);
     for id in 0..6u64 {
         let r = &results[&id];
-        assert_eq!(r.tokens, reference.generated_token_ids, "request {id}");
-        assert_eq!(r.finish, Some(FinishReason::Length), "request {id}");
+        assert_eq!(r.tokens, reference.generated_token_ids, "{name} request {id}");
+        assert_eq!(r.finish, Some(FinishReason::Length), "{name} request {id}");
     }
     assert_eq!(s.blocks_in_use(), 0);
     s.preemptions()
 }
 
+/// tiny-v3, and tiny-v32 whose sparse attention keeps a second cache root (its index keys must
+/// follow their sequences through chunking, batching and preemption just as the latents do).
+const SCHEDULED_FIXTURES: [&str; 2] = ["tiny-v3", "tiny-v32"];
+
 #[test]
 fn batched_and_chunked_sequences_match_transformers_greedy() {
-    let preemptions = six_staggered_copies_match_transformers(tiny_config());
-    assert_eq!(preemptions, 0);
+    for name in SCHEDULED_FIXTURES {
+        let preemptions = six_staggered_copies_match_transformers(name, tiny_config());
+        assert_eq!(preemptions, 0);
+    }
 }
 
 #[test]
 fn preempted_sequences_are_recomputed_to_the_same_tokens() {
-    // 8 + 24 tokens need 2 blocks of 16 each; 7 usable blocks cannot hold all six.
-    let mut rc = tiny_config();
-    rc.num_blocks = 8;
-    let preemptions = six_staggered_copies_match_transformers(rc);
-    assert!(
-        preemptions > 0,
-        "the cache was large enough: nothing tested"
-    );
+    for name in SCHEDULED_FIXTURES {
+        // 8 + 24 tokens need 2 blocks of 16 each; 7 usable blocks cannot hold all six.
+        let mut rc = tiny_config();
+        rc.num_blocks = 8;
+        let preemptions = six_staggered_copies_match_transformers(name, rc);
+        assert!(
+            preemptions > 0,
+            "{name}: the cache was large enough: nothing tested"
+        );
+    }
 }
 
 fn default_model(max_batch: usize) -> (Box<dyn Runner>, Arc<Tokenizer>, Vec<u32>) {

@@ -17,7 +17,7 @@ mod compare;
 pub use compare::{max_abs_diff, max_abs_diff_rows};
 
 /// The tiny checkpoints `scripts/make_fixtures.py` writes, with transformers' outputs.
-pub const FIXTURES: &[&str] = &["tiny-v3", "tiny-v2-lite", "tiny-v2-group"];
+pub const FIXTURES: &[&str] = &["tiny-v3", "tiny-v2-lite", "tiny-v2-group", "tiny-v32"];
 
 pub fn fixture_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
