@@ -195,7 +195,7 @@ fn assert_same(a: &Trace, b: &Trace, what: &str) {
 #[test]
 fn sim_and_cpu_agree_on_tokens_and_logits() {
     let _g = serial();
-    for name in ["tiny-v3", "tiny-v2-lite", "tiny-v2-group"] {
+    for name in ["tiny-v3", "tiny-v2-lite", "tiny-v2-group", "tiny-v32"] {
         let mut c = cpu(name, small_config());
         let want = workload(&mut c);
         let mut d = Box::new(device(name, small_config())) as Box<dyn Runner>;
@@ -351,6 +351,31 @@ fn every_prefill_bucket_agrees_with_the_cpu_twin() {
     }
 }
 
+/// DeepSeek-V3.2's sparse attention through the real FFI path against transformers: the
+/// prompt's logits at every position and the greedy continuation, both past `index_topk`.
+#[test]
+fn sparse_attention_on_nrt_sim_matches_transformers() {
+    let _g = serial();
+    let name = "tiny-v32";
+    let r = common::reference(name);
+    let mut d = Box::new(device(name, RunnerConfig::for_limits(4, 128))) as Box<dyn Runner>;
+    let logits = deepinfer::engine::score(&mut d, &r.token_ids).unwrap();
+    let worst = common::max_abs_diff_rows(&logits, &r.logits);
+    assert!(worst < 1e-4, "{worst}");
+    let stop = deepinfer::engine::StopConditions {
+        max_tokens: r.greedy.generated_token_ids.len(),
+        stop_token_ids: vec![],
+    };
+    let got = deepinfer::engine::generate(
+        &mut d,
+        &r.greedy.prompt_token_ids,
+        SamplingParams::GREEDY,
+        &stop,
+    )
+    .unwrap();
+    assert_eq!(got, r.greedy.generated_token_ids);
+}
+
 #[test]
 fn generate_and_score_match_the_cpu_twin() {
     let _g = serial();
@@ -422,13 +447,26 @@ fn meta_bytes_prefill(t: usize, ctx: usize) -> u64 {
 
 #[test]
 fn counters_show_weights_once_no_root_traffic_and_exact_metadata_bytes() {
+    // tiny-v32 keeps two cache roots (latents, and its sparse attention's index keys).
+    for name in ["tiny-v3", "tiny-v32"] {
+        counters_of(name);
+    }
+}
+
+fn counters_of(name: &str) {
     let _g = serial();
     let sim = hooks();
     sim.reset();
-    let mut d = device("tiny-v3", small_config());
+    let mut d = device(name, small_config());
     let mut blocks = common::allocator(&d);
     let c = sim.counters().unwrap();
-    let (cfg, weights) = load("tiny-v3");
+    let (cfg, weights) = load(name);
+    // Every cache root is allocated and zeroed once at capture, in full.
+    let roots = deepinfer::model::cache_roots(&cfg, &d.cache_layout());
+    assert_eq!(roots.len(), if cfg.indexer.is_some() { 2 } else { 1 });
+    for r in &roots {
+        assert_eq!(c.bytes_written(r.name), r.bytes(), "root {}", r.name);
+    }
     // Every weight the graphs bind is written exactly once, in full.
     let mut weight_tensors = 0;
     let specs = weights.specs();
@@ -491,8 +529,10 @@ fn counters_show_weights_once_no_root_traffic_and_exact_metadata_bytes() {
         .tensor_bytes_written
         .keys()
         .all(|k| k.starts_with("prefill_c32/")));
-    assert_eq!(c.bytes_read("kv_cache"), 0);
-    assert_eq!(c.bytes_written("kv_cache"), 0);
+    for r in &roots {
+        assert_eq!(c.bytes_read(r.name), 0);
+        assert_eq!(c.bytes_written(r.name), 0);
+    }
     assert_eq!(c.executions_of("prefill_t16_c32"), 1);
 
     for (n, position, bucket, ctx) in [
@@ -530,8 +570,10 @@ fn counters_show_weights_once_no_root_traffic_and_exact_metadata_bytes() {
             .tensor_bytes_written
             .keys()
             .all(|k| k.starts_with(&prefix)));
-        assert_eq!(c.bytes_read("kv_cache"), 0);
-        assert_eq!(c.bytes_written("kv_cache"), 0);
+        for r in &roots {
+            assert_eq!(c.bytes_read(r.name), 0);
+            assert_eq!(c.bytes_written(r.name), 0);
+        }
         // Reads: the real rows' tokens and logits, nothing else.
         let read: u64 = c.tensor_bytes_read.values().sum();
         assert_eq!(read, (n * 4 + n * vocab as usize * 4) as u64);

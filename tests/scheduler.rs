@@ -96,7 +96,10 @@ fn six_staggered_copies_match_transformers(name: &str, rc: RunnerConfig) -> u64 
     run_to_end(&mut s, &mut results);
     for id in 0..6u64 {
         let r = &results[&id];
-        assert_eq!(r.tokens, reference.generated_token_ids, "{name} request {id}");
+        assert_eq!(
+            r.tokens, reference.generated_token_ids,
+            "{name} request {id}"
+        );
         assert_eq!(r.finish, Some(FinishReason::Length), "{name} request {id}");
     }
     assert_eq!(s.blocks_in_use(), 0);

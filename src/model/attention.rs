@@ -104,10 +104,10 @@ fn index_scores(
     roots: &Roots,
     step: &AttnStep<'_>,
 ) -> Result<Option<(Tensor, Tensor)>> {
-    let (Some(ix), Some(root), Some(latent)) = (&cfg.indexer, &roots.index, &q.latent) else {
+    let (Some(root), Some(latent)) = (&roots.index, &q.latent) else {
         return Ok(None);
     };
-    indexer::scores(cfg, ix, w, layer, x, latent, root, step).map(Some)
+    indexer::scores(cfg, w, layer, x, latent, root, step).map(Some)
 }
 
 /// Computes this step's cache rows (`[n, width]`) and writes them into the layer's columns of

@@ -23,7 +23,7 @@
 //!   the ties at the threshold admitted lowest position first by a second threshold over the
 //!   negated positions.
 
-use crate::config::{IndexerConfig, ModelConfig};
+use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::graph::{DType, Tensor};
 
@@ -60,7 +60,6 @@ fn rotate(x: &Tensor, rope_dim: usize, step: &AttnStep<'_>) -> Result<Tensor> {
 /// prefill does.
 pub fn scores(
     cfg: &ModelConfig,
-    ix: &IndexerConfig,
     w: &Weights,
     layer: usize,
     x: &Tensor,
@@ -68,6 +67,9 @@ pub fn scores(
     root: &Tensor,
     step: &AttnStep<'_>,
 ) -> Result<(Tensor, Tensor)> {
+    let ix = cfg
+        .indexer
+        .ok_or_else(|| Error::shape("indexer", "the model has no sparse-attention indexer"))?;
     let p = format!("model.layers.{layer}.self_attn.indexer");
     let (n, heads, dim, rope_dim) = (x.dim(0), ix.n_heads, ix.head_dim, cfg.qk_rope_head_dim);
     let q = linear(q_latent, &w.get(&format!("{p}.wq_b.weight"))?)?.reshape([n, heads, dim])?;
