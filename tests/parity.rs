@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::{max_abs_diff, max_abs_diff_rows, reference, runner, FIXTURES};
+use common::{max_abs_diff_rows, reference, runner, FIXTURES};
 use deepinfer::engine::{self, StopConditions};
 use deepinfer::model::{LogitsOutput, MoeStrategy};
 use deepinfer::runner::step::{DecodeRow, SamplingParams};
@@ -50,35 +50,7 @@ fn greedy_continuation_matches_transformers() {
 fn decode_matches_prefill(name: &str, rows: usize) {
     let r = reference(name);
     let mut run = runner(name, 8, None);
-    let mut alloc = common::allocator(&run);
-    let mut tables: Vec<Vec<u32>> = vec![Vec::new(); rows];
-    let n = r.token_ids.len();
-    let mut worst = 0.0f32;
-    for step in 0..n + rows - 1 {
-        let active: Vec<usize> = (0..rows).filter(|&i| step >= i && step - i < n).collect();
-        for &i in &active {
-            alloc.grow(&mut tables[i], step - i + 1).unwrap();
-        }
-        let batch: Vec<DecodeRow> = active
-            .iter()
-            .map(|&i| DecodeRow {
-                token: r.token_ids[step - i],
-                position: step - i,
-                blocks: &tables[i],
-                sampling: SamplingParams::GREEDY,
-            })
-            .collect();
-        let out = run
-            .replay(&Step::Decode {
-                rows: &batch,
-                logits: LogitsOutput::Sampled,
-            })
-            .unwrap();
-        for (row, &i) in active.iter().enumerate() {
-            let got = &out.logits.as_ref().unwrap()[row];
-            worst = worst.max(max_abs_diff(got, &r.logits[step - i]));
-        }
-    }
+    let worst = common::decode_staggered(run.as_mut(), &r.token_ids, rows, &r.logits);
     eprintln!("{name} batch {rows}: max |decode - transformers| = {worst:e}");
     assert!(worst < TOL, "{name} batch {rows}: {worst}");
 }

@@ -9,12 +9,11 @@ mod common;
 
 use std::path::{Path, PathBuf};
 
-use common::{fixture_dir, max_abs_diff, max_abs_diff_rows, reference_file};
+use common::{fixture_dir, max_abs_diff_rows, reference_file};
 use deepinfer::config::ModelConfig;
 use deepinfer::engine;
-use deepinfer::model::{LogitsOutput, ModelWeights, Precision};
-use deepinfer::runner::step::{DecodeRow, SamplingParams};
-use deepinfer::runner::{self, Backend, Buckets, Runner, RunnerConfig, Step};
+use deepinfer::model::{ModelWeights, Precision};
+use deepinfer::runner::{self, Backend, Buckets, Runner, RunnerConfig};
 use deepinfer::weights::Checkpoint;
 use serde::Deserialize;
 
@@ -65,42 +64,6 @@ fn config(max_batch: usize, ctx: &[usize]) -> RunnerConfig {
     rc
 }
 
-/// `rows` sequences decode `ids` one token at a time through the decode graph only, row `i`
-/// starting `i` steps late; the largest difference of any row's logits from `want`.
-fn decode_staggered(run: &mut Box<dyn Runner>, ids: &[u32], rows: usize, want: &[Vec<f32>]) -> f32 {
-    let mut alloc = common::allocator(run.as_ref());
-    let mut tables: Vec<Vec<u32>> = vec![Vec::new(); rows];
-    let n = ids.len();
-    let mut worst = 0.0f32;
-    for step in 0..n + rows - 1 {
-        let active: Vec<usize> = (0..rows).filter(|&i| step >= i && step - i < n).collect();
-        for &i in &active {
-            alloc.grow(&mut tables[i], step - i + 1).unwrap();
-        }
-        let batch: Vec<DecodeRow> = active
-            .iter()
-            .map(|&i| DecodeRow {
-                token: ids[step - i],
-                position: step - i,
-                blocks: &tables[i],
-                sampling: SamplingParams::GREEDY,
-            })
-            .collect();
-        let out = run
-            .replay(&Step::Decode {
-                rows: &batch,
-                logits: LogitsOutput::Sampled,
-            })
-            .unwrap();
-        for (row, &i) in active.iter().enumerate() {
-            let got = &out.logits.as_ref().unwrap()[row];
-            assert!(got.iter().all(|x| x.is_finite()));
-            worst = worst.max(max_abs_diff(got, &want[step - i]));
-        }
-    }
-    worst
-}
-
 #[test]
 fn the_selection_matters_and_raising_index_topk_gives_dense_attention() {
     let r: SparseReference = reference_file(NAME, "reference.json");
@@ -130,10 +93,15 @@ fn decode_at_batch_1_2_4_8_matches_transformers_in_every_context_bucket() {
     for ctx in [vec![16], vec![32], vec![64]] {
         for rows in [1, 2, 4, 8] {
             let mut run = open(&fixture_dir(NAME), config(8, &ctx));
-            let worst = decode_staggered(&mut run, &r.token_ids, rows, &r.logits);
+            let worst = common::decode_staggered(run.as_mut(), &r.token_ids, rows, &r.logits);
             assert!(worst < TOL, "sparse, ctx {ctx:?}, batch {rows}: {worst}");
             let mut run = open(&dense_dir, config(8, &ctx));
-            let worst = decode_staggered(&mut run, &r.token_ids, rows, &r.logits_dense_attention);
+            let worst = common::decode_staggered(
+                run.as_mut(),
+                &r.token_ids,
+                rows,
+                &r.logits_dense_attention,
+            );
             assert!(
                 worst < TOL,
                 "index_topk 16, ctx {ctx:?}, batch {rows}: {worst}"

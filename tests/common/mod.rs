@@ -7,7 +7,7 @@ use deepinfer::config::ModelConfig;
 use deepinfer::engine::BlockAllocator;
 use deepinfer::model::LogitsOutput;
 use deepinfer::model::{ModelWeights, MoeStrategy, Precision};
-use deepinfer::runner::step::{DecodeRow, PrefillChunk};
+use deepinfer::runner::step::{DecodeRow, PrefillChunk, SamplingParams};
 use deepinfer::runner::{self, Backend, Runner, RunnerConfig, Step, StepOutput};
 use deepinfer::weights::Checkpoint;
 use serde::Deserialize;
@@ -104,4 +104,41 @@ impl<R: Runner + ?Sized> RunnerExt for R {}
 pub fn allocator<R: Runner + ?Sized>(runner: &R) -> BlockAllocator {
     let rc = runner.runner_config();
     BlockAllocator::new(rc.num_blocks, rc.block_size).unwrap()
+}
+
+/// `rows` sequences decode `ids` one token at a time through the decode graph only, row `i`
+/// starting `i` steps late (so positions differ within a batch); the largest difference of any
+/// row's logits from `want` (its position's row). Every logit must be finite.
+pub fn decode_staggered(run: &mut dyn Runner, ids: &[u32], rows: usize, want: &[Vec<f32>]) -> f32 {
+    let mut alloc = allocator(&*run);
+    let mut tables: Vec<Vec<u32>> = vec![Vec::new(); rows];
+    let n = ids.len();
+    let mut worst = 0.0f32;
+    for step in 0..n + rows - 1 {
+        let active: Vec<usize> = (0..rows).filter(|&i| step >= i && step - i < n).collect();
+        for &i in &active {
+            alloc.grow(&mut tables[i], step - i + 1).unwrap();
+        }
+        let batch: Vec<DecodeRow> = active
+            .iter()
+            .map(|&i| DecodeRow {
+                token: ids[step - i],
+                position: step - i,
+                blocks: &tables[i],
+                sampling: SamplingParams::GREEDY,
+            })
+            .collect();
+        let out = run
+            .replay(&Step::Decode {
+                rows: &batch,
+                logits: LogitsOutput::Sampled,
+            })
+            .unwrap();
+        for (row, &i) in active.iter().enumerate() {
+            let got = &out.logits.as_ref().unwrap()[row];
+            assert!(got.iter().all(|x| x.is_finite()));
+            worst = worst.max(max_abs_diff(got, &want[step - i]));
+        }
+    }
+    worst
 }
