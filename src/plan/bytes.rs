@@ -14,7 +14,7 @@
 //!
 //! [`WeightFormat::Fp8Block`] is the published DeepSeek-V3/R1 storage: every linear weight of
 //! attention and the MLPs (the `*_proj.weight` tensors, dense, shared and routed) in
-//! `float8_e4m3fn`, each with one f32 scale per `block` (128 x 128 in the published files:
+//! `float8_e4m3fn` (and V3.2's indexer `wq_b` / `wk`), each with one f32 scale per `block` (128 x 128 in the published files:
 //! `weight_scale_inv`, `[ceil(out/128), ceil(in/128)]`); embeddings, `lm_head` and norms in bf16;
 //! the router in f32 as always. A sharded fp8 weight keeps the scale blocks its rows or columns
 //! touch, `ceil(shard/128)` of them: where a shard boundary cuts a block (V3's dense MLP at
@@ -166,9 +166,12 @@ pub fn entries(
         };
         let stored = specs.dtype(name);
         // A linear weight `[out, in]` or stacked experts `[E, out, in]`: fp8 in the published
-        // V3 format, read from the checkpoint one `[out, in]` matrix at a time.
+        // V3 format, read from the checkpoint one `[out, in]` matrix at a time. V3.2 publishes
+        // its indexer's query and key projections in fp8 too (`weights_proj` stays f32 here).
         let linear = name.ends_with("_proj.weight")
             || name.ends_with("_proj_with_mqa.weight")
+            || name.ends_with(".indexer.wq_b.weight")
+            || name.ends_with(".indexer.wk.weight")
             || name.ends_with("_proj") && name.contains(".mlp.experts.");
         let one = if linear {
             &shape[shape.len() - 2..]
