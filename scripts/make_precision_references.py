@@ -1,6 +1,6 @@
-"""Write the reduced-precision references: transformers-bf16 peers, int8 routed experts, an FP8 checkpoint.
+"""Write the reduced-precision references: transformers-bf16 peers, int8 routed experts, FP8 checkpoints.
 
-What: for each of the fixtures tiny-v3, tiny-v2-lite and tiny-v2-group (written by
+What: for each of the fixtures tiny-v3, tiny-v2-lite, tiny-v2-group and tiny-v32 (written by
 scripts/make_fixtures.py, which deletes and rewrites those directories: run this script after it)
 it writes
 
@@ -12,13 +12,22 @@ it writes
                                            float32): logits of reference.json's token_ids, the
                                            greedy continuation of reference.json's prompt, and its
                                            error statistics against the float32 reference.json.
+                                           tiny-v32: the lightning indexer is bf16 as well
+                                           (transformers applies _keep_in_fp32_modules, which
+                                           lists indexer.weights_proj, to float16 loads only;
+                                           it computes the index scores in float32 from the bf16
+                                           q/k/head weights); the notes give how many index top-k
+                                           selections differ from float32's (bf16 rounding exceeds
+                                           some top-k gaps: the peer's own behaviour).
   fixtures/<f>/reference-int8-experts.json transformers float32 on the checkpoint whose routed
                                            experts' gate/up/down weights are replaced by their
                                            symmetric per-output-row int8 round trip (see
                                            `int8_round_trip`; shared experts, dense MLPs and
                                            attention untouched): logits + greedy as in reference.json.
+                                           tiny-v32 also gets `min_index_topk_gap` (make_fixtures'
+                                           selection check on this model, must be > 1e-3).
 
-and one new fixture directory
+and two new fixture directories
 
   fixtures/tiny-v3-fp8/                    tiny-v3 in the FP8 layout DeepSeek publishes for V3/R1:
                                            config.json with "quantization_config" (fp8, e4m3,
@@ -28,6 +37,15 @@ and one new fixture directory
                                            block (see `fp8_block_quantize`), everything else float32
                                            as in tiny-v3; reference.json = transformers float32 on
                                            the dequantized weights.
+  fixtures/tiny-v32-fp8/                   tiny-v32 in the FP8 layout DeepSeek publishes for V3.2:
+                                           the same projections in fp8 plus the lightning
+                                           indexer's wq_b and wk (F8_E4M3 + `_scale_inv`; wk has a
+                                           single block row, as in DeepSeek-V3.2), its weights_proj
+                                           and k_norm float32 as in tiny-v32; weight_block_size
+                                           FP8_BLOCK_V32 (16 x 10: with FP8_BLOCK the dequantized
+                                           model's greedy continuation has exact index top-k ties,
+                                           see FP8_BLOCK_V32); reference.json as tiny-v3-fp8's, plus
+                                           `min_index_topk_gap` (> 1e-3 on the dequantized model).
 
 Why: deepinfer issue 12 (reduced-precision weights): these files say what "correct" means for
 an engine running with bf16, int8 or fp8 weights. reference-bf16.json is not a target for bit equality: it
@@ -41,16 +59,19 @@ How the references are computed: transformers 5 fuses the per-expert tensors int
 inside the model. Instead the modified tensors, widened to float32, are written with the source
 config.json to a temporary checkpoint that make_fixtures.load_reference_model loads (same loading
 path, same official-V2-routing patch, same key checks as reference.json). Before that, the same
-route with unmodified weights must reproduce reference.json bit for bit. Every int8/fp8 reference
-is cross-checked with scripts/official_reference.py (independent float64 official math) and must
-differ from the float32 reference (its weights and its logits) so that a test skipping the
-quantization fails. The fp8 reference is computed from the dequantization of what was written to
-tiny-v3-fp8/model.safetensors, not from the in-memory values, and never through transformers' own
-fp8 loader (with 5.24.0, from_pretrained on that directory selects its FP8 quantizer and, in the
-reference venv, stops with "requires accelerate"): the model is built from tiny-v3's config.json,
-which the script checks is the fp8 config minus quantization_config. Activations are not quantized
-(weight-only dequantization, the default gemm_impl = "bf16" path of DeepSeek-V3's inference/model.py,
-here in float32).
+route with unmodified weights must reproduce reference.json bit for bit (for tiny-v32 also its
+min_index_topk_gap). Every int8/fp8 reference is cross-checked with scripts/official_reference.py
+(independent float64 official math) and must differ from the float32 reference (its weights and its
+logits) so that a test skipping the quantization fails; for tiny-v32 the k-th vs (k+1)-th indexer
+score gap must stay > 1e-3 on the modified model (make_fixtures.index_topk_gaps), or an engine
+computing the same scores in another order could select other keys. The fp8 references are computed
+from the dequantization of what was written to tiny-v3(2)-fp8/model.safetensors, not from the
+in-memory values, and never through transformers' own fp8 loader (with 5.24.0, from_pretrained on
+that directory selects its FP8 quantizer and, in the reference venv, stops with "requires
+accelerate"): the model is built from the source fixture's config.json, which the script checks is
+the fp8 config minus quantization_config. Activations are not quantized (weight-only dequantization,
+the default gemm_impl = "bf16" path of DeepSeek-V3's inference/model.py, here in float32; nor are
+the V3.2 indexer's q and k, which DeepSeek's kernels quantize to fp8).
 
 One CPU thread, no randomness: reruns reproduce every file byte for byte.
 
@@ -76,21 +97,22 @@ from transformers import AutoConfig, AutoModelForCausalLM
 import official_reference
 from make_fixtures import (
     GREEDY_NEW_TOKENS,
+    MIN_INDEX_TOPK_GAP,
     TINY,
     expected_tensors,
     greedy,
+    index_topk_gaps,
+    indexer_modules,
     load_reference_model,
     use_official_v2_routing,
     write_json,
 )
 
-FIXTURES = ("tiny-v3", "tiny-v2-lite", "tiny-v2-group")
+FIXTURES = ("tiny-v3", "tiny-v2-lite", "tiny-v2-group", "tiny-v32")
 
 INT8_MAX = 127
 ROUTED_EXPERT_WEIGHT = re.compile(r"model\.layers\.\d+\.mlp\.experts\.\d+\.(gate|up|down)_proj\.weight")
 
-FP8_SOURCE = "tiny-v3"
-FP8_FIXTURE = "tiny-v3-fp8"
 # tiny-v3's quantized shapes: 32 x 64 (q_a, expert/shared gate+up), 96 x 32 (q_b), 40 x 64
 # (kv_a_proj_with_mqa), 128 x 32 (kv_b), 64 x 64 (o), 128 x 64 / 64 x 128 (dense MLP), 64 x 32
 # (expert/shared down). 16 x 12 gives every tensor >= 2 blocks in both dims; no column count
@@ -99,6 +121,17 @@ FP8_FIXTURE = "tiny-v3-fp8"
 # kv_a_proj_with_mqa, 576 = 4.5 x 128 rows, has with its 128 x 128 blocks). Non-square blocks
 # catch a loader that swaps the block's two dims.
 FP8_BLOCK = (16, 12)
+# tiny-v32-fp8: tiny-v3's shapes plus the indexer's wq_b 64 x 32 and wk 16 x 64. With FP8_BLOCK the
+# dequantized model fails make_fixtures' selection check: its greedy continuation (from tiny-v32's
+# fixed prompt) contains queries (layer 0 at position 26, layer 1 at 25) where fewer than index_topk
+# keys score above 0, so the 6th and 7th largest indexer scores are both exactly 0.0 (relu in all 4
+# heads), an exact tie the KV-cache and cache-free paths break differently. 16 x 10 keeps every
+# property of FP8_BLOCK (non-square; no column count a multiple of 10, so a ragged last block column
+# everywhere; kv_a_proj_with_mqa's ragged last block row of 8; >= 2 blocks in both dims except in
+# wk's rows, a single block row as with FP8_BLOCK) and gives index top-k gaps > 1e-3 on both sequences.
+FP8_BLOCK_V32 = (16, 10)
+# FP8 fixture -> (its float32 source fixture, weight block size).
+FP8_FIXTURES = {"tiny-v3-fp8": ("tiny-v3", FP8_BLOCK), "tiny-v32-fp8": ("tiny-v32", FP8_BLOCK_V32)}
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448.0
 FP8_QUANTIZATION_CONFIG = {
     "activation_scheme": "dynamic",
@@ -110,6 +143,13 @@ FP8_QUANTIZATION_CONFIG = {
 FP8_PROJECTIONS = {
     "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "gate_proj", "up_proj", "down_proj"
 }
+# DeepSeek-V3.2 also stores its lightning indexer's query and key projections in fp8 (official
+# inference/model.py: `Indexer.wq_b` and `Indexer.wk` are plain `Linear`s, fp8 with a block `scale`
+# in an fp8 model), but not `weights_proj` (a `Linear` of the default dtype: bf16 in the published
+# checkpoint) nor `k_norm` (a float32 LayerNorm). tiny-v32's wk is [16, 64]: with FP8_BLOCK_V32 it has
+# a single block row (scale_inv [1, 7]), as DeepSeek-V3.2's wk [128, 7168] has (scale_inv [1, 56]).
+FP8_INDEXER_PROJECTIONS = {"wq_b", "wk"}
+FP8_KEPT_2D = {"weights_proj"}  # 2-D layer weights besides the router gate that stay as in the source
 FP8_COPIED_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 # A reduced-precision reference must be this far from float32 somewhere, or a test comparing
@@ -163,9 +203,13 @@ def fp8_block_dequantize(q, scale_inv, block=FP8_BLOCK):
 
 
 def is_fp8_quantized(name, tensor):
-    """Every 2-D attention/MLP/expert `*_proj.weight`; not embeddings, lm_head, norms, router."""
+    """Every 2-D attention/MLP/expert `*_proj.weight` and the V3.2 indexer's wq_b/wk; not embeddings,
+    lm_head, norms, router, indexer weights_proj."""
     parts = name.split(".")
     if parts[:2] == ["model", "layers"] and parts[-1] == "weight" and tensor.dim() == 2:
+        if parts[-3] == "indexer":
+            assert parts[-2] in FP8_INDEXER_PROJECTIONS | FP8_KEPT_2D, name
+            return parts[-2] in FP8_INDEXER_PROJECTIONS
         assert parts[-2] in FP8_PROJECTIONS or parts[-3:] == ["mlp", "gate", "weight"], name
         return parts[-2] in FP8_PROJECTIONS
     assert name in ("model.embed_tokens.weight", "lm_head.weight") or tensor.dim() == 1, name
@@ -228,26 +272,45 @@ def stats_vs_f32(logits, generated, reference):
 
 
 def f32_reference_run(directory, reference):
-    """Logits + greedy of transformers float32 on a checkpoint directory (reference.json's inputs)."""
+    """Logits + greedy of transformers float32 on a checkpoint directory (reference.json's inputs),
+    the greedy's smallest top-2 gap and, for a sparse-attention (V3.2) model, the smallest index
+    top-k gap (None otherwise)."""
     model = load_reference_model(directory)
     logits = logits_of(model, reference["token_ids"])
+    prompt_ids = reference["greedy"]["prompt_token_ids"]
     with torch.no_grad():
-        generated, min_gap = greedy(model, reference["greedy"]["prompt_token_ids"])
-    return logits, generated, min_gap
+        generated, min_gap = greedy(model, prompt_ids)
+    index_gap = None
+    if indexer_modules(model):
+        index_gap = min_index_topk_gap(model, reference["token_ids"], logits, prompt_ids + generated)
+    return logits, generated, min_gap, index_gap
+
+
+def min_index_topk_gap(model, token_ids, logits, greedy_ids):
+    """make_fixtures' selection check on this model: the smallest k-th vs (k+1)-th indexer score
+    gap over every layer and every sparse query of cache-free forwards over the logits tokens and
+    over the greedy prompt + continuation (which also confirms that transformers selected the top-k
+    keys wherever that gap is above MIN_INDEX_TOPK_GAP)."""
+    with torch.no_grad():
+        text_gap, cache_free_logits, _ = index_topk_gaps(model, token_ids)
+        assert torch.equal(cache_free_logits, logits), "cache-free logits differ"
+        greedy_gap, _, _ = index_topk_gaps(model, greedy_ids)
+    return min(text_gap, greedy_gap)
 
 
 def check_route_reproduces_reference(tmp, source, reference):
     """The temporary-checkpoint route with unmodified weights gives reference.json bit for bit."""
     write_f32_checkpoint(tmp, source, load_checkpoint(source))
-    logits, generated, _ = f32_reference_run(tmp, reference)
+    logits, generated, _, index_gap = f32_reference_run(tmp, reference)
     assert torch.equal(logits, torch.tensor(reference["logits"], dtype=torch.float32)), source
     assert generated == reference["greedy"]["generated_token_ids"], source
+    assert index_gap == reference.get("min_index_topk_gap"), (source, index_gap)
 
 
 def quantized_reference(tmp, config_source, tensors, reference, notes, extra):
     """reference.json-shaped dict for float32 transformers on `tensors`, cross-checked."""
     write_f32_checkpoint(tmp, config_source, tensors)
-    logits, generated, min_gap = f32_reference_run(tmp, reference)
+    logits, generated, min_gap, index_gap = f32_reference_run(tmp, reference)
     result = {
         "token_ids": reference["token_ids"],
         "logits": logits.tolist(),
@@ -256,6 +319,7 @@ def quantized_reference(tmp, config_source, tensors, reference, notes, extra):
         **extra,
         **stats_vs_f32(logits, generated, reference),
         "greedy_min_top2_gap": min_gap,
+        **({} if index_gap is None else {"min_index_topk_gap": index_gap}),
         "transformers_version": transformers.__version__,
         "torch_version": torch.__version__,
         "notes": notes,
@@ -265,6 +329,9 @@ def quantized_reference(tmp, config_source, tensors, reference, notes, extra):
     # The prompt is fixed by reference.json, so a near-tie cannot be avoided by another prompt;
     # it must still be far above the parity tolerance for the continuation to be a fair target.
     assert min_gap > MIN_DIFF_VS_F32, ("greedy continuation has a near-tie", min_gap)
+    # Sparse attention: the indexer's top-k selection must be as robust as in reference.json, or an
+    # engine computing the same float32 scores in another order could select other keys.
+    assert index_gap is None or index_gap > MIN_INDEX_TOPK_GAP, ("index top-k near-tie", index_gap)
     write_json(tmp / "reference.json", result, indent=None)
     official_diff, official_greedy_ok = official_reference.check_fixture(tmp)
     ok = official_diff < official_reference.LOGIT_TOLERANCE and official_greedy_ok
@@ -278,6 +345,34 @@ def write_reference(path, result):
 
 
 # --- the three outputs -------------------------------------------------------------------------
+
+
+def index_selections(model, token_ids):
+    """(layer, query) -> the set of keys the indexer selected, in one cache-free forward, for every
+    query that sees more than index_topk keys (shorter rows select all visible keys plus masked ones
+    in an unspecified order)."""
+    selected = {}
+
+    def hook(module, args, output):
+        for s in range(module.index_topk, output.shape[1]):
+            selected[(module.layer_idx, s)] = frozenset(output[0, s].tolist())
+
+    handles = [m.register_forward_hook(hook) for m in indexer_modules(model)]
+    try:
+        with torch.no_grad():
+            model(torch.tensor([token_ids]), use_cache=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert selected
+    return selected
+
+
+def selection_differences(model, f32_model, token_ids):
+    """(number of (layer, query) index top-k selections that differ from float32's, number compared)."""
+    ours, theirs = index_selections(model, token_ids), index_selections(f32_model, token_ids)
+    assert ours.keys() == theirs.keys()
+    return sum(ours[k] != theirs[k] for k in ours), len(ours)
 
 
 def make_bf16_reference(directory, reference):
@@ -302,10 +397,35 @@ def make_bf16_reference(directory, reference):
     stored = sorted({str(t.dtype).removeprefix("torch.") for t in load_checkpoint(directory).values()})
     kept_f32 = " and ".join(filter(None, [", ".join(f32_kinds), "the RoPE inv_freq buffers"]))
     official_v2 = model.config.model_type == "deepseek_v2" and model.config.norm_topk_prob
+    sparse_notes, selections = "", None
+    if indexer_modules(model):
+        # _keep_in_fp32_modules (indexer.weights_proj) is applied by transformers to float16 loads
+        # only; a bfloat16 load keeps just _keep_in_fp32_modules_strict (router weight and bias).
+        assert "indexer.weights_proj" in model._keep_in_fp32_modules, model._keep_in_fp32_modules
+        assert all(m.weights_proj.weight.dtype == torch.bfloat16 for m in indexer_modules(model))
+        f32_model = load_reference_model(directory)
+        greedy_ids = prompt_ids + reference["greedy"]["generated_token_ids"]
+        selections = {
+            "token_ids": selection_differences(model, f32_model, reference["token_ids"]),
+            "greedy": selection_differences(model, f32_model, greedy_ids),
+        }
+        (text_diff, text_total), (greedy_diff, greedy_total) = selections["token_ids"], selections["greedy"]
+        sparse_notes = (
+            "; the lightning indexer is bfloat16 too (wq_b, wk, k_norm and weights_proj: "
+            "DeepseekV32PreTrainedModel lists indexer.weights_proj in _keep_in_fp32_modules, which "
+            f"transformers {transformers.__version__} applies to float16 loads only), its scores are "
+            "computed in float32 from the bfloat16 q, k and head weights (transformers' own upcast) and "
+            "top-k taken over them; index top-k selections that differ from float32's (cache-free forwards, "
+            "every layer, every query seeing more than index_topk keys): "
+            f"{text_diff} of {text_total} on token_ids, {greedy_diff} of {greedy_total} on reference.json's "
+            "greedy prompt + continuation (the bfloat16 rounding exceeds some float32 top-k gaps: "
+            "a real property of this peer)"
+        )
     notes = (
         f"transformers {transformers.__version__} on this directory's checkpoint (stored as {'/'.join(stored)}) "
         "loaded with dtype=torch.bfloat16, eager attention: weights and activations in bfloat16 "
         + f"(transformers keeps {kept_f32} in float32)"
+        + sparse_notes
         + "; logits of token_ids converted to float32; greedy = model.generate with the KV cache, "
         "do_sample=False, reference.json's prompt and length"
         + (", with the official DeepSeek-V2 norm_topk_prob routing as in reference.json" if official_v2 else "")
@@ -322,6 +442,7 @@ def make_bf16_reference(directory, reference):
         "transformers_version": transformers.__version__,
         "torch_version": torch.__version__,
         "notes": notes,
+        "_selections": selections,  # printed, not written
     }
 
 
@@ -357,8 +478,15 @@ def make_int8_reference(directory, reference, tmp):
     return quantized_reference(tmp, directory, tensors, reference, notes, extra)
 
 
-def make_fp8_fixture(fixtures, tmp):
-    source, out = fixtures / FP8_SOURCE, fixtures / FP8_FIXTURE
+def projection_kind(name):
+    """`q_b_proj`, `down_proj`, ... or `indexer.wq_b` / `indexer.wk` for a quantized weight's name."""
+    parts = name.split(".")
+    return ".".join(parts[-3:-1]) if parts[-3] == "indexer" else parts[-2]
+
+
+def make_fp8_fixture(fixtures, tmp, fixture):
+    source_name, block = FP8_FIXTURES[fixture]
+    source, out = fixtures / source_name, fixtures / fixture
     reference = json.loads((source / "reference.json").read_text())
     if out.exists():
         shutil.rmtree(out)
@@ -366,12 +494,14 @@ def make_fp8_fixture(fixtures, tmp):
 
     cfg = json.loads((source / "config.json").read_text())
     assert "quantization_config" not in cfg
-    cfg = dict(sorted({**cfg, "quantization_config": FP8_QUANTIZATION_CONFIG}.items()))
+    sparse = "index_topk" in cfg
+    quantization_config = {**FP8_QUANTIZATION_CONFIG, "weight_block_size": list(block)}
+    cfg = dict(sorted({**cfg, "quantization_config": quantization_config}.items()))
     write_json(out / "config.json", cfg)
     for name in FP8_COPIED_FILES:
         shutil.copyfile(source / name, out / name)
-    # transformers reads the fp8 config.json as tiny-v3's plus quantization_config; the reference
-    # model is therefore built from tiny-v3's config.json (its fp8 loader is not used, see above).
+    # transformers reads the fp8 config.json as the source's plus quantization_config; the reference
+    # model is therefore built from the source's config.json (its fp8 loader is not used, see above).
     fp8_cfg, f32_cfg = AutoConfig.from_pretrained(out).to_dict(), AutoConfig.from_pretrained(source).to_dict()
     differing = {k for k in fp8_cfg.keys() | f32_cfg.keys() if fp8_cfg.get(k) != f32_cfg.get(k)}
     assert differing == {"quantization_config", "_name_or_path"}, differing
@@ -381,10 +511,11 @@ def make_fp8_fixture(fixtures, tmp):
     stored = {}
     for name, w in original.items():
         if is_fp8_quantized(name, w):
-            stored[name], stored[f"{name}_scale_inv"] = fp8_block_quantize(w)
+            stored[name], stored[f"{name}_scale_inv"] = fp8_block_quantize(w, block)
         else:
             stored[name] = w
-    assert {n.split(".")[-2] for n in original if is_fp8_quantized(n, original[n])} == FP8_PROJECTIONS
+    kinds = {n.split(".")[-2] for n in original if is_fp8_quantized(n, original[n])}
+    assert kinds == FP8_PROJECTIONS | (FP8_INDEXER_PROJECTIONS if sparse else set()), kinds
     safetensors.torch.save_file(stored, str(out / "model.safetensors"), metadata={"format": "pt"})
 
     # Read the file back: layout checks, then dequantize what is on disk.
@@ -398,12 +529,15 @@ def make_fp8_fixture(fixtures, tmp):
         q, scale_inv = on_disk[name], on_disk[f"{name}_scale_inv"]
         assert q.dtype == torch.float8_e4m3fn and scale_inv.dtype == torch.float32, name
         assert tuple(q.shape) == expected[name], name
-        assert min(scale_inv.shape) >= 2, f"{name}: {tuple(q.shape)} has fewer than 2 blocks in some dim"
-        partial = [dim for dim, (size, block) in enumerate(zip(q.shape, FP8_BLOCK)) if size % block]
+        if name.endswith(".indexer.wk.weight"):  # one block row of index_head_dim rows, as published
+            assert scale_inv.shape[0] == 1 and scale_inv.shape[1] >= 2, (name, tuple(scale_inv.shape))
+        else:
+            assert min(scale_inv.shape) >= 2, f"{name}: {tuple(q.shape)} has fewer than 2 blocks in some dim"
+        partial = [dim for dim, (size, b) in enumerate(zip(q.shape, block)) if size % b]
         if partial:
             ragged.append(name)
-            ragged_dims.update((name.split(".")[-2], ("rows", "columns")[dim]) for dim in partial)
-        w = fp8_block_dequantize(q, scale_inv)
+            ragged_dims.update((projection_kind(name), ("rows", "columns")[dim]) for dim in partial)
+        w = fp8_block_dequantize(q, scale_inv, block)
         assert torch.isfinite(w).all(), name
         change = (w - original[name]).abs().max().item()
         assert change > 0, f"{name}: fp8 dequantization reproduces the float32 weight exactly"
@@ -413,14 +547,15 @@ def make_fp8_fixture(fixtures, tmp):
             assert torch.equal(t, original[name]) and t.dtype == torch.float32, name
     assert ragged, "no tensor has a partial last block"
 
-    notes = (
+    ragged_text = ", ".join(f"{kind} ({dim})" for kind, dim in sorted(ragged_dims))
+    notes = fp8_notes_v32(block, ragged_text) if sparse else (
         f"tiny-v3 in DeepSeek-V3's published FP8 layout: config.json = tiny-v3's plus quantization_config "
-        f"(fp8, e4m3, dynamic activations, weight_block_size {list(FP8_BLOCK)}); every attention, dense-MLP, "
+        f"(fp8, e4m3, dynamic activations, weight_block_size {list(block)}); every attention, dense-MLP, "
         "routed-expert and shared-expert *_proj.weight [out, in] stored as F8_E4M3 with <name>_scale_inv "
         "float32 [ceil(out/B0), ceil(in/B1)]: per block s = max|W_block| / 448 (1 if 0), "
         "q = fp8_e4m3fn(W_block / s), scale_inv = s; embeddings, lm_head, norms, router gate and "
         "e_score_correction_bias stay float32. "
-        f"Ragged last blocks: {', '.join(f'{kind} ({dim})' for kind, dim in sorted(ragged_dims))}. "
+        f"Ragged last blocks: {ragged_text}. "
         "Logits/greedy: transformers float32 (eager) on tiny-v3's config.json with the quantized weights "
         "replaced by q.to(float32) * scale_inv of their block, dequantized from this directory's "
         "model.safetensors; activations are not quantized (weight-only dequantization). transformers' "
@@ -431,7 +566,7 @@ def make_fp8_fixture(fixtures, tmp):
     )
     extra = {
         "quantization": {
-            "weight_block_size": list(FP8_BLOCK),
+            "weight_block_size": list(block),
             "tensors": len(quantized),
             "ragged_tensors": ragged,
             "max_abs_weight_diff": max_change,
@@ -442,14 +577,50 @@ def make_fp8_fixture(fixtures, tmp):
     return result, out
 
 
+def fp8_notes_v32(block, ragged_text):
+    return (
+        "tiny-v32 in DeepSeek-V3.2's published FP8 layout: config.json = tiny-v32's plus quantization_config "
+        f"(fp8, e4m3, dynamic activations, weight_block_size {list(block)}; as tiny-v3-fp8's except for the "
+        f"block size: with tiny-v3-fp8's {list(FP8_BLOCK)} the dequantized model's greedy continuation has "
+        "exact index top-k ties, two keys scoring 0.0 at the 6th/7th place; the published V3.2 config's extra "
+        "scale_fmt \"ue8m0\" is left out, these scales are not powers of two); every attention, dense-MLP, "
+        "routed-expert and shared-expert *_proj.weight and the lightning indexer's wq_b.weight and "
+        "wk.weight [out, in] stored as F8_E4M3 with <name>_scale_inv "
+        "float32 [ceil(out/B0), ceil(in/B1)]: per block s = max|W_block| / 448 (1 if 0), "
+        "q = fp8_e4m3fn(W_block / s), scale_inv = s; embeddings, lm_head, norms, router gate, "
+        "e_score_correction_bias and the indexer's weights_proj.weight and k_norm.weight/bias stay float32 "
+        "as in tiny-v32 (the published checkpoint keeps weights_proj in bf16 and k_norm in float32, "
+        "unquantized). indexer.wk.weight [index_head_dim, hidden] has a single block row, as DeepSeek-V3.2's "
+        "[128, 7168] wk has (weight_scale_inv [1, 56]). "
+        f"Ragged last blocks: {ragged_text}. "
+        "Logits/greedy: transformers float32 (eager) on tiny-v32's config.json with the quantized weights "
+        "replaced by q.to(float32) * scale_inv of their block, dequantized from this directory's "
+        "model.safetensors; activations (including the indexer's q and k, which DeepSeek's own kernels "
+        "quantize to fp8) are not quantized (weight-only dequantization). transformers' own fp8 loading is "
+        f"not used (with {transformers.__version__}, from_pretrained on this directory selects its FP8 "
+        "quantizer, which requires accelerate); the model is built from tiny-v32's config.json, checked "
+        "equal to this one minus quantization_config. min_index_topk_gap: smallest k-th vs (k+1)-th "
+        "indexer score gap over every layer and sparse query of cache-free forwards over token_ids and "
+        "over the greedy prompt + continuation, on the dequantized weights (> 1e-3, as in tiny-v32). "
+        "*_vs_f32 = against tiny-v32/reference.json. Cross-checked with scripts/official_reference.py."
+    )
+
+
 def describe(name, result):
     q = result.get("quantization")
     extra = f", max |w - deq| {q['max_abs_weight_diff']:.3e}" if q else ""
     official = f", official-math diff {result['_official_diff']:.1e}" if "_official_diff" in result else ""
     g = result["greedy_agreement_vs_f32"]
+    index_gap = result.get("min_index_topk_gap")
+    index_gap = "" if index_gap is None else f", min index top-k gap {index_gap:.2e}"
+    selections = result.get("_selections")
+    if selections:
+        selections = ", index selections differing from f32: " + ", ".join(
+            f"{diff}/{total} ({what})" for what, (diff, total) in selections.items()
+        )
     print(f"{name}: max |logit diff| vs f32 {result['max_abs_diff_vs_f32']:.4e}, argmax agreement "
           f"{result['argmax_agreement_vs_f32']:.4f}, greedy {g['leading_tokens_equal']}/{g['total']}"
-          f"{extra}{official}")
+          f"{extra}{index_gap}{selections or ''}{official}")
 
 
 def main():
@@ -475,11 +646,12 @@ def main():
             write_reference(directory / "reference-int8-experts.json", int8)
             describe(f"{name} int8-experts", int8)
 
-        fp8, out = make_fp8_fixture(args.fixtures, tmp_root / "fp8")
-        ragged = ", ".join(fp8["quantization"]["ragged_tensors"])
-        describe(f"{FP8_FIXTURE} (block {list(FP8_BLOCK)}, ragged: {ragged})", fp8)
-        size = sum(f.stat().st_size for f in out.iterdir())
-        print(f"{FP8_FIXTURE}: {size / 1024:.0f} KiB")
+        for fixture in FP8_FIXTURES:
+            fp8, out = make_fp8_fixture(args.fixtures, tmp_root / fixture, fixture)
+            ragged = ", ".join(fp8["quantization"]["ragged_tensors"])
+            describe(f"{fixture} (block {fp8['quantization']['weight_block_size']}, ragged: {ragged})", fp8)
+            size = sum(f.stat().st_size for f in out.iterdir())
+            print(f"{fixture}: {size / 1024:.0f} KiB")
 
 
 if __name__ == "__main__":
