@@ -23,7 +23,8 @@
 #    budget estimate at the larger buckets. A run is `config:flags[:tp]` (`--tp`, default 1).
 # 4. The server end to end (tests/server, pytest): the official `openai` client drives a live
 #    `deepinfer serve` on the default model; transformers' tokenizer and `deepinfer generate`
-#    are the references. Installed into .venv from PyPI with the rest.
+#    are the references. Installed into .venv from PyPI with the rest. Twice: with automatic
+#    prefix caching (the default) and with --no-prefix-caching.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -94,4 +95,8 @@ for run in deepseek-v2-lite:: deepseek-v2-lite::2 deepseek-v2::32 deepseek-v3::3
 done
 echo "== server end to end (tests/server)"
 .venv/bin/python -m pytest tests/server -q || status=1
+# Again with the prefix cache off: every output must be the same with and without it (each
+# test checks its outputs against references that never cache).
+echo "== server end to end, --no-prefix-caching (tests/server)"
+DEEPINFER_TEST_SERVE_ARGS=--no-prefix-caching .venv/bin/python -m pytest tests/server -q || status=1
 exit $status

@@ -2,7 +2,8 @@
 //!
 //! The engine thread updates them as requests arrive, produce tokens and end; the server only
 //! encodes them. Names follow vLLM's where one exists (`time_to_first_token_seconds`,
-//! `time_per_output_token_seconds`, `num_requests_running`), under a `deepinfer_` prefix.
+//! `time_per_output_token_seconds`, `num_requests_running`, `prefix_cache_queries`,
+//! `prefix_cache_hits`), under a `deepinfer_` prefix.
 
 use prometheus_client::encoding::prometheus_text;
 use prometheus_client::metrics::counter::Counter;
@@ -60,6 +61,10 @@ pub struct Metrics {
     pub generation_tokens: Counter,
     /// Sequences preempted (blocks freed, recomputed later) because the KV cache was full.
     pub preemptions: Counter,
+    /// Prompt tokens looked up in the prefix cache as sequences were admitted.
+    pub prefix_cache_queries: Counter,
+    /// Of those, tokens found cached (not prefilled again).
+    pub prefix_cache_hits: Counter,
     /// Seconds from a request's arrival to its first generated token.
     pub time_to_first_token: Histogram,
     /// Seconds between consecutive generated tokens of one request.
@@ -94,6 +99,8 @@ impl Metrics {
             prompt_tokens: Counter::default(),
             generation_tokens: Counter::default(),
             preemptions: Counter::default(),
+            prefix_cache_queries: Counter::default(),
+            prefix_cache_hits: Counter::default(),
             // 1 ms .. ~65 s.
             time_to_first_token: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
             // 0.5 ms .. ~16 s.
@@ -123,6 +130,16 @@ impl Metrics {
             "num_preemptions",
             "Sequences preempted for lack of KV-cache blocks, to be recomputed",
             m.preemptions.clone(),
+        );
+        registry.register(
+            "prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache when sequences were admitted",
+            m.prefix_cache_queries.clone(),
+        );
+        registry.register(
+            "prefix_cache_hits",
+            "Prompt tokens found in the prefix cache (not prefilled again)",
+            m.prefix_cache_hits.clone(),
         );
         registry.register(
             "time_to_first_token_seconds",

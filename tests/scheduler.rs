@@ -79,10 +79,17 @@ fn greedy(max_tokens: usize) -> GenerationParams {
 /// Adds six copies of fixture `name`'s greedy prompt at staggered times and checks every one
 /// continues exactly as transformers did.
 fn six_staggered_copies_match_transformers(name: &str, rc: RunnerConfig) -> u64 {
+    six_staggered_copies(name, rc, true).0
+}
+
+/// [`six_staggered_copies_match_transformers`] with prefix caching on or off; returns the
+/// preemptions and the prompt tokens found in the prefix cache.
+fn six_staggered_copies(name: &str, rc: RunnerConfig, caching: bool) -> (u64, u64) {
     let reference = common::reference(name).greedy;
     let (cfg, weights) = load(name);
     let runner = runner::open_with_weights(Backend::Cpu, cfg, weights, rc).unwrap();
     let mut s = Scheduler::new(runner, None, Vec::new()).unwrap();
+    s.set_prefix_caching(caching).unwrap();
     let n = reference.generated_token_ids.len();
     let mut results = HashMap::new();
     for id in 0..6u64 {
@@ -103,7 +110,7 @@ fn six_staggered_copies_match_transformers(name: &str, rc: RunnerConfig) -> u64 
         assert_eq!(r.finish, Some(FinishReason::Length), "{name} request {id}");
     }
     assert_eq!(s.blocks_in_use(), 0);
-    s.preemptions()
+    (s.preemptions(), s.prefix_cache_stats().hits)
 }
 
 /// tiny-v3, and tiny-v32 whose sparse attention keeps a second cache root (its index keys must
@@ -130,6 +137,73 @@ fn preempted_sequences_are_recomputed_to_the_same_tokens() {
             "{name}: the cache was large enough: nothing tested"
         );
     }
+}
+
+/// Blocks of 4 tokens: the 8-token greedy prompt fills two, so later copies reuse the first
+/// (the last token's block is always computed) and, once preempted, their generated blocks too.
+fn small_blocks(num_blocks: usize) -> RunnerConfig {
+    let mut rc = tiny_config();
+    rc.block_size = 4;
+    rc.num_blocks = num_blocks;
+    rc
+}
+
+#[test]
+fn prefix_cached_sequences_match_transformers_and_share_blocks() {
+    for name in SCHEDULED_FIXTURES {
+        let (preemptions, hits) = six_staggered_copies(name, small_blocks(64), true);
+        assert_eq!(preemptions, 0);
+        // The copies admitted after the first's first block was written reuse it.
+        assert!(hits >= 4, "{name}: {hits} tokens from the cache");
+        // Without caching, the same tokens and no hits.
+        assert_eq!(six_staggered_copies(name, small_blocks(64), false), (0, 0));
+        // A cache too small for the six: preempted sequences come back through the cache.
+        let (preemptions, hits) = six_staggered_copies(name, small_blocks(20), true);
+        assert!(preemptions > 0 && hits > 0, "{name}: {preemptions} {hits}");
+    }
+}
+
+#[test]
+fn two_concurrent_requests_share_prefix_blocks_and_free_them_once() {
+    let (runner, tok, _) = default_model(4);
+    let mut s = Scheduler::new(runner, Some(tok.clone()), Vec::new()).unwrap();
+    let prompt = tok
+        .encode("ROMEO:\nBut soft, what light through yonder window breaks? It is the east, and Juliet \
+             is the sun. Arise, fair sun, and kill the envious moon, who is already sick and \
+             pale with grief.", true)
+        .unwrap();
+    let bs = 16;
+    assert!(prompt.len() > 2 * bs, "{}", prompt.len());
+    let shared = (prompt.len() - 1) / bs;
+    let mut results = HashMap::new();
+    // The first request fills the cache; then two at once reuse its full prompt blocks.
+    s.add(0, prompt.clone(), greedy(4)).unwrap();
+    run_to_end(&mut s, &mut results);
+    assert_eq!(s.blocks_in_use(), 0);
+    s.add(1, prompt.clone(), greedy(4)).unwrap();
+    s.add(2, prompt.clone(), greedy(4)).unwrap();
+    collect(s.step(), &mut results);
+    let (a, b) = (s.block_table(1).unwrap(), s.block_table(2).unwrap());
+    assert_eq!(a[..shared], b[..shared]);
+    assert_ne!(a[shared..], b[shared..]);
+    for &blk in &a[..shared] {
+        assert_eq!(s.block_refs(blk), 2);
+    }
+    let stats = s.prefix_cache_stats();
+    assert_eq!(stats.queries, 3 * prompt.len() as u64);
+    assert_eq!(stats.hits, 2 * (shared * bs) as u64);
+    // One is cancelled, one finishes: every block is released exactly once.
+    let kept: Vec<u32> = a[..shared].to_vec();
+    assert!(s.cancel(1));
+    for &blk in &kept {
+        assert_eq!(s.block_refs(blk), 1);
+    }
+    run_to_end(&mut s, &mut results);
+    for &blk in &kept {
+        assert_eq!(s.block_refs(blk), 0);
+    }
+    assert_eq!(s.blocks_in_use(), 0);
+    assert_eq!(results[&2].tokens, results[&0].tokens);
 }
 
 fn default_model(max_batch: usize) -> (Box<dyn Runner>, Arc<Tokenizer>, Vec<u32>) {

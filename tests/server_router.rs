@@ -147,6 +147,7 @@ fn start(limits: Limits, max_waiting: usize, api_key: Option<&str>) -> Server {
         EngineOptions {
             max_waiting,
             max_num_batched_tokens: None,
+            prefix_caching: true,
             eos_token_ids: tokenizer.eos_token_id().into_iter().collect(),
             log_stats_every: None,
         },

@@ -35,6 +35,15 @@
 //!   budget lasts and a bucket packs them.
 //! - Scoring (prompt log-probabilities) is prefill, chunked and packed the same way.
 //!
+//! # Prefix caching
+//!
+//! On by default ([`Scheduler::set_prefix_caching`]): an admitted sequence starts from the
+//! longest run of cached full blocks its tokens begin with (see [`super::blocks`]), so only the
+//! rest is prefilled, and every block a step fills is recorded for later requests. At least
+//! the last token is always computed (its logits give the first sample). A request for prompt
+//! log-probabilities computes its whole prompt (the cached part has no logits), as in vLLM.
+//! A preempted sequence is recomputed from the cache too, so giving its blocks back costs less.
+//!
 //! So a burst of short prompts enters a few per step between decode steps, and the running
 //! streams keep flowing. A failed step (a device fault) fails exactly the sequences in it; the
 //! rest go on.
@@ -50,7 +59,7 @@ use crate::runner::step::{DecodeRow, PrefillChunk};
 use crate::runner::{Runner, Step, StepOutput};
 use crate::tokenizer::Tokenizer;
 
-use super::blocks::BlockAllocator;
+use super::blocks::{BlockAllocator, PrefixCacheStats};
 use super::detokenize::{IncrementalDecoder, StopStrings};
 use super::params::{FinishReason, GenerationParams};
 
@@ -184,6 +193,9 @@ struct Sequence {
     /// Tokens whose keys and values are in the cache.
     computed: usize,
     blocks: Vec<u32>,
+    /// Hashes of the full blocks recorded for prefix caching, in order (see
+    /// [`BlockAllocator::register`]).
+    block_hashes: Vec<u64>,
     phase: Phase,
     params: GenerationParams,
     decoder: Option<IncrementalDecoder>,
@@ -196,6 +208,15 @@ struct Sequence {
 impl Sequence {
     fn generated(&self) -> usize {
         self.tokens.len() - self.prompt_len
+    }
+
+    /// Gives the sequence's blocks back and forgets what it had computed: it will be
+    /// prefilled again (from the prefix cache where it can).
+    fn reset(&mut self, blocks: &mut BlockAllocator) {
+        blocks.release(&mut self.blocks);
+        self.block_hashes.clear();
+        self.computed = 0;
+        self.phase = Phase::Prefill;
     }
 }
 
@@ -234,7 +255,7 @@ impl<R: Runner> Scheduler<R> {
     ) -> Result<Self> {
         let rc = runner.runner_config();
         let max_running = rc.buckets.max_batch().max(1);
-        let blocks = BlockAllocator::new(rc.num_blocks, rc.block_size)?;
+        let blocks = BlockAllocator::with_prefix_caching(rc.num_blocks, rc.block_size)?;
         Ok(Scheduler {
             runner,
             blocks,
@@ -250,6 +271,41 @@ impl<R: Runner> Scheduler<R> {
             failed_steps: 0,
             last_failure: None,
         })
+    }
+
+    /// Turns prefix caching on (the default) or off. Only before the first request: the cache
+    /// bookkeeping starts over.
+    pub fn set_prefix_caching(&mut self, on: bool) -> Result<()> {
+        if !self.is_idle() {
+            return Err(Error::InvalidInput(
+                "prefix caching can only be switched before any request".into(),
+            ));
+        }
+        let (n, bs) = (self.blocks.num_blocks(), self.blocks.block_size());
+        self.blocks = match on {
+            true => BlockAllocator::with_prefix_caching(n, bs)?,
+            false => BlockAllocator::new(n, bs)?,
+        };
+        Ok(())
+    }
+
+    /// Prompt tokens looked up in the prefix cache and found there, so far.
+    pub fn prefix_cache_stats(&self) -> PrefixCacheStats {
+        self.blocks.prefix_cache_stats()
+    }
+
+    /// References to cache block `block` (for tests: a shared prefix block has one per
+    /// sequence holding it).
+    pub fn block_refs(&self, block: u32) -> u32 {
+        self.blocks.refs(block)
+    }
+
+    /// The block table of running request `id` (for tests).
+    pub fn block_table(&self, id: RequestId) -> Option<&[u32]> {
+        self.running
+            .iter()
+            .find(|s| s.id == id)
+            .map(|s| s.blocks.as_slice())
     }
 
     /// Limits the tokens one iteration feeds, decode rows and prefill tokens together (vLLM's
@@ -320,6 +376,7 @@ impl<R: Runner> Scheduler<R> {
             tokens: prompt,
             computed: 0,
             blocks: Vec::new(),
+            block_hashes: Vec::new(),
             phase: Phase::Prefill,
             stops: StopStrings::new(&params.stop),
             params,
@@ -381,7 +438,8 @@ impl<R: Runner> Scheduler<R> {
         self.waiting.len()
     }
 
-    /// Blocks held by sequences.
+    /// Blocks held by sequences (cached blocks no sequence holds are free: they are given out
+    /// when needed).
     pub fn blocks_in_use(&self) -> usize {
         let a = &self.blocks;
         a.num_blocks() - 1 - a.num_free()
@@ -469,9 +527,7 @@ impl<R: Runner> Scheduler<R> {
         let Some(mut seq) = self.running.pop() else {
             return false;
         };
-        self.blocks.release(&mut seq.blocks);
-        seq.computed = 0;
-        seq.phase = Phase::Prefill;
+        seq.reset(&mut self.blocks);
         self.waiting.push_front(seq);
         self.preemptions += 1;
         true
@@ -544,6 +600,9 @@ impl<R: Runner> Scheduler<R> {
                 for (k, (&i, token)) in batch.iter().zip(tokens).enumerate() {
                     let seq = &mut self.running[i];
                     seq.computed += 1;
+                    let written = &seq.tokens[..seq.computed];
+                    self.blocks
+                        .register(&seq.blocks, written, &mut seq.block_hashes);
                     let row = logits.as_ref().and_then(|l| l.get(k));
                     let lp = logprobs_of(seq, row, token);
                     out.push(accept(seq, token, lp, &self.eos_token_ids));
@@ -673,6 +732,9 @@ impl<R: Runner> Scheduler<R> {
                     let start = seq.computed;
                     let prompt_rows = wants_prompt_rows(seq);
                     seq.computed += n;
+                    let written = &seq.tokens[..seq.computed];
+                    self.blocks
+                        .register(&seq.blocks, written, &mut seq.block_hashes);
                     if prompt_rows {
                         if let Some(rows) = rows {
                             out.push(prompt_logprobs(seq, start, start + n, rows));
@@ -739,8 +801,20 @@ impl<R: Runner> Scheduler<R> {
         let Some(seq) = self.waiting.get_mut(pick) else {
             return false;
         };
+        // Start from the cached prefix, leaving at least the last token to compute (and the
+        // whole prompt when its log-probabilities are asked for).
+        if seq.computed == 0 && seq.params.prompt_logprobs.is_none() {
+            let most = (seq.tokens.len() - 1) / self.blocks.block_size();
+            let (blocks, hashes) = self.blocks.match_prefix(&seq.tokens, most);
+            seq.computed = blocks.len() * self.blocks.block_size();
+            (seq.blocks, seq.block_hashes) = (blocks, hashes);
+        }
         if self.blocks.grow(&mut seq.blocks, seq.tokens.len()).is_err() {
+            seq.reset(&mut self.blocks);
             return false;
+        }
+        if self.blocks.prefix_caching() && seq.params.prompt_logprobs.is_none() {
+            self.blocks.record_lookup(seq.tokens.len(), seq.computed);
         }
         match self.waiting.remove(pick) {
             Some(seq) => {
@@ -790,9 +864,7 @@ impl<R: Runner> Scheduler<R> {
             return false;
         };
         let mut seq = self.running.remove(i);
-        self.blocks.release(&mut seq.blocks);
-        seq.computed = 0;
-        seq.phase = Phase::Prefill;
+        seq.reset(&mut self.blocks);
         self.waiting.push_back(seq);
         self.preemptions += 1;
         true

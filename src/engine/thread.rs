@@ -98,6 +98,9 @@ pub struct EngineOptions {
     /// Most tokens one step feeds, decode rows and prefill tokens together (see
     /// [`Scheduler::set_max_num_batched_tokens`]); `None`: the largest prefill chunk bounds it.
     pub max_num_batched_tokens: Option<usize>,
+    /// Reuse the cached KV blocks of earlier requests' prefixes (see the scheduler's docs);
+    /// on by default.
+    pub prefix_caching: bool,
     /// End-of-sequence tokens (unless a request ignores them).
     pub eos_token_ids: Vec<u32>,
     /// Print a line of throughput and occupancy to stderr this often while there is work
@@ -385,6 +388,7 @@ impl Engine {
         let eos = options.eos_token_ids.clone();
         let log_every = options.log_stats_every;
         let token_budget = options.max_num_batched_tokens;
+        let prefix_caching = options.prefix_caching;
         let thread = std::thread::Builder::new()
             .name("deepinfer-engine".into())
             .spawn(move || {
@@ -406,6 +410,7 @@ impl Engine {
                     if let Some(n) = token_budget {
                         s.set_max_num_batched_tokens(n)?;
                     }
+                    s.set_prefix_caching(prefix_caching)?;
                     Ok(s)
                 });
                 let mut scheduler = match scheduler {
@@ -661,11 +666,17 @@ fn run_loop(
         stuck = None;
         if !scheduler.is_idle() {
             let preempted = scheduler.preemptions();
+            let cache = scheduler.prefix_cache_stats();
             let steps = scheduler.steps_run();
             outputs.extend(scheduler.step_with(|id| paused.contains(&id)));
             metrics
                 .preemptions
                 .inc_by(scheduler.preemptions() - preempted);
+            let now = scheduler.prefix_cache_stats();
+            metrics
+                .prefix_cache_queries
+                .inc_by(now.queries - cache.queries);
+            metrics.prefix_cache_hits.inc_by(now.hits - cache.hits);
             if scheduler.steps_run() == steps {
                 stuck = Some(next_deadline.map_or(STUCK_POLL, |d| {
                     d.saturating_duration_since(Instant::now()).min(STUCK_POLL)

@@ -20,6 +20,7 @@ import json
 import os
 import queue
 import re
+import shlex
 import signal
 import subprocess
 import threading
@@ -46,6 +47,10 @@ CONTEXT = 1024  # the default model's max_position_embeddings, the server's defa
 BOS_ID = 0
 EOS_ID = 1
 READY_TIMEOUT = 120.0
+# Flags every server of the run gets: scripts/test.sh runs the suite a second time with
+# `--no-prefix-caching`, so every output is checked with and without the prefix cache.
+EXTRA_SERVE_ARGS = shlex.split(os.environ.get("DEEPINFER_TEST_SERVE_ARGS", ""))
+PREFIX_CACHING = "--no-prefix-caching" not in EXTRA_SERVE_ARGS
 READY_RE = re.compile(r'deepinfer: serving "([^"]+)" on http://([^ ]+):(\d+) \(backend ([^)]+)\)')
 
 
@@ -113,7 +118,7 @@ def start_server(
     args = [str(BIN), "serve", "--host", "127.0.0.1", "--port", "0"]
     if api_key is not None:
         args += ["--api-key", api_key]
-    args += list(extra_args)
+    args += EXTRA_SERVE_ARGS + list(extra_args)
     full_env = dict(os.environ)
     full_env.pop("DEEPINFER_API_KEY", None)
     full_env.pop("NEURON_RT_LIB", None)

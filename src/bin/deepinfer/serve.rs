@@ -61,6 +61,10 @@ pub(crate) struct ServeArgs {
     /// Must exceed --max-batch. Default: only --prefill-chunk bounds the prefill.
     #[arg(long)]
     max_num_batched_tokens: Option<usize>,
+    /// Recompute every prompt from scratch instead of reusing the KV-cache blocks of earlier
+    /// requests with the same prefix (automatic prefix caching is on by default, as in vLLM).
+    #[arg(long)]
+    no_prefix_caching: bool,
     /// Requests that may wait for a batch slot before new ones get 429 (with Retry-After);
     /// free batch slots come on top, so an idle server accepts --max-batch + --max-waiting at
     /// once, and 0 accepts a request only when a slot is free.
@@ -158,6 +162,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         EngineOptions {
             max_waiting: args.max_waiting,
             max_num_batched_tokens: args.max_num_batched_tokens,
+            prefix_caching: !args.no_prefix_caching,
             eos_token_ids: eos,
             log_stats_every: (args.log_stats_secs > 0)
                 .then(|| Duration::from_secs(args.log_stats_secs)),
