@@ -20,6 +20,12 @@
 //!   finished [`MIXED_DEADLINE`] after the big request was sent is abandoned and counted as
 //!   timed out instead of hanging the bench (the percentiles cover the finished ones).
 //!
+//! - `prefix`: automatic prefix caching. Two servers are spawned, one as usual (prefix caching
+//!   on) and one with `--no-prefix-caching`; against each, rounds of 32 simultaneous streamed
+//!   requests whose prompts share a 1,000-token system prompt (the default model's context is
+//!   1,024) and end in a distinct question, after one warm-up request with the system prompt.
+//!   Reports TTFT p50 / p99 and the round time with and without, and their ratio.
+//!
 //! By default it starts `deepinfer serve --port 0 --backend cpu --max-batch 32 --max-waiting 256`
 //! (the binary cargo built alongside this bench: the release one under `cargo bench`) with the
 //! embedded default model and stops it at the end. An idle server admits `--max-batch` +
@@ -30,7 +36,8 @@
 //! `DEEPINFER_BENCH_API_KEY`, sent as a bearer token); its admission limits must then admit 64
 //! choices plus the short requests.
 //!
-//! `DEEPINFER_BENCH_CASES=levels,burst,mixed` picks the cases (default all, run in that order).
+//! `DEEPINFER_BENCH_CASES=levels,burst,mixed,prefix` picks the cases (default all, run in that
+//! order; `prefix` always spawns its own two servers).
 //! `DEEPINFER_BENCH_REQUESTS_PER_CLIENT=N` replaces the per-level request counts and
 //! `DEEPINFER_BENCH_CLIENTS=1,8,32` the levels.
 //!
@@ -125,6 +132,14 @@ const PROMPTS: [&str; 16] = [
     "PUCK:\nIf we shadows",
     "GLOUCESTER:\nNow is the winter",
 ];
+/// The prefix case's shared system prompt, in tokens (the default model's context is 1024).
+const SYSTEM_TOKENS: usize = 1000;
+/// Requests sent together per round of the prefix case, each the system prompt and a question.
+const PREFIX_REQUESTS: usize = 32;
+/// Rounds of the prefix case (distinct questions each round).
+const PREFIX_ROUNDS: usize = 3;
+/// Tokens generated per request of the prefix case (with the prompt, within the context).
+const PREFIX_MAX_TOKENS: u64 = 8;
 /// Upper bound on one request, so a stuck server fails the bench instead of hanging it.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(300);
 /// How long model loading may take before the spawned server counts as failed to start.
@@ -148,9 +163,15 @@ struct Target {
 impl Target {
     /// Spawns `deepinfer serve` on a free port and waits for its ready line.
     fn spawn() -> Result<Self> {
+        Self::spawn_with(&[])
+    }
+
+    /// [`Target::spawn`] with `extra` flags after [`SERVE_ARGS`].
+    fn spawn_with(extra: &[&str]) -> Result<Self> {
         let exe = env!("CARGO_BIN_EXE_deepinfer");
         let mut cmd = Command::new(exe);
         cmd.args(SERVE_ARGS)
+            .args(extra)
             // The server reads its key from this variable too; the bench sends none.
             .env_remove("DEEPINFER_API_KEY")
             .stdin(Stdio::null())
@@ -344,9 +365,10 @@ struct Sample {
 async fn stream_completion(
     client: &HttpClient,
     target: &Target,
-    prompt: &str,
+    prompt: impl Into<Value>,
     max_tokens: u64,
 ) -> Result<Sample> {
+    let prompt: Value = prompt.into();
     let body = json!({
         "model": target.model,
         "prompt": prompt,
@@ -366,7 +388,8 @@ async fn stream_completion(
             .map(|b| b.to_bytes())
             .unwrap_or_default();
         bail!(
-            "POST /v1/completions {prompt:?} -> {status}: {}",
+            "POST /v1/completions {} -> {status}: {}",
+            brief(&prompt),
             String::from_utf8_lossy(&bytes)
         );
     }
@@ -480,9 +503,11 @@ fn sorted(samples: impl Iterator<Item = Duration>) -> Vec<Duration> {
 async fn timed_completion(
     client: &HttpClient,
     target: &Target,
-    prompt: &str,
+    prompt: impl Into<Value>,
     max_tokens: u64,
 ) -> Result<Sample> {
+    let prompt: Value = prompt.into();
+    let what = brief(&prompt);
     tokio::time::timeout(
         REQUEST_TIMEOUT,
         stream_completion(client, target, prompt, max_tokens),
@@ -490,7 +515,15 @@ async fn timed_completion(
     .await
     .map_err(|_| anyhow!("no complete response within {REQUEST_TIMEOUT:?}"))
     .and_then(|r| r)
-    .with_context(|| format!("prompt {prompt:?}"))
+    .with_context(|| format!("prompt {what}"))
+}
+
+/// A prompt for an error message: the text, or the number of token ids.
+fn brief(prompt: &Value) -> String {
+    match prompt {
+        Value::Array(ids) => format!("of {} token ids", ids.len()),
+        other => other.to_string(),
+    }
 }
 
 /// A table's columns: header and the key of the case's JSON summary.
@@ -645,7 +678,7 @@ async fn run_burst(client: &HttpClient, target: &Arc<Target>) -> Result<Value> {
             .map(|i| {
                 let (client, target) = (client.clone(), Arc::clone(target));
                 tokio::spawn(async move {
-                    timed_completion(&client, &target, &burst_prompt(i), MAX_TOKENS).await
+                    timed_completion(&client, &target, burst_prompt(i), MAX_TOKENS).await
                 })
             })
             .collect();
@@ -846,29 +879,35 @@ struct Cases {
     levels: bool,
     burst: bool,
     mixed: bool,
+    prefix: bool,
 }
 
-/// `DEEPINFER_BENCH_CASES` (a comma-separated subset of `levels,burst,mixed`), all if unset.
+/// `DEEPINFER_BENCH_CASES` (a comma-separated subset of `levels,burst,mixed,prefix`), all if
+/// unset.
 fn cases_from_env() -> Result<Cases> {
     let Ok(value) = std::env::var("DEEPINFER_BENCH_CASES") else {
         return Ok(Cases {
             levels: true,
             burst: true,
             mixed: true,
+            prefix: true,
         });
     };
     let mut cases = Cases {
         levels: false,
         burst: false,
         mixed: false,
+        prefix: false,
     };
     for name in value.split(',').map(str::trim) {
         match name {
             "levels" => cases.levels = true,
             "burst" => cases.burst = true,
             "mixed" => cases.mixed = true,
+            "prefix" => cases.prefix = true,
             _ => bail!(
-                "DEEPINFER_BENCH_CASES={value:?}: {name:?} is not one of levels, burst, mixed"
+                "DEEPINFER_BENCH_CASES={value:?}: {name:?} is not one of levels, burst, mixed, \
+                 prefix"
             ),
         }
     }
@@ -929,10 +968,156 @@ async fn run(
         print_row(&MIXED_COLUMNS, &row);
         rows.push(tag(row, &target, backend));
     }
+    if cases.prefix {
+        println!(
+            "prefix: {PREFIX_ROUNDS} rounds of {PREFIX_REQUESTS} simultaneous requests sharing a \
+             {SYSTEM_TOKENS}-token system prompt, max_tokens {PREFIX_MAX_TOKENS}, streaming; \
+             prefix caching on, then off"
+        );
+        print_header(&PREFIX_COLUMNS);
+        let mut pair = Vec::new();
+        for (caching, extra) in [(true, &[][..]), (false, &["--no-prefix-caching"][..])] {
+            let server = Arc::new(Target::spawn_with(extra)?);
+            let row = run_prefix(&client, &server, caching)
+                .await
+                .with_context(|| format!("prefix case, caching {caching}"));
+            if row.is_err() {
+                server.print_log_tail();
+            }
+            let row = row?;
+            print_row(&PREFIX_COLUMNS, &row);
+            pair.push(row);
+        }
+        let at = |i: usize, key: &str| pair[i][key].as_f64();
+        println!(
+            "prefix: without / with caching: TTFT p50 {:?}, TTFT p99 {:?}, round p50 {:?}",
+            ratio(at(1, "ttft_ms_p50"), at(0, "ttft_ms_p50")),
+            ratio(at(1, "ttft_ms_p99"), at(0, "ttft_ms_p99")),
+            ratio(at(1, "round_s_p50"), at(0, "round_s_p50")),
+        );
+        rows.extend(pair.into_iter().map(|r| tag(r, &target, backend)));
+    }
     for row in rows {
         println!("{row}");
     }
     Ok(())
+}
+
+/// The prefix table.
+const PREFIX_COLUMNS: [(&str, &str); 7] = [
+    ("caching", "prefix_caching"),
+    ("requests", "requests"),
+    ("round s p50", "round_s_p50"),
+    ("TTFT p50 ms", "ttft_ms_p50"),
+    ("TTFT p99 ms", "ttft_ms_p99"),
+    ("hit tokens", "hit_tokens"),
+    ("queried", "queried_tokens"),
+];
+
+/// Token ids of `text` by the server's tokenizer (`POST /tokenize`).
+async fn tokenize(
+    client: &HttpClient,
+    target: &Target,
+    text: &str,
+    special: bool,
+) -> Result<Vec<u64>> {
+    let body = json!({"prompt": text, "add_special_tokens": special});
+    let req = target
+        .request("POST", "/tokenize")
+        .header("content-type", "application/json")
+        .body(Full::new(Bytes::from(body.to_string())))?;
+    let resp = client.request(req).await.context("POST /tokenize")?;
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await?.to_bytes();
+    ensure!(
+        status == StatusCode::OK,
+        "POST /tokenize -> {status}: {}",
+        String::from_utf8_lossy(&bytes)
+    );
+    let v: Value = serde_json::from_slice(&bytes)?;
+    v["tokens"]
+        .as_array()
+        .context("no tokens in the /tokenize response")?
+        .iter()
+        .map(|t| t.as_u64().context("a token id is not a number"))
+        .collect()
+}
+
+/// A metric's value from `GET /metrics` (0 if absent).
+async fn metric(client: &HttpClient, target: &Target, name: &str) -> Result<f64> {
+    let (status, text) = target.get(client, "/metrics").await?;
+    ensure!(status == StatusCode::OK, "GET /metrics -> {status}");
+    Ok(text
+        .lines()
+        .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+        .unwrap_or(0.0))
+}
+
+/// [`PREFIX_ROUNDS`] rounds of [`PREFIX_REQUESTS`] requests sharing a [`SYSTEM_TOKENS`] system
+/// prompt against `target` (spawned with prefix caching `caching`).
+async fn run_prefix(client: &HttpClient, target: &Arc<Target>, caching: bool) -> Result<Value> {
+    let text: String = PROMPTS
+        .iter()
+        .cycle()
+        .take(400)
+        .map(|p| format!("{p}\n"))
+        .collect();
+    let mut system = tokenize(client, target, &text, true).await?;
+    ensure!(
+        system.len() >= SYSTEM_TOKENS,
+        "the system text has only {} tokens",
+        system.len()
+    );
+    system.truncate(SYSTEM_TOKENS);
+    let prompt = |question: Vec<u64>| {
+        let mut ids = system.clone();
+        ids.extend(question);
+        Value::from(ids)
+    };
+    let warm = tokenize(client, target, "\nROMEO:", false).await?;
+    timed_completion(client, target, prompt(warm), PREFIX_MAX_TOKENS)
+        .await
+        .context("warm-up")?;
+    let queried0 = metric(client, target, "deepinfer_prefix_cache_queries_total").await?;
+    let hits0 = metric(client, target, "deepinfer_prefix_cache_hits_total").await?;
+    let (mut samples, mut rounds) = (Vec::new(), Vec::new());
+    for round in 0..PREFIX_ROUNDS {
+        let mut prompts = Vec::with_capacity(PREFIX_REQUESTS);
+        for i in 0..PREFIX_REQUESTS {
+            let question = format!("\n{} {round}", burst_prompt(i));
+            prompts.push(prompt(tokenize(client, target, &question, false).await?));
+        }
+        let round_start = Instant::now();
+        let tasks: Vec<_> = prompts
+            .into_iter()
+            .map(|p| {
+                let (client, target) = (client.clone(), Arc::clone(target));
+                tokio::spawn(async move {
+                    timed_completion(&client, &target, p, PREFIX_MAX_TOKENS).await
+                })
+            })
+            .collect();
+        for task in tasks {
+            samples.push(task.await.context("request task panicked")??);
+        }
+        rounds.push(round_start.elapsed());
+    }
+    let ttft = sorted(samples.iter().map(|s| s.ttft));
+    let rounds = sorted(rounds.into_iter());
+    let queried = metric(client, target, "deepinfer_prefix_cache_queries_total").await? - queried0;
+    let hits = metric(client, target, "deepinfer_prefix_cache_hits_total").await? - hits0;
+    Ok(json!({
+        "case": "prefix",
+        "prefix_caching": caching,
+        "requests": samples.len(),
+        "system_tokens": SYSTEM_TOKENS,
+        "max_tokens": PREFIX_MAX_TOKENS,
+        "round_s_p50": ms(&rounds, 50.0).map(|ms| round3(ms / 1e3)),
+        "ttft_ms_p50": ms(&ttft, 50.0),
+        "ttft_ms_p99": ms(&ttft, 99.0),
+        "hit_tokens": hits,
+        "queried_tokens": queried,
+    }))
 }
 
 fn main() -> Result<()> {
