@@ -298,6 +298,49 @@ fn sampled_sequences_are_reproducible_per_seed_whatever_the_batch() {
     );
 }
 
+/// Seeded sampling draws the same tokens whether a shared prefix comes from the prefix cache
+/// or is prefilled again (and the cache is really used).
+#[test]
+fn seeded_sampling_is_the_same_with_and_without_prefix_caching() {
+    let (_, tok, _) = default_model(1);
+    let system = "ROMEO:\nBut soft, what light through yonder window breaks? It is the east, and \
+                  Juliet is the sun. Arise, fair sun, and kill the envious moon.\n";
+    let params = |seed| GenerationParams {
+        sampling: SamplingParams {
+            temperature: 0.9,
+            top_k: 40,
+            top_p: 0.95,
+            seed,
+        },
+        ..greedy(12)
+    };
+    let run = |caching: bool| {
+        let (runner, _, _) = default_model(4);
+        let mut s = Scheduler::new(runner, None, Vec::new()).unwrap();
+        s.set_prefix_caching(caching).unwrap();
+        let mut results = HashMap::new();
+        for (id, q) in ["JULIET:", "NURSE:", "ROMEO:", "JULIET:\nAy"]
+            .iter()
+            .enumerate()
+        {
+            let prompt = tok.encode(&format!("{system}{q}"), true).unwrap();
+            s.add(id as u64, prompt, params(11 + id as u32)).unwrap();
+            // Each arrives once the one before is under way, so its prefix is cached.
+            for _ in 0..3 {
+                collect(s.step(), &mut results);
+            }
+        }
+        run_to_end(&mut s, &mut results);
+        let tokens: Vec<Vec<u32>> = (0..4).map(|id| results[&id].tokens.clone()).collect();
+        (tokens, s.prefix_cache_stats().hits)
+    };
+    let (cached, hits) = run(true);
+    let (fresh, no_hits) = run(false);
+    assert!(hits >= 3 * 16, "{hits}");
+    assert_eq!(no_hits, 0);
+    assert_eq!(cached, fresh);
+}
+
 #[test]
 fn stop_strings_stop_tokens_eos_and_max_tokens() {
     let (runner, tok, eos) = default_model(4);
