@@ -54,6 +54,7 @@ fn decode_step(c: &mut Criterion) {
                     start: 0,
                     blocks: table,
                     sampling: SamplingParams::GREEDY,
+                    controls: deepinfer::runner::step::LogitControls::NONE,
                 };
                 runner
                     .replay(&Step::Prefill {
@@ -69,6 +70,7 @@ fn decode_step(c: &mut Criterion) {
                     position: PROMPT,
                     blocks: t,
                     sampling: SamplingParams::GREEDY,
+                    controls: deepinfer::runner::step::LogitControls::NONE,
                 })
                 .collect();
             let step = Step::Decode {

@@ -21,6 +21,7 @@ fn lower_v2_lite(c: &mut Criterion) {
         dtype: DType::BF16,
         block_size: 16,
         num_slots: 64 * 1024 + 16,
+        state_rows: 65,
     };
     let spec = GraphSpec {
         rows: 64,

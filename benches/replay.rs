@@ -78,6 +78,7 @@ fn decode_rows(tables: &[Vec<u32>]) -> Vec<DecodeRow<'_>> {
             position: 30 + i % 9,
             blocks: t,
             sampling: SamplingParams::GREEDY,
+            controls: deepinfer::runner::step::LogitControls::NONE,
         })
         .collect()
 }
@@ -174,6 +175,7 @@ fn capture(c: &mut Criterion) {
         dtype: DType::BF16,
         block_size: 16,
         num_slots: 64 * 256 + 16,
+        state_rows: 65,
     };
     let mut group = c.benchmark_group("capture");
     group.sample_size(10);
@@ -267,6 +269,7 @@ fn decode_step(c: &mut Criterion) {
                 position: 32 + i,
                 blocks: t,
                 sampling: SamplingParams::GREEDY,
+                controls: deepinfer::runner::step::LogitControls::NONE,
             })
             .collect();
         let step = Step::Decode {

@@ -30,6 +30,7 @@ fn graph(rows: usize, argmax_only: bool) -> Graph {
             temperature: &input("temperature", vec![rows], DType::F32),
             top_k: &input("top_k", vec![rows], DType::I32),
             top_p: &input("top_p", vec![rows], DType::F32),
+            min_p: &input("min_p", vec![rows], DType::F32),
             seeds: &input("seeds", vec![rows], DType::U32),
             positions: &input("positions", vec![rows], DType::I32),
         };

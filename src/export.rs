@@ -439,11 +439,7 @@ pub fn lower_sharded(
             MoeStrategy::for_tokens(r, rows, specs.ranks())
         })
     };
-    let layout = model::CacheLayout {
-        block_size: rc.block_size,
-        num_slots: rc.num_blocks * rc.block_size,
-        dtype: rc.kv_dtype,
-    };
+    let layout = rc.cache_layout();
 
     let mut graphs = Vec::new();
     let t = rc.buckets.prefill_chunk;
@@ -537,9 +533,16 @@ pub fn lower_sharded(
             start: 0,
             blocks: &blocks,
             sampling: SamplingParams::GREEDY,
+            controls: crate::runner::step::LogitControls::NONE,
         };
-        let prefill_meta =
-            step::prefill_step(std::slice::from_ref(&chunk), t, 1, opts.ctx, rc.block_size)?;
+        let prefill_meta = step::prefill_step(
+            std::slice::from_ref(&chunk),
+            t,
+            1,
+            opts.ctx,
+            rc.block_size,
+            cfg.vocab_size,
+        )?;
         let empty_root = snapshot(runner.roots())?;
         // The packed step: the prompt's first half fresh, and its second half continuing a
         // sequence whose first half is cached (in other blocks). Both halves' rows predict
@@ -550,6 +553,7 @@ pub fn lower_sharded(
             start: 0,
             blocks: &other,
             sampling: SamplingParams::GREEDY,
+            controls: crate::runner::step::LogitControls::NONE,
         };
         runner.replay(&Step::Prefill {
             chunks: &[head],
@@ -562,15 +566,24 @@ pub fn lower_sharded(
                 start: 0,
                 blocks: &blocks,
                 sampling: SamplingParams::GREEDY,
+                controls: crate::runner::step::LogitControls::NONE,
             },
             PrefillChunk {
                 tokens: &prompt[half..],
                 start: half,
                 blocks: &other,
                 sampling: SamplingParams::GREEDY,
+                controls: crate::runner::step::LogitControls::NONE,
             },
         ];
-        let packed_meta = step::prefill_step(&packed, t, PACKED_SEQS, opts.ctx, rc.block_size)?;
+        let packed_meta = step::prefill_step(
+            &packed,
+            t,
+            PACKED_SEQS,
+            opts.ctx,
+            rc.block_size,
+            cfg.vocab_size,
+        )?;
         let packed_rows: Vec<Option<usize>> = (0..half)
             .chain(half..prompt.len())
             .map(Some)
@@ -613,8 +626,10 @@ pub fn lower_sharded(
                     position: prompt.len(),
                     blocks: &blocks,
                     sampling: SamplingParams::GREEDY,
+                    controls: crate::runner::step::LogitControls::NONE,
                 };
-                let meta = step::decode_step(&[row], *rows, opts.ctx, rc.block_size)?;
+                let meta =
+                    step::decode_step(&[row], *rows, opts.ctx, rc.block_size, cfg.vocab_size)?;
                 entry.reference_positions = Some(
                     std::iter::once(Some(prompt.len()))
                         .chain(std::iter::repeat_n(None, rows - 1))
@@ -650,11 +665,7 @@ pub fn check_neuron(
     rc.kv_dtype = precision.kv_cache;
     rc.buckets.validate(rc.block_size)?;
     let specs = WeightSpecs::sharded(cfg, &precision, rc.tp)?;
-    let layout = model::CacheLayout {
-        block_size: rc.block_size,
-        num_slots: rc.num_blocks * rc.block_size,
-        dtype: rc.kv_dtype,
-    };
+    let layout = rc.cache_layout();
     let mut graphs = Vec::with_capacity(rc.buckets.graph_count());
     for (kind, rows, seqs, ctx) in rc.buckets.graphs() {
         let spec = GraphSpec {

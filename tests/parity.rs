@@ -93,6 +93,7 @@ fn same_seed_reproduces_and_different_seeds_differ() {
         top_k: 50,
         top_p: 0.95,
         seed,
+        ..deepinfer::runner::step::SamplingParams::GREEDY
     };
     let mut run = runner(name, 1, None);
     let a = engine::generate(&mut run, &r.greedy.prompt_token_ids, params(7), &stop).unwrap();
@@ -138,6 +139,7 @@ fn packed_prefill_matches_transformers_at_every_position() {
             start: 0,
             blocks: &c,
             sampling: SamplingParams::GREEDY,
+            controls: deepinfer::runner::step::LogitControls::NONE,
         };
         run.replay(&Step::Prefill {
             chunks: &[first],
@@ -151,18 +153,21 @@ fn packed_prefill_matches_transformers_at_every_position() {
                 start: 0,
                 blocks: &a,
                 sampling: SamplingParams::GREEDY,
+                controls: deepinfer::runner::step::LogitControls::NONE,
             },
             PrefillChunk {
                 tokens: &ids[..short],
                 start: 0,
                 blocks: &b,
                 sampling: SamplingParams::GREEDY,
+                controls: deepinfer::runner::step::LogitControls::NONE,
             },
             PrefillChunk {
                 tokens: &ids[split..n],
                 start: split,
                 blocks: &c,
                 sampling: SamplingParams::GREEDY,
+                controls: deepinfer::runner::step::LogitControls::NONE,
             },
         ];
         let out = run
@@ -200,6 +205,7 @@ fn packed_prefill_matches_transformers_at_every_position() {
                 position: n,
                 blocks,
                 sampling: SamplingParams::GREEDY,
+                controls: deepinfer::runner::step::LogitControls::NONE,
             })
             .collect();
         let dec = run

@@ -137,6 +137,7 @@ fn workload(r: &mut dyn Runner) -> Trace {
                         start: i * chunk,
                         blocks: &tables[s],
                         sampling: SamplingParams::GREEDY,
+                        controls: deepinfer::runner::step::LogitControls::NONE,
                     },
                     logits,
                 )
@@ -158,6 +159,7 @@ fn workload(r: &mut dyn Runner) -> Trace {
                 position: pos[s],
                 blocks: &tables[s],
                 sampling: SamplingParams::GREEDY,
+                controls: deepinfer::runner::step::LogitControls::NONE,
             })
             .collect();
         let out = r.decode(&rows, step % 2 == 0).unwrap();
@@ -338,6 +340,7 @@ fn every_prefill_bucket_agrees_with_the_cpu_twin() {
                 start: i * 64,
                 blocks: &table,
                 sampling: SamplingParams::GREEDY,
+                controls: deepinfer::runner::step::LogitControls::NONE,
             };
             let want = c.prefill(&chunk, LogitsOutput::AllPositions).unwrap();
             let got = d.prefill(&chunk, LogitsOutput::AllPositions).unwrap();
@@ -513,6 +516,7 @@ fn counters_of(name: &str) {
             start: 0,
             blocks: &table,
             sampling: SamplingParams::GREEDY,
+            controls: deepinfer::runner::step::LogitControls::NONE,
         },
         LogitsOutput::AllPositions,
     )
@@ -551,6 +555,7 @@ fn counters_of(name: &str) {
                 position,
                 blocks: t,
                 sampling: SamplingParams::GREEDY,
+                controls: deepinfer::runner::step::LogitControls::NONE,
             })
             .collect();
         sim.reset();
@@ -593,6 +598,7 @@ fn counters_of(name: &str) {
         position: 41,
         blocks: &tables[0],
         sampling: SamplingParams::GREEDY,
+        controls: deepinfer::runner::step::LogitControls::NONE,
     }];
     d.set_metadata_source(MetadataSource::OnDevice);
     d.decode(&rows, false).unwrap();
@@ -615,11 +621,13 @@ fn input_on_device_replays_what_the_caller_wrote() {
         start: 0,
         blocks: &table,
         sampling: SamplingParams::GREEDY,
+        controls: deepinfer::runner::step::LogitControls::NONE,
     };
     let want = c.prefill(&chunk, LogitsOutput::Sampled).unwrap();
     // The caller writes the prefill metadata into the runner's buffers itself.
     let meta =
-        deepinfer::runner::step::prefill_step(std::slice::from_ref(&chunk), 16, 1, 32, 16).unwrap();
+        deepinfer::runner::step::prefill_step(std::slice::from_ref(&chunk), 16, 1, 32, 16, 512)
+            .unwrap();
     for a in &meta {
         let buf = d.metadata_buffer(true, 32, a.name).expect(a.name);
         let bytes: Vec<u8> = match &a.data {
@@ -665,6 +673,7 @@ fn destroy_is_idempotent_and_capture_works_again() {
                 position: 0,
                 blocks: &table,
                 sampling: SamplingParams::GREEDY,
+                controls: deepinfer::runner::step::LogitControls::NONE,
             }],
             false,
         )
@@ -698,6 +707,7 @@ fn bad_inputs_are_clear_errors_and_the_runner_keeps_working() {
             position: 0,
             blocks: t,
             sampling: SamplingParams::GREEDY,
+            controls: deepinfer::runner::step::LogitControls::NONE,
         })
         .collect();
     let err = d.decode(&rows, false).unwrap_err();
@@ -713,6 +723,7 @@ fn bad_inputs_are_clear_errors_and_the_runner_keeps_working() {
                 position: 64,
                 blocks: &long,
                 sampling: SamplingParams::GREEDY,
+                controls: deepinfer::runner::step::LogitControls::NONE,
             }],
             false,
         )
@@ -725,6 +736,7 @@ fn bad_inputs_are_clear_errors_and_the_runner_keeps_working() {
                 start: 63,
                 blocks: &long,
                 sampling: SamplingParams::GREEDY,
+                controls: deepinfer::runner::step::LogitControls::NONE,
             },
             LogitsOutput::None,
         )
@@ -738,6 +750,7 @@ fn bad_inputs_are_clear_errors_and_the_runner_keeps_working() {
                 position: 0,
                 blocks: &tables[0],
                 sampling: SamplingParams::GREEDY,
+                controls: deepinfer::runner::step::LogitControls::NONE,
             }],
             false,
         )
@@ -750,6 +763,7 @@ fn bad_inputs_are_clear_errors_and_the_runner_keeps_working() {
                 start: 0,
                 blocks: &long,
                 sampling: SamplingParams::GREEDY,
+                controls: deepinfer::runner::step::LogitControls::NONE,
             },
             LogitsOutput::None,
         )
@@ -787,6 +801,7 @@ fn child_execute_fault() {
         start: 0,
         blocks: &table,
         sampling: SamplingParams::GREEDY,
+        controls: deepinfer::runner::step::LogitControls::NONE,
     };
     // Execution 1 succeeds.
     let want = c.prefill(&chunk, LogitsOutput::Sampled).unwrap();
@@ -798,6 +813,7 @@ fn child_execute_fault() {
         position: 3,
         blocks: &table,
         sampling: SamplingParams::GREEDY,
+        controls: deepinfer::runner::step::LogitControls::NONE,
     }];
     // Execution 2 is the injected failure.
     let err = d.decode(&rows, true).unwrap_err();
@@ -1030,6 +1046,7 @@ fn packed_prefill_on_nrt_sim_matches_transformers() {
         start,
         blocks,
         sampling: SamplingParams::GREEDY,
+        controls: deepinfer::runner::step::LogitControls::NONE,
     };
     let both = [chunk(&ids[..n], 0, &a), chunk(&ids[..3], 0, &b)];
     let out = d

@@ -87,10 +87,12 @@ fn graph(
 /// `next`.
 fn sampler_graph(inputs: &[Input]) -> Graph {
     graph(inputs, |t| {
+        let off = t[3].full_like(0.0).unwrap(); // min_p 0: off (tests/sampler_conformance covers it)
         let p = SamplingInputs {
             temperature: &t[1],
             top_k: &t[2],
             top_p: &t[3],
+            min_p: &off,
             seeds: &t[4],
             positions: &t[5],
         };

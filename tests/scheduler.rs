@@ -277,6 +277,7 @@ fn sampled_sequences_are_reproducible_per_seed_whatever_the_batch() {
             top_k: 40,
             top_p: 0.95,
             seed,
+            ..SamplingParams::GREEDY
         },
         ..greedy(16)
     };
@@ -311,6 +312,7 @@ fn seeded_sampling_is_the_same_with_and_without_prefix_caching() {
             top_k: 40,
             top_p: 0.95,
             seed,
+            ..SamplingParams::GREEDY
         },
         ..greedy(12)
     };

@@ -75,6 +75,7 @@ fn decode_batch_matches(name: &str, tp: usize, moe: MoeStrategy) {
                 position: step - i,
                 blocks: &tables[i],
                 sampling: SamplingParams::GREEDY,
+                controls: deepinfer::runner::step::LogitControls::NONE,
             })
             .collect();
         let step_of = |run: &mut Box<dyn Runner>| {

@@ -128,6 +128,7 @@ fn child_rank_fault() {
         start: 0,
         blocks: &table,
         sampling: SamplingParams::GREEDY,
+        controls: deepinfer::runner::step::LogitControls::NONE,
     };
     let first = d.prefill(&chunk, LogitsOutput::Sampled).unwrap();
     let t = Instant::now();

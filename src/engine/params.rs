@@ -23,6 +23,12 @@ pub struct GenerationParams {
     /// Report the log-probability of every prompt token after the first, with this many
     /// alternatives (what evaluation harnesses score).
     pub prompt_logprobs: Option<usize>,
+    /// `(token, bias)` added to the logits before sampling (OpenAI's `logit_bias`, distinct
+    /// tokens).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// End-of-sequence and stop tokens cannot be generated before this many tokens (vLLM's
+    /// `min_tokens`).
+    pub min_tokens: usize,
     /// The choices of one HTTP request share a group; the scheduler admits waiting sequences
     /// from the group with the fewest running first, so a request asking for more choices
     /// than there are free batch slots cannot hold the engine (its extra choices wait while
@@ -31,6 +37,14 @@ pub struct GenerationParams {
 }
 
 impl GenerationParams {
+    /// Whether presence, frequency or repetition penalties apply: they count the tokens a
+    /// sequence feeds on the device, so such a sequence computes its whole prompt (no prefix
+    /// cache).
+    pub fn penalised(&self) -> bool {
+        let s = &self.sampling;
+        s.presence_penalty != 0.0 || s.frequency_penalty != 0.0 || s.repetition_penalty != 1.0
+    }
+
     /// Greedy decoding of up to `max_tokens` tokens, stopping at end of sequence.
     pub fn greedy(max_tokens: usize) -> Self {
         GenerationParams {
@@ -41,6 +55,8 @@ impl GenerationParams {
             ignore_eos: false,
             logprobs: None,
             prompt_logprobs: None,
+            logit_bias: Vec::new(),
+            min_tokens: 0,
             group: None,
         }
     }

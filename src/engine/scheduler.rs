@@ -55,7 +55,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::LogitsOutput;
-use crate::runner::step::{DecodeRow, PrefillChunk};
+use crate::runner::step::{DecodeRow, LogitControls, PrefillChunk, LOGIT_BIAS_SLOTS};
 use crate::runner::{Runner, Step, StepOutput};
 use crate::tokenizer::Tokenizer;
 
@@ -203,6 +203,11 @@ struct Sequence {
     /// Prompt positions whose log-probabilities were sent (a recompute does not send them
     /// again).
     prompt_logprobs_sent: usize,
+    /// The sequence's row of the sampling-state root while it runs (0 while waiting).
+    state_row: u32,
+    /// This step's logit bias: the request's, and `min_tokens`' ban on stop tokens while it
+    /// lasts (see [`Sequence::refresh_bias`]).
+    bias: Vec<(u32, f32)>,
 }
 
 impl Sequence {
@@ -218,6 +223,34 @@ impl Sequence {
         self.computed = 0;
         self.phase = Phase::Prefill;
     }
+
+    /// Sets [`Sequence::bias`] for the next token: the request's `logit_bias`, with every end
+    /// token (`eos`, unless ignored, and the stop tokens) at `-inf` while fewer than
+    /// `min_tokens` are generated.
+    fn refresh_bias(&mut self, eos: &[u32]) {
+        self.bias.clear();
+        self.bias.extend_from_slice(&self.params.logit_bias);
+        if self.generated() >= self.params.min_tokens {
+            return;
+        }
+        let eos = eos.iter().filter(|_| !self.params.ignore_eos);
+        for &t in eos.chain(&self.params.stop_token_ids) {
+            match self.bias.iter_mut().find(|(b, _)| *b == t) {
+                Some(entry) => entry.1 = f32::NEG_INFINITY,
+                None => self.bias.push((t, f32::NEG_INFINITY)),
+            }
+        }
+    }
+
+    /// What the step's logits go through for this sequence.
+    fn controls(&self) -> LogitControls<'_> {
+        LogitControls {
+            state_row: self.state_row,
+            prompt_len: self.prompt_len,
+            bias: &self.bias,
+            allowed: None,
+        }
+    }
 }
 
 /// The continuous-batching scheduler: owns the runner, the queue and the running sequences.
@@ -226,6 +259,8 @@ pub struct Scheduler<R: Runner> {
     runner: R,
     /// Which cache blocks each sequence owns: the scheduler decides, the runner only executes.
     blocks: BlockAllocator,
+    /// Rows of the sampling-state root no running sequence holds (row 0 is padding's).
+    free_state_rows: Vec<u32>,
     tokenizer: Option<Arc<Tokenizer>>,
     eos_token_ids: Vec<u32>,
     max_running: usize,
@@ -259,6 +294,7 @@ impl<R: Runner> Scheduler<R> {
         Ok(Scheduler {
             runner,
             blocks,
+            free_state_rows: (1..=max_running as u32).rev().collect(),
             tokenizer,
             eos_token_ids,
             max_running,
@@ -347,6 +383,21 @@ impl<R: Runner> Scheduler<R> {
             self.max_len(),
             self.runner.config().vocab_size,
         )?;
+        let bans = if params.min_tokens > 0 {
+            params.stop_token_ids.len() + usize::from(!params.ignore_eos) * self.eos_token_ids.len()
+        } else {
+            0
+        };
+        if params.logit_bias.len() + bans > LOGIT_BIAS_SLOTS {
+            return Err(Error::InvalidInput(format!(
+                "logit_bias has {} entries{}; at most {LOGIT_BIAS_SLOTS} fit",
+                params.logit_bias.len(),
+                match bans {
+                    0 => String::new(),
+                    n => format!(" and min_tokens bans {n} end tokens"),
+                }
+            )));
+        }
         // A sequence the whole cache cannot hold would wait for admission forever.
         let rc = self.runner.runner_config();
         let need = (prompt.len() + params.max_tokens).div_ceil(rc.block_size);
@@ -382,6 +433,8 @@ impl<R: Runner> Scheduler<R> {
             params,
             decoder,
             prompt_logprobs_sent: 0,
+            state_row: 0,
+            bias: Vec::new(),
         });
         Ok(())
     }
@@ -395,7 +448,7 @@ impl<R: Runner> Scheduler<R> {
         }
         if let Some(i) = self.running.iter().position(|s| s.id == id) {
             let mut seq = self.running.remove(i);
-            self.blocks.release(&mut seq.blocks);
+            self.retire(&mut seq);
             return true;
         }
         false
@@ -411,7 +464,7 @@ impl<R: Runner> Scheduler<R> {
             .chain(self.waiting.drain(..))
             .collect();
         for mut seq in all {
-            self.blocks.release(&mut seq.blocks);
+            self.retire(&mut seq);
             out.push(Output {
                 id: seq.id,
                 event: Event::Failed {
@@ -521,13 +574,23 @@ impl<R: Runner> Scheduler<R> {
         out
     }
 
+    /// Takes a sequence out of the running set's resources: its blocks and its sampling-state
+    /// row.
+    fn retire(&mut self, seq: &mut Sequence) {
+        seq.reset(&mut self.blocks);
+        if seq.state_row != 0 {
+            self.free_state_rows.push(seq.state_row);
+            seq.state_row = 0;
+        }
+    }
+
     /// Moves the most recently admitted sequence back to the head of the queue, freeing its
     /// blocks; it will be prefilled again (prompt and generated tokens) when admitted.
     fn preempt_newest(&mut self) -> bool {
         let Some(mut seq) = self.running.pop() else {
             return false;
         };
-        seq.reset(&mut self.blocks);
+        self.retire(&mut seq);
         self.waiting.push_front(seq);
         self.preemptions += 1;
         true
@@ -565,6 +628,9 @@ impl<R: Runner> Scheduler<R> {
         if batch.is_empty() {
             return 0;
         }
+        for &i in &batch {
+            self.running[i].refresh_bias(&self.eos_token_ids);
+        }
         let rows: Vec<DecodeRow<'_>> = batch
             .iter()
             .map(|&i| {
@@ -574,6 +640,7 @@ impl<R: Runner> Scheduler<R> {
                     position: s.tokens.len() - 1,
                     blocks: &s.blocks,
                     sampling: s.params.sampling,
+                    controls: s.controls(),
                 }
             })
             .collect();
@@ -670,6 +737,9 @@ impl<R: Runner> Scheduler<R> {
         if plan.is_empty() {
             return;
         }
+        for &(i, _) in &plan {
+            self.running[i].refresh_bias(&self.eos_token_ids);
+        }
         let chunks: Vec<PrefillChunk<'_>> = plan
             .iter()
             .map(|&(i, n)| {
@@ -679,6 +749,7 @@ impl<R: Runner> Scheduler<R> {
                     start: seq.computed,
                     blocks: &seq.blocks,
                     sampling: seq.params.sampling,
+                    controls: seq.controls(),
                 }
             })
             .collect();
@@ -803,7 +874,8 @@ impl<R: Runner> Scheduler<R> {
         };
         // Start from the cached prefix, leaving at least the last token to compute (and the
         // whole prompt when its log-probabilities are asked for).
-        if seq.computed == 0 && seq.params.prompt_logprobs.is_none() {
+        let cacheable = seq.params.prompt_logprobs.is_none() && !seq.params.penalised();
+        if seq.computed == 0 && cacheable {
             let most = (seq.tokens.len() - 1) / self.blocks.block_size();
             let (blocks, hashes) = self.blocks.match_prefix(&seq.tokens, most);
             seq.computed = blocks.len() * self.blocks.block_size();
@@ -813,9 +885,11 @@ impl<R: Runner> Scheduler<R> {
             seq.reset(&mut self.blocks);
             return false;
         }
-        if self.blocks.prefix_caching() && seq.params.prompt_logprobs.is_none() {
+        if self.blocks.prefix_caching() && cacheable {
             self.blocks.record_lookup(seq.tokens.len(), seq.computed);
         }
+        // A free row exists: rows are as many as batch slots, and a slot is free.
+        seq.state_row = self.free_state_rows.pop().unwrap_or(0);
         match self.waiting.remove(pick) {
             Some(seq) => {
                 self.running.push(seq);
@@ -864,7 +938,7 @@ impl<R: Runner> Scheduler<R> {
             return false;
         };
         let mut seq = self.running.remove(i);
-        seq.reset(&mut self.blocks);
+        self.retire(&mut seq);
         self.waiting.push_back(seq);
         self.preemptions += 1;
         true
@@ -887,7 +961,7 @@ impl<R: Runner> Scheduler<R> {
         while i < self.running.len() {
             if pred(&self.running[i]) {
                 let mut seq = self.running.remove(i);
-                self.blocks.release(&mut seq.blocks);
+                self.retire(&mut seq);
             } else {
                 i += 1;
             }

@@ -57,6 +57,7 @@ fn prefill<R: Runner + ?Sized>(
             start: i * chunk_size,
             blocks,
             sampling,
+            controls: crate::runner::step::LogitControls::NONE,
         };
         outs.push(runner.replay(&Step::Prefill {
             chunks: &[chunk],
@@ -107,6 +108,7 @@ fn generate_into<R: Runner + ?Sized>(
                 position,
                 blocks,
                 sampling,
+                controls: crate::runner::step::LogitControls::NONE,
             }],
             logits: LogitsOutput::None,
         })?;

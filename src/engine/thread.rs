@@ -139,7 +139,8 @@ enum Command {
     Add {
         id: RequestId,
         prompt: Vec<u32>,
-        params: GenerationParams,
+        /// Boxed: the other commands are a word or two.
+        params: Box<GenerationParams>,
         events: EventSender,
         arrival: Instant,
     },
@@ -494,7 +495,7 @@ impl Engine {
         let sent = self.commands.send(Command::Add {
             id,
             prompt,
-            params,
+            params: Box::new(params),
             events: EventSender(queue.clone()),
             arrival: Instant::now(),
         });
@@ -621,7 +622,7 @@ fn run_loop(
                     shared.queued.fetch_add(1, Ordering::SeqCst);
                     shared.in_transit.fetch_sub(1, Ordering::SeqCst);
                     let n = prompt.len();
-                    match scheduler.add(id, prompt, params) {
+                    match scheduler.add(id, prompt, *params) {
                         Ok(()) => {
                             metrics.prompt_tokens.inc_by(n as u64);
                             clients.insert(

@@ -26,8 +26,28 @@ pub const TOP_P: &str = "top_p";
 /// Per-row seed of the counter-based generator, `[rows]` u32.
 pub const SEEDS: &str = "seeds";
 
+/// Each sampled row's row of the sampling-state root, `[rows]` i32 (see `model::logits`).
+pub const STATE_ROWS: &str = "state_rows";
+/// Each chunk's sequence's prompt length, `[seqs]` i32 (prefill only): fed tokens at or past
+/// it are generated ones, which the presence and frequency penalties count.
+pub const PROMPT_LENS: &str = "prompt_lens";
+/// Per-row `min_p`, `[rows]` f32 (0: off).
+pub const MIN_P: &str = "min_p";
+/// Per-row presence penalty, `[rows]` f32.
+pub const PRESENCE_PENALTY: &str = "presence_penalty";
+/// Per-row frequency penalty, `[rows]` f32.
+pub const FREQUENCY_PENALTY: &str = "frequency_penalty";
+/// Per-row repetition penalty, `[rows]` f32 (1: off).
+pub const REPETITION_PENALTY: &str = "repetition_penalty";
+/// Where each `logit_bias` entry lands in the flattened bias, `[rows * LOGIT_BIAS_SLOTS]` i32.
+pub const LOGIT_BIAS_INDEX: &str = "logit_bias_index";
+/// The `logit_bias` values, `[rows * LOGIT_BIAS_SLOTS]` f32.
+pub const LOGIT_BIAS_VALUES: &str = "logit_bias_values";
+/// Allowed-token bits per row, `[rows, vocab.div_ceil(32)]` u32 (structured outputs).
+pub const ALLOWED_TOKENS: &str = "allowed_tokens";
+
 /// Every metadata input name, decode's and prefill's.
-pub const ALL: [&str; 11] = [
+pub const ALL: [&str; 20] = [
     INPUT_IDS,
     POSITIONS,
     SLOT_MAPPING,
@@ -39,4 +59,13 @@ pub const ALL: [&str; 11] = [
     TOP_K,
     TOP_P,
     SEEDS,
+    STATE_ROWS,
+    PROMPT_LENS,
+    MIN_P,
+    PRESENCE_PENALTY,
+    FREQUENCY_PENALTY,
+    REPETITION_PENALTY,
+    LOGIT_BIAS_INDEX,
+    LOGIT_BIAS_VALUES,
+    ALLOWED_TOKENS,
 ];

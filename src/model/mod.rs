@@ -36,6 +36,7 @@ pub mod attention;
 pub mod cost;
 pub mod indexer;
 pub mod inputs;
+pub mod logits;
 pub mod moe;
 pub mod ops;
 pub mod params;
@@ -140,6 +141,22 @@ pub struct CacheLayout {
     pub num_slots: usize,
     /// The cache's element type.
     pub dtype: DType,
+    /// Rows of the sampling-state root (see [`logits`]): one per sequence that can run at once,
+    /// plus the scratch row 0.
+    pub state_rows: usize,
+}
+
+impl CacheLayout {
+    /// The layout of `blocks` blocks of `block_size` tokens in `dtype`, with sampling state for
+    /// `max_batch` sequences.
+    pub fn new(block_size: usize, blocks: usize, dtype: DType, max_batch: usize) -> Self {
+        CacheLayout {
+            block_size,
+            num_slots: blocks * block_size,
+            dtype,
+            state_rows: max_batch + 1,
+        }
+    }
 }
 
 /// Which logits a graph returns besides the sampled tokens.
@@ -240,7 +257,8 @@ impl RootSpec {
 }
 
 /// The cache roots of `cfg` under `cache`, in the order graphs declare them: the KV root, then
-/// (V3.2) the state root of index keys, held in the cache dtype like the latents.
+/// (V3.2) the state root of index keys, held in the cache dtype like the latents, then the
+/// sampling-state root of the penalties' token counts (f32, see [`logits`]).
 pub fn cache_roots(cfg: &ModelConfig, cache: &CacheLayout) -> Vec<RootSpec> {
     let mut roots = vec![RootSpec {
         name: KV_ROOT,
@@ -256,29 +274,53 @@ pub fn cache_roots(cfg: &ModelConfig, cache: &CacheLayout) -> Vec<RootSpec> {
             dtype: cache.dtype,
         });
     }
+    roots.push(RootSpec {
+        name: logits::STATE_ROOT,
+        rows: cache.state_rows.max(1),
+        cols: 2 * cfg.vocab_size,
+        dtype: DType::F32,
+    });
     roots
 }
 
-fn root_inputs(cfg: &ModelConfig, b: &GraphBuilder, cache: &CacheLayout) -> Result<Roots> {
-    let mut inputs = cache_roots(cfg, cache)
-        .into_iter()
-        .map(|r| b.input(r.name, InputRole::CacheRoot, r.shape().to_vec(), r.dtype));
-    let kv = inputs
-        .next()
-        .ok_or_else(|| Error::shape("cache", "no KV root"))??;
-    Ok(Roots {
-        kv,
-        index: inputs.next().transpose()?,
-    })
+/// Declares every cache root: the layers' (KV, and V3.2's index keys) and the sampling state.
+fn root_inputs(
+    cfg: &ModelConfig,
+    b: &GraphBuilder,
+    cache: &CacheLayout,
+) -> Result<(Roots, Tensor)> {
+    let (mut kv, mut index, mut state) = (None, None, None);
+    for r in cache_roots(cfg, cache) {
+        let t = Some(b.input(r.name, InputRole::CacheRoot, r.shape().to_vec(), r.dtype)?);
+        match r.name {
+            KV_ROOT => kv = t,
+            INDEX_ROOT => index = t,
+            _ => state = t,
+        }
+    }
+    let missing = |what: &str| Error::shape("cache", format!("no {what} root"));
+    Ok((
+        Roots {
+            kv: kv.ok_or_else(|| missing("KV"))?,
+            index,
+        },
+        state.ok_or_else(|| missing("sampling-state"))?,
+    ))
 }
 
-/// Declares every updated root as an output aliased to its input.
-fn output_roots(b: &GraphBuilder, new: &Roots, old: &Roots) -> Result<()> {
+/// Declares every updated root as an output aliased to its input: the layers' `new` for
+/// `old`, and the sampling state `(new, old)`.
+fn output_roots(
+    b: &GraphBuilder,
+    new: &Roots,
+    old: &Roots,
+    state: (&Tensor, &Tensor),
+) -> Result<()> {
     b.output_aliased(KV_ROOT, &new.kv, &old.kv)?;
     if let (Some(new), Some(old)) = (&new.index, &old.index) {
         b.output_aliased(INDEX_ROOT, new, old)?;
     }
-    Ok(())
+    b.output_aliased(logits::STATE_ROOT, state.0, state.1)
 }
 
 /// The MLP (dense or MoE) of `layer` on normalized hidden states.
@@ -366,19 +408,56 @@ fn lm_logits(cfg: &ModelConfig, w: &Weights, x: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// Declares the per-row sampling inputs and samples from `logits`.
-fn sample_rows(b: &GraphBuilder, logits: &Tensor, positions: &Tensor) -> Result<Tensor> {
-    let rows = logits.dim(0);
+/// Declares the per-row sampling inputs, adjusts `logits` (mask, bias, penalties from the rows'
+/// `counts` and `prompt` presence, see [`logits`]) and samples from them.
+fn sample_rows(
+    b: &GraphBuilder,
+    logits: &Tensor,
+    positions: &Tensor,
+    counts: &Tensor,
+    prompt: &Tensor,
+) -> Result<Tensor> {
+    let (rows, vocab) = (logits.dim(0), logits.dim(1));
     let temperature = metadata(b, inputs::TEMPERATURE, vec![rows], DType::F32)?;
     let top_k = metadata(b, inputs::TOP_K, vec![rows], DType::I32)?;
     let top_p = metadata(b, inputs::TOP_P, vec![rows], DType::F32)?;
     let seeds = metadata(b, inputs::SEEDS, vec![rows], DType::U32)?;
-    sampling::sample(
+    let min_p = metadata(b, inputs::MIN_P, vec![rows], DType::F32)?;
+    let f32_row = |name| metadata(b, name, vec![rows], DType::F32);
+    let (presence, frequency, repetition) = (
+        f32_row(inputs::PRESENCE_PENALTY)?,
+        f32_row(inputs::FREQUENCY_PENALTY)?,
+        f32_row(inputs::REPETITION_PENALTY)?,
+    );
+    let entries = rows * logits::LOGIT_BIAS_SLOTS;
+    let bias_index = metadata(b, inputs::LOGIT_BIAS_INDEX, vec![entries], DType::I32)?;
+    let bias_values = metadata(b, inputs::LOGIT_BIAS_VALUES, vec![entries], DType::F32)?;
+    let allowed = metadata(
+        b,
+        inputs::ALLOWED_TOKENS,
+        vec![rows, vocab.div_ceil(32)],
+        DType::U32,
+    )?;
+    let adjusted = logits::adjust(
         logits,
+        counts,
+        prompt,
+        &logits::LogitInputs {
+            allowed: &allowed,
+            bias_index: &bias_index,
+            bias_values: &bias_values,
+            presence: &presence,
+            frequency: &frequency,
+            repetition: &repetition,
+        },
+    )?;
+    sampling::sample(
+        &adjusted,
         &sampling::SamplingInputs {
             temperature: &temperature,
             top_k: &top_k,
             top_p: &top_p,
+            min_p: &min_p,
             seeds: &seeds,
             positions,
         },
@@ -390,6 +469,8 @@ struct StepInputs {
     input_ids: Tensor,
     positions: Tensor,
     roots: Roots,
+    /// The sampling-state root (see [`logits`]).
+    state: Tensor,
     ctx: usize,
     cos: Tensor,
     sin: Tensor,
@@ -412,13 +493,14 @@ fn step_inputs(
     let slots = metadata(b, inputs::SLOT_MAPPING, vec![rows], DType::I32)?;
     let width = ctx / cache.block_size;
     let block_tables = metadata(b, inputs::BLOCK_TABLES, vec![seqs, width], DType::I32)?;
-    let roots = root_inputs(cfg, b, cache)?;
+    let (roots, state) = root_inputs(cfg, b, cache)?;
     let (cos, sin) = rope::cos_sin(cfg, &positions)?;
     let ctx_slots = context_slots(&block_tables, ctx, cache.block_size)?;
     Ok(StepInputs {
         input_ids,
         positions,
         roots,
+        state,
         ctx,
         cos,
         sin,
@@ -469,12 +551,14 @@ pub fn build_decode(
     let visible = j.lt(&context_lens.unsqueeze(1)?)?;
     let (x, new_roots) = s.forward(cfg, &w, &visible, attention::decode, spec.moe)?;
     let logits = lm_logits(cfg, &w, &x)?;
-    let next = sample_rows(&b, &logits, &s.positions)?;
+    let state_rows = metadata(&b, inputs::STATE_ROWS, vec![rows], DType::I32)?;
+    let (state, counts, prompt) = logits::decode_state(&s.state, &state_rows, &s.input_ids)?;
+    let next = sample_rows(&b, &logits, &s.positions, &counts, &prompt)?;
     b.output("next_tokens", &next)?;
     if spec.logits != LogitsOutput::None {
         b.output("logits", &logits)?;
     }
-    output_roots(&b, &new_roots, &s.roots)?;
+    output_roots(&b, &new_roots, &s.roots, (&state, &s.state))?;
     b.finish()
 }
 
@@ -512,27 +596,54 @@ pub fn build_prefill(
     let s = step_inputs(&b, cfg, cache, t, seqs, ctx)?;
     let last_index = metadata(&b, inputs::LAST_INDEX, vec![seqs], DType::I32)?;
     // Causal within a sequence: token i sees its sequence's positions up to its own.
-    let visible = if seqs == 1 {
-        let j = b.iota([t, ctx], DType::I32, 1)?;
-        j.le(&s.positions.unsqueeze(1)?)?
-    } else {
-        let seq_ids = metadata(&b, inputs::SEQ_IDS, vec![t], DType::I32)?;
-        let pos = b.iota([t, seqs, ctx], DType::I32, 2)?;
-        let owner = b.iota([t, seqs, ctx], DType::I32, 1)?;
-        let causal = pos.le(&s.positions.reshape([t, 1, 1])?)?;
-        let own = owner.eq(&seq_ids.reshape([t, 1, 1])?)?;
-        own.where_cond(&causal, &own)?.reshape([t, seqs * ctx])?
+    let seq_ids = match seqs {
+        1 => None,
+        _ => Some(metadata(&b, inputs::SEQ_IDS, vec![t], DType::I32)?),
+    };
+    let visible = match &seq_ids {
+        None => {
+            let j = b.iota([t, ctx], DType::I32, 1)?;
+            j.le(&s.positions.unsqueeze(1)?)?
+        }
+        Some(seq_ids) => {
+            let pos = b.iota([t, seqs, ctx], DType::I32, 2)?;
+            let owner = b.iota([t, seqs, ctx], DType::I32, 1)?;
+            let causal = pos.le(&s.positions.reshape([t, 1, 1])?)?;
+            let own = owner.eq(&seq_ids.reshape([t, 1, 1])?)?;
+            own.where_cond(&causal, &own)?.reshape([t, seqs * ctx])?
+        }
     };
     let (x, new_roots) = s.forward(cfg, &w, &visible, attention::prefill, spec.moe)?;
     let last_logits = lm_logits(cfg, &w, &x.index_select(&last_index, 0)?)?;
     let last_pos = s.positions.index_select(&last_index, 0)?;
-    let next = sample_rows(&b, &last_logits, &last_pos)?;
+    // Token i feeds chunk c when it is c's (seq_ids) and not past c's last token (padding).
+    let token = b.iota([seqs, t], DType::I32, 1)?;
+    let upto = token.le(&last_index.unsqueeze(1)?.broadcast_as([seqs, t])?)?;
+    let member = match &seq_ids {
+        None => upto,
+        Some(ids) => {
+            let chunk = b.iota([seqs, t], DType::I32, 0)?;
+            let own = chunk.eq(&ids.unsqueeze(0)?.broadcast_as([seqs, t])?)?;
+            own.where_cond(&upto, &own)?
+        }
+    };
+    let state_rows = metadata(&b, inputs::STATE_ROWS, vec![seqs], DType::I32)?;
+    let prompt_lens = metadata(&b, inputs::PROMPT_LENS, vec![seqs], DType::I32)?;
+    let (state, counts, prompt) = logits::prefill_state(
+        &s.state,
+        &state_rows,
+        &member,
+        &s.positions,
+        &prompt_lens,
+        &s.input_ids,
+    )?;
+    let next = sample_rows(&b, &last_logits, &last_pos, &counts, &prompt)?;
     b.output("next_tokens", &next)?;
     match spec.logits {
         LogitsOutput::None => {}
         LogitsOutput::Sampled => b.output("logits", &last_logits)?,
         LogitsOutput::AllPositions => b.output("logits", &lm_logits(cfg, &w, &x)?)?,
     }
-    output_roots(&b, &new_roots, &s.roots)?;
+    output_roots(&b, &new_roots, &s.roots, (&state, &s.state))?;
     b.finish()
 }

@@ -35,6 +35,9 @@ pub struct SamplingInputs<'a> {
     pub top_k: &'a Tensor,
     /// top-p (f32); `>= 1` means off; `<= 0` keeps the best token only.
     pub top_p: &'a Tensor,
+    /// min-p (f32); `<= 0` means off: tokens less likely than `min_p` times the likeliest
+    /// (after temperature) are dropped before top-k and top-p, as in vLLM.
+    pub min_p: &'a Tensor,
     /// Seed (u32).
     pub seeds: &'a Tensor,
     /// The position of the row's input token (i32): the generator's counter.
@@ -129,13 +132,19 @@ pub fn sample(logits: &Tensor, p: &SamplingInputs<'_>) -> Result<Tensor> {
     let e = z.broadcast_sub(&z_max)?.exp()?; // softmax(z), unnormalised
     let none = e.full_like(0.0)?;
 
-    // top-k: the k-th largest z, for 0 < k < vocab.
+    // min-p: z at least z_max + ln(min_p) (probability at least min_p times the best's).
+    let m_on = p.min_p.gt(&zero)?;
+    let safe_min_p = m_on.where_cond(p.min_p, &p.min_p.full_like(1.0)?)?;
+    let t_m = z_max.squeeze(1)?.add(&safe_min_p.log()?)?;
+    let t_m = m_on.where_cond(&t_m, &neg_inf)?;
+
+    // top-k: the k-th largest z, for 0 < k < vocab, among what min-p kept.
     let k_positive = p.top_k.gt(&p.top_k.full_like(0.0)?)?;
     let k_on =
         k_positive.where_cond(&p.top_k.lt(&p.top_k.full_like(vocab as f64)?)?, &k_positive)?;
     let k_target = k_on.where_cond(&p.top_k.to_dtype(DType::F32)?, &zero)?;
     let t_k = z.mass_threshold(&z.full_like(1.0)?, &k_target)?;
-    let t_k = k_on.where_cond(&t_k, &neg_inf)?;
+    let t_k = k_on.where_cond(&t_k, &neg_inf)?.maximum(&t_m)?;
     let e_k = z.ge(&t_k.unsqueeze(1)?)?.where_cond(&e, &none)?;
 
     // top-p on what top-k kept: the largest z whose mass at or above reaches top_p of it.

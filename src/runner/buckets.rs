@@ -114,6 +114,19 @@ impl RunnerConfig {
     }
 }
 
+impl RunnerConfig {
+    /// The cache geometry graphs are built for: the KV blocks, and sampling state for every
+    /// sequence that can run at once.
+    pub fn cache_layout(&self) -> crate::model::CacheLayout {
+        crate::model::CacheLayout::new(
+            self.block_size,
+            self.num_blocks,
+            self.kv_dtype,
+            self.buckets.max_batch(),
+        )
+    }
+}
+
 impl Buckets {
     /// Checks that there is something to capture and that every context is a whole number of
     /// `block_size` blocks.
@@ -322,6 +335,7 @@ mod tests {
             start,
             blocks: &[],
             sampling: super::super::step::SamplingParams::GREEDY,
+            controls: crate::runner::step::LogitControls::NONE,
         };
         let one = [chunk(&[1; 10], 0)];
         assert_eq!(b.prefill_bucket(&one, 100).unwrap(), (16, 1, 128));

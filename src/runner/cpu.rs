@@ -59,11 +59,7 @@ impl CpuRunner {
     /// `runner_cfg.tp > 1` each rank takes its shards of them.
     pub fn new(cfg: ModelConfig, weights: ModelWeights, runner_cfg: RunnerConfig) -> Result<Self> {
         runner_cfg.buckets.validate(runner_cfg.block_size)?;
-        let layout = CacheLayout {
-            block_size: runner_cfg.block_size,
-            num_slots: runner_cfg.num_blocks * runner_cfg.block_size,
-            dtype: runner_cfg.kv_dtype,
-        };
+        let layout = runner_cfg.cache_layout();
         let tp = runner_cfg.tp;
         let weights = match tp {
             1 => vec![weights],
@@ -280,7 +276,7 @@ impl Runner for CpuRunner {
             Step::Prefill { chunks, logits } => {
                 let (t, seqs, ctx) = self.runner_cfg.buckets.prefill_bucket(chunks, vocab)?;
                 let graph = self.graph(StepKind::Prefill, t, seqs, ctx, *logits)?;
-                let meta = step::prefill_step(chunks, t, seqs, ctx, block_size)?;
+                let meta = step::prefill_step(chunks, t, seqs, ctx, block_size, vocab)?;
                 let real = match logits {
                     LogitsOutput::AllPositions => chunks.iter().map(|c| c.tokens.len()).sum(),
                     _ => chunks.len(),
@@ -294,7 +290,7 @@ impl Runner for CpuRunner {
                     _ => LogitsOutput::Sampled,
                 };
                 let graph = self.graph(StepKind::Decode, batch, batch, ctx, want)?;
-                let meta = step::decode_step(rows, batch, ctx, block_size)?;
+                let meta = step::decode_step(rows, batch, ctx, block_size, vocab)?;
                 self.execute(&graph, &meta, rows.len(), rows.len())
             }
         }

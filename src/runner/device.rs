@@ -470,11 +470,7 @@ impl DeviceRunner {
                 .map(|r| weights.shard(&cfg, r, tp))
                 .collect::<Result<Vec<_>>>()?,
         };
-        let layout = CacheLayout {
-            block_size: runner_cfg.block_size,
-            num_slots: runner_cfg.num_blocks * runner_cfg.block_size,
-            dtype: runner_cfg.kv_dtype,
-        };
+        let layout = runner_cfg.cache_layout();
         Ok(DeviceRunner {
             specs: weights[0].specs().clone(),
             cfg,
@@ -1051,8 +1047,14 @@ impl DeviceRunner {
             .buckets
             .prefill_bucket(chunks, self.cfg.vocab_size)?;
         if self.opts.metadata == MetadataSource::Host {
-            self.staging
-                .fill_prefill(chunks, t, seqs, ctx, self.layout.block_size)?;
+            self.staging.fill_prefill(
+                chunks,
+                t,
+                seqs,
+                ctx,
+                self.layout.block_size,
+                self.cfg.vocab_size,
+            )?;
         }
         let vocab = self.cfg.vocab_size;
         let r = self.run_step((StepKind::Prefill, t, seqs, ctx))?;
@@ -1080,8 +1082,13 @@ impl DeviceRunner {
             .buckets
             .decode_bucket(rows, self.cfg.vocab_size)?;
         if self.opts.metadata == MetadataSource::Host {
-            self.staging
-                .fill_decode(rows, batch, ctx, self.layout.block_size)?;
+            self.staging.fill_decode(
+                rows,
+                batch,
+                ctx,
+                self.layout.block_size,
+                self.cfg.vocab_size,
+            )?;
         }
         let vocab = self.cfg.vocab_size;
         let r = self.run_step((StepKind::Decode, batch, batch, ctx))?;

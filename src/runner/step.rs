@@ -55,6 +55,18 @@ pub struct SamplingParams {
     pub top_p: f32,
     /// Seed of the counter-based generator.
     pub seed: u32,
+    /// Tokens less likely than `min_p` times the likeliest (after temperature) are dropped;
+    /// 0 for none (vLLM's `min_p`).
+    pub min_p: f32,
+    /// Subtracted once from the logit of every token generated so far (OpenAI's
+    /// `presence_penalty`).
+    pub presence_penalty: f32,
+    /// Subtracted from each token's logit once per time it was generated (OpenAI's
+    /// `frequency_penalty`).
+    pub frequency_penalty: f32,
+    /// Divides positive and multiplies negative logits of every token in the prompt or
+    /// generated so far; 1 for none (vLLM's `repetition_penalty`).
+    pub repetition_penalty: f32,
 }
 
 impl SamplingParams {
@@ -64,6 +76,41 @@ impl SamplingParams {
         top_k: 0,
         top_p: 1.0,
         seed: 0,
+        min_p: 0.0,
+        presence_penalty: 0.0,
+        frequency_penalty: 0.0,
+        repetition_penalty: 1.0,
+    };
+}
+
+/// Most `logit_bias` entries one row carries (the graph's `[rows, LOGIT_BIAS_SLOTS]` inputs).
+pub const LOGIT_BIAS_SLOTS: usize = crate::model::logits::LOGIT_BIAS_SLOTS;
+
+/// What a row's logits go through besides the sampler, beyond [`SamplingParams`]: where its
+/// penalty counts live on the device, additive biases and an allowed-token mask.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LogitControls<'a> {
+    /// The sequence's row of the sampling-state root (see `model::logits`): the scheduler gives
+    /// each running sequence its own; 0 is the scratch row padding uses.
+    pub state_row: u32,
+    /// Tokens of the sequence that are prompt (the rest are generated, and what presence and
+    /// frequency penalties count).
+    pub prompt_len: usize,
+    /// `(token, bias)` added to the logits, at most [`LOGIT_BIAS_SLOTS`], distinct tokens
+    /// (`-inf` forbids a token: `min_tokens` uses it for end-of-sequence tokens).
+    pub bias: &'a [(u32, f32)],
+    /// Allowed tokens as bits (token `32 w + j` is bit `j` of word `w`), `vocab.div_ceil(32)`
+    /// words; `None` allows every token.
+    pub allowed: Option<&'a [u32]>,
+}
+
+impl LogitControls<'_> {
+    /// No state, bias or mask.
+    pub const NONE: LogitControls<'static> = LogitControls {
+        state_row: 0,
+        prompt_len: 0,
+        bias: &[],
+        allowed: None,
     };
 }
 
@@ -78,6 +125,8 @@ pub struct DecodeRow<'a> {
     pub blocks: &'a [u32],
     /// Sampling parameters.
     pub sampling: SamplingParams,
+    /// Penalty state, bias and mask.
+    pub controls: LogitControls<'a>,
 }
 
 /// One chunk of a sequence's prompt.
@@ -91,6 +140,8 @@ pub struct PrefillChunk<'a> {
     pub blocks: &'a [u32],
     /// Sampling parameters for the token after the chunk.
     pub sampling: SamplingParams,
+    /// Penalty state, bias and mask for that token.
+    pub controls: LogitControls<'a>,
 }
 
 /// Reusable host arrays of one kind of step. Each call overwrites them in place: after the
@@ -171,7 +222,7 @@ impl StepArrays {
         }
     }
 
-    /// The per-row sampling inputs, at array indices `first..first + 4`.
+    /// The per-row sampling inputs, at array indices `first..first + 8`.
     fn sampling(&mut self, first: usize, params: impl Iterator<Item = SamplingParams> + Clone) {
         let n = [params.clone().count()];
         self.f32s(
@@ -198,8 +249,94 @@ impl StepArrays {
             &n,
             params.clone().map(|p| p.top_p),
         );
-        self.u32s(first + 3, inputs::SEEDS, &n, params.map(|p| p.seed));
-        self.arrays.truncate(first + 4);
+        self.u32s(first + 3, inputs::SEEDS, &n, params.clone().map(|p| p.seed));
+        self.f32s(
+            first + 4,
+            inputs::MIN_P,
+            &n,
+            params.clone().map(|p| p.min_p),
+        );
+        self.f32s(
+            first + 5,
+            inputs::PRESENCE_PENALTY,
+            &n,
+            params.clone().map(|p| p.presence_penalty),
+        );
+        self.f32s(
+            first + 6,
+            inputs::FREQUENCY_PENALTY,
+            &n,
+            params.clone().map(|p| p.frequency_penalty),
+        );
+        self.f32s(
+            first + 7,
+            inputs::REPETITION_PENALTY,
+            &n,
+            params.map(|p| p.repetition_penalty),
+        );
+    }
+
+    /// The per-row logit controls at array indices `first..first + 4`: state rows, the bias
+    /// entries (a row's `k`-th at `row * vocab + token`, unused ones at distinct indices past
+    /// `rows * vocab`), and the allowed-token bits (all set without a mask). Fails on a row
+    /// with more bias entries than [`LOGIT_BIAS_SLOTS`], a biased token outside the vocabulary
+    /// or a mask of the wrong length.
+    fn controls<'c>(
+        &mut self,
+        first: usize,
+        controls: impl Iterator<Item = LogitControls<'c>> + Clone,
+        vocab: usize,
+    ) -> Result<()> {
+        let rows = controls.clone().count();
+        let words = vocab.div_ceil(32);
+        for c in controls.clone() {
+            if c.bias.len() > LOGIT_BIAS_SLOTS || c.bias.iter().any(|&(t, _)| t as usize >= vocab) {
+                return Err(Error::Internal(format!(
+                    "a row's logit bias has {} entries (at most {LOGIT_BIAS_SLOTS}, tokens below \
+                     {vocab})",
+                    c.bias.len()
+                )));
+            }
+            if c.allowed.is_some_and(|m| m.len() != words) {
+                return Err(Error::Internal(format!(
+                    "an allowed-token mask must have {words} words"
+                )));
+            }
+        }
+        self.i32s(
+            first,
+            inputs::STATE_ROWS,
+            &[rows],
+            controls.clone().map(|c| c.state_row as i32),
+        );
+        let k = LOGIT_BIAS_SLOTS;
+        let spare = rows * vocab;
+        self.i32s(
+            first + 1,
+            inputs::LOGIT_BIAS_INDEX,
+            &[rows * k],
+            controls.clone().enumerate().flat_map(|(r, c)| {
+                (0..k).map(move |j| match c.bias.get(j) {
+                    Some(&(t, _)) => (r * vocab + t as usize) as i32,
+                    None => (spare + r * k + j) as i32,
+                })
+            }),
+        );
+        self.f32s(
+            first + 2,
+            inputs::LOGIT_BIAS_VALUES,
+            &[rows * k],
+            controls
+                .clone()
+                .flat_map(|c| (0..k).map(move |j| c.bias.get(j).map_or(0.0, |&(_, v)| v))),
+        );
+        self.u32s(
+            first + 3,
+            inputs::ALLOWED_TOKENS,
+            &[rows, words],
+            controls.flat_map(|c| (0..words).map(move |w| c.allowed.map_or(u32::MAX, |m| m[w]))),
+        );
+        Ok(())
     }
 
     /// Fills the metadata of a decode step for `rows`, padded to `batch` rows and a context of
@@ -210,6 +347,7 @@ impl StepArrays {
         batch: usize,
         ctx: usize,
         block_size: usize,
+        vocab: usize,
     ) -> Result<()> {
         if rows.len() > batch {
             return Err(Error::Internal(format!(
@@ -277,6 +415,14 @@ impl StepArrays {
                 .map(|r| r.sampling)
                 .chain(std::iter::repeat_n(SamplingParams::GREEDY, pad)),
         );
+        self.controls(
+            13,
+            rows.iter()
+                .map(|r| r.controls)
+                .chain(std::iter::repeat_n(LogitControls::NONE, pad)),
+            vocab,
+        )?;
+        self.arrays.truncate(17);
         Ok(())
     }
 
@@ -291,6 +437,7 @@ impl StepArrays {
         seqs: usize,
         ctx: usize,
         block_size: usize,
+        vocab: usize,
     ) -> Result<()> {
         let n: usize = chunks.iter().map(|c| c.tokens.len()).sum();
         if chunks.is_empty() || chunks.len() > seqs || n > t {
@@ -393,6 +540,24 @@ impl StepArrays {
                 .map(|c| c.sampling)
                 .chain(std::iter::repeat_n(SamplingParams::GREEDY, spare)),
         );
+        self.i32s(
+            next + 8,
+            inputs::PROMPT_LENS,
+            &[seqs],
+            chunks
+                .iter()
+                .map(|c| c.controls.prompt_len as i32)
+                .chain(std::iter::repeat_n(0, spare)),
+        );
+        self.controls(
+            next + 9,
+            chunks
+                .iter()
+                .map(|c| c.controls)
+                .chain(std::iter::repeat_n(LogitControls::NONE, spare)),
+            vocab,
+        )?;
+        self.arrays.truncate(next + 13);
         Ok(())
     }
 }
@@ -417,9 +582,10 @@ pub fn decode_step(
     batch: usize,
     ctx: usize,
     block_size: usize,
+    vocab: usize,
 ) -> Result<Vec<HostArray>> {
     let mut s = StepArrays::default();
-    s.fill_decode(rows, batch, ctx, block_size)?;
+    s.fill_decode(rows, batch, ctx, block_size, vocab)?;
     Ok(s.arrays)
 }
 
@@ -431,9 +597,10 @@ pub fn prefill_step(
     seqs: usize,
     ctx: usize,
     block_size: usize,
+    vocab: usize,
 ) -> Result<Vec<HostArray>> {
     let mut s = StepArrays::default();
-    s.fill_prefill(chunks, t, seqs, ctx, block_size)?;
+    s.fill_prefill(chunks, t, seqs, ctx, block_size, vocab)?;
     Ok(s.arrays)
 }
 
@@ -460,11 +627,13 @@ mod tests {
             position,
             blocks: &blocks,
             sampling: SamplingParams::GREEDY,
+            controls: crate::runner::step::LogitControls::NONE,
         };
         let mut s = StepArrays::default();
-        s.fill_decode(&[row(7, 5), row(8, 17)], 4, 32, 16).unwrap();
+        s.fill_decode(&[row(7, 5), row(8, 17)], 4, 32, 16, 64)
+            .unwrap();
         let first = ptrs(&s);
-        s.fill_decode(&[row(9, 6)], 4, 32, 16).unwrap();
+        s.fill_decode(&[row(9, 6)], 4, 32, 16, 64).unwrap();
         assert_eq!(
             ptrs(&s),
             first,
@@ -480,7 +649,7 @@ mod tests {
         assert_eq!(a[3].data, HostData::I32(vec![3, 4, 0, 0, 0, 0, 0, 0]));
         assert_eq!(a[4].data, HostData::I32(vec![7, 1, 1, 1]));
         assert!(
-            s.fill_decode(&[row(1, 40)], 4, 32, 16).is_err(),
+            s.fill_decode(&[row(1, 40)], 4, 32, 16, 64).is_err(),
             "beyond the context bucket"
         );
     }

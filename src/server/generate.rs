@@ -282,6 +282,14 @@ fn generation_params(
         Some(n) => n as usize,
         None => default_max.map_or(room, |d| d.min(room)),
     };
+    let logit_bias = s.logit_bias(vocab)?;
+    let min_tokens = s.min_tokens.unwrap_or(0) as usize;
+    if min_tokens > max_tokens {
+        return Err(ApiError::invalid_field(
+            "min_tokens",
+            format!("min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})"),
+        ));
+    }
     let seed = match s.seed {
         // Fold 64 bits into the generator's 32.
         Some(v) => (v as u64 ^ (v as u64 >> 32)) as u32,
@@ -293,6 +301,10 @@ fn generation_params(
             top_k: s.top_k.unwrap_or(0).max(0),
             top_p: s.top_p.unwrap_or(1.0),
             seed,
+            min_p: s.min_p.unwrap_or(0.0),
+            presence_penalty: s.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: s.frequency_penalty.unwrap_or(0.0),
+            repetition_penalty: s.repetition_penalty.unwrap_or(1.0),
         },
         max_tokens,
         stop: s.stop_strings(),
@@ -300,6 +312,8 @@ fn generation_params(
         ignore_eos: s.ignore_eos,
         logprobs,
         prompt_logprobs: None,
+        logit_bias,
+        min_tokens,
         group: None,
     })
 }

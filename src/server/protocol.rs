@@ -1,8 +1,8 @@
 //! The OpenAI request bodies we accept, and their checks.
 //!
-//! Fields we do not implement but that change what a client gets (`best_of > n`,
-//! penalties, `logit_bias`, ...) are refused with a 400 naming the field rather than silently
-//! ignored; unknown fields are ignored, as OpenAI's SDKs send new ones over time.
+//! Fields we do not implement but that change what a client gets (`best_of > n`, `suffix`,
+//! ...) are refused with a 400 naming the field rather than silently ignored; unknown fields
+//! are ignored, as OpenAI's SDKs send new ones over time.
 
 use serde::Deserialize;
 
@@ -77,11 +77,18 @@ pub struct SamplingFields {
     pub stream_options: Option<StreamOptions>,
     /// Choices per prompt (each its own sequence; the k-th samples with the seed plus k).
     pub n: Option<i64>,
-    /// Refused unless 0.
+    /// OpenAI's, in [-2, 2]: subtracted once from every generated token's logit.
     pub presence_penalty: Option<f32>,
-    /// Refused unless 0.
+    /// OpenAI's, in [-2, 2]: subtracted from a token's logit per time it was generated.
     pub frequency_penalty: Option<f32>,
-    /// Refused unless empty.
+    /// vLLM's extension, > 0 (1 is off): divides positive and multiplies negative logits of
+    /// the prompt's and generated tokens.
+    pub repetition_penalty: Option<f32>,
+    /// vLLM's extension, in [0, 1]: drops tokens less likely than `min_p` times the likeliest.
+    pub min_p: Option<f32>,
+    /// vLLM's extension: no end-of-sequence or stop token before this many tokens.
+    pub min_tokens: Option<i64>,
+    /// OpenAI's: token id (as a string) to a bias in [-100, 100] added to its logit.
     pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
     /// Completions: how many alternatives to report with each token's log-probability;
     /// chat: `true` to report log-probabilities (see [`SamplingFields::logprobs`]).
@@ -205,20 +212,74 @@ impl SamplingFields {
             ("presence_penalty", self.presence_penalty),
             ("frequency_penalty", self.frequency_penalty),
         ] {
-            if v.is_some_and(|v| v != 0.0) {
+            if let Some(v) = v.filter(|v| !(-2.0..=2.0).contains(v)) {
                 return Err(ApiError::invalid_field(
                     name,
-                    format!("{name} is not supported (only 0)"),
+                    format!("{name} must be between -2 and 2, got {v}"),
                 ));
             }
         }
-        if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
+        if let Some(r) = self
+            .repetition_penalty
+            .filter(|r| !(*r > 0.0 && r.is_finite()))
+        {
             return Err(ApiError::invalid_field(
-                "logit_bias",
-                "logit_bias is not supported",
+                "repetition_penalty",
+                format!("repetition_penalty must be a positive number (1 is off), got {r}"),
+            ));
+        }
+        if let Some(m) = self.min_p.filter(|m| !(0.0..=1.0).contains(m)) {
+            return Err(ApiError::invalid_field(
+                "min_p",
+                format!("min_p must be between 0 and 1, got {m}"),
+            ));
+        }
+        if let Some(n) = self.min_tokens.filter(|n| *n < 0) {
+            return Err(ApiError::invalid_field(
+                "min_tokens",
+                format!("min_tokens must be at least 0, got {n}"),
             ));
         }
         Ok(())
+    }
+
+    /// `logit_bias` as `(token, bias)` pairs, each token below `vocab` and each bias in
+    /// [-100, 100] (OpenAI's range).
+    pub fn logit_bias(&self, vocab: usize) -> Result<Vec<(u32, f32)>, ApiError> {
+        let Some(map) = &self.logit_bias else {
+            return Ok(Vec::new());
+        };
+        let most = crate::runner::step::LOGIT_BIAS_SLOTS;
+        if map.len() > most {
+            return Err(ApiError::invalid_field(
+                "logit_bias",
+                format!(
+                    "logit_bias has {} entries; at most {most} are supported",
+                    map.len()
+                ),
+            ));
+        }
+        let mut out = Vec::with_capacity(map.len());
+        for (key, value) in map {
+            let token = key.parse::<u32>().ok().filter(|&t| (t as usize) < vocab);
+            let Some(token) = token else {
+                return Err(ApiError::invalid_field(
+                    "logit_bias",
+                    format!("logit_bias key {key:?} is not a token id below {vocab}"),
+                ));
+            };
+            let bias = value.as_f64().filter(|b| (-100.0..=100.0).contains(b));
+            let Some(bias) = bias else {
+                return Err(ApiError::invalid_field(
+                    "logit_bias",
+                    format!(
+                        "logit_bias[{key:?}] must be a number between -100 and 100, got {value}"
+                    ),
+                ));
+            };
+            out.push((token, bias as f32));
+        }
+        Ok(out)
     }
 
     /// The number of alternatives to report with each token's log-probability, or `None` for

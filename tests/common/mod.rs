@@ -126,6 +126,7 @@ pub fn decode_staggered(run: &mut dyn Runner, ids: &[u32], rows: usize, want: &[
                 position: step - i,
                 blocks: &tables[i],
                 sampling: SamplingParams::GREEDY,
+                controls: deepinfer::runner::step::LogitControls::NONE,
             })
             .collect();
         let out = run

@@ -301,7 +301,12 @@ fn run_with(
                     shares[i] = shares[root.0];
                     get(*root)?.clone()
                 } else {
-                    get(*root)?.copy()?
+                    // A fresh, dense copy (the value may be a broadcast constant).
+                    let value = get(*root)?;
+                    match value.is_contiguous() {
+                        true => value.copy()?,
+                        false => value.contiguous()?,
+                    }
                 };
                 let src = get(*src)?.contiguous()?;
                 let rows = get(*rows)?.contiguous()?;

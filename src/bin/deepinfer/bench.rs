@@ -74,6 +74,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
             start: 0,
             blocks: table,
             sampling: SamplingParams::GREEDY,
+            controls: deepinfer::runner::step::LogitControls::NONE,
         };
         let out = runner.replay(&Step::Prefill {
             chunks: &[chunk],
@@ -94,6 +95,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
                 position,
                 blocks: t,
                 sampling: SamplingParams::GREEDY,
+                controls: deepinfer::runner::step::LogitControls::NONE,
             })
             .collect();
         let step = Step::Decode {

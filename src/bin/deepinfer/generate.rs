@@ -86,6 +86,7 @@ pub(crate) fn run(args: GenerateArgs) -> Result<()> {
         top_k: args.top_k,
         top_p: args.top_p,
         seed: args.seed,
+        ..deepinfer::runner::step::SamplingParams::GREEDY
     };
     let stop = StopConditions {
         max_tokens: args.max_tokens,
