@@ -76,11 +76,11 @@ fn mask_bias_and_penalties_match_the_reference_formulas() {
         for j in 0..k {
             match b.get(j) {
                 Some(&(t, v)) => {
-                    index.push((r * V + t as usize) as i32);
+                    index.push((r * (V + k) + t as usize) as i32);
                     values.push(v);
                 }
                 None => {
-                    index.push((R * V + r * k + j) as i32);
+                    index.push((r * (V + k) + V + j) as i32);
                     values.push(0.0);
                 }
             }

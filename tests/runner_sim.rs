@@ -436,21 +436,29 @@ fn reduced_precision_on_nrt_sim_matches_the_transformers_references() {
     assert!(worst < 1e-4, "int8 experts on nrt-sim: {worst}");
 }
 
+/// Per sampled row, the logit controls: state_rows, the logit-bias entries (index and value),
+/// the allowed-token words (the fixtures' vocabulary is 512: 16 words).
+fn meta_bytes_controls(rows: usize) -> u64 {
+    let k = deepinfer::runner::step::LOGIT_BIAS_SLOTS;
+    (rows * (4 + 2 * k * 4 + (512 / 32) * 4)) as u64
+}
+
 fn meta_bytes_decode(b: usize, ctx: usize) -> u64 {
-    // input_ids, positions, slot_mapping, context_lens, temperature, top_k, top_p, seeds: [b];
-    // block_tables: [b, ctx / 16]. All four bytes an element.
-    (8 * b * 4 + b * (ctx / 16) * 4) as u64
+    // input_ids, positions, slot_mapping, context_lens, and the eight sampling arrays
+    // (temperature, top_k, top_p, seeds, min_p, three penalties): [b]; block_tables:
+    // [b, ctx / 16]. All four bytes an element.
+    (12 * b * 4 + b * (ctx / 16) * 4) as u64 + meta_bytes_controls(b)
 }
 
 fn meta_bytes_prefill(t: usize, ctx: usize) -> u64 {
-    // input_ids, positions, slot_mapping: [t]; block_tables [1, ctx / 16]; last_index and the
-    // four sampling arrays: [1].
-    (3 * t * 4 + (ctx / 16) * 4 + 5 * 4) as u64
+    // input_ids, positions, slot_mapping: [t]; block_tables [1, ctx / 16]; last_index,
+    // prompt_lens and the eight sampling arrays: [1].
+    (3 * t * 4 + (ctx / 16) * 4 + 10 * 4) as u64 + meta_bytes_controls(1)
 }
 
 #[test]
 fn counters_show_weights_once_no_root_traffic_and_exact_metadata_bytes() {
-    // tiny-v32 keeps two cache roots (latents, and its sparse attention's index keys).
+    // tiny-v32 keeps a third cache root (its sparse attention's index keys).
     for name in ["tiny-v3", "tiny-v32"] {
         counters_of(name);
     }
@@ -464,9 +472,10 @@ fn counters_of(name: &str) {
     let mut blocks = common::allocator(&d);
     let c = sim.counters().unwrap();
     let (cfg, weights) = load(name);
-    // Every cache root is allocated and zeroed once at capture, in full.
+    // Every cache root (latents, V3.2's index keys, the sampling state) is allocated and
+    // zeroed once at capture, in full.
     let roots = deepinfer::model::cache_roots(&cfg, &d.cache_layout());
-    assert_eq!(roots.len(), if cfg.indexer.is_some() { 2 } else { 1 });
+    assert_eq!(roots.len(), if cfg.indexer.is_some() { 3 } else { 2 });
     for r in &roots {
         assert_eq!(c.bytes_written(r.name), r.bytes(), "root {}", r.name);
     }

@@ -30,9 +30,11 @@ pub const STATE_ROOT: &str = "sampling_state";
 pub struct LogitInputs<'a> {
     /// Allowed-token bits, `[rows, vocab.div_ceil(32)]` u32.
     pub allowed: &'a Tensor,
-    /// Where each bias entry goes in the flattened `[rows * vocab + rows * LOGIT_BIAS_SLOTS]`
-    /// bias vector: `row * vocab + token`, or a distinct spare index past `rows * vocab` for an
-    /// unused entry. `[rows * LOGIT_BIAS_SLOTS]` i32.
+    /// Where each bias entry goes in the flattened `[rows, vocab + LOGIT_BIAS_SLOTS]` bias:
+    /// `row * (vocab + LOGIT_BIAS_SLOTS) + token`, or `... + vocab + k` (a spare column) for
+    /// the row's unused `k`-th entry. Every index depends only on its own row, so the first
+    /// rows of a wider batch's metadata are a narrower batch's. `[rows * LOGIT_BIAS_SLOTS]`
+    /// i32.
     pub bias_index: &'a Tensor,
     /// The entries' values, `[rows * LOGIT_BIAS_SLOTS]` f32.
     pub bias_values: &'a Tensor,
@@ -60,11 +62,12 @@ fn allowed_tokens(words: &Tensor, vocab: usize) -> Result<Tensor> {
 fn dense_bias(index: &Tensor, values: &Tensor, rows: usize, vocab: usize) -> Result<Tensor> {
     let b = index.builder();
     let n = index.dim(0);
-    let zeros = b.full(0.0, [rows * vocab + n, 1], DType::F32)?;
+    let width = vocab + LOGIT_BIAS_SLOTS;
+    let zeros = b.full(0.0, [rows * width, 1], DType::F32)?;
     zeros
         .scatter_rows(index, 0, &values.reshape([n, 1])?)?
-        .narrow(0, 0, rows * vocab)?
-        .reshape([rows, vocab])
+        .reshape([rows, width])?
+        .narrow(1, 0, vocab)
 }
 
 /// `logits` (`[rows, vocab]` f32) after the mask, the bias and the penalties, given each row's

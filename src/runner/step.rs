@@ -277,8 +277,8 @@ impl StepArrays {
     }
 
     /// The per-row logit controls at array indices `first..first + 4`: state rows, the bias
-    /// entries (a row's `k`-th at `row * vocab + token`, unused ones at distinct indices past
-    /// `rows * vocab`), and the allowed-token bits (all set without a mask). Fails on a row
+    /// entries (see `model::logits::LogitInputs::bias_index`), and the allowed-token bits (all
+    /// set without a mask). Fails on a row
     /// with more bias entries than [`LOGIT_BIAS_SLOTS`], a biased token outside the vocabulary
     /// or a mask of the wrong length.
     fn controls<'c>(
@@ -310,15 +310,15 @@ impl StepArrays {
             controls.clone().map(|c| c.state_row as i32),
         );
         let k = LOGIT_BIAS_SLOTS;
-        let spare = rows * vocab;
+        let width = vocab + k;
         self.i32s(
             first + 1,
             inputs::LOGIT_BIAS_INDEX,
             &[rows * k],
             controls.clone().enumerate().flat_map(|(r, c)| {
                 (0..k).map(move |j| match c.bias.get(j) {
-                    Some(&(t, _)) => (r * vocab + t as usize) as i32,
-                    None => (spare + r * k + j) as i32,
+                    Some(&(t, _)) => (r * width + t as usize) as i32,
+                    None => (r * width + vocab + j) as i32,
                 })
             }),
         );
