@@ -225,6 +225,13 @@ impl Tokenizer {
     pub fn bos_token_id(&self) -> Option<u32> {
         self.bos_token_id
     }
+
+    /// The wrapped `tokenizers` tokenizer, for code that needs the raw vocabulary (the
+    /// structured-output grammar builds its token trie from each token's bytes, which
+    /// `decode` cannot give for a token that is a fragment of a UTF-8 character).
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
 }
 
 fn read_json(path: &Path) -> Result<Json> {

@@ -11,6 +11,7 @@
 
 mod blocks;
 pub mod detokenize;
+pub mod grammar;
 mod params;
 mod scheduler;
 pub mod single;
