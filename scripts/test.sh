@@ -30,7 +30,7 @@ cd "$(dirname "$0")/.."
 
 cargo test --workspace
 
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import jax, ml_dtypes, safetensors, openai, pytest, httpx, transformers, jinja2" 2>/dev/null; then
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import jax, ml_dtypes, safetensors, openai, pytest, httpx, transformers, jinja2, jsonschema" 2>/dev/null; then
     python3 -m venv .venv
     .venv/bin/pip install --quiet -r scripts/requirements-test.txt
 fi

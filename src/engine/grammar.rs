@@ -64,9 +64,11 @@ use crate::error::ErrorKind;
 use crate::tokenizer::Tokenizer;
 
 /// The whitespace llguidance allows at each place JSON allows whitespace, unless the schema
-/// says otherwise (`"x-guidance"`): up to 32 spaces, tabs and newlines, enough for
-/// pretty-printed documents, and bounded so a model cannot loop on newlines forever.
-pub const DEFAULT_WHITESPACE_PATTERN: &str = r"[\x20\x0A\x0D\x09]{1,32}";
+/// says otherwise (`"x-guidance"`): at most one line break and 12 spaces or tabs after it,
+/// enough for documents pretty-printed three levels deep, and bounded so a model cannot loop
+/// on blank lines until `max_tokens` (a run of 32 newlines per place, the first bound tried,
+/// let the default model fill 200 tokens with a three-key object).
+pub const DEFAULT_WHITESPACE_PATTERN: &str = r"[\x20\x09]{1,12}|\x0A[\x20\x09]{0,12}";
 
 /// How many compiled grammars a [`GrammarCompiler`] keeps: clients of structured outputs tend
 /// to send the same few schemas over and over, and a compiled grammar (with its lexer cache)

@@ -61,6 +61,7 @@ use crate::tokenizer::Tokenizer;
 
 use super::blocks::{BlockAllocator, PrefixCacheStats};
 use super::detokenize::{IncrementalDecoder, StopStrings};
+use super::grammar::Constraint;
 use super::params::{FinishReason, GenerationParams};
 
 /// Identifies a request inside the engine.
@@ -208,6 +209,10 @@ struct Sequence {
     /// This step's logit bias: the request's, and `min_tokens`' ban on stop tokens while it
     /// lasts (see [`Sequence::refresh_bias`]).
     bias: Vec<(u32, f32)>,
+    /// A structured-output constraint (`response_format`): which tokens may come next.
+    constraint: Option<Constraint>,
+    /// The constraint's allowed-token bits for the next token (empty without a constraint).
+    mask: Vec<u32>,
 }
 
 impl Sequence {
@@ -242,13 +247,22 @@ impl Sequence {
         }
     }
 
+    /// Prepares the next token's logit controls: the bias ([`Sequence::refresh_bias`]) and,
+    /// under a constraint, its allowed-token mask.
+    fn prepare_controls(&mut self, eos: &[u32]) {
+        self.refresh_bias(eos);
+        if let Some(c) = &mut self.constraint {
+            c.fill_mask(&mut self.mask);
+        }
+    }
+
     /// What the step's logits go through for this sequence.
     fn controls(&self) -> LogitControls<'_> {
         LogitControls {
             state_row: self.state_row,
             prompt_len: self.prompt_len,
             bias: &self.bias,
-            allowed: None,
+            allowed: self.constraint.as_ref().map(|_| self.mask.as_slice()),
         }
     }
 }
@@ -416,7 +430,25 @@ impl<R: Runner> Scheduler<R> {
 
     /// Queues a request; it is admitted in arrival order.
     pub fn add(&mut self, id: RequestId, prompt: Vec<u32>, params: GenerationParams) -> Result<()> {
+        self.add_constrained(id, prompt, params, None)
+    }
+
+    /// [`Scheduler::add`] with a structured-output constraint: every token it generates is one
+    /// the constraint allows (its mask enters the step's graph), and once the constraint is
+    /// complete only the end-of-sequence token is.
+    pub fn add_constrained(
+        &mut self,
+        id: RequestId,
+        prompt: Vec<u32>,
+        params: GenerationParams,
+        constraint: Option<Constraint>,
+    ) -> Result<()> {
         self.validate(&prompt, &params)?;
+        let words = self.runner.config().vocab_size.div_ceil(32);
+        let mask = match constraint {
+            Some(_) => vec![0; words],
+            None => Vec::new(),
+        };
         let decoder = self
             .tokenizer
             .as_ref()
@@ -435,6 +467,8 @@ impl<R: Runner> Scheduler<R> {
             prompt_logprobs_sent: 0,
             state_row: 0,
             bias: Vec::new(),
+            constraint,
+            mask,
         });
         Ok(())
     }
@@ -629,7 +663,7 @@ impl<R: Runner> Scheduler<R> {
             return 0;
         }
         for &i in &batch {
-            self.running[i].refresh_bias(&self.eos_token_ids);
+            self.running[i].prepare_controls(&self.eos_token_ids);
         }
         let rows: Vec<DecodeRow<'_>> = batch
             .iter()
@@ -737,8 +771,12 @@ impl<R: Runner> Scheduler<R> {
         if plan.is_empty() {
             return;
         }
-        for &(i, _) in &plan {
-            self.running[i].refresh_bias(&self.eos_token_ids);
+        for &(i, n) in &plan {
+            let seq = &mut self.running[i];
+            // Only the chunk that ends its sequence samples a token that counts.
+            if seq.computed + n == seq.tokens.len() {
+                seq.prepare_controls(&self.eos_token_ids);
+            }
         }
         let chunks: Vec<PrefillChunk<'_>> = plan
             .iter()
@@ -1009,7 +1047,26 @@ fn logprobs_of(seq: &Sequence, row: Option<&Vec<f32>>, token: u32) -> Option<Tok
 /// Appends a sampled token to `seq` and decides whether it ends the sequence.
 fn accept(seq: &mut Sequence, token: u32, logprobs: Option<TokenLogprobs>, eos: &[u32]) -> Output {
     seq.tokens.push(token);
-    let stop_token = seq.params.stop_token_ids.contains(&token)
+    // Under a constraint, the end of the document is the end (ignore_eos or not).
+    let constrained_end = match &mut seq.constraint {
+        Some(c) if c.is_finished() => eos.contains(&token),
+        Some(c) => {
+            if let Err(e) = c.accept(token) {
+                // The mask allowed only what the constraint accepts: a bug, not the client's.
+                return Output {
+                    id: seq.id,
+                    event: Event::Failed {
+                        kind: ErrorKind::Internal,
+                        message: format!("structured output: token {token}: {e}"),
+                    },
+                };
+            }
+            false
+        }
+        None => false,
+    };
+    let stop_token = constrained_end
+        || seq.params.stop_token_ids.contains(&token)
         || (!seq.params.ignore_eos && eos.contains(&token));
     let at_limit = seq.generated() >= seq.params.max_tokens;
     let mut text = String::new();

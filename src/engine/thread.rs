@@ -45,6 +45,7 @@ use crate::tokenizer::Tokenizer;
 /// The runner the engine thread drives: whichever backend [`crate::runner::open`] chose.
 type EngineRunner = Box<dyn Runner>;
 
+use super::grammar::Constraint;
 use super::params::{FinishReason, GenerationParams};
 use super::scheduler::{validate, Event, RequestId, Scheduler};
 
@@ -141,6 +142,7 @@ enum Command {
         prompt: Vec<u32>,
         /// Boxed: the other commands are a word or two.
         params: Box<GenerationParams>,
+        constraint: Option<Box<Constraint>>,
         events: EventSender,
         arrival: Instant,
     },
@@ -471,6 +473,17 @@ impl Engine {
         prompt: Vec<u32>,
         params: GenerationParams,
     ) -> std::result::Result<RequestStream, SubmitError> {
+        self.submit_constrained(prompt, params, None)
+    }
+
+    /// [`Engine::submit`] under a structured-output constraint (see
+    /// [`Scheduler::add_constrained`]).
+    pub fn submit_constrained(
+        &self,
+        prompt: Vec<u32>,
+        params: GenerationParams,
+        constraint: Option<Constraint>,
+    ) -> std::result::Result<RequestStream, SubmitError> {
         if self.shared.draining.load(Ordering::SeqCst) {
             return Err(SubmitError::Draining);
         }
@@ -496,6 +509,7 @@ impl Engine {
             id,
             prompt,
             params: Box::new(params),
+            constraint: constraint.map(Box::new),
             events: EventSender(queue.clone()),
             arrival: Instant::now(),
         });
@@ -615,6 +629,7 @@ fn run_loop(
                     id,
                     prompt,
                     params,
+                    constraint,
                     events,
                     arrival,
                 } => {
@@ -622,7 +637,7 @@ fn run_loop(
                     shared.queued.fetch_add(1, Ordering::SeqCst);
                     shared.in_transit.fetch_sub(1, Ordering::SeqCst);
                     let n = prompt.len();
-                    match scheduler.add(id, prompt, *params) {
+                    match scheduler.add_constrained(id, prompt, *params, constraint.map(|c| *c)) {
                         Ok(()) => {
                             metrics.prompt_tokens.inc_by(n as u64);
                             clients.insert(

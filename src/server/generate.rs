@@ -12,6 +12,7 @@ use axum::extract::State;
 use axum::response::Response;
 use serde_json::Value;
 
+use crate::engine::grammar::ResponseFormat;
 use crate::engine::{GenerationParams, RequestStream};
 use crate::runner::step::SamplingParams;
 
@@ -67,17 +68,36 @@ fn submit(
     prepare: fn(&AppState, &Value) -> Result<Prepared, ApiError>,
 ) -> Result<(Prepared, Vec<RequestStream>), ApiError> {
     let p = prepare(state, &read_json(state, body)?)?;
+    // One constraint per choice (each advances with its own tokens), compiled before any
+    // choice is queued so a bad schema refuses the request whole.
+    let constraints = match &p.response_format {
+        None => p.choices.iter().map(|_| None).collect::<Vec<_>>(),
+        Some(format) => {
+            let compiler = state.grammar()?;
+            p.choices
+                .iter()
+                .map(|_| {
+                    compiler
+                        .matcher(format)
+                        .map_err(|e| ApiError::invalid_field("response_format", e.to_string()))
+                })
+                .collect::<Result<Vec<_>, _>>()?
+        }
+    };
     // The request's choices are one admission group (see `GenerationParams::group`).
     let group = Some(NEXT_GROUP.fetch_add(1, Ordering::Relaxed));
     let streams = p
         .choices
         .iter()
-        .map(|c| {
+        .zip(constraints)
+        .map(|(c, constraint)| {
             let params = GenerationParams {
                 group,
                 ..c.params.clone()
             };
-            state.engine.submit(c.prompt.clone(), params)
+            state
+                .engine
+                .submit_constrained(c.prompt.clone(), params, constraint)
         })
         .collect::<Result<Vec<_>, _>>()?;
     Ok((p, streams))
@@ -199,12 +219,22 @@ fn prepared(
             choices.push(c);
         }
     }
+    let response_format = match &sampling.response_format {
+        None | Some(Value::Null) => None,
+        Some(v) => match ResponseFormat::from_openai(v)
+            .map_err(|e| ApiError::invalid_field("response_format", e.to_string()))?
+        {
+            ResponseFormat::Text => None,
+            format => Some(format),
+        },
+    };
     Ok(Prepared {
         flavor,
         choices,
         prompt_tokens,
         stream: sampling.stream,
         include_usage: sampling.include_usage(),
+        response_format,
     })
 }
 

@@ -90,6 +90,9 @@ pub struct SamplingFields {
     pub min_tokens: Option<i64>,
     /// OpenAI's: token id (as a string) to a bias in [-100, 100] added to its logit.
     pub logit_bias: Option<serde_json::Map<String, serde_json::Value>>,
+    /// OpenAI's structured outputs: `{"type": "text" | "json_object" | "json_schema", ...}`
+    /// (read by `engine::grammar::ResponseFormat::from_openai`).
+    pub response_format: Option<serde_json::Value>,
     /// Completions: how many alternatives to report with each token's log-probability;
     /// chat: `true` to report log-probabilities (see [`SamplingFields::logprobs`]).
     pub logprobs: Option<serde_json::Value>,

@@ -74,6 +74,8 @@ pub struct Prepared {
     pub stream: bool,
     /// End a stream with a usage chunk.
     pub include_usage: bool,
+    /// Structured outputs: what every choice's text must be (`None`: free text).
+    pub response_format: Option<crate::engine::grammar::ResponseFormat>,
 }
 
 /// The fields every response and chunk starts with, and how tokens are reported.

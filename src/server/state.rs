@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use axum::response::{IntoResponse, Response};
 
+use crate::engine::grammar::GrammarCompiler;
 use crate::engine::Engine;
 use crate::metrics::Outcome;
 use crate::tokenizer::Tokenizer;
@@ -38,6 +39,9 @@ pub struct AppState {
     pub(super) id_prefix: String,
     /// When the server started, as `/v1/models` reports the model's `created`.
     pub(super) created: u64,
+    /// The structured-output compiler, built from the tokenizer on first use (its token trie
+    /// takes a moment for a large vocabulary), or why it cannot be.
+    grammar: std::sync::OnceLock<Result<Arc<GrammarCompiler>, String>>,
 }
 
 impl AppState {
@@ -56,7 +60,22 @@ impl AppState {
             tokenizer,
             id_prefix: format!("{created:x}-"),
             created,
+            grammar: std::sync::OnceLock::new(),
         }
+    }
+
+    /// The structured-output compiler (a 400 naming `response_format` when the model has no
+    /// tokenizer to build it from).
+    pub(super) fn grammar(&self) -> Result<Arc<GrammarCompiler>, ApiError> {
+        let built = self.grammar.get_or_init(|| match &self.tokenizer {
+            None => Err("this model has no tokenizer.json to constrain outputs with".into()),
+            Some(t) => GrammarCompiler::new(t)
+                .map(Arc::new)
+                .map_err(|e| e.to_string()),
+        });
+        built
+            .clone()
+            .map_err(|e| ApiError::invalid_field("response_format", e))
     }
 
     /// Answers a request the server refuses before the engine runs it (a bad request, a wrong
