@@ -12,6 +12,13 @@
 //! - `token_logprobs`: [`TokenLogprobs::from_logits`] at DeepSeek's vocabulary of 102,400 with
 //!   the top 20 alternatives (a log-sum-exp and a selection over the whole row).
 //!
+//! - `json_schema_masks_64_rows`: structured outputs' share of a decode step: 64 sequences
+//!   under one JSON schema (an object with a bounded string, an integer range, an enum and an
+//!   array of them), each filling its allowed-token mask and accepting a token, one step of the
+//!   64 rows per iteration, with the default model's tokenizer. The masks are walked through a
+//!   whole document by always taking the lowest allowed token, restarting each row when its
+//!   document is done, so every kind of grammar state is measured.
+//!
 //! Run with `cargo bench --bench host_work`.
 
 use std::hint::black_box;
@@ -86,5 +93,59 @@ fn token_logprobs(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, stop_strings, token_logprobs);
+/// The schema of `json_schema_masks_64_rows`.
+fn schema() -> serde_json::Value {
+    serde_json::json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string", "maxLength": 16},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+            "mood": {"enum": ["happy", "sad", "angry"]},
+            "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4}
+        },
+        "required": ["name", "age", "mood", "tags"],
+        "additionalProperties": false
+    })
+}
+
+fn json_schema_masks(c: &mut Criterion) {
+    use deepinfer::engine::grammar::{GrammarCompiler, ResponseFormat};
+    const ROWS: usize = 64;
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/default-model");
+    let tok =
+        deepinfer::tokenizer::Tokenizer::from_dir(&dir).expect("the default model's tokenizer");
+    let compiler = GrammarCompiler::new(&tok).expect("a grammar compiler");
+    let format = ResponseFormat::JsonSchema {
+        name: "person".into(),
+        schema: schema(),
+        strict: Some(true),
+    };
+    let fresh = || {
+        compiler
+            .matcher(&format)
+            .expect("schema")
+            .expect("a constraint")
+    };
+    let mut rows: Vec<_> = (0..ROWS).map(|_| fresh()).collect();
+    let words = compiler.mask_words();
+    let mut masks = vec![vec![0u32; words]; ROWS];
+    let eos = compiler.eos_token_id();
+    c.bench_function("json_schema_masks_64_rows", |b| {
+        b.iter(|| {
+            for (row, mask) in rows.iter_mut().zip(masks.iter_mut()) {
+                row.fill_mask(mask);
+                // The lowest allowed token other than end-of-sequence, else restart the row.
+                let next =
+                    (0..words * 32).find(|&t| t as u32 != eos && mask[t / 32] >> (t % 32) & 1 == 1);
+                match next {
+                    Some(t) if row.accept(t as u32).is_ok() => {}
+                    _ => *row = fresh(),
+                }
+            }
+            black_box(&masks);
+        })
+    });
+}
+
+criterion_group!(benches, stop_strings, token_logprobs, json_schema_masks);
 criterion_main!(benches);
