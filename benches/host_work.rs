@@ -15,9 +15,10 @@
 //! - `json_schema_masks_64_rows`: structured outputs' share of a decode step: 64 sequences
 //!   under one JSON schema (an object with a bounded string, an integer range, an enum and an
 //!   array of them), each filling its allowed-token mask and accepting a token, one step of the
-//!   64 rows per iteration, with the default model's tokenizer. The masks are walked through a
-//!   whole document by always taking the lowest allowed token, restarting each row when its
-//!   document is done, so every kind of grammar state is measured.
+//!   64 rows per iteration, with the default model's tokenizer (4,096 tokens) and with a
+//!   synthetic byte-level vocabulary of DeepSeek V3's 129,280 (`tests/common/synthetic_vocab.rs`).
+//!   The masks are walked through a whole document by always taking the lowest allowed token,
+//!   restarting each row when its document is done, so every kind of grammar state is measured.
 //!
 //! Run with `cargo bench --bench host_work`.
 
@@ -26,6 +27,9 @@ use std::hint::black_box;
 use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use deepinfer::engine::detokenize::StopStrings;
 use deepinfer::engine::TokenLogprobs;
+
+#[path = "../tests/common/synthetic_vocab.rs"]
+mod synthetic_vocab;
 
 /// Tokens per generation.
 const TOKENS: usize = 2000;
@@ -109,12 +113,29 @@ fn schema() -> serde_json::Value {
 }
 
 fn json_schema_masks(c: &mut Criterion) {
+    let default_dir =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/default-model");
+    let default_model = deepinfer::tokenizer::Tokenizer::from_dir(&default_dir)
+        .expect("the default model's tokenizer");
+    let synthetic_dir =
+        std::env::temp_dir().join(format!("deepinfer-bench-vocab-{}", std::process::id()));
+    let deepseek_sized = synthetic_vocab::synthetic_tokenizer(&synthetic_dir, 129_280);
+    let mut group = c.benchmark_group("json_schema_masks_64_rows");
+    for (name, tok) in [
+        ("default_model_4096", &default_model),
+        ("vocab_129280", &deepseek_sized),
+    ] {
+        group.bench_function(name, |b| masks_64_rows(b, tok));
+    }
+    group.finish();
+    let _ = std::fs::remove_dir_all(&synthetic_dir);
+}
+
+/// One iteration: every one of 64 rows fills its mask and accepts its next token.
+fn masks_64_rows(b: &mut criterion::Bencher, tok: &deepinfer::tokenizer::Tokenizer) {
     use deepinfer::engine::grammar::{GrammarCompiler, ResponseFormat};
     const ROWS: usize = 64;
-    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/default-model");
-    let tok =
-        deepinfer::tokenizer::Tokenizer::from_dir(&dir).expect("the default model's tokenizer");
-    let compiler = GrammarCompiler::new(&tok).expect("a grammar compiler");
+    let compiler = GrammarCompiler::new(tok).expect("a grammar compiler");
     let format = ResponseFormat::JsonSchema {
         name: "person".into(),
         schema: schema(),
@@ -130,21 +151,19 @@ fn json_schema_masks(c: &mut Criterion) {
     let words = compiler.mask_words();
     let mut masks = vec![vec![0u32; words]; ROWS];
     let eos = compiler.eos_token_id();
-    c.bench_function("json_schema_masks_64_rows", |b| {
-        b.iter(|| {
-            for (row, mask) in rows.iter_mut().zip(masks.iter_mut()) {
-                row.fill_mask(mask);
-                // The lowest allowed token other than end-of-sequence, else restart the row.
-                let next =
-                    (0..words * 32).find(|&t| t as u32 != eos && mask[t / 32] >> (t % 32) & 1 == 1);
-                match next {
-                    Some(t) if row.accept(t as u32).is_ok() => {}
-                    _ => *row = fresh(),
-                }
+    b.iter(|| {
+        for (row, mask) in rows.iter_mut().zip(masks.iter_mut()) {
+            row.fill_mask(mask);
+            // The lowest allowed token other than end-of-sequence, else restart the row.
+            let next =
+                (0..words * 32).find(|&t| t as u32 != eos && mask[t / 32] >> (t % 32) & 1 == 1);
+            match next {
+                Some(t) if row.accept(t as u32).is_ok() => {}
+                _ => *row = fresh(),
             }
-            black_box(&masks);
-        })
-    });
+        }
+        black_box(&masks);
+    })
 }
 
 criterion_group!(benches, stop_strings, token_logprobs, json_schema_masks);

@@ -48,13 +48,35 @@ pub struct Tokenizer {
     clean_up_spaces: bool,
 }
 
-/// One chat message.
+/// One chat message, as a chat template sees it (transformers' message dicts).
 #[derive(Debug, Clone, serde::Serialize, serde::Deserialize)]
 pub struct ChatMessage {
-    /// `system`, `user`, `assistant` (or whatever the template knows).
+    /// `system`, `user`, `assistant`, `tool` (or whatever the template knows).
     pub role: String,
-    /// The message text.
-    pub content: String,
+    /// The message text; `None` (the template's `none`) for an assistant turn that only
+    /// called tools.
+    pub content: Option<String>,
+    /// An assistant turn's tool calls, in OpenAI's shape (`{"id", "type": "function",
+    /// "function": {"name", "arguments"}}` with `arguments` a JSON string, which DeepSeek's
+    /// templates paste verbatim). Absent from the template's view when `None`, so that
+    /// `'tool_calls' in message` is false.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_calls: Option<Vec<Json>>,
+    /// A tool message's `tool_call_id`: which call it answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+}
+
+impl ChatMessage {
+    /// A plain text message.
+    pub fn text(role: &str, content: &str) -> Self {
+        ChatMessage {
+            role: role.to_owned(),
+            content: Some(content.to_owned()),
+            tool_calls: None,
+            tool_call_id: None,
+        }
+    }
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -191,6 +213,18 @@ impl Tokenizer {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String> {
+        self.apply_chat_template_with_tools(messages, None, add_generation_prompt)
+    }
+
+    /// [`Tokenizer::apply_chat_template`] with the request's tool definitions, which the
+    /// template sees as `tools` (a list of `{"type": "function", "function": {...}}`, as
+    /// transformers passes them); `None` leaves `tools` undefined.
+    pub fn apply_chat_template_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: Option<&[Json]>,
+        add_generation_prompt: bool,
+    ) -> Result<String> {
         let template = self
             .chat_template
             .as_ref()
@@ -202,6 +236,9 @@ impl Tokenizer {
         let mut ctx: BTreeMap<&str, Value> = BTreeMap::new();
         ctx.insert("messages", Value::from(Serde(messages)));
         ctx.insert("add_generation_prompt", Value::from(add_generation_prompt));
+        if let Some(tools) = tools {
+            ctx.insert("tools", Value::from(Serde(tools)));
+        }
         // Absent tokens stay undefined (rendering as ""), as in transformers.
         if let Some(bos) = &self.bos_token {
             ctx.insert("bos_token", Value::from(bos.as_str()));
@@ -212,6 +249,22 @@ impl Tokenizer {
         compiled
             .render(ctx)
             .map_err(|e| Error::Tokenizer(format!("chat template failed: {}", render_error(&e))))
+    }
+
+    /// The chat template's source, if the model has one.
+    pub fn chat_template(&self) -> Option<&str> {
+        self.chat_template.as_deref().ok()
+    }
+
+    /// Replaces the model's chat template (`serve --chat-template`: a model whose own template
+    /// lacks something, such as a tool-call format). A template that does not parse is an
+    /// error here rather than at the first request.
+    pub fn set_chat_template(&mut self, template: String) -> Result<()> {
+        template_env()
+            .template_from_str(&template)
+            .map_err(|e| Error::Tokenizer(format!("chat template does not parse: {e:#}")))?;
+        self.chat_template = Ok(template);
+        Ok(())
     }
 
     /// The end-of-sequence token's id: `tokenizer_config.json`'s `eos_token` looked up in the
@@ -664,10 +717,7 @@ mod tests {
     }
 
     fn msg(role: &str, content: &str) -> ChatMessage {
-        ChatMessage {
-            role: role.into(),
-            content: content.into(),
-        }
+        ChatMessage::text(role, content)
     }
 
     #[test]

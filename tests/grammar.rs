@@ -8,17 +8,21 @@
 //! - Random walks: tokens drawn from the masks must end in a document that serde_json parses
 //!   and that has the schema's required keys and types (checked by hand below).
 //! - Errors: invalid and unsupported schemas name the problem.
-//! - Timing: µs per mask on the fixtures' tokenizers and on a synthetic 129k-token vocabulary
-//!   (DeepSeek V3's size); printed with `--nocapture`.
+//! - The random walks also run on a synthetic 129k-token vocabulary (DeepSeek V3's size); the
+//!   time per mask is printed with `--nocapture` for orientation, and measured properly in
+//!   `benches/host_work.rs`.
 
-use std::collections::HashSet;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use deepinfer::engine::grammar::{Constraint, GrammarCompiler, GrammarError, ResponseFormat};
 use deepinfer::error::ErrorKind;
 use deepinfer::tokenizer::Tokenizer;
 use serde_json::{json, Value};
+
+#[path = "common/synthetic_vocab.rs"]
+mod synthetic_vocab;
+use synthetic_vocab::{synthetic_tokenizer, Lcg};
 
 fn fixture(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -388,23 +392,6 @@ fn text_has_no_constraint_and_types_are_shareable() {
     assert!(compiler.matcher(&ResponseFormat::Text).unwrap().is_none());
 }
 
-/// A tiny LCG (Knuth's MMIX constants); the high bits are the usable ones.
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        self.0 >> 33
-    }
-
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-}
-
 /// Draws tokens from the masks until only EOS is allowed (at most `max_steps`), half the time
 /// from the allowed tokens that close something (`"`, `]`, `}`), so strings and containers end
 /// within the budget. Returns the text and the mean and longest `fill_mask` call.
@@ -664,108 +651,8 @@ fn compiled_grammars_are_cached() {
     );
 }
 
-/// GPT-2's byte-to-unicode table (the test's own copy): the vocabulary string of a byte.
-fn byte_char(byte: u8) -> char {
-    let printable = |b: u8| matches!(b, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
-    if printable(byte) {
-        return char::from(byte);
-    }
-    let rank = (0..byte).filter(|&b| !printable(b)).count() as u32;
-    char::from_u32(0x100 + rank).unwrap()
-}
-
-/// A byte-level BPE tokenizer with `size` tokens, DeepSeek V3's vocabulary size, made of
-/// word-like pieces (letters in syllables with and without a leading space, digit groups,
-/// punctuation runs, CJK characters), so its trie has a realistic shape. No merges: encoding
-/// gives single bytes, which is all the grammar needs of it.
-fn synthetic_tokenizer(dir: &Path, size: usize) -> Tokenizer {
-    let specials = ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"];
-    let mut vocab = serde_json::Map::new();
-    let mut seen = HashSet::new();
-    let mut push = |piece: String, vocab: &mut serde_json::Map<String, Value>| {
-        if seen.insert(piece.clone()) {
-            let id = vocab.len();
-            vocab.insert(piece, json!(id));
-        }
-    };
-    for s in specials {
-        push(s.to_string(), &mut vocab);
-    }
-    for b in 0..=255u8 {
-        push(byte_char(b).to_string(), &mut vocab);
-    }
-    let mut rng = Lcg(7);
-    let consonants = b"bcdfghjklmnprstvwxyzBCDFGHLMPRST";
-    let vowels = b"aeiouy";
-    let punct = b".,;:!?\"'(){}[]-_/\\<>=+*&%$#@";
-    while vocab.len() < size {
-        let mut bytes = Vec::new();
-        match rng.below(20) {
-            0 => {
-                for _ in 0..1 + rng.below(3) {
-                    bytes.push(b'0' + rng.below(10) as u8);
-                }
-            }
-            1 | 2 => {
-                if rng.below(2) == 0 {
-                    bytes.push(b' ');
-                }
-                for _ in 0..1 + rng.below(3) {
-                    bytes.push(punct[rng.below(punct.len())]);
-                }
-            }
-            3 => {
-                let c = char::from_u32(0x4E00 + rng.below(0x5000) as u32).unwrap();
-                bytes.extend_from_slice(c.to_string().as_bytes());
-            }
-            _ => {
-                if rng.below(10) < 6 {
-                    bytes.push(b' ');
-                }
-                for _ in 0..1 + rng.below(4) {
-                    bytes.push(consonants[rng.below(consonants.len())]);
-                    bytes.push(vowels[rng.below(vowels.len())]);
-                    if rng.below(3) == 0 {
-                        bytes.push(consonants[rng.below(consonants.len())]);
-                    }
-                }
-            }
-        }
-        push(bytes.into_iter().map(byte_char).collect(), &mut vocab);
-    }
-    let added: Vec<Value> = specials
-        .iter()
-        .enumerate()
-        .map(|(id, s)| {
-            json!({"id": id, "content": s, "single_word": false, "lstrip": false,
-                   "rstrip": false, "normalized": false, "special": true})
-        })
-        .collect();
-    let tokenizer = json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
-        "post_processor": null,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null,
-                  "end_of_word_suffix": null, "fuse_unk": false, "byte_fallback": false,
-                  "ignore_merges": false, "vocab": vocab, "merges": []}
-    });
-    std::fs::create_dir_all(dir).unwrap();
-    std::fs::write(dir.join("tokenizer.json"), tokenizer.to_string()).unwrap();
-    std::fs::write(
-        dir.join("tokenizer_config.json"),
-        json!({"bos_token": specials[0], "eos_token": specials[1]}).to_string(),
-    )
-    .unwrap();
-    Tokenizer::from_dir(dir).unwrap()
-}
-
 #[test]
-fn mask_time_on_a_deepseek_sized_vocabulary() {
+fn random_walks_on_a_deepseek_sized_vocabulary() {
     let dir = std::env::temp_dir().join(format!("deepinfer-grammar-{}", std::process::id()));
     let tokenizer = synthetic_tokenizer(&dir, 129_280);
     assert_eq!(tokenizer.vocab_size(), 129_280);
@@ -798,7 +685,5 @@ fn mask_time_on_a_deepseek_sized_vocabulary() {
     }
     let per_mask = total / walks;
     eprintln!("  mean {:.1} µs per mask", per_mask.as_secs_f64() * 1e6);
-    // Generous (a shared 2-core machine): llguidance's target is ~50 µs.
-    assert!(per_mask < Duration::from_millis(5), "{per_mask:?} per mask");
     std::fs::remove_dir_all(&dir).unwrap();
 }

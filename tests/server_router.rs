@@ -160,6 +160,7 @@ fn start(limits: Limits, max_waiting: usize, api_key: Option<&str>) -> Server {
         api_key: api_key.map(str::to_owned),
         max_body_bytes: MAX_BODY,
         drain_timeout: Duration::from_secs(1),
+        tool_call_format: None,
     };
     let state = Arc::new(AppState::new(config, engine.clone(), Some(tokenizer)));
     Server {

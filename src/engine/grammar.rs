@@ -191,6 +191,18 @@ impl ResponseFormat {
     }
 }
 
+impl ResponseFormat {
+    /// The grammar the format's outputs follow, or `None` for free text.
+    pub fn grammar(&self) -> Option<OutputGrammar> {
+        let schema = match self {
+            ResponseFormat::Text => return None,
+            ResponseFormat::JsonObject => json!({"type": "object"}),
+            ResponseFormat::JsonSchema { schema, .. } => schema.clone(),
+        };
+        Some(OutputGrammar::JsonSchema(with_default_options(schema)))
+    }
+}
+
 fn reject_unknown_keys(
     object: &Map<String, Value>,
     allowed: &[&str],
@@ -494,14 +506,19 @@ impl GrammarCompiler {
     /// each sequence gets its own copy). An invalid schema, or one using a feature llguidance
     /// does not support, is a [`GrammarError::Schema`] in llguidance's words.
     pub fn matcher(&self, format: &ResponseFormat) -> Result<Option<Constraint>, GrammarError> {
-        let schema = match format {
-            ResponseFormat::Text => return Ok(None),
-            ResponseFormat::JsonObject => json!({"type": "object"}),
-            ResponseFormat::JsonSchema { schema, .. } => schema.clone(),
-        };
-        let schema = with_default_options(schema);
-        let key = schema.to_string();
+        format
+            .grammar()
+            .map(|g| self.grammar_matcher(&g))
+            .transpose()
+    }
 
+    /// A fresh constraint for one sequence following `grammar`, compiled once per distinct
+    /// grammar as [`GrammarCompiler::matcher`]'s are.
+    pub fn grammar_matcher(&self, grammar: &OutputGrammar) -> Result<Constraint, GrammarError> {
+        let key = match grammar {
+            OutputGrammar::JsonSchema(schema) => format!("json:{schema}"),
+            OutputGrammar::Lark(lark) => format!("lark:{lark}"),
+        };
         let cached = self
             .lock_cache()
             .matchers
@@ -511,7 +528,7 @@ impl GrammarCompiler {
             Some(matcher) => matcher,
             None => {
                 // Compiled outside the lock: a large schema takes milliseconds.
-                let template = self.compile(schema)?;
+                let template = self.compile(grammar)?;
                 let matcher = template.deep_clone();
                 let mut cache = self.lock_cache();
                 if !cache.matchers.contains_key(&key) {
@@ -526,11 +543,11 @@ impl GrammarCompiler {
                 matcher
             }
         };
-        Ok(Some(Constraint {
+        Ok(Constraint {
             matcher,
             vocab_size: self.vocab_size,
             eos_token_id: self.eos_token_id,
-        }))
+        })
     }
 
     fn lock_cache(&self) -> std::sync::MutexGuard<'_, GrammarCache> {
@@ -538,8 +555,11 @@ impl GrammarCompiler {
         self.cache.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn compile(&self, schema: Value) -> Result<Matcher, GrammarError> {
-        let grammar = TopLevelGrammar::from_json_schema(schema);
+    fn compile(&self, grammar: &OutputGrammar) -> Result<Matcher, GrammarError> {
+        let grammar = match grammar {
+            OutputGrammar::JsonSchema(schema) => TopLevelGrammar::from_json_schema(schema.clone()),
+            OutputGrammar::Lark(lark) => TopLevelGrammar::from_lark(lark.clone()),
+        };
         let parser = self
             .factory
             .create_parser(grammar)
@@ -555,8 +575,20 @@ impl GrammarCompiler {
     }
 }
 
-/// The schema with llguidance's options set to this module's defaults, unless it sets them.
-fn with_default_options(mut schema: Value) -> Value {
+/// What a [`Constraint`] enforces.
+#[derive(Debug, Clone, PartialEq)]
+pub enum OutputGrammar {
+    /// A JSON document valid against this schema (llguidance's JSON schema options included:
+    /// see [`with_default_options`]).
+    JsonSchema(Value),
+    /// Text in llguidance's Lark dialect, which can embed JSON schemas (`%json {...}`) and
+    /// name single tokens (`<[id]>`): how tool calls are constrained.
+    Lark(String),
+}
+
+/// The schema with llguidance's options set to this module's defaults (the bounded JSON
+/// whitespace), unless it sets them.
+pub fn with_default_options(mut schema: Value) -> Value {
     if let Value::Object(object) = &mut schema {
         if !object.contains_key("x-guidance") {
             object.insert(

@@ -12,7 +12,7 @@ use axum::extract::State;
 use axum::response::Response;
 use serde_json::Value;
 
-use crate::engine::grammar::ResponseFormat;
+use crate::engine::grammar::{OutputGrammar, ResponseFormat};
 use crate::engine::{GenerationParams, RequestStream};
 use crate::runner::step::SamplingParams;
 
@@ -21,6 +21,7 @@ use super::protocol::{ChatRequest, CompletionRequest, Prompt, SamplingFields};
 use super::request::{chat_prompt, check_model, encode, from_json, off_runtime, read_json};
 use super::response::{respond, ChoiceSpec, Flavor, Prepared};
 use super::state::AppState;
+use super::tools::{ToolChoice, ToolRequest};
 
 /// The most choices (prompts times `n`) one request may ask for.
 const MAX_CHOICES: usize = 64;
@@ -70,16 +71,17 @@ fn submit(
     let p = prepare(state, &read_json(state, body)?)?;
     // One constraint per choice (each advances with its own tokens), compiled before any
     // choice is queued so a bad schema refuses the request whole.
-    let constraints = match &p.response_format {
+    let constraints = match &p.grammar {
         None => p.choices.iter().map(|_| None).collect::<Vec<_>>(),
-        Some(format) => {
-            let compiler = state.grammar()?;
+        Some((grammar, param)) => {
+            let compiler = state.grammar(param)?;
             p.choices
                 .iter()
                 .map(|_| {
                     compiler
-                        .matcher(format)
-                        .map_err(|e| ApiError::invalid_field("response_format", e.to_string()))
+                        .grammar_matcher(grammar)
+                        .map(Some)
+                        .map_err(|e| ApiError::invalid_field(param, e.to_string()))
                 })
                 .collect::<Result<Vec<_>, _>>()?
         }
@@ -219,14 +221,12 @@ fn prepared(
             choices.push(c);
         }
     }
-    let response_format = match &sampling.response_format {
+    let grammar = match &sampling.response_format {
         None | Some(Value::Null) => None,
-        Some(v) => match ResponseFormat::from_openai(v)
+        Some(v) => ResponseFormat::from_openai(v)
             .map_err(|e| ApiError::invalid_field("response_format", e.to_string()))?
-        {
-            ResponseFormat::Text => None,
-            format => Some(format),
-        },
+            .grammar()
+            .map(|g| (g, "response_format")),
     };
     Ok(Prepared {
         flavor,
@@ -234,14 +234,21 @@ fn prepared(
         prompt_tokens,
         stream: sampling.stream,
         include_usage: sampling.include_usage(),
-        response_format,
+        grammar,
+        tool_format: None,
     })
 }
 
 fn prepare_chat(state: &AppState, body: &Value) -> Result<Prepared, ApiError> {
     let req: ChatRequest = from_json(body)?;
     let sampling = checked_sampling(state, body, &req.model)?;
-    let prompt = chat_prompt(state, &req.messages)?;
+    let tools = ToolRequest::from_request(
+        req.tools.as_ref(),
+        req.tool_choice.as_ref(),
+        req.parallel_tool_calls,
+    )?;
+    let definitions = tools.as_ref().map(|t| &t.definitions[..]);
+    let prompt = chat_prompt(state, &req.messages, definitions)?;
     let max_tokens = req.max_completion_tokens.or(req.max_tokens);
     if max_tokens == Some(0) {
         return Err(ApiError::invalid_field(
@@ -251,7 +258,7 @@ fn prepare_chat(state: &AppState, body: &Value) -> Result<Prepared, ApiError> {
     }
     let logprobs = sampling.logprobs(true)?;
     let params = generation_params(state, &sampling, max_tokens, None, prompt.len(), logprobs)?;
-    prepared(
+    let mut p = prepared(
         Flavor::Chat,
         &sampling,
         vec![ChoiceSpec {
@@ -259,7 +266,50 @@ fn prepare_chat(state: &AppState, body: &Value) -> Result<Prepared, ApiError> {
             params,
             echo: None,
         }],
-    )
+    )?;
+    if let Some(tools) = tools.filter(|t| t.choice != ToolChoice::None) {
+        use_tools(state, &tools, &mut p)?;
+    }
+    Ok(p)
+}
+
+/// Sets up a chat request that offers tools the model may call: its replies are parsed for
+/// calls in the model's format, and for `required` or a named function constrained to be
+/// calls. Every function's `parameters` schema is compiled here, so a schema the grammar
+/// engine refuses is a 400 naming that tool whatever the choice.
+fn use_tools(state: &AppState, tools: &ToolRequest, p: &mut Prepared) -> Result<(), ApiError> {
+    let format = state.tool_format().ok_or_else(|| {
+        ApiError::invalid_field(
+            "tools",
+            "this model's chat template writes no tool calls in a known format; serve it \
+             with --chat-template (a template in DeepSeek-V3's tool format) or \
+             --tool-call-parser",
+        )
+    })?;
+    let compiler = state.grammar("tools")?;
+    for (i, tool) in tools.tools.iter().enumerate() {
+        compiler
+            .grammar_matcher(&OutputGrammar::JsonSchema(tool.arguments_schema()))
+            .map_err(|e| {
+                ApiError::invalid_field(&format!("tools[{i}].function.parameters"), e.to_string())
+            })?;
+    }
+    if tools.constrained() {
+        if p.grammar.is_some() {
+            return Err(ApiError::invalid_field(
+                "response_format",
+                "response_format cannot be combined with tool_choice \"required\" or a named \
+                 function (the reply is the calls)",
+            ));
+        }
+        let tokenizer = state.tokenizer.as_ref();
+        let token_id = |piece: &str| tokenizer.and_then(|t| t.inner().token_to_id(piece));
+        p.grammar = tools
+            .grammar(format, &token_id)
+            .map(|lark| (OutputGrammar::Lark(lark), "tools"));
+    }
+    p.tool_format = Some(format);
+    Ok(())
 }
 
 /// The engine's parameters for a request, checking `max_tokens` against the context.

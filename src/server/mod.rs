@@ -26,6 +26,7 @@
 //! | `generate`, `tokenize`, `info` | the handlers |
 //! | `response` | a submitted request's answer: one JSON body, or SSE chunks |
 //! | `logprobs` | log-probabilities in OpenAI's two shapes |
+//! | [`tools`] | tool definitions and choices, tool-call formats, parsing calls out of text |
 //! | `request` | reading a body: JSON, typed fields, the model check, prompts as tokens |
 //! | [`protocol`] | the request types and their field checks |
 //! | `state` | what handlers share; a refused request is answered and counted there |
@@ -43,6 +44,7 @@ mod response;
 mod serve;
 mod state;
 mod tokenize;
+pub mod tools;
 
 pub use app::app;
 pub use conn::{ConnectionLimits, REFUSALS};

@@ -144,10 +144,15 @@ pub enum Content {
 /// One chat message.
 #[derive(Debug, Clone, Deserialize)]
 pub struct Message {
-    /// `system`, `user`, `assistant`, ...
+    /// `system`, `developer`, `user`, `assistant` or `tool`.
     pub role: String,
-    /// The text (null for an assistant turn that only called tools, which we do not serve).
+    /// The text (null for an assistant turn that only called tools).
     pub content: Option<Content>,
+    /// An assistant turn's tool calls: `{"id", "type": "function", "function": {"name",
+    /// "arguments"}}`.
+    pub tool_calls: Option<Vec<serde_json::Value>>,
+    /// A `tool` message's answer to this call.
+    pub tool_call_id: Option<String>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -161,6 +166,12 @@ pub struct ChatRequest {
     pub max_tokens: Option<i64>,
     /// OpenAI's newer name for `max_tokens`.
     pub max_completion_tokens: Option<i64>,
+    /// Functions the model may call (read by `tools::ToolRequest::from_request`).
+    pub tools: Option<serde_json::Value>,
+    /// `none`, `auto`, `required` or a named function.
+    pub tool_choice: Option<serde_json::Value>,
+    /// Whether a reply may hold more than one call (default true).
+    pub parallel_tool_calls: Option<bool>,
 }
 
 /// A boolean field that may also be `null` (meaning `false`).
@@ -349,20 +360,63 @@ impl SamplingFields {
 }
 
 impl Message {
-    /// The role as the chat template knows it: `system`, `user` or `assistant` (OpenAI's
-    /// `developer` is its newer name for `system`).
+    /// The role as the chat template knows it: `system`, `user`, `assistant` or `tool`
+    /// (OpenAI's `developer` is its newer name for `system`).
     pub fn template_role(&self, index: usize) -> Result<&'static str, ApiError> {
         match self.role.as_str() {
             "system" | "developer" => Ok("system"),
             "user" => Ok("user"),
             "assistant" => Ok("assistant"),
+            "tool" => Ok("tool"),
             other => Err(ApiError::invalid_field(
                 &format!("messages[{index}].role"),
                 format!(
-                    "unsupported role `{other}`: use `system`, `developer`, `user` or `assistant`"
+                    "unsupported role `{other}`: use `system`, `developer`, `user`, \
+                     `assistant` or `tool`"
                 ),
             )),
         }
+    }
+
+    /// An assistant message's tool calls as the chat template expects them: each with a
+    /// `function.name` and its `function.arguments` as a JSON string (an object, which some
+    /// clients send, is written out as one). `None` for a message without calls.
+    pub fn template_tool_calls(
+        &self,
+        index: usize,
+    ) -> Result<Option<Vec<serde_json::Value>>, ApiError> {
+        use serde_json::Value;
+        let Some(calls) = self.tool_calls.as_ref().filter(|c| !c.is_empty()) else {
+            return Ok(None);
+        };
+        if self.role != "assistant" {
+            return Err(ApiError::invalid_field(
+                &format!("messages[{index}].tool_calls"),
+                "only assistant messages carry tool_calls",
+            ));
+        }
+        let mut out = Vec::with_capacity(calls.len());
+        for (j, call) in calls.iter().enumerate() {
+            let path = format!("messages[{index}].tool_calls[{j}]");
+            let function = call.get("function").and_then(Value::as_object);
+            let name = function.and_then(|f| f.get("name")).and_then(Value::as_str);
+            let (Some(function), Some(name)) = (function, name) else {
+                return Err(ApiError::invalid_field(
+                    &format!("{path}.function.name"),
+                    format!("{path} needs a function with a name"),
+                ));
+            };
+            let arguments = match function.get("arguments") {
+                None | Some(Value::Null) => "{}".to_owned(),
+                Some(Value::String(s)) => s.clone(),
+                Some(other) => other.to_string(),
+            };
+            let mut call = call.clone();
+            call["type"] = Value::from("function");
+            call["function"] = serde_json::json!({"name": name, "arguments": arguments});
+            out.push(call);
+        }
+        Ok(Some(out))
     }
 
     /// The message's text: the content, or its text parts joined.

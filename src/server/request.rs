@@ -120,9 +120,13 @@ pub(super) fn encode(
         .map_err(|e| ApiError::invalid_field("prompt", e.to_string()))
 }
 
-/// The tokens of `messages` rendered with the model's chat template, ending with the prompt for
-/// the assistant's reply.
-pub(super) fn chat_prompt(state: &AppState, messages: &[Message]) -> Result<Vec<u32>, ApiError> {
+/// The tokens of `messages` rendered with the model's chat template (which sees `tools` when
+/// given), ending with the prompt for the assistant's reply.
+pub(super) fn chat_prompt(
+    state: &AppState,
+    messages: &[Message],
+    tools: Option<&[Value]>,
+) -> Result<Vec<u32>, ApiError> {
     if messages.is_empty() {
         return Err(ApiError::invalid_field(
             "messages",
@@ -136,14 +140,22 @@ pub(super) fn chat_prompt(state: &AppState, messages: &[Message]) -> Result<Vec<
         .iter()
         .enumerate()
         .map(|(i, m)| {
+            let tool_calls = m.template_tool_calls(i)?;
+            // An assistant turn that only called tools has no content (the template's none).
+            let content = match (&m.content, &tool_calls) {
+                (None, Some(_)) => None,
+                _ => Some(m.text(i)?),
+            };
             Ok(ChatMessage {
                 role: m.template_role(i)?.to_owned(),
-                content: m.text(i)?,
+                content,
+                tool_calls,
+                tool_call_id: m.tool_call_id.clone(),
             })
         })
         .collect::<Result<Vec<_>, ApiError>>()?;
     let text = tokenizer
-        .apply_chat_template(&messages, true)
+        .apply_chat_template_with_tools(&messages, tools, true)
         .map_err(|e| ApiError::invalid_field("messages", e.to_string()))?;
     // The template writes the bos token itself.
     encode(state, &text, false)

@@ -16,6 +16,7 @@ use axum::Json;
 use futures::stream::{self, BoxStream, Stream, StreamExt};
 use serde_json::{json, Value};
 
+use crate::engine::grammar::OutputGrammar;
 use crate::engine::{Event, FinishReason, GenerationParams, RequestStream};
 use crate::error::ErrorKind;
 use crate::tokenizer::Tokenizer;
@@ -23,6 +24,8 @@ use crate::tokenizer::Tokenizer;
 use super::error::ApiError;
 use super::logprobs::LogprobsBuilder;
 use super::state::AppState;
+use super::tools::format::ToolCallFormat;
+use super::tools::parser::{parse_whole, Parsed, ToolCallParser};
 
 /// Which endpoint a response is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -74,8 +77,11 @@ pub struct Prepared {
     pub stream: bool,
     /// End a stream with a usage chunk.
     pub include_usage: bool,
-    /// Structured outputs: what every choice's text must be (`None`: free text).
-    pub response_format: Option<crate::engine::grammar::ResponseFormat>,
+    /// Structured outputs: the grammar every choice's text must follow (`None`: free text),
+    /// and the request field that asked for it (named by its errors).
+    pub grammar: Option<(OutputGrammar, &'static str)>,
+    /// Chat with tools: the format the model writes calls in, which replies are parsed for.
+    pub tool_format: Option<&'static ToolCallFormat>,
 }
 
 /// The fields every response and chunk starts with, and how tokens are reported.
@@ -141,11 +147,22 @@ struct Choice {
     /// Log-probabilities not sent yet (streams), or all of them (whole responses).
     logprobs: Option<LogprobsBuilder>,
     finish: Option<FinishReason>,
+    /// Chat with tools: the format calls are parsed in, and (streams) the parser of the text
+    /// so far.
+    tool_format: Option<&'static ToolCallFormat>,
+    tool_parser: Option<ToolCallParser>,
 }
 
 impl Choice {
-    fn new(index: usize, spec: &ChoiceSpec, header: &Header) -> Self {
+    fn new(
+        index: usize,
+        spec: &ChoiceSpec,
+        header: &Header,
+        tool_format: Option<&'static ToolCallFormat>,
+    ) -> Self {
         Choice {
+            tool_format,
+            tool_parser: tool_format.map(ToolCallParser::new),
             index,
             tokens: 0,
             text: String::new(),
@@ -202,46 +219,135 @@ impl Choice {
             self.first = false;
             return None;
         }
-        let finish = self.finish.map(FinishReason::as_str);
-        if text.is_empty() && finish.is_none() && !self.first {
+        let finish = self.finish_reason();
+        // Chat replies may hold tool calls: what the parser releases of the text so far.
+        let (content, tool_calls) = match header.flavor {
+            Flavor::Completion => (text.clone(), Vec::new()),
+            Flavor::Chat => self.parse_tool_calls(header, &text),
+        };
+        self.sent += text.len();
+        if content.is_empty() && tool_calls.is_empty() && finish.is_none() && !self.first {
             return None;
         }
         let lp = std::mem::replace(&mut self.logprobs, header.logprobs_builder())
             .map_or(Value::Null, LogprobsBuilder::finish);
         let choice = match header.flavor {
             Flavor::Completion => json!({
-                "index": self.index, "text": text, "logprobs": lp, "finish_reason": finish,
+                "index": self.index, "text": content, "logprobs": lp, "finish_reason": finish,
             }),
             Flavor::Chat => {
-                let delta = match (self.first, finish) {
-                    (true, _) => json!({"role": "assistant", "content": text}),
-                    (false, Some(_)) if text.is_empty() => json!({}),
-                    _ => json!({"content": text}),
+                let mut delta = if self.first {
+                    json!({"role": "assistant", "content": content})
+                } else if content.is_empty() {
+                    json!({})
+                } else {
+                    json!({"content": content})
                 };
+                if !tool_calls.is_empty() {
+                    delta["tool_calls"] = Value::Array(tool_calls);
+                }
                 json!({"index": self.index, "delta": delta, "logprobs": lp, "finish_reason": finish})
             }
         };
         self.first = false;
-        self.sent += text.len();
         Some(choice)
     }
 
-    /// The choice object of a whole response.
-    fn whole(self, flavor: Flavor) -> Value {
-        let finish = self.finish.map(FinishReason::as_str);
-        let lp = self.logprobs.map_or(Value::Null, LogprobsBuilder::finish);
-        match flavor {
-            Flavor::Completion => json!({
-                "index": self.index, "text": self.text, "logprobs": lp, "finish_reason": finish,
-            }),
-            Flavor::Chat => json!({
-                "index": self.index,
-                "message": {"role": "assistant", "content": self.text},
-                "logprobs": lp,
-                "finish_reason": finish,
-            }),
+    /// Streams with tools: passes `text` through the tool-call parser (flushing it after the
+    /// last token) and returns the content it releases and the `tool_calls` deltas it
+    /// completes. Without tools, `text` is all content.
+    fn parse_tool_calls(&mut self, header: &Header, text: &str) -> (String, Vec<Value>) {
+        let Some(parser) = self.tool_parser.as_mut() else {
+            return (text.to_owned(), Vec::new());
+        };
+        let mut parsed = parser.push(text);
+        if self.finish.is_some() {
+            parsed.extend(parser.finish());
+        }
+        let mut content = String::new();
+        let mut calls = Vec::new();
+        for p in parsed {
+            match p {
+                Parsed::Content(c) => content.push_str(&c),
+                Parsed::CallStart { index, name } => calls.push(json!({
+                    "index": index,
+                    "id": call_id(header, self.index, index),
+                    "type": "function",
+                    "function": {"name": name, "arguments": ""},
+                })),
+                Parsed::Arguments { index, text } => calls.push(json!({
+                    "index": index, "function": {"arguments": text},
+                })),
+            }
+        }
+        (content, calls)
+    }
+
+    /// The finish reason to report: `tool_calls` for a reply that called tools and ended by
+    /// itself (as OpenAI's), otherwise the engine's.
+    fn finish_reason(&self) -> Option<&'static str> {
+        let called = self.tool_parser.as_ref().is_some_and(|p| p.calls() > 0);
+        match self.finish {
+            Some(FinishReason::Stop) if called => Some("tool_calls"),
+            other => other.map(FinishReason::as_str),
         }
     }
+
+    /// The choice object of a whole response.
+    fn whole(mut self, header: &Header) -> Value {
+        let lp = self
+            .logprobs
+            .take()
+            .map_or(Value::Null, LogprobsBuilder::finish);
+        match header.flavor {
+            Flavor::Completion => json!({
+                "index": self.index,
+                "text": self.text,
+                "logprobs": lp,
+                "finish_reason": self.finish.map(FinishReason::as_str),
+            }),
+            Flavor::Chat => {
+                let (content, calls) = match self.tool_format {
+                    Some(format) => parse_whole(format, &self.text),
+                    None => (Some(std::mem::take(&mut self.text)), Vec::new()),
+                };
+                let mut message = json!({"role": "assistant", "content": content});
+                let mut finish = self.finish.map(FinishReason::as_str);
+                if !calls.is_empty() {
+                    let calls: Vec<Value> = calls
+                        .into_iter()
+                        .enumerate()
+                        .map(|(k, (name, arguments))| {
+                            json!({
+                                "id": call_id(header, self.index, k),
+                                "type": "function",
+                                "function": {"name": name, "arguments": arguments},
+                            })
+                        })
+                        .collect();
+                    message["tool_calls"] = Value::Array(calls);
+                    if self.finish == Some(FinishReason::Stop) {
+                        finish = Some("tool_calls");
+                    }
+                } else if message["content"].is_null() {
+                    message["content"] = json!("");
+                }
+                json!({
+                    "index": self.index,
+                    "message": message,
+                    "logprobs": lp,
+                    "finish_reason": finish,
+                })
+            }
+        }
+    }
+}
+
+/// A tool call's id: the response's id, the choice and the call's place in it (unique, as
+/// clients match tool messages to calls by it).
+fn call_id(header: &Header, choice: usize, call: usize) -> String {
+    let response = header.id.trim_start_matches("chatcmpl-");
+    format!("call_{response}_{choice}_{call}")
 }
 
 fn unix_now() -> u64 {
@@ -278,7 +384,7 @@ pub async fn respond(state: &AppState, p: Prepared, streams: Vec<RequestStream>)
         .choices
         .iter()
         .enumerate()
-        .map(|(i, c)| Choice::new(i, c, &header))
+        .map(|(i, c)| Choice::new(i, c, &header, p.tool_format))
         .collect();
     let events = merged(streams);
     if p.stream {
@@ -318,12 +424,7 @@ async fn collect(
             let tokens = choices.iter().map(|c| c.tokens).sum();
             let body = header.with(
                 false,
-                Value::Array(
-                    choices
-                        .into_iter()
-                        .map(|c| c.whole(header.flavor))
-                        .collect(),
-                ),
+                Value::Array(choices.into_iter().map(|c| c.whole(&header)).collect()),
                 Some(header.usage(tokens)),
             );
             return Ok(Json(body));

@@ -12,6 +12,7 @@ use crate::metrics::Outcome;
 use crate::tokenizer::Tokenizer;
 
 use super::error::ApiError;
+use super::tools::format::ToolCallFormat;
 
 /// How the server is set up.
 #[derive(Debug, Clone)]
@@ -24,6 +25,9 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// How long shutdown waits for requests in flight before ending them.
     pub drain_timeout: Duration,
+    /// The tool-call format (`--tool-call-parser`); `None`: the one the chat template
+    /// renders, if any.
+    pub tool_call_format: Option<&'static ToolCallFormat>,
 }
 
 /// What every handler sees.
@@ -64,18 +68,25 @@ impl AppState {
         }
     }
 
-    /// The structured-output compiler (a 400 naming `response_format` when the model has no
-    /// tokenizer to build it from).
-    pub(super) fn grammar(&self) -> Result<Arc<GrammarCompiler>, ApiError> {
+    /// The structured-output compiler (a 400 naming `param`, the field that asked for a
+    /// constraint, when the model has no tokenizer to build it from).
+    pub(super) fn grammar(&self, param: &str) -> Result<Arc<GrammarCompiler>, ApiError> {
         let built = self.grammar.get_or_init(|| match &self.tokenizer {
             None => Err("this model has no tokenizer.json to constrain outputs with".into()),
             Some(t) => GrammarCompiler::new(t)
                 .map(Arc::new)
                 .map_err(|e| e.to_string()),
         });
-        built
-            .clone()
-            .map_err(|e| ApiError::invalid_field("response_format", e))
+        built.clone().map_err(|e| ApiError::invalid_field(param, e))
+    }
+
+    /// How this model writes tool calls: `--tool-call-parser`'s format, or the one its chat
+    /// template renders; `None` when it has no known format.
+    pub(super) fn tool_format(&self) -> Option<&'static ToolCallFormat> {
+        self.config.tool_call_format.or_else(|| {
+            let template = self.tokenizer.as_ref()?.chat_template()?;
+            ToolCallFormat::detect(template)
+        })
     }
 
     /// Answers a request the server refuses before the engine runs it (a bad request, a wrong

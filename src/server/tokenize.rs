@@ -15,6 +15,7 @@ use super::error::ApiError;
 use super::protocol::Message;
 use super::request::{chat_prompt, check_model, encode, from_json, off_runtime, read_json};
 use super::state::AppState;
+use super::tools::ToolRequest;
 
 /// `POST /tokenize`: a `prompt`, or chat `messages`.
 #[derive(Debug, Deserialize)]
@@ -25,6 +26,8 @@ struct TokenizeRequest {
     prompt: Option<String>,
     /// Or a conversation, rendered with the chat template as for `/v1/chat/completions`.
     messages: Option<Vec<Message>>,
+    /// With `messages`: tools the template sees, as in a chat request.
+    tools: Option<Value>,
     /// For `prompt`: add bos (and eos) as the tokenizer is configured to. Defaults to true.
     add_special_tokens: Option<bool>,
 }
@@ -45,7 +48,10 @@ fn tokenize_body(state: &AppState, body: &Value) -> Result<Value, ApiError> {
     }
     let tokens = match (&req.prompt, &req.messages) {
         (Some(p), None) => encode(state, p, req.add_special_tokens.unwrap_or(true))?,
-        (None, Some(messages)) => chat_prompt(state, messages)?,
+        (None, Some(messages)) => {
+            let tools = ToolRequest::from_request(req.tools.as_ref(), None, None)?;
+            chat_prompt(state, messages, tools.as_ref().map(|t| &t.definitions[..]))?
+        }
         _ => {
             return Err(ApiError::bad_request(
                 "give exactly one of `prompt` and `messages`",

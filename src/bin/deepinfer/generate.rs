@@ -57,10 +57,7 @@ pub(crate) fn run(args: GenerateArgs) -> Result<()> {
     let prompt = match (&args.prompt, &args.token_ids, &tokenizer) {
         (_, Some(ids), _) => ids.clone(),
         (Some(text), None, Some(tok)) if args.chat => {
-            let msg = ChatMessage {
-                role: "user".into(),
-                content: text.clone(),
-            };
+            let msg = ChatMessage::text("user", text);
             tok.encode(&tok.apply_chat_template(&[msg], true)?, false)?
         }
         (Some(text), None, Some(tok)) => tok.encode(text, true)?,

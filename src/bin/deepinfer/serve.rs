@@ -10,6 +10,7 @@ use deepinfer::engine::{Engine, EngineOptions};
 use deepinfer::metrics::Metrics;
 use deepinfer::plan::KvBlocks;
 use deepinfer::runner::{self, Limits};
+use deepinfer::server::tools::format::{ToolCallFormat, FORMATS};
 use deepinfer::server::{AppState, ConnectionLimits, ServerConfig};
 use deepinfer::tokenizer::Tokenizer;
 
@@ -31,6 +32,14 @@ pub(crate) struct ServeArgs {
     /// The model name clients pass (default: the model directory's name).
     #[arg(long)]
     served_model_name: Option<String>,
+    /// A Jinja chat template file to use instead of the model's own (vLLM's flag): for a
+    /// model whose template lacks something, such as the tool-call format.
+    #[arg(long, value_name = "FILE")]
+    chat_template: Option<std::path::PathBuf>,
+    /// The format the model writes tool calls in: deepseek_v3 (also R1's) or deepseek_v31
+    /// (default: the one the chat template renders; without one, `tools` are refused).
+    #[arg(long, value_parser = tool_call_parser)]
+    tool_call_parser: Option<&'static ToolCallFormat>,
     /// Sequences decoded together at most (the largest batch bucket).
     #[arg(long, default_value_t = 32)]
     max_batch: usize,
@@ -107,15 +116,40 @@ pub(crate) struct ServeArgs {
     stall_timeout_secs: u64,
 }
 
+/// `--tool-call-parser`'s value: a format by name.
+fn tool_call_parser(name: &str) -> std::result::Result<&'static ToolCallFormat, String> {
+    ToolCallFormat::by_name(name).ok_or_else(|| {
+        let known: Vec<&str> = FORMATS.iter().map(|f| f.name).collect();
+        format!(
+            "unknown tool-call format {name:?}; known: {}",
+            known.join(", ")
+        )
+    })
+}
+
 /// Runs the command.
 pub(crate) fn run(args: ServeArgs) -> Result<()> {
     let dir = args.model.dir()?;
     let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
-    let tokenizer = if dir.join("tokenizer.json").is_file() {
-        Some(Arc::new(Tokenizer::from_dir(&dir)?))
+    let mut tokenizer = if dir.join("tokenizer.json").is_file() {
+        Some(Tokenizer::from_dir(&dir)?)
     } else {
         None
     };
+    if let Some(path) = &args.chat_template {
+        let Some(tokenizer) = tokenizer.as_mut() else {
+            anyhow::bail!(
+                "--chat-template needs the model's tokenizer.json, which {} lacks",
+                dir.display()
+            );
+        };
+        let template = std::fs::read_to_string(path)
+            .with_context(|| format!("reading --chat-template {}", path.display()))?;
+        tokenizer
+            .set_chat_template(template)
+            .with_context(|| format!("--chat-template {}", path.display()))?;
+    }
+    let tokenizer = tokenizer.map(Arc::new);
     let limits = args.model.limits(&Limits {
         kv_blocks: match args.kv_blocks {
             Some(KvBlocks::Exactly(n)) => Some(n),
@@ -176,6 +210,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         api_key: args.api_key.filter(|k| !k.is_empty()),
         max_body_bytes: args.max_body_bytes,
         drain_timeout: Duration::from_secs(args.drain_timeout_secs),
+        tool_call_format: args.tool_call_parser,
     };
     let limits = ConnectionLimits {
         max_connections: args.max_connections,

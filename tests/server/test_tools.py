@@ -1,0 +1,246 @@
+"""Tool calling (`tools`, `tool_choice`, `parallel_tool_calls`) through the official `openai`
+client, on the default model served with a chat template in DeepSeek-V3's tool format
+(`fixtures/chat-templates/deepseek-v3-tools.jinja`, via `--chat-template`).
+
+The prompt the server renders (tools, past calls, tool outputs) is checked against
+transformers' `apply_chat_template` with the same template. The default model was never trained
+to call tools, so with `auto` it writes prose; `required` and a named function constrain its
+reply to calls, whose arguments must validate against each function's schema (Python's
+`jsonschema`) however the model samples. The whole flow (request, `tool_calls`, tool message,
+final answer) runs streamed and not, and the streamed deltas rebuild the same calls."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from conftest import AUTH, MODEL_NAME, REPO, start_server, _tokenizer
+
+TEMPLATE = REPO / "fixtures" / "chat-templates" / "deepseek-v3-tools.jinja"
+
+TOOLS = [
+    {"type": "function", "function": {
+        "name": "get_weather", "description": "The weather in a city.",
+        "parameters": {"type": "object", "properties": {
+            "city": {"type": "string", "maxLength": 16},
+            "unit": {"enum": ["celsius", "fahrenheit"]}},
+            "required": ["city", "unit"], "additionalProperties": False}}},
+    {"type": "function", "function": {
+        "name": "add", "description": "Adds two integers.",
+        "parameters": {"type": "object", "properties": {
+            "a": {"type": "integer", "minimum": -100, "maximum": 100},
+            "b": {"type": "integer", "minimum": -100, "maximum": 100}},
+            "required": ["a", "b"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "get_time"}},
+]
+SCHEMAS = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"})
+           for t in TOOLS}
+QUESTION = [{"role": "system", "content": "You are a helpful assistant."},
+            {"role": "user", "content": "What is the weather in Verona, and what is 2 + 3?"}]
+MAX_TOKENS = 400
+
+
+@pytest.fixture(scope="module")
+def tool_server():
+    srv = start_server("--chat-template", str(TEMPLATE))
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def tc(tool_server) -> openai.OpenAI:
+    return tool_server.client()
+
+
+def check_calls(calls, allow_empty=False):
+    """Every call names an offered function and its arguments validate against its schema."""
+    assert calls or allow_empty, "no tool calls"
+    for call in calls:
+        assert call.type == "function"
+        assert call.id and call.id.startswith("call_")
+        assert call.function.name in SCHEMAS, call.function.name
+        args = json.loads(call.function.arguments)
+        jsonschema.validate(args, SCHEMAS[call.function.name])
+    assert len({c.id for c in calls}) == len(calls), "tool call ids must be unique"
+
+
+def streamed(tc, **kw):
+    """A streamed chat completion rebuilt from its deltas: (content, calls, finish_reason)."""
+    content, calls, finish, first = "", {}, None, True
+    for chunk in tc.chat.completions.create(stream=True, **kw):
+        for choice in chunk.choices:
+            d = choice.delta
+            if first:
+                assert d.role == "assistant"
+                first = False
+            content += d.content or ""
+            for tcd in d.tool_calls or []:
+                slot = calls.setdefault(tcd.index, {"id": None, "name": None, "arguments": ""})
+                if tcd.id:
+                    assert slot["id"] is None, "a call's id is sent once"
+                    slot["id"] = tcd.id
+                if tcd.function and tcd.function.name:
+                    assert slot["name"] is None, "a call's name is sent once"
+                    slot["name"] = tcd.function.name
+                if tcd.function and tcd.function.arguments:
+                    slot["arguments"] += tcd.function.arguments
+            finish = choice.finish_reason or finish
+    return content, [calls[i] for i in sorted(calls)], finish
+
+
+def test_prompt_with_tools_calls_and_outputs_matches_transformers(tool_server):
+    messages = QUESTION + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Verona", "unit": "celsius"}'}},
+            {"id": "call_2", "type": "function",
+             "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 degrees."},
+        {"role": "tool", "tool_call_id": "call_2", "content": "5"},
+    ]
+    r = httpx.post(f"{tool_server.base_url}/tokenize", headers=AUTH, timeout=30,
+                   json={"model": MODEL_NAME, "messages": messages, "tools": TOOLS})
+    assert r.status_code == 200, r.text
+    ref = _tokenizer().apply_chat_template(
+        messages, tools=TOOLS, chat_template=TEMPLATE.read_text(), add_generation_prompt=True,
+        tokenize=True)
+    ref = list(ref["input_ids"]) if hasattr(ref, "keys") else list(ref)
+    assert r.json()["tokens"] == ref
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5, 6])
+def test_required_calls_validate_and_the_flow_completes(tc, seed):
+    # One call per reply, so every reply ends by itself (the untrained model, left to choose
+    # between another call and the end of the calls, often goes on until max_tokens: see
+    # test_parallel_calls).
+    r = tc.chat.completions.create(
+        model=MODEL_NAME, messages=QUESTION, tools=TOOLS, tool_choice="required",
+        parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=MAX_TOKENS)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    check_calls(choice.message.tool_calls)
+    assert len(choice.message.tool_calls) == 1
+
+    # The client's usual next turn: the assistant message as received, one tool message per
+    # call, then the final answer (tools still offered; `none` keeps it prose).
+    follow = QUESTION + [choice.message.model_dump(exclude_none=True)] + [
+        {"role": "tool", "tool_call_id": c.id, "content": f"result {k}"}
+        for k, c in enumerate(choice.message.tool_calls)]
+    final = tc.chat.completions.create(
+        model=MODEL_NAME, messages=follow, tools=TOOLS, tool_choice="none",
+        temperature=1.0, seed=seed, max_tokens=24)
+    assert isinstance(final.choices[0].message.content, str)
+    assert final.choices[0].message.content
+    assert not final.choices[0].message.tool_calls
+    assert final.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("seed", [7, 8, 9])
+def test_streamed_deltas_rebuild_the_same_calls(tc, seed):
+    kw = dict(model=MODEL_NAME, messages=QUESTION, tools=TOOLS, tool_choice="required",
+              parallel_tool_calls=False, temperature=1.0, seed=seed, max_tokens=MAX_TOKENS)
+    whole = tc.chat.completions.create(**kw).choices[0]
+    content, calls, finish = streamed(tc, **kw)
+    assert finish == "tool_calls"
+    assert content == ""
+    assert [(c["name"], c["arguments"]) for c in calls] == [
+        (c.function.name, c.function.arguments) for c in whole.message.tool_calls]
+    assert all(c["id"].startswith("call_") for c in calls)
+
+    follow = QUESTION + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": c["id"], "type": "function",
+         "function": {"name": c["name"], "arguments": c["arguments"]}} for c in calls]}] + [
+        {"role": "tool", "tool_call_id": c["id"], "content": "done"} for c in calls]
+    text, more, finish = streamed(tc, model=MODEL_NAME, messages=follow, tools=TOOLS,
+                                  temperature=1.0, seed=seed, max_tokens=24)
+    assert text and finish in ("stop", "length") and not more
+
+
+def test_named_function_gets_exactly_one_call_of_it(tc):
+    for seed in (11, 12, 13):
+        r = tc.chat.completions.create(
+            model=MODEL_NAME, messages=QUESTION, tools=TOOLS, temperature=1.0, seed=seed,
+            tool_choice={"type": "function", "function": {"name": "add"}},
+            max_tokens=MAX_TOKENS)
+        calls = r.choices[0].message.tool_calls
+        check_calls(calls)
+        assert [c.function.name for c in calls] == ["add"]
+
+
+def test_parallel_calls(tc):
+    # With parallel calls the grammar allows another call after each one. Every finished call
+    # validates; a reply cut by max_tokens may end in a partial call (finish_reason `length`,
+    # as OpenAI reports it), and the streamed deltas rebuild the same calls either way.
+    most = 0
+    for seed in (21, 22, 23):
+        kw = dict(model=MODEL_NAME, messages=QUESTION, tools=TOOLS, tool_choice="required",
+                  temperature=1.0, seed=seed, max_tokens=MAX_TOKENS)
+        whole = tc.chat.completions.create(**kw).choices[0]
+        calls = whole.message.tool_calls
+        assert whole.finish_reason in ("tool_calls", "length")
+        finished = calls if whole.finish_reason == "tool_calls" else calls[:-1]
+        check_calls(finished, allow_empty=True)
+        most = max(most, len(calls))
+        content, streamed_calls, finish = streamed(tc, **kw)
+        assert finish == whole.finish_reason and content == ""
+        assert [(c["name"], c["arguments"]) for c in streamed_calls] == [
+            (c.function.name, c.function.arguments) for c in calls]
+    assert most > 1, "no reply made more than one call"
+
+
+def test_auto_and_none_leave_the_untrained_model_writing_prose(tc):
+    # The default model never saw tool calls in training: offered tools with `auto`, it
+    # answers in text (documented in README); `none` never parses calls.
+    for choice in ("auto", "none"):
+        r = tc.chat.completions.create(
+            model=MODEL_NAME, messages=QUESTION, tools=TOOLS, tool_choice=choice,
+            temperature=0.0, max_tokens=32)
+        m = r.choices[0].message
+        assert isinstance(m.content, str) and m.content
+        assert not m.tool_calls
+        assert r.choices[0].finish_reason in ("stop", "length")
+
+
+def bad(tc, param, **kw):
+    with pytest.raises(openai.BadRequestError) as e:
+        tc.chat.completions.create(model=MODEL_NAME, messages=QUESTION, max_tokens=8, **kw)
+    assert e.value.status_code == 400
+    assert e.value.body["param"] == param, e.value.body
+    return e.value.body["message"]
+
+
+def test_bad_tools_are_400s_naming_the_field(tc):
+    bad(tc, "tools[0].function.name", tools=[{"type": "function", "function": {}}])
+    bad(tc, "tools[1].function.name",
+        tools=[TOOLS[0], {"type": "function", "function": {"name": "has space"}}])
+    bad(tc, "tools[0].type", tools=[{"type": "retrieval", "function": {"name": "f"}}])
+    bad(tc, "tools[0].function.parameters",
+        tools=[{"type": "function", "function": {"name": "f", "parameters": "no"}}])
+    bad(tc, "tools[0].function.parameters",
+        tools=[{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object",
+                                        "properties": {"x": {"$ref": "#/$defs/missing"}}}}}])
+    bad(tc, "tool_choice", tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "not_offered"}})
+    bad(tc, "tool_choice", tool_choice="required")
+    bad(tc, "tool_choice", tools=TOOLS, tool_choice="always")
+    bad(tc, "response_format", tools=TOOLS, tool_choice="required",
+        response_format={"type": "json_object"})
+
+
+def test_bad_tool_messages_are_400s(tc):
+    msgs = QUESTION + [{"role": "assistant", "content": None,
+                        "tool_calls": [{"id": "c", "type": "function", "function": {}}]}]
+    with pytest.raises(openai.BadRequestError) as e:
+        tc.chat.completions.create(model=MODEL_NAME, messages=msgs, max_tokens=8)
+    assert e.value.body["param"] == "messages[2].tool_calls[0].function.name"
+
+
+def test_a_template_without_a_tool_format_refuses_tools(client):
+    # The session server uses the default model's own template, which has no tool format.
+    msg = bad(client, "tools", tools=TOOLS)
+    assert "--chat-template" in msg
