@@ -14,9 +14,12 @@
 //!
 //! - `json_schema_masks_64_rows`: structured outputs' share of a decode step: 64 sequences
 //!   under one JSON schema (an object with a bounded string, an integer range, an enum and an
-//!   array of them), each filling its allowed-token mask and accepting a token, one step of the
-//!   64 rows per iteration, with the default model's tokenizer (4,096 tokens) and with a
-//!   synthetic byte-level vocabulary of DeepSeek V3's 129,280 (`tests/common/synthetic_vocab.rs`).
+//!   array of them): one iteration is one step's host work, the 64 masks filled as the
+//!   scheduler does it (`grammar::fill_masks` and `grammar::advance_all`, on rayon's threads):
+//!   every mask filled and every row's constraint advanced by its token (`one_thread`: the same
+//!   work one row after the other), with the default model's
+//!   tokenizer (4,096 tokens) and with a synthetic byte-level vocabulary of DeepSeek V3's
+//!   129,280 (`tests/common/synthetic_vocab.rs`).
 //!   The masks are walked through a whole document by always taking the lowest allowed token,
 //!   restarting each row when its document is done, so every kind of grammar state is measured.
 //!
@@ -125,15 +128,27 @@ fn json_schema_masks(c: &mut Criterion) {
         ("default_model_4096", &default_model),
         ("vocab_129280", &deepseek_sized),
     ] {
-        group.bench_function(name, |b| masks_64_rows(b, tok));
+        group.bench_function(format!("{name}/one_thread"), |b| {
+            masks_64_rows(b, tok, false)
+        });
+        group.bench_function(format!("{name}/fill_masks"), |b| {
+            masks_64_rows(b, tok, true)
+        });
     }
     group.finish();
     let _ = std::fs::remove_dir_all(&synthetic_dir);
 }
 
-/// One iteration: every one of 64 rows fills its mask and accepts its next token.
-fn masks_64_rows(b: &mut criterion::Bencher, tok: &deepinfer::tokenizer::Tokenizer) {
-    use deepinfer::engine::grammar::{GrammarCompiler, ResponseFormat};
+/// One iteration: every one of 64 rows fills its mask (one after the other, or as the
+/// scheduler does with `parallel`) and accepts its next token.
+fn masks_64_rows(
+    b: &mut criterion::Bencher,
+    tok: &deepinfer::tokenizer::Tokenizer,
+    parallel: bool,
+) {
+    use deepinfer::engine::grammar::{
+        advance_all, fill_masks, Advance, GrammarCompiler, ResponseFormat,
+    };
     const ROWS: usize = 64;
     let compiler = GrammarCompiler::new(tok).expect("a grammar compiler");
     let format = ResponseFormat::JsonSchema {
@@ -151,18 +166,58 @@ fn masks_64_rows(b: &mut criterion::Bencher, tok: &deepinfer::tokenizer::Tokeniz
     let words = compiler.mask_words();
     let mut masks = vec![vec![0u32; words]; ROWS];
     let eos = compiler.eos_token_id();
-    b.iter(|| {
-        for (row, mask) in rows.iter_mut().zip(masks.iter_mut()) {
-            row.fill_mask(mask);
-            // The lowest allowed token other than end-of-sequence, else restart the row.
-            let next =
-                (0..words * 32).find(|&t| t as u32 != eos && mask[t / 32] >> (t % 32) & 1 == 1);
-            match next {
-                Some(t) if row.accept(t as u32).is_ok() => {}
-                _ => *row = fresh(),
+    // Only the step's work is timed: a row whose document is done is started over (a deep
+    // copy of the compiled grammar, which a request pays once, not per step) off the clock.
+    b.iter_custom(|iters| {
+        let mut timed = std::time::Duration::ZERO;
+        for _ in 0..iters {
+            let start = std::time::Instant::now();
+            let mut step: Vec<_> = rows
+                .iter_mut()
+                .zip(masks.iter_mut())
+                .map(|(row, mask)| (row, mask.as_mut_slice()))
+                .collect();
+            if parallel {
+                fill_masks(&mut step);
+            } else {
+                for (row, mask) in step.iter_mut() {
+                    row.fill_mask(mask);
+                }
+            }
+            // Each row's token: the lowest allowed, or end-of-sequence once the document is
+            // complete (then the row starts over).
+            let tokens: Vec<u32> = masks
+                .iter()
+                .map(|mask| lowest_allowed_but(mask, eos).unwrap_or(eos))
+                .collect();
+            let mut step: Vec<_> = rows.iter_mut().zip(tokens).collect();
+            let advanced = if parallel {
+                advance_all(&mut step)
+            } else {
+                step.iter_mut().map(|(row, t)| row.advance(*t)).collect()
+            };
+            let done: Vec<bool> = advanced.iter().map(|a| *a != Advance::Accepted).collect();
+            timed += start.elapsed();
+            black_box(&masks);
+            for (row, done) in rows.iter_mut().zip(done) {
+                if done {
+                    *row = fresh();
+                }
             }
         }
-        black_box(&masks);
+        timed
+    })
+}
+
+/// The lowest token the mask allows other than `eos` (a word at a time).
+fn lowest_allowed_but(mask: &[u32], eos: u32) -> Option<u32> {
+    mask.iter().enumerate().find_map(|(w, &word)| {
+        let word = if eos / 32 == w as u32 {
+            word & !(1 << (eos % 32))
+        } else {
+            word
+        };
+        (word != 0).then(|| w as u32 * 32 + word.trailing_zeros())
     })
 }
 

@@ -12,7 +12,17 @@
 //!   llguidance's parser factory; [`GrammarCompiler::matcher`] compiles a format into a
 //!   [`Constraint`], caching compiled grammars by their schema text.
 //! - [`Constraint`] (one per sequence) writes the mask ([`Constraint::fill_mask`]) and follows
-//!   the sampled tokens ([`Constraint::accept`]).
+//!   the sampled tokens ([`Constraint::accept`]); [`fill_masks`] and [`advance_all`] do a
+//!   step's rows on several threads.
+//!
+//! # When the masks are computed
+//!
+//! A row's mask depends on the token the previous step sampled for it, and the step that needs
+//! the mask cannot start before it exists; so the masks are computed between steps, not while
+//! the device runs one. What keeps that gap short is [`fill_masks`] and [`advance_all`]: the
+//! rows' grammars are independent, so a step's tokens are taken and its masks filled in
+//! parallel (each takes tens of microseconds at a
+//! DeepSeek-sized vocabulary; `benches/host_work.rs` measures 64 rows).
 //!
 //! # Tokens
 //!
@@ -600,6 +610,52 @@ pub fn with_default_options(mut schema: Value) -> Value {
     schema
 }
 
+/// Rows from which [`fill_masks`] spreads the work over threads: below it, handing the rows
+/// to rayon's pool costs about what it saves.
+const PARALLEL_ROWS: usize = 4;
+
+/// Fills each row's mask for its next token ([`Constraint::fill_mask`]): a step's host work
+/// under structured outputs, on rayon's threads when there are at least a few rows (the rows'
+/// grammars are independent).
+pub fn fill_masks(rows: &mut [(&mut Constraint, &mut [u32])]) {
+    use rayon::prelude::*;
+    if rows.len() >= PARALLEL_ROWS {
+        rows.par_iter_mut()
+            .for_each(|(c, words)| c.fill_mask(words));
+    } else {
+        for (c, words) in rows.iter_mut() {
+            c.fill_mask(words);
+        }
+    }
+}
+
+/// What a constraint made of the token a sequence just generated ([`Constraint::advance`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Advance {
+    /// The document was already complete: the token ends the sequence if it is
+    /// end-of-sequence (the only token the mask allowed).
+    WasFinished,
+    /// The grammar took the token.
+    Accepted,
+    /// The grammar refused the token (the mask should have prevented it: a bug), with why.
+    Refused(String),
+}
+
+/// Advances each row's constraint by the token its row just generated, on rayon's threads
+/// when there are at least a few rows (as [`fill_masks`]); the results in row order.
+pub fn advance_all(rows: &mut [(&mut Constraint, u32)]) -> Vec<Advance> {
+    use rayon::prelude::*;
+    if rows.len() >= PARALLEL_ROWS {
+        rows.par_iter_mut()
+            .map(|(c, token)| c.advance(*token))
+            .collect()
+    } else {
+        rows.iter_mut()
+            .map(|(c, token)| c.advance(*token))
+            .collect()
+    }
+}
+
 /// One sequence's grammar state: which tokens may come next, advanced by each sampled token.
 ///
 /// Use per step: [`Constraint::fill_mask`] before the device samples the row, then
@@ -663,6 +719,17 @@ impl Constraint {
                 let eos = self.eos_token_id as usize;
                 words[eos / 32] |= 1 << (eos % 32);
             }
+        }
+    }
+
+    /// [`Constraint::accept`] unless the document is already complete, as one answer.
+    pub fn advance(&mut self, token: u32) -> Advance {
+        if self.is_finished() {
+            return Advance::WasFinished;
+        }
+        match self.accept(token) {
+            Ok(()) => Advance::Accepted,
+            Err(e) => Advance::Refused(e.to_string()),
         }
     }
 

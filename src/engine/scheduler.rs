@@ -61,7 +61,7 @@ use crate::tokenizer::Tokenizer;
 
 use super::blocks::{BlockAllocator, PrefixCacheStats};
 use super::detokenize::{IncrementalDecoder, StopStrings};
-use super::grammar::Constraint;
+use super::grammar::{advance_all, fill_masks, Advance, Constraint};
 use super::params::{FinishReason, GenerationParams};
 
 /// Identifies a request inside the engine.
@@ -247,13 +247,10 @@ impl Sequence {
         }
     }
 
-    /// Prepares the next token's logit controls: the bias ([`Sequence::refresh_bias`]) and,
-    /// under a constraint, its allowed-token mask.
-    fn prepare_controls(&mut self, eos: &[u32]) {
-        self.refresh_bias(eos);
-        if let Some(c) = &mut self.constraint {
-            c.fill_mask(&mut self.mask);
-        }
+    /// This sequence's constraint and the mask it writes, if it has one.
+    fn constraint_and_mask(&mut self) -> Option<(&mut Constraint, &mut [u32])> {
+        let mask = &mut self.mask;
+        self.constraint.as_mut().map(|c| (c, mask.as_mut_slice()))
     }
 
     /// What the step's logits go through for this sequence.
@@ -632,6 +629,42 @@ impl<R: Runner> Scheduler<R> {
 
     /// Decodes one token for every decoding sequence not skipped; returns how many rows the
     /// step fed.
+    /// Prepares the next token's logit controls of the running sequences at `rows` (sorted
+    /// indices): each one's bias ([`Sequence::refresh_bias`]) and, under a constraint, its
+    /// allowed-token mask (all of the step's masks at once, see [`fill_masks`]).
+    fn prepare_controls(&mut self, rows: &[usize]) {
+        let eos = &self.eos_token_ids;
+        let mut masks = Vec::new();
+        for (i, seq) in self.running.iter_mut().enumerate() {
+            if rows.binary_search(&i).is_err() {
+                continue;
+            }
+            seq.refresh_bias(eos);
+            masks.extend(seq.constraint_and_mask());
+        }
+        fill_masks(&mut masks);
+    }
+
+    /// Advances the constraints of the running sequences at `rows` (sorted indices) by their
+    /// `tokens`, all at once ([`advance_all`]); `None` for a row without a constraint.
+    fn advance_constraints(&mut self, rows: &[usize], tokens: &[u32]) -> Vec<Option<Advance>> {
+        let mut constrained = Vec::new();
+        let mut has = Vec::with_capacity(rows.len());
+        let mut next = rows.iter().zip(tokens).peekable();
+        for (i, seq) in self.running.iter_mut().enumerate() {
+            let Some(&(_, &token)) = next.peek().filter(|(&r, _)| r == i) else {
+                continue;
+            };
+            next.next();
+            has.push(seq.constraint.is_some());
+            constrained.extend(seq.constraint.as_mut().map(|c| (c, token)));
+        }
+        let mut advanced = advance_all(&mut constrained).into_iter();
+        has.into_iter()
+            .map(|h| if h { advanced.next() } else { None })
+            .collect()
+    }
+
     fn decode_step(&mut self, out: &mut Vec<Output>, skip: &dyn Fn(RequestId) -> bool) -> usize {
         // Room for one more slot each, preempting from the newest until it fits.
         loop {
@@ -662,9 +695,7 @@ impl<R: Runner> Scheduler<R> {
         if batch.is_empty() {
             return 0;
         }
-        for &i in &batch {
-            self.running[i].prepare_controls(&self.eos_token_ids);
-        }
+        self.prepare_controls(&batch);
         let rows: Vec<DecodeRow<'_>> = batch
             .iter()
             .map(|&i| {
@@ -698,7 +729,9 @@ impl<R: Runner> Scheduler<R> {
                 next_tokens: tokens,
                 logits,
             }) => {
+                let mut advances = self.advance_constraints(&batch, &tokens).into_iter();
                 for (k, (&i, token)) in batch.iter().zip(tokens).enumerate() {
+                    let advance = advances.next().flatten();
                     let seq = &mut self.running[i];
                     seq.computed += 1;
                     let written = &seq.tokens[..seq.computed];
@@ -706,7 +739,7 @@ impl<R: Runner> Scheduler<R> {
                         .register(&seq.blocks, written, &mut seq.block_hashes);
                     let row = logits.as_ref().and_then(|l| l.get(k));
                     let lp = logprobs_of(seq, row, token);
-                    out.push(accept(seq, token, lp, &self.eos_token_ids));
+                    out.push(accept(seq, token, lp, &self.eos_token_ids, advance));
                 }
             }
             Err(failure) => {
@@ -771,13 +804,17 @@ impl<R: Runner> Scheduler<R> {
         if plan.is_empty() {
             return;
         }
-        for &(i, n) in &plan {
-            let seq = &mut self.running[i];
-            // Only the chunk that ends its sequence samples a token that counts.
-            if seq.computed + n == seq.tokens.len() {
-                seq.prepare_controls(&self.eos_token_ids);
-            }
-        }
+        // Only the chunk that ends its sequence samples a token that counts.
+        let mut sampling: Vec<usize> = plan
+            .iter()
+            .filter(|&&(i, n)| {
+                let seq = &self.running[i];
+                seq.computed + n == seq.tokens.len()
+            })
+            .map(|&(i, _)| i)
+            .collect();
+        sampling.sort_unstable();
+        self.prepare_controls(&sampling);
         let chunks: Vec<PrefillChunk<'_>> = plan
             .iter()
             .map(|&(i, n)| {
@@ -860,7 +897,8 @@ impl<R: Runner> Scheduler<R> {
                         });
                     } else {
                         let lp = logprobs_of(seq, sampled_row, tokens[k]);
-                        out.push(accept(seq, tokens[k], lp, &self.eos_token_ids));
+                        let advance = seq.constraint.as_mut().map(|c| c.advance(tokens[k]));
+                        out.push(accept(seq, tokens[k], lp, &self.eos_token_ids, advance));
                     }
                 }
                 self.remove_finished(out);
@@ -1044,26 +1082,30 @@ fn logprobs_of(seq: &Sequence, row: Option<&Vec<f32>>, token: u32) -> Option<Tok
     Some(TokenLogprobs::from_logits(row?, token, top))
 }
 
-/// Appends a sampled token to `seq` and decides whether it ends the sequence.
-fn accept(seq: &mut Sequence, token: u32, logprobs: Option<TokenLogprobs>, eos: &[u32]) -> Output {
+/// Appends a sampled token to `seq` and decides whether it ends the sequence; `advance` is
+/// what the sequence's constraint made of the token (`None` without one).
+fn accept(
+    seq: &mut Sequence,
+    token: u32,
+    logprobs: Option<TokenLogprobs>,
+    eos: &[u32],
+    advance: Option<Advance>,
+) -> Output {
     seq.tokens.push(token);
     // Under a constraint, the end of the document is the end (ignore_eos or not).
-    let constrained_end = match &mut seq.constraint {
-        Some(c) if c.is_finished() => eos.contains(&token),
-        Some(c) => {
-            if let Err(e) = c.accept(token) {
-                // The mask allowed only what the constraint accepts: a bug, not the client's.
-                return Output {
-                    id: seq.id,
-                    event: Event::Failed {
-                        kind: ErrorKind::Internal,
-                        message: format!("structured output: token {token}: {e}"),
-                    },
-                };
-            }
-            false
+    let constrained_end = match advance {
+        Some(Advance::WasFinished) => eos.contains(&token),
+        Some(Advance::Refused(e)) => {
+            // The mask allowed only what the constraint accepts: a bug, not the client's.
+            return Output {
+                id: seq.id,
+                event: Event::Failed {
+                    kind: ErrorKind::Internal,
+                    message: format!("structured output: token {token}: {e}"),
+                },
+            };
         }
-        None => false,
+        Some(Advance::Accepted) | None => false,
     };
     let stop_token = constrained_end
         || seq.params.stop_token_ids.contains(&token)
