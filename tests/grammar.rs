@@ -567,7 +567,7 @@ fn random_walks_end_in_valid_documents() {
         for (name, format, check) in walk_schemas() {
             for seed in 1..=4u64 {
                 let (text, per_mask, _) =
-                    random_walk(&tokenizer, &compiler, &format, seed, 200, &pieces);
+                    random_walk(&tokenizer, &compiler, &format, seed, 1000, &pieces);
                 let value: Value = serde_json::from_str(&text)
                     .unwrap_or_else(|e| panic!("{fixture_name}/{name}/{seed}: {text:?}: {e}"));
                 assert!(check(&value), "{fixture_name}/{name}/{seed}: {text}");
@@ -670,7 +670,7 @@ fn random_walks_on_a_deepseek_sized_vocabulary() {
     for (name, format, check) in walk_schemas() {
         for seed in 1..=3 {
             let (text, per_mask, longest) =
-                random_walk(&tokenizer, &compiler, &format, seed, 200, &pieces);
+                random_walk(&tokenizer, &compiler, &format, seed, 1000, &pieces);
             let value: Value =
                 serde_json::from_str(&text).unwrap_or_else(|e| panic!("{name}: {text:?}: {e}"));
             assert!(check(&value), "{name}: {text}");
