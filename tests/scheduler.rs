@@ -76,6 +76,20 @@ fn greedy(max_tokens: usize) -> GenerationParams {
     GenerationParams::greedy(max_tokens)
 }
 
+/// Sampling at temperature 0.9 with top-k 40 and top-p 0.95, seeded.
+fn sampled(seed: u32, max_tokens: usize) -> GenerationParams {
+    GenerationParams {
+        sampling: SamplingParams {
+            temperature: 0.9,
+            top_k: 40,
+            top_p: 0.95,
+            seed,
+            ..SamplingParams::GREEDY
+        },
+        ..greedy(max_tokens)
+    }
+}
+
 /// Adds six copies of fixture `name`'s greedy prompt at staggered times and checks every one
 /// continues exactly as transformers did.
 fn six_staggered_copies_match_transformers(name: &str, rc: RunnerConfig) -> u64 {
@@ -271,16 +285,7 @@ fn distinct_prompts_batched_give_what_each_gives_alone() {
 fn sampled_sequences_are_reproducible_per_seed_whatever_the_batch() {
     let (alone, tok, _) = default_model(1);
     let (runner, _, _) = default_model(8);
-    let params = |seed| GenerationParams {
-        sampling: SamplingParams {
-            temperature: 0.9,
-            top_k: 40,
-            top_p: 0.95,
-            seed,
-            ..SamplingParams::GREEDY
-        },
-        ..greedy(16)
-    };
+    let params = |seed| sampled(seed, 16);
     let prompt = tok.encode("ROMEO:", true).unwrap();
     let mut one = Scheduler::new(alone, None, Vec::new()).unwrap();
     one.add(0, prompt.clone(), params(7)).unwrap();
@@ -306,16 +311,7 @@ fn seeded_sampling_is_the_same_with_and_without_prefix_caching() {
     let (_, tok, _) = default_model(1);
     let system = "ROMEO:\nBut soft, what light through yonder window breaks? It is the east, and \
                   Juliet is the sun. Arise, fair sun, and kill the envious moon.\n";
-    let params = |seed| GenerationParams {
-        sampling: SamplingParams {
-            temperature: 0.9,
-            top_k: 40,
-            top_p: 0.95,
-            seed,
-            ..SamplingParams::GREEDY
-        },
-        ..greedy(12)
-    };
+    let params = |seed| sampled(seed, 12);
     let run = |caching: bool| {
         let (runner, _, _) = default_model(4);
         let mut s = Scheduler::new(runner, None, Vec::new()).unwrap();

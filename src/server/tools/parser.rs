@@ -234,6 +234,12 @@ pub fn parse_whole(
     let mut parser = ToolCallParser::new(format);
     let mut parsed = parser.push(text);
     parsed.extend(parser.finish());
+    let (content, calls) = assemble(parsed);
+    ((!content.is_empty()).then_some(content), calls)
+}
+
+/// The content and the calls (name, arguments) that parsed pieces add up to.
+fn assemble(parsed: Vec<Parsed>) -> (String, Vec<(String, String)>) {
     let mut content = String::new();
     let mut calls: Vec<(String, String)> = Vec::new();
     for p in parsed {
@@ -247,7 +253,7 @@ pub fn parse_whole(
             }
         }
     }
-    ((!content.is_empty()).then_some(content), calls)
+    (content, calls)
 }
 
 #[cfg(test)]
@@ -281,19 +287,18 @@ mod tests {
             parsed.extend(parser.push(&piece.iter().collect::<String>()));
         }
         parsed.extend(parser.finish());
-        let mut content = String::new();
-        let mut calls: Vec<(String, String)> = Vec::new();
-        for p in parsed {
-            match p {
-                Parsed::Content(c) => content.push_str(&c),
-                Parsed::CallStart { index, name } => {
-                    assert_eq!(index, calls.len());
-                    calls.push((name, String::new()));
-                }
-                Parsed::Arguments { index, text } => calls[index].1.push_str(&text),
-            }
-        }
-        (content, calls)
+        let starts: Vec<usize> = parsed
+            .iter()
+            .filter_map(|p| match p {
+                Parsed::CallStart { index, .. } => Some(*index),
+                _ => None,
+            })
+            .collect();
+        assert!(
+            starts.iter().copied().eq(0..starts.len()),
+            "calls numbered in order"
+        );
+        assemble(parsed)
     }
 
     #[test]
