@@ -219,12 +219,13 @@ impl Choice {
             self.first = false;
             return None;
         }
-        let finish = self.finish_reason();
         // Chat replies may hold tool calls: what the parser releases of the text so far.
         let (content, tool_calls) = match header.flavor {
             Flavor::Completion => (text.clone(), Vec::new()),
             Flavor::Chat => self.parse_tool_calls(header, &text),
         };
+        // After the parser has seen the text: a call may have begun in it.
+        let finish = self.finish_reason();
         self.sent += text.len();
         if content.is_empty() && tool_calls.is_empty() && finish.is_none() && !self.first {
             return None;
