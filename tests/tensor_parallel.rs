@@ -8,9 +8,9 @@ mod common;
 use common::{fixture_dir, max_abs_diff, max_abs_diff_rows, reference, FIXTURES};
 use deepinfer::config::ModelConfig;
 use deepinfer::engine::{self, StopConditions};
-use deepinfer::model::{LogitsOutput, ModelWeights, MoeStrategy, Precision};
-use deepinfer::runner::step::{DecodeRow, SamplingParams};
-use deepinfer::runner::{self, Backend, Runner, RunnerConfig, Step};
+use deepinfer::model::{ModelWeights, MoeStrategy, Precision};
+use deepinfer::runner::step::SamplingParams;
+use deepinfer::runner::{self, Backend, Runner, RunnerConfig};
 use deepinfer::weights::Checkpoint;
 
 const TOL: f32 = 1e-4;
@@ -58,42 +58,15 @@ fn decode_batch_matches(name: &str, tp: usize, moe: MoeStrategy) {
     let r = reference(name);
     let mut one = tp_runner(name, 1, 4, Some(moe));
     let mut split = tp_runner(name, tp, 4, Some(moe));
-    let mut alloc = common::allocator(&*one);
     let rows = 4;
-    let mut tables: Vec<Vec<u32>> = vec![Vec::new(); rows];
-    let n = r.token_ids.len();
+    let unsplit = common::decode_staggered_steps(one.as_mut(), &r.token_ids, rows);
+    let steps = common::decode_staggered_steps(split.as_mut(), &r.token_ids, rows);
     let (mut vs_one, mut vs_hf) = (0.0f32, 0.0f32);
-    for step in 0..n + rows - 1 {
-        let active: Vec<usize> = (0..rows).filter(|&i| step >= i && step - i < n).collect();
-        for &i in &active {
-            alloc.grow(&mut tables[i], step - i + 1).unwrap();
-        }
-        let batch: Vec<DecodeRow> = active
-            .iter()
-            .map(|&i| DecodeRow {
-                token: r.token_ids[step - i],
-                position: step - i,
-                blocks: &tables[i],
-                sampling: SamplingParams::GREEDY,
-                controls: deepinfer::runner::step::LogitControls::NONE,
-            })
-            .collect();
-        let step_of = |run: &mut Box<dyn Runner>| {
-            run.replay(&Step::Decode {
-                rows: &batch,
-                logits: LogitsOutput::Sampled,
-            })
-            .unwrap()
-        };
-        let (a, b) = (step_of(&mut one), step_of(&mut split));
+    for (step, (a, b)) in unsplit.iter().zip(&steps).enumerate() {
         assert_eq!(a.next_tokens, b.next_tokens, "{name} tp {tp} step {step}");
-        for (row, &i) in active.iter().enumerate() {
-            let (a, b) = (
-                &a.logits.as_ref().unwrap()[row],
-                &b.logits.as_ref().unwrap()[row],
-            );
+        for ((a, b), &position) in a.logits.iter().zip(&b.logits).zip(&b.positions) {
             vs_one = vs_one.max(max_abs_diff(a, b));
-            vs_hf = vs_hf.max(max_abs_diff(b, &r.logits[step - i]));
+            vs_hf = vs_hf.max(max_abs_diff(b, &r.logits[position]));
         }
     }
     eprintln!("{name} tp {tp} {moe:?}: vs tp 1 {vs_one:e}, vs transformers {vs_hf:e}");

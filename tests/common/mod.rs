@@ -7,7 +7,7 @@ use deepinfer::config::ModelConfig;
 use deepinfer::engine::BlockAllocator;
 use deepinfer::model::LogitsOutput;
 use deepinfer::model::{ModelWeights, MoeStrategy, Precision};
-use deepinfer::runner::step::{DecodeRow, PrefillChunk, SamplingParams};
+use deepinfer::runner::step::{DecodeRow, LogitControls, PrefillChunk, SamplingParams};
 use deepinfer::runner::{self, Backend, Runner, RunnerConfig, Step, StepOutput};
 use deepinfer::weights::Checkpoint;
 use serde::Deserialize;
@@ -106,14 +106,25 @@ pub fn allocator<R: Runner + ?Sized>(runner: &R) -> BlockAllocator {
     BlockAllocator::new(rc.num_blocks, rc.block_size).unwrap()
 }
 
+/// One step of [`decode_staggered_steps`]: the sampled tokens, and each active row's position
+/// and logits, in row order.
+pub struct StaggeredStep {
+    pub next_tokens: Vec<u32>,
+    pub positions: Vec<usize>,
+    pub logits: Vec<Vec<f32>>,
+}
+
 /// `rows` sequences decode `ids` one token at a time through the decode graph only, row `i`
-/// starting `i` steps late (so positions differ within a batch); the largest difference of any
-/// row's logits from `want` (its position's row). Every logit must be finite.
-pub fn decode_staggered(run: &mut dyn Runner, ids: &[u32], rows: usize, want: &[Vec<f32>]) -> f32 {
+/// starting `i` steps late (so positions differ within a batch); every step's outputs.
+pub fn decode_staggered_steps(
+    run: &mut dyn Runner,
+    ids: &[u32],
+    rows: usize,
+) -> Vec<StaggeredStep> {
     let mut alloc = allocator(&*run);
     let mut tables: Vec<Vec<u32>> = vec![Vec::new(); rows];
     let n = ids.len();
-    let mut worst = 0.0f32;
+    let mut steps = Vec::new();
     for step in 0..n + rows - 1 {
         let active: Vec<usize> = (0..rows).filter(|&i| step >= i && step - i < n).collect();
         for &i in &active {
@@ -126,7 +137,7 @@ pub fn decode_staggered(run: &mut dyn Runner, ids: &[u32], rows: usize, want: &[
                 position: step - i,
                 blocks: &tables[i],
                 sampling: SamplingParams::GREEDY,
-                controls: deepinfer::runner::step::LogitControls::NONE,
+                controls: LogitControls::NONE,
             })
             .collect();
         let out = run
@@ -135,10 +146,22 @@ pub fn decode_staggered(run: &mut dyn Runner, ids: &[u32], rows: usize, want: &[
                 logits: LogitsOutput::Sampled,
             })
             .unwrap();
-        for (row, &i) in active.iter().enumerate() {
-            let got = &out.logits.as_ref().unwrap()[row];
-            assert!(got.iter().all(|x| x.is_finite()));
-            worst = worst.max(max_abs_diff(got, &want[step - i]));
+        steps.push(StaggeredStep {
+            next_tokens: out.next_tokens,
+            positions: active.iter().map(|&i| step - i).collect(),
+            logits: out.logits.unwrap(),
+        });
+    }
+    steps
+}
+
+/// [`decode_staggered_steps`]' largest difference of any row's logits from `want` (its
+/// position's row). Every logit must be finite.
+pub fn decode_staggered(run: &mut dyn Runner, ids: &[u32], rows: usize, want: &[Vec<f32>]) -> f32 {
+    let mut worst = 0.0f32;
+    for step in decode_staggered_steps(run, ids, rows) {
+        for (got, &position) in step.logits.iter().zip(&step.positions) {
+            worst = worst.max(max_abs_diff(got, &want[position]));
         }
     }
     worst
