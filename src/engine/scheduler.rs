@@ -646,8 +646,14 @@ impl<R: Runner> Scheduler<R> {
     }
 
     /// Advances the constraints of the running sequences at `rows` (sorted indices) by their
-    /// `tokens`, all at once ([`advance_all`]); `None` for a row without a constraint.
+    /// `tokens`, all at once ([`advance_all`]); `None` for a row without a constraint, and
+    /// rows past the answer's end have none.
     fn advance_constraints(&mut self, rows: &[usize], tokens: &[u32]) -> Vec<Option<Advance>> {
+        // The common case, no constraint in the step, allocates nothing (an empty answer reads
+        // as `None` for every row).
+        if !rows.iter().any(|&i| self.running[i].constraint.is_some()) {
+            return Vec::new();
+        }
         let mut constrained = Vec::new();
         let mut has = Vec::with_capacity(rows.len());
         let mut next = rows.iter().zip(tokens).peekable();
