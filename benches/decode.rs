@@ -14,7 +14,7 @@ use deepinfer::config::ModelConfig;
 use deepinfer::engine::BlockAllocator;
 use deepinfer::graph::DType;
 use deepinfer::model::{LogitsOutput, ModelWeights, Precision, Quantize};
-use deepinfer::runner::step::{DecodeRow, PrefillChunk, SamplingParams};
+use deepinfer::runner::step::{DecodeRow, LogitControls, PrefillChunk, SamplingParams};
 use deepinfer::runner::{self, Backend, RunnerConfig, Step};
 
 const PROMPT: usize = 16;
@@ -54,7 +54,7 @@ fn decode_step(c: &mut Criterion) {
                     start: 0,
                     blocks: table,
                     sampling: SamplingParams::GREEDY,
-                    controls: deepinfer::runner::step::LogitControls::NONE,
+                    controls: LogitControls::NONE,
                 };
                 runner
                     .replay(&Step::Prefill {
@@ -70,7 +70,7 @@ fn decode_step(c: &mut Criterion) {
                     position: PROMPT,
                     blocks: t,
                     sampling: SamplingParams::GREEDY,
-                    controls: deepinfer::runner::step::LogitControls::NONE,
+                    controls: LogitControls::NONE,
                 })
                 .collect();
             let step = Step::Decode {

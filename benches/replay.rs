@@ -25,7 +25,7 @@ use deepinfer::graph::DType;
 use deepinfer::model::{
     self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, Precision, WeightSpecs,
 };
-use deepinfer::runner::step::{DecodeRow, SamplingParams};
+use deepinfer::runner::step::{DecodeRow, LogitControls, SamplingParams};
 use deepinfer::runner::{
     self, Backend, Buckets, DeviceOptions, DeviceRunner, Runner, RunnerConfig, Step,
 };
@@ -78,7 +78,7 @@ fn decode_rows(tables: &[Vec<u32>]) -> Vec<DecodeRow<'_>> {
             position: 30 + i % 9,
             blocks: t,
             sampling: SamplingParams::GREEDY,
-            controls: deepinfer::runner::step::LogitControls::NONE,
+            controls: LogitControls::NONE,
         })
         .collect()
 }
@@ -269,7 +269,7 @@ fn decode_step(c: &mut Criterion) {
                 position: 32 + i,
                 blocks: t,
                 sampling: SamplingParams::GREEDY,
-                controls: deepinfer::runner::step::LogitControls::NONE,
+                controls: LogitControls::NONE,
             })
             .collect();
         let step = Step::Decode {

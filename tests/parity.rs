@@ -7,7 +7,7 @@ mod common;
 use common::{max_abs_diff_rows, reference, runner, FIXTURES};
 use deepinfer::engine::{self, StopConditions};
 use deepinfer::model::{LogitsOutput, MoeStrategy};
-use deepinfer::runner::step::{DecodeRow, SamplingParams};
+use deepinfer::runner::step::{DecodeRow, LogitControls, SamplingParams};
 use deepinfer::runner::Step;
 
 const TOL: f32 = 1e-4;
@@ -139,7 +139,7 @@ fn packed_prefill_matches_transformers_at_every_position() {
             start: 0,
             blocks: &c,
             sampling: SamplingParams::GREEDY,
-            controls: deepinfer::runner::step::LogitControls::NONE,
+            controls: LogitControls::NONE,
         };
         run.replay(&Step::Prefill {
             chunks: &[first],
@@ -153,21 +153,21 @@ fn packed_prefill_matches_transformers_at_every_position() {
                 start: 0,
                 blocks: &a,
                 sampling: SamplingParams::GREEDY,
-                controls: deepinfer::runner::step::LogitControls::NONE,
+                controls: LogitControls::NONE,
             },
             PrefillChunk {
                 tokens: &ids[..short],
                 start: 0,
                 blocks: &b,
                 sampling: SamplingParams::GREEDY,
-                controls: deepinfer::runner::step::LogitControls::NONE,
+                controls: LogitControls::NONE,
             },
             PrefillChunk {
                 tokens: &ids[split..n],
                 start: split,
                 blocks: &c,
                 sampling: SamplingParams::GREEDY,
-                controls: deepinfer::runner::step::LogitControls::NONE,
+                controls: LogitControls::NONE,
             },
         ];
         let out = run
@@ -205,7 +205,7 @@ fn packed_prefill_matches_transformers_at_every_position() {
                 position: n,
                 blocks,
                 sampling: SamplingParams::GREEDY,
-                controls: deepinfer::runner::step::LogitControls::NONE,
+                controls: LogitControls::NONE,
             })
             .collect();
         let dec = run

@@ -18,7 +18,7 @@ use deepinfer::config::ModelConfig;
 use deepinfer::error::Error;
 use deepinfer::graph::DType;
 use deepinfer::model::{LogitsOutput, ModelWeights, Precision};
-use deepinfer::runner::step::{DecodeRow, PrefillChunk, SamplingParams};
+use deepinfer::runner::step::{DecodeRow, LogitControls, PrefillChunk, SamplingParams};
 use deepinfer::runner::{
     self, Backend, Buckets, DeviceOptions, DeviceRunner, MetadataSource, NeffSource, Runner,
     RunnerConfig, Step, StepOutput,
@@ -137,7 +137,7 @@ fn workload(r: &mut dyn Runner) -> Trace {
                         start: i * chunk,
                         blocks: &tables[s],
                         sampling: SamplingParams::GREEDY,
-                        controls: deepinfer::runner::step::LogitControls::NONE,
+                        controls: LogitControls::NONE,
                     },
                     logits,
                 )
@@ -159,7 +159,7 @@ fn workload(r: &mut dyn Runner) -> Trace {
                 position: pos[s],
                 blocks: &tables[s],
                 sampling: SamplingParams::GREEDY,
-                controls: deepinfer::runner::step::LogitControls::NONE,
+                controls: LogitControls::NONE,
             })
             .collect();
         let out = r.decode(&rows, step % 2 == 0).unwrap();
@@ -340,7 +340,7 @@ fn every_prefill_bucket_agrees_with_the_cpu_twin() {
                 start: i * 64,
                 blocks: &table,
                 sampling: SamplingParams::GREEDY,
-                controls: deepinfer::runner::step::LogitControls::NONE,
+                controls: LogitControls::NONE,
             };
             let want = c.prefill(&chunk, LogitsOutput::AllPositions).unwrap();
             let got = d.prefill(&chunk, LogitsOutput::AllPositions).unwrap();
@@ -525,7 +525,7 @@ fn counters_of(name: &str) {
             start: 0,
             blocks: &table,
             sampling: SamplingParams::GREEDY,
-            controls: deepinfer::runner::step::LogitControls::NONE,
+            controls: LogitControls::NONE,
         },
         LogitsOutput::AllPositions,
     )
@@ -564,7 +564,7 @@ fn counters_of(name: &str) {
                 position,
                 blocks: t,
                 sampling: SamplingParams::GREEDY,
-                controls: deepinfer::runner::step::LogitControls::NONE,
+                controls: LogitControls::NONE,
             })
             .collect();
         sim.reset();
@@ -607,7 +607,7 @@ fn counters_of(name: &str) {
         position: 41,
         blocks: &tables[0],
         sampling: SamplingParams::GREEDY,
-        controls: deepinfer::runner::step::LogitControls::NONE,
+        controls: LogitControls::NONE,
     }];
     d.set_metadata_source(MetadataSource::OnDevice);
     d.decode(&rows, false).unwrap();
@@ -630,7 +630,7 @@ fn input_on_device_replays_what_the_caller_wrote() {
         start: 0,
         blocks: &table,
         sampling: SamplingParams::GREEDY,
-        controls: deepinfer::runner::step::LogitControls::NONE,
+        controls: LogitControls::NONE,
     };
     let want = c.prefill(&chunk, LogitsOutput::Sampled).unwrap();
     // The caller writes the prefill metadata into the runner's buffers itself.
@@ -682,7 +682,7 @@ fn destroy_is_idempotent_and_capture_works_again() {
                 position: 0,
                 blocks: &table,
                 sampling: SamplingParams::GREEDY,
-                controls: deepinfer::runner::step::LogitControls::NONE,
+                controls: LogitControls::NONE,
             }],
             false,
         )
@@ -716,7 +716,7 @@ fn bad_inputs_are_clear_errors_and_the_runner_keeps_working() {
             position: 0,
             blocks: t,
             sampling: SamplingParams::GREEDY,
-            controls: deepinfer::runner::step::LogitControls::NONE,
+            controls: LogitControls::NONE,
         })
         .collect();
     let err = d.decode(&rows, false).unwrap_err();
@@ -732,7 +732,7 @@ fn bad_inputs_are_clear_errors_and_the_runner_keeps_working() {
                 position: 64,
                 blocks: &long,
                 sampling: SamplingParams::GREEDY,
-                controls: deepinfer::runner::step::LogitControls::NONE,
+                controls: LogitControls::NONE,
             }],
             false,
         )
@@ -745,7 +745,7 @@ fn bad_inputs_are_clear_errors_and_the_runner_keeps_working() {
                 start: 63,
                 blocks: &long,
                 sampling: SamplingParams::GREEDY,
-                controls: deepinfer::runner::step::LogitControls::NONE,
+                controls: LogitControls::NONE,
             },
             LogitsOutput::None,
         )
@@ -759,7 +759,7 @@ fn bad_inputs_are_clear_errors_and_the_runner_keeps_working() {
                 position: 0,
                 blocks: &tables[0],
                 sampling: SamplingParams::GREEDY,
-                controls: deepinfer::runner::step::LogitControls::NONE,
+                controls: LogitControls::NONE,
             }],
             false,
         )
@@ -772,7 +772,7 @@ fn bad_inputs_are_clear_errors_and_the_runner_keeps_working() {
                 start: 0,
                 blocks: &long,
                 sampling: SamplingParams::GREEDY,
-                controls: deepinfer::runner::step::LogitControls::NONE,
+                controls: LogitControls::NONE,
             },
             LogitsOutput::None,
         )
@@ -810,7 +810,7 @@ fn child_execute_fault() {
         start: 0,
         blocks: &table,
         sampling: SamplingParams::GREEDY,
-        controls: deepinfer::runner::step::LogitControls::NONE,
+        controls: LogitControls::NONE,
     };
     // Execution 1 succeeds.
     let want = c.prefill(&chunk, LogitsOutput::Sampled).unwrap();
@@ -822,7 +822,7 @@ fn child_execute_fault() {
         position: 3,
         blocks: &table,
         sampling: SamplingParams::GREEDY,
-        controls: deepinfer::runner::step::LogitControls::NONE,
+        controls: LogitControls::NONE,
     }];
     // Execution 2 is the injected failure.
     let err = d.decode(&rows, true).unwrap_err();
@@ -1055,7 +1055,7 @@ fn packed_prefill_on_nrt_sim_matches_transformers() {
         start,
         blocks,
         sampling: SamplingParams::GREEDY,
-        controls: deepinfer::runner::step::LogitControls::NONE,
+        controls: LogitControls::NONE,
     };
     let both = [chunk(&ids[..n], 0, &a), chunk(&ids[..3], 0, &b)];
     let out = d

@@ -15,7 +15,7 @@ use common::{fixture_dir, max_abs_diff_rows, reference, RunnerExt, FIXTURES};
 use deepinfer::config::ModelConfig;
 use deepinfer::engine::{self, StopConditions};
 use deepinfer::model::{LogitsOutput, ModelWeights, Precision};
-use deepinfer::runner::step::{PrefillChunk, SamplingParams};
+use deepinfer::runner::step::{LogitControls, PrefillChunk, SamplingParams};
 use deepinfer::runner::{self, Backend, DeviceOptions, DeviceRunner, Runner, RunnerConfig};
 use deepinfer::weights::Checkpoint;
 use neuron_sys::Library;
@@ -128,7 +128,7 @@ fn child_rank_fault() {
         start: 0,
         blocks: &table,
         sampling: SamplingParams::GREEDY,
-        controls: deepinfer::runner::step::LogitControls::NONE,
+        controls: LogitControls::NONE,
     };
     let first = d.prefill(&chunk, LogitsOutput::Sampled).unwrap();
     let t = Instant::now();
