@@ -8,7 +8,7 @@ use clap::Args;
 use deepinfer::config::ModelConfig;
 use deepinfer::engine::BlockAllocator;
 use deepinfer::model::{LogitsOutput, ModelWeights};
-use deepinfer::runner::step::{DecodeRow, PrefillChunk, SamplingParams};
+use deepinfer::runner::step::{DecodeRow, LogitControls, PrefillChunk, SamplingParams};
 use deepinfer::runner::{self, Backend, RunnerConfig, Step};
 use deepinfer::weights::Checkpoint;
 
@@ -74,7 +74,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
             start: 0,
             blocks: table,
             sampling: SamplingParams::GREEDY,
-            controls: deepinfer::runner::step::LogitControls::NONE,
+            controls: LogitControls::NONE,
         };
         let out = runner.replay(&Step::Prefill {
             chunks: &[chunk],
@@ -95,7 +95,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
                 position,
                 blocks: t,
                 sampling: SamplingParams::GREEDY,
-                controls: deepinfer::runner::step::LogitControls::NONE,
+                controls: LogitControls::NONE,
             })
             .collect();
         let step = Step::Decode {
