@@ -25,7 +25,7 @@ use super::error::ApiError;
 use super::logprobs::LogprobsBuilder;
 use super::state::AppState;
 use super::tools::format::ToolCallFormat;
-use super::tools::parser::{parse_whole, Parsed, ToolCallParser};
+use super::tools::parser::{Parsed, ToolCallParser};
 
 /// Which endpoint a response is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -147,9 +147,8 @@ struct Choice {
     /// Log-probabilities not sent yet (streams), or all of them (whole responses).
     logprobs: Option<LogprobsBuilder>,
     finish: Option<FinishReason>,
-    /// Chat with tools: the format calls are parsed in, and (streams) the parser of the text
-    /// so far.
-    tool_format: Option<&'static ToolCallFormat>,
+    /// Chat with tools: the parser of the reply's text (fed as it streams, or whole at the
+    /// end).
     tool_parser: Option<ToolCallParser>,
 }
 
@@ -161,7 +160,6 @@ impl Choice {
         tool_format: Option<&'static ToolCallFormat>,
     ) -> Self {
         Choice {
-            tool_format,
             tool_parser: tool_format.map(ToolCallParser::new),
             index,
             tokens: 0,
@@ -308,12 +306,11 @@ impl Choice {
                 "finish_reason": self.finish.map(FinishReason::as_str),
             }),
             Flavor::Chat => {
-                let (content, calls) = match self.tool_format {
-                    Some(format) => parse_whole(format, &self.text),
+                let (content, calls) = match self.tool_parser.as_mut() {
+                    Some(parser) => parser.parse_rest(&self.text),
                     None => (Some(std::mem::take(&mut self.text)), Vec::new()),
                 };
                 let mut message = json!({"role": "assistant", "content": content});
-                let mut finish = self.finish.map(FinishReason::as_str);
                 if !calls.is_empty() {
                     let calls: Vec<Value> = calls
                         .into_iter()
@@ -327,9 +324,6 @@ impl Choice {
                         })
                         .collect();
                     message["tool_calls"] = Value::Array(calls);
-                    if self.finish == Some(FinishReason::Stop) {
-                        finish = Some("tool_calls");
-                    }
                 } else if message["content"].is_null() {
                     message["content"] = json!("");
                 }
@@ -337,7 +331,7 @@ impl Choice {
                     "index": self.index,
                     "message": message,
                     "logprobs": lp,
-                    "finish_reason": finish,
+                    "finish_reason": self.finish_reason(),
                 })
             }
         }

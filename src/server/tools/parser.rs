@@ -99,6 +99,15 @@ impl ToolCallParser {
         out
     }
 
+    /// Takes the rest of the reply at once and ends it: its content (`None` when empty) and
+    /// calls (name, arguments), in order.
+    pub fn parse_rest(&mut self, text: &str) -> (Option<String>, Vec<(String, String)>) {
+        let mut parsed = self.push(text);
+        parsed.extend(self.finish());
+        let (content, calls) = assemble(parsed);
+        ((!content.is_empty()).then_some(content), calls)
+    }
+
     /// One move on the held text; false when it needs more text to move on.
     fn step(&mut self, out: &mut Vec<Parsed>) -> bool {
         let f = self.format;
@@ -226,18 +235,6 @@ fn partial_marker_len(text: &str, marker: &str) -> usize {
         .unwrap_or(0)
 }
 
-/// A whole reply's content (`None` when empty) and calls (name, arguments), in order.
-pub fn parse_whole(
-    format: &'static ToolCallFormat,
-    text: &str,
-) -> (Option<String>, Vec<(String, String)>) {
-    let mut parser = ToolCallParser::new(format);
-    let mut parsed = parser.push(text);
-    parsed.extend(parser.finish());
-    let (content, calls) = assemble(parsed);
-    ((!content.is_empty()).then_some(content), calls)
-}
-
 /// The content and the calls (name, arguments) that parsed pieces add up to.
 fn assemble(parsed: Vec<Parsed>) -> (String, Vec<(String, String)>) {
     let mut content = String::new();
@@ -260,6 +257,13 @@ fn assemble(parsed: Vec<Parsed>) -> (String, Vec<(String, String)>) {
 mod tests {
     use super::super::format::{DEEPSEEK_V3, DEEPSEEK_V31};
     use super::*;
+
+    fn parse_whole(
+        format: &'static ToolCallFormat,
+        text: &str,
+    ) -> (Option<String>, Vec<(String, String)>) {
+        ToolCallParser::new(format).parse_rest(text)
+    }
 
     /// Two calls as DeepSeek-V3 writes them (vLLM's parser documents the same example).
     const V3_TWO_CALLS: &str = "Let me check.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"Paris\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>get_time\n```json\n{\"zone\": \"CET\", \"fmt\": \"```\"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>";
