@@ -13,15 +13,18 @@
 //!   the top 20 alternatives (a log-sum-exp and a selection over the whole row).
 //!
 //! - `json_schema_masks_64_rows`: structured outputs' share of a decode step: 64 sequences
-//!   under one JSON schema (an object with a bounded string, an integer range, an enum and an
-//!   array of them): one iteration is one step's host work, the 64 masks filled as the
-//!   scheduler does it (`grammar::fill_masks` and `grammar::advance_all`, on rayon's threads):
-//!   every mask filled and every row's constraint advanced by its token (`one_thread`: the same
-//!   work one row after the other), with the default model's
+//!   under one JSON schema (an object with a string, an integer range, an enum and an array of
+//!   enums; the string with `maxLength` 16 or unbounded): one iteration is one step's host
+//!   work, every mask filled and every row's constraint advanced by its token as the scheduler
+//!   does it (`fill_masks`: `grammar::fill_masks` and `grammar::advance_all`, on rayon's
+//!   threads; `one_thread`: the same work one row after the other), with the default model's
 //!   tokenizer (4,096 tokens) and with a synthetic byte-level vocabulary of DeepSeek V3's
-//!   129,280 (`tests/common/synthetic_vocab.rs`).
-//!   The masks are walked through a whole document by always taking the lowest allowed token,
-//!   restarting each row when its document is done, so every kind of grammar state is measured.
+//!   129,280 (`tests/common/synthetic_vocab.rs`). Each row walks whole documents by always
+//!   taking the lowest allowed token, starting over (off the clock) when one is done; row `i`
+//!   starts `3i` tokens ahead, and the rows live across criterion's samples, so a step's rows
+//!   are at different places and the mean covers every kind of grammar state. A new document
+//!   is a new sequence from the compiler's cache, as a server's next request is: its lexer
+//!   family (see `grammar`'s "Shared lexers") has already built most of the DFA it needs.
 //!
 //! Run with `cargo bench --bench host_work`.
 
@@ -100,12 +103,20 @@ fn token_logprobs(c: &mut Criterion) {
     });
 }
 
-/// The schema of `json_schema_masks_64_rows`.
-fn schema() -> serde_json::Value {
+/// The schemas of `json_schema_masks_64_rows`: an object with a string, an integer range, an
+/// enum and an array of enums, the string bounded by `maxLength` or not. A bounded string's
+/// interior is where llguidance's masks cost most (each position is a lexer state of its own,
+/// and near the bound its precomputed token slices no longer apply, so it walks the whole
+/// token trie).
+fn schema(max_length: Option<u64>) -> serde_json::Value {
+    let mut name = serde_json::json!({"type": "string"});
+    if let Some(n) = max_length {
+        name["maxLength"] = n.into();
+    }
     serde_json::json!({
         "type": "object",
         "properties": {
-            "name": {"type": "string", "maxLength": 16},
+            "name": name,
             "age": {"type": "integer", "minimum": 0, "maximum": 120},
             "mood": {"enum": ["happy", "sad", "angry"]},
             "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4}
@@ -124,89 +135,117 @@ fn json_schema_masks(c: &mut Criterion) {
         std::env::temp_dir().join(format!("deepinfer-bench-vocab-{}", std::process::id()));
     let deepseek_sized = synthetic_vocab::synthetic_tokenizer(&synthetic_dir, 129_280);
     let mut group = c.benchmark_group("json_schema_masks_64_rows");
-    for (name, tok) in [
-        ("default_model_4096", &default_model),
-        ("vocab_129280", &deepseek_sized),
+    for (name, tok, max_length) in [
+        ("default_model_4096/max_length_16", &default_model, Some(16)),
+        ("vocab_129280/max_length_16", &deepseek_sized, Some(16)),
+        ("vocab_129280/unbounded", &deepseek_sized, None),
     ] {
-        group.bench_function(format!("{name}/one_thread"), |b| {
-            masks_64_rows(b, tok, false)
-        });
-        group.bench_function(format!("{name}/fill_masks"), |b| {
-            masks_64_rows(b, tok, true)
-        });
+        // One set of rows per case, kept across criterion's samples (which call the closure
+        // afresh) so the steps measured cover whole documents.
+        let mut rows = SchemaRows::new(tok, schema(max_length));
+        for parallel in [false, true] {
+            let variant = if parallel { "fill_masks" } else { "one_thread" };
+            group.bench_function(format!("{name}/{variant}"), |b| {
+                b.iter_custom(|iters| (0..iters).map(|_| rows.step(parallel)).sum())
+            });
+        }
     }
     group.finish();
     let _ = std::fs::remove_dir_all(&synthetic_dir);
 }
 
-/// One iteration: every one of 64 rows fills its mask (one after the other, or as the
-/// scheduler does with `parallel`) and accepts its next token.
-fn masks_64_rows(
-    b: &mut criterion::Bencher,
-    tok: &deepinfer::tokenizer::Tokenizer,
-    parallel: bool,
-) {
-    use deepinfer::engine::grammar::{
-        advance_all, fill_masks, Advance, GrammarCompiler, ResponseFormat,
-    };
+/// 64 sequences under one schema, each at its own place in its document.
+struct SchemaRows {
+    compiler: deepinfer::engine::grammar::GrammarCompiler,
+    format: deepinfer::engine::grammar::ResponseFormat,
+    rows: Vec<deepinfer::engine::grammar::Constraint>,
+    masks: Vec<Vec<u32>>,
+}
+
+impl SchemaRows {
     const ROWS: usize = 64;
-    let compiler = GrammarCompiler::new(tok).expect("a grammar compiler");
-    let format = ResponseFormat::JsonSchema {
-        name: "person".into(),
-        schema: schema(),
-        strict: Some(true),
-    };
-    let fresh = || {
-        compiler
-            .matcher(&format)
-            .expect("schema")
-            .expect("a constraint")
-    };
-    let mut rows: Vec<_> = (0..ROWS).map(|_| fresh()).collect();
-    let words = compiler.mask_words();
-    let mut masks = vec![vec![0u32; words]; ROWS];
-    let eos = compiler.eos_token_id();
-    // Only the step's work is timed: a row whose document is done is started over (a deep
-    // copy of the compiled grammar, which a request pays once, not per step) off the clock.
-    b.iter_custom(|iters| {
-        let mut timed = std::time::Duration::ZERO;
-        for _ in 0..iters {
-            let start = std::time::Instant::now();
-            let mut step: Vec<_> = rows
-                .iter_mut()
-                .zip(masks.iter_mut())
-                .map(|(row, mask)| (row, mask.as_mut_slice()))
-                .collect();
-            if parallel {
-                fill_masks(&mut step);
-            } else {
-                for (row, mask) in step.iter_mut() {
-                    row.fill_mask(mask);
-                }
-            }
-            // Each row's token: the lowest allowed, or end-of-sequence once the document is
-            // complete (then the row starts over).
-            let tokens: Vec<u32> = masks
-                .iter()
-                .map(|mask| lowest_allowed_but(mask, eos).unwrap_or(eos))
-                .collect();
-            let mut step: Vec<_> = rows.iter_mut().zip(tokens).collect();
-            let advanced = if parallel {
-                advance_all(&mut step)
-            } else {
-                step.iter_mut().map(|(row, t)| row.advance(*t)).collect()
-            };
-            let done: Vec<bool> = advanced.iter().map(|a| *a != Advance::Accepted).collect();
-            timed += start.elapsed();
-            black_box(&masks);
-            for (row, done) in rows.iter_mut().zip(done) {
-                if done {
-                    *row = fresh();
+
+    fn new(tok: &deepinfer::tokenizer::Tokenizer, schema: serde_json::Value) -> Self {
+        use deepinfer::engine::grammar::{GrammarCompiler, ResponseFormat};
+        let compiler = GrammarCompiler::new(tok).expect("a grammar compiler");
+        let format = ResponseFormat::JsonSchema {
+            name: "person".into(),
+            schema,
+            strict: Some(true),
+        };
+        let words = compiler.mask_words();
+        let mut rows = SchemaRows {
+            rows: Vec::new(),
+            masks: vec![vec![0u32; words]; Self::ROWS],
+            compiler,
+            format,
+        };
+        rows.rows = (0..Self::ROWS).map(|_| rows.fresh()).collect();
+        // Row i starts 3i tokens into its documents, so the rows are at different places in
+        // their grammars (as a server's are), not in lockstep.
+        for i in 0..Self::ROWS {
+            for _ in 0..3 * i {
+                let mut one = [(&mut rows.rows[i], rows.masks[i].as_mut_slice())];
+                deepinfer::engine::grammar::fill_masks(&mut one);
+                let token = rows.token(i);
+                if rows.rows[i].advance(token) != deepinfer::engine::grammar::Advance::Accepted {
+                    rows.rows[i] = rows.fresh();
                 }
             }
         }
+        rows
+    }
+
+    /// A new sequence, as a server's next request gets one from the compiler's cache.
+    fn fresh(&self) -> deepinfer::engine::grammar::Constraint {
+        self.compiler
+            .matcher(&self.format)
+            .expect("schema")
+            .expect("a constraint")
+    }
+
+    /// Row `i`'s next token: the lowest its mask allows, or end-of-sequence once the document
+    /// is complete.
+    fn token(&self, i: usize) -> u32 {
+        let eos = self.compiler.eos_token_id();
+        lowest_allowed_but(&self.masks[i], eos).unwrap_or(eos)
+    }
+
+    /// One decode step's grammar work, timed: every mask filled, every constraint advanced by
+    /// its row's token (as the scheduler does it with `parallel`, else one row after the
+    /// other). A row whose document is done starts over, off the clock.
+    fn step(&mut self, parallel: bool) -> std::time::Duration {
+        use deepinfer::engine::grammar::{advance_all, fill_masks, Advance};
+        let start = std::time::Instant::now();
+        let mut step: Vec<_> = self
+            .rows
+            .iter_mut()
+            .zip(self.masks.iter_mut())
+            .map(|(row, mask)| (row, mask.as_mut_slice()))
+            .collect();
+        if parallel {
+            fill_masks(&mut step);
+        } else {
+            for (row, mask) in step.iter_mut() {
+                row.fill_mask(mask);
+            }
+        }
+        let tokens: Vec<u32> = (0..Self::ROWS).map(|i| self.token(i)).collect();
+        let mut step: Vec<_> = self.rows.iter_mut().zip(tokens).collect();
+        let advanced = if parallel {
+            advance_all(&mut step)
+        } else {
+            step.iter_mut().map(|(row, t)| row.advance(*t)).collect()
+        };
+        let timed = start.elapsed();
+        black_box(&self.masks);
+        for (i, advance) in advanced.into_iter().enumerate() {
+            if advance != Advance::Accepted {
+                self.rows[i] = self.fresh();
+            }
+        }
         timed
-    })
+    }
 }
 
 /// The lowest token the mask allows other than `eos` (a word at a time).

@@ -687,3 +687,91 @@ fn random_walks_on_a_deepseek_sized_vocabulary() {
     eprintln!("  mean {:.1} µs per mask", per_mask.as_secs_f64() * 1e6);
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Sequences of one schema share a lexer family's DFA, and a step's rows are filled and
+/// advanced together on several threads (`fill_masks`, `advance_all`). Every row's masks, over
+/// whole documents of uniformly drawn tokens, must be exactly those of a constraint that
+/// shares nothing (a second compiler, one row at a time). More sequences are made first than
+/// the families serve before renewal, so renewed families are among those checked.
+#[test]
+fn rows_sharing_lexers_mask_as_rows_alone() {
+    use deepinfer::engine::grammar::{advance_all, fill_masks, Advance, FAMILY_SEQUENCES};
+    let (tokenizer, shared) = load("default-model");
+    let (_, alone) = load("default-model");
+    let schemas = walk_schemas();
+    for (_, format, _) in &schemas {
+        for _ in 0..=32 * FAMILY_SEQUENCES {
+            drop(shared.matcher(format).unwrap());
+        }
+    }
+    let pieces = token_pieces(&tokenizer);
+    let eos = shared.eos_token_id();
+    const ROWS: usize = 24;
+    let schema_of = |row: usize| row % schemas.len();
+    let mut rows: Vec<Constraint> = (0..ROWS)
+        .map(|r| shared.matcher(&schemas[schema_of(r)].1).unwrap().unwrap())
+        .collect();
+    let mut masks = vec![vec![0u32; shared.mask_words()]; ROWS];
+    let mut rngs: Vec<Lcg> = (0..ROWS as u64).map(|r| Lcg(r + 11)).collect();
+    // Each row's document so far, and the masks it was given.
+    let mut generated: Vec<Vec<u32>> = vec![Vec::new(); ROWS];
+    let mut given: Vec<Vec<Vec<u32>>> = vec![Vec::new(); ROWS];
+    let mut finished = 0;
+    for _ in 0..400 {
+        let mut step: Vec<_> = rows
+            .iter_mut()
+            .zip(masks.iter_mut())
+            .map(|(c, m)| (c, m.as_mut_slice()))
+            .collect();
+        fill_masks(&mut step);
+        let mut tokens = Vec::with_capacity(ROWS);
+        for r in 0..ROWS {
+            given[r].push(masks[r].clone());
+            let choices = allowed_tokens(&masks[r]);
+            assert!(!choices.is_empty(), "row {r}: empty mask");
+            tokens.push(choices[rngs[r].below(choices.len())]);
+        }
+        let mut step: Vec<_> = rows.iter_mut().zip(tokens.iter().copied()).collect();
+        let advanced = advance_all(&mut step);
+        for r in 0..ROWS {
+            let done = match &advanced[r] {
+                Advance::Accepted if tokens[r] != eos => {
+                    generated[r].push(tokens[r]);
+                    false
+                }
+                Advance::Accepted | Advance::WasFinished => true,
+                Advance::Refused(e) => panic!("row {r}: a token its mask allowed: {e}"),
+            };
+            if !done {
+                continue;
+            }
+            // The row's document is complete: its masks must be those of a constraint alone.
+            let (name, format, _) = &schemas[schema_of(r)];
+            let mut reference = alone.matcher(format).unwrap().unwrap();
+            let mut words = vec![0u32; alone.mask_words()];
+            for (i, mask) in given[r].iter().enumerate() {
+                reference.fill_mask(&mut words);
+                assert!(
+                    words == *mask,
+                    "row {r} ({name}): mask {i} differs after {:?}",
+                    &pieces_of(&pieces, &generated[r][..i])
+                );
+                if let Some(&token) = generated[r].get(i) {
+                    reference.accept(token).unwrap();
+                }
+            }
+            finished += 1;
+            rows[r] = shared.matcher(format).unwrap().unwrap();
+            generated[r].clear();
+            given[r].clear();
+        }
+    }
+    assert!(finished >= 2 * ROWS, "only {finished} documents finished");
+}
+
+fn pieces_of(pieces: &[String], tokens: &[u32]) -> String {
+    tokens
+        .iter()
+        .map(|&t| pieces[t as usize].as_str())
+        .collect()
+}

@@ -21,8 +21,7 @@
 //! the mask cannot start before it exists; so the masks are computed between steps, not while
 //! the device runs one. What keeps that gap short is [`fill_masks`] and [`advance_all`]: the
 //! rows' grammars are independent, so a step's tokens are taken and its masks filled in
-//! parallel (each takes tens of microseconds at a
-//! DeepSeek-sized vocabulary; `benches/host_work.rs` measures 64 rows).
+//! parallel (see "Costs"; `benches/host_work.rs` measures 64 rows).
 //!
 //! # Tokens
 //!
@@ -53,15 +52,33 @@
 //!   as llguidance forces it.
 //! - A request with `ignore_eos` cannot go on once [`Constraint::is_finished`]: end it.
 //!
+//! # Shared lexers
+//!
+//! llguidance's lexer is a DFA built lazily, a state at a time, as documents reach new lexer
+//! states; building a state (regex derivatives) costs far more than following one. A deep copy
+//! of a compiled grammar has its own, empty DFA; a shallow copy shares the DFA of the copy it
+//! came from (behind a mutex, held while a mask is computed or a token taken). So each
+//! compiled grammar keeps a few *lexer families* (a few per rayon thread), and every sequence
+//! gets a shallow copy of one of them in turn: the DFA a family has built serves all its later
+//! sequences, and [`fill_masks`] and [`advance_all`] run each family's rows one after another
+//! on one thread (they would wait on its mutex anyway) and different families in parallel.
+//! A family is replaced by a fresh deep copy after [`FAMILY_SEQUENCES`] sequences, so a DFA
+//! that grew with one unusual document does not stay large (or near llguidance's cap on lexer
+//! states, which would fail every sequence sharing it) for good.
+//!
 //! # Costs
 //!
-//! Measured by `tests/grammar.rs` (a shared 2-core machine): building a [`GrammarCompiler`]
-//! for a 129k-token vocabulary takes about 0.4 s; compiling a small schema under 1 ms, and a
-//! cached one's copy about 10 µs; a mask 10 to 50 µs on average, up to about 2 ms a step inside
-//! strings with `maxLength` (each position is a lexer state of its own).
+//! On a shared 2-core machine (`tests/grammar.rs`, `benches/host_work.rs`): building a
+//! [`GrammarCompiler`] for a 129k-token vocabulary takes about 0.4 s; compiling a small schema
+//! under 1 ms, and a cached one's copy about 10 µs. At 129k tokens a mask between JSON tokens
+//! takes a few microseconds once its lexer family has built the states; inside a string with
+//! `maxLength`, near the bound, 0.4 to 2 ms: each position is a lexer state of its own, and
+//! llguidance's precomputed token slices (strings of up to 10 and 30 characters) no longer fit,
+//! so it walks the whole token trie. That walk, not the DFA, is what a step's masks cost there.
 
 use std::collections::{HashMap, VecDeque};
 use std::fmt;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use llguidance::api::TopLevelGrammar;
@@ -84,6 +101,14 @@ pub const DEFAULT_WHITESPACE_PATTERN: &str = r"[\x20\x09]{1,12}|\x0A[\x20\x09]{0
 /// to send the same few schemas over and over, and a compiled grammar (with its lexer cache)
 /// is worth keeping, but not without bound.
 const CACHE_CAPACITY: usize = 64;
+
+/// How many sequences one lexer family serves before it is replaced by a fresh copy of the
+/// compiled grammar (see "Shared lexers" above): enough that the DFA's building cost is spread
+/// thin, few enough that an outgrown DFA does not last.
+pub const FAMILY_SEQUENCES: usize = 256;
+
+/// Names lexer families, so rows can be grouped by the lexer they share.
+static NEXT_FAMILY: AtomicU64 = AtomicU64::new(0);
 
 /// Why a response format could not be parsed or compiled, or a token not followed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -419,11 +444,72 @@ pub struct GrammarCompiler {
     cache: Mutex<GrammarCache>,
 }
 
-/// Compiled, never advanced matchers by schema text, oldest first out.
+/// Compiled grammars by their text, oldest first out.
 #[derive(Default)]
 struct GrammarCache {
-    matchers: HashMap<String, Matcher>,
+    grammars: HashMap<String, CompiledGrammar>,
     order: VecDeque<String>,
+}
+
+/// One compiled grammar: a never advanced original and the lexer families sequences are
+/// copied from (see "Shared lexers" in the module docs).
+struct CompiledGrammar {
+    original: Matcher,
+    families: Vec<LexerFamily>,
+    /// The family the next sequence joins.
+    next: usize,
+}
+
+/// A never advanced matcher whose lexer (DFA) its shallow copies share.
+struct LexerFamily {
+    template: Matcher,
+    id: u64,
+    sequences: usize,
+}
+
+impl LexerFamily {
+    fn new(original: &Matcher) -> Self {
+        LexerFamily {
+            template: original.deep_clone(),
+            id: NEXT_FAMILY.fetch_add(1, Ordering::Relaxed),
+            sequences: 0,
+        }
+    }
+}
+
+impl CompiledGrammar {
+    fn new(original: Matcher) -> Self {
+        CompiledGrammar {
+            original,
+            families: Vec::new(),
+            next: 0,
+        }
+    }
+
+    /// A sequence's matcher: a shallow copy of the next family's template (sharing its
+    /// lexer), with the family's id. Families are made as sequences arrive, up to
+    /// [`lexer_families`], and renewed once they have served [`FAMILY_SEQUENCES`].
+    fn matcher(&mut self) -> (Matcher, u64) {
+        if self.families.len() < lexer_families() {
+            self.families.push(LexerFamily::new(&self.original));
+        }
+        let index = self.next % self.families.len();
+        self.next = index + 1;
+        let family = &mut self.families[index];
+        if family.sequences >= FAMILY_SEQUENCES {
+            *family = LexerFamily::new(&self.original);
+        }
+        family.sequences += 1;
+        (family.template.clone(), family.id)
+    }
+}
+
+/// How many lexer families a compiled grammar keeps: a few per rayon thread, so that a step's
+/// rows split into enough independent groups for the threads to balance uneven masks (one
+/// inside a bounded string costs a hundred times one between keys), and at most 32, each
+/// family's DFA being memory the grammar keeps.
+fn lexer_families() -> usize {
+    (4 * rayon::current_num_threads()).clamp(1, 32)
 }
 
 impl fmt::Debug for GrammarCompiler {
@@ -529,35 +615,35 @@ impl GrammarCompiler {
             OutputGrammar::JsonSchema(schema) => format!("json:{schema}"),
             OutputGrammar::Lark(lark) => format!("lark:{lark}"),
         };
-        let cached = self
-            .lock_cache()
-            .matchers
-            .get(&key)
-            .map(Matcher::deep_clone);
-        let matcher = match cached {
-            Some(matcher) => matcher,
-            None => {
-                // Compiled outside the lock: a large schema takes milliseconds.
-                let template = self.compile(grammar)?;
-                let matcher = template.deep_clone();
-                let mut cache = self.lock_cache();
-                if !cache.matchers.contains_key(&key) {
-                    if cache.order.len() >= CACHE_CAPACITY {
-                        if let Some(oldest) = cache.order.pop_front() {
-                            cache.matchers.remove(&oldest);
-                        }
-                    }
-                    cache.order.push_back(key.clone());
-                    cache.matchers.insert(key, template);
+        if let Some(compiled) = self.lock_cache().grammars.get_mut(&key) {
+            return Ok(self.constraint(compiled.matcher()));
+        }
+        // Compiled outside the lock: a large schema takes milliseconds.
+        let original = self.compile(grammar)?;
+        let mut guard = self.lock_cache();
+        let cache = &mut *guard;
+        if !cache.grammars.contains_key(&key) {
+            if cache.order.len() >= CACHE_CAPACITY {
+                if let Some(oldest) = cache.order.pop_front() {
+                    cache.grammars.remove(&oldest);
                 }
-                matcher
             }
-        };
-        Ok(Constraint {
+            cache.order.push_back(key.clone());
+        }
+        let compiled = cache
+            .grammars
+            .entry(key)
+            .or_insert_with(|| CompiledGrammar::new(original));
+        Ok(self.constraint(compiled.matcher()))
+    }
+
+    fn constraint(&self, (matcher, lexer_family): (Matcher, u64)) -> Constraint {
+        Constraint {
             matcher,
+            lexer_family,
             vocab_size: self.vocab_size,
             eos_token_id: self.eos_token_id,
-        })
+        }
     }
 
     fn lock_cache(&self) -> std::sync::MutexGuard<'_, GrammarCache> {
@@ -614,19 +700,36 @@ pub fn with_default_options(mut schema: Value) -> Value {
 /// to rayon's pool costs about what it saves.
 const PARALLEL_ROWS: usize = 4;
 
-/// Fills each row's mask for its next token ([`Constraint::fill_mask`]): a step's host work
-/// under structured outputs, on rayon's threads when there are at least a few rows (the rows'
-/// grammars are independent).
-pub fn fill_masks(rows: &mut [(&mut Constraint, &mut [u32])]) {
+/// Runs `work` on every row, one lexer family's rows one after another (they share its
+/// mutex) and different families on rayon's threads when there are at least a few rows;
+/// the results in row order.
+fn by_lexer_family<T: Send, R: Send>(
+    rows: &mut [T],
+    constraint: impl Fn(&T) -> &Constraint,
+    work: impl Fn(&mut T) -> R + Sync,
+) -> Vec<R> {
     use rayon::prelude::*;
-    if rows.len() >= PARALLEL_ROWS {
-        rows.par_iter_mut()
-            .for_each(|(c, words)| c.fill_mask(words));
-    } else {
-        for (c, words) in rows.iter_mut() {
-            c.fill_mask(words);
-        }
+    if rows.len() < PARALLEL_ROWS {
+        return rows.iter_mut().map(work).collect();
     }
+    let mut families: HashMap<u64, Vec<(usize, &mut T)>> = HashMap::new();
+    for (index, row) in rows.iter_mut().enumerate() {
+        let family = constraint(row).lexer_family;
+        families.entry(family).or_default().push((index, row));
+    }
+    let mut results: Vec<(usize, R)> = families
+        .into_par_iter()
+        .flat_map_iter(|(_, rows)| rows.into_iter().map(|(i, row)| (i, work(row))))
+        .collect();
+    results.sort_unstable_by_key(|(index, _)| *index);
+    results.into_iter().map(|(_, r)| r).collect()
+}
+
+/// Fills each row's mask for its next token ([`Constraint::fill_mask`]): a step's host work
+/// under structured outputs, spread over threads by lexer family (see "Shared lexers" in the
+/// module docs).
+pub fn fill_masks(rows: &mut [(&mut Constraint, &mut [u32])]) {
+    by_lexer_family(rows, |(c, _)| c, |(c, words)| c.fill_mask(words));
 }
 
 /// What a constraint made of the token a sequence just generated ([`Constraint::advance`]).
@@ -641,19 +744,10 @@ pub enum Advance {
     Refused(String),
 }
 
-/// Advances each row's constraint by the token its row just generated, on rayon's threads
-/// when there are at least a few rows (as [`fill_masks`]); the results in row order.
+/// Advances each row's constraint by the token its row just generated, spread over threads
+/// as [`fill_masks`]; the results in row order.
 pub fn advance_all(rows: &mut [(&mut Constraint, u32)]) -> Vec<Advance> {
-    use rayon::prelude::*;
-    if rows.len() >= PARALLEL_ROWS {
-        rows.par_iter_mut()
-            .map(|(c, token)| c.advance(*token))
-            .collect()
-    } else {
-        rows.iter_mut()
-            .map(|(c, token)| c.advance(*token))
-            .collect()
-    }
+    by_lexer_family(rows, |(c, _)| c, |(c, token)| c.advance(*token))
 }
 
 /// One sequence's grammar state: which tokens may come next, advanced by each sampled token.
@@ -667,6 +761,8 @@ pub fn advance_all(rows: &mut [(&mut Constraint, u32)]) -> Vec<Advance> {
 /// [`Constraint::rollback`] exists for speculative decoding, which un-samples tokens.
 pub struct Constraint {
     matcher: Matcher,
+    /// The lexer family whose DFA `matcher` shares (see "Shared lexers" in the module docs).
+    lexer_family: u64,
     vocab_size: usize,
     eos_token_id: u32,
 }
