@@ -616,6 +616,84 @@ fn counters_of(name: &str) {
     assert_eq!(c.executions_of("decode_b1_c64"), 1);
 }
 
+/// The allowed-token mask (the one large metadata array) is copied only when it changes: a
+/// step with no constrained row skips it when the buffer already holds all ones, a mask is
+/// always copied, and the all-ones array is copied again after one. Each step's token shows
+/// what the graph saw: the greedy argmax unmasked, the one allowed token masked.
+#[test]
+fn the_allowed_token_mask_is_copied_only_when_it_changes() {
+    let _g = serial();
+    let sim = hooks();
+    let mut d = device("tiny-v3", small_config());
+    let mut blocks = common::allocator(&d);
+    let mut table = Vec::new();
+    blocks.grow(&mut table, 11).unwrap();
+    let p = prompt(10, 3, 512);
+    d.prefill(
+        &PrefillChunk {
+            tokens: &p,
+            start: 0,
+            blocks: &table,
+            sampling: SamplingParams::GREEDY,
+            controls: LogitControls::NONE,
+        },
+        LogitsOutput::Sampled,
+    )
+    .unwrap();
+    // The same row every step: same token and position over the same cache, same logits.
+    let mut step = |allowed: Option<&[u32]>| {
+        let row = DecodeRow {
+            token: 5,
+            position: 10,
+            blocks: &table,
+            sampling: SamplingParams::GREEDY,
+            controls: LogitControls {
+                allowed,
+                ..LogitControls::NONE
+            },
+        };
+        sim.reset();
+        let out = d.decode(&[row], true).unwrap();
+        let c = sim.counters().unwrap();
+        let total: u64 = c.tensor_bytes_written.values().sum();
+        let mask = c.bytes_written("decode_c32/allowed_tokens");
+        (
+            out.next_tokens[0],
+            out.logits.unwrap().remove(0),
+            total,
+            mask,
+        )
+    };
+    let full = meta_bytes_decode(1, 32);
+    let words = 512 / 32;
+    let (first, logits, total, mask) = step(None);
+    assert_eq!(
+        (total, mask),
+        (full, words as u64 * 4),
+        "the first step copies it"
+    );
+    let by_logit = |a: &usize, b: &usize| logits[*a].total_cmp(&logits[*b]);
+    let argmax = (0..logits.len()).max_by(by_logit).unwrap() as u32;
+    let argmin = (0..logits.len()).min_by(by_logit).unwrap() as u32;
+    assert_eq!(first, argmax);
+    assert_ne!(argmin, argmax);
+    let (token, _, total, mask) = step(None);
+    assert_eq!((token, total, mask), (argmax, full - words as u64 * 4, 0));
+    // Only the least likely token allowed.
+    let mut only = vec![0u32; words];
+    only[argmin as usize / 32] = 1 << (argmin % 32);
+    let (token, _, total, _) = step(Some(&only));
+    assert_eq!((token, total), (argmin, full));
+    let (token, _, total, _) = step(None);
+    assert_eq!(
+        (token, total),
+        (argmax, full),
+        "all ones are copied again after a mask"
+    );
+    let (token, _, total, mask) = step(None);
+    assert_eq!((token, total, mask), (argmax, full - words as u64 * 4, 0));
+}
+
 #[test]
 fn input_on_device_replays_what_the_caller_wrote() {
     let _g = serial();

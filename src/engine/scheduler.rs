@@ -627,8 +627,6 @@ impl<R: Runner> Scheduler<R> {
         true
     }
 
-    /// Decodes one token for every decoding sequence not skipped; returns how many rows the
-    /// step fed.
     /// Prepares the next token's logit controls of the running sequences at `rows` (sorted
     /// indices): each one's bias ([`Sequence::refresh_bias`]) and, under a constraint, its
     /// allowed-token mask (all of the step's masks at once, see [`fill_masks`]).
@@ -671,6 +669,8 @@ impl<R: Runner> Scheduler<R> {
             .collect()
     }
 
+    /// Decodes one token for every decoding sequence not skipped; returns how many rows the
+    /// step fed.
     fn decode_step(&mut self, out: &mut Vec<Output>, skip: &dyn Fn(RequestId) -> bool) -> usize {
         // Room for one more slot each, preempting from the newest until it fits.
         loop {

@@ -12,7 +12,9 @@
 //!
 //! A replay pads the step (see [`super::step`]), writes only the chosen bucket's metadata
 //! bytes, executes, and reads `next_tokens` (and the logits only when asked). It allocates no
-//! device tensor and never touches the KV root from the host.
+//! device tensor and never touches the KV root from the host. The allowed-token mask, the one
+//! large metadata array, is not copied when no row is constrained and its buffer already holds
+//! all ones (see [`step::StepArrays::allowed_tokens_unmasked`]).
 //!
 //! Destroy ([`Runner::destroy`]) unloads every model and frees every tensor; it is idempotent,
 //! runs on drop, and capture works again afterwards.
@@ -26,6 +28,7 @@
 //! (every rank holds the same gathered logits and samples the same tokens).
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -163,6 +166,16 @@ struct MetaBuf {
     name: &'static str,
     tensor: Tensor,
     row_bytes: usize,
+    /// How many leading bytes are known to hold all ones (an unmasked allowed-token array);
+    /// 0 when unknown. Shared by the clones, which name the same device tensor.
+    ones: Arc<AtomicUsize>,
+}
+
+impl MetaBuf {
+    /// Forgets what the buffer holds (someone else may write it).
+    fn forget(&self) {
+        self.ones.store(0, Ordering::Relaxed);
+    }
 }
 
 /// One loaded model and its bindings.
@@ -489,6 +502,22 @@ impl DeviceRunner {
     /// Sets where replays find the step metadata (see [`MetadataSource`]).
     pub fn set_metadata_source(&mut self, source: MetadataSource) {
         self.opts.metadata = source;
+        // The caller may have written the buffers meanwhile.
+        for (decode, prefill) in self.all_metadata() {
+            decode
+                .iter()
+                .chain(prefill)
+                .flatten()
+                .for_each(MetaBuf::forget);
+        }
+    }
+
+    /// Every local rank's metadata buffers (decode's, prefill's), the first rank's first.
+    fn all_metadata(&self) -> impl Iterator<Item = (&Vec<Vec<MetaBuf>>, &Vec<Vec<MetaBuf>>)> {
+        self.state.iter().flat_map(|st| {
+            std::iter::once((&st.first.decode_meta, &st.first.prefill_meta))
+                .chain(st.others.metas.iter().map(|(d, p)| (d, p)))
+        })
     }
 
     /// The cache geometry graphs are built for.
@@ -764,6 +793,7 @@ impl DeviceRunner {
                         name,
                         tensor,
                         row_bytes: total / lead,
+                        ones: Arc::new(AtomicUsize::new(0)),
                     });
                 }
                 out.push(bufs);
@@ -932,8 +962,9 @@ impl DeviceRunner {
         self.state.as_ref().ok_or_else(not_captured)
     }
 
-    /// Writes `meta` into the bucket's persistent buffers (only the bucket's rows).
-    fn write_meta(bufs: &[MetaBuf], meta: &[HostArray], graph: &str) -> Result<()> {
+    /// Writes `meta` into the bucket's persistent buffers (only the bucket's rows), except an
+    /// `unmasked` allowed-token array whose buffer already holds all ones there.
+    fn write_meta(bufs: &[MetaBuf], meta: &[HostArray], unmasked: bool, graph: &str) -> Result<()> {
         for a in meta {
             let buf = bufs
                 .iter()
@@ -954,7 +985,15 @@ impl DeviceRunner {
                     ),
                 });
             }
+            let ones = unmasked && a.name == inputs::ALLOWED_TOKENS;
+            if ones && buf.ones.load(Ordering::Relaxed) >= bytes.len() {
+                continue;
+            }
+            buf.forget();
             buf.tensor.write(0, bytes).map_err(dev(graph))?;
+            if ones {
+                buf.ones.store(bytes.len(), Ordering::Relaxed);
+            }
         }
         Ok(())
     }
@@ -998,6 +1037,7 @@ impl DeviceRunner {
     fn run_step(&mut self, key: GraphKey) -> Result<&RankState> {
         let copy = self.opts.metadata == MetadataSource::Host;
         let arrays = self.staging.arrays();
+        let unmasked = self.staging.allowed_tokens_unmasked();
         let st = self.state.as_ref().ok_or_else(not_captured)?;
         let g = st.first.graphs.get(&key).ok_or_else(|| {
             Error::Internal(format!(
@@ -1006,14 +1046,12 @@ impl DeviceRunner {
             ))
         })?;
         if copy {
-            let metas = std::iter::once((&st.first.decode_meta, &st.first.prefill_meta))
-                .chain(st.others.metas.iter().map(|(d, p)| (d, p)));
-            for (decode, prefill) in metas {
+            for (decode, prefill) in self.all_metadata() {
                 let meta = match key.0 {
                     StepKind::Decode => &decode[g.ctx_index],
                     StepKind::Prefill => &prefill[g.ctx_index],
                 };
-                Self::write_meta(meta, arrays, &g.name)?;
+                Self::write_meta(meta, arrays, unmasked, &g.name)?;
             }
         }
         st.others.post(key);
@@ -1110,9 +1148,10 @@ impl DeviceRunner {
         } else {
             r.decode_meta.get(i)?
         };
-        bufs.iter()
-            .find(|b| b.name == name)
-            .map(|b| b.tensor.clone())
+        let buf = bufs.iter().find(|b| b.name == name)?;
+        // The caller will write it.
+        buf.forget();
+        Some(buf.tensor.clone())
     }
 
     /// Every cache root copied to the host by name (`[slots, cols]` in the cache dtype, the

@@ -150,12 +150,21 @@ pub struct PrefillChunk<'a> {
 #[derive(Debug, Clone, Default)]
 pub struct StepArrays {
     arrays: Vec<HostArray>,
+    unmasked: bool,
 }
 
 impl StepArrays {
     /// The current contents, one array per metadata input.
     pub fn arrays(&self) -> &[HostArray] {
         &self.arrays
+    }
+
+    /// Whether the last fill's allowed-token array ([`inputs::ALLOWED_TOKENS`]) has every bit
+    /// set (no row under a constraint). It is the one large array of a step (`rows x vocab /
+    /// 32` words: 1 MB at 64 rows of a 129k vocabulary), and nearly always all ones, so the
+    /// device runner skips copying it into a buffer that already holds all ones.
+    pub fn allowed_tokens_unmasked(&self) -> bool {
+        self.unmasked
     }
 
     /// Array `i`, named `name` with `shape`, emptied and typed like `empty`, ready to be filled.
@@ -330,6 +339,7 @@ impl StepArrays {
                 .clone()
                 .flat_map(|c| (0..k).map(move |j| c.bias.get(j).map_or(0.0, |&(_, v)| v))),
         );
+        self.unmasked = controls.clone().all(|c| c.allowed.is_none());
         self.u32s(
             first + 3,
             inputs::ALLOWED_TOKENS,
