@@ -62,9 +62,11 @@
 //! gets a shallow copy of one of them in turn: the DFA a family has built serves all its later
 //! sequences, and [`fill_masks`] and [`advance_all`] run each family's rows one after another
 //! on one thread (they would wait on its mutex anyway) and different families in parallel.
-//! A family is replaced by a fresh deep copy after [`FAMILY_SEQUENCES`] sequences, so a DFA
-//! that grew with one unusual document does not stay large (or near llguidance's cap on lexer
-//! states, which would fail every sequence sharing it) for good.
+//! A family is replaced by a fresh deep copy after [`FAMILY_SEQUENCES`] sequences, or once its
+//! sequences have spent [`FAMILY_LEXER_FUEL`] of llguidance's lexer fuel (the work of building
+//! DFA states, so a bound on the states it holds, at 1 to 2 kB each), so a DFA that grew with
+//! unusual documents does not stay large (or near llguidance's cap on lexer states, which would
+//! fail every sequence sharing it) for good: the old one is freed when its last sequence ends.
 //!
 //! # Costs
 //!
@@ -107,8 +109,10 @@ const CACHE_CAPACITY: usize = 64;
 /// thin, few enough that an outgrown DFA does not last.
 pub const FAMILY_SEQUENCES: usize = 256;
 
-/// Names lexer families, so rows can be grouped by the lexer they share.
-static NEXT_FAMILY: AtomicU64 = AtomicU64::new(0);
+/// The lexer fuel (llguidance's measure of DFA-building work: about 14,000 a millisecond) a
+/// family's sequences may spend before the family is renewed: five times what llguidance allows
+/// a large schema's compilation.
+pub const FAMILY_LEXER_FUEL: u64 = 5_000_000;
 
 /// Why a response format could not be parsed or compiled, or a token not followed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -463,7 +467,9 @@ struct CompiledGrammar {
 /// A never advanced matcher whose lexer (DFA) its shallow copies share.
 struct LexerFamily {
     template: Matcher,
-    id: u64,
+    /// The lexer fuel its sequences have spent, shared with them (each adds its own); the
+    /// `Arc` also names the family ([`Constraint::family`]).
+    fuel: Arc<AtomicU64>,
     sequences: usize,
 }
 
@@ -471,9 +477,14 @@ impl LexerFamily {
     fn new(original: &Matcher) -> Self {
         LexerFamily {
             template: original.deep_clone(),
-            id: NEXT_FAMILY.fetch_add(1, Ordering::Relaxed),
+            fuel: Arc::new(AtomicU64::new(0)),
             sequences: 0,
         }
+    }
+
+    /// Whether the family has served its share and is to be replaced by a fresh copy.
+    fn is_spent(&self) -> bool {
+        self.sequences >= FAMILY_SEQUENCES || self.fuel.load(Ordering::Relaxed) >= FAMILY_LEXER_FUEL
     }
 }
 
@@ -487,20 +498,20 @@ impl CompiledGrammar {
     }
 
     /// A sequence's matcher: a shallow copy of the next family's template (sharing its
-    /// lexer), with the family's id. Families are made as sequences arrive, up to
-    /// [`lexer_families`], and renewed once they have served [`FAMILY_SEQUENCES`].
-    fn matcher(&mut self) -> (Matcher, u64) {
+    /// lexer), with the family's fuel counter. Families are made as sequences arrive, up to
+    /// [`lexer_families`], and renewed once spent ([`FAMILY_SEQUENCES`], [`FAMILY_LEXER_FUEL`]).
+    fn matcher(&mut self) -> (Matcher, Arc<AtomicU64>) {
         if self.families.len() < lexer_families() {
             self.families.push(LexerFamily::new(&self.original));
         }
         let index = self.next % self.families.len();
         self.next = index + 1;
         let family = &mut self.families[index];
-        if family.sequences >= FAMILY_SEQUENCES {
+        if family.is_spent() {
             *family = LexerFamily::new(&self.original);
         }
         family.sequences += 1;
-        (family.template.clone(), family.id)
+        (family.template.clone(), Arc::clone(&family.fuel))
     }
 }
 
@@ -637,10 +648,10 @@ impl GrammarCompiler {
         Ok(self.constraint(compiled.matcher()))
     }
 
-    fn constraint(&self, (matcher, lexer_family): (Matcher, u64)) -> Constraint {
+    fn constraint(&self, (matcher, family): (Matcher, Arc<AtomicU64>)) -> Constraint {
         Constraint {
             matcher,
-            lexer_family,
+            family,
             vocab_size: self.vocab_size,
             eos_token_id: self.eos_token_id,
         }
@@ -712,9 +723,9 @@ fn by_lexer_family<T: Send, R: Send>(
     if rows.len() < PARALLEL_ROWS {
         return rows.iter_mut().map(work).collect();
     }
-    let mut families: HashMap<u64, Vec<(usize, &mut T)>> = HashMap::new();
+    let mut families: HashMap<usize, Vec<(usize, &mut T)>> = HashMap::new();
     for (index, row) in rows.iter_mut().enumerate() {
-        let family = constraint(row).lexer_family;
+        let family = Arc::as_ptr(&constraint(row).family) as usize;
         families.entry(family).or_default().push((index, row));
     }
     let mut results: Vec<(usize, R)> = families
@@ -761,8 +772,9 @@ pub fn advance_all(rows: &mut [(&mut Constraint, u32)]) -> Vec<Advance> {
 /// [`Constraint::rollback`] exists for speculative decoding, which un-samples tokens.
 pub struct Constraint {
     matcher: Matcher,
-    /// The lexer family whose DFA `matcher` shares (see "Shared lexers" in the module docs).
-    lexer_family: u64,
+    /// The lexer fuel counter of the family whose DFA `matcher` shares (see "Shared lexers" in
+    /// the module docs); its address names the family.
+    family: Arc<AtomicU64>,
     vocab_size: usize,
     eos_token_id: u32,
 }
@@ -799,8 +811,13 @@ impl Constraint {
             self.vocab_size,
             words.len()
         );
+        let stopped = self.matcher.is_stopped();
         match self.matcher.compute_mask_or_eos() {
             Ok(mask) => {
+                // The DFA-building work of this mask, counted against the family's renewal.
+                if let (false, Ok(stats)) = (stopped, self.matcher.last_step_stats()) {
+                    self.family.fetch_add(stats.lexer_cost, Ordering::Relaxed);
+                }
                 let bits = mask.as_slice();
                 let n = bits.len().min(needed);
                 words[..n].copy_from_slice(&bits[..n]);
@@ -985,5 +1002,44 @@ mod tests {
         );
         let own = json!({"type": "object", "x-guidance": {"whitespace_flexible": false}});
         assert_eq!(with_default_options(own.clone()), own);
+    }
+
+    /// Sequences take the families in turn; a mask's lexer work is counted against its family,
+    /// and a family that has spent its fuel is replaced (its sequences keep the old one).
+    #[test]
+    fn spent_lexer_families_are_renewed() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/default-model");
+        let tokenizer = Tokenizer::from_dir(&dir).unwrap();
+        let compiler = GrammarCompiler::new(&tokenizer).unwrap();
+        let format = ResponseFormat::JsonObject;
+        let new = || compiler.matcher(&format).unwrap().unwrap();
+        let mut first = new();
+        let mut words = vec![0u32; compiler.mask_words()];
+        // `{` is forced (no lexer work); `{"` is where keys begin.
+        for token in tokenizer.encode("{\"", false).unwrap() {
+            first.fill_mask(&mut words);
+            first.accept(token).unwrap();
+        }
+        first.fill_mask(&mut words);
+        assert!(
+            first.family.load(Ordering::Relaxed) > 0,
+            "a cold lexer builds states"
+        );
+        let joins = |c: &Constraint| Arc::ptr_eq(&c.family, &first.family);
+        let round: Vec<Constraint> = (0..lexer_families()).map(|_| new()).collect();
+        assert_eq!(round.iter().filter(|c| joins(c)).count(), 1);
+        first.family.store(FAMILY_LEXER_FUEL, Ordering::Relaxed);
+        let round: Vec<Constraint> = (0..lexer_families()).map(|_| new()).collect();
+        assert_eq!(round.iter().filter(|c| joins(c)).count(), 0);
+        // The old family still serves `first`, the new ones their sequences, alike.
+        let mut other = vec![0u32; compiler.mask_words()];
+        for mut c in round {
+            for token in tokenizer.encode("{\"", false).unwrap() {
+                c.fill_mask(&mut other);
+                c.accept(token).unwrap();
+            }
+            c.fill_mask(&mut other);
+            assert_eq!(other, words);
+        }
     }
 }
