@@ -26,6 +26,9 @@
 //!   is a new sequence from the compiler's cache, as a server's next request is: its lexer
 //!   family (see `grammar`'s "Shared lexers") has already built most of the DFA it needs.
 //!
+//! - `step_metadata_b64_vocab_129280`: a decode step's metadata as the device runner refills it
+//!   (`StepArrays::fill_decode`): 64 unconstrained rows, context 4,096, a 129,280 vocabulary.
+//!
 //! Run with `cargo bench --bench host_work`.
 
 use std::hint::black_box;
@@ -100,6 +103,41 @@ fn token_logprobs(c: &mut Criterion) {
         .collect();
     c.bench_function("token_logprobs_vocab_102400_top_20", |b| {
         b.iter(|| TokenLogprobs::from_logits(black_box(&logits), black_box(7), 20))
+    });
+}
+
+/// `step_metadata_b64_vocab_129280`: the host side of a decode replay's metadata, what the
+/// device runner refills in its staging arrays every step: 64 unconstrained rows at context
+/// 4,096 and DeepSeek V3's vocabulary (whose allowed-token array is 1 MB of the step).
+fn step_metadata(c: &mut Criterion) {
+    use deepinfer::runner::step::{DecodeRow, LogitControls, SamplingParams, StepArrays};
+    const ROWS: usize = 64;
+    const CTX: usize = 4096;
+    const BLOCK: usize = 16;
+    let tables: Vec<Vec<u32>> = (0..ROWS as u32)
+        .map(|r| {
+            (0..(CTX / BLOCK) as u32 / 2)
+                .map(|b| r * 1000 + b + 1)
+                .collect()
+        })
+        .collect();
+    let rows: Vec<DecodeRow> = tables
+        .iter()
+        .map(|t| DecodeRow {
+            token: 7,
+            position: t.len() * BLOCK - 1,
+            blocks: t,
+            sampling: SamplingParams::GREEDY,
+            controls: LogitControls::NONE,
+        })
+        .collect();
+    let mut staging = StepArrays::default();
+    c.bench_function("step_metadata_b64_vocab_129280", |b| {
+        b.iter(|| {
+            staging
+                .fill_decode(black_box(&rows), ROWS, CTX, BLOCK, 129_280)
+                .expect("metadata")
+        })
     });
 }
 
@@ -260,5 +298,11 @@ fn lowest_allowed_but(mask: &[u32], eos: u32) -> Option<u32> {
     })
 }
 
-criterion_group!(benches, stop_strings, token_logprobs, json_schema_masks);
+criterion_group!(
+    benches,
+    stop_strings,
+    token_logprobs,
+    step_metadata,
+    json_schema_masks
+);
 criterion_main!(benches);

@@ -161,8 +161,9 @@ impl StepArrays {
 
     /// Whether the last fill's allowed-token array ([`inputs::ALLOWED_TOKENS`]) has every bit
     /// set (no row under a constraint). It is the one large array of a step (`rows x vocab /
-    /// 32` words: 1 MB at 64 rows of a 129k vocabulary), and nearly always all ones, so the
-    /// device runner skips copying it into a buffer that already holds all ones.
+    /// 32` words: 1 MB at 64 rows of a 129k vocabulary), and nearly always all ones, so a fill
+    /// keeps the array when the last one left it all ones, and the device runner skips copying
+    /// it into a buffer that already holds all ones.
     pub fn allowed_tokens_unmasked(&self) -> bool {
         self.unmasked
     }
@@ -339,13 +340,36 @@ impl StepArrays {
                 .clone()
                 .flat_map(|c| (0..k).map(move |j| c.bias.get(j).map_or(0.0, |&(_, v)| v))),
         );
-        self.unmasked = controls.clone().all(|c| c.allowed.is_none());
-        self.u32s(
-            first + 3,
+        let i = first + 3;
+        let unmasked = controls.clone().all(|c| c.allowed.is_none());
+        // Still all ones from the last fill, which wrote this array (nothing after it did)?
+        let kept = unmasked
+            && self.unmasked
+            && self
+                .arrays
+                .get(i)
+                .is_some_and(|a| a.name == inputs::ALLOWED_TOKENS && a.shape == [rows, words]);
+        self.unmasked = unmasked;
+        if kept {
+            return Ok(());
+        }
+        // A row at a time (a copy or a fill), not a word at a time: 1 MB a step at 64 rows of
+        // a 129k vocabulary.
+        let slot = self.slot(
+            i,
             inputs::ALLOWED_TOKENS,
             &[rows, words],
-            controls.flat_map(|c| (0..words).map(move |w| c.allowed.map_or(u32::MAX, |m| m[w]))),
+            HostData::U32(Vec::new()),
         );
+        if let HostData::U32(v) = slot {
+            v.reserve(rows * words);
+            for c in controls {
+                match c.allowed {
+                    Some(m) => v.extend_from_slice(m),
+                    None => v.resize(v.len() + words, u32::MAX),
+                }
+            }
+        }
         Ok(())
     }
 
@@ -662,5 +686,56 @@ mod tests {
             s.fill_decode(&[row(1, 40)], 4, 32, 16, 64).is_err(),
             "beyond the context bucket"
         );
+    }
+
+    /// A refill keeps an all-ones allowed-token array only while it is one: whatever the
+    /// order of masked and unmasked decode and prefill steps, the staging arrays equal a fresh
+    /// fill's.
+    #[test]
+    fn kept_allowed_tokens_are_what_a_fresh_fill_writes() {
+        let blocks = [3u32, 4];
+        let mask = [0b1010u32, 0];
+        let controls = |masked: bool| LogitControls {
+            allowed: masked.then_some(&mask[..]),
+            ..LogitControls::NONE
+        };
+        let row = |masked| DecodeRow {
+            token: 7,
+            position: 5,
+            blocks: &blocks,
+            sampling: SamplingParams::GREEDY,
+            controls: controls(masked),
+        };
+        let chunk = |masked| PrefillChunk {
+            tokens: &[1, 2, 3],
+            start: 0,
+            blocks: &blocks,
+            sampling: SamplingParams::GREEDY,
+            controls: controls(masked),
+        };
+        let mut s = StepArrays::default();
+        let steps = [
+            (false, false),
+            (false, false),
+            (false, true),
+            (false, false),
+            (true, false),
+            (false, false),
+            (true, true),
+            (false, false),
+            (false, false),
+        ];
+        for (prefill, masked) in steps {
+            let fresh = if prefill {
+                s.fill_prefill(&[chunk(masked)], 16, 1, 32, 16, 64).unwrap();
+                prefill_step(&[chunk(masked)], 16, 1, 32, 16, 64).unwrap()
+            } else {
+                s.fill_decode(&[row(masked), row(false)], 2, 32, 16, 64)
+                    .unwrap();
+                decode_step(&[row(masked), row(false)], 2, 32, 16, 64).unwrap()
+            };
+            assert_eq!(s.arrays(), fresh, "prefill {prefill}, masked {masked}");
+            assert_eq!(s.allowed_tokens_unmasked(), !masked);
+        }
     }
 }
