@@ -420,6 +420,9 @@ pub fn lower_sharded(
         None => cfg.saved_dtype,
     };
     let precision = opts.precision.resolve(saved, &cfg)?;
+    if precision.quantize.is_cpu_only() {
+        return Err(precision.quantize.cpu_only_error("`deepinfer lower` (HLO)"));
+    }
     let mut rc = RunnerConfig::for_limits(max_batch, opts.ctx);
     rc.kv_dtype = precision.kv_cache;
     rc.tp = ranks;
@@ -661,6 +664,11 @@ pub fn check_neuron(
     jobs: usize,
 ) -> Result<CheckReport> {
     let precision = limits.precision.resolve(cfg.saved_dtype, cfg)?;
+    if precision.quantize.is_cpu_only() {
+        return Err(precision
+            .quantize
+            .cpu_only_error("`deepinfer lower --check neuron`"));
+    }
     let mut rc = limits.runner_config(cfg)?;
     rc.kv_dtype = precision.kv_cache;
     rc.buckets.validate(rc.block_size)?;

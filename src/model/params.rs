@@ -20,7 +20,7 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor as CTensor};
 
-use crate::backend::cpu::candle_dtype;
+use crate::backend::cpu::{candle_dtype, QuantizedWeight, Value};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::graph::DType;
@@ -153,6 +153,11 @@ impl WeightSpecs {
         Ok(specs)
     }
 
+    /// The precision these weights are stored in.
+    pub fn precision(&self) -> &Precision {
+        &self.precision
+    }
+
     /// The tensor-parallel degree these shapes are one rank's share of (1: the whole model).
     pub fn ranks(&self) -> usize {
         self.ranks
@@ -213,6 +218,9 @@ impl WeightSpecs {
 #[derive(Debug, Clone)]
 pub struct ModelWeights {
     tensors: HashMap<String, CTensor>,
+    /// Weights held in a GGML block format instead (`--quantize q8_0|q4_k`, CPU only; see
+    /// [`ggml_format`]).
+    quantized: HashMap<String, QuantizedWeight>,
     specs: WeightSpecs,
     /// For streamed weights: the checkpoint and which shard of it these weights are.
     stream: Option<Stream>,
@@ -235,15 +243,40 @@ impl ModelWeights {
     /// Each tensor is converted as it is read; no wider copy of the checkpoint is ever held.
     pub fn load(cfg: &ModelConfig, ckpt: &Checkpoint, precision: &Precision) -> Result<Self> {
         let specs = WeightSpecs::new(cfg, precision);
-        let mut tensors = HashMap::new();
+        let mut weights = ModelWeights::held(specs.clone());
         for name in specs.names() {
-            tensors.extend(read_param(cfg, ckpt, &specs, name, 0, 1)?);
+            for (name, t) in read_param(cfg, ckpt, &specs, name, 0, 1)? {
+                weights.insert(name, t)?;
+            }
         }
-        Ok(ModelWeights {
-            tensors,
+        Ok(weights)
+    }
+
+    /// No weights yet, for `specs`.
+    fn held(specs: WeightSpecs) -> Self {
+        ModelWeights {
+            tensors: HashMap::new(),
+            quantized: HashMap::new(),
             specs,
             stream: None,
-        })
+        }
+    }
+
+    /// Holds `t` as parameter `name`: in a GGML block format when the precision asks for one
+    /// and the weight takes it, else as it is.
+    fn insert(&mut self, name: String, t: CTensor) -> Result<()> {
+        match ggml_format(&name, t.dims(), self.specs.precision.quantize) {
+            Some(format) => {
+                let q = QuantizedWeight::quantize(&t, format).map_err(|e| {
+                    Error::Weights(format!("quantizing `{name}` to {format:?}: {e}"))
+                })?;
+                self.quantized.insert(name, q);
+            }
+            None => {
+                self.tensors.insert(name, t);
+            }
+        }
+        Ok(())
     }
 
     /// The parameters of a checkpoint in `precision`, read only when [`ModelWeights::fetch`]
@@ -259,7 +292,6 @@ impl ModelWeights {
             }
         }
         Ok(ModelWeights {
-            tensors: HashMap::new(),
             stream: Some(Stream {
                 ckpt,
                 cfg: cfg.clone(),
@@ -267,7 +299,7 @@ impl ModelWeights {
                 rank: 0,
                 ranks: 1,
             }),
-            specs,
+            ..ModelWeights::held(specs)
         })
     }
 
@@ -302,7 +334,7 @@ impl ModelWeights {
     /// that have no checkpoint. Values are scaled like a trained model's (norm weights near 1).
     pub fn random(cfg: &ModelConfig, seed: u64, precision: &Precision) -> Result<Self> {
         let specs = WeightSpecs::new(cfg, precision);
-        let mut tensors = HashMap::new();
+        let mut weights = ModelWeights::held(specs.clone());
         let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         for name in specs.names() {
             let shape = specs.shape(name).unwrap_or_default();
@@ -330,22 +362,18 @@ impl ModelWeights {
             let t = if specs.dtype(name) == DType::I8 {
                 let (q, scales) = quantize_rows(&data, shape[shape.len() - 1]);
                 let rows = &shape[..shape.len() - 1];
-                tensors.insert(
+                weights.insert(
                     format!("{name}_scale"),
                     CTensor::from_vec(scales, rows, &Device::Cpu)?,
-                );
+                )?;
                 CTensor::from_vec(q, shape, &Device::Cpu)?
             } else {
                 CTensor::from_vec(data, shape, &Device::Cpu)?
                     .to_dtype(candle_dtype(specs.dtype(name)))?
             };
-            tensors.insert(name.to_string(), t);
+            weights.insert(name.to_string(), t)?;
         }
-        Ok(ModelWeights {
-            tensors,
-            specs,
-            stream: None,
-        })
+        Ok(weights)
     }
 
     /// Rank `rank`'s shards of these (whole-model) weights for a `ranks`-way tensor-parallel
@@ -358,16 +386,19 @@ impl ModelWeights {
                 self.specs.ranks
             )));
         }
+        let quantize = self.specs.precision.quantize;
+        if quantize.is_cpu_only() && ranks > 1 {
+            return Err(quantize.cpu_only_error("tensor parallelism (--tp above 1)"));
+        }
         let specs = WeightSpecs::sharded(cfg, &self.specs.precision, ranks)?;
         if let Some(st) = &self.stream {
             return Ok(ModelWeights {
-                tensors: HashMap::new(),
-                specs,
                 stream: Some(Stream {
                     rank,
                     ranks,
                     ..st.clone()
                 }),
+                ..ModelWeights::held(specs)
             });
         }
         let mut tensors = HashMap::with_capacity(self.tensors.len() + 1);
@@ -392,6 +423,7 @@ impl ModelWeights {
         }
         Ok(ModelWeights {
             tensors,
+            quantized: self.quantized.clone(),
             specs,
             stream: None,
         })
@@ -407,8 +439,35 @@ impl ModelWeights {
     pub fn get(&self, name: &str) -> Result<&CTensor> {
         self.tensors.get(name).ok_or_else(|| Error::Binding {
             name: name.to_string(),
-            msg: "no such weight".into(),
+            msg: match self.quantized.get(name) {
+                Some(q) => format!("held in {:?} blocks, not as a tensor", q.format()),
+                None => "no such weight".into(),
+            },
         })
+    }
+
+    /// What the CPU backend binds to the graph input `name`: the held tensor, or the weight in
+    /// its GGML block format.
+    pub fn value(&self, name: &str) -> Result<Value> {
+        match self.quantized.get(name) {
+            Some(q) => Ok(Value::Quantized(q.clone())),
+            None => Ok(Value::Tensor(self.get(name)?.clone())),
+        }
+    }
+
+    /// Bytes of the weights held on the host (quantized ones in their block format).
+    pub fn held_bytes(&self) -> usize {
+        let dense: usize = self
+            .tensors
+            .values()
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum();
+        dense
+            + self
+                .quantized
+                .values()
+                .map(QuantizedWeight::storage_bytes)
+                .sum::<usize>()
     }
 
     /// The embedding weight used by the LM head when embeddings are tied.
@@ -553,6 +612,38 @@ pub fn quantize_rows(w: &[f32], cols: usize) -> (Vec<u8>, Vec<f32>) {
         scales.push(scale);
     }
     (q, scales)
+}
+
+/// The GGML block format parameter `name` (of shape `dims`) is held in under `quantize`, if
+/// any: every linear layer's weight (attention projections, dense and shared MLPs, routed
+/// experts, an untied LM head), as llama.cpp quantizes them. Not quantized: what the graph reads
+/// other than as a matmul's weight (the embedding, a gather; `kv_b_proj`, which decode slices
+/// into MLA's absorbed matrices), the f32 router and norms, and V3.2's small indexer. `q4_k`
+/// needs rows a multiple of 256 wide and falls back to `q8_0` (rows a multiple of 32), as
+/// llama.cpp falls back for such tensors; a weight neither fits stays as it is.
+pub fn ggml_format(
+    name: &str,
+    dims: &[usize],
+    quantize: Quantize,
+) -> Option<candle_core::quantized::GgmlDType> {
+    use candle_core::quantized::GgmlDType;
+    let wanted = match quantize {
+        Quantize::Q8_0 => GgmlDType::Q8_0,
+        Quantize::Q4K => GgmlDType::Q4K,
+        Quantize::None | Quantize::ExpertsInt8 => return None,
+    };
+    let linear = name == "lm_head.weight"
+        || stacked_expert(name).is_some()
+        || ((name.ends_with("_proj.weight") || name.ends_with(".kv_a_proj_with_mqa.weight"))
+            && !name.ends_with(".kv_b_proj.weight")
+            && !name.contains(".indexer."));
+    let cols = *dims.last()?;
+    if !linear || !(2..=3).contains(&dims.len()) {
+        return None;
+    }
+    [wanted, GgmlDType::Q8_0]
+        .into_iter()
+        .find(|&f| QuantizedWeight::fits(cols, f))
 }
 
 /// `(prefix, proj)` for a stacked expert name like `model.layers.3.mlp.experts.gate_proj`.

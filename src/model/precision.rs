@@ -77,6 +77,33 @@ pub enum Quantize {
     /// load), dequantized in the graph right before the expert matmuls. Routed experts are
     /// ~90% of a DeepSeek model's parameters, so this nearly halves a bf16 model.
     ExpertsInt8,
+    /// GGML's `Q8_0` (blocks of 32 int8 values with one f16 scale: 8.5 bits a weight) for
+    /// every linear layer's weight, multiplied by candle's quantized kernels (the activations
+    /// quantized to 8 bits per block, as llama.cpp does). CPU backend only: see
+    /// [`Quantize::is_cpu_only`].
+    Q8_0,
+    /// GGML's `Q4_K` (super-blocks of 256 4-bit values with 6-bit block scales and mins: 4.5
+    /// bits a weight) for every linear layer's weight whose input width is a multiple of 256,
+    /// `Q8_0` for the others. CPU backend only.
+    Q4K,
+}
+
+impl Quantize {
+    /// Whether this is one of GGML's block formats, which only the CPU backend computes on
+    /// (candle's quantized kernels): no HLO lowering exists for them, so a Neuron capture,
+    /// `lower` and `plan` refuse them, and so does tensor parallelism (a block-quantized matrix
+    /// is not split).
+    pub fn is_cpu_only(self) -> bool {
+        matches!(self, Quantize::Q8_0 | Quantize::Q4K)
+    }
+
+    /// The refusal of a CPU-only format where `what` cannot use it.
+    pub fn cpu_only_error(self, what: &str) -> Error {
+        Error::InvalidInput(format!(
+            "--quantize {self} is a CPU format (GGML blocks, computed by candle's quantized \
+             kernels) and {what} cannot use it; on a NeuronCore use --quantize experts-int8"
+        ))
+    }
 }
 
 impl FromStr for Quantize {
@@ -86,10 +113,23 @@ impl FromStr for Quantize {
         match s {
             "none" => Ok(Quantize::None),
             "experts-int8" => Ok(Quantize::ExpertsInt8),
+            "q8_0" | "Q8_0" => Ok(Quantize::Q8_0),
+            "q4_k" | "Q4_K" => Ok(Quantize::Q4K),
             other => Err(Error::InvalidInput(format!(
-                "--quantize `{other}`: expected none or experts-int8"
+                "--quantize `{other}`: expected none, experts-int8, q8_0 or q4_k"
             ))),
         }
+    }
+}
+
+impl fmt::Display for Quantize {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Quantize::None => "none",
+            Quantize::ExpertsInt8 => "experts-int8",
+            Quantize::Q8_0 => "q8_0",
+            Quantize::Q4K => "q4_k",
+        })
     }
 }
 

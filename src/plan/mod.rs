@@ -155,11 +155,16 @@ pub enum Experts {
     Int4,
 }
 
-impl From<Quantize> for Experts {
-    fn from(q: Quantize) -> Self {
+impl TryFrom<Quantize> for Experts {
+    type Error = crate::error::Error;
+
+    /// The plan's storage for `q`; GGML's block formats are refused (CPU only: nothing on a
+    /// NeuronCore computes on them).
+    fn try_from(q: Quantize) -> Result<Self, Self::Error> {
         match q {
-            Quantize::None => Experts::AsWeights,
-            Quantize::ExpertsInt8 => Experts::Int8,
+            Quantize::None => Ok(Experts::AsWeights),
+            Quantize::ExpertsInt8 => Ok(Experts::Int8),
+            Quantize::Q8_0 | Quantize::Q4K => Err(q.cpu_only_error("a NeuronCore memory plan")),
         }
     }
 }

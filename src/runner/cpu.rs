@@ -16,7 +16,7 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor as CTensor};
 
-use crate::backend::cpu::{self, Group, DEFAULT_COLLECTIVE_TIMEOUT};
+use crate::backend::cpu::{self, Group, Value, DEFAULT_COLLECTIVE_TIMEOUT};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::graph::{Graph, InputRole};
@@ -154,11 +154,14 @@ impl CpuRunner {
         graph: &Graph,
         metadata: &[(&'static str, CTensor)],
         rank: usize,
-    ) -> Result<Vec<CTensor>> {
+    ) -> Result<Vec<Value>> {
         let mut inputs = Vec::with_capacity(graph.inputs().len());
         for decl in graph.inputs() {
             let t = match decl.role {
-                InputRole::Weight => self.weights[rank].get(&decl.name)?.clone(),
+                InputRole::Weight => {
+                    inputs.push(self.weights[rank].value(&decl.name)?);
+                    continue;
+                }
                 InputRole::CacheRoot => self.roots[rank]
                     .iter()
                     .find(|(name, _)| *name == decl.name)
@@ -176,7 +179,7 @@ impl CpuRunner {
                         msg: "no metadata given for it".into(),
                     })?,
             };
-            inputs.push(t);
+            inputs.push(Value::Tensor(t));
         }
         Ok(inputs)
     }
@@ -186,13 +189,23 @@ impl CpuRunner {
     fn run(&mut self, graph: &Graph, metadata: &[HostArray]) -> Result<Vec<CTensor>> {
         let metadata = metadata_tensors(metadata)?;
         let Some(group) = self.group.clone() else {
-            return cpu::run(graph, &self.inputs(graph, &metadata, 0)?);
+            return cpu::run_values(graph, &self.inputs(graph, &metadata, 0)?);
         };
         let step = self.steps;
         self.steps += 1;
+        // Sharded weights are tensors (a GGML-quantized model is not sharded).
+        let tensor = |v: Value| match v {
+            Value::Tensor(t) => Ok(t),
+            Value::Quantized(_) => Err(Error::Internal("a sharded quantized weight".into())),
+        };
         let inputs = (0..group.size())
-            .map(|r| self.inputs(graph, &metadata, r))
-            .collect::<Result<Vec<_>>>()?;
+            .map(|r| {
+                self.inputs(graph, &metadata, r)?
+                    .into_iter()
+                    .map(tensor)
+                    .collect()
+            })
+            .collect::<Result<Vec<Vec<CTensor>>>>()?;
         let mut outs = cpu::run_group(graph, &inputs, &group, step)?;
         Ok(outs.swap_remove(0))
     }

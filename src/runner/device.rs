@@ -439,6 +439,10 @@ impl DeviceRunner {
         lib: Arc<Library>,
         opts: DeviceOptions,
     ) -> Result<Self> {
+        let quantize = weights.specs().precision().quantize;
+        if quantize.is_cpu_only() {
+            return Err(quantize.cpu_only_error("a NeuronCore (the device runner)"));
+        }
         runner_cfg.buckets.validate(runner_cfg.block_size)?;
         let tp = runner_cfg.tp;
         let span = opts.ranks.unwrap_or(RankSpan {

@@ -155,6 +155,10 @@ pub fn open(backend: Backend, model_dir: &Path, limits: &Limits) -> Result<Box<d
     let cfg = ModelConfig::from_file(&model_dir.join("config.json"))?;
     let mut runner_cfg = limits.runner_config(&cfg)?;
     if backend != Backend::Cpu {
+        let quantize = limits.precision.quantize;
+        if quantize.is_cpu_only() {
+            return Err(quantize.cpu_only_error(&format!("--backend {backend}")));
+        }
         // Before the checkpoint is read or a graph compiled: the plan must fit the NeuronCores
         // (the dtype `auto` resolves to is config.json's, as the checkpoint is not open yet).
         let lib = match backend {
@@ -204,7 +208,7 @@ pub fn device_plan(
             crate::model::DTypeChoice::Exactly(d) => WeightDType::Float(d),
         },
         kv_dtype: limits.precision.kv_dtype,
-        experts: limits.precision.quantize.into(),
+        experts: limits.precision.quantize.try_into()?,
         max_batch: limits.max_batch,
         max_len: limits.max_len,
         prefill_chunk: limits.prefill_chunk,

@@ -15,10 +15,12 @@ mod bytes;
 mod collective;
 mod kernels;
 mod matmul;
+mod quantized;
 mod threshold;
 
 pub use bytes::{tensor_from_bytes, with_tensor_bytes};
 pub use collective::{Group, RankComm, DEFAULT_COLLECTIVE_TIMEOUT};
+pub use quantized::QuantizedWeight;
 
 use candle_core::{DType as CDType, Device, Tensor as CTensor};
 
@@ -41,11 +43,31 @@ pub fn candle_dtype(dtype: DType) -> CDType {
     }
 }
 
+/// A graph input's value on the CPU.
+#[derive(Debug, Clone)]
+pub enum Value {
+    /// A tensor of the declared shape and dtype.
+    Tensor(CTensor),
+    /// A weight held in a GGML block format (`--quantize q8_0|q4_k`) in place of the declared
+    /// tensor: only matmuls read it (fused, see `Plan`), so the graph is the one every other
+    /// precision runs.
+    Quantized(QuantizedWeight),
+}
+
 /// Runs `graph` on `inputs` (one tensor per declared input, in order) and returns one tensor per
 /// declared output. Cache-root inputs are updated in place; their aliased outputs are the same
 /// tensors. A graph with collectives needs [`run_rank`].
 pub fn run(graph: &Graph, inputs: &[CTensor]) -> Result<Vec<CTensor>> {
+    run_values(graph, &tensor_values(inputs))
+}
+
+/// [`run`] with inputs that may be quantized weights.
+pub fn run_values(graph: &Graph, inputs: &[Value]) -> Result<Vec<CTensor>> {
     run_with(graph, inputs, None)
+}
+
+fn tensor_values(inputs: &[CTensor]) -> Vec<Value> {
+    inputs.iter().cloned().map(Value::Tensor).collect()
 }
 
 /// One rank's step of a tensor-parallel graph: [`run`], with the graph's collectives met with
@@ -58,7 +80,7 @@ pub fn run_rank(
     comm: &RankComm,
     step: u64,
 ) -> Result<Vec<CTensor>> {
-    let out = run_with(graph, inputs, Some((comm, step)));
+    let out = run_with(graph, &tensor_values(inputs), Some((comm, step)));
     if let Err(e) = &out {
         if !matches!(e, Error::Collective(_)) {
             comm.fail(step, &e.to_string());
@@ -124,7 +146,7 @@ pub fn run_group(
 
 fn run_with(
     graph: &Graph,
-    inputs: &[CTensor],
+    inputs: &[Value],
     comm: Option<(&RankComm, u64)>,
 ) -> Result<Vec<CTensor>> {
     check_inputs(graph, inputs)?;
@@ -151,7 +173,11 @@ fn run_with(
         _ => {}
     }
     let comm_of = || comm.ok_or_else(|| Error::Internal("a collective without a group".into()));
-    let plan = Plan::new(graph);
+    let quantized: Vec<bool> = inputs
+        .iter()
+        .map(|v| matches!(v, Value::Quantized(_)))
+        .collect();
+    let plan = Plan::new(graph, &quantized)?;
     let mut remaining = plan.use_counts.clone();
     let mut values: Vec<Option<CTensor>> = vec![None; graph.nodes().len()];
     // For each value that shares a cache root's buffer, the index of that root input.
@@ -174,13 +200,17 @@ fn run_with(
             })
         };
         let value = match &node.op {
-            Op::Input(k) => {
-                if graph.inputs()[*k].role == InputRole::CacheRoot {
-                    root_of[i] = Some(*k);
-                    shares[i] = Some(*k);
+            Op::Input(k) => match &inputs[*k] {
+                Value::Tensor(t) => {
+                    if graph.inputs()[*k].role == InputRole::CacheRoot {
+                        root_of[i] = Some(*k);
+                        shares[i] = Some(*k);
+                    }
+                    t.clone()
                 }
-                inputs[*k].clone()
-            }
+                // Read by its fused matmuls straight from `inputs`.
+                Value::Quantized(_) => continue,
+            },
             Op::Constant(lit) => constant(lit, node.shape.dims())?,
             Op::Iota { dim } => iota(node.shape.dims(), *dim, node.dtype)?,
             Op::Unary(op, x) => unary(*op, get(*x)?, node.dtype)?,
@@ -223,6 +253,20 @@ fn run_with(
             Op::Concat(xs, dim) => {
                 let ts = xs.iter().map(|x| get(*x)).collect::<Result<Vec<_>>>()?;
                 CTensor::cat(&ts, *dim)?
+            }
+            Op::MatMul(a, _) if plan.quantized_rhs[i].is_some() => {
+                let q = plan.quantized_rhs[i].ok_or_else(|| Error::Internal("plan".into()))?;
+                let Value::Quantized(w) = &inputs[q.input] else {
+                    return Err(Error::Internal(
+                        "a quantized operand that is a tensor".into(),
+                    ));
+                };
+                let x = get(*a)?;
+                match q.form {
+                    QuantizedForm::Linear => w.linear(x)?,
+                    QuantizedForm::PerExpert => w.per_expert(x)?,
+                    QuantizedForm::Gathered(ids) => w.gathered(x, &expert_ids(get(ids)?, w)?)?,
+                }
             }
             Op::MatMul(a, _) if plan.dequantized_rhs[i].is_some() => {
                 let d = plan.dequantized_rhs[i].ok_or_else(|| Error::Internal("plan".into()))?;
@@ -352,8 +396,11 @@ fn run_with(
             // The update went elsewhere (the root was still needed): copy it back so the
             // caller's buffer holds the new cache, as the alias promises.
             Some(k) if root_of[out.node.0] != Some(k) => {
-                inputs[k].slice_set(&value.contiguous()?, 0, 0)?;
-                *value = inputs[k].clone();
+                let Value::Tensor(root) = &inputs[k] else {
+                    return Err(Error::Internal("a quantized cache root".into()));
+                };
+                root.slice_set(&value.contiguous()?, 0, 0)?;
+                *value = root.clone();
             }
             _ => {}
         }
@@ -373,6 +420,9 @@ fn run_with(
 ///   layer); fused, each row multiplies against its expert's slice of the stacked weight in
 ///   place, reading only what it needs.
 struct Plan {
+    /// `quantized_rhs[m]` for a matmul `m` whose right operand is (a view of) a quantized
+    /// weight input.
+    quantized_rhs: Vec<Option<QuantizedRhs>>,
     /// `gathered_rhs[m] = Some((w, ids))` for a fused gathered matmul `m`.
     gathered_rhs: Vec<Option<(NodeId, NodeId)>>,
     /// `dequantized_rhs[m]` for a matmul `m` whose right operand is int8 experts dequantized
@@ -387,10 +437,13 @@ struct Plan {
 }
 
 impl Plan {
-    fn new(graph: &Graph) -> Self {
+    /// The plan of `graph` whose inputs `k` with `quantized[k]` are quantized weights; an error
+    /// when the graph reads one of those other than as a matmul's weight.
+    fn new(graph: &Graph, quantized: &[bool]) -> Result<Self> {
         let n = graph.nodes().len();
         let counts = graph.use_counts();
         let mut plan = Plan {
+            quantized_rhs: vec![None; n],
             gathered_rhs: vec![None; n],
             dequantized_rhs: vec![None; n],
             widened_rhs: vec![None; n],
@@ -411,6 +464,15 @@ impl Plan {
                 }
                 _ => (b, None),
             };
+            if let Some((q, fused)) = quantized_operand(graph, rhs, quantized) {
+                if fused.iter().all(|&f| single_use(f)) {
+                    plan.quantized_rhs[m] = Some(q);
+                    for f in fused.into_iter().chain(cast) {
+                        plan.skipped[f.0] = true;
+                    }
+                    continue;
+                }
+            }
             if let Some((d, fused)) = dequantized_operand(graph, rhs) {
                 if fused.iter().all(|&f| single_use(f)) {
                     plan.dequantized_rhs[m] = Some(d);
@@ -444,7 +506,27 @@ impl Plan {
         for out in graph.outputs() {
             plan.use_counts[out.node.0] += 1;
         }
-        plan
+        // What reads a quantized weight must be one of the fused matmuls above.
+        let is_quantized = |id: NodeId| match graph.node(id).op {
+            Op::Input(k) => quantized.get(k).copied().unwrap_or(false),
+            _ => false,
+        };
+        let stray = (0..n)
+            .flat_map(|i| plan.operands(graph, i))
+            .chain(graph.outputs().iter().map(|o| o.node))
+            .find(|&id| is_quantized(id));
+        if let Some(id) = stray {
+            let Op::Input(k) = graph.node(id).op else {
+                return Err(Error::Internal("plan".into()));
+            };
+            return Err(Error::Binding {
+                name: graph.inputs()[k].name.clone(),
+                msg: "this weight is held in a GGML block format, but the graph reads it other \
+                      than as a matmul's weight"
+                    .into(),
+            });
+        }
+        Ok(plan)
     }
 
     /// The values node `i` reads as executed.
@@ -453,6 +535,12 @@ impl Plan {
             return vec![];
         }
         let op = &graph.nodes()[i].op;
+        if let (Op::MatMul(a, _), Some(q)) = (op, self.quantized_rhs[i]) {
+            return match q.form {
+                QuantizedForm::Gathered(ids) => vec![*a, ids],
+                _ => vec![*a],
+            };
+        }
         if let (Op::MatMul(a, _), Some(d)) = (op, self.dequantized_rhs[i]) {
             return [*a, d.q, d.scale].into_iter().chain(d.ids).collect();
         }
@@ -462,6 +550,61 @@ impl Plan {
             (op, _, _) => op.operands(),
         }
     }
+}
+
+/// A matmul's right operand read from a quantized weight input.
+#[derive(Debug, Clone, Copy)]
+struct QuantizedRhs {
+    /// The input holding the weight.
+    input: usize,
+    form: QuantizedForm,
+}
+
+/// How the matmul reads its quantized weight.
+#[derive(Debug, Clone, Copy)]
+enum QuantizedForm {
+    /// `x @ w^T` of a matrix: `permute(w, [1, 0])`.
+    Linear,
+    /// Every expert of stacked `w` on its own rows: `permute(w, [0, 2, 1])`.
+    PerExpert,
+    /// The experts these ids select: `permute(index_select(w, ids, 0), [0, 2, 1])`.
+    Gathered(NodeId),
+}
+
+/// The quantized weight a matmul's right operand `rhs` reads, with the nodes the fusion
+/// replaces.
+fn quantized_operand(
+    graph: &Graph,
+    rhs: NodeId,
+    quantized: &[bool],
+) -> Option<(QuantizedRhs, Vec<NodeId>)> {
+    let input_of = |id: NodeId| match graph.node(id).op {
+        Op::Input(k) if quantized.get(k).copied().unwrap_or(false) => Some(k),
+        _ => None,
+    };
+    let Op::Permute(x, ref perm) = graph.node(rhs).op else {
+        return None;
+    };
+    let rank = graph.node(x).shape.rank();
+    if let Some(input) = input_of(x) {
+        let form = match (rank, perm.as_slice()) {
+            (2, [1, 0]) => QuantizedForm::Linear,
+            (3, [0, 2, 1]) => QuantizedForm::PerExpert,
+            _ => return None,
+        };
+        return Some((QuantizedRhs { input, form }, vec![rhs]));
+    }
+    let Op::IndexSelect { x: w, ids, dim: 0 } = graph.node(x).op else {
+        return None;
+    };
+    let input = input_of(w)?;
+    (rank == 3 && perm == &[0, 2, 1]).then_some((
+        QuantizedRhs {
+            input,
+            form: QuantizedForm::Gathered(ids),
+        },
+        vec![rhs, x],
+    ))
 }
 
 /// int8 experts dequantized in the graph, as `model::moe` writes it:
@@ -544,9 +687,17 @@ fn gathered_matmul(
     ids: &CTensor,
     scales: Option<&CTensor>,
 ) -> Result<CTensor> {
-    let experts = w.dim(0)?;
-    let ids = ids
-        .to_vec1::<i32>()?
+    let ids = checked_expert_ids(ids, w.dim(0)?)?;
+    Ok(matmul::gathered(a, w, &ids, scales)?)
+}
+
+/// The expert ids `ids` (`[n]` i32) selects from quantized stacked experts `w`, checked.
+fn expert_ids(ids: &CTensor, w: &QuantizedWeight) -> Result<Vec<usize>> {
+    checked_expert_ids(ids, w.dims().first().copied().unwrap_or(0))
+}
+
+fn checked_expert_ids(ids: &CTensor, experts: usize) -> Result<Vec<usize>> {
+    ids.to_vec1::<i32>()?
         .into_iter()
         .map(|e| match usize::try_from(e) {
             Ok(e) if e < experts => Ok(e),
@@ -554,11 +705,10 @@ fn gathered_matmul(
                 "expert index {e} out of range 0..{experts}"
             ))),
         })
-        .collect::<Result<Vec<usize>>>()?;
-    Ok(matmul::gathered(a, w, &ids, scales)?)
+        .collect::<Result<Vec<usize>>>()
 }
 
-fn check_inputs(graph: &Graph, inputs: &[CTensor]) -> Result<()> {
+fn check_inputs(graph: &Graph, inputs: &[Value]) -> Result<()> {
     if inputs.len() != graph.inputs().len() {
         return Err(Error::Binding {
             name: graph.name().to_string(),
@@ -569,7 +719,25 @@ fn check_inputs(graph: &Graph, inputs: &[CTensor]) -> Result<()> {
             ),
         });
     }
-    for (decl, t) in graph.inputs().iter().zip(inputs) {
+    for (decl, v) in graph.inputs().iter().zip(inputs) {
+        let t = match v {
+            Value::Tensor(t) => t,
+            Value::Quantized(q) if decl.role == InputRole::Weight => {
+                if q.dims() != decl.shape.dims() {
+                    return Err(Error::Binding {
+                        name: decl.name.clone(),
+                        msg: format!("expected {}, got a quantized {:?}", decl.shape, q.dims()),
+                    });
+                }
+                continue;
+            }
+            Value::Quantized(_) => {
+                return Err(Error::Binding {
+                    name: decl.name.clone(),
+                    msg: "only weights can be quantized".into(),
+                })
+            }
+        };
         if t.dims() != decl.shape.dims() || t.dtype() != candle_dtype(decl.dtype) {
             return Err(Error::Binding {
                 name: decl.name.clone(),

@@ -87,8 +87,9 @@ struct PrecisionArgs {
     /// The KV cache's dtype: auto (the weights'), bf16, f16 or f32.
     #[arg(long, default_value = "auto")]
     kv_dtype: DTypeChoice,
-    /// Weight-only quantization at load: none, or experts-int8 (routed experts in int8 with a
-    /// per-output-channel scale; nearly halves a bf16 DeepSeek model).
+    /// Weight-only quantization at load: none; experts-int8 (routed experts in int8 with a
+    /// per-output-channel scale; nearly halves a bf16 DeepSeek model; every backend); or, on
+    /// the CPU backend only, GGML's q8_0 or q4_k for every linear layer (llama.cpp's formats).
     #[arg(long, default_value = "none")]
     quantize: Quantize,
 }

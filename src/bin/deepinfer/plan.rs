@@ -44,7 +44,7 @@ pub(crate) struct PlanArgs {
     /// The KV cache's dtype: auto (the weights' float dtype), bf16, f16 or f32.
     #[arg(long, default_value = "auto")]
     kv_dtype: DTypeChoice,
-    /// Weight-only quantization: none, or experts-int8.
+    /// Weight-only quantization: none, or experts-int8 (q8_0 and q4_k are CPU formats).
     #[arg(long, default_value = "none")]
     quantize: Quantize,
     /// Sequences decoded together at most (the largest batch bucket), as for `serve`.
@@ -103,7 +103,7 @@ pub(crate) fn run(args: PlanArgs) -> Result<ExitCode> {
         tp: args.tp,
         dtype: args.dtype,
         kv_dtype: args.kv_dtype,
-        experts: args.quantize.into(),
+        experts: Experts::try_from(args.quantize)?,
         max_batch: args.max_batch,
         max_len: args.max_len.unwrap_or(2048),
         prefill_chunk: args.prefill_chunk,
