@@ -1,8 +1,9 @@
 //! CPU decode-step latency on the synthetic ~300M-parameter "medium" DeepSeek-V3 config
 //! (`fixtures/configs/medium-bench.json`: 64 experts, top-6, noaux_tc routing) at batch 1, 8
-//! and 32, with random weights held in f32, in bf16 (bf16 cache too) and in bf16 with int8
-//! routed experts. Each iteration re-runs one decode step at a fixed position (context 17), so
-//! every sample does the same work.
+//! and 32, with random weights held in f32, in bf16 (bf16 cache too), in bf16 with int8
+//! routed experts, and with every linear layer in GGML's q8_0 and q4_k (bf16 for the rest).
+//! Each iteration re-runs one decode step at a fixed position (context 17), so every sample
+//! does the same work. Rows are greedy, so the CPU runner's argmax-only decode graph runs.
 //!
 //! Run with `cargo bench --bench decode`. `scripts/bench_vs_transformers.py` compares the same
 //! config against transformers' eager CPU decode.
@@ -32,9 +33,16 @@ fn decode_step(c: &mut Criterion) {
         quantize: Quantize::ExpertsInt8,
         ..bf16
     };
+    let ggml = |quantize| Precision { quantize, ..bf16 };
     let mut group = c.benchmark_group("cpu_decode_step_medium");
     group.sample_size(10);
-    for (tag, precision) in [("f32", Precision::F32), ("bf16", bf16), ("int8", int8)] {
+    for (tag, precision) in [
+        ("f32", Precision::F32),
+        ("bf16", bf16),
+        ("int8", int8),
+        ("q8_0", ggml(Quantize::Q8_0)),
+        ("q4_k", ggml(Quantize::Q4K)),
+    ] {
         let weights = ModelWeights::random(&cfg, 0, &precision).expect("random weights");
         for batch in [1usize, 8, 32] {
             let mut rc = RunnerConfig::for_limits(batch, 64);

@@ -10,7 +10,7 @@ use deepinfer::backend::hlo::emit;
 use deepinfer::config::ModelConfig;
 use deepinfer::graph::DType;
 use deepinfer::model::{
-    self, CacheLayout, GraphSpec, LogitsOutput, MoeStrategy, Precision, WeightSpecs,
+    self, CacheLayout, GraphSpec, LogitsOutput, MoeStrategy, Precision, Sampler, WeightSpecs,
 };
 
 fn lower_v2_lite(c: &mut Criterion) {
@@ -29,6 +29,7 @@ fn lower_v2_lite(c: &mut Criterion) {
         ctx: 1024,
         logits: LogitsOutput::None,
         moe: MoeStrategy::Dense,
+        sampler: Sampler::Full,
     };
     c.bench_function("build_and_emit_v2_lite_decode_b64", |b| {
         b.iter(|| {

@@ -23,7 +23,8 @@ use deepinfer::config::ModelConfig;
 use deepinfer::engine::BlockAllocator;
 use deepinfer::graph::DType;
 use deepinfer::model::{
-    self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, Precision, WeightSpecs,
+    self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, Precision, Sampler,
+    WeightSpecs,
 };
 use deepinfer::runner::step::{DecodeRow, LogitControls, SamplingParams};
 use deepinfer::runner::{
@@ -201,6 +202,7 @@ fn capture(c: &mut Criterion) {
                 LogitsOutput::Sampled
             },
             moe: MoeStrategy::Gather,
+            sampler: Sampler::Full,
         };
         let name = if prefill {
             format!("prefill_t{rows}_c{ctx}")

@@ -35,7 +35,8 @@ use crate::graph::stats::{stats, GraphStats};
 use crate::graph::{Graph, InputRole};
 use crate::model::cost::{decode_floor, DecodeFloor};
 use crate::model::{
-    self, shard, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, PrecisionChoice, WeightSpecs,
+    self, shard, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, PrecisionChoice, Sampler,
+    WeightSpecs,
 };
 use crate::runner::step::{self, DecodeRow, HostArray, HostData, PrefillChunk, SamplingParams};
 use crate::runner::{CpuRunner, Limits, Runner, RunnerConfig, Step, StepKind};
@@ -459,6 +460,7 @@ pub fn lower_sharded(
                 ctx: opts.ctx,
                 logits: StepKind::Prefill.device_logits(),
                 moe: moe(t),
+                sampler: Sampler::Full,
             },
         )?;
         graphs.push((prefill, "prefill", t, seqs));
@@ -474,6 +476,7 @@ pub fn lower_sharded(
                 ctx: opts.ctx,
                 logits: StepKind::Decode.device_logits(),
                 moe: moe(b),
+                sampler: Sampler::Full,
             },
         )?;
         graphs.push((g, "decode", b, b));
@@ -684,6 +687,7 @@ pub fn check_neuron(
             moe: cfg.routing.as_ref().map_or(MoeStrategy::Dense, |r| {
                 MoeStrategy::for_tokens(r, rows, specs.ranks())
             }),
+            sampler: Sampler::Full,
         };
         let g = match kind {
             StepKind::Decode => model::build_decode(cfg, &specs, &layout, &spec)?,

@@ -184,6 +184,23 @@ pub struct GraphSpec {
     pub logits: LogitsOutput,
     /// MoE evaluation strategy.
     pub moe: MoeStrategy,
+    /// What picks a decode step's next tokens (prefill always runs the full sampler).
+    pub sampler: Sampler,
+}
+
+/// What picks a decode graph's next tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Sampler {
+    /// Every row's own sampling parameters and logit controls (penalties, bias, allowed
+    /// tokens): the graph every device bucket compiles.
+    #[default]
+    Full,
+    /// Every row greedy with no logit controls: a plain argmax of the logits, which is what
+    /// [`Sampler::Full`] computes for such rows (the controls are then identities), without its
+    /// vocabulary-wide filters and draw. The sampling-state root is updated all the same. The
+    /// CPU runner builds it for steps where it applies (one more graph per bucket costs a
+    /// NeuronCore a NEFF, a CPU nothing).
+    Greedy,
 }
 
 fn metadata(b: &GraphBuilder, name: &str, shape: Vec<usize>, dtype: DType) -> Result<Tensor> {
@@ -553,7 +570,10 @@ pub fn build_decode(
     let logits = lm_logits(cfg, &w, &x)?;
     let state_rows = metadata(&b, inputs::STATE_ROWS, vec![rows], DType::I32)?;
     let (state, counts, prompt) = logits::decode_state(&s.state, &state_rows, &s.input_ids)?;
-    let next = sample_rows(&b, &logits, &s.positions, &counts, &prompt)?;
+    let next = match spec.sampler {
+        Sampler::Full => sample_rows(&b, &logits, &s.positions, &counts, &prompt)?,
+        Sampler::Greedy => logits.argmax(1)?,
+    };
     b.output("next_tokens", &next)?;
     if spec.logits != LogitsOutput::None {
         b.output("logits", &logits)?;

@@ -21,7 +21,7 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::graph::{Graph, InputRole};
 use crate::model::{
-    self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, WeightSpecs,
+    self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, Sampler, WeightSpecs,
 };
 
 use super::step::{self, HostArray, HostData};
@@ -41,7 +41,7 @@ pub struct CpuRunner {
     /// Steps run so far: the step number the ranks' collectives are tagged with.
     steps: u64,
     runner_cfg: RunnerConfig,
-    graphs: HashMap<(StepKind, usize, usize, usize, LogitsOutput), Graph>,
+    graphs: HashMap<(StepKind, usize, usize, usize, LogitsOutput, Sampler), Graph>,
 }
 
 impl std::fmt::Debug for CpuRunner {
@@ -123,8 +123,9 @@ impl CpuRunner {
         seqs: usize,
         ctx: usize,
         logits: LogitsOutput,
+        sampler: Sampler,
     ) -> Result<Graph> {
-        let key = (kind, rows, seqs, ctx, logits);
+        let key = (kind, rows, seqs, ctx, logits, sampler);
         if let Some(g) = self.graphs.get(&key) {
             return Ok(g.clone());
         }
@@ -138,6 +139,7 @@ impl CpuRunner {
             ctx,
             logits,
             moe,
+            sampler,
         };
         let g = match kind {
             StepKind::Decode => model::build_decode(&self.cfg, &self.specs, &self.layout, &spec)?,
@@ -288,7 +290,7 @@ impl Runner for CpuRunner {
         match step {
             Step::Prefill { chunks, logits } => {
                 let (t, seqs, ctx) = self.runner_cfg.buckets.prefill_bucket(chunks, vocab)?;
-                let graph = self.graph(StepKind::Prefill, t, seqs, ctx, *logits)?;
+                let graph = self.graph(StepKind::Prefill, t, seqs, ctx, *logits, Sampler::Full)?;
                 let meta = step::prefill_step(chunks, t, seqs, ctx, block_size, vocab)?;
                 let real = match logits {
                     LogitsOutput::AllPositions => chunks.iter().map(|c| c.tokens.len()).sum(),
@@ -302,7 +304,15 @@ impl Runner for CpuRunner {
                     LogitsOutput::None => LogitsOutput::None,
                     _ => LogitsOutput::Sampled,
                 };
-                let graph = self.graph(StepKind::Decode, batch, batch, ctx, want)?;
+                // A step of greedy rows without logit controls needs only the argmax.
+                let sampler = match rows
+                    .iter()
+                    .all(|r| r.sampling.is_plain_greedy() && r.controls.is_identity())
+                {
+                    true => Sampler::Greedy,
+                    false => Sampler::Full,
+                };
+                let graph = self.graph(StepKind::Decode, batch, batch, ctx, want, sampler)?;
                 let meta = step::decode_step(rows, batch, ctx, block_size, vocab)?;
                 self.execute(&graph, &meta, rows.len(), rows.len())
             }

@@ -49,7 +49,7 @@ use crate::error::{Error, Result};
 use crate::graph::{Graph, InputRole};
 use crate::model::inputs;
 use crate::model::{
-    self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, WeightSpecs,
+    self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, Sampler, WeightSpecs,
 };
 
 /// How a device runner turns a lowered graph into the bytes `nrt_load` takes: always the compile
@@ -606,6 +606,7 @@ impl DeviceRunner {
                     ctx,
                     logits: kind.device_logits(),
                     moe: self.moe_for(rows),
+                    sampler: Sampler::Full,
                 };
                 (kind, spec)
             })

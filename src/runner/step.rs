@@ -81,6 +81,15 @@ impl SamplingParams {
         frequency_penalty: 0.0,
         repetition_penalty: 1.0,
     };
+
+    /// Whether the row is greedy with no penalty: its token is the argmax of its logits (after
+    /// [`LogitControls`], if any).
+    pub fn is_plain_greedy(&self) -> bool {
+        self.temperature < MIN_TEMPERATURE
+            && self.presence_penalty == 0.0
+            && self.frequency_penalty == 0.0
+            && self.repetition_penalty == 1.0
+    }
 }
 
 /// Most `logit_bias` entries one row carries (the graph's `[rows, LOGIT_BIAS_SLOTS]` inputs).
@@ -112,6 +121,11 @@ impl LogitControls<'_> {
         bias: &[],
         allowed: None,
     };
+
+    /// Whether the logits go through unchanged (no bias, every token allowed).
+    pub fn is_identity(&self) -> bool {
+        self.bias.is_empty() && self.allowed.is_none()
+    }
 }
 
 /// One decoding sequence in a batch.

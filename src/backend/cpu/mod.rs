@@ -15,6 +15,7 @@ mod bytes;
 mod collective;
 mod kernels;
 mod matmul;
+pub mod profile;
 mod quantized;
 mod threshold;
 
@@ -199,6 +200,7 @@ fn run_with(
                 msg: format!("node %{} read after it was freed", id.0),
             })
         };
+        let started = profile::on().then(std::time::Instant::now);
         let value = match &node.op {
             Op::Input(k) => match &inputs[*k] {
                 Value::Tensor(t) => {
@@ -366,6 +368,9 @@ fn run_with(
                 c.all_gather(step, get(*x)?, *dim)?
             }
         };
+        if let Some(t0) = started {
+            profile::record(plan.label(graph, i), t0.elapsed());
+        }
         values[i] = Some(value);
         for operand in plan.operands(graph, i) {
             remaining[operand.0] -= 1;
@@ -527,6 +532,27 @@ impl Plan {
             });
         }
         Ok(plan)
+    }
+
+    /// Node `i`'s label in a profile: its op, and for a matmul the kernel that runs it.
+    fn label(&self, graph: &Graph, i: usize) -> &'static str {
+        let op = &graph.nodes()[i].op;
+        if !matches!(op, Op::MatMul(..)) {
+            return op.name();
+        }
+        match (
+            self.quantized_rhs[i].map(|q| q.form),
+            self.dequantized_rhs[i],
+            self.gathered_rhs[i],
+            self.widened_rhs[i],
+        ) {
+            (Some(QuantizedForm::Linear), ..) => "matmul: ggml-quantized weight",
+            (Some(_), ..) => "matmul: ggml-quantized experts",
+            (None, Some(_), ..) => "matmul: int8 experts",
+            (None, None, Some(_), _) => "matmul: gathered experts",
+            (None, None, None, Some(_)) => "matmul: widened (reduced-precision operand)",
+            (None, None, None, None) => "matmul: f32",
+        }
     }
 
     /// The values node `i` reads as executed.

@@ -5,6 +5,7 @@ use std::time::Instant;
 
 use anyhow::{bail, Result};
 use clap::Args;
+use deepinfer::backend::cpu::profile::{self, OpTime};
 use deepinfer::config::ModelConfig;
 use deepinfer::engine::BlockAllocator;
 use deepinfer::model::{LogitsOutput, ModelWeights};
@@ -34,6 +35,9 @@ pub(crate) struct BenchArgs {
     /// Print one JSON line.
     #[arg(long)]
     json: bool,
+    /// Also print where the timed steps' time went, per op kind (the CPU backend's profile).
+    #[arg(long)]
+    profile: bool,
     #[command(flatten)]
     precision: PrecisionArgs,
 }
@@ -106,23 +110,46 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         Ok(())
     };
     run_step(0, &mut tokens)?; // builds the decode graph
+    if args.profile {
+        profile::start();
+    }
     let start = Instant::now();
     for step in 1..=args.steps {
         run_step(step, &mut tokens)?;
     }
     let secs = start.elapsed().as_secs_f64();
+    let ops = if args.profile {
+        profile::stop()
+    } else {
+        Vec::new()
+    };
     let tps = (args.batch * args.steps) as f64 / secs;
     let ms = secs * 1e3 / args.steps as f64;
+    let per_step = |t: &OpTime| t.total.as_secs_f64() * 1e3 / args.steps as f64;
     if args.json {
-        emit(
-            &serde_json::json!({ "batch": args.batch, "tokens_per_s": tps, "ms_per_step": ms })
-                .to_string(),
-        )?;
+        let ops: Vec<_> = ops
+            .iter()
+            .map(|(op, t)| serde_json::json!({ "op": op, "ms_per_step": per_step(t), "nodes_per_step": t.count / args.steps as u64 }))
+            .collect();
+        let mut v =
+            serde_json::json!({ "batch": args.batch, "tokens_per_s": tps, "ms_per_step": ms });
+        if args.profile {
+            v["profile"] = serde_json::Value::Array(ops);
+        }
+        emit(&v.to_string())?;
     } else {
         emit(&format!(
             "batch {}: {tps:.1} tokens/s, {ms:.2} ms/step",
             args.batch
         ))?;
+        for (op, t) in &ops {
+            emit(&format!(
+                "  {op:<48} {:>8.3} ms/step {:>5.1}%  ({} nodes/step)",
+                per_step(t),
+                100.0 * per_step(t) / ms,
+                t.count / args.steps as u64
+            ))?;
+        }
     }
     Ok(())
 }
