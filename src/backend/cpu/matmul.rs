@@ -14,9 +14,9 @@
 //! transposed view of its `[n, k]` rows (`k` contiguous); a slice of `kv_b_proj` arrives with
 //! `n` contiguous; both are read in their own order, never copied whole.
 
+use super::pool::{for_each_chunk, parallel_map};
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, CustomOp3, Layout, Shape};
 use pulp::{Arch, Simd, WithSimd};
-use rayon::prelude::*;
 
 /// Output columns (weight rows) per parallel task.
 const TILE: usize = 32;
@@ -207,6 +207,67 @@ impl<T: Widen> WithSimd for Columns<'_, T> {
     }
 }
 
+/// Output columns per task of the row-tile kernel ([`RowTile`]).
+const ROW_TILE: usize = 64;
+
+/// One parallel task for a `b` whose `n` is contiguous: columns `j0..j0 + tn` of batch entry
+/// `bi` for every left row, as `[m, ROW_TILE]` in `out`.
+///
+/// The tile's `k` rows of `tn` weights are widened once into `wbuf` (contiguous reads), then
+/// each left row accumulates `a[i, kk] * wbuf[kk]` over `kk` into its output row, which stays in
+/// L1: the layout's own order, where the column kernel would read every value `sk` apart.
+struct RowTile<'a, T> {
+    a: &'a [f32],
+    b: &'a [T],
+    bop: &'a Operand<'a>,
+    scales: Option<&'a [f32]>,
+    bi: usize,
+    j0: usize,
+    tn: usize,
+    m: usize,
+    wbuf: &'a mut Vec<f32>,
+    out: &'a mut [f32],
+}
+
+impl<T: Widen> WithSimd for RowTile<'_, T> {
+    type Output = ();
+
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, simd: S) {
+        let (k, n, m, tn) = (self.bop.rows, self.bop.cols, self.m, self.tn);
+        let (sk, _) = self.bop.strides();
+        let base = self.bop.batch_offset(self.bi) + self.j0;
+        let wbuf = self.wbuf;
+        wbuf.clear();
+        for kk in 0..k {
+            let at = base + kk * sk;
+            wbuf.extend(self.b[at..at + tn].iter().map(|v| v.widen()));
+        }
+        if let Some(s) = self.scales {
+            let s = &s[self.bi * n + self.j0..][..tn];
+            for row in wbuf.chunks_exact_mut(tn) {
+                row.iter_mut().zip(s).for_each(|(w, s)| *w *= s);
+            }
+        }
+        for i in 0..m {
+            let x = &self.a[(self.bi * m + i) * k..][..k];
+            let o = &mut self.out[i * ROW_TILE..][..tn];
+            o.fill(0.0);
+            let (oh, ot) = S::as_mut_simd_f32s(o);
+            for (kk, &xv) in x.iter().enumerate() {
+                let (wh, wt) = S::as_simd_f32s(&wbuf[kk * tn..][..tn]);
+                let xs = simd.splat_f32s(xv);
+                for (o, w) in oh.iter_mut().zip(wh) {
+                    *o = simd.mul_add_f32s(xs, *w, *o);
+                }
+                for (o, w) in ot.iter_mut().zip(wt) {
+                    *o += xv * w;
+                }
+            }
+        }
+    }
+}
+
 /// One task of [`gathered`]: columns `j0..j0 + tn` of expert `e` for the left rows that
 /// chose it, as `[rows, m, tn]`.
 struct ExpertTask<'a, T> {
@@ -307,24 +368,21 @@ pub(crate) fn gathered(
         w: &[T],
         scales: Option<&[f32]>,
         (m, k, out_n): (usize, usize, usize),
-    ) -> Vec<Vec<f32>> {
-        tasks
-            .par_iter()
-            .map(|&(g, j0)| {
-                arch.dispatch(ExpertTask {
-                    a,
-                    w,
-                    scales,
-                    rows: &groups[g].1,
-                    e: groups[g].0,
-                    j0,
-                    tn: TILE.min(out_n - j0),
-                    m,
-                    k,
-                    out_n,
-                })
+    ) -> candle_core::Result<Vec<Vec<f32>>> {
+        parallel_map(tasks, |&(g, j0)| {
+            arch.dispatch(ExpertTask {
+                a,
+                w,
+                scales,
+                rows: &groups[g].1,
+                e: groups[g].0,
+                j0,
+                tn: TILE.min(out_n - j0),
+                m,
+                k,
+                out_n,
             })
-            .collect()
+        })
     }
     let dims = (m, k, out_n);
     let Storage::Cpu(w_cpu) = &*w_st else {
@@ -333,13 +391,13 @@ pub(crate) fn gathered(
         ));
     };
     let done = match (w_cpu, scales) {
-        (CpuStorage::F32(v), _) => all(arch, &tasks, &groups, &a, &v[w0..w1], scales, dims),
-        (CpuStorage::BF16(v), _) => all(arch, &tasks, &groups, &a, &v[w0..w1], scales, dims),
-        (CpuStorage::F16(v), _) => all(arch, &tasks, &groups, &a, &v[w0..w1], scales, dims),
-        (CpuStorage::F8E4M3(v), _) => all(arch, &tasks, &groups, &a, &v[w0..w1], scales, dims),
+        (CpuStorage::F32(v), _) => all(arch, &tasks, &groups, &a, &v[w0..w1], scales, dims)?,
+        (CpuStorage::BF16(v), _) => all(arch, &tasks, &groups, &a, &v[w0..w1], scales, dims)?,
+        (CpuStorage::F16(v), _) => all(arch, &tasks, &groups, &a, &v[w0..w1], scales, dims)?,
+        (CpuStorage::F8E4M3(v), _) => all(arch, &tasks, &groups, &a, &v[w0..w1], scales, dims)?,
         (CpuStorage::U8(v), Some(_)) => {
             let q: &[i8] = bytemuck::cast_slice(&v[w0..w1]);
-            all(arch, &tasks, &groups, &a, q, scales, dims)
+            all(arch, &tasks, &groups, &a, q, scales, dims)?
         }
         (other, _) => {
             return Err(candle_core::Error::Msg(format!(
@@ -373,6 +431,9 @@ fn run<T: Widen>(
 ) -> candle_core::Result<Vec<f32>> {
     let (k, n) = (bop.rows, bop.cols);
     let mut out = vec![0f32; batch * m * n];
+    if out.is_empty() {
+        return Ok(out);
+    }
     let place = |out: &mut [f32], (bi, j0, tn): (usize, usize, usize), t: &[f32]| {
         for i in 0..m {
             let at = bi * m * n + i * n + j0;
@@ -404,27 +465,54 @@ fn run<T: Widen>(
         }
         return Ok(out);
     }
+    let (sk, sn) = bop.strides();
+    if sn == 1 && sk != 1 && n > 1 {
+        // `n` contiguous (MLA's absorbed slices of `kv_b_proj`, the latent cache as values):
+        // a column would be read `sk` apart, so whole rows of a tile are widened instead.
+        let arch = Arch::new();
+        let tiles = n.div_ceil(ROW_TILE);
+        let mut tiled = vec![0f32; batch * tiles * m * ROW_TILE];
+        for_each_chunk(&mut tiled, m * ROW_TILE, |t, chunk| {
+            let (bi, j0) = (t / tiles, (t % tiles) * ROW_TILE);
+            arch.dispatch(RowTile {
+                a,
+                b,
+                bop,
+                scales,
+                bi,
+                j0,
+                tn: ROW_TILE.min(n - j0),
+                m,
+                wbuf: &mut Vec::with_capacity(k * ROW_TILE),
+                out: chunk,
+            })
+        });
+        for (t, chunk) in tiled.chunks_exact(m * ROW_TILE).enumerate() {
+            let (bi, j0) = (t / tiles, (t % tiles) * ROW_TILE);
+            let tn = ROW_TILE.min(n - j0);
+            for i in 0..m {
+                let at = bi * m * n + i * n + j0;
+                out[at..at + tn].copy_from_slice(&chunk[i * ROW_TILE..i * ROW_TILE + tn]);
+            }
+        }
+        return Ok(out);
+    }
     // Column-major (`[batch, n, m]`), so each parallel chunk of output columns is one
     // contiguous slice; transposed back below (a no-op for one left row).
     let mut cols = vec![0f32; batch * n * m];
     let arch = Arch::new();
-    cols.par_chunks_mut(TILE * m.max(1))
-        .enumerate()
-        .for_each_init(
-            || Vec::with_capacity(k),
-            |row, (c, chunk)| {
-                arch.dispatch(Columns {
-                    a,
-                    b,
-                    bop,
-                    scales,
-                    g0: c * TILE,
-                    m,
-                    row,
-                    out: chunk,
-                })
-            },
-        );
+    for_each_chunk(&mut cols, TILE * m.max(1), |c, chunk| {
+        arch.dispatch(Columns {
+            a,
+            b,
+            bop,
+            scales,
+            g0: c * TILE,
+            m,
+            row: &mut Vec::with_capacity(k),
+            out: chunk,
+        })
+    });
     if m == 1 {
         return Ok(cols);
     }

@@ -15,6 +15,7 @@ mod bytes;
 mod collective;
 mod kernels;
 mod matmul;
+mod pool;
 pub mod profile;
 mod quantized;
 mod threshold;
@@ -319,7 +320,7 @@ fn run_with(
                         &rows(get(*w)?)?,
                         &rows(get(*target)?)?,
                         n,
-                    ),
+                    )?,
                     node.shape.dims(),
                     &Device::Cpu,
                 )?

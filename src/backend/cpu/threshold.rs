@@ -11,8 +11,6 @@
 //! key whose mass reaches the target. Masses are summed in f64 here and in f32 by the device, so
 //! a target within rounding of a step of the mass can land on the neighbouring value.
 
-use rayon::prelude::*;
-
 /// The key of `v` (not NaN): `a < b` as floats iff `key(a) < key(b)` as integers (with
 /// `-0.0 < +0.0`).
 fn key(v: f32) -> u32 {
@@ -33,12 +31,16 @@ fn value(k: u32) -> f32 {
 const DIGITS: [(u32, u32); 3] = [(21, 11), (10, 11), (0, 10)];
 
 /// The threshold of every row: `x` and `w` are `[rows, n]` row-major, `target` is `[rows]`.
-pub(super) fn mass_threshold_rows(x: &[f32], w: &[f32], target: &[f32], n: usize) -> Vec<f32> {
-    target
-        .par_iter()
-        .enumerate()
-        .map(|(r, &t)| row(&x[r * n..(r + 1) * n], &w[r * n..(r + 1) * n], t))
-        .collect()
+pub(super) fn mass_threshold_rows(
+    x: &[f32],
+    w: &[f32],
+    target: &[f32],
+    n: usize,
+) -> candle_core::Result<Vec<f32>> {
+    let rows: Vec<usize> = (0..target.len()).collect();
+    super::pool::parallel_map(&rows, |&r| {
+        row(&x[r * n..(r + 1) * n], &w[r * n..(r + 1) * n], target[r])
+    })
 }
 
 /// One row's threshold (see [`crate::graph::Op::MassThreshold`] for the edge cases).

@@ -1,0 +1,49 @@
+//! Parallel loops of the CPU backend's own kernels, on candle-core's CPU thread pool.
+//!
+//! candle's CPU ops (elementwise maps, its quantized matmuls) run on its own barrier pool, whose
+//! idle workers spin for a while before they sleep. Kernels of ours on a second pool (rayon's)
+//! would then contend with them for the same cores: on a two-core machine a rayon task waited
+//! for a spinning candle worker, and moving the widening matmuls here made MLA's absorbed
+//! attention matmuls twice as fast (benches/README.md). Both loops here hand out their items
+//! through the pool's shared cursor, and each item's output is its own (a mutex per item, never
+//! contended), so no `unsafe` is needed.
+
+use std::sync::Mutex;
+
+/// Runs `task(i, chunk)` for every `size`-long chunk of `out` on candle's CPU thread pool.
+pub(crate) fn for_each_chunk(
+    out: &mut [f32],
+    size: usize,
+    task: impl Fn(usize, &mut [f32]) + Sync,
+) {
+    let chunks: Vec<Mutex<&mut [f32]>> = out.chunks_mut(size.max(1)).map(Mutex::new).collect();
+    candle_core::utils::barrier_pool().execute_chunked(chunks.len(), |range| {
+        for i in range {
+            // Each chunk is one task's alone: never contended, never poisoned.
+            if let Ok(mut chunk) = chunks[i].lock() {
+                task(i, &mut chunk);
+            }
+        }
+    });
+}
+
+/// `f` of every item, computed on candle's CPU thread pool (see [`for_each_chunk`]).
+pub(crate) fn parallel_map<I: Sync, R: Send>(
+    items: &[I],
+    f: impl Fn(&I) -> R + Sync,
+) -> candle_core::Result<Vec<R>> {
+    let slots: Vec<Mutex<Option<R>>> = items.iter().map(|_| Mutex::new(None)).collect();
+    candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
+        for i in range {
+            let r = f(&items[i]);
+            if let Ok(mut slot) = slots[i].lock() {
+                *slot = Some(r);
+            }
+        }
+    });
+    slots
+        .into_iter()
+        .map(|s| s.into_inner().ok().flatten())
+        .collect::<Option<Vec<R>>>()
+        .ok_or_else(|| candle_core::Error::Msg("a parallel task did not finish".into()))
+}
