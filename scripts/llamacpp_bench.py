@@ -294,25 +294,33 @@ def cmd_parse(args):
         sys.exit(f"parse: cannot read {args.tool}'s output in {args.output} ({err}):\n{text[-2000:]}")
     row = {"round": args.round, "precision": args.precision, "batch": args.batch,
            "engine": "deepinfer" if args.tool == "deepinfer" else "llama.cpp", "tool": args.tool,
-           "tok_s": tok_s, **extra}
+           "tok_s": tok_s, "others_cores": args.others, "seconds": args.seconds,
+           "attempts": args.attempts, **extra}
     with args.results.open("a") as f:
         f.write(json.dumps(row) + "\n")
-    print(f"  {row['engine']:>9} {args.precision:>4} batch {args.batch}: {tok_s:8.2f} tok/s")
+    print(f"  {row['engine']:>9} {args.precision:>4} batch {args.batch}: {tok_s:8.2f} tok/s "
+          f"({args.seconds:.1f} s; others used {args.others:.2f} cores meanwhile"
+          f"{f'; attempt {args.attempts}' if args.attempts > 1 else ''})")
 
 
 def cmd_report(args):
     rows = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
     loads = {r["round"]: r for r in rows if r.get("kind") == "load"}
-    runs = {(r["round"], r["precision"], r["batch"], r["engine"]): r["tok_s"] for r in rows if "engine" in r}
-    print("| round | precision | batch | llama.cpp tok/s | deepinfer tok/s | ours / llama.cpp |")
-    print("|---|---|---|---|---|---|")
+    runs = {(r["round"], r["precision"], r["batch"], r["engine"]): r for r in rows if "engine" in r}
+    print("| round | precision (llama.cpp / deepinfer) | batch | llama.cpp tok/s | deepinfer tok/s "
+          "| ours / llama.cpp | others' CPU (cores) during llama.cpp / deepinfer |")
+    print("|---|---|---|---|---|---|---|")
     keys = sorted({k[:3] for k in runs}, key=lambda k: (k[0], args.precisions.index(k[1]), k[2]))
     for rnd, precision, batch in keys:
-        theirs = runs.get((rnd, precision, batch, "llama.cpp"))
-        ours = runs.get((rnd, precision, batch, "deepinfer"))
-        ratio = f"{ours / theirs:.2f}x" if theirs and ours else "-"
-        fmt = lambda v: f"{v:.2f}" if v is not None else "-"  # noqa: E731
-        print(f"| {rnd} | {args.labels.get(precision, precision)} | {batch} | {fmt(theirs)} | {fmt(ours)} | {ratio} |")
+        theirs = runs.get((rnd, precision, batch, "llama.cpp"), {})
+        ours = runs.get((rnd, precision, batch, "deepinfer"), {})
+        ratio = f"{ours['tok_s'] / theirs['tok_s']:.2f}x" if theirs and ours else "-"
+
+        def fmt(row, key):
+            return f"{row[key]:.2f}" if row.get(key) is not None else "-"
+
+        print(f"| {rnd} | {args.labels.get(precision, precision)} | {batch} | {fmt(theirs, 'tok_s')} "
+              f"| {fmt(ours, 'tok_s')} | {ratio} | {fmt(theirs, 'others_cores')} / {fmt(ours, 'others_cores')} |")
     print()
     for rnd in sorted(loads):
         print(f"- round {rnd}: load average at start {loads[rnd]['start']}, at end {loads[rnd]['end']}")
@@ -355,6 +363,9 @@ def main():
     p.add_argument("--round", type=int, required=True)
     p.add_argument("--precision", required=True)
     p.add_argument("--batch", type=int, required=True)
+    p.add_argument("--others", type=float, required=True, help="cores other processes used meanwhile")
+    p.add_argument("--seconds", type=float, required=True, help="wall time of the measurement")
+    p.add_argument("--attempts", type=int, default=1, help="attempts this measurement took")
 
     p = sub.add_parser("report")
     p.add_argument("--results", type=Path, required=True)
