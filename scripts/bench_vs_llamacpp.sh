@@ -92,9 +92,9 @@ PARITY_PROMPT=$'ROMEO:\nBut, soft! what light through yonder window breaks?\n'
 PARITY_NEW_TOKENS=24
 LLAMA_TARGETS=(llama llama-bench llama-batched-bench)
 
-cd "$(dirname "$0")/.."
-WORK=target/llamacpp-bench
-DEEPINFER=target/release/deepinfer
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+WORK=$REPO/target/llamacpp-bench     # paths given as options are relative to the caller's directory
+DEEPINFER=$REPO/target/release/deepinfer
 ROUNDS=2
 SKIP_BUILD=0
 PRECISIONS=f32,bf16,q8
@@ -132,9 +132,15 @@ done
 mkdir -p "$WORK"
 WORK=$(cd "$WORK" && pwd)
 DEEPINFER=$(realpath -m "$DEEPINFER")
+cd "$REPO"
 [ -x "$DEEPINFER" ] || die "deepinfer binary $DEEPINFER not found or not executable (build it with \`cargo build --release\`, or pass --deepinfer PATH)"
 LOGS=$WORK/logs
 mkdir -p "$LOGS"
+BUILD=$WORK/build
+built() {
+    [ -x "$BUILD/bin/llama-bench" ] && [ -x "$BUILD/bin/llama-batched-bench" ] && [ -f "$BUILD/bin/libllama.so" ]
+}
+[ "$SKIP_BUILD" = 0 ] || built || die "--skip-build, but $BUILD has no llama-bench, llama-batched-bench and libllama.so"
 
 # Runs a command with its output in $LOGS/NAME.log; on failure shows the log's end and stops.
 run_logged() {
@@ -186,20 +192,15 @@ if [ -z "$LLAMA_COMMIT" ]; then
     LLAMA_COMMIT=$(grep -m1 -o 'llama.cpp@[0-9a-f]*' "$SDIST/CHANGELOG.md" | cut -d@ -f2 || echo unknown)
 fi
 
-BUILD=$WORK/build
 CMAKE_FLAGS=(-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF
              -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF)
 STAMP="llama-cpp-python $LLAMA_CPP_PYTHON, llama.cpp $LLAMA_COMMIT, ${CMAKE_FLAGS[*]}, ${LLAMA_TARGETS[*]}"
-built() {
-    [ -x "$BUILD/bin/llama-bench" ] && [ -x "$BUILD/bin/llama-batched-bench" ] && [ -f "$BUILD/bin/libllama.so" ]
-}
 if [ "$SKIP_BUILD" = 1 ]; then
-    built || die "--skip-build, but $BUILD has no llama-bench, llama-batched-bench and libllama.so"
     say "llama.cpp: using $BUILD as it is (--skip-build)"
 elif built && [ "$(cat "$BUILD/.bench-stamp" 2> /dev/null)" = "$STAMP" ]; then
     say "llama.cpp: $BUILD is up to date ($LLAMA_COMMIT)"
 else
-    say "building llama.cpp $LLAMA_COMMIT (${LLAMA_TARGETS[*]}) in $BUILD: about 10 minutes on 2 cores"
+    say "building llama.cpp $LLAMA_COMMIT (${LLAMA_TARGETS[*]}) in $BUILD: minutes (under 4 on 2 cores here)"
     rm -f "$BUILD/.bench-stamp"
     run_logged cmake-configure cmake -S "$SRC" -B "$BUILD" "${CMAKE_FLAGS[@]}"
     run_logged cmake-build cmake --build "$BUILD" --config Release -j 2 --target "${LLAMA_TARGETS[@]}"
