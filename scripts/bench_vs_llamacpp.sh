@@ -62,8 +62,9 @@ set -euo pipefail
 # llama-bench accepts no f32 cache type, so llama.cpp keeps its default f16 there (at 16 + 64
 # positions the cache is 0.5 MB per sequence in f32, against 1.35 GB of weights a step reads;
 # parity, which needs the f32 cache, runs through the bindings, not llama-bench). "q8" compares
-# llama.cpp's Q8_0 (every matrix, the embedding and LM head included, in 8-bit blocks of 32)
-# with our int8 routed experts (bf16 elsewhere) until deepinfer has a Q8_0 of its own.
+# llama.cpp's Q8_0 (every matrix, the embedding included, in 8-bit blocks of 32) with our
+# `--quantize q8_0` (GGML's Q8_0 for every linear layer but kv_b_proj; the embedding, kv_b_proj
+# and the cache in bf16).
 declare -A GGUF_TYPE=([f32]=f32 [bf16]=bf16 [q8]=q8_0)
 declare -A LLAMA_KV=([f32]=f16 [bf16]=bf16 [q8]=bf16)
 # Q8_0 runs without the CPU backend's repacked weight layout (llama-bench --repack 0,
@@ -74,9 +75,9 @@ declare -A LLAMA_BATCHED_EXTRA=([f32]="" [bf16]="" [q8]="--no-repack")
 declare -A DEEPINFER_FLAGS=(
     [f32]="--dtype f32"
     [bf16]="--dtype bf16"
-    [q8]="--dtype bf16 --quantize experts-int8"
+    [q8]="--dtype bf16 --quantize q8_0"
 )
-declare -A LABEL=([f32]="F32 / f32" [bf16]="BF16 / bf16" [q8]="Q8_0 / bf16 + int8 experts")
+declare -A LABEL=([f32]="F32 / f32" [bf16]="BF16 / bf16" [q8]="Q8_0 / q8_0")
 
 LLAMA_CPP_PYTHON=0.3.36          # the PyPI package whose sdist vendors llama.cpp
 # The converter's needs (torch, transformers, sentencepiece, protobuf, and gguf-py's numpy, pyyaml,

@@ -41,15 +41,12 @@ impl QuantizedWeight {
     /// see [`QuantizedWeight::fits`].
     pub fn quantize(w: &CTensor, format: GgmlDType) -> Result<Self> {
         let quantize = |m: &CTensor| -> Result<QTensor> {
-            // candle quantizes the storage from its start, whatever the layout's offset (and
-            // `copy` keeps the offset): an expert's view of the stacked tensor is read out
-            // into a tensor of its own first.
-            let m = m.to_dtype(CDType::F32)?;
-            let m = match m.layout().contiguous_offsets() {
-                Some((0, _)) => m,
-                _ => CTensor::from_vec(m.flatten_all()?.to_vec1::<f32>()?, m.dims(), &Device::Cpu)?,
-            };
-            Ok(QTensor::quantize(&m, format)?)
+            // candle quantizes the tensor's storage from its start, whatever the layout (and
+            // `copy` keeps the layout): a view (an expert of the stacked tensor) would quantize
+            // someone else's values. So the values are read out into storage of their own.
+            let values = m.to_dtype(CDType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            let own = CTensor::from_vec(values, m.dims(), &Device::Cpu)?;
+            Ok(QTensor::quantize(&own, format)?)
         };
         match w.rank() {
             2 => Ok(QuantizedWeight::Matrix(Arc::new(quantize(w)?))),
