@@ -11,7 +11,8 @@ size measures
   * deepinfer: `<deepinfer> bench --model DIR --batch B --prompt-len 16 --steps N --json`
     with RAYON_NUM_THREADS=--threads, which prints one JSON line
     {"batch": B, "tokens_per_s": X, "ms_per_step": Y}, once per precision of --precisions
-    (f32: `--dtype f32`; bf16: `--dtype bf16`; int8: `--dtype bf16 --quantize experts-int8`);
+    (f32: `--dtype f32`; bf16: `--dtype bf16`; int8: `--dtype bf16 --quantize experts-int8`;
+    q8_0 / q4_k: `--dtype bf16 --quantize q8_0|q4_k`, GGML block formats, CPU only);
 
 and prints a table of tokens/s (batch * steps / seconds) and each deepinfer precision's ratio
 to the faster of transformers' two.
@@ -89,6 +90,8 @@ PRECISION_FLAGS = {
     "f32": ["--dtype", "f32"],
     "bf16": ["--dtype", "bf16"],
     "int8": ["--dtype", "bf16", "--quantize", "experts-int8"],
+    "q8_0": ["--dtype", "bf16", "--quantize", "q8_0"],
+    "q4_k": ["--dtype", "bf16", "--quantize", "q4_k"],
 }
 
 
@@ -122,7 +125,7 @@ def main():
     parser.add_argument("--threads", type=int, default=2, help="torch threads / RAYON_NUM_THREADS")
     parser.add_argument("--deepinfer", type=Path, default=Path("target/release/deepinfer"))
     parser.add_argument("--checkpoint-dir", type=Path, help="write the checkpoint here and keep it")
-    parser.add_argument("--precisions", default="f32,bf16,int8", help="deepinfer precisions: f32, bf16, int8")
+    parser.add_argument("--precisions", default="f32,bf16,int8", help="deepinfer precisions: f32, bf16, int8, q8_0, q4_k")
     args = parser.parse_args()
     precisions = args.precisions.split(",")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]

@@ -198,6 +198,23 @@ impl Tokenizer {
         })
     }
 
+    /// The text of ids a model generated: an id the tokenizer does not have, which a model
+    /// whose vocabulary is padded beyond its tokenizer's can sample (DeepSeek-V3's config says
+    /// 129,280; random or briefly trained weights pick such ids often), has no text, as
+    /// transformers decodes it, instead of failing the request. Ids a user sends still go
+    /// through [`Tokenizer::decode`], which names the bad one.
+    pub fn decode_generated(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
+        if ids.iter().all(|&id| self.inner.id_to_token(id).is_some()) {
+            return self.decode(ids, skip_special_tokens);
+        }
+        let known: Vec<u32> = ids
+            .iter()
+            .copied()
+            .filter(|&id| self.inner.id_to_token(id).is_some())
+            .collect();
+        self.decode(&known, skip_special_tokens)
+    }
+
     /// Number of token ids, including added tokens.
     pub fn vocab_size(&self) -> usize {
         self.inner.get_vocab_size(true)
@@ -762,6 +779,10 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(err.contains("100000"), "{err}");
+        assert_eq!(
+            tok.decode_generated(&[hello, 100_000], false).unwrap(),
+            "hello"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

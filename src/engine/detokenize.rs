@@ -47,7 +47,7 @@ impl IncrementalDecoder {
 
     fn decode(&self, range: std::ops::Range<usize>) -> Result<String> {
         self.tokenizer
-            .decode(&self.tokens[range], self.skip_special_tokens)
+            .decode_generated(&self.tokens[range], self.skip_special_tokens)
     }
 
     /// Adds a token; returns the text it completes (empty while a character is incomplete).

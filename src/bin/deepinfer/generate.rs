@@ -91,7 +91,7 @@ pub(crate) fn run(args: GenerateArgs) -> Result<()> {
     };
     let ids = engine::generate(&mut runner, &prompt, sampling, &stop)?;
     let text = match &tokenizer {
-        Some(t) => t.decode(&ids, true)?,
+        Some(t) => t.decode_generated(&ids, true)?,
         None => String::new(),
     };
     if args.json {
