@@ -455,21 +455,6 @@ impl ModelWeights {
         }
     }
 
-    /// Bytes of the weights held on the host (quantized ones in their block format).
-    pub fn held_bytes(&self) -> usize {
-        let dense: usize = self
-            .tensors
-            .values()
-            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
-            .sum();
-        dense
-            + self
-                .quantized
-                .values()
-                .map(QuantizedWeight::storage_bytes)
-                .sum::<usize>()
-    }
-
     /// The embedding weight used by the LM head when embeddings are tied.
     pub fn lm_head_name(cfg: &ModelConfig) -> &'static str {
         if cfg.tie_word_embeddings {
