@@ -9,13 +9,15 @@ mod common;
 use std::collections::HashMap;
 
 use candle_core::{Device, Tensor as CTensor};
+use common::RunnerExt;
 use deepinfer::backend::cpu;
 use deepinfer::config::ModelConfig;
 use deepinfer::engine::{self, Event, GenerationParams, Scheduler};
 use deepinfer::graph::{DType, GraphBuilder, InputRole};
 use deepinfer::model::logits::{self, LogitInputs, LOGIT_BIAS_SLOTS};
+use deepinfer::model::LogitsOutput;
 use deepinfer::model::{ModelWeights, Precision};
-use deepinfer::runner::step::SamplingParams;
+use deepinfer::runner::step::{DecodeRow, LogitControls, PrefillChunk, SamplingParams};
 use deepinfer::runner::{self, Backend, RunnerConfig};
 use deepinfer::weights::Checkpoint;
 
@@ -283,4 +285,65 @@ fn device_side_counts_give_the_reference_greedy_tokens() {
         &eos,
     );
     assert_ne!(plain, want[&0]);
+}
+
+/// Steps of plain greedy rows run the CPU's argmax-only decode graph (`Sampler::Greedy`); the
+/// same rows with an allowed-token mask of all ones (no change to any logit) run the full
+/// sampler. Both must give transformers' greedy continuation, at batch 3, step by step.
+#[test]
+fn the_argmax_graph_and_the_full_sampler_give_the_same_greedy_tokens() {
+    let r = common::reference("tiny-v3");
+    let (prompt, want) = (&r.greedy.prompt_token_ids, &r.greedy.generated_token_ids);
+    let vocab = ModelConfig::from_file(&common::fixture_dir("tiny-v3").join("config.json"))
+        .unwrap()
+        .vocab_size;
+    let all_ones = vec![u32::MAX; vocab.div_ceil(32)];
+    for masked in [false, true] {
+        let mut run = common::runner("tiny-v3", 4, None);
+        let mut alloc = common::allocator(&*run);
+        let controls = LogitControls {
+            allowed: masked.then_some(all_ones.as_slice()),
+            ..LogitControls::NONE
+        };
+        let rows = 3;
+        let mut tables = vec![Vec::new(); rows];
+        let mut tokens = Vec::new();
+        for table in tables.iter_mut() {
+            alloc.grow(table, prompt.len()).unwrap();
+            let chunk = PrefillChunk {
+                tokens: prompt,
+                start: 0,
+                blocks: table,
+                sampling: SamplingParams::GREEDY,
+                controls,
+            };
+            let out = run.prefill(&chunk, LogitsOutput::None).unwrap();
+            tokens.push(out.next_tokens[0]);
+        }
+        let mut got: Vec<Vec<u32>> = tokens.iter().map(|&t| vec![t]).collect();
+        for step in 0..want.len() - 1 {
+            let position = prompt.len() + step;
+            for table in tables.iter_mut() {
+                alloc.grow(table, position + 1).unwrap();
+            }
+            let batch: Vec<DecodeRow> = tables
+                .iter()
+                .zip(&tokens)
+                .map(|(t, &token)| DecodeRow {
+                    token,
+                    position,
+                    blocks: t,
+                    sampling: SamplingParams::GREEDY,
+                    controls,
+                })
+                .collect();
+            tokens = run.decode(&batch, false).unwrap().next_tokens;
+            for (g, &t) in got.iter_mut().zip(&tokens) {
+                g.push(t);
+            }
+        }
+        for g in &got {
+            assert_eq!(g, want, "masked {masked}");
+        }
+    }
 }
