@@ -425,6 +425,10 @@ fn run_with(
 ///   Executed literally it copies every selected expert's weights each step (tens of MB per
 ///   layer); fused, each row multiplies against its expert's slice of the stacked weight in
 ///   place, reading only what it needs.
+///
+/// A weight input bound as a [`QuantizedWeight`] (`--quantize q8_0|q4_k`) has no tensor at
+/// all: every matmul that reads it, in the linear, gathered or dense-expert form, becomes one
+/// quantized matmul, and any other read of it is an error when the plan is made.
 struct Plan {
     /// `quantized_rhs[m]` for a matmul `m` whose right operand is (a view of) a quantized
     /// weight input.
