@@ -369,7 +369,8 @@ pub(crate) fn gathered(
         scales: Option<&[f32]>,
         (m, k, out_n): (usize, usize, usize),
     ) -> candle_core::Result<Vec<Vec<f32>>> {
-        parallel_map(tasks, |&(g, j0)| {
+        parallel_map(tasks.len(), |t| {
+            let (g, j0) = tasks[t];
             arch.dispatch(ExpertTask {
                 a,
                 w,
@@ -472,7 +473,8 @@ fn run<T: Widen>(
         let arch = Arch::new();
         let tiles = n.div_ceil(ROW_TILE);
         let mut tiled = vec![0f32; batch * tiles * m * ROW_TILE];
-        for_each_chunk(&mut tiled, m * ROW_TILE, |t, chunk| {
+        let scratch = || Vec::with_capacity(k * ROW_TILE);
+        for_each_chunk(&mut tiled, m * ROW_TILE, scratch, |wbuf, t, chunk| {
             let (bi, j0) = (t / tiles, (t % tiles) * ROW_TILE);
             arch.dispatch(RowTile {
                 a,
@@ -483,7 +485,7 @@ fn run<T: Widen>(
                 j0,
                 tn: ROW_TILE.min(n - j0),
                 m,
-                wbuf: &mut Vec::with_capacity(k * ROW_TILE),
+                wbuf,
                 out: chunk,
             })
         });
@@ -501,7 +503,8 @@ fn run<T: Widen>(
     // contiguous slice; transposed back below (a no-op for one left row).
     let mut cols = vec![0f32; batch * n * m];
     let arch = Arch::new();
-    for_each_chunk(&mut cols, TILE * m.max(1), |c, chunk| {
+    let scratch = || Vec::with_capacity(k);
+    for_each_chunk(&mut cols, TILE * m.max(1), scratch, |row, c, chunk| {
         arch.dispatch(Columns {
             a,
             b,
@@ -509,7 +512,7 @@ fn run<T: Widen>(
             scales,
             g0: c * TILE,
             m,
-            row: &mut Vec::with_capacity(k),
+            row,
             out: chunk,
         })
     });

@@ -10,32 +10,36 @@
 
 use std::sync::Mutex;
 
-/// Runs `task(i, chunk)` for every `size`-long chunk of `out` on candle's CPU thread pool.
-pub(crate) fn for_each_chunk(
+/// Runs `task(scratch, i, chunk)` for every `size`-long chunk of `out` on candle's CPU thread
+/// pool, with a `scratch` made by `init` once per run of chunks a thread takes (not per chunk).
+pub(crate) fn for_each_chunk<S>(
     out: &mut [f32],
     size: usize,
-    task: impl Fn(usize, &mut [f32]) + Sync,
+    init: impl Fn() -> S + Sync,
+    task: impl Fn(&mut S, usize, &mut [f32]) + Sync,
 ) {
     let chunks: Vec<Mutex<&mut [f32]>> = out.chunks_mut(size.max(1)).map(Mutex::new).collect();
     candle_core::utils::barrier_pool().execute_chunked(chunks.len(), |range| {
+        let mut scratch = init();
         for i in range {
             // Each chunk is one task's alone: never contended, never poisoned.
             if let Ok(mut chunk) = chunks[i].lock() {
-                task(i, &mut chunk);
+                task(&mut scratch, i, &mut chunk);
             }
         }
     });
 }
 
-/// `f` of every item, computed on candle's CPU thread pool (see [`for_each_chunk`]).
-pub(crate) fn parallel_map<I: Sync, R: Send>(
-    items: &[I],
-    f: impl Fn(&I) -> R + Sync,
+/// `f(i)` for every `i` below `count`, computed on candle's CPU thread pool (see
+/// [`for_each_chunk`]).
+pub(crate) fn parallel_map<R: Send>(
+    count: usize,
+    f: impl Fn(usize) -> R + Sync,
 ) -> candle_core::Result<Vec<R>> {
-    let slots: Vec<Mutex<Option<R>>> = items.iter().map(|_| Mutex::new(None)).collect();
-    candle_core::utils::barrier_pool().execute_chunked(items.len(), |range| {
+    let slots: Vec<Mutex<Option<R>>> = (0..count).map(|_| Mutex::new(None)).collect();
+    candle_core::utils::barrier_pool().execute_chunked(count, |range| {
         for i in range {
-            let r = f(&items[i]);
+            let r = f(i);
             if let Ok(mut slot) = slots[i].lock() {
                 *slot = Some(r);
             }

@@ -87,14 +87,6 @@ impl QuantizedWeight {
         }
     }
 
-    /// Bytes held.
-    pub fn storage_bytes(&self) -> usize {
-        match self {
-            QuantizedWeight::Matrix(q) => q.storage_size_in_bytes(),
-            QuantizedWeight::Experts(qs) => qs.iter().map(|q| q.storage_size_in_bytes()).sum(),
-        }
-    }
-
     /// `x @ w^T` for `x: [.., m, in]` (f32) and a matrix `w`: `[.., m, out]`.
     pub fn linear(&self, x: &CTensor) -> Result<CTensor> {
         let QuantizedWeight::Matrix(q) = self else {

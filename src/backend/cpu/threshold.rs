@@ -37,8 +37,7 @@ pub(super) fn mass_threshold_rows(
     target: &[f32],
     n: usize,
 ) -> candle_core::Result<Vec<f32>> {
-    let rows: Vec<usize> = (0..target.len()).collect();
-    super::pool::parallel_map(&rows, |&r| {
+    super::pool::parallel_map(target.len(), |r| {
         row(&x[r * n..(r + 1) * n], &w[r * n..(r + 1) * n], target[r])
     })
 }
