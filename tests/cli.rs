@@ -19,13 +19,21 @@ fn fixture(name: &str) -> String {
         .to_string()
 }
 
-fn temp_model(name: &str, files: &[(&str, &[u8])]) -> String {
-    let dir = std::env::temp_dir().join(format!("deepinfer-cli-{}-{name}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+/// A model directory holding `files`, removed when the returned guard drops.
+fn temp_model(files: &[(&str, &[u8])]) -> tempfile::TempDir {
+    let dir = tempfile::Builder::new()
+        .prefix("deepinfer-cli-")
+        .tempdir()
+        .unwrap();
     for (f, data) in files {
-        std::fs::write(dir.join(f), data).unwrap();
+        std::fs::write(dir.path().join(f), data).unwrap();
     }
-    dir.display().to_string()
+    dir
+}
+
+/// A temporary directory's path as a command-line argument.
+fn arg(dir: &tempfile::TempDir) -> String {
+    dir.path().display().to_string()
 }
 
 /// Fails unless the command exited non-zero with exactly one stderr line containing `needle`.
@@ -92,6 +100,13 @@ fn bad_inputs_fail_with_one_clear_line() {
         .unwrap()
         .replace("deepseek_v3", "llama");
 
+    let badjson = temp_model(&[("config.json", b"{not json")]);
+    let llama = temp_model(&[("config.json", llama.as_bytes())]);
+    let truncated = temp_model(&[
+        ("config.json", &config),
+        ("model.safetensors", &weights[..weights.len() / 2]),
+    ]);
+    let notok = temp_model(&[("config.json", &config), ("model.safetensors", &weights)]);
     let cases: Vec<(Vec<String>, &str)> = vec![
         (
             vec![
@@ -125,7 +140,7 @@ fn bad_inputs_fail_with_one_clear_line() {
         (
             vec![
                 "--model".into(),
-                temp_model("badjson", &[("config.json", b"{not json")]),
+                arg(&badjson),
                 "--token-ids".into(),
                 "1".into(),
             ],
@@ -134,7 +149,7 @@ fn bad_inputs_fail_with_one_clear_line() {
         (
             vec![
                 "--model".into(),
-                temp_model("llama", &[("config.json", llama.as_bytes())]),
+                arg(&llama),
                 "--token-ids".into(),
                 "1".into(),
             ],
@@ -143,13 +158,7 @@ fn bad_inputs_fail_with_one_clear_line() {
         (
             vec![
                 "--model".into(),
-                temp_model(
-                    "truncated",
-                    &[
-                        ("config.json", &config),
-                        ("model.safetensors", &weights[..weights.len() / 2]),
-                    ],
-                ),
+                arg(&truncated),
                 "--token-ids".into(),
                 "1".into(),
             ],
@@ -158,10 +167,7 @@ fn bad_inputs_fail_with_one_clear_line() {
         (
             vec![
                 "--model".into(),
-                temp_model(
-                    "notok",
-                    &[("config.json", &config), ("model.safetensors", &weights)],
-                ),
+                arg(&notok),
                 "--prompt".into(),
                 "hi".into(),
             ],
@@ -181,10 +187,8 @@ fn checkpoints_without_tokenizer_work_with_token_ids() {
     let v3 = fixture("tiny-v3");
     let config = std::fs::read(format!("{v3}/config.json")).unwrap();
     let weights = std::fs::read(format!("{v3}/model.safetensors")).unwrap();
-    let dir = temp_model(
-        "ids-only",
-        &[("config.json", &config), ("model.safetensors", &weights)],
-    );
+    let model = temp_model(&[("config.json", &config), ("model.safetensors", &weights)]);
+    let dir = arg(&model);
     let out = deepinfer(&[
         "generate",
         "--model",
@@ -425,7 +429,8 @@ fn a_model_too_large_for_the_cores_is_refused_before_anything_is_read_or_compile
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/configs/deepseek-v2-lite.json"),
     )
     .unwrap();
-    let dir = temp_model("too-large", &[("config.json", &config)]);
+    let model = temp_model(&[("config.json", &config)]);
+    let dir = arg(&model);
     let out = deepinfer(&[
         "generate",
         "--backend",

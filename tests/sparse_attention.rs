@@ -27,24 +27,26 @@ struct SparseReference {
     logits_dense_attention: Vec<Vec<f32>>,
 }
 
-/// A copy of the fixture's directory (weights linked) whose config.json has `index_topk` set.
-fn with_index_topk(topk: usize, tag: &str) -> PathBuf {
+/// A copy of the fixture's directory whose config.json has `index_topk` set; removed on drop.
+fn with_index_topk(topk: usize) -> tempfile::TempDir {
     let src = fixture_dir(NAME);
-    let dir = std::env::temp_dir().join(format!("deepinfer-v32-{tag}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let tmp = tempfile::Builder::new()
+        .prefix("deepinfer-v32-")
+        .tempdir()
+        .unwrap();
+    let dir = tmp.path();
     for f in [
         "model.safetensors",
         "tokenizer.json",
         "tokenizer_config.json",
     ] {
-        let _ = std::fs::remove_file(dir.join(f));
         std::fs::copy(src.join(f), dir.join(f)).unwrap();
     }
     let mut cfg: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
     cfg["index_topk"] = topk.into();
     std::fs::write(dir.join("config.json"), cfg.to_string()).unwrap();
-    dir
+    tmp
 }
 
 fn open(dir: &Path, rc: RunnerConfig) -> Box<dyn Runner> {
@@ -78,9 +80,10 @@ fn the_selection_matters_and_raising_index_topk_gives_dense_attention() {
     assert!(max_abs_diff_rows(&sparse, &r.logits) < TOL);
     // index_topk 16 covers the 16-token text: every token is attended, as in transformers'
     // dense run, through the full selection in the 64 bucket and its skip in the 16 one.
-    let dense_dir = with_index_topk(16, "dense");
+    let dense_dir = with_index_topk(16);
     for ctx in [[16, 64], [64, 128]] {
-        let dense = engine::score(&mut open(&dense_dir, config(1, &ctx)), &r.token_ids).unwrap();
+        let dense =
+            engine::score(&mut open(dense_dir.path(), config(1, &ctx)), &r.token_ids).unwrap();
         let worst = max_abs_diff_rows(&dense, &r.logits_dense_attention);
         assert!(worst < TOL, "ctx buckets {ctx:?}: {worst}");
     }
@@ -89,13 +92,13 @@ fn the_selection_matters_and_raising_index_topk_gives_dense_attention() {
 #[test]
 fn decode_at_batch_1_2_4_8_matches_transformers_in_every_context_bucket() {
     let r: SparseReference = reference_file(NAME, "reference.json");
-    let dense_dir = with_index_topk(16, "decode");
+    let dense_dir = with_index_topk(16);
     for ctx in [vec![16], vec![32], vec![64]] {
         for rows in [1, 2, 4, 8] {
             let mut run = open(&fixture_dir(NAME), config(8, &ctx));
             let worst = common::decode_staggered(run.as_mut(), &r.token_ids, rows, &r.logits);
             assert!(worst < TOL, "sparse, ctx {ctx:?}, batch {rows}: {worst}");
-            let mut run = open(&dense_dir, config(8, &ctx));
+            let mut run = open(dense_dir.path(), config(8, &ctx));
             let worst = common::decode_staggered(
                 run.as_mut(),
                 &r.token_ids,
@@ -112,7 +115,8 @@ fn decode_at_batch_1_2_4_8_matches_transformers_in_every_context_bucket() {
 
 #[test]
 fn a_broken_v32_checkpoint_names_the_tensor() {
-    let dir = with_index_topk(6, "broken");
+    let tmp = with_index_topk(6);
+    let dir = tmp.path();
     // index_head_dim 24 does not match the stored indexer weights (16).
     let path = dir.join("config.json");
     let mut cfg: serde_json::Value =
