@@ -7,7 +7,7 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use common::{fixture_dir, max_abs_diff_rows, reference_file};
 use deepinfer::config::ModelConfig;
@@ -124,7 +124,7 @@ fn a_broken_v32_checkpoint_names_the_tensor() {
     cfg["index_head_dim"] = 24.into();
     std::fs::write(&path, cfg.to_string()).unwrap();
     let cfg = ModelConfig::from_file(&path).unwrap();
-    let err = ModelWeights::load(&cfg, &Checkpoint::open(&dir).unwrap(), &Precision::F32)
+    let err = ModelWeights::load(&cfg, &Checkpoint::open(dir).unwrap(), &Precision::F32)
         .unwrap_err()
         .to_string();
     assert!(

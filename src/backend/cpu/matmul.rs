@@ -14,6 +14,7 @@
 //! transposed view of its `[n, k]` rows (`k` contiguous); a slice of `kv_b_proj` arrives with
 //! `n` contiguous; both are read in their own order, never copied whole.
 
+use super::packed::{dots, Packed, SplitRows};
 use super::pool::{for_each_chunk, parallel_map};
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, CustomOp3, Layout, Shape};
 use pulp::{Arch, Simd, WithSimd};
@@ -25,8 +26,8 @@ const TILE: usize = 32;
 /// loop (prefill-sized batches, where the GEMM's blocking wins over the widening's cost).
 pub(crate) const GEMM_ROWS: usize = 32;
 
-/// An element the kernel can widen to f32.
-trait Widen: Copy + Send + Sync {
+/// An element the kernel can widen to f32 (and, where [`Packed`] says so, read in place).
+trait Widen: Packed + Send + Sync {
     fn widen(self) -> f32;
 }
 
@@ -147,6 +148,24 @@ fn push_widened<T: Widen>(
     }
 }
 
+/// Weight column `(at, k, sk)` as packed lanes, when the packed dot can read it in place
+/// (`k` contiguous and aligned; `split` made for this type).
+#[inline(always)]
+fn packed_column<'s, 'b, T: Widen>(
+    b: &'b [T],
+    (at, k, sk): (usize, usize, usize),
+    split: Option<&'s SplitRows>,
+) -> Option<(&'s SplitRows, &'b [u32])> {
+    let split = split.filter(|s| sk == 1 && s.per_lane() == T::PER_LANE)?;
+    Some((split, T::as_lanes(&b[at..at + k])?))
+}
+
+/// The left rows in the packed dot's layout, when `T` has one and `k` fits it.
+fn split_rows<T: Widen>(a: &[f32], k: usize) -> Option<SplitRows> {
+    let p = T::PER_LANE;
+    (p > 0 && k > 0 && k.is_multiple_of(p)).then(|| SplitRows::new(a, k, p))
+}
+
 /// `sum(x[i] * y[i])` in the widest vectors the CPU has (pulp picks AVX2+FMA or falls back
 /// at run time), with four independent accumulators to hide the FMA latency.
 #[inline(always)]
@@ -171,10 +190,12 @@ fn simd_dot<S: Simd>(simd: S, x: &[f32], y: &[f32]) -> f32 {
 /// One parallel task: output columns `g0..` (numbered over batch x n), each column's `m`
 /// values into `out` (`[columns, m]`).
 ///
-/// Each weight column (a weight row of a linear layer) is widened once into `row` (`k` f32,
-/// which stays in L1) and multiplied with every left row: one pass over the weight per call.
+/// Each weight column (a weight row of a linear layer) is read once and multiplied with every
+/// left row: in place by the packed dot when it can (`packed.rs`), else widened once into
+/// `row` (`k` f32, which stays in L1).
 struct Columns<'a, T> {
     a: &'a [f32],
+    split: Option<&'a SplitRows>,
     b: &'a [T],
     bop: &'a Operand<'a>,
     scales: Option<&'a [f32]>,
@@ -196,8 +217,15 @@ impl<T: Widen> WithSimd for Columns<'_, T> {
             let g = self.g0 + jj;
             let (bi, j) = (g / n, g % n);
             let at = self.bop.batch_offset(bi) + j * sn;
-            row.clear();
             let scale = self.scales.map(|s| s[bi * n + j]);
+            if let Some((split, lanes)) = packed_column(self.b, (at, k, sk), self.split) {
+                let s = scale.unwrap_or(1.0);
+                dots::<S, T>(simd, lanes, split, bi * m..(bi + 1) * m, |i, v| {
+                    o[i] = v * s
+                });
+                continue;
+            }
+            row.clear();
             push_widened(row, self.b, (at, k, sk), scale);
             let a = &self.a[bi * m * k..(bi + 1) * m * k];
             for (o, x) in o.iter_mut().zip(a.chunks_exact(k.max(1))) {
@@ -272,6 +300,7 @@ impl<T: Widen> WithSimd for RowTile<'_, T> {
 /// chose it, as `[rows, m, tn]`.
 struct ExpertTask<'a, T> {
     a: &'a [f32],
+    split: Option<&'a SplitRows>,
     w: &'a [T],
     scales: Option<&'a [f32]>,
     rows: &'a [usize],
@@ -293,8 +322,18 @@ impl<T: Widen> WithSimd for ExpertTask<'_, T> {
         let mut row = Vec::with_capacity(k);
         for jj in 0..tn {
             let j = self.e * self.out_n + self.j0 + jj;
+            let scale = self.scales.map(|s| s[j]);
+            if let Some((split, lanes)) = packed_column(self.w, (j * k, k, 1), self.split) {
+                let s = scale.unwrap_or(1.0);
+                let left = self
+                    .rows
+                    .iter()
+                    .flat_map(|&r| (0..m).map(move |mi| r * m + mi));
+                dots::<S, T>(simd, lanes, split, left, |i, v| res[i * tn + jj] = v * s);
+                continue;
+            }
             row.clear();
-            push_widened(&mut row, self.w, (j * k, k, 1), self.scales.map(|s| s[j]));
+            push_widened(&mut row, self.w, (j * k, k, 1), scale);
             for (ri, &r) in self.rows.iter().enumerate() {
                 for mi in 0..m {
                     let x = &self.a[(r * m + mi) * k..][..k];
@@ -369,10 +408,12 @@ pub(crate) fn gathered(
         scales: Option<&[f32]>,
         (m, k, out_n): (usize, usize, usize),
     ) -> candle_core::Result<Vec<Vec<f32>>> {
+        let split = split_rows::<T>(a, k);
         parallel_map(tasks.len(), |t| {
             let (g, j0) = tasks[t];
             arch.dispatch(ExpertTask {
                 a,
+                split: split.as_ref(),
                 w,
                 scales,
                 rows: &groups[g].1,
@@ -503,10 +544,12 @@ fn run<T: Widen>(
     // contiguous slice; transposed back below (a no-op for one left row).
     let mut cols = vec![0f32; batch * n * m];
     let arch = Arch::new();
+    let split = split_rows::<T>(a, k);
     let scratch = || Vec::with_capacity(k);
     for_each_chunk(&mut cols, TILE * m.max(1), scratch, |row, c, chunk| {
         arch.dispatch(Columns {
             a,
+            split: split.as_ref(),
             b,
             bop,
             scales,
@@ -657,7 +700,14 @@ mod tests {
     #[test]
     fn matches_f64_reference_on_every_layout() {
         let dev = &Device::Cpu;
-        for &(batch, m, k, n) in &[(1, 1, 70, 45), (3, 5, 33, 40), (1, 40, 19, 300)] {
+        // k = 70 and 96: the packed dot (1, 4 + 4 + 1 rows); 33: the widening loop; m = 40: GEMM.
+        let shapes = [
+            (1, 1, 70, 45),
+            (2, 9, 96, 37),
+            (3, 5, 33, 40),
+            (1, 40, 19, 300),
+        ];
+        for &(batch, m, k, n) in &shapes {
             let a: Vec<f32> = (0..batch * m * k)
                 .map(|i| ((i * 7 % 13) as f32 - 6.0) / 8.0)
                 .collect();
@@ -688,12 +738,52 @@ mod tests {
         }
     }
 
+    /// int8 codes with one scale per output column (the `ScaledMatMul` of int8 experts)
+    /// against f64 on the dequantized values, one and several left rows.
+    #[test]
+    fn scaled_int8_matches_f64_reference() {
+        let dev = &Device::Cpu;
+        for &(m, k, n) in &[(1, 64, 40), (6, 64, 33), (3, 30, 20)] {
+            let a: Vec<f32> = (0..m * k)
+                .map(|i| ((i * 7 % 13) as f32 - 6.0) / 8.0)
+                .collect();
+            let q: Vec<u8> = (0..n * k).map(|i| (i * 37 % 256) as u8).collect();
+            let scales: Vec<f32> = (0..n).map(|j| 0.02 + j as f32 * 1e-3).collect();
+            let deq: Vec<f64> = (0..k * n)
+                .map(|i| {
+                    let (kk, j) = (i / n, i % n);
+                    f64::from(q[j * k + kk] as i8) * f64::from(scales[j])
+                })
+                .collect();
+            let a = Tensor::from_vec(a, (m, k), dev).unwrap();
+            let q = Tensor::from_vec(q, (n, k), dev).unwrap();
+            let s = Tensor::from_vec(scales, n, dev).unwrap();
+            let got = a
+                .apply_op3_no_bwd(&q.t().unwrap(), &s, &ScaledMatMul)
+                .unwrap();
+            let want = a
+                .to_dtype(DType::F64)
+                .unwrap()
+                .matmul(&Tensor::from_vec(deq, (k, n), dev).unwrap())
+                .unwrap();
+            let d = max_diff(&got, &want);
+            assert!(d < 1e-4, "{m}x{k}x{n}: {d}");
+        }
+    }
+
     /// The gathered matmul against f64 arithmetic on each row's own expert, for bf16 weights
-    /// and for int8 codes with per-row scales (repeated and unused experts, ragged tiles).
+    /// and for int8 codes with per-row scales (repeated and unused experts, ragged tiles); bf16
+    /// through the packed dot (k = 36) and the widening loop (odd k = 37).
     #[test]
     fn gathered_matches_f64_reference() {
+        for k in [36, 37] {
+            gathered_case(k);
+        }
+    }
+
+    fn gathered_case(k: usize) {
         let dev = &Device::Cpu;
-        let (n, m, k, e, out) = (5, 2, 37, 4, 70);
+        let (n, m, e, out) = (5, 2, 4, 70);
         let a: Vec<f32> = (0..n * m * k)
             .map(|i| ((i * 7 % 11) as f32 - 5.0) / 4.0)
             .collect();

@@ -15,6 +15,7 @@ mod bytes;
 mod collective;
 mod kernels;
 mod matmul;
+mod packed;
 mod pool;
 pub mod profile;
 mod quantized;
