@@ -166,8 +166,8 @@ fn split_rows<T: Widen>(a: &[f32], k: usize) -> Option<SplitRows> {
     (p > 0 && k > 0 && k.is_multiple_of(p)).then(|| SplitRows::new(a, k, p))
 }
 
-/// `sum(x[i] * y[i])` in the widest vectors the CPU has (pulp picks AVX2+FMA or falls back
-/// at run time), with four independent accumulators to hide the FMA latency.
+/// `sum(x[i] * y[i])` in the widest vectors the CPU has (pulp picks AVX-512, AVX2+FMA or
+/// falls back at run time), with four independent accumulators to hide the FMA latency.
 #[inline(always)]
 fn simd_dot<S: Simd>(simd: S, x: &[f32], y: &[f32]) -> f32 {
     let (xh, xt) = S::as_simd_f32s(x);
