@@ -5,10 +5,11 @@
 //! the graph says `matmul(x, convert_f32(w))`. Executed literally, the convert would copy a
 //! whole weight (tens of MB) to f32 on every call, as candle's own bf16 matmul also does. Here
 //! the matmul reads the bf16 values and widens them as it goes: each weight row (an output
-//! column) is read once per call, straight into the dot product for a single left row or into
-//! a `k`-float buffer that stays in L1 and serves every left row. Decode is bound by reading
-//! the weights, so reading half the bytes is the point. Prefill-sized left operands (from
-//! [`GEMM_ROWS`] rows) widen tiles of the weight and let candle's f32 GEMM do the arithmetic.
+//! column) is read once per call, in place by the packed dot (`packed.rs`, f32 and bf16) or
+//! widened into a `k`-float buffer that stays in L1, and serves every left row. Decode is bound
+//! by reading the weights, so reading half the bytes is the point. Prefill-sized left operands
+//! (from [`GEMM_ROWS`] rows) widen tiles of the weight and let candle's f32 GEMM do the
+//! arithmetic.
 //!
 //! Layouts: `b` is `[.., k, n]` with any strides. The weight of a linear layer arrives as the
 //! transposed view of its `[n, k]` rows (`k` contiguous); a slice of `kv_b_proj` arrives with
@@ -24,7 +25,10 @@ const TILE: usize = 32;
 
 /// Left-operand rows from which the tiles go through candle's f32 GEMM instead of the dot
 /// loop (prefill-sized batches, where the GEMM's blocking wins over the widening's cost).
-pub(crate) const GEMM_ROWS: usize = 32;
+/// A decode step of 32 rows stays on the packed dot: on the default model it took 14-15 ms
+/// there against 18-19 through the GEMM (benches/README.md); prefill chunks (64 tokens by
+/// default) keep the GEMM.
+pub(crate) const GEMM_ROWS: usize = 64;
 
 /// An element the kernel can widen to f32 (and, where [`Packed`] says so, read in place).
 trait Widen: Packed + Send + Sync {
@@ -148,16 +152,30 @@ fn push_widened<T: Widen>(
     }
 }
 
-/// Weight column `(at, k, sk)` as packed lanes, when the packed dot can read it in place
-/// (`k` contiguous and aligned; `split` made for this type).
+/// Weight column `(at, k, sk)` as lanes of `T` for the packed dot: in place when it is
+/// contiguous and 4-byte aligned, else packed into `buf`. Both give the same values in the same
+/// lanes, so a product is bit for bit the same whatever the weight's layout or alignment.
 #[inline(always)]
-fn packed_column<'s, 'b, T: Widen>(
-    b: &'b [T],
+fn column_lanes<'a, T: Widen>(
+    b: &'a [T],
     (at, k, sk): (usize, usize, usize),
-    split: Option<&'s SplitRows>,
-) -> Option<(&'s SplitRows, &'b [u32])> {
-    let split = split.filter(|s| sk == 1 && s.per_lane() == T::PER_LANE)?;
-    Some((split, T::as_lanes(&b[at..at + k])?))
+    buf: &'a mut Vec<u32>,
+) -> &'a [u32] {
+    if sk == 1 {
+        if let Some(lanes) = T::as_lanes(&b[at..at + k]) {
+            return lanes;
+        }
+    }
+    buf.clear();
+    T::pack((0..k).map(|kk| b[at + kk * sk]), buf);
+    buf
+}
+
+/// Per-task buffers: a weight column widened to f32, or packed into lanes.
+#[derive(Default)]
+struct Scratch {
+    widened: Vec<f32>,
+    lanes: Vec<u32>,
 }
 
 /// The left rows in the packed dot's layout, when `T` has one and `k` fits it.
@@ -191,8 +209,8 @@ fn simd_dot<S: Simd>(simd: S, x: &[f32], y: &[f32]) -> f32 {
 /// values into `out` (`[columns, m]`).
 ///
 /// Each weight column (a weight row of a linear layer) is read once and multiplied with every
-/// left row: in place by the packed dot when it can (`packed.rs`), else widened once into
-/// `row` (`k` f32, which stays in L1).
+/// left row: by the packed dot where the type has one and `k` fits it (`packed.rs`), else
+/// widened once into a `k`-float buffer that stays in L1.
 struct Columns<'a, T> {
     a: &'a [f32],
     split: Option<&'a SplitRows>,
@@ -201,7 +219,7 @@ struct Columns<'a, T> {
     scales: Option<&'a [f32]>,
     g0: usize,
     m: usize,
-    row: &'a mut Vec<f32>,
+    scratch: &'a mut Scratch,
     out: &'a mut [f32],
 }
 
@@ -212,13 +230,17 @@ impl<T: Widen> WithSimd for Columns<'_, T> {
     fn with_simd<S: Simd>(self, simd: S) {
         let (k, n, m) = (self.bop.rows, self.bop.cols, self.m);
         let (sk, sn) = self.bop.strides();
-        let row = self.row;
+        let Scratch {
+            widened: row,
+            lanes: buf,
+        } = self.scratch;
         for (jj, o) in self.out.chunks_exact_mut(m.max(1)).enumerate() {
             let g = self.g0 + jj;
             let (bi, j) = (g / n, g % n);
             let at = self.bop.batch_offset(bi) + j * sn;
             let scale = self.scales.map(|s| s[bi * n + j]);
-            if let Some((split, lanes)) = packed_column(self.b, (at, k, sk), self.split) {
+            if let Some(split) = self.split {
+                let lanes = column_lanes(self.b, (at, k, sk), buf);
                 let s = scale.unwrap_or(1.0);
                 dots::<S, T>(simd, lanes, split, bi * m..(bi + 1) * m, |i, v| {
                     o[i] = v * s
@@ -320,10 +342,12 @@ impl<T: Widen> WithSimd for ExpertTask<'_, T> {
         let (m, k, tn) = (self.m, self.k, self.tn);
         let mut res = vec![0f32; self.rows.len() * m * tn];
         let mut row = Vec::with_capacity(k);
+        let mut buf = Vec::new();
         for jj in 0..tn {
             let j = self.e * self.out_n + self.j0 + jj;
             let scale = self.scales.map(|s| s[j]);
-            if let Some((split, lanes)) = packed_column(self.w, (j * k, k, 1), self.split) {
+            if let Some(split) = self.split {
+                let lanes = column_lanes(self.w, (j * k, k, 1), &mut buf);
                 let s = scale.unwrap_or(1.0);
                 let left = self
                     .rows
@@ -545,8 +569,11 @@ fn run<T: Widen>(
     let mut cols = vec![0f32; batch * n * m];
     let arch = Arch::new();
     let split = split_rows::<T>(a, k);
-    let scratch = || Vec::with_capacity(k);
-    for_each_chunk(&mut cols, TILE * m.max(1), scratch, |row, c, chunk| {
+    let scratch = || Scratch {
+        widened: Vec::with_capacity(k),
+        lanes: Vec::new(),
+    };
+    for_each_chunk(&mut cols, TILE * m.max(1), scratch, |scratch, c, chunk| {
         arch.dispatch(Columns {
             a,
             split: split.as_ref(),
@@ -555,7 +582,7 @@ fn run<T: Widen>(
             scales,
             g0: c * TILE,
             m,
-            row,
+            scratch,
             out: chunk,
         })
     });
@@ -735,6 +762,60 @@ mod tests {
                 let d = max_diff(&g, &want);
                 assert!(d < 1e-4, "{batch}x{m}x{k}x{n}: {d}");
             }
+        }
+    }
+
+    /// The same weights read in place (contiguous, aligned), from an odd offset and strided
+    /// give bit-identical products: the packed dot's sums must not depend on the layout (an HLO
+    /// round trip or a different allocation may change it).
+    #[test]
+    fn products_do_not_depend_on_the_weights_layout() {
+        let dev = &Device::Cpu;
+        let (m, k, n) = (5, 64, 24);
+        let a: Vec<f32> = (0..m * k)
+            .map(|i| ((i * 7 % 13) as f32 - 6.1) / 8.3)
+            .collect();
+        let a = Tensor::from_vec(a, (m, k), dev).unwrap();
+        let w: Vec<f32> = (0..2 * n * k + 1)
+            .map(|i| ((i * 5 % 17) as f32 - 8.2) / 16.7)
+            .collect();
+        for dtype in [DType::F32, DType::BF16] {
+            let all = Tensor::from_vec(w.clone(), 2 * n * k + 1, dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            let aligned = all.narrow(0, 0, n * k).unwrap().reshape((n, k)).unwrap();
+            let odd = all.narrow(0, 1, n * k).unwrap().reshape((n, k)).unwrap();
+            let odd_copy = odd.contiguous().unwrap();
+            // Every other element of [n, k, 2]: k strided by 2.
+            let strided = all
+                .narrow(0, 0, 2 * n * k)
+                .unwrap()
+                .reshape((n, k, 2))
+                .unwrap()
+                .narrow(2, 0, 1)
+                .unwrap()
+                .squeeze(2)
+                .unwrap();
+            let strided_copy = strided.contiguous().unwrap();
+            let product = |w: &Tensor| -> Vec<u32> {
+                a.apply_op2_no_bwd(&w.t().unwrap(), &WidenMatMul)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1::<f32>()
+                    .unwrap()
+                    .into_iter()
+                    .map(f32::to_bits)
+                    .collect()
+            };
+            assert_eq!(product(&odd), product(&odd_copy), "{dtype:?} odd offset");
+            assert_eq!(
+                product(&strided),
+                product(&strided_copy),
+                "{dtype:?} strided"
+            );
+            assert_ne!(product(&aligned), product(&odd_copy), "distinct weights");
         }
     }
 

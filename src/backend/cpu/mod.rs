@@ -286,7 +286,8 @@ fn run_with(
                 let a_dtype = graph.node(*a).dtype;
                 match (plan.gathered_rhs[i], plan.widened_rhs[i]) {
                     (Some((w, ids)), _) => gathered_matmul(get(*a)?, get(w)?, get(ids)?, None)?,
-                    (None, Some(x)) => matmul(get(*a)?, get(x)?, true)?,
+                    (None, Some(x)) if x.transposed => matmul(get(*a)?, &get(x.node)?.t()?, true)?,
+                    (None, Some(x)) => matmul(get(*a)?, get(x.node)?, true)?,
                     (None, None) => matmul(get(*a)?, get(*b)?, node.dtype != a_dtype)?,
                 }
             }
@@ -421,7 +422,10 @@ fn run_with(
 /// Two fusions matter on the CPU, both to avoid copying weights on every step:
 /// - a `cast` to f32 of a reduced-precision operand that only a matmul reads (how the model
 ///   widens bf16 weights and caches, see `model::ops::matmul`) is not executed: the matmul
-///   reads the bf16 values and widens them tile by tile ([`matmul::WidenMatMul`]).
+///   reads the bf16 values and widens them tile by tile ([`matmul::WidenMatMul`]). The cast
+///   may also sit under a transpose of the last two dims, `permute(cast(w))`, as an imported
+///   HLO `dot` of a converted weight reads back: then the matmul reads `w`'s transposed view,
+///   so both forms run the same kernel (and an HLO round trip stays bit for bit the same).
 /// - `matmul(a, [cast](permute(index_select(w, ids, 0), [0, 2, 1])))`, the gather MoE strategy.
 ///   Executed literally it copies every selected expert's weights each step (tens of MB per
 ///   layer); fused, each row multiplies against its expert's slice of the stacked weight in
@@ -439,8 +443,9 @@ struct Plan {
     /// `dequantized_rhs[m]` for a matmul `m` whose right operand is int8 experts dequantized
     /// in the graph (gathered or all of them).
     dequantized_rhs: Vec<Option<Dequantized>>,
-    /// `widened_rhs[m] = Some(x)` for a matmul `m` whose right operand is a fused cast of `x`.
-    widened_rhs: Vec<Option<NodeId>>,
+    /// `widened_rhs[m] = Some(w)` for a matmul `m` whose right operand is a fused cast of `w`
+    /// (or, with [`Widened::transposed`], of `w` with its last two dims swapped).
+    widened_rhs: Vec<Option<Widened>>,
     /// Nodes computed inside a fused node instead of on their own.
     skipped: Vec<bool>,
     /// Reads of each node by executed nodes and outputs.
@@ -464,6 +469,16 @@ impl Plan {
         let single_use = |id: NodeId| counts[id.0] == 1;
         for (m, node) in graph.nodes().iter().enumerate() {
             let Op::MatMul(_, b) = node.op else { continue };
+            if let Some((w, fused)) = transposed_widening(graph, b, single_use) {
+                plan.widened_rhs[m] = Some(Widened {
+                    node: w,
+                    transposed: true,
+                });
+                for f in fused {
+                    plan.skipped[f.0] = true;
+                }
+                continue;
+            }
             // A widening cast that only this matmul reads.
             let (rhs, cast) = match graph.node(b).op {
                 Op::Cast(x)
@@ -505,7 +520,10 @@ impl Plan {
                 }
             }
             if let Some(c) = cast {
-                plan.widened_rhs[m] = Some(rhs);
+                plan.widened_rhs[m] = Some(Widened {
+                    node: rhs,
+                    transposed: false,
+                });
                 plan.skipped[c.0] = true;
             }
         }
@@ -578,10 +596,40 @@ impl Plan {
         }
         match (op, self.gathered_rhs[i], self.widened_rhs[i]) {
             (Op::MatMul(a, _), Some((w, ids)), _) => vec![*a, w, ids],
-            (Op::MatMul(a, _), None, Some(x)) => vec![*a, x],
+            (Op::MatMul(a, _), None, Some(x)) => vec![*a, x.node],
             (op, _, _) => op.operands(),
         }
     }
+}
+
+/// A matmul's right operand read in its reduced precision, the cast to f32 fused away.
+#[derive(Debug, Clone, Copy)]
+struct Widened {
+    /// The reduced-precision value the cast read.
+    node: NodeId,
+    /// Whether the operand is that value with its last two dims swapped (`permute(cast(w))`).
+    transposed: bool,
+}
+
+/// `permute(cast(w))` with the permute swapping the last two dims only and the cast widening a
+/// reduced float to f32, each read by nothing else: `w` and the two nodes to skip.
+fn transposed_widening(
+    graph: &Graph,
+    rhs: NodeId,
+    single_use: impl Fn(NodeId) -> bool,
+) -> Option<(NodeId, [NodeId; 2])> {
+    let Op::Permute(cast, ref perm) = graph.node(rhs).op else {
+        return None;
+    };
+    let Op::Cast(w) = graph.node(cast).op else {
+        return None;
+    };
+    let r = perm.len();
+    let swaps_last_two = r >= 2
+        && perm[..r - 2].iter().enumerate().all(|(i, &p)| p == i)
+        && perm[r - 2..] == [r - 1, r - 2];
+    let widens = graph.node(cast).dtype == DType::F32 && graph.node(w).dtype.is_reduced_float();
+    (swaps_last_two && widens && single_use(rhs) && single_use(cast)).then_some((w, [rhs, cast]))
 }
 
 /// A matmul's right operand read from a quantized weight input.

@@ -37,6 +37,10 @@ pub(super) trait Packed: Copy + Sized {
     fn unpack<S: Simd>(simd: S, _lanes: S::u32s, _p: usize) -> S::f32s {
         simd.splat_f32s(0.0)
     }
+
+    /// Appends `row`'s elements as lanes, as [`Packed::as_lanes`] would see them in memory (for
+    /// a row that cannot be read in place: strided, or not aligned).
+    fn pack(_row: impl Iterator<Item = Self>, _out: &mut Vec<u32>) {}
 }
 
 impl Packed for half::f16 {}
@@ -50,6 +54,10 @@ impl Packed for f32 {
         Some(bytemuck::cast_slice(row))
     }
 
+    fn pack(row: impl Iterator<Item = Self>, out: &mut Vec<u32>) {
+        out.extend(row.map(f32::to_bits));
+    }
+
     #[inline(always)]
     fn unpack<S: Simd>(simd: S, lanes: S::u32s, _: usize) -> S::f32s {
         simd.transmute_f32s_u32s(lanes)
@@ -61,6 +69,14 @@ impl Packed for half::bf16 {
 
     fn as_lanes(row: &[Self]) -> Option<&[u32]> {
         bytemuck::try_cast_slice(row).ok()
+    }
+
+    /// Little-endian pairs: the even element in the low half.
+    fn pack(mut row: impl Iterator<Item = Self>, out: &mut Vec<u32>) {
+        while let Some(lo) = row.next() {
+            let hi = row.next().map_or(0, |h| h.to_bits());
+            out.push(u32::from(lo.to_bits()) | (u32::from(hi) << 16));
+        }
     }
 
     /// A bf16 is the top half of an f32: the low element shifted up, the high one masked.
@@ -111,11 +127,6 @@ impl SplitRows {
         }
     }
 
-    /// Values a lane this layout was made for.
-    pub(super) fn per_lane(&self) -> usize {
-        self.per_lane
-    }
-
     /// Row `r`'s groups, one after another.
     fn row(&self, r: usize) -> &[f32] {
         let len = self.per_lane * self.group;
@@ -126,7 +137,8 @@ impl SplitRows {
 /// `dot(row(i), w)` for the left rows `rows` yields, passed to `put(i, dot)` in order; `w` is
 /// one weight row as lanes of `T` ([`Packed::as_lanes`]).
 ///
-/// Rows go four at a time, so each unpacked weight vector feeds four FMAs.
+/// Rows go eight at a time where the CPU has 32 vector registers (AVX-512), else four, so each
+/// unpacked weight vector feeds that many FMAs; the last few rows go one at a time.
 #[inline(always)]
 pub(super) fn dots<S: Simd, T: Packed>(
     simd: S,
@@ -136,22 +148,39 @@ pub(super) fn dots<S: Simd, T: Packed>(
     mut put: impl FnMut(usize, f32),
 ) {
     debug_assert_eq!(split.per_lane, T::PER_LANE);
+    let wide = S::REGISTER_COUNT >= 32;
     let mut rows = rows.enumerate();
     loop {
-        let next: [Option<(usize, usize)>; 4] = std::array::from_fn(|_| rows.next());
-        match next {
-            [Some(a), Some(b), Some(c), Some(d)] => {
-                let got = dot_block::<S, T, 4>(simd, w, split, [a.1, b.1, c.1, d.1]);
-                for ((i, _), v) in [a, b, c, d].into_iter().zip(got) {
-                    put(i, v);
-                }
+        let mut block = [(0, 0); 8];
+        let mut count = 0;
+        for slot in block.iter_mut() {
+            match rows.next() {
+                Some(r) => *slot = r,
+                None => break,
             }
-            rest => {
-                for (i, r) in rest.into_iter().flatten() {
-                    put(i, dot_block::<S, T, 1>(simd, w, split, [r])[0]);
-                }
-                return;
+            count += 1;
+        }
+        let mut done = 0;
+        if wide && count == 8 {
+            let got = dot_block::<S, T, 8>(simd, w, split, block.map(|(_, r)| r));
+            for ((i, _), v) in block.into_iter().zip(got) {
+                put(i, v);
             }
+            done = 8;
+        }
+        while count - done >= 4 {
+            let four: [(usize, usize); 4] = std::array::from_fn(|t| block[done + t]);
+            let got = dot_block::<S, T, 4>(simd, w, split, four.map(|(_, r)| r));
+            for ((i, _), v) in four.into_iter().zip(got) {
+                put(i, v);
+            }
+            done += 4;
+        }
+        for &(i, r) in &block[done..count] {
+            put(i, dot_block::<S, T, 1>(simd, w, split, [r])[0]);
+        }
+        if count < 8 {
+            return;
         }
     }
 }
@@ -272,7 +301,7 @@ mod tests {
     #[test]
     fn packed_dots_match_f64_for_each_element_type() {
         for k in [4, 12, 36, 68, 200, 1024] {
-            for rows in [1, 3, 4, 9] {
+            for rows in [1, 3, 4, 8, 9, 13, 32] {
                 let f: Vec<f32> = (0..k).map(|i| ((i * 5 % 17) as f32 - 8.0) / 16.0).collect();
                 check(&f, f64::from, k, rows);
                 let b: Vec<half::bf16> = f.iter().map(|&v| half::bf16::from_f32(v)).collect();
