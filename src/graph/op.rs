@@ -369,6 +369,19 @@ pub enum Op {
 }
 
 impl Op {
+    /// Whether this is a permute that swaps the last two dims only (a matrix transpose, batched
+    /// or not): the form a weight read as `[out, in]` takes, which the HLO emitter folds into
+    /// `dot`'s contracting dims and the CPU backend reads as a transposed view.
+    pub fn is_matrix_transpose(&self) -> bool {
+        let Op::Permute(_, perm) = self else {
+            return false;
+        };
+        let r = perm.len();
+        r >= 2
+            && perm[..r - 2].iter().enumerate().all(|(i, &p)| p == i)
+            && perm[r - 2..] == [r - 1, r - 2]
+    }
+
     /// The op's name in dumps and errors.
     pub fn name(&self) -> &'static str {
         match self {

@@ -618,18 +618,16 @@ fn transposed_widening(
     rhs: NodeId,
     single_use: impl Fn(NodeId) -> bool,
 ) -> Option<(NodeId, [NodeId; 2])> {
-    let Op::Permute(cast, ref perm) = graph.node(rhs).op else {
+    let op = &graph.node(rhs).op;
+    let Op::Permute(cast, _) = *op else {
         return None;
     };
     let Op::Cast(w) = graph.node(cast).op else {
         return None;
     };
-    let r = perm.len();
-    let swaps_last_two = r >= 2
-        && perm[..r - 2].iter().enumerate().all(|(i, &p)| p == i)
-        && perm[r - 2..] == [r - 1, r - 2];
     let widens = graph.node(cast).dtype == DType::F32 && graph.node(w).dtype.is_reduced_float();
-    (swaps_last_two && widens && single_use(rhs) && single_use(cast)).then_some((w, [rhs, cast]))
+    (op.is_matrix_transpose() && widens && single_use(rhs) && single_use(cast))
+        .then_some((w, [rhs, cast]))
 }
 
 /// A matmul's right operand read from a quantized weight input.

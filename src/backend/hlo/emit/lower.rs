@@ -199,15 +199,12 @@ impl Emitter<'_> {
             casts.push(self.dtype_of(n.0));
             n = x;
         }
-        let Op::Permute(base, ref perm) = self.graph.node(n).op else {
+        let op = &self.graph.node(n).op;
+        let Op::Permute(base, _) = *op else {
             return None;
         };
-        let r = perm.len();
-        let swaps_last_two = r >= 2
-            && perm[..r - 2].iter().enumerate().all(|(i, &p)| p == i)
-            && perm[r - 2..] == [r - 1, r - 2];
         casts.reverse();
-        swaps_last_two.then_some((base, casts))
+        op.is_matrix_transpose().then_some((base, casts))
     }
 
     fn lower_input(&mut self, k: usize, shape: ShapeProto) -> i64 {
