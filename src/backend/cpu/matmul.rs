@@ -172,7 +172,6 @@ fn column_lanes<'a, T: Widen>(
 }
 
 /// Per-task buffers: a weight column widened to f32, or packed into lanes.
-#[derive(Default)]
 struct Scratch {
     widened: Vec<f32>,
     lanes: Vec<u32>,
@@ -727,12 +726,14 @@ mod tests {
     #[test]
     fn matches_f64_reference_on_every_layout() {
         let dev = &Device::Cpu;
-        // k = 70 and 96: the packed dot (1, 4 + 4 + 1 rows); 33: the widening loop; m = 40: GEMM.
+        // k = 70 and 96: the packed dot (1 row; 9 rows: a block of 8, or 4 + 4, and 1); odd k (33,
+        // 19): the widening loop; m = 70 >= GEMM_ROWS: the GEMM.
         let shapes = [
             (1, 1, 70, 45),
             (2, 9, 96, 37),
             (3, 5, 33, 40),
             (1, 40, 19, 300),
+            (1, 70, 19, 300),
         ];
         for &(batch, m, k, n) in &shapes {
             let a: Vec<f32> = (0..batch * m * k)
