@@ -172,9 +172,38 @@ fn column_lanes<'a, T: Widen>(
 }
 
 /// Per-task buffers: a weight column widened to f32, or packed into lanes.
+#[derive(Default)]
 struct Scratch {
     widened: Vec<f32>,
     lanes: Vec<u32>,
+}
+
+/// `put(i, dot(a[r], column))` for the `i`-th left row `r` of `rows` (rows of `a`, `k` long, or
+/// of `split`, the same rows in the packed layout), where the column is weight column `col`
+/// times `scale`: by the packed dot when `split` is given, else widened into `scratch`. Both
+/// matmul kernels multiply a column this way.
+#[inline(always)]
+fn column_dots<S: Simd, T: Widen>(
+    simd: S,
+    (b, col, scale): (&[T], (usize, usize, usize), Option<f32>),
+    a: &[f32],
+    split: Option<&SplitRows>,
+    scratch: &mut Scratch,
+    rows: impl Iterator<Item = usize>,
+    mut put: impl FnMut(usize, f32),
+) {
+    if let Some(split) = split {
+        let lanes = column_lanes(b, col, &mut scratch.lanes);
+        let s = scale.unwrap_or(1.0);
+        return dots::<S, T>(simd, lanes, split, rows, |i, v| put(i, v * s));
+    }
+    let k = col.1;
+    let row = &mut scratch.widened;
+    row.clear();
+    push_widened(row, b, col, scale);
+    for (i, r) in rows.enumerate() {
+        put(i, simd_dot(simd, &a[r * k..][..k], row));
+    }
 }
 
 /// The left rows in the packed dot's layout, when `T` has one and `k` fits it.
@@ -229,29 +258,20 @@ impl<T: Widen> WithSimd for Columns<'_, T> {
     fn with_simd<S: Simd>(self, simd: S) {
         let (k, n, m) = (self.bop.rows, self.bop.cols, self.m);
         let (sk, sn) = self.bop.strides();
-        let Scratch {
-            widened: row,
-            lanes: buf,
-        } = self.scratch;
         for (jj, o) in self.out.chunks_exact_mut(m.max(1)).enumerate() {
             let g = self.g0 + jj;
             let (bi, j) = (g / n, g % n);
             let at = self.bop.batch_offset(bi) + j * sn;
             let scale = self.scales.map(|s| s[bi * n + j]);
-            if let Some(split) = self.split {
-                let lanes = column_lanes(self.b, (at, k, sk), buf);
-                let s = scale.unwrap_or(1.0);
-                dots::<S, T>(simd, lanes, split, bi * m..(bi + 1) * m, |i, v| {
-                    o[i] = v * s
-                });
-                continue;
-            }
-            row.clear();
-            push_widened(row, self.b, (at, k, sk), scale);
-            let a = &self.a[bi * m * k..(bi + 1) * m * k];
-            for (o, x) in o.iter_mut().zip(a.chunks_exact(k.max(1))) {
-                *o = simd_dot(simd, x, row);
-            }
+            column_dots(
+                simd,
+                (self.b, (at, k, sk), scale),
+                self.a,
+                self.split,
+                self.scratch,
+                bi * m..(bi + 1) * m,
+                |i, v| o[i] = v,
+            );
         }
     }
 }
@@ -340,29 +360,22 @@ impl<T: Widen> WithSimd for ExpertTask<'_, T> {
     fn with_simd<S: Simd>(self, simd: S) -> Vec<f32> {
         let (m, k, tn) = (self.m, self.k, self.tn);
         let mut res = vec![0f32; self.rows.len() * m * tn];
-        let mut row = Vec::with_capacity(k);
-        let mut buf = Vec::new();
+        let mut scratch = Scratch::default();
         for jj in 0..tn {
             let j = self.e * self.out_n + self.j0 + jj;
-            let scale = self.scales.map(|s| s[j]);
-            if let Some(split) = self.split {
-                let lanes = column_lanes(self.w, (j * k, k, 1), &mut buf);
-                let s = scale.unwrap_or(1.0);
-                let left = self
-                    .rows
-                    .iter()
-                    .flat_map(|&r| (0..m).map(move |mi| r * m + mi));
-                dots::<S, T>(simd, lanes, split, left, |i, v| res[i * tn + jj] = v * s);
-                continue;
-            }
-            row.clear();
-            push_widened(&mut row, self.w, (j * k, k, 1), scale);
-            for (ri, &r) in self.rows.iter().enumerate() {
-                for mi in 0..m {
-                    let x = &self.a[(r * m + mi) * k..][..k];
-                    res[(ri * m + mi) * tn + jj] = simd_dot(simd, x, &row);
-                }
-            }
+            let left = self
+                .rows
+                .iter()
+                .flat_map(|&r| (0..m).map(move |mi| r * m + mi));
+            column_dots(
+                simd,
+                (self.w, (j * k, k, 1), self.scales.map(|s| s[j])),
+                self.a,
+                self.split,
+                &mut scratch,
+                left,
+                |i, v| res[i * tn + jj] = v,
+            );
         }
         res
     }
@@ -568,23 +581,24 @@ fn run<T: Widen>(
     let mut cols = vec![0f32; batch * n * m];
     let arch = Arch::new();
     let split = split_rows::<T>(a, k);
-    let scratch = || Scratch {
-        widened: Vec::with_capacity(k),
-        lanes: Vec::new(),
-    };
-    for_each_chunk(&mut cols, TILE * m.max(1), scratch, |scratch, c, chunk| {
-        arch.dispatch(Columns {
-            a,
-            split: split.as_ref(),
-            b,
-            bop,
-            scales,
-            g0: c * TILE,
-            m,
-            scratch,
-            out: chunk,
-        })
-    });
+    for_each_chunk(
+        &mut cols,
+        TILE * m.max(1),
+        Scratch::default,
+        |scratch, c, chunk| {
+            arch.dispatch(Columns {
+                a,
+                split: split.as_ref(),
+                b,
+                bop,
+                scales,
+                g0: c * TILE,
+                m,
+                scratch,
+                out: chunk,
+            })
+        },
+    );
     if m == 1 {
         return Ok(cols);
     }
