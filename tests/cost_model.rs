@@ -153,12 +153,26 @@ fn weight_bytes_agree_with_an_independent_count() {
         let scales = moe_layers * m.experts * (2 * m.expert_inter + h) * 4;
         let want = bf16.bytes() - moe_layers * routed + scales;
         assert_eq!(int8.bytes(), want, "{}", m.name);
+        // int4 experts: half a byte a routed weight, plus an f32 scale per 128 inputs of each
+        // output channel (gate/up read `hidden` inputs, down `expert_inter`).
+        let int4 = WeightSpecs::new(
+            &cfg,
+            &Precision {
+                quantize: Quantize::ExpertsInt4,
+                ..Precision::all(DType::BF16)
+            },
+        );
+        let groups = 2 * m.expert_inter * h.div_ceil(128) + h * m.expert_inter.div_ceil(128);
+        let scales4 = moe_layers * m.experts * groups * 4;
+        let want4 = bf16.bytes() - 2 * moe_layers * routed + moe_layers * routed / 2 + scales4;
+        assert_eq!(int4.bytes(), want4, "{}", m.name);
         eprintln!(
-            "{}: {:.2} B parameters; bf16 {:.2} GB, int8 experts {:.2} GB",
+            "{}: {:.2} B parameters; bf16 {:.2} GB, int8 experts {:.2} GB, int4 experts {:.2} GB",
             m.name,
             total as f64 / 1e9,
             bf16.bytes() as f64 / 1e9,
-            int8.bytes() as f64 / 1e9
+            int8.bytes() as f64 / 1e9,
+            int4.bytes() as f64 / 1e9
         );
     }
 }

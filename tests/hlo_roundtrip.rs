@@ -101,6 +101,11 @@ fn no_graph_transposes_an_operand_of_a_dot() {
             quantize: Quantize::ExpertsInt8,
             ..Default::default()
         },
+        PrecisionChoice {
+            dtype: DTypeChoice::Exactly(DType::F32),
+            quantize: Quantize::ExpertsInt4,
+            ..Default::default()
+        },
     ];
     let mut dots = 0;
     for (k, precision) in precisions.into_iter().enumerate() {

@@ -111,6 +111,15 @@ fn v2_lite_on_trn1_2xlarge() {
     );
     assert_eq!(tp2["fits"], true, "{tp2}");
     assert!(tp2["suggestion"].is_null());
+
+    // int4 experts: 9.57 GiB of weights, one core of the two is enough.
+    let int4 = plan(
+        "deepseek-v2-lite.json",
+        &["--tp", "1", "--dtype", "bf16", "--quantize", "experts-int4"],
+    );
+    assert_eq!(int4["fits"], true, "{int4}");
+    let weights = int4["weights_bytes_total"].as_f64().unwrap();
+    assert!((9.0e9..11.0e9).contains(&weights), "{int4}");
 }
 
 /// DeepSeek-V2 (236B) on a trn1.32xlarge at `--tp 32`, at the default 0.9 utilization:

@@ -188,6 +188,100 @@ fn int8_experts_match_transformers_on_the_dequantized_weights() {
     }
 }
 
+const INT4_EXPERTS: Precision = Precision {
+    quantize: Quantize::ExpertsInt4,
+    ..Precision::F32
+};
+
+/// int4 experts (`--quantize experts-int4`: codes two a byte, one scale per 128 inputs of an
+/// output channel, dequantized in the graph with a mask and a shift) against transformers on
+/// weights put through the same round trip in Python (`scripts/make_precision_references.py`,
+/// `int4_round_trip`).
+#[test]
+fn int4_experts_match_transformers_on_the_dequantized_weights() {
+    for name in FIXTURES {
+        let r: Reference = reference_file(name, "reference-int4-experts.json");
+        for moe in [MoeStrategy::Gather, MoeStrategy::Dense] {
+            let mut run = runner_in(name, 1, Some(moe), INT4_EXPERTS);
+            let logits = engine::score(&mut run, &r.token_ids).unwrap();
+            let worst = max_abs_diff_rows(&logits, &r.logits);
+            eprintln!("{name} {moe:?}: max |logit - transformers(int4 experts)| = {worst:e}");
+            assert!(worst < 1e-4, "{name} {moe:?}: {worst}");
+            assert_eq!(greedy(&mut run, &r), r.greedy.generated_token_ids, "{name}");
+        }
+        // Not vacuous: the quantized model differs from the f32 and from the int8 one.
+        let f32_ref = reference(name);
+        assert!(max_abs_diff_rows(&r.logits, &f32_ref.logits) > 1e-3);
+        let int8: Reference = reference_file(name, "reference-int8-experts.json");
+        assert!(max_abs_diff_rows(&r.logits, &int8.logits) > 1e-3);
+    }
+}
+
+/// The int4 codes and scales against the format's definition computed in f64, on rows wider
+/// than one group with a ragged last group (the fixtures' experts are one group wide), and
+/// the graph's dequantization (mask, shift, interleave, group scales) on the CPU against the
+/// same definition.
+#[test]
+fn int4_groups_quantize_and_dequantize_as_defined() {
+    use deepinfer::graph::{DType, GraphBuilder, InputRole};
+    use deepinfer::model::params::quantize_rows_int4;
+    let (rows, cols) = (3, 300); // groups of 128, 128 and 44
+    let w: Vec<f32> = (0..rows * cols)
+        .map(|i| ((i * 37 % 101) as f32 - 50.0) / 7.0 * if i % 128 == 5 { 3.0 } else { 1.0 })
+        .collect();
+    let (packed, scales) = quantize_rows_int4(&w, cols);
+    assert_eq!((packed.len(), scales.len()), (rows * cols / 2, rows * 3));
+    let mut want = vec![0f64; rows * cols];
+    // Scales and codes are checked in f64 against the definition.
+    for r in 0..rows {
+        for (g, group) in w[r * cols..(r + 1) * cols].chunks(128).enumerate() {
+            let amax = group.iter().fold(0f64, |m, &v| m.max(f64::from(v).abs()));
+            assert_eq!(f64::from(scales[r * 3 + g]), f64::from((amax / 7.0) as f32));
+            for (c, &v) in group.iter().enumerate() {
+                let at = r * cols + g * 128 + c;
+                let code = if at % 2 == 0 {
+                    packed[at / 2] & 15
+                } else {
+                    packed[at / 2] >> 4
+                };
+                let q = f64::from(code) - 8.0;
+                assert!(q.abs() <= 7.0);
+                // The product in f32, as the format defines it.
+                want[at] = f64::from(q as f32 * scales[r * 3 + g]);
+                // Round to nearest: within half a step of the value.
+                assert!(
+                    (want[at] - f64::from(v)).abs() <= amax / 14.0 + 1e-6,
+                    "row {r} col {c}"
+                );
+            }
+        }
+    }
+    // The graph's dequantization, run by the CPU backend, on these codes as one expert.
+    let b = GraphBuilder::new("int4");
+    let q = b
+        .input("q", InputRole::Weight, [1, rows, cols / 2], DType::U8)
+        .unwrap();
+    let s = b
+        .input("s", InputRole::Weight, [1, rows, 3], DType::F32)
+        .unwrap();
+    let out = deepinfer::model::moe::dequantize(&q, &s).unwrap();
+    b.output("w", &out).unwrap();
+    let graph = b.finish().unwrap();
+    let inputs = [
+        candle_core::Tensor::from_vec(packed, (1, rows, cols / 2), &candle_core::Device::Cpu)
+            .unwrap(),
+        candle_core::Tensor::from_vec(scales, (1, rows, 3), &candle_core::Device::Cpu).unwrap(),
+    ];
+    let got = deepinfer::backend::cpu::run(&graph, &inputs).unwrap()[0]
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(f64::from(g), w, "element {i}");
+    }
+}
+
 #[test]
 fn quantizing_a_model_without_routed_experts_is_refused_before_loading() {
     let src = common::fixture_dir("tiny-v3").join("config.json");

@@ -434,6 +434,17 @@ fn reduced_precision_on_nrt_sim_matches_the_transformers_references() {
     let logits = deepinfer::engine::score(&mut d, &r.token_ids).unwrap();
     let worst = common::max_abs_diff_rows(&logits, &r.logits);
     assert!(worst < 1e-4, "int8 experts on nrt-sim: {worst}");
+
+    // int4 experts: packed codes uploaded as bytes, unpacked in the graph on the device.
+    let int4 = Precision {
+        quantize: deepinfer::model::Quantize::ExpertsInt4,
+        ..Precision::F32
+    };
+    let r: common::Reference = common::reference_file(name, "reference-int4-experts.json");
+    let mut d = device_in(name, RunnerConfig::for_limits(1, 128), &int4);
+    let logits = deepinfer::engine::score(&mut d, &r.token_ids).unwrap();
+    let worst = common::max_abs_diff_rows(&logits, &r.logits);
+    assert!(worst < 1e-4, "int4 experts on nrt-sim: {worst}");
 }
 
 /// Per sampled row, the logit controls: state_rows, the logit-bias entries (index and value),

@@ -116,6 +116,10 @@ fn streamed_shards_are_the_loaded_shards() {
                 quantize: Quantize::ExpertsInt8,
                 ..Precision::all(deepinfer::graph::DType::BF16)
             },
+            Precision {
+                quantize: Quantize::ExpertsInt4,
+                ..Precision::all(deepinfer::graph::DType::BF16)
+            },
         ] {
             let loaded = ModelWeights::load(&cfg, &ckpt, &precision).unwrap();
             let streamed = ModelWeights::stream(&cfg, Arc::clone(&ckpt), &precision).unwrap();

@@ -13,6 +13,7 @@ use crate::error::Result;
 use crate::graph::{DType, Tensor};
 
 use super::ops::{linear, matmul, mlp, softmax};
+use super::precision::INT4_GROUP;
 use super::Weights;
 
 /// How a graph evaluates the routed experts.
@@ -144,8 +145,9 @@ pub fn moe(
     routed.add(&shared)
 }
 
-/// One stacked expert projection (`[experts, out, in]`), with its per-output-channel scales
-/// when it is int8.
+/// One stacked expert projection (`[experts, out, in]`), with its scales when quantized:
+/// int8 codes with one scale per output channel, or int4 codes two a byte with one scale per
+/// [`INT4_GROUP`] inputs of each output channel (`params::quantize_rows_int4`).
 struct Experts {
     w: Tensor,
     scale: Option<Tensor>,
@@ -155,35 +157,67 @@ impl Experts {
     fn new(w: &Weights, name: &str) -> Result<Self> {
         let weight = w.get(name)?;
         let scale = match weight.dtype() {
-            DType::I8 => Some(w.get(&format!("{name}_scale"))?),
+            DType::I8 | DType::U8 => Some(w.get(&format!("{name}_scale"))?),
             _ => None,
         };
         Ok(Experts { w: weight, scale })
     }
 
-    /// The experts `ids` selects (`[n, out, in]`), dequantized (`q as f32 * scale`) if int8:
-    /// only the selected experts are dequantized, right before their matmul.
+    /// The experts `ids` selects (`[n, out, in]`), dequantized if quantized: only the selected
+    /// experts are dequantized, right before their matmul.
     fn select(&self, ids: &Tensor) -> Result<Tensor> {
         let w = self.w.index_select(ids, 0)?;
         match &self.scale {
             None => Ok(w),
-            Some(s) => w
-                .to_dtype(DType::F32)?
-                .broadcast_mul(&s.index_select(ids, 0)?.unsqueeze(2)?),
+            Some(s) => dequantize(&w, &s.index_select(ids, 0)?),
         }
     }
 
-    /// Every expert, dequantized if int8.
+    /// Every expert, dequantized if quantized.
     fn all(&self) -> Result<Tensor> {
         match &self.scale {
             None => Ok(self.w.clone()),
-            Some(s) => self.w.to_dtype(DType::F32)?.broadcast_mul(&s.unsqueeze(2)?),
+            Some(s) => dequantize(&self.w, s),
         }
     }
 
     fn dim(&self, d: usize) -> usize {
         self.w.dim(d)
     }
+}
+
+/// `q * scale` in f32 for stacked expert codes `q` and their scales `s` (`--quantize
+/// experts-int8|experts-int4`): how the graph turns the selected experts (or all of them)
+/// back into f32 weights right before their matmul.
+///
+/// - int8 (`q: [n, out, in]`, `s: [n, out]`): `q as f32 * s` (the form the CPU backend fuses
+///   into its matmul kernel).
+/// - int4 (`q: [n, out, in / 2]` bytes, `s: [n, out, groups]`): each byte holds two codes
+///   biased by 8, the even input in the low nibble; they are cut out with a mask and a shift
+///   (bit operations, exact on every engine; no integer multiply), interleaved back to
+///   `[n, out, in]`, unbiased in f32 and scaled by their group's scale.
+pub fn dequantize(q: &Tensor, s: &Tensor) -> Result<Tensor> {
+    if q.dtype() != DType::U8 {
+        return q.to_dtype(DType::F32)?.broadcast_mul(&s.unsqueeze(2)?);
+    }
+    let (n, out, half) = (q.dim(0), q.dim(1), q.dim(2));
+    let inputs = 2 * half;
+    let bytes = q.to_dtype(DType::U32)?;
+    let low = bytes.bitand(&bytes.full_like(15.0)?)?;
+    let high = bytes.shr(&bytes.full_like(4.0)?)?;
+    let codes = q
+        .builder()
+        .cat(&[&low.unsqueeze(3)?, &high.unsqueeze(3)?], 3)?
+        .reshape([n, out, inputs])?
+        .to_dtype(DType::F32)?
+        .affine(1.0, -8.0)?;
+    let groups = s.dim(2);
+    let scales = s
+        .unsqueeze(3)?
+        .broadcast_as([n, out, groups, INT4_GROUP])?
+        .reshape([n, out, groups * INT4_GROUP])?
+        .narrow(2, 0, inputs)?;
+    codes.mul(&scales)
 }
 
 fn gathered_experts(

@@ -26,7 +26,7 @@ use crate::error::{Error, Result};
 use crate::graph::DType;
 use crate::weights::{Checkpoint, Conversion};
 
-use super::precision::{Precision, Quantize};
+use super::precision::{Precision, Quantize, INT4_GROUP};
 use super::shard::{self, Split};
 
 /// Shape and stored dtype of every parameter a graph may reference, by name.
@@ -105,13 +105,13 @@ impl WeightSpecs {
                     if cfg.architecture.routes_like_v3() {
                         m.insert(format!("{mp}.gate.e_score_correction_bias"), vec![e]);
                     }
-                    m.insert(format!("{mp}.experts.gate_proj"), vec![e, i, h]);
-                    m.insert(format!("{mp}.experts.up_proj"), vec![e, i, h]);
-                    m.insert(format!("{mp}.experts.down_proj"), vec![e, h, i]);
-                    if precision.quantize == Quantize::ExpertsInt8 {
-                        m.insert(format!("{mp}.experts.gate_proj_scale"), vec![e, i]);
-                        m.insert(format!("{mp}.experts.up_proj_scale"), vec![e, i]);
-                        m.insert(format!("{mp}.experts.down_proj_scale"), vec![e, h]);
+                    for (proj, out, inputs) in [("gate", i, h), ("up", i, h), ("down", h, i)] {
+                        let name = format!("{mp}.experts.{proj}_proj");
+                        let (stored, scale) = expert_storage(precision.quantize, e, out, inputs);
+                        m.insert(name.clone(), stored);
+                        if let Some(scale) = scale {
+                            m.insert(format!("{name}_scale"), scale);
+                        }
                     }
                     if cfg.n_shared_experts > 0 {
                         let s = i * cfg.n_shared_experts;
@@ -179,9 +179,12 @@ impl WeightSpecs {
             || name.ends_with("_proj_scale")
         {
             DType::F32
-        } else if stacked_expert(name).is_some() && self.precision.quantize == Quantize::ExpertsInt8
-        {
-            DType::I8
+        } else if stacked_expert(name).is_some() {
+            match self.precision.quantize {
+                Quantize::ExpertsInt8 => DType::I8,
+                Quantize::ExpertsInt4 => DType::U8,
+                _ => self.precision.weights,
+            }
         } else {
             self.precision.weights
         }
@@ -337,7 +340,9 @@ impl ModelWeights {
         let mut weights = ModelWeights::held(specs.clone());
         let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
         for name in specs.names() {
-            let shape = specs.shape(name).unwrap_or_default();
+            let stored = specs.shape(name).unwrap_or_default();
+            let shape = logical_shape(stored, specs.dtype(name));
+            let shape = shape.as_slice();
             let n: usize = shape.iter().product();
             let is_norm = name.ends_with("norm.weight");
             let scale = if is_norm { 0.1 } else { 0.05 };
@@ -359,14 +364,15 @@ impl ModelWeights {
             if name.ends_with("_proj_scale") {
                 continue; // made with its experts
             }
-            let t = if specs.dtype(name) == DType::I8 {
-                let (q, scales) = quantize_rows(&data, shape[shape.len() - 1]);
-                let rows = &shape[..shape.len() - 1];
+            let t = if let Some(q) = QuantizedExperts::of(specs.dtype(name)) {
+                let (codes, scales) = q.quantize(&data, shape[shape.len() - 1]);
+                let scale = format!("{name}_scale");
+                let scale_shape = specs.shape(&scale).unwrap_or_default();
                 weights.insert(
-                    format!("{name}_scale"),
-                    CTensor::from_vec(scales, rows, &Device::Cpu)?,
+                    scale.clone(),
+                    CTensor::from_vec(scales, scale_shape, &Device::Cpu)?,
                 )?;
-                CTensor::from_vec(q, shape, &Device::Cpu)?
+                CTensor::from_vec(codes, stored, &Device::Cpu)?
             } else {
                 CTensor::from_vec(data, shape, &Device::Cpu)?
                     .to_dtype(candle_dtype(specs.dtype(name)))?
@@ -483,7 +489,7 @@ fn checkpoint_tensors(
     rank: usize,
     ranks: usize,
 ) -> Vec<(String, Vec<usize>)> {
-    let shape = specs.shape(name).unwrap_or_default();
+    let shape = logical_shape(specs.shape(name).unwrap_or_default(), specs.dtype(name));
     if let Some((prefix, proj)) = stacked_expert(name) {
         let per = shape[0] / ranks;
         return (rank * per..(rank + 1) * per)
@@ -519,8 +525,10 @@ fn read_param(
             .into_iter()
             .map(|(n, _)| n)
             .collect();
-        return Ok(if dt == DType::I8 {
-            let (q, scales) = quantize_experts(ckpt, &names, &shape[1..], &conv(DType::F32))?;
+        return Ok(if let Some(quantized) = QuantizedExperts::of(dt) {
+            let expert = logical_shape(&shape[1..], dt);
+            let (q, scales) =
+                quantize_experts(ckpt, &names, &expert, &conv(DType::F32), quantized)?;
             vec![(name.to_string(), q), (format!("{name}_scale"), scales)]
         } else {
             vec![(
@@ -554,13 +562,15 @@ fn read_param(
     Ok(vec![(name.to_string(), t)])
 }
 
-/// Reads each expert (`names`, each of `shape` `[out, in]`) as f32 and quantizes it to int8,
-/// stacked: `([experts, out, in]` int8 (held as u8 bytes), `[experts, out]` f32 scales`)`.
+/// Reads each expert (`names`, each of `shape` `[out, in]`) as f32 and quantizes it, stacked:
+/// `(` codes `[experts, ..]` (bytes), f32 scales `[experts, ..]` `)` in the layouts
+/// [`QuantizedExperts::quantize`] gives.
 fn quantize_experts(
     ckpt: &Checkpoint,
     names: &[String],
     shape: &[usize],
     conv: &Conversion,
+    quantized: QuantizedExperts,
 ) -> Result<(CTensor, CTensor)> {
     let (mut q, mut scales) = (Vec::new(), Vec::new());
     for name in names {
@@ -568,16 +578,84 @@ fn quantize_experts(
             .tensor(name, shape, conv)?
             .flatten_all()?
             .to_vec1::<f32>()?;
-        let (qe, se) = quantize_rows(&w, shape[1]);
+        let (qe, se) = quantized.quantize(&w, shape[1]);
         q.extend(qe);
         scales.extend(se);
     }
-    let mut dims = vec![names.len()];
-    dims.extend_from_slice(shape);
+    let (stored, scale) = quantized.shapes(names.len(), shape[0], shape[1]);
     Ok((
-        CTensor::from_vec(q, dims.as_slice(), &Device::Cpu)?,
-        CTensor::from_vec(scales, (names.len(), shape[0]), &Device::Cpu)?,
+        CTensor::from_vec(q, stored.as_slice(), &Device::Cpu)?,
+        CTensor::from_vec(scales, scale.as_slice(), &Device::Cpu)?,
     ))
+}
+
+/// How a stacked expert tensor's codes are held when `--quantize` quantizes routed experts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum QuantizedExperts {
+    /// One int8 code a value, one scale a row ([`quantize_rows`]).
+    Int8,
+    /// Two 4-bit codes a byte, one scale per [`INT4_GROUP`] values of a row
+    /// ([`quantize_rows_int4`]).
+    Int4,
+}
+
+impl QuantizedExperts {
+    /// The format codes of stored dtype `dtype` are in (`None`: not quantized).
+    fn of(dtype: DType) -> Option<Self> {
+        match dtype {
+            DType::I8 => Some(QuantizedExperts::Int8),
+            DType::U8 => Some(QuantizedExperts::Int4),
+            _ => None,
+        }
+    }
+
+    /// Codes and scales of rows of `cols` values.
+    fn quantize(self, w: &[f32], cols: usize) -> (Vec<u8>, Vec<f32>) {
+        match self {
+            QuantizedExperts::Int8 => quantize_rows(w, cols),
+            QuantizedExperts::Int4 => quantize_rows_int4(w, cols),
+        }
+    }
+
+    /// The stored shapes of `experts` stacked `[out, inputs]` matrices: codes and scales.
+    fn shapes(self, experts: usize, out: usize, inputs: usize) -> (Vec<usize>, Vec<usize>) {
+        match self {
+            QuantizedExperts::Int8 => (vec![experts, out, inputs], vec![experts, out]),
+            QuantizedExperts::Int4 => (
+                vec![experts, out, inputs.div_ceil(2)],
+                vec![experts, out, inputs.div_ceil(INT4_GROUP)],
+            ),
+        }
+    }
+}
+
+/// The stored shapes of a stacked `[experts, out, inputs]` expert projection under
+/// `quantize`, and of its scales when it has them.
+fn expert_storage(
+    quantize: Quantize,
+    experts: usize,
+    out: usize,
+    inputs: usize,
+) -> (Vec<usize>, Option<Vec<usize>>) {
+    let quantized = match quantize {
+        Quantize::ExpertsInt8 => QuantizedExperts::Int8,
+        Quantize::ExpertsInt4 => QuantizedExperts::Int4,
+        _ => return (vec![experts, out, inputs], None),
+    };
+    let (stored, scale) = quantized.shapes(experts, out, inputs);
+    (stored, Some(scale))
+}
+
+/// The shape of the values a parameter stored as `stored` in `dtype` holds: int4 codes pack
+/// two values a byte along the last dim.
+fn logical_shape(stored: &[usize], dtype: DType) -> Vec<usize> {
+    let mut shape = stored.to_vec();
+    if QuantizedExperts::of(dtype) == Some(QuantizedExperts::Int4) {
+        if let Some(last) = shape.last_mut() {
+            *last *= 2;
+        }
+    }
+    shape
 }
 
 /// Symmetric int8 quantization of each row of `cols` values: `scale = max|w| / 127` (1 for a
@@ -599,6 +677,41 @@ pub fn quantize_rows(w: &[f32], cols: usize) -> (Vec<u8>, Vec<f32>) {
     (q, scales)
 }
 
+/// Symmetric 4-bit quantization of each row of `cols` (even) values in groups of
+/// [`INT4_GROUP`] (the last group of a row may be shorter): per group `scale = max|w| / 7`
+/// (0 for a group of zeros, whose codes are then 0), `q = round_half_even(w / scale)` clamped
+/// to ±7, in f32 arithmetic. Returns the codes two a byte, `q + 8` of the even value in the
+/// low nibble and of the odd one in the high nibble, and the scales (`[rows, groups]`
+/// row-major). `q * scale` is the dequantized weight the graph computes.
+pub fn quantize_rows_int4(w: &[f32], cols: usize) -> (Vec<u8>, Vec<f32>) {
+    let cols = cols.max(1);
+    let mut packed = Vec::with_capacity(w.len() / 2);
+    let mut scales = Vec::with_capacity(w.len().div_ceil(INT4_GROUP));
+    let mut codes = Vec::with_capacity(cols);
+    for row in w.chunks_exact(cols) {
+        codes.clear();
+        for group in row.chunks(INT4_GROUP) {
+            let amax = group.iter().fold(0f32, |m, v| m.max(v.abs()));
+            let scale = amax / 7.0;
+            codes.extend(group.iter().map(|&v| {
+                let q = if scale > 0.0 {
+                    (v / scale).round_ties_even().clamp(-7.0, 7.0)
+                } else {
+                    0.0
+                };
+                (q as i8 + 8) as u8
+            }));
+            scales.push(scale);
+        }
+        packed.extend(
+            codes
+                .chunks(2)
+                .map(|pair| pair[0] | (pair.get(1).copied().unwrap_or(8) << 4)),
+        );
+    }
+    (packed, scales)
+}
+
 /// The GGML block format parameter `name` (of shape `dims`) is held in under `quantize`, if
 /// any: every linear layer's weight (attention projections, dense and shared MLPs, routed
 /// experts, an untied LM head), as llama.cpp quantizes them. Not quantized: what the graph reads
@@ -615,7 +728,7 @@ pub fn ggml_format(
     let wanted = match quantize {
         Quantize::Q8_0 => GgmlDType::Q8_0,
         Quantize::Q4K => GgmlDType::Q4K,
-        Quantize::None | Quantize::ExpertsInt8 => return None,
+        Quantize::None | Quantize::ExpertsInt8 | Quantize::ExpertsInt4 => return None,
     };
     let linear = name == "lm_head.weight"
         || stacked_expert(name).is_some()

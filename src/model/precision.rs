@@ -77,6 +77,13 @@ pub enum Quantize {
     /// load), dequantized in the graph right before the expert matmuls. Routed experts are
     /// ~90% of a DeepSeek model's parameters, so this nearly halves a bf16 model.
     ExpertsInt8,
+    /// Routed experts in 4 bits, two to a byte, with one f32 scale per
+    /// [`INT4_GROUP`] inputs of each output channel (symmetric, computed at load; GPTQ's and
+    /// AWQ's usual group), dequantized in the graph like int8. A quarter of a bf16 expert's
+    /// bytes plus 1/32 for the scales: what lets DeepSeek-V3/R1 fit one trn1.32xlarge and
+    /// V2-Lite one NeuronCore (`deepinfer plan`). Both the hidden and the expert widths must be
+    /// even (two codes a byte along the input).
+    ExpertsInt4,
     /// GGML's `Q8_0` (blocks of 32 int8 values with one f16 scale: 8.5 bits a weight) for
     /// every linear layer's weight, multiplied by candle's quantized kernels (the activations
     /// quantized to 8 bits per block, as llama.cpp does). CPU backend only: see
@@ -88,7 +95,16 @@ pub enum Quantize {
     Q4K,
 }
 
+/// Inputs of an output channel that share one scale under [`Quantize::ExpertsInt4`].
+pub const INT4_GROUP: usize = 128;
+
 impl Quantize {
+    /// Whether routed experts are held quantized (int8 or int4 codes with f32 scales,
+    /// dequantized in the graph).
+    pub fn quantizes_experts(self) -> bool {
+        matches!(self, Quantize::ExpertsInt8 | Quantize::ExpertsInt4)
+    }
+
     /// Whether this is one of GGML's block formats, which only the CPU backend computes on
     /// (candle's quantized kernels): no HLO lowering exists for them, so a Neuron capture,
     /// `lower` and `plan` refuse them, and so does tensor parallelism (a block-quantized matrix
@@ -113,10 +129,11 @@ impl FromStr for Quantize {
         match s {
             "none" => Ok(Quantize::None),
             "experts-int8" => Ok(Quantize::ExpertsInt8),
+            "experts-int4" => Ok(Quantize::ExpertsInt4),
             "q8_0" | "Q8_0" => Ok(Quantize::Q8_0),
             "q4_k" | "Q4_K" => Ok(Quantize::Q4K),
             other => Err(Error::InvalidInput(format!(
-                "--quantize `{other}`: expected none, experts-int8, q8_0 or q4_k"
+                "--quantize `{other}`: expected none, experts-int8, experts-int4, q8_0 or q4_k"
             ))),
         }
     }
@@ -127,6 +144,7 @@ impl fmt::Display for Quantize {
         f.write_str(match self {
             Quantize::None => "none",
             Quantize::ExpertsInt8 => "experts-int8",
+            Quantize::ExpertsInt4 => "experts-int4",
             Quantize::Q8_0 => "q8_0",
             Quantize::Q4K => "q4_k",
         })
@@ -164,12 +182,25 @@ impl PrecisionChoice {
                 )));
             }
         }
-        if self.quantize == Quantize::ExpertsInt8 && cfg.routing.is_none() {
-            return Err(Error::InvalidInput(
-                "--quantize experts-int8: this model has no routed experts (config.json sets \
-                 no n_routed_experts)"
-                    .into(),
-            ));
+        if self.quantize.quantizes_experts() && cfg.routing.is_none() {
+            return Err(Error::InvalidInput(format!(
+                "--quantize {}: this model has no routed experts (config.json sets no \
+                 n_routed_experts)",
+                self.quantize
+            )));
+        }
+        if self.quantize == Quantize::ExpertsInt4 {
+            for (key, width) in [
+                ("hidden_size", cfg.hidden_size),
+                ("moe_intermediate_size", cfg.moe_intermediate_size),
+            ] {
+                if width % 2 == 1 {
+                    return Err(Error::InvalidInput(format!(
+                        "--quantize experts-int4 packs two codes a byte along each expert's \
+                         input, and config.json's {key} is odd ({width}); use experts-int8"
+                    )));
+                }
+            }
         }
         Ok(Precision {
             weights,

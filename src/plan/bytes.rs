@@ -138,6 +138,15 @@ impl Entry {
     fn is_param(&self) -> bool {
         self.kind == Kind::Values && self.dtype != DType::I32 && !self.name.ends_with("_scale")
     }
+
+    /// Parameters one stored element holds: two for int4 experts' packed bytes.
+    fn params_per_elem(&self) -> u64 {
+        if self.dtype == DType::U8 {
+            2
+        } else {
+            1
+        }
+    }
 }
 
 /// Every weight a rank holds for `cfg` stored as `format` with `quantize`, at tensor
@@ -188,6 +197,11 @@ pub fn entries(
                 stored,
                 elems(one) * checkpoint.linear().size_in_bytes() as u64,
             ),
+            // int4 experts: two values a byte.
+            DType::U8 => (
+                stored,
+                2 * elems(one) * checkpoint.linear().size_in_bytes() as u64,
+            ),
             _ if linear => (
                 format.linear(),
                 elems(one) * checkpoint.linear().size_in_bytes() as u64,
@@ -234,7 +248,7 @@ pub fn param_count(entries: &[Entry]) -> u64 {
     entries
         .iter()
         .filter(|e| e.is_param())
-        .map(|e| e.shard_elems(1, 0))
+        .map(|e| e.shard_elems(1, 0) * e.params_per_elem())
         .sum()
 }
 

@@ -140,8 +140,7 @@ impl FromStr for KvBlocks {
     }
 }
 
-/// Routed experts' storage: the runner's `--quantize` choices and the hypothetical 4-bit one
-/// [`suggest`] reports.
+/// Routed experts' storage: the runner's `--quantize` choices that a NeuronCore computes on.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Experts {
     /// In the weights' format.
@@ -150,8 +149,7 @@ pub enum Experts {
     /// int8 with one f32 scale per output channel (`--quantize experts-int8`).
     Int8,
     /// 4-bit values packed two per byte with one f32 scale per 128 inputs of each output
-    /// channel (GPTQ/AWQ's usual group of 128). Not implemented by the runner: planned only, to
-    /// say whether it would be enough.
+    /// channel (`--quantize experts-int4`; GPTQ/AWQ's usual group of 128).
     Int4,
 }
 
@@ -164,6 +162,7 @@ impl TryFrom<Quantize> for Experts {
         match q {
             Quantize::None => Ok(Experts::AsWeights),
             Quantize::ExpertsInt8 => Ok(Experts::Int8),
+            Quantize::ExpertsInt4 => Ok(Experts::Int4),
             Quantize::Q8_0 | Quantize::Q4K => Err(q.cpu_only_error("a NeuronCore memory plan")),
         }
     }
@@ -183,7 +182,7 @@ pub struct PlanOptions {
     pub dtype: WeightDType,
     /// The KV cache's dtype (`auto`: the weights' float dtype).
     pub kv_dtype: DTypeChoice,
-    /// Routed experts' storage (`--quantize`, or the hypothetical 4-bit).
+    /// Routed experts' storage (`--quantize`).
     pub experts: Experts,
     /// Sequences decoded together at most.
     pub max_batch: usize,
@@ -504,7 +503,7 @@ pub fn auto_kv_blocks(cfg: &ModelConfig, opts: &PlanOptions) -> Result<usize> {
     Ok(Plan::compute(cfg, &opts)?.kv_blocks)
 }
 
-/// The entries for `experts` storage (the hypothetical 4-bit one rewritten from the int8 list).
+/// The entries for `experts` storage.
 fn experts_entries(
     cfg: &ModelConfig,
     weights: WeightFormat,
@@ -514,30 +513,10 @@ fn experts_entries(
 ) -> Vec<bytes::Entry> {
     let quantize = match experts {
         Experts::AsWeights => Quantize::None,
-        Experts::Int8 | Experts::Int4 => Quantize::ExpertsInt8,
+        Experts::Int8 => Quantize::ExpertsInt8,
+        Experts::Int4 => Quantize::ExpertsInt4,
     };
-    let mut entries = bytes::entries(cfg, weights, quantize, checkpoint, tp);
-    if experts == Experts::Int4 {
-        for e in &mut entries {
-            if e.dtype == DType::I8 {
-                // Two 4-bit values per byte.
-                let last = e.shape.len() - 1;
-                e.shape[last] = e.shape[last].div_ceil(2);
-                e.dtype = DType::U8;
-            } else if e.name.ends_with("_proj_scale") {
-                // One scale per 128 inputs of each output channel.
-                let name = e.name.trim_end_matches("_scale");
-                let inputs = if name.ends_with("down_proj") {
-                    cfg.moe_intermediate_size
-                } else {
-                    cfg.hidden_size
-                };
-                e.shape.push(inputs);
-                e.kind = bytes::Kind::BlockScales([1, 128]);
-            }
-        }
-    }
-    entries
+    bytes::entries(cfg, weights, quantize, checkpoint, tp)
 }
 
 /// Bytes of the persistent metadata buffers and outputs on one rank (see the module docs;
@@ -680,7 +659,7 @@ impl fmt::Display for Experts {
         f.write_str(match self {
             Experts::AsWeights => "none",
             Experts::Int8 => "experts-int8",
-            Experts::Int4 => "experts-int4 (not implemented by the runner)",
+            Experts::Int4 => "experts-int4",
         })
     }
 }

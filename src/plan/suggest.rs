@@ -9,8 +9,8 @@
 //!
 //! When nothing fits one instance, every alternative that would is listed, cheapest hardware
 //! first: more instances of the same type (the ranks spanning them through the runtime's
-//! collectives), one larger instance type, and 4-bit experts on the instance asked for, which
-//! the runner does not implement, reported so the user knows whether it would be enough.
+//! collectives), one larger instance type, and 4-bit experts (`--quantize experts-int4`) on the
+//! instance asked for: the cheapest hardware, at the largest change to the outputs.
 
 use crate::config::ModelConfig;
 use crate::error::Result;
@@ -65,7 +65,7 @@ impl Suggestion {
         match self.experts {
             Experts::AsWeights => {}
             Experts::Int8 => f += " --quantize experts-int8",
-            Experts::Int4 => f += " with 4-bit experts (not implemented by the runner)",
+            Experts::Int4 => f += " --quantize experts-int4",
         }
         if self.kv_blocks == KvBlocks::Auto {
             f += &format!(

@@ -170,7 +170,6 @@ fn suggestion_json(s: &Suggestion) -> Value {
         "instances": s.instances,
         "tp": s.tp,
         "quantize": quantize_name(s.experts),
-        "implemented": s.experts != Experts::Int4,
         "kv_blocks": match s.kv_blocks {
             KvBlocks::Auto => json!("auto"),
             KvBlocks::Exactly(n) => json!(n),
