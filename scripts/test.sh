@@ -18,7 +18,8 @@
 #    every rule (src/backend/neuron/check). `--neuron-runtime 2.30.50` is the runtime minimum
 #    `deepinfer doctor` enforces (tensors of 4 GiB or more: the V2 and V3 KV roots at 2048
 #    tokens x 32 sequences, and V3's stacked bf16 expert weights, 7.5 GB per layer and matrix).
-#    V2-Lite is clean whole and at --tp 2. V2 and V3 are checked as deployed, one rank's graph
+#    V2-Lite is clean whole, at --tp 2 and whole with int4 experts (what fits one core).
+#    V2 and V3 are checked as deployed, one rank's graph
 #    at --tp 32: whole, a 236B/671B model in one NeuronCore's graph is over the instruction
 #    budget estimate at the larger buckets. A run is `config:flags[:tp]` (`--tp`, default 1).
 # 4. The server end to end (tests/server, pytest): the official `openai` client drives a live
@@ -47,10 +48,12 @@ for fixture in tiny-v3 tiny-v2-lite tiny-v2-group tiny-v32; do
 done
 # Reduced precision, in XLA against our CPU backend and against transformers: bf16 weights and
 # cache (bf16 literals, converts into f32 dots), whose decode logits may drift from
-# transformers' f32 ones no more than transformers' own bf16 run does; and int8 experts
-# dequantized in the graph, against transformers on the dequantized weights (f32 compute).
+# transformers' f32 ones no more than transformers' own bf16 run does; and int8 and int4
+# experts dequantized in the graph (int4: bytes unpacked with a mask and a shift), against
+# transformers on the dequantized weights (f32 compute).
 for run in "tiny-v2-lite:bf16:reference.json:1e-3:--dtype bf16" \
-    "tiny-v3:int8:reference-int8-experts.json:1e-4:--dtype f32 --quantize experts-int8"; do
+    "tiny-v3:int8:reference-int8-experts.json:1e-4:--dtype f32 --quantize experts-int8" \
+    "tiny-v2-lite:int4:reference-int4-experts.json:1e-4:--dtype f32 --quantize experts-int4"; do
     IFS=: read -r fixture tag ref tol flags <<< "$run"
     ids=$(.venv/bin/python -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['token_ids'])))" "fixtures/$fixture/$ref")
     # shellcheck disable=SC2086  # $flags is a list of flags
@@ -85,7 +88,8 @@ DEEPINFER_CONFORMANCE_OUT="$out/conformance" cargo test --quiet --test conforman
 .venv/bin/python scripts/xla_conformance.py tests/conformance "$out/conformance" || status=1
 # V2 and V3 as deployed: split over a trn1.32xlarge's 32 NeuronCores, each rank's graph is what
 # neuronx-cc compiles (whole, they are over its instruction budget); V2-Lite whole and at --tp 2.
-for run in deepseek-v2-lite:: deepseek-v2-lite::2 deepseek-v2::32 deepseek-v3::32 deepseek-v3.2::32; do
+for run in deepseek-v2-lite:: deepseek-v2-lite::2 "deepseek-v2-lite:--quantize experts-int4:" \
+    deepseek-v2::32 deepseek-v3::32 deepseek-v3.2::32; do
     IFS=: read -r config allow tp <<< "$run"
     tp=${tp:-1}
     echo "== lower --check neuron: fixtures/configs/$config.json --tp $tp $allow"

@@ -88,8 +88,11 @@ struct PrecisionArgs {
     #[arg(long, default_value = "auto")]
     kv_dtype: DTypeChoice,
     /// Weight-only quantization at load: none; experts-int8 (routed experts in int8 with a
-    /// per-output-channel scale; nearly halves a bf16 DeepSeek model; every backend); or, on
-    /// the CPU backend only, GGML's q8_0 or q4_k for every linear layer (llama.cpp's formats).
+    /// per-output-channel scale; nearly halves a bf16 DeepSeek model; every backend);
+    /// experts-int4 (routed experts in 4 bits with a scale per 128 inputs; about a third of
+    /// bf16; every backend, made for NeuronCores: the CPU dequantizes the selected experts
+    /// each step); or, on the CPU backend only, GGML's q8_0 or q4_k for every linear layer
+    /// (llama.cpp's formats).
     #[arg(long, default_value = "none")]
     quantize: Quantize,
 }

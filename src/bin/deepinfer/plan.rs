@@ -44,7 +44,8 @@ pub(crate) struct PlanArgs {
     /// The KV cache's dtype: auto (the weights' float dtype), bf16, f16 or f32.
     #[arg(long, default_value = "auto")]
     kv_dtype: DTypeChoice,
-    /// Weight-only quantization: none, or experts-int8 (q8_0 and q4_k are CPU formats).
+    /// Weight-only quantization: none, experts-int8 or experts-int4 (q8_0 and q4_k are CPU
+    /// formats).
     #[arg(long, default_value = "none")]
     quantize: Quantize,
     /// Sequences decoded together at most (the largest batch bucket), as for `serve`.
