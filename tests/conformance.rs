@@ -354,6 +354,7 @@ fn coverage_keys(g: &Graph) -> Vec<String> {
                 Op::ArgMax(x, _) => format!("argmax.{}", dt(*x)),
                 Op::TopK(x, _) => format!("topk.{}", dt(*x)),
                 Op::MassThreshold { .. } => format!("mass_threshold.{d}"),
+                Op::DequantizeInt4 { .. } => format!("dequantize_int4.{d}"),
                 Op::IndexSelect { .. } => format!("index_select.{d}"),
                 Op::Gather { .. } => format!("gather.{d}"),
                 Op::ScatterRows { .. } => format!("scatter_rows.{d}"),
@@ -369,7 +370,8 @@ fn coverage_keys(g: &Graph) -> Vec<String> {
 /// Every op with every dtype its builder method accepts today, for f32, i32, u32 and bool; for
 /// the narrow types (bf16, f16, f8e4m3fn, i8) what the model does with them: literals, casts to
 /// and from f32 (and i8 to and from i32), reductions (bf16, f16), matmuls with an f32 result,
-/// data movement, gathers and cache writes. u8 has no cases: no graph holds u8 values.
+/// data movement, gathers and cache writes; for u8, the int4 experts' packed codes: inputs,
+/// their selection by expert and their dequantization.
 fn required_keys() -> BTreeSet<String> {
     const ALL: &[&str] = &["f32", "i32", "u32", "bool"];
     const NUM: &[&str] = &["f32", "i32", "u32"];
@@ -434,6 +436,9 @@ fn required_keys() -> BTreeSet<String> {
         ),
         (&["gather"], &["bf16"]),
         (&["matmul"], &["bf16->f32", "f16->f32"]),
+        // int4 experts: packed codes are u8 inputs, selected by expert, then dequantized.
+        (&["input", "index_select"], &["u8"]),
+        (&["dequantize_int4"], &["f32"]),
     ];
     keys.extend(narrow.iter().flat_map(|(ops, dts)| {
         ops.iter()

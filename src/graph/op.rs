@@ -313,6 +313,21 @@ pub enum Op {
         /// The mass to reach, per row.
         target: NodeId,
     },
+    /// 4-bit weight codes back to f32: `codes` (u8, `[.., half]`) holds two codes a byte,
+    /// biased by 8, the even value in the low nibble; `scales` (f32, `[.., ceil(2 half /
+    /// group)]`, the same leading dims) one scale per `group` values of a row. Output (f32,
+    /// `[.., 2 half]`): `(code - 8) * scale of its group`. The int4 routed experts'
+    /// dequantization (`--quantize experts-int4`). HLO: a mask and a shift (bit operations,
+    /// exact), an interleave and the group scales' broadcast, tagged as one composite
+    /// (`backend::hlo::emit`).
+    DequantizeInt4 {
+        /// The packed codes.
+        codes: NodeId,
+        /// One scale per `group` values of each row.
+        scales: NodeId,
+        /// Values per scale.
+        group: usize,
+    },
     /// Rows (or slices) of `x` along `dim` picked by the 1-D i32 `ids`.
     IndexSelect {
         /// Source.
@@ -403,6 +418,7 @@ impl Op {
             Op::ArgMax(..) => "argmax",
             Op::TopK(..) => "topk",
             Op::MassThreshold { .. } => "mass_threshold",
+            Op::DequantizeInt4 { .. } => "dequantize_int4",
             Op::IndexSelect { .. } => "index_select",
             Op::Gather { .. } => "gather",
             Op::ScatterRows { .. } => "scatter_rows",
@@ -434,6 +450,7 @@ impl Op {
             } => vec![*pred, *on_true, *on_false],
             Op::Concat(xs, _) => xs.clone(),
             Op::MassThreshold { x, w, target } => vec![*x, *w, *target],
+            Op::DequantizeInt4 { codes, scales, .. } => vec![*codes, *scales],
             Op::IndexSelect { x, ids, .. } | Op::Gather { x, ids, .. } => vec![*x, *ids],
             Op::ScatterRows {
                 root, rows, src, ..

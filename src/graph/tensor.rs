@@ -587,6 +587,40 @@ impl Tensor {
         ))
     }
 
+    /// 4-bit codes (`self`: u8 `[.., half]`, two a byte) times their group's scale (`scales`:
+    /// f32 `[.., ceil(2 half / group)]`), as f32 `[.., 2 half]`; see [`Op::DequantizeInt4`].
+    pub fn dequantize_int4(&self, scales: &Tensor, group: usize) -> Result<Tensor> {
+        let r = self.rank();
+        let ok = r >= 1
+            && self.dtype == DType::U8
+            && scales.dtype == DType::F32
+            && group > 0
+            && scales.rank() == r
+            && scales.shape.0[..r - 1] == self.shape.0[..r - 1]
+            && scales.shape.0[r - 1] == (2 * self.shape.0[r - 1]).div_ceil(group);
+        if !ok {
+            return Err(Error::shape(
+                "dequantize_int4",
+                format!(
+                    "codes {} {}, scales {} {}, group {group} (want u8 [.., half] and f32 \
+                     [.., ceil(2 half / group)])",
+                    self.shape, self.dtype, scales.shape, scales.dtype
+                ),
+            ));
+        }
+        let mut dims = self.shape.0.clone();
+        dims[r - 1] *= 2;
+        Ok(self.push(
+            Op::DequantizeInt4 {
+                codes: self.id,
+                scales: scales.id,
+                group,
+            },
+            Shape(dims),
+            DType::F32,
+        ))
+    }
+
     /// Slices of `dim` picked by the 1-D i32 `ids`.
     pub fn index_select(&self, ids: &Tensor, dim: usize) -> Result<Tensor> {
         if dim >= self.rank() || ids.rank() != 1 || ids.dtype != DType::I32 {

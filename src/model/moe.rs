@@ -192,32 +192,13 @@ impl Experts {
 ///
 /// - int8 (`q: [n, out, in]`, `s: [n, out]`): `q as f32 * s` (the form the CPU backend fuses
 ///   into its matmul kernel).
-/// - int4 (`q: [n, out, in / 2]` bytes, `s: [n, out, groups]`): each byte holds two codes
-///   biased by 8, the even input in the low nibble; they are cut out with a mask and a shift
-///   (bit operations, exact on every engine; no integer multiply), interleaved back to
-///   `[n, out, in]`, unbiased in f32 and scaled by their group's scale.
+/// - int4 (`q: [n, out, in / 2]` bytes, `s: [n, out, groups]`): one
+///   [`Tensor::dequantize_int4`] (the CPU fuses both forms into its expert matmul kernel).
 pub fn dequantize(q: &Tensor, s: &Tensor) -> Result<Tensor> {
     if q.dtype() != DType::U8 {
         return q.to_dtype(DType::F32)?.broadcast_mul(&s.unsqueeze(2)?);
     }
-    let (n, out, half) = (q.dim(0), q.dim(1), q.dim(2));
-    let inputs = 2 * half;
-    let bytes = q.to_dtype(DType::U32)?;
-    let low = bytes.bitand(&bytes.full_like(15.0)?)?;
-    let high = bytes.shr(&bytes.full_like(4.0)?)?;
-    let codes = q
-        .builder()
-        .cat(&[&low.unsqueeze(3)?, &high.unsqueeze(3)?], 3)?
-        .reshape([n, out, inputs])?
-        .to_dtype(DType::F32)?
-        .affine(1.0, -8.0)?;
-    let groups = s.dim(2);
-    let scales = s
-        .unsqueeze(3)?
-        .broadcast_as([n, out, groups, INT4_GROUP])?
-        .reshape([n, out, groups * INT4_GROUP])?
-        .narrow(2, 0, inputs)?;
-    codes.mul(&scales)
+    q.dequantize_int4(s, INT4_GROUP)
 }
 
 fn gathered_experts(

@@ -381,9 +381,68 @@ impl<T: Widen> WithSimd for ExpertTask<'_, T> {
     }
 }
 
-/// `out[i] = a[i] @ w[ids[i]]^T` for `a: [n, m, k]`, stacked contiguous expert weights
-/// `w: [experts, out, k]` of any float dtype (or int8 bytes with `scales: [experts, out]`) and
-/// `ids: [n]` (checked by the caller): the gathered MoE matmul without copying a weight.
+/// One task of [`gathered`] on int4 experts: as [`ExpertTask`], each weight row widened from
+/// its packed codes and group scales (`int4::widen_row`) and dotted with the left rows.
+struct Int4ExpertTask<'a> {
+    a: &'a [f32],
+    codes: &'a [u8],
+    scales: &'a [f32],
+    group: usize,
+    rows: &'a [usize],
+    e: usize,
+    j0: usize,
+    tn: usize,
+    m: usize,
+    k: usize,
+    out_n: usize,
+}
+
+impl WithSimd for Int4ExpertTask<'_> {
+    type Output = Vec<f32>;
+
+    #[inline(always)]
+    fn with_simd<S: Simd>(self, simd: S) -> Vec<f32> {
+        let (m, k, tn) = (self.m, self.k, self.tn);
+        let (half, groups) = (k / 2, k.div_ceil(self.group));
+        let mut res = vec![0f32; self.rows.len() * m * tn];
+        let mut row = Vec::with_capacity(k);
+        for jj in 0..tn {
+            let j = self.e * self.out_n + self.j0 + jj;
+            row.clear();
+            super::int4::widen_row(
+                &self.codes[j * half..(j + 1) * half],
+                &self.scales[j * groups..(j + 1) * groups],
+                self.group,
+                &mut row,
+            );
+            let left = self
+                .rows
+                .iter()
+                .flat_map(|&r| (0..m).map(move |mi| r * m + mi));
+            for (i, r) in left.enumerate() {
+                res[i * tn + jj] = simd_dot(simd, &self.a[r * k..][..k], &row);
+            }
+        }
+        res
+    }
+}
+
+/// How [`gathered`]'s stacked expert weights hold their values.
+#[derive(Clone, Copy)]
+pub(crate) enum Experts<'a> {
+    /// Floats of any dtype, `[experts, out, k]`.
+    Float,
+    /// int8 codes (held as u8 bytes), `[experts, out, k]`, with one f32 scale per output row
+    /// (`[experts, out]`).
+    Int8(&'a candle_core::Tensor),
+    /// int4 codes two a byte, `[experts, out, k / 2]`, with one f32 scale per `group` inputs
+    /// of each output row (`[experts, out, ceil(k / group)]`).
+    Int4(&'a candle_core::Tensor, usize),
+}
+
+/// `out[i] = a[i] @ w[ids[i]]^T` for `a: [n, m, k]`, stacked contiguous expert weights `w`
+/// (see [`Experts`]) and `ids: [n]` (checked by the caller): the gathered MoE matmul without
+/// copying a weight. With `ids = 0..experts` it is the dense strategy's matmul too.
 ///
 /// Rows that chose the same expert are multiplied together, so each selected expert's weights
 /// are read once per call (as a grouped MoE kernel would), and all (expert, column chunk) pairs
@@ -392,12 +451,18 @@ pub(crate) fn gathered(
     a: &candle_core::Tensor,
     w: &candle_core::Tensor,
     ids: &[usize],
-    scales: Option<&candle_core::Tensor>,
+    experts: Experts,
 ) -> candle_core::Result<candle_core::Tensor> {
     use candle_core::{DType, Storage};
     let (n, m, k) = a.dims3()?;
     let (_, out_n, wk) = w.dims3()?;
-    if wk != k || ids.len() != n {
+    let (scales, int4_group) = match experts {
+        Experts::Float => (None, None),
+        Experts::Int8(s) => (Some(s), None),
+        Experts::Int4(s, group) => (Some(s), Some(group)),
+    };
+    let stored_k = if int4_group.is_some() { k / 2 } else { k };
+    if wk != stored_k || (int4_group.is_some() && k % 2 == 1) || ids.len() != n {
         return Err(candle_core::Error::Msg(format!(
             "gathered matmul of {:?} by {:?} with {} ids",
             a.dims(),
@@ -469,6 +534,26 @@ pub(crate) fn gathered(
         ));
     };
     let done = match (w_cpu, scales) {
+        (CpuStorage::U8(v), Some(scales)) if int4_group.is_some() => {
+            let group = int4_group.unwrap_or(1);
+            let codes = &v[w0..w1];
+            parallel_map(tasks.len(), |t| {
+                let (g, j0) = tasks[t];
+                arch.dispatch(Int4ExpertTask {
+                    a: &a,
+                    codes,
+                    scales,
+                    group,
+                    rows: &groups[g].1,
+                    e: groups[g].0,
+                    j0,
+                    tn: TILE.min(out_n - j0),
+                    m,
+                    k,
+                    out_n,
+                })
+            })?
+        }
         (CpuStorage::F32(v), _) => all(arch, &tasks, &groups, &a, &v[w0..w1], scales, dims)?,
         (CpuStorage::BF16(v), _) => all(arch, &tasks, &groups, &a, &v[w0..w1], scales, dims)?,
         (CpuStorage::F16(v), _) => all(arch, &tasks, &groups, &a, &v[w0..w1], scales, dims)?,

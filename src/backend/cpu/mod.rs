@@ -13,6 +13,7 @@
 
 mod bytes;
 mod collective;
+mod int4;
 mod kernels;
 mod matmul;
 mod packed;
@@ -26,6 +27,7 @@ pub use collective::{Group, RankComm, DEFAULT_COLLECTIVE_TIMEOUT};
 pub use quantized::QuantizedWeight;
 
 use candle_core::{DType as CDType, Device, Tensor as CTensor};
+use matmul::Experts;
 
 use crate::error::{Error, Result};
 use crate::graph::{
@@ -275,9 +277,15 @@ fn run_with(
             Op::MatMul(a, _) if plan.dequantized_rhs[i].is_some() => {
                 let d = plan.dequantized_rhs[i].ok_or_else(|| Error::Internal("plan".into()))?;
                 let (x, q, s) = (get(*a)?, get(d.q)?, get(d.scale)?);
-                match d.ids {
-                    Some(ids) => gathered_matmul(x, q, get(ids)?, Some(s))?,
-                    None => x.apply_op3_no_bwd(&q.t()?, s, &matmul::ScaledMatMul)?,
+                match (d.ids, d.int4_group) {
+                    (Some(ids), None) => gathered_matmul(x, q, get(ids)?, Experts::Int8(s))?,
+                    (None, None) => x.apply_op3_no_bwd(&q.t()?, s, &matmul::ScaledMatMul)?,
+                    (Some(ids), Some(g)) => gathered_matmul(x, q, get(ids)?, Experts::Int4(s, g))?,
+                    // Every expert: the gathered kernel with each expert once, in order.
+                    (None, Some(g)) => {
+                        let every: Vec<usize> = (0..q.dim(0)?).collect();
+                        matmul::gathered(x, q, &every, Experts::Int4(s, g))?
+                    }
                 }
             }
             Op::MatMul(a, b) => {
@@ -285,7 +293,9 @@ fn run_with(
                 // operands with an f32 result, or a fused widening cast of the right operand).
                 let a_dtype = graph.node(*a).dtype;
                 match (plan.gathered_rhs[i], plan.widened_rhs[i]) {
-                    (Some((w, ids)), _) => gathered_matmul(get(*a)?, get(w)?, get(ids)?, None)?,
+                    (Some((w, ids)), _) => {
+                        gathered_matmul(get(*a)?, get(w)?, get(ids)?, Experts::Float)?
+                    }
                     (None, Some(x)) if x.transposed => matmul(get(*a)?, &get(x.node)?.t()?, true)?,
                     (None, Some(x)) => matmul(get(*a)?, get(x.node)?, true)?,
                     (None, None) => matmul(get(*a)?, get(*b)?, node.dtype != a_dtype)?,
@@ -327,6 +337,11 @@ fn run_with(
                     &Device::Cpu,
                 )?
             }
+            Op::DequantizeInt4 {
+                codes,
+                scales,
+                group,
+            } => int4::dequantize(get(*codes)?, get(*scales)?, *group)?,
             Op::IndexSelect { x, ids, dim } => index_select(get(*x)?, get(*ids)?, *dim)?,
             Op::Gather { x, ids, dim } => {
                 let ids = get(*ids)?.to_dtype(CDType::U32)?;
@@ -685,25 +700,65 @@ fn quantized_operand(
     ))
 }
 
-/// int8 experts dequantized in the graph, as `model::moe` writes it:
-/// `permute(cast(q') * broadcast(reshape(s')), [0, 2, 1])` where `q'`, `s'` are `q`, `s` or
-/// `index_select(q, ids)`, `index_select(s, ids)` (the same `ids`).
+/// Quantized experts dequantized in the graph, as `model::moe` writes it:
+/// - int8: `permute(cast(q') * broadcast(reshape(s')), [0, 2, 1])`;
+/// - int4: `permute(dequantize_int4(q', s'), [0, 2, 1])`;
+///
+/// where `q'`, `s'` are `q`, `s` or `index_select(q, ids)`, `index_select(s, ids)` (the same
+/// `ids`).
 #[derive(Debug, Clone, Copy)]
 struct Dequantized {
-    /// `[experts, out, in]` int8 codes.
+    /// `[experts, out, in]` int8 codes, or `[experts, out, in / 2]` int4 codes.
     q: NodeId,
-    /// `[experts, out]` f32 scales.
+    /// `[experts, out]` f32 scales (int8), or `[experts, out, groups]` (int4).
     scale: NodeId,
     /// The selected experts, when gathered.
     ids: Option<NodeId>,
+    /// For int4 codes, the values per scale.
+    int4_group: Option<usize>,
 }
 
-/// The int8 dequantization feeding a matmul's right operand, with the nodes the fusion
-/// replaces.
+/// `(q, s, ids)` and the index selects to skip, when `q'` and `s'` are `index_select(q, ids)`
+/// and `index_select(s, ids)` of the same `ids`; else `(q', s', None)`.
+fn selected_pair(graph: &Graph, qs: NodeId, ss: NodeId) -> (NodeId, NodeId, Option<NodeId>) {
+    match (&graph.node(qs).op, &graph.node(ss).op) {
+        (
+            Op::IndexSelect { x: q, ids, dim: 0 },
+            Op::IndexSelect {
+                x: s,
+                ids: ids2,
+                dim: 0,
+            },
+        ) if ids == ids2 => (*q, *s, Some(*ids)),
+        _ => (qs, ss, None),
+    }
+}
+
+/// The dequantization feeding a matmul's right operand, with the nodes the fusion replaces.
 fn dequantized_operand(graph: &Graph, rhs: NodeId) -> Option<(Dequantized, Vec<NodeId>)> {
     let Op::Permute(mul, ref perm) = graph.node(rhs).op else {
         return None;
     };
+    if let Op::DequantizeInt4 {
+        codes,
+        scales,
+        group,
+    } = graph.node(mul).op
+    {
+        let (q, scale, ids) = selected_pair(graph, codes, scales);
+        let mut fused = vec![rhs, mul];
+        if ids.is_some() {
+            fused.extend([codes, scales]);
+        }
+        let ok = perm == &[0, 2, 1] && graph.node(q).shape.rank() == 3;
+        let d = Dequantized {
+            q,
+            scale,
+            ids,
+            int4_group: Some(group),
+        };
+        return ok.then_some((d, fused));
+    }
     let Op::Binary(BinaryOp::Mul, cast, bcast) = graph.node(mul).op else {
         return None;
     };
@@ -723,24 +778,20 @@ fn dequantized_operand(graph: &Graph, rhs: NodeId) -> Option<(Dequantized, Vec<N
         return None;
     }
     let mut fused = vec![rhs, mul, cast, bcast, reshaped];
-    let (q, scale, ids) = match (&graph.node(qs).op, &graph.node(ss).op) {
-        (
-            Op::IndexSelect { x: q, ids, dim: 0 },
-            Op::IndexSelect {
-                x: s,
-                ids: ids2,
-                dim: 0,
-            },
-        ) if ids == ids2 => {
-            fused.extend([qs, ss]);
-            (*q, *s, Some(*ids))
-        }
-        _ => (qs, ss, None),
-    };
+    let (q, scale, ids) = selected_pair(graph, qs, ss);
+    if ids.is_some() {
+        fused.extend([qs, ss]);
+    }
     let ok = graph.node(q).shape.rank() == 3
         && graph.node(scale).shape.dims() == &graph.node(q).shape.dims()[..2]
         && graph.node(scale).dtype == DType::F32;
-    ok.then_some((Dequantized { q, scale, ids }, fused))
+    let d = Dequantized {
+        q,
+        scale,
+        ids,
+        int4_group: None,
+    };
+    ok.then_some((d, fused))
 }
 
 /// `(permute, index_select, w, ids)` when `rhs` is `permute(index_select(w, ids, 0), [0, 2, 1])`
@@ -756,17 +807,12 @@ fn gathered_operand(graph: &Graph, rhs: NodeId) -> Option<(NodeId, NodeId, NodeI
     (perm == &[0, 2, 1] && w.shape.rank() == 3 && w.dtype.is_float()).then_some((rhs, s, x, ids))
 }
 
-/// `out[i] = a[i] @ w[ids[i]]^T` for `a: [n, m, k]`, `w: [experts, out, k]` (any float dtype,
-/// or int8 with `scales: [experts, out]`), `ids: [n]`: [`matmul::gathered`], after checking the
+/// `out[i] = a[i] @ w[ids[i]]^T` for `a: [n, m, k]` and stacked experts `w` held as `experts`
+/// says, `ids: [n]`: [`matmul::gathered`], after checking the
 /// ids.
-fn gathered_matmul(
-    a: &CTensor,
-    w: &CTensor,
-    ids: &CTensor,
-    scales: Option<&CTensor>,
-) -> Result<CTensor> {
+fn gathered_matmul(a: &CTensor, w: &CTensor, ids: &CTensor, experts: Experts) -> Result<CTensor> {
     let ids = checked_expert_ids(ids, w.dim(0)?)?;
-    Ok(matmul::gathered(a, w, &ids, scales)?)
+    Ok(matmul::gathered(a, w, &ids, experts)?)
 }
 
 /// The expert ids `ids` (`[n]` i32) selects from quantized stacked experts `w`, checked.

@@ -26,10 +26,12 @@ const INPUT_NAMES_ATTR: &str = "neff_input_names";
 /// The root tuple's frontend attribute holding the graph outputs' names, comma-separated.
 const OUTPUT_NAMES_ATTR: &str = "neff_output_names";
 /// The frontend attribute of the last instruction of a composite op's inlined lowering (the
-/// mass threshold's bisection): the op's name. The importer reads the run back as that op.
+/// mass threshold's bisection, the int4 dequantization): the op's name. The importer reads the run back as that op.
 const COMPOSITE_ATTR: &str = "deepinfer_composite";
 /// Beside [`COMPOSITE_ATTR`]: the composite's operands, as comma-separated instruction ids.
 const COMPOSITE_OPERANDS_ATTR: &str = "deepinfer_composite_operands";
+/// Beside [`COMPOSITE_ATTR`] on an int4 dequantization: its values per scale.
+const COMPOSITE_GROUP_ATTR: &str = "deepinfer_composite_group";
 /// The frontend attribute of every other instruction of a composite's lowering (the op's name):
 /// the importer skips them.
 const COMPOSITE_PART_ATTR: &str = "deepinfer_composite_part";

@@ -6,9 +6,11 @@
 //! recognised by their shape (see the module docs of [`super`]).
 
 use super::{bad, dims, elem, Importer};
-use crate::backend::hlo::emit::MASS_THRESHOLD;
+use crate::backend::hlo::emit::{DEQUANTIZE_INT4, MASS_THRESHOLD};
 use crate::backend::hlo::proto::HloInstructionProto;
-use crate::backend::hlo::{literal, opcodes, COMPOSITE_ATTR, COMPOSITE_OPERANDS_ATTR};
+use crate::backend::hlo::{
+    literal, opcodes, COMPOSITE_ATTR, COMPOSITE_GROUP_ATTR, COMPOSITE_OPERANDS_ATTR,
+};
 use crate::error::Result;
 use crate::graph::{BinaryOp, Tensor, UnaryOp};
 
@@ -68,13 +70,9 @@ impl<'m> Importer<'m> {
     /// operands its attribute lists (the run's other instructions are skipped; see
     /// `emit::threshold`).
     fn composite(&self, i: &HloInstructionProto, name: &str) -> Result<Tensor> {
-        if name != MASS_THRESHOLD {
-            return Err(bad(format!("{}: unknown composite `{name}`", i.name)));
-        }
-        let ids: Vec<i64> = i
-            .frontend_attributes
-            .as_ref()
-            .and_then(|f| f.map.get(COMPOSITE_OPERANDS_ATTR))
+        let attrs = i.frontend_attributes.as_ref().map(|f| &f.map);
+        let ids: Vec<i64> = attrs
+            .and_then(|a| a.get(COMPOSITE_OPERANDS_ATTR))
             .map(|s| {
                 s.split(',')
                     .map(str::parse)
@@ -83,14 +81,37 @@ impl<'m> Importer<'m> {
             .transpose()
             .map_err(|e| bad(format!("{}: composite operands: {e}", i.name)))?
             .unwrap_or_default();
-        let [x, w, target] = ids[..] else {
-            return Err(bad(format!(
-                "{}: {name} needs 3 operands in {COMPOSITE_OPERANDS_ATTR}, got {ids:?}",
+        let arity = |n: usize| {
+            bad(format!(
+                "{}: {name} needs {n} operands in {COMPOSITE_OPERANDS_ATTR}, got {ids:?}",
                 i.name
-            )));
+            ))
         };
-        self.val(x)?
-            .mass_threshold(&self.val(w)?, &self.val(target)?)
+        match name {
+            MASS_THRESHOLD => {
+                let [x, w, target] = ids[..] else {
+                    return Err(arity(3));
+                };
+                self.val(x)?
+                    .mass_threshold(&self.val(w)?, &self.val(target)?)
+            }
+            DEQUANTIZE_INT4 => {
+                let [codes, scales] = ids[..] else {
+                    return Err(arity(2));
+                };
+                let group = attrs
+                    .and_then(|a| a.get(COMPOSITE_GROUP_ATTR))
+                    .and_then(|g| g.parse::<usize>().ok())
+                    .ok_or_else(|| {
+                        bad(format!(
+                            "{}: {name} without a {COMPOSITE_GROUP_ATTR}",
+                            i.name
+                        ))
+                    })?;
+                self.val(codes)?.dequantize_int4(&self.val(scales)?, group)
+            }
+            _ => Err(bad(format!("{}: unknown composite `{name}`", i.name))),
+        }
     }
 
     /// The graph value of entry instruction `i`, whose operands are converted already.

@@ -1,0 +1,163 @@
+//! [`Op::DequantizeInt4`](crate::graph::Op::DequantizeInt4) as HLO: a mask, a shift and an
+//! interleave, inlined and tagged.
+//!
+//! The codes are widened to u32 (`convert`), each byte's low nibble cut out with an `and` and
+//! its high nibble with a logical shift right: bit operations, exact on any engine (NeuronCore-v2
+//! computes integer *arithmetic* in fp32; neither op is arithmetic, and nothing is multiplied).
+//! The two are interleaved back into value order (a trailing dim of 1 each, `concatenate`, a
+//! `reshape`), converted to f32, unbiased by 8 and multiplied by their group's scale, expanded
+//! from `[.., groups]` with a `broadcast` and cut to the row's length with a `slice`. Every
+//! float operation is exact but the last product, rounded once as the CPU kernel rounds it.
+//!
+//! Like the mass threshold (`threshold.rs`), the run is tagged so the importer (and so nrt-sim)
+//! reads it back as the one op: every instruction with [`COMPOSITE_PART_ATTR`], the last with
+//! [`COMPOSITE_ATTR`], its two operands in [`COMPOSITE_OPERANDS_ATTR`] and the group size in
+//! [`COMPOSITE_GROUP_ATTR`].
+
+use super::{array_shape, Emitter};
+use crate::backend::hlo::proto::hlo_instruction_proto::SliceDimensions;
+use crate::backend::hlo::proto::{FrontendAttributes, PrimitiveType};
+use crate::backend::hlo::{
+    opcodes, COMPOSITE_ATTR, COMPOSITE_GROUP_ATTR, COMPOSITE_OPERANDS_ATTR, COMPOSITE_PART_ATTR,
+};
+use crate::graph::{BinaryOp, DType};
+
+/// The [`COMPOSITE_ATTR`] value of an int4 dequantization.
+pub(crate) const DEQUANTIZE_INT4: &str = "dequantize_int4";
+
+impl Emitter<'_> {
+    /// The f32 values of `codes` (u8 `[.., half]`, `dims`) with `scales` (f32 `[.., groups]`),
+    /// `group` values a scale; returns the instruction holding them.
+    pub(super) fn lower_dequantize_int4(
+        &mut self,
+        codes: i64,
+        scales: i64,
+        dims: &[usize],
+        groups: usize,
+        group: usize,
+    ) -> i64 {
+        let first = self.entry.len();
+        let root = self.unpack_int4(codes, scales, dims, groups, group);
+        let count = self.entry.len() - first;
+        for (k, inst) in self.entry[first..].iter_mut().enumerate() {
+            let map = &mut inst
+                .frontend_attributes
+                .get_or_insert_with(FrontendAttributes::default)
+                .map;
+            if k + 1 == count {
+                map.insert(COMPOSITE_ATTR.into(), DEQUANTIZE_INT4.into());
+                map.insert(COMPOSITE_OPERANDS_ATTR.into(), format!("{codes},{scales}"));
+                map.insert(COMPOSITE_GROUP_ATTR.into(), group.to_string());
+            } else {
+                map.insert(COMPOSITE_PART_ATTR.into(), DEQUANTIZE_INT4.into());
+            }
+        }
+        root
+    }
+
+    fn unpack_int4(
+        &mut self,
+        codes: i64,
+        scales: i64,
+        dims: &[usize],
+        groups: usize,
+        group: usize,
+    ) -> i64 {
+        let (u32_, f32_) = (PrimitiveType::U32, PrimitiveType::F32);
+        let r = dims.len();
+        let half = dims[r - 1];
+        let with_last = |last: &[usize]| {
+            let mut d = dims[..r - 1].to_vec();
+            d.extend_from_slice(last);
+            d
+        };
+        let packed = array_shape(dims, u32_);
+        let splat = |e: &mut Self, dtype: DType, v: f64, shape: &[usize]| {
+            let s = e.scalar(dtype, v);
+            let t = if dtype == DType::F32 { f32_ } else { u32_ };
+            e.push(opcodes::BROADCAST, array_shape(shape, t), &[s], |_| {})
+        };
+        let wide = self.push(opcodes::CONVERT, packed.clone(), &[codes], |_| {});
+        let mask = splat(self, DType::U32, 15.0, dims);
+        let four = splat(self, DType::U32, 4.0, dims);
+        let low = self.push(
+            BinaryOp::BitAnd.hlo_opcode(),
+            packed.clone(),
+            &[wide, mask],
+            |_| {},
+        );
+        let high = self.push(BinaryOp::Shr.hlo_opcode(), packed, &[wide, four], |_| {});
+        let column = array_shape(&with_last(&[half, 1]), u32_);
+        let low = self.push(opcodes::RESHAPE, column.clone(), &[low], |_| {});
+        let high = self.push(opcodes::RESHAPE, column, &[high], |_| {});
+        let pairs = self.push(
+            opcodes::CONCATENATE,
+            array_shape(&with_last(&[half, 2]), u32_),
+            &[low, high],
+            |i| i.dimensions = vec![r as i64],
+        );
+        let values = with_last(&[2 * half]);
+        let interleaved = self.push(
+            opcodes::RESHAPE,
+            array_shape(&values, u32_),
+            &[pairs],
+            |_| {},
+        );
+        let float = self.push(
+            opcodes::CONVERT,
+            array_shape(&values, f32_),
+            &[interleaved],
+            |_| {},
+        );
+        let eight = splat(self, DType::F32, 8.0, &values);
+        let centered = self.push(
+            BinaryOp::Sub.hlo_opcode(),
+            array_shape(&values, f32_),
+            &[float, eight],
+            |_| {},
+        );
+        // Each scale repeated over its group: [.., groups] -> [.., groups, 1] ->
+        // [.., groups, group] -> [.., groups * group], then cut to the row.
+        let one_each = with_last(&[groups, 1]);
+        let column = self.push(
+            opcodes::RESHAPE,
+            array_shape(&one_each, f32_),
+            &[scales],
+            |_| {},
+        );
+        let spread = with_last(&[groups, group]);
+        let repeated = self.broadcast(column, &one_each, &spread, f32_);
+        let flat_len = groups * group;
+        let mut per_value = self.push(
+            opcodes::RESHAPE,
+            array_shape(&with_last(&[flat_len]), f32_),
+            &[repeated],
+            |_| {},
+        );
+        if flat_len != 2 * half {
+            let full = with_last(&[flat_len]);
+            per_value = self.push(
+                opcodes::SLICE,
+                array_shape(&values, f32_),
+                &[per_value],
+                |i| {
+                    i.slice_dimensions = full
+                        .iter()
+                        .enumerate()
+                        .map(|(d, &n)| SliceDimensions {
+                            start: 0,
+                            limit: if d == r - 1 { 2 * half } else { n } as i64,
+                            stride: 1,
+                        })
+                        .collect();
+                },
+            );
+        }
+        self.push(
+            BinaryOp::Mul.hlo_opcode(),
+            array_shape(&values, f32_),
+            &[centered, per_value],
+            |_| {},
+        )
+    }
+}
