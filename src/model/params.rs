@@ -306,7 +306,7 @@ impl ModelWeights {
         })
     }
 
-    /// Parameter `name` as a host tensor, with any made together with it (int8 experts'
+    /// Parameter `name` as a host tensor, with any made together with it (quantized experts'
     /// `_scale`): the held ones, or for streamed weights this rank's shard, read from the
     /// checkpoint now (and not kept).
     pub fn fetch(&self, name: &str) -> Result<Vec<(String, CTensor)>> {
@@ -321,7 +321,7 @@ impl ModelWeights {
             let t = shard_offsets(&st.cfg, st.rank, st.ranks)?;
             return Ok(vec![(name.to_string(), t)]);
         }
-        // int8 experts' scales come with their experts (quantized together).
+        // Quantized experts' scales come with their experts (quantized together).
         let param = name.strip_suffix("_scale").unwrap_or(name);
         if self.specs.shape(param).is_none() {
             return Err(missing());
@@ -504,8 +504,9 @@ fn checkpoint_tensors(
 
 /// Reads rank `rank`'s shard of parameter `name` (of the whole model's `specs`) from the
 /// checkpoint, prepared as `specs` says: converted, sharded as [`shard::split_of`] says (a
-/// stacked expert tensor reads only the rank's experts), int8 experts quantized (returned with
-/// their `_scale`). Scales alone return nothing: they come with their experts.
+/// stacked expert tensor reads only the rank's experts), routed experts quantized when
+/// `--quantize` says so (returned with their `_scale`). Scales alone return nothing: they come
+/// with their experts.
 fn read_param(
     cfg: &ModelConfig,
     ckpt: &Checkpoint,

@@ -165,7 +165,8 @@ pub struct PrecisionChoice {
 impl PrecisionChoice {
     /// The dtypes to serve a model of `cfg`, saved in `saved` (the checkpoint's float dtype,
     /// `None` if unknown), in. Fails on a dtype weights cannot be held in and on
-    /// `--quantize experts-int8` for a model without routed experts.
+    /// `--quantize experts-int8|experts-int4` for a model without routed experts (and int4 with
+    /// an odd expert width).
     pub fn resolve(&self, saved: Option<DType>, cfg: &ModelConfig) -> Result<Precision> {
         let weights = match self.dtype {
             DTypeChoice::Exactly(d) => d,

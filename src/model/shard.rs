@@ -18,11 +18,11 @@
 //!   intermediate dimension, `down_proj` the matching columns; one all-reduce completes the
 //!   block (shared with the routed experts' in MoE layers).
 //! - **Routed experts, expert-parallel.** Each rank owns `experts / ranks` whole experts (the
-//!   stacked `[experts, ..]` tensors and their int8 scales split on the expert axis). Routing is
-//!   computed on every rank from the replicated (f32) router, so no collective carries token
-//!   assignments; a rank evaluates only its experts and contributes zero for the others. Splitting
-//!   inside each expert instead would make every rank read a slice of every selected expert:
-//!   the same bytes, but `ranks` times more, smaller matmuls.
+//!   stacked `[experts, ..]` tensors and their int8 or int4 scales split on the expert axis).
+//!   Routing is computed on every rank from the replicated (f32) router, so no collective
+//!   carries token assignments; a rank evaluates only its experts and contributes zero for the
+//!   others. Splitting inside each expert instead would make every rank read a slice of every
+//!   selected expert: the same bytes, but `ranks` times more, smaller matmuls.
 //! - **Embedding and LM head, by vocabulary.** A rank holds `vocab / ranks` rows: the
 //!   embedding looks up the ids in its range and an all-reduce fills the others; the LM head's
 //!   logits are all-gathered before sampling.
