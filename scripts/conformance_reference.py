@@ -4,15 +4,17 @@ checks it before it is written. Used by scripts/make_conformance.py (which defin
 scripts/xla_conformance.py (which decodes and compares them). Nothing here imports deepinfer.
 
 Floats are evaluated in float64 and rounded to float32 only at the end (the best value a float32
-implementation could return); integers use the exact 32-bit semantics XLA documents (wrapping
-arithmetic, truncating division, x / 0 = -1 (signed) or all ones (unsigned), x % 0 = x, shifts by
-32 or more give 0).
+implementation could return), except `dequantize_int4`, which the graph defines as float32
+arithmetic (see `dequantize_int4`); integers use the exact 32-bit semantics XLA documents
+(wrapping arithmetic, truncating division, x / 0 = -1 (signed) or all ones (unsigned), x % 0 = x,
+shifts by 32 or more give 0).
 
 The reduced-precision dtypes (bf16, f16, f8e4m3fn, from ml_dtypes, and i8) are held in their own
-numpy types. An arithmetic op on them (a reduction) is evaluated in float64 on the widened values
-and rounded once to the op's dtype, since its result is a value of that dtype; the check
-evaluation computes it in the dtype itself (ml_dtypes rounds every step), the way an HLO `reduce`
-whose combiner adds two bf16 values may.
+numpy types, and so are u8 values (the int4 experts' packed codes, numpy uint8). An arithmetic op
+on the narrow floats (a reduction) is evaluated in float64 on the widened values and rounded once
+to the op's dtype, since its result is a value of that dtype; the check evaluation computes it in
+the dtype itself (ml_dtypes rounds every step), the way an HLO `reduce` whose combiner adds two
+bf16 values may.
 """
 
 import zlib
@@ -22,6 +24,7 @@ import numpy as np
 
 F32, I32, U32, BOOL = "f32", "i32", "u32", "bool"
 BF16, F16, F8, I8 = "bf16", "f16", "f8e4m3fn", "i8"
+U8 = "u8"
 NP_DTYPE = {
     F32: np.float32,
     I32: np.int32,
@@ -31,11 +34,12 @@ NP_DTYPE = {
     F16: np.float16,
     F8: ml_dtypes.float8_e4m3fn,
     I8: np.int8,
+    U8: np.uint8,
 }
 # Float dtypes narrower than f32; every value of them is exactly a float32.
 REDUCED = (BF16, F16, F8)
 FLOATS = (F32,) + REDUCED
-INTS = {I32: (-(2**31), 2**31 - 1), U32: (0, 2**32 - 1), I8: (-128, 127)}
+INTS = {I32: (-(2**31), 2**31 - 1), U32: (0, 2**32 - 1), I8: (-128, 127), U8: (0, 255)}
 I32_MIN, I32_MAX, U32_MAX = -(2**31), 2**31 - 1, 2**32 - 1
 NAN, INF = float("nan"), float("inf")
 
@@ -85,7 +89,7 @@ def dtype_of(arr):
         return U32
     if dt in (np.float32, np.float64):
         return F32
-    for name in (BF16, F16, F8, I8):
+    for name in (BF16, F16, F8, I8, U8):
         if dt == NP_DTYPE[name]:
             return name
     raise TypeError(f"no graph dtype for {dt}")
@@ -255,6 +259,29 @@ def mass_threshold(x, w, target):
     return np.array(out, dtype=x.dtype)
 
 
+def dequantize_int4(codes, scales, group, ftype):
+    """4-bit codes two a byte (u8 `[.., half]`: value 2j in byte j's low nibble, `b & 15`, value
+    2j + 1 in its high nibble, `b >> 4`), biased by 8, times the scale of their group of `group`
+    values (f32 `[.., ceil(2 half / group)]`): f32 `[.., 2 half]`.
+
+    Computed in float32 in both evaluations, not in float64 rounded once: the op is defined as
+    float32 arithmetic, `(code - 8) * scale` with the subtraction exact and the product rounded
+    once to float32, which is what the CPU kernel and the HLO lowering compute. (Here the two
+    would agree anyway: a 4-bit integer times a 24-bit significand is exact in float64, so its
+    rounding to float32 is the float32 product; the reference follows the definition.) The
+    scales are float32 values (a graph f32), so their conversion from the float64 evaluation is
+    exact."""
+    half = codes.shape[-1]
+    n = 2 * half
+    assert codes.dtype == np.uint8 and group > 0, (codes.dtype, group)
+    assert scales.shape == codes.shape[:-1] + (-(-n // group),), (codes.shape, scales.shape, group)
+    low = (codes & 15).astype(np.int32) - 8
+    high = (codes >> 4).astype(np.int32) - 8
+    values = np.stack([low, high], axis=-1).reshape(codes.shape[:-1] + (n,)).astype(np.float32)
+    per_value = np.repeat(scales.astype(np.float32), group, axis=-1)[..., :n]
+    return (values * per_value).astype(np.float32).astype(ftype)
+
+
 def evaluate(case, ftype):
     """Runs a case's program with numpy, floats in `ftype`. Returns {output name: array}."""
     env = {}
@@ -349,6 +376,8 @@ def run_op(st, args, ftype):
         return topk(x, st["k"])
     if op == "mass_threshold":
         return mass_threshold(x, args[1], args[2])
+    if op == "dequantize_int4":
+        return dequantize_int4(x, args[1], st["group"], ftype)
     if op == "index_select":
         return np.take(x, args[1], axis=st["dim"])
     if op == "gather":

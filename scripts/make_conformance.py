@@ -15,9 +15,10 @@ imports or runs deepinfer.
 The cases of single ops are defined below, the blocks in conformance_blocks.py, and the reference
 in conformance_reference.py: `evaluate` interprets a program with numpy, op by op. Floats are
 evaluated in float64 and rounded to float32 only at the end (the best value an f32 implementation
-could return); an op on bf16, f16 or f8e4m3fn values is rounded once to its dtype; integers use
-the exact 32-bit semantics XLA documents (wrapping arithmetic, truncating division, x / 0 = -1
-(signed) or all ones (unsigned), x % 0 = x, shifts by 32 or more give 0). Each case is also
+could return), except dequantize_int4, which the graph defines as float32 arithmetic; an op on
+bf16, f16 or f8e4m3fn values is rounded once to its dtype; integers use the exact 32-bit
+semantics XLA documents (wrapping arithmetic, truncating division, x / 0 = -1 (signed) or all
+ones (unsigned), x % 0 = x, shifts by 32 or more give 0). Each case is also
 evaluated entirely in float32 (narrow float types in their own type) and must pass its own
 comparison rule against the reference: a tolerance is never tighter than an honest float32
 implementation needs, and integer or bool results that depend on float rounding (a near tie in
@@ -61,6 +62,7 @@ from conformance_reference import (
     NAN,
     NP_DTYPE,
     U32,
+    U8,
     U32_MAX,
     U_EDGES,
     Case,
@@ -982,6 +984,96 @@ def mass_threshold_cases():
     return cases
 
 
+def dequantize_int4_cases():
+    """The int4 experts' unpacking (`--quantize experts-int4`): u8 codes, two a byte (the even
+    value in the low nibble), biased by 8, times one f32 scale per `group` values of a row. Each
+    value is `(code - 8) * scale`, one float32 product of an exact integer and the scale: a
+    correctly rounded result, so every output is compared exactly."""
+    fam = "dequantize_int4"
+    cases = []
+
+    def codes(rng, shape):
+        return rng.integers(0, 256, size=shape).astype(NP_DTYPE[U8])
+
+    def every_nibble(rng):
+        """16 bytes whose low nibbles are 0..15 and whose high nibbles are 0..15, each in a
+        random order: every code in both positions of a byte."""
+        return (rng.permutation(16) | (rng.permutation(16) << 4)).astype(NP_DTYPE[U8])
+
+    c = Case(fam, "dequantize_int4_ragged_groups", "rows of 300 values (150 bytes) in groups of 128: two whole groups and a ragged last one of 44 values; each (row, group) holds every code 0..15 in both the low and the high nibble; scales 0, -0, negative, 1e30 and 1e-30 (products stay normal and finite) and random ones")
+    q = codes(c.rng, (4, 150))
+    for r in range(4):
+        for start in (0, 64, 128):  # the first byte of each group (64 bytes a group)
+            q[r, start : start + 16] = every_nibble(c.rng)
+    s = np.array([[0.0, -0.75, 1e30], [1e-30, 0.0625, -3.0], [-1e-30, -1e30, -0.0]], dtype=np.float32)
+    s = np.concatenate([s, floats(c.rng, (1, 3), -1, 1)])
+    c.input("codes", q)
+    c.input("scales", s)
+    c.output(c.op("dequantize_int4", "codes", "scales", group=128), "w", **EXACT)
+    cases.append(c)
+
+    c = Case(fam, "dequantize_int4_fixture_shape", "stacked experts' codes [2, 3, 64] (128 values a row) in groups of 128, one scale a row ([2, 3, 1]): the default model's expert shape")
+    c.input("codes", codes(c.rng, (2, 3, 64)), role="weight")
+    c.input("scales", floats(c.rng, (2, 3, 1), 0.001, 0.05), role="weight")
+    c.output(c.op("dequantize_int4", "codes", "scales", group=128), "w", **EXACT)
+    cases.append(c)
+
+    c = Case(fam, "dequantize_int4_selected_experts", "the gathered experts: index_select of the u8 codes and of their scales by the same expert ids (repeated, out of order), then dequantize_int4 of the selected ones")
+    c.input("codes", codes(c.rng, (4, 3, 64)), role="weight")
+    c.input("scales", floats(c.rng, (4, 3, 1), -0.05, 0.05), role="weight")
+    c.input("ids", np.array([2, 0, 2, 3], dtype=np.int32))
+    sel = c.op("index_select", "codes", "ids", dim=0)
+    c.output(sel, "selected")
+    c.output(c.op("dequantize_int4", sel, c.op("index_select", "scales", "ids", dim=0), group=128), "w", **EXACT)
+    cases.append(c)
+
+    for name, doc, shape, group in (
+        ("dequantize_int4_group5", "an odd group (5, legal for the op): groups start in the middle of a byte, so a byte's two values take different scales; 14 values a row make groups of 5, 5 and 4", (3, 7), 5),
+        ("dequantize_int4_group6", "an even group that is not a power of two (3 bytes a group), 16 values a row in groups of 6, 6 and 4", (2, 8), 6),
+        ("dequantize_int4_group1_rank1", "rank 1, a group of one value: one scale per value, the two values of a byte with different scales", (8,), 1),
+        ("dequantize_int4_group_wider_than_row", "a group (128) wider than the row (10 values): one ragged group a row", (2, 5), 128),
+    ):
+        c = Case(fam, name, doc)
+        q = codes(c.rng, shape)
+        groups = -(-2 * shape[-1] // group)
+        c.input("codes", q)
+        c.input("scales", floats(c.rng, shape[:-1] + (groups,), -2, 2))
+        c.output(c.op("dequantize_int4", "codes", "scales", group=group), "w", **EXACT)
+        cases.append(c)
+
+    c = Case(fam, "dequantize_int4_no_rows", "zero rows: [0, 4] codes and [0, 1] scales give a [0, 8] value")
+    c.input("codes", np.zeros((0, 4), dtype=np.uint8))
+    c.input("scales", np.zeros((0, 1), dtype=np.float32))
+    c.output(c.op("dequantize_int4", "codes", "scales", group=8), "w", **EXACT)
+    cases.append(c)
+
+    # The two expert strategies' matmuls of dequantized experts (x @ w^T, the form the CPU
+    # backend fuses into its expert matmul kernel: the gathered one with the selection, the dense
+    # one without). 256-term dots of x in [-1, 1] and weights |(code - 8) * scale| <= 8 / 64:
+    # every partial sum is at most 32 in magnitude, and atol 1e-4 (26 float32 ulps of 32) with
+    # rtol 1e-5 covers the summation order of any float32 implementation; a wrong nibble, group
+    # or scale moves a value by a whole weight times x, far more.
+    MM4 = {"atol": 1e-4, "rtol": 1e-5}
+    c = Case(fam, "dequantize_int4_gathered_matmul", "the gathered experts' matmul: per (token, slot), x [1, 256] times the transposed dequantized expert its id selects (codes [3, 5, 128] and scales [3, 5, 2] selected by repeated ids), groups of 128")
+    c.input("x", floats(c.rng, (4, 1, 256), -1, 1))
+    c.input("codes", codes(c.rng, (3, 5, 128)), role="weight")
+    c.input("scales", floats(c.rng, (3, 5, 2), 1 / 128, 1 / 64), role="weight")
+    c.input("ids", np.array([1, 1, 0, 2], dtype=np.int32))
+    w = c.op("dequantize_int4", c.op("index_select", "codes", "ids", dim=0), c.op("index_select", "scales", "ids", dim=0), group=128)
+    c.output(c.op("matmul", "x", c.op("permute", w, perm=[0, 2, 1])), "y", **MM4)
+    cases.append(c)
+
+    c = Case(fam, "dequantize_int4_dense_matmul", "the dense experts' matmul: the tokens x [3, 256] broadcast to every expert, times each transposed dequantized expert (codes [3, 5, 128], scales [3, 5, 2]), groups of 128")
+    c.input("x", floats(c.rng, (3, 256), -1, 1))
+    c.input("codes", codes(c.rng, (3, 5, 128)), role="weight")
+    c.input("scales", floats(c.rng, (3, 5, 2), 1 / 128, 1 / 64), role="weight")
+    w = c.op("dequantize_int4", "codes", "scales", group=128)
+    xs = c.op("broadcast", "x", shape=[3, 3, 256])
+    c.output(c.op("matmul", xs, c.op("permute", w, perm=[0, 2, 1])), "y", **MM4)
+    cases.append(c)
+    return cases
+
+
 FAMILIES = {
     "unary": unary_cases,
     "binary": binary_cases,
@@ -998,6 +1090,7 @@ FAMILIES = {
     "scatter": scatter_cases,
     "topk": topk_cases,
     "mass_threshold": mass_threshold_cases,
+    "dequantize_int4": dequantize_int4_cases,
     "blocks": block_cases,
 }
 

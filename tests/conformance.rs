@@ -44,6 +44,7 @@ const FAMILIES: &[&str] = &[
     "scatter",
     "topk",
     "mass_threshold",
+    "dequantize_int4",
     "blocks",
 ];
 

@@ -82,6 +82,7 @@ pub struct Stmt {
     pub len: Option<usize>,
     pub k: Option<usize>,
     pub col: Option<usize>,
+    pub group: Option<usize>,
     pub data: Option<Vec<Json>>,
 }
 
@@ -131,6 +132,7 @@ pub enum Data {
     I32(Vec<i32>),
     U32(Vec<u32>),
     I8(Vec<i8>),
+    U8(Vec<u8>),
     Bool(Vec<bool>),
 }
 
@@ -152,6 +154,7 @@ pub fn dtype(name: &str) -> Result<DType, String> {
         "i32" => DType::I32,
         "u32" => DType::U32,
         "i8" => DType::I8,
+        "u8" => DType::U8,
         "bool" => DType::Bool,
         other => return Err(format!("unknown dtype `{other}`")),
     })
@@ -228,6 +231,12 @@ impl Array {
                     .map(|v| int(v).and_then(|i| i8::try_from(i).map_err(|e| e.to_string())))
                     .collect::<Result<_, _>>()?,
             ),
+            DType::U8 => Data::U8(
+                values
+                    .iter()
+                    .map(|v| int(v).and_then(|i| u8::try_from(i).map_err(|e| e.to_string())))
+                    .collect::<Result<_, _>>()?,
+            ),
             DType::I32 => Data::I32(
                 values
                     .iter()
@@ -264,6 +273,7 @@ impl Array {
             Data::I32(_) => DType::I32,
             Data::U32(_) => DType::U32,
             Data::I8(_) => DType::I8,
+            Data::U8(_) => DType::U8,
             Data::Bool(_) => DType::Bool,
         }
     }
@@ -276,7 +286,7 @@ impl Array {
             Data::BF16(v) => Some(v.iter().map(|x| x.to_f32()).collect()),
             Data::F16(v) => Some(v.iter().map(|x| x.to_f32()).collect()),
             Data::F8E4M3(v) => Some(v.iter().map(|x| x.to_f32()).collect()),
-            Data::I32(_) | Data::U32(_) | Data::I8(_) | Data::Bool(_) => None,
+            Data::I32(_) | Data::U32(_) | Data::I8(_) | Data::U8(_) | Data::Bool(_) => None,
         }
     }
 
@@ -289,12 +299,13 @@ impl Array {
             Data::I32(v) => v.len(),
             Data::U32(v) => v.len(),
             Data::I8(v) => v.len(),
+            Data::U8(v) => v.len(),
             Data::Bool(v) => v.len(),
         }
     }
 
     /// A fresh candle tensor holding the array in the candle dtype the CPU backend uses for its
-    /// graph dtype (bools and i8 as one byte each: candle has no i8).
+    /// graph dtype (bools, i8 and u8 as one byte each: candle has no i8).
     pub fn to_candle(&self) -> Result<CTensor, String> {
         let dev = &Device::Cpu;
         let shape = self.shape.as_slice();
@@ -305,6 +316,7 @@ impl Array {
             Data::F8E4M3(v) => CTensor::from_slice(v, shape, dev),
             Data::I32(v) => CTensor::from_slice(v, shape, dev),
             Data::U32(v) => CTensor::from_slice(v, shape, dev),
+            Data::U8(v) => CTensor::from_slice(v, shape, dev),
             Data::I8(_) => {
                 return tensor_from_bytes(DType::I8, shape, &self.to_le_bytes())
                     .map_err(|e| format!("cannot build an i8 tensor: {e}"))
@@ -342,6 +354,7 @@ impl Array {
                     .map(|b| b as i8)
                     .collect(),
             ),
+            DType::U8 => Data::U8(flat.to_vec1().map_err(err)?),
             DType::Bool => Data::Bool(bools(&flat.to_vec1::<u8>().map_err(err)?)?),
             other => return Err(format!("no case encoding for {other}")),
         };
@@ -361,6 +374,7 @@ impl Array {
             Data::I32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             Data::U32(v) => v.iter().flat_map(|x| x.to_le_bytes()).collect(),
             Data::I8(v) => v.iter().map(|&x| x as u8).collect(),
+            Data::U8(v) => v.clone(),
             Data::Bool(v) => v.iter().map(|&b| u8::from(b)).collect(),
         }
     }
@@ -381,6 +395,7 @@ impl Array {
             DType::I32 => Data::I32(words().map(i32::from_le_bytes).collect()),
             DType::U32 => Data::U32(words().map(u32::from_le_bytes).collect()),
             DType::I8 => Data::I8(bytes.iter().map(|&b| b as i8).collect()),
+            DType::U8 => Data::U8(bytes.to_vec()),
             DType::Bool => Data::Bool(bools(bytes)?),
             other => return Err(format!("no case encoding for {other}")),
         };
@@ -452,6 +467,7 @@ fn apply(b: &GraphBuilder, st: &Stmt, args: &[Tensor]) -> Result<Tensor, String>
                 Data::I32(v) => Literal::I32(v),
                 Data::U32(v) => Literal::U32(v),
                 Data::I8(v) => Literal::I8(v),
+                Data::U8(_) => return Err("there are no u8 literals".into()),
                 Data::Bool(_) => return Err("there are no bool literals".into()),
             };
             b.constant(lit, shape)
@@ -567,6 +583,10 @@ fn apply(b: &GraphBuilder, st: &Stmt, args: &[Tensor]) -> Result<Tensor, String>
         "mass_threshold" => {
             arity(3)?;
             args[0].mass_threshold(&args[1], &args[2])
+        }
+        "dequantize_int4" => {
+            arity(2)?;
+            args[0].dequantize_int4(&args[1], need(&st.group, op, "group")?)
         }
         "index_select" => {
             arity(2)?;
@@ -719,6 +739,7 @@ pub fn compare(got: &Array, want: &Array, spec: &OutputSpec) -> Result<(), Strin
             (Data::I32(g), Data::I32(w)) => exact(g, w, &mut bad),
             (Data::U32(g), Data::U32(w)) => exact(g, w, &mut bad),
             (Data::I8(g), Data::I8(w)) => exact(g, w, &mut bad),
+            (Data::U8(g), Data::U8(w)) => exact(g, w, &mut bad),
             (Data::Bool(g), Data::Bool(w)) => exact(g, w, &mut bad),
             _ => return Err(format!("`{}`: dtypes differ", spec.name)),
         }
