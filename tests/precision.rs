@@ -196,10 +196,13 @@ const INT4_EXPERTS: Precision = Precision {
 /// int4 experts (`--quantize experts-int4`: codes two a byte, one scale per 128 inputs of an
 /// output channel, dequantized in the graph with a mask and a shift) against transformers on
 /// weights put through the same round trip in Python (`scripts/make_precision_references.py`,
-/// `int4_round_trip`).
+/// `int4_round_trip`). Not tiny-v32: on its int4 weights the continuation reaches a position
+/// where its indexer's 6th and 7th scores are both exactly 0 (only 5 keys score above 0), so
+/// which token attention keeps, and the greedy tokens after it, are a tie's toss
+/// (`INT4_SKIPPED` in the script says so and checks that the tie is still there).
 #[test]
 fn int4_experts_match_transformers_on_the_dequantized_weights() {
-    for name in FIXTURES {
+    for name in FIXTURES.iter().filter(|&&n| n != "tiny-v32") {
         let r: Reference = reference_file(name, "reference-int4-experts.json");
         for moe in [MoeStrategy::Gather, MoeStrategy::Dense] {
             let mut run = runner_in(name, 1, Some(moe), INT4_EXPERTS);
