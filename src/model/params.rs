@@ -180,11 +180,8 @@ impl WeightSpecs {
         {
             DType::F32
         } else if stacked_expert(name).is_some() {
-            match self.precision.quantize {
-                Quantize::ExpertsInt8 => DType::I8,
-                Quantize::ExpertsInt4 => DType::U8,
-                _ => self.precision.weights,
-            }
+            QuantizedExperts::under(self.precision.quantize)
+                .map_or(self.precision.weights, QuantizedExperts::dtype)
         } else {
             self.precision.weights
         }
@@ -601,12 +598,27 @@ enum QuantizedExperts {
 }
 
 impl QuantizedExperts {
+    /// The format `--quantize` holds routed experts in (`None`: the weights' dtype).
+    fn under(quantize: Quantize) -> Option<Self> {
+        match quantize {
+            Quantize::ExpertsInt8 => Some(QuantizedExperts::Int8),
+            Quantize::ExpertsInt4 => Some(QuantizedExperts::Int4),
+            _ => None,
+        }
+    }
+
     /// The format codes of stored dtype `dtype` are in (`None`: not quantized).
     fn of(dtype: DType) -> Option<Self> {
-        match dtype {
-            DType::I8 => Some(QuantizedExperts::Int8),
-            DType::U8 => Some(QuantizedExperts::Int4),
-            _ => None,
+        [QuantizedExperts::Int8, QuantizedExperts::Int4]
+            .into_iter()
+            .find(|q| q.dtype() == dtype)
+    }
+
+    /// The stored dtype of the codes.
+    fn dtype(self) -> DType {
+        match self {
+            QuantizedExperts::Int8 => DType::I8,
+            QuantizedExperts::Int4 => DType::U8,
         }
     }
 
@@ -638,13 +650,13 @@ fn expert_storage(
     out: usize,
     inputs: usize,
 ) -> (Vec<usize>, Option<Vec<usize>>) {
-    let quantized = match quantize {
-        Quantize::ExpertsInt8 => QuantizedExperts::Int8,
-        Quantize::ExpertsInt4 => QuantizedExperts::Int4,
-        _ => return (vec![experts, out, inputs], None),
-    };
-    let (stored, scale) = quantized.shapes(experts, out, inputs);
-    (stored, Some(scale))
+    match QuantizedExperts::under(quantize) {
+        Some(q) => {
+            let (stored, scale) = q.shapes(experts, out, inputs);
+            (stored, Some(scale))
+        }
+        None => (vec![experts, out, inputs], None),
+    }
 }
 
 /// The shape of the values a parameter stored as `stored` in `dtype` holds: int4 codes pack

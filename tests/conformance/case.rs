@@ -255,7 +255,6 @@ impl Array {
                     .map(|v| v.as_bool().ok_or_else(|| format!("{v} is not a bool")))
                     .collect::<Result<_, _>>()?,
             ),
-            other => return Err(format!("no case encoding for {other}")),
         };
         Ok(Array {
             shape: shape.to_vec(),
@@ -356,7 +355,6 @@ impl Array {
             ),
             DType::U8 => Data::U8(flat.to_vec1().map_err(err)?),
             DType::Bool => Data::Bool(bools(&flat.to_vec1::<u8>().map_err(err)?)?),
-            other => return Err(format!("no case encoding for {other}")),
         };
         Ok(Array {
             shape: t.dims().to_vec(),
@@ -397,7 +395,6 @@ impl Array {
             DType::I8 => Data::I8(bytes.iter().map(|&b| b as i8).collect()),
             DType::U8 => Data::U8(bytes.to_vec()),
             DType::Bool => Data::Bool(bools(bytes)?),
-            other => return Err(format!("no case encoding for {other}")),
         };
         Ok(Array {
             shape: shape.to_vec(),

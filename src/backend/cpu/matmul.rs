@@ -986,16 +986,41 @@ mod tests {
             .map(|(i, &b)| f32::from(b as i8) * scales[i / k])
             .collect();
         let deq = Tensor::from_vec(deq, (e, out, k), dev).unwrap();
-        let cases = [
+        let mut cases = vec![
             (
                 w.to_dtype(DType::BF16).unwrap(),
-                None,
+                Experts::Float,
                 w.to_dtype(DType::BF16).unwrap(),
             ),
-            (q8, Some(&s), deq),
+            (q8, Experts::Int8(&s), deq),
         ];
-        for (weights, scales, dense) in cases {
-            let got = gathered(&a, &weights, &ids, scales).unwrap();
+        // int4: two codes a byte (low nibble first, stored +8), one scale per `group` inputs;
+        // a group of 8 leaves a ragged last group when k = 36.
+        let group = 8;
+        let groups = k.div_ceil(group);
+        let nibbles: Vec<u8> = (0..e * out * k).map(|i| (i * 7 % 16) as u8).collect();
+        let packed: Vec<u8> = nibbles.chunks(2).map(|p| p[0] | p[1] << 4).collect();
+        let s4: Vec<f32> = (0..e * out * groups)
+            .map(|i| 0.02 + i as f32 * 1e-3)
+            .collect();
+        let deq4: Vec<f32> = nibbles
+            .iter()
+            .enumerate()
+            .map(|(i, &c)| {
+                let (row, col) = (i / k, i % k);
+                (i32::from(c) - 8) as f32 * s4[row * groups + col / group]
+            })
+            .collect();
+        let s4 = Tensor::from_vec(s4, (e, out, groups), dev).unwrap();
+        if k.is_multiple_of(2) {
+            cases.push((
+                Tensor::from_vec(packed, (e, out, k / 2), dev).unwrap(),
+                Experts::Int4(&s4, group),
+                Tensor::from_vec(deq4, (e, out, k), dev).unwrap(),
+            ));
+        }
+        for (weights, experts, dense) in cases {
+            let got = gathered(&a, &weights, &ids, experts).unwrap();
             let dense = dense.to_dtype(DType::F64).unwrap();
             for (i, &ei) in ids.iter().enumerate() {
                 let want = a
