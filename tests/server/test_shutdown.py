@@ -68,7 +68,10 @@ def test_sigterm_while_idle_exits_zero_at_once(server_factory):
 
 
 def test_a_new_generation_request_while_draining_gets_503(server_factory):
-    srv = server_factory()
+    # The stream in flight must end normally during the drain: give it far more than the 800
+    # tokens take (about 2 s idle) so a machine busy with other work cannot end it at the
+    # default 30 s (a loaded CI rehearsal did once).
+    srv = server_factory("--drain-timeout-secs", "300")
     body = {"model": MODEL_NAME, "prompt": "ROMEO:", "max_tokens": 800, "temperature": 0,
             "stream": True, "ignore_eos": True}
     with httpx.Client(base_url=srv.base_url, timeout=60) as c:

@@ -15,7 +15,7 @@
 //! transposed view of its `[n, k]` rows (`k` contiguous); a slice of `kv_b_proj` arrives with
 //! `n` contiguous; both are read in their own order, never copied whole.
 
-use super::packed::{dots, Packed, SplitRows};
+use super::packed::{dots, panel_dots, Packed, Panels, SplitRows, PANEL};
 use super::pool::{for_each_chunk, parallel_map};
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, CustomOp3, Layout, Shape};
 use pulp::{Arch, Simd, WithSimd};
@@ -29,6 +29,11 @@ const TILE: usize = 32;
 /// there against 18-19 through the GEMM (benches/README.md); prefill chunks (64 tokens by
 /// default) keep the GEMM.
 pub(crate) const GEMM_ROWS: usize = 64;
+
+/// Left rows from which the packed dot takes them in panels ([`Panels`]); fewer go in the split
+/// layout, where a row takes an eighth of a panel's room in L1 (a panel holds eight rows, zeros
+/// included), which made the gathered experts slower with one or two rows an expert.
+const PANEL_MIN_ROWS: usize = 4;
 
 /// An element the kernel can widen to f32 (and, where [`Packed`] says so, read in place).
 trait Widen: Packed + Send + Sync {
@@ -242,6 +247,8 @@ fn simd_dot<S: Simd>(simd: S, x: &[f32], y: &[f32]) -> f32 {
 struct Columns<'a, T> {
     a: &'a [f32],
     split: Option<&'a SplitRows>,
+    /// The left rows of each batch entry in panels, for the packed dot of many rows.
+    panels: Option<&'a [Panels]>,
     b: &'a [T],
     bop: &'a Operand<'a>,
     scales: Option<&'a [f32]>,
@@ -263,6 +270,15 @@ impl<T: Widen> WithSimd for Columns<'_, T> {
             let (bi, j) = (g / n, g % n);
             let at = self.bop.batch_offset(bi) + j * sn;
             let scale = self.scales.map(|s| s[bi * n + j]);
+            if let Some(panels) = self.panels {
+                let lanes = column_lanes(self.b, (at, k, sk), &mut self.scratch.lanes);
+                let (panels, s) = (&panels[bi], scale.unwrap_or(1.0));
+                for (p, o) in o.chunks_mut(PANEL).enumerate() {
+                    let got = panel_dots::<S, T>(simd, lanes, panels, p, o.len());
+                    o.iter_mut().zip(got).for_each(|(o, v)| *o = v * s);
+                }
+                continue;
+            }
             column_dots(
                 simd,
                 (self.b, (at, k, sk), scale),
@@ -342,6 +358,8 @@ impl<T: Widen> WithSimd for RowTile<'_, T> {
 struct ExpertTask<'a, T> {
     a: &'a [f32],
     split: Option<&'a SplitRows>,
+    /// This expert's left rows in panels, when it has [`PANEL_MIN_ROWS`] or more.
+    panels: Option<&'a Panels>,
     w: &'a [T],
     scales: Option<&'a [f32]>,
     rows: &'a [usize],
@@ -363,6 +381,19 @@ impl<T: Widen> WithSimd for ExpertTask<'_, T> {
         let mut scratch = Scratch::default();
         for jj in 0..tn {
             let j = self.e * self.out_n + self.j0 + jj;
+            if let Some(panels) = self.panels {
+                let lanes = column_lanes(self.w, (j * k, k, 1), &mut scratch.lanes);
+                let s = self.scales.map_or(1.0, |s| s[j]);
+                let left = self.rows.len() * m;
+                for p in 0..left.div_ceil(PANEL) {
+                    let live = PANEL.min(left - p * PANEL);
+                    let got = panel_dots::<S, T>(simd, lanes, panels, p, live);
+                    for (r, v) in got.into_iter().enumerate().take(live) {
+                        res[(p * PANEL + r) * tn + jj] = v * s;
+                    }
+                }
+                continue;
+            }
             let left = self
                 .rows
                 .iter()
@@ -510,11 +541,26 @@ pub(crate) fn gathered(
         (m, k, out_n): (usize, usize, usize),
     ) -> candle_core::Result<Vec<Vec<f32>>> {
         let split = split_rows::<T>(a, k);
+        // An expert chosen by several rows multiplies them in panels (its rows gathered).
+        let panels: Vec<Option<Panels>> = groups
+            .iter()
+            .map(|(_, rows)| {
+                (split.is_some() && rows.len() * m >= PANEL_MIN_ROWS).then(|| {
+                    let left: Vec<f32> = rows
+                        .iter()
+                        .flat_map(|&r| &a[r * m * k..(r + 1) * m * k])
+                        .copied()
+                        .collect();
+                    Panels::new(&left, k, T::PER_LANE)
+                })
+            })
+            .collect();
         parallel_map(tasks.len(), |t| {
             let (g, j0) = tasks[t];
             arch.dispatch(ExpertTask {
                 a,
                 split: split.as_ref(),
+                panels: panels[g].as_ref(),
                 w,
                 scales,
                 rows: &groups[g].1,
@@ -665,7 +711,13 @@ fn run<T: Widen>(
     // contiguous slice; transposed back below (a no-op for one left row).
     let mut cols = vec![0f32; batch * n * m];
     let arch = Arch::new();
-    let split = split_rows::<T>(a, k);
+    // Several left rows go in panels, one in the split layout (or none: the widening loop).
+    let mut split = split_rows::<T>(a, k);
+    let panels: Option<Vec<Panels>> = split.take_if(|_| m >= PANEL_MIN_ROWS).map(|_| {
+        a.chunks_exact(m * k)
+            .map(|rows| Panels::new(rows, k, T::PER_LANE))
+            .collect()
+    });
     for_each_chunk(
         &mut cols,
         TILE * m.max(1),
@@ -674,6 +726,7 @@ fn run<T: Widen>(
             arch.dispatch(Columns {
                 a,
                 split: split.as_ref(),
+                panels: panels.as_deref(),
                 b,
                 bop,
                 scales,
@@ -825,11 +878,14 @@ mod tests {
     #[test]
     fn matches_f64_reference_on_every_layout() {
         let dev = &Device::Cpu;
-        // k = 70 and 96: the packed dot (1 row; 9 rows: a block of 8, or 4 + 4, and 1); odd k (33,
-        // 19): the widening loop; m = 70 >= GEMM_ROWS: the GEMM.
+        // k = 70, 96 and 200: the packed dot (1 and 3 rows: the split layout; 9 and 17 rows:
+        // panels of 8, the last one partial; vector tails at k = 70 and 200); odd k (33, 19):
+        // the widening loop; m = 70 >= GEMM_ROWS: the GEMM.
         let shapes = [
             (1, 1, 70, 45),
             (2, 9, 96, 37),
+            (1, 3, 70, 45),
+            (2, 17, 200, 33),
             (3, 5, 33, 40),
             (1, 40, 19, 300),
             (1, 70, 19, 300),

@@ -12,7 +12,9 @@
 //! The left rows are laid out to match ([`SplitRows`]): element `c` of a row goes to group
 //! `c % P` at position `c / P`, so the `p`-th value of every lane meets its left operand in
 //! one vector. Each row costs one copy per call, against a weight read of `k` values per
-//! output column.
+//! output column. From four rows on (a batched decode step, an expert chosen by several rows)
+//! the rows go in [`Panels`] of eight, interleaved so that each unpacked weight vector feeds
+//! eight FMAs whose operands are adjacent in memory.
 
 use pulp::Simd;
 
@@ -135,10 +137,8 @@ impl SplitRows {
 }
 
 /// `dot(row(i), w)` for the left rows `rows` yields, passed to `put(i, dot)` in order; `w` is
-/// one weight row as lanes of `T` ([`Packed::as_lanes`]).
-///
-/// Rows go eight at a time where the CPU has 32 vector registers (AVX-512), else four, so each
-/// unpacked weight vector feeds that many FMAs; the last few rows go one at a time.
+/// one weight row as lanes of `T` ([`Packed::as_lanes`]). For one to a few rows: more go in
+/// [`Panels`].
 #[inline(always)]
 pub(super) fn dots<S: Simd, T: Packed>(
     simd: S,
@@ -148,73 +148,162 @@ pub(super) fn dots<S: Simd, T: Packed>(
     mut put: impl FnMut(usize, f32),
 ) {
     debug_assert_eq!(split.per_lane, T::PER_LANE);
-    let wide = S::REGISTER_COUNT >= 32;
-    let mut rows = rows.enumerate();
-    loop {
-        let mut block = [(0, 0); 8];
-        let mut count = 0;
-        for slot in block.iter_mut() {
-            match rows.next() {
-                Some(r) => *slot = r,
-                None => break,
-            }
-            count += 1;
-        }
-        let mut done = 0;
-        if wide && count == 8 {
-            let got = dot_block::<S, T, 8>(simd, w, split, block.map(|(_, r)| r));
-            for ((i, _), v) in block.into_iter().zip(got) {
-                put(i, v);
-            }
-            done = 8;
-        }
-        while count - done >= 4 {
-            let four: [(usize, usize); 4] = std::array::from_fn(|t| block[done + t]);
-            let got = dot_block::<S, T, 4>(simd, w, split, four.map(|(_, r)| r));
-            for ((i, _), v) in four.into_iter().zip(got) {
-                put(i, v);
-            }
-            done += 4;
-        }
-        for &(i, r) in &block[done..count] {
-            put(i, dot_block::<S, T, 1>(simd, w, split, [r])[0]);
-        }
-        if count < 8 {
-            return;
-        }
+    for (i, r) in rows.enumerate() {
+        put(i, dot_row::<S, T>(simd, w, split, r));
     }
 }
 
-/// The dot products of `R` left rows with one weight row.
+/// The dot product of left row `r` with one weight row.
 ///
-/// Two accumulators a row, even and odd weight vectors, so consecutive FMAs do not wait on
-/// each other; every index into them is static once the loops over `p` and `r` unroll, so
-/// they stay in registers.
+/// Two accumulators (even and odd weight vectors), so consecutive FMAs do not wait on each
+/// other.
 #[inline(always)]
-fn dot_block<S: Simd, T: Packed, const R: usize>(
-    simd: S,
-    w: &[u32],
-    split: &SplitRows,
-    rows: [usize; R],
-) -> [f32; R] {
+fn dot_row<S: Simd, T: Packed>(simd: S, w: &[u32], split: &SplitRows, r: usize) -> f32 {
     let (head, tail) = S::as_simd_u32s(w);
     let per_group = split.group / S::F32_LANES;
-    let xs: [&[S::f32s]; R] = rows.map(|r| S::as_simd_f32s(split.row(r)).0);
-    let mut even = [simd.splat_f32s(0.0); R];
+    let x = S::as_simd_f32s(split.row(r)).0;
+    let mut even = simd.splat_f32s(0.0);
     let mut odd = even;
     let pairs = head.len() / 2;
     for t in 0..pairs {
-        step::<S, T, R>(simd, &mut even, &xs, head[2 * t], 2 * t, per_group);
-        step::<S, T, R>(simd, &mut odd, &xs, head[2 * t + 1], 2 * t + 1, per_group);
+        even = step::<S, T>(simd, even, x, head[2 * t], 2 * t, per_group);
+        odd = step::<S, T>(simd, odd, x, head[2 * t + 1], 2 * t + 1, per_group);
     }
     if head.len() % 2 == 1 {
         let last = head.len() - 1;
-        step::<S, T, R>(simd, &mut even, &xs, head[last], last, per_group);
+        even = step::<S, T>(simd, even, x, head[last], last, per_group);
     }
     if !tail.is_empty() {
         // Zero-filled: unpacks to zeros, and the split rows are zero there too.
         let lanes = simd.partial_load_u32s(tail);
-        step::<S, T, R>(simd, &mut odd, &xs, lanes, head.len(), per_group);
+        odd = step::<S, T>(simd, odd, x, lanes, head.len(), per_group);
+    }
+    simd.reduce_sum_f32s(simd.add_f32s(even, odd))
+}
+
+/// One weight vector (`lanes`, vector `i` of the row) into the accumulator. A plain function,
+/// not a closure: closures do not inherit the SIMD target features.
+#[inline(always)]
+fn step<S: Simd, T: Packed>(
+    simd: S,
+    mut acc: S::f32s,
+    x: &[S::f32s],
+    lanes: S::u32s,
+    i: usize,
+    per_group: usize,
+) -> S::f32s {
+    for p in 0..T::PER_LANE {
+        acc = simd.mul_add_f32s(x[p * per_group + i], T::unpack(simd, lanes, p), acc);
+    }
+    acc
+}
+
+/// Left rows per panel ([`Panels`]): eight accumulators (sixteen, even and odd) and one
+/// unpacked weight vector fit AVX-512's 32 registers with room; AVX2's 16 take four rows at a
+/// time within a panel.
+pub(super) const PANEL: usize = 8;
+
+/// Left rows (`[rows, k]`, f32) in panels of [`PANEL`] rows for [`panel_dots`], interleaved so
+/// that a weight vector's operands are adjacent in memory: for each block of 16 lane
+/// positions, each lane position `p` of a `u32` lane and each row `r` of the panel, 16 floats
+/// (element `c` of a row goes to lane position `c % per_lane`, lane `c / per_lane`, as in
+/// [`SplitRows`]).
+///
+/// Why not [`SplitRows`] for many rows: there each row's groups lie `k` floats apart, so eight
+/// rows are sixteen streams at a page-sized stride, one pointer each; the kernel ran out of
+/// registers and reloaded them from the stack every vector, and reached 7-10 GFLOP/s a core at
+/// eight rows (perf, benches/README.md). Here one pointer walks the panel from start to end.
+/// Rows past the last one are zeros.
+pub(super) struct Panels {
+    data: Vec<f32>,
+    /// Blocks of 16 lane positions (`ceil(k / per_lane / 16)`).
+    blocks: usize,
+    per_lane: usize,
+}
+
+impl Panels {
+    /// `a` is `rows` rows of `k` values; `k` must be a multiple of `per_lane`.
+    pub(super) fn new(a: &[f32], k: usize, per_lane: usize) -> Self {
+        debug_assert!(per_lane > 0 && k.is_multiple_of(per_lane));
+        let blocks = (k / per_lane).div_ceil(GROUP_ALIGN);
+        let rows = a.len() / k.max(1);
+        let panel = blocks * per_lane * PANEL * GROUP_ALIGN;
+        let mut data = vec![0f32; rows.div_ceil(PANEL) * panel];
+        for (i, row) in a.chunks_exact(k.max(1)).enumerate() {
+            let (base, r) = ((i / PANEL) * panel, i % PANEL);
+            for (c, &v) in row.iter().enumerate() {
+                let (p, lane) = (c % per_lane, c / per_lane);
+                let (block, at) = (lane / GROUP_ALIGN, lane % GROUP_ALIGN);
+                data[base + ((block * per_lane + p) * PANEL + r) * GROUP_ALIGN + at] = v;
+            }
+        }
+        Panels {
+            data,
+            blocks,
+            per_lane,
+        }
+    }
+
+    fn panel(&self, i: usize) -> &[f32] {
+        let len = self.blocks * self.per_lane * PANEL * GROUP_ALIGN;
+        &self.data[i * len..(i + 1) * len]
+    }
+}
+
+/// The dot products of panel `panel`'s first `live` rows with one weight row (`w`, lanes of
+/// `T`); the rest of the [`PANEL`] values are zero. A panel of one to four live rows runs a
+/// narrower block, so a few rows cost no more FMAs than they need.
+#[inline(always)]
+pub(super) fn panel_dots<S: Simd, T: Packed>(
+    simd: S,
+    w: &[u32],
+    panels: &Panels,
+    panel: usize,
+    live: usize,
+) -> [f32; PANEL] {
+    debug_assert_eq!(panels.per_lane, T::PER_LANE);
+    let x = panels.panel(panel);
+    let widen = |got: &[f32]| std::array::from_fn(|r| got.get(r).copied().unwrap_or(0.0));
+    match live {
+        0 | 1 => widen(&panel_block::<S, T, 1>(simd, w, x, 0)),
+        2..=4 => widen(&panel_block::<S, T, 4>(simd, w, x, 0)),
+        _ if S::REGISTER_COUNT >= 32 => panel_block::<S, T, PANEL>(simd, w, x, 0),
+        _ => {
+            let lo = panel_block::<S, T, 4>(simd, w, x, 0);
+            let hi = panel_block::<S, T, 4>(simd, w, x, 4);
+            std::array::from_fn(|r| if r < 4 { lo[r] } else { hi[r - 4] })
+        }
+    }
+}
+
+/// Rows `r0..r0 + R` of one panel (`x`) dotted with the weight row `w`: each vector of `w` is
+/// loaded and unpacked once and feeds `R` FMAs per lane position, whose operands sit one after
+/// another in `x`. Two accumulators a row (even and odd vectors) hide the FMA latency.
+#[inline(always)]
+fn panel_block<S: Simd, T: Packed, const R: usize>(
+    simd: S,
+    w: &[u32],
+    x: &[f32],
+    r0: usize,
+) -> [f32; R] {
+    let (head, tail) = S::as_simd_u32s(w);
+    let xs = S::as_simd_f32s(x).0;
+    let mut even = [simd.splat_f32s(0.0); R];
+    let mut odd = even;
+    let pairs = head.len() / 2;
+    for t in 0..pairs {
+        let v = 2 * t;
+        panel_step::<S, T, R>(simd, &mut even, xs, head[v], v, r0);
+        panel_step::<S, T, R>(simd, &mut odd, xs, head[v + 1], v + 1, r0);
+    }
+    if head.len() % 2 == 1 {
+        let v = head.len() - 1;
+        panel_step::<S, T, R>(simd, &mut even, xs, head[v], v, r0);
+    }
+    if !tail.is_empty() {
+        // Zero-filled: unpacks to zeros, and the panel is zero there too.
+        let lanes = simd.partial_load_u32s(tail);
+        panel_step::<S, T, R>(simd, &mut odd, xs, lanes, head.len(), r0);
     }
     let mut out = [0f32; R];
     for r in 0..R {
@@ -223,21 +312,24 @@ fn dot_block<S: Simd, T: Packed, const R: usize>(
     out
 }
 
-/// One weight vector (`lanes`, vector `i` of the row) into each row's accumulator. A plain
-/// function, not a closure: closures do not inherit the SIMD target features.
+/// Weight vector `v` (`lanes`) into rows `r0..r0 + R`'s accumulators (a plain function, as
+/// [`step`]).
 #[inline(always)]
-fn step<S: Simd, T: Packed, const R: usize>(
+fn panel_step<S: Simd, T: Packed, const R: usize>(
     simd: S,
     acc: &mut [S::f32s; R],
-    xs: &[&[S::f32s]; R],
+    xs: &[S::f32s],
     lanes: S::u32s,
-    i: usize,
-    per_group: usize,
+    v: usize,
+    r0: usize,
 ) {
+    let per = GROUP_ALIGN / S::F32_LANES;
+    let block = T::PER_LANE * PANEL * per;
+    let xb = &xs[(v / per) * block..][..block];
     for p in 0..T::PER_LANE {
         let wv = T::unpack(simd, lanes, p);
         for r in 0..R {
-            acc[r] = simd.mul_add_f32s(xs[r][p * per_group + i], wv, acc[r]);
+            acc[r] = simd.mul_add_f32s(xb[(p * PANEL + r0 + r) * per + v % per], wv, acc[r]);
         }
     }
 }
@@ -262,6 +354,12 @@ mod tests {
             let lanes = T::as_lanes(self.w).expect("aligned test data");
             let mut out = vec![f32::NAN; rows];
             dots::<S, T>(simd, lanes, &split, 0..rows, |i, v| out[i] = v);
+            // The same rows in panels: the second half of the output.
+            let panels = Panels::new(self.a, self.k, T::PER_LANE);
+            for (p, o) in out.clone().chunks(PANEL).enumerate() {
+                let got = panel_dots::<S, T>(simd, lanes, &panels, p, o.len());
+                out.extend_from_slice(&got[..o.len()]);
+            }
             out
         }
     }
@@ -282,6 +380,7 @@ mod tests {
                 runs.push(Dots { w, a: &a, k }.with_simd(simd));
             }
         }
+        assert!(runs.iter().all(|r| r.len() == 2 * rows));
         for (r, g) in runs
             .iter()
             .flatten()
@@ -296,8 +395,9 @@ mod tests {
         }
     }
 
-    /// Every lane position, vector tails (k not a multiple of any vector width) and row
-    /// counts that use the 4-row block, the single rows and both.
+    /// Every lane position, vector tails (k not a multiple of any vector width), and row
+    /// counts that fill panels, leave the last one partial, or use each of its block widths
+    /// (one, four and eight rows), in both layouts.
     #[test]
     fn packed_dots_match_f64_for_each_element_type() {
         for k in [4, 12, 36, 68, 200, 1024] {
