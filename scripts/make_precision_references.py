@@ -520,7 +520,9 @@ def make_bf16_reference(directory, reference):
     }
 
 
-def make_int8_reference(directory, reference, tmp):
+def round_trip_experts(directory, round_trip, label):
+    """The checkpoint with every routed expert weight replaced by its `round_trip`, the number of
+    those weights and the largest |w - w'| over them."""
     tensors = load_checkpoint(directory)
     names = sorted(n for n in tensors if ROUTED_EXPERT_WEIGHT.fullmatch(n))
     cfg = json.loads((directory / "config.json").read_text())
@@ -529,10 +531,15 @@ def make_int8_reference(directory, reference, tmp):
     max_change = 0.0
     for name in names:
         original = tensors[name].to(torch.float32)
-        tensors[name] = int8_round_trip(tensors[name])
+        tensors[name] = round_trip(tensors[name])
         change = (tensors[name] - original).abs().max().item()
-        assert change > 0, f"{name}: the int8 round trip left the weight unchanged"
+        assert change > 0, f"{name}: the {label} round trip left the weight unchanged"
         max_change = max(max_change, change)
+    return tensors, len(names), max_change
+
+
+def make_int8_reference(directory, reference, tmp):
+    tensors, count, max_change = round_trip_experts(directory, int8_round_trip, "int8")
     notes = (
         "transformers float32 (eager) on this directory's checkpoint widened to float32, with every routed "
         "expert weight model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight (not shared experts, not dense "
@@ -545,35 +552,17 @@ def make_int8_reference(directory, reference, tmp):
     extra = {
         "quantization": {
             "scheme": "int8 symmetric per output row",
-            "tensors": len(names),
+            "tensors": count,
             "max_abs_weight_diff": max_change,
         }
     }
     return quantized_reference(tmp, directory, tensors, reference, notes, extra)
 
 
-def int4_expert_tensors(directory):
-    """The checkpoint with every routed expert weight replaced by its int4 round trip, the number of
-    those weights and the largest |w - w'| over them."""
-    tensors = load_checkpoint(directory)
-    names = sorted(n for n in tensors if ROUTED_EXPERT_WEIGHT.fullmatch(n))
-    cfg = json.loads((directory / "config.json").read_text())
-    moe_layers = cfg["num_hidden_layers"] - cfg["first_k_dense_replace"]
-    assert len(names) == moe_layers * cfg["n_routed_experts"] * 3, len(names)
-    max_change = 0.0
-    for name in names:
-        original = tensors[name].to(torch.float32)
-        tensors[name] = int4_round_trip(tensors[name])
-        change = (tensors[name] - original).abs().max().item()
-        assert change > 0, f"{name}: the int4 round trip left the weight unchanged"
-        max_change = max(max_change, change)
-    return tensors, len(names), max_change
-
-
 def check_int4_tie(directory, reference, tmp):
     """An INT4_SKIPPED fixture: its int4 model's greedy continuation (KV cache) still disagrees with the
     cache-free forward and has an exact index top-k tie. Returns (step where they part, the tie's gap)."""
-    tensors, _, _ = int4_expert_tensors(directory)
+    tensors, _, _ = round_trip_experts(directory, int4_round_trip, "int4")
     write_f32_checkpoint(tmp, directory, tensors)
     model = load_reference_model(tmp)
     prompt_ids = reference["greedy"]["prompt_token_ids"]
@@ -588,7 +577,7 @@ def check_int4_tie(directory, reference, tmp):
 
 
 def make_int4_reference(directory, reference, tmp, drift=0.0):
-    tensors, count, max_change = int4_expert_tensors(directory)
+    tensors, count, max_change = round_trip_experts(directory, int4_round_trip, "int4")
     notes = (
         "transformers float32 (eager) on this directory's checkpoint widened to float32, with every routed "
         "expert weight model.layers.L.mlp.experts.E.{gate,up,down}_proj.weight (not shared experts, not dense "

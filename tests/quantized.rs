@@ -50,7 +50,12 @@ fn heldout_perplexity(quantize: Quantize) -> (f64, f64) {
 /// kernel or a weight bound to the wrong matmul, which costs far more, fails.
 #[test]
 fn q8_0_and_q4_k_cost_what_llama_cpp_formats_cost_in_perplexity() {
-    for (quantize, bound) in [(Quantize::Q8_0, 0.01), (Quantize::Q4K, 0.06)] {
+    assert_perplexity_within(&[(Quantize::Q8_0, 0.01), (Quantize::Q4K, 0.06)]);
+}
+
+/// Each format's held-out perplexity within `bound` (relative) of transformers' f32 figure.
+fn assert_perplexity_within(formats: &[(Quantize, f64)]) {
+    for &(quantize, bound) in formats {
         let (ppl, reference) = heldout_perplexity(quantize);
         let rel = (ppl - reference) / reference;
         eprintln!(
@@ -69,19 +74,10 @@ fn q8_0_and_q4_k_cost_what_llama_cpp_formats_cost_in_perplexity() {
 /// order (seen: +26%), group or scale costs far more.
 #[test]
 fn quantized_experts_cost_little_perplexity() {
-    for (quantize, bound) in [
+    assert_perplexity_within(&[
         (Quantize::ExpertsInt8, 0.005),
         (Quantize::ExpertsInt4, 0.02),
-    ] {
-        let (ppl, reference) = heldout_perplexity(quantize);
-        let rel = (ppl - reference) / reference;
-        eprintln!(
-            "{quantize}: held-out perplexity {ppl:.4}, transformers f32 {reference:.4}, \
-             {:+.3}%",
-            rel * 100.0
-        );
-        assert!(rel.abs() < bound, "{quantize}: {ppl} vs {reference}");
-    }
+    ]);
 }
 
 /// Every fixture, both MoE strategies: the quantized model's logits stay near transformers'

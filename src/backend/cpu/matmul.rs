@@ -353,15 +353,10 @@ impl<T: Widen> WithSimd for RowTile<'_, T> {
     }
 }
 
-/// One task of [`gathered`]: columns `j0..j0 + tn` of expert `e` for the left rows that
-/// chose it, as `[rows, m, tn]`.
-struct ExpertTask<'a, T> {
-    a: &'a [f32],
-    split: Option<&'a SplitRows>,
-    /// This expert's left rows in panels, when it has [`PANEL_MIN_ROWS`] or more.
-    panels: Option<&'a Panels>,
-    w: &'a [T],
-    scales: Option<&'a [f32]>,
+/// Where one task of [`gathered`] works: columns `j0..j0 + tn` of expert `e` (of `out_n`) for
+/// the left rows that chose it (each `m` rows of `k`), as `[rows, m, tn]`.
+#[derive(Clone, Copy)]
+struct ExpertTile<'a> {
     rows: &'a [usize],
     e: usize,
     j0: usize,
@@ -371,20 +366,68 @@ struct ExpertTask<'a, T> {
     out_n: usize,
 }
 
+impl<'a> ExpertTile<'a> {
+    /// The tile of task `(group, j0)` of [`gathered`].
+    fn of(
+        (g, j0): (usize, usize),
+        groups: &'a [(usize, Vec<usize>)],
+        (m, k, out_n): (usize, usize, usize),
+    ) -> Self {
+        ExpertTile {
+            rows: &groups[g].1,
+            e: groups[g].0,
+            j0,
+            tn: TILE.min(out_n - j0),
+            m,
+            k,
+            out_n,
+        }
+    }
+
+    /// How many left rows the tile multiplies.
+    fn left_rows(&self) -> usize {
+        self.rows.len() * self.m
+    }
+
+    /// The left rows' indices into the whole left operand, in output order.
+    fn left(&self) -> impl Iterator<Item = usize> + '_ {
+        let m = self.m;
+        self.rows
+            .iter()
+            .flat_map(move |&r| (0..m).map(move |mi| r * m + mi))
+    }
+
+    /// The stacked weight row of the tile's `jj`-th column.
+    fn weight_row(&self, jj: usize) -> usize {
+        self.e * self.out_n + self.j0 + jj
+    }
+}
+
+/// One task of [`gathered`] on float or int8 experts.
+struct ExpertTask<'a, T> {
+    a: &'a [f32],
+    split: Option<&'a SplitRows>,
+    /// This expert's left rows in panels, when it has [`PANEL_MIN_ROWS`] or more.
+    panels: Option<&'a Panels>,
+    w: &'a [T],
+    scales: Option<&'a [f32]>,
+    tile: ExpertTile<'a>,
+}
+
 impl<T: Widen> WithSimd for ExpertTask<'_, T> {
     type Output = Vec<f32>;
 
     #[inline(always)]
     fn with_simd<S: Simd>(self, simd: S) -> Vec<f32> {
-        let (m, k, tn) = (self.m, self.k, self.tn);
-        let mut res = vec![0f32; self.rows.len() * m * tn];
+        let tile = self.tile;
+        let (k, tn, left) = (tile.k, tile.tn, tile.left_rows());
+        let mut res = vec![0f32; left * tn];
         let mut scratch = Scratch::default();
         for jj in 0..tn {
-            let j = self.e * self.out_n + self.j0 + jj;
+            let j = tile.weight_row(jj);
             if let Some(panels) = self.panels {
                 let lanes = column_lanes(self.w, (j * k, k, 1), &mut scratch.lanes);
                 let s = self.scales.map_or(1.0, |s| s[j]);
-                let left = self.rows.len() * m;
                 for p in 0..left.div_ceil(PANEL) {
                     let live = PANEL.min(left - p * PANEL);
                     let got = panel_dots::<S, T>(simd, lanes, panels, p, live);
@@ -394,17 +437,13 @@ impl<T: Widen> WithSimd for ExpertTask<'_, T> {
                 }
                 continue;
             }
-            let left = self
-                .rows
-                .iter()
-                .flat_map(|&r| (0..m).map(move |mi| r * m + mi));
             column_dots(
                 simd,
                 (self.w, (j * k, k, 1), self.scales.map(|s| s[j])),
                 self.a,
                 self.split,
                 &mut scratch,
-                left,
+                tile.left(),
                 |i, v| res[i * tn + jj] = v,
             );
         }
@@ -419,13 +458,7 @@ struct Int4ExpertTask<'a> {
     codes: &'a [u8],
     scales: &'a [f32],
     group: usize,
-    rows: &'a [usize],
-    e: usize,
-    j0: usize,
-    tn: usize,
-    m: usize,
-    k: usize,
-    out_n: usize,
+    tile: ExpertTile<'a>,
 }
 
 impl WithSimd for Int4ExpertTask<'_> {
@@ -433,12 +466,13 @@ impl WithSimd for Int4ExpertTask<'_> {
 
     #[inline(always)]
     fn with_simd<S: Simd>(self, simd: S) -> Vec<f32> {
-        let (m, k, tn) = (self.m, self.k, self.tn);
+        let tile = self.tile;
+        let (k, tn) = (tile.k, tile.tn);
         let (half, groups) = (k / 2, k.div_ceil(self.group));
-        let mut res = vec![0f32; self.rows.len() * m * tn];
+        let mut res = vec![0f32; tile.left_rows() * tn];
         let mut row = Vec::with_capacity(k);
         for jj in 0..tn {
-            let j = self.e * self.out_n + self.j0 + jj;
+            let j = tile.weight_row(jj);
             row.clear();
             super::int4::widen_row(
                 &self.codes[j * half..(j + 1) * half],
@@ -446,11 +480,7 @@ impl WithSimd for Int4ExpertTask<'_> {
                 self.group,
                 &mut row,
             );
-            let left = self
-                .rows
-                .iter()
-                .flat_map(|&r| (0..m).map(move |mi| r * m + mi));
-            for (i, r) in left.enumerate() {
+            for (i, r) in tile.left().enumerate() {
                 res[i * tn + jj] = simd_dot(simd, &self.a[r * k..][..k], &row);
             }
         }
@@ -556,20 +586,13 @@ pub(crate) fn gathered(
             })
             .collect();
         parallel_map(tasks.len(), |t| {
-            let (g, j0) = tasks[t];
             arch.dispatch(ExpertTask {
                 a,
                 split: split.as_ref(),
-                panels: panels[g].as_ref(),
+                panels: panels[tasks[t].0].as_ref(),
                 w,
                 scales,
-                rows: &groups[g].1,
-                e: groups[g].0,
-                j0,
-                tn: TILE.min(out_n - j0),
-                m,
-                k,
-                out_n,
+                tile: ExpertTile::of(tasks[t], groups, (m, k, out_n)),
             })
         })
     }
@@ -584,19 +607,12 @@ pub(crate) fn gathered(
             let group = int4_group.unwrap_or(1);
             let codes = &v[w0..w1];
             parallel_map(tasks.len(), |t| {
-                let (g, j0) = tasks[t];
                 arch.dispatch(Int4ExpertTask {
                     a: &a,
                     codes,
                     scales,
                     group,
-                    rows: &groups[g].1,
-                    e: groups[g].0,
-                    j0,
-                    tn: TILE.min(out_n - j0),
-                    m,
-                    k,
-                    out_n,
+                    tile: ExpertTile::of(tasks[t], &groups, dims),
                 })
             })?
         }

@@ -10,16 +10,14 @@
 //! float operation is exact but the last product, rounded once as the CPU kernel rounds it.
 //!
 //! Like the mass threshold (`threshold.rs`), the run is tagged so the importer (and so nrt-sim)
-//! reads it back as the one op: every instruction with [`COMPOSITE_PART_ATTR`], the last with
-//! [`COMPOSITE_ATTR`], its two operands in [`COMPOSITE_OPERANDS_ATTR`] and the group size in
-//! [`COMPOSITE_GROUP_ATTR`].
+//! reads it back as the one op: every instruction with `COMPOSITE_PART_ATTR`, the last with
+//! `COMPOSITE_ATTR`, its two operands in `COMPOSITE_OPERANDS_ATTR` and the group size in
+//! `COMPOSITE_GROUP_ATTR`.
 
 use super::{array_shape, Emitter};
 use crate::backend::hlo::proto::hlo_instruction_proto::SliceDimensions;
-use crate::backend::hlo::proto::{FrontendAttributes, PrimitiveType};
-use crate::backend::hlo::{
-    opcodes, COMPOSITE_ATTR, COMPOSITE_GROUP_ATTR, COMPOSITE_OPERANDS_ATTR, COMPOSITE_PART_ATTR,
-};
+use crate::backend::hlo::proto::PrimitiveType;
+use crate::backend::hlo::{opcodes, COMPOSITE_GROUP_ATTR};
 use crate::graph::{BinaryOp, DType};
 
 /// The [`COMPOSITE_ATTR`] value of an int4 dequantization.
@@ -38,20 +36,8 @@ impl Emitter<'_> {
     ) -> i64 {
         let first = self.entry.len();
         let root = self.unpack_int4(codes, scales, dims, groups, group);
-        let count = self.entry.len() - first;
-        for (k, inst) in self.entry[first..].iter_mut().enumerate() {
-            let map = &mut inst
-                .frontend_attributes
-                .get_or_insert_with(FrontendAttributes::default)
-                .map;
-            if k + 1 == count {
-                map.insert(COMPOSITE_ATTR.into(), DEQUANTIZE_INT4.into());
-                map.insert(COMPOSITE_OPERANDS_ATTR.into(), format!("{codes},{scales}"));
-                map.insert(COMPOSITE_GROUP_ATTR.into(), group.to_string());
-            } else {
-                map.insert(COMPOSITE_PART_ATTR.into(), DEQUANTIZE_INT4.into());
-            }
-        }
+        let extra = [(COMPOSITE_GROUP_ATTR, group.to_string())];
+        self.tag_composite(first, DEQUANTIZE_INT4, &[codes, scales], &extra);
         root
     }
 

@@ -29,7 +29,10 @@ use super::proto::{
     HloInputOutputAliasProto, HloInstructionProto, HloModuleProto, Kind, LayoutProto, LiteralProto,
     PrimitiveType, ProgramShapeProto, ShapeProto,
 };
-use super::{literal, neff_input_name, primitive_type, INPUT_NAMES_ATTR, OUTPUT_NAMES_ATTR};
+use super::{
+    literal, neff_input_name, primitive_type, COMPOSITE_ATTR, COMPOSITE_OPERANDS_ATTR,
+    COMPOSITE_PART_ATTR, INPUT_NAMES_ATTR, OUTPUT_NAMES_ATTR,
+};
 use crate::error::Result;
 use crate::graph::{BinaryOp, CmpOp, DType, Graph, Literal, ReduceOp};
 
@@ -104,6 +107,35 @@ struct Emitter<'g> {
 }
 
 impl Emitter<'_> {
+    /// Tags the instructions emitted since entry index `first` as one composite op `name`, so
+    /// the importer (and so nrt-sim) reads the run back as that op: every instruction a part,
+    /// the last the op itself, with its `operands` and any `extra` attributes.
+    fn tag_composite(
+        &mut self,
+        first: usize,
+        name: &str,
+        operands: &[i64],
+        extra: &[(&str, String)],
+    ) {
+        let count = self.entry.len() - first;
+        for (k, inst) in self.entry[first..].iter_mut().enumerate() {
+            let map = &mut inst
+                .frontend_attributes
+                .get_or_insert_with(FrontendAttributes::default)
+                .map;
+            if k + 1 == count {
+                let ids: Vec<String> = operands.iter().map(i64::to_string).collect();
+                map.insert(COMPOSITE_ATTR.into(), name.into());
+                map.insert(COMPOSITE_OPERANDS_ATTR.into(), ids.join(","));
+                for (key, value) in extra {
+                    map.insert((*key).into(), value.clone());
+                }
+            } else {
+                map.insert(COMPOSITE_PART_ATTR.into(), name.into());
+            }
+        }
+    }
+
     /// A fresh id.
     fn id(&mut self) -> i64 {
         let id = self.next_id;

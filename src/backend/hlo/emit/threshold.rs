@@ -21,16 +21,14 @@
 //! engine that flushes subnormals (XLA's CPU) computes.
 //!
 //! The instructions are written into the entry computation, each tagged with the frontend
-//! attribute [`COMPOSITE_PART_ATTR`] and the last with [`COMPOSITE_ATTR`] naming the op and
-//! [`COMPOSITE_OPERANDS_ATTR`] its three operands: the importer (and so nrt-sim) reads the
+//! attribute `COMPOSITE_PART_ATTR` and the last with `COMPOSITE_ATTR` naming the op and
+//! `COMPOSITE_OPERANDS_ATTR` its three operands: the importer (and so nrt-sim) reads the
 //! tagged run back as the one op; XLA and neuronx-cc run the instructions (frontend attributes
 //! are metadata to them).
 
 use super::{array_shape, Emitter};
-use crate::backend::hlo::proto::{FrontendAttributes, GatherDimensionNumbers, PrimitiveType};
-use crate::backend::hlo::{
-    literal, opcodes, primitive_type, COMPOSITE_ATTR, COMPOSITE_OPERANDS_ATTR, COMPOSITE_PART_ATTR,
-};
+use crate::backend::hlo::proto::{GatherDimensionNumbers, PrimitiveType};
+use crate::backend::hlo::{literal, opcodes, primitive_type};
 use crate::graph::{BinaryOp, CmpOp, DType, Literal, ReduceOp};
 
 /// The [`COMPOSITE_ATTR`] value of a mass threshold.
@@ -61,20 +59,7 @@ impl Emitter<'_> {
     ) -> i64 {
         let first = self.entry.len();
         let root = self.bisection(x, w, target, rows, n);
-        // Tag the run: every instruction as a part, the last as the op with its operands.
-        let count = self.entry.len() - first;
-        for (k, inst) in self.entry[first..].iter_mut().enumerate() {
-            let map = &mut inst
-                .frontend_attributes
-                .get_or_insert_with(FrontendAttributes::default)
-                .map;
-            if k + 1 == count {
-                map.insert(COMPOSITE_ATTR.into(), MASS_THRESHOLD.into());
-                map.insert(COMPOSITE_OPERANDS_ATTR.into(), format!("{x},{w},{target}"));
-            } else {
-                map.insert(COMPOSITE_PART_ATTR.into(), MASS_THRESHOLD.into());
-            }
-        }
+        self.tag_composite(first, MASS_THRESHOLD, &[x, w, target], &[]);
         root
     }
 
