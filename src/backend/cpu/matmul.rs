@@ -30,9 +30,9 @@ const TILE: usize = 32;
 /// default) keep the GEMM.
 pub(crate) const GEMM_ROWS: usize = 64;
 
-/// Left rows from which the packed dot takes them in panels ([`Panels`]); fewer go in the split
-/// layout, where a row takes an eighth of a panel's room in L1 (a panel holds eight rows, zeros
-/// included), which made the gathered experts slower with one or two rows an expert.
+/// Left rows from which the packed dot takes them in panels ([`Panels`]). Fewer go in the split
+/// layout, a row at a time: a panel takes the room of eight rows in L1 whatever the count
+/// (zeros included), and a weight vector shared by one to three rows saves little.
 const PANEL_MIN_ROWS: usize = 4;
 
 /// An element the kernel can widen to f32 (and, where [`Packed`] says so, read in place).

@@ -210,10 +210,10 @@ pub(super) const PANEL: usize = 8;
 /// [`SplitRows`]).
 ///
 /// Why not [`SplitRows`] for many rows: there each row's groups lie `k` floats apart, so eight
-/// rows are sixteen streams at a page-sized stride, one pointer each; the kernel ran out of
-/// registers and reloaded them from the stack every vector, and reached 7-10 GFLOP/s a core at
-/// eight rows (perf, benches/README.md). Here one pointer walks the panel from start to end.
-/// Rows past the last one are zeros.
+/// bf16 rows are sixteen streams, one pointer each; the kernel ran out of general registers and
+/// reloaded about a dozen pointers from the stack for every weight vector (perf), and took
+/// 1.6 to 3.9 times as long at eight rows (benches/README.md, "Left rows in panels"). Here one
+/// pointer walks the panel from start to end. Rows past the last one are zeros.
 pub(super) struct Panels {
     data: Vec<f32>,
     /// Blocks of 16 lane positions (`ceil(k / per_lane / 16)`).
