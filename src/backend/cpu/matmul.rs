@@ -213,8 +213,13 @@ fn column_dots<S: Simd, T: Widen>(
 
 /// The left rows in the packed dot's layout, when `T` has one and `k` fits it.
 fn split_rows<T: Widen>(a: &[f32], k: usize) -> Option<SplitRows> {
+    packs::<T>(k).then(|| SplitRows::new(a, k, T::PER_LANE))
+}
+
+/// Whether `T` has a packed dot and rows of `k` fit it (whole lanes).
+fn packs<T: Widen>(k: usize) -> bool {
     let p = T::PER_LANE;
-    (p > 0 && k > 0 && k.is_multiple_of(p)).then(|| SplitRows::new(a, k, p))
+    p > 0 && k > 0 && k.is_multiple_of(p)
 }
 
 /// `sum(x[i] * y[i])` in the widest vectors the CPU has (pulp picks AVX-512, AVX2+FMA or
@@ -570,21 +575,23 @@ pub(crate) fn gathered(
         scales: Option<&[f32]>,
         (m, k, out_n): (usize, usize, usize),
     ) -> candle_core::Result<Vec<Vec<f32>>> {
-        let split = split_rows::<T>(a, k);
-        // An expert chosen by several rows multiplies them in panels (its rows gathered).
+        // An expert chosen by several left rows multiplies them in panels (its rows gathered),
+        // the others read the split layout, made only when some expert needs it.
+        let in_panels = |rows: &[usize]| packs::<T>(k) && rows.len() * m >= PANEL_MIN_ROWS;
         let panels: Vec<Option<Panels>> = groups
             .iter()
             .map(|(_, rows)| {
-                (split.is_some() && rows.len() * m >= PANEL_MIN_ROWS).then(|| {
-                    let left: Vec<f32> = rows
-                        .iter()
-                        .flat_map(|&r| &a[r * m * k..(r + 1) * m * k])
-                        .copied()
-                        .collect();
-                    Panels::new(&left, k, T::PER_LANE)
+                in_panels(rows).then(|| {
+                    let left = rows.iter().flat_map(|&r| a[r * m * k..][..m * k].chunks(k));
+                    Panels::new(left, k, T::PER_LANE)
                 })
             })
             .collect();
+        let split = groups
+            .iter()
+            .any(|(_, rows)| !in_panels(rows))
+            .then(|| split_rows::<T>(a, k))
+            .flatten();
         parallel_map(tasks.len(), |t| {
             arch.dispatch(ExpertTask {
                 a,
@@ -727,13 +734,18 @@ fn run<T: Widen>(
     // contiguous slice; transposed back below (a no-op for one left row).
     let mut cols = vec![0f32; batch * n * m];
     let arch = Arch::new();
-    // Several left rows go in panels, one in the split layout (or none: the widening loop).
-    let mut split = split_rows::<T>(a, k);
-    let panels: Option<Vec<Panels>> = split.take_if(|_| m >= PANEL_MIN_ROWS).map(|_| {
-        a.chunks_exact(m * k)
-            .map(|rows| Panels::new(rows, k, T::PER_LANE))
-            .collect()
-    });
+    // The packed dot takes PANEL_MIN_ROWS left rows or more in panels (per batch entry), fewer
+    // in the split layout; a type without one, the widening loop.
+    let (split, panels) = if m >= PANEL_MIN_ROWS {
+        let panels = packs::<T>(k).then(|| {
+            a.chunks_exact(m * k)
+                .map(|entry| Panels::new(entry.chunks_exact(k), k, T::PER_LANE))
+                .collect::<Vec<_>>()
+        });
+        (None, panels)
+    } else {
+        (split_rows::<T>(a, k), None)
+    };
     for_each_chunk(
         &mut cols,
         TILE * m.max(1),

@@ -222,15 +222,23 @@ pub(super) struct Panels {
 }
 
 impl Panels {
-    /// `a` is `rows` rows of `k` values; `k` must be a multiple of `per_lane`.
-    pub(super) fn new(a: &[f32], k: usize, per_lane: usize) -> Self {
+    /// The left rows `rows` yields (each `k` values; `k` a multiple of `per_lane`), laid out
+    /// as they come: a caller that picks rows (an expert's) copies each once, here.
+    pub(super) fn new<'a>(
+        rows: impl Iterator<Item = &'a [f32]>,
+        k: usize,
+        per_lane: usize,
+    ) -> Self {
         debug_assert!(per_lane > 0 && k.is_multiple_of(per_lane));
         let blocks = (k / per_lane).div_ceil(GROUP_ALIGN);
-        let rows = a.len() / k.max(1);
         let panel = blocks * per_lane * PANEL * GROUP_ALIGN;
-        let mut data = vec![0f32; rows.div_ceil(PANEL) * panel];
-        for (i, row) in a.chunks_exact(k.max(1)).enumerate() {
+        let mut data = Vec::new();
+        for (i, row) in rows.enumerate() {
+            debug_assert_eq!(row.len(), k);
             let (base, r) = ((i / PANEL) * panel, i % PANEL);
+            if r == 0 {
+                data.resize(base + panel, 0f32);
+            }
             for (c, &v) in row.iter().enumerate() {
                 let (p, lane) = (c % per_lane, c / per_lane);
                 let (block, at) = (lane / GROUP_ALIGN, lane % GROUP_ALIGN);
@@ -263,10 +271,10 @@ pub(super) fn panel_dots<S: Simd, T: Packed>(
 ) -> [f32; PANEL] {
     debug_assert_eq!(panels.per_lane, T::PER_LANE);
     let x = panels.panel(panel);
-    let widen = |got: &[f32]| std::array::from_fn(|r| got.get(r).copied().unwrap_or(0.0));
+    let pad = |got: &[f32]| std::array::from_fn(|r| got.get(r).copied().unwrap_or(0.0));
     match live {
-        0 | 1 => widen(&panel_block::<S, T, 1>(simd, w, x, 0)),
-        2..=4 => widen(&panel_block::<S, T, 4>(simd, w, x, 0)),
+        0 | 1 => pad(&panel_block::<S, T, 1>(simd, w, x, 0)),
+        2..=4 => pad(&panel_block::<S, T, 4>(simd, w, x, 0)),
         _ if S::REGISTER_COUNT >= 32 => panel_block::<S, T, PANEL>(simd, w, x, 0),
         _ => {
             let lo = panel_block::<S, T, 4>(simd, w, x, 0);
@@ -355,10 +363,11 @@ mod tests {
             let mut out = vec![f32::NAN; rows];
             dots::<S, T>(simd, lanes, &split, 0..rows, |i, v| out[i] = v);
             // The same rows in panels: the second half of the output.
-            let panels = Panels::new(self.a, self.k, T::PER_LANE);
-            for (p, o) in out.clone().chunks(PANEL).enumerate() {
-                let got = panel_dots::<S, T>(simd, lanes, &panels, p, o.len());
-                out.extend_from_slice(&got[..o.len()]);
+            let panels = Panels::new(self.a.chunks_exact(self.k), self.k, T::PER_LANE);
+            for p in 0..rows.div_ceil(PANEL) {
+                let live = PANEL.min(rows - p * PANEL);
+                let got = panel_dots::<S, T>(simd, lanes, &panels, p, live);
+                out.extend_from_slice(&got[..live]);
             }
             out
         }

@@ -20,7 +20,7 @@ use crate::backend::hlo::proto::PrimitiveType;
 use crate::backend::hlo::{opcodes, COMPOSITE_GROUP_ATTR};
 use crate::graph::{BinaryOp, DType};
 
-/// The [`COMPOSITE_ATTR`] value of an int4 dequantization.
+/// The [`COMPOSITE_ATTR`](crate::backend::hlo::COMPOSITE_ATTR) value of an int4 dequantization.
 pub(crate) const DEQUANTIZE_INT4: &str = "dequantize_int4";
 
 impl Emitter<'_> {

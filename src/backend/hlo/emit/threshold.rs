@@ -31,7 +31,7 @@ use crate::backend::hlo::proto::{GatherDimensionNumbers, PrimitiveType};
 use crate::backend::hlo::{literal, opcodes, primitive_type};
 use crate::graph::{BinaryOp, CmpOp, DType, Literal, ReduceOp};
 
-/// The [`COMPOSITE_ATTR`] value of a mass threshold.
+/// The [`COMPOSITE_ATTR`](crate::backend::hlo::COMPOSITE_ATTR) value of a mass threshold.
 pub(crate) const MASS_THRESHOLD: &str = "mass_threshold";
 
 /// `2^(e - 127)` for each biased exponent `e`: 0 for `e = 0` (zero and subnormals, which are
