@@ -15,7 +15,7 @@
 //! transposed view of its `[n, k]` rows (`k` contiguous); a slice of `kv_b_proj` arrives with
 //! `n` contiguous; both are read in their own order, never copied whole.
 
-use super::packed::{dots, panel_dots, Packed, Panels, SplitRows, PANEL};
+use super::packed::{dots, panel_dots, Packed, Panels, SplitRows, PANEL, PANEL_COLS};
 use super::pool::{for_each_chunk, parallel_map};
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, CustomOp3, Layout, Shape};
 use pulp::{Arch, Simd, WithSimd};
@@ -176,11 +176,12 @@ fn column_lanes<'a, T: Widen>(
     buf
 }
 
-/// Per-task buffers: a weight column widened to f32, or packed into lanes.
+/// Per-task buffers: a weight column widened to f32, or weight columns packed into lanes (as
+/// many as the panel kernel takes at once).
 #[derive(Default)]
 struct Scratch {
     widened: Vec<f32>,
-    lanes: Vec<u32>,
+    lanes: [Vec<u32>; PANEL_COLS],
 }
 
 /// `put(i, dot(a[r], column))` for the `i`-th left row `r` of `rows` (rows of `a`, `k` long, or
@@ -198,7 +199,7 @@ fn column_dots<S: Simd, T: Widen>(
     mut put: impl FnMut(usize, f32),
 ) {
     if let Some(split) = split {
-        let lanes = column_lanes(b, col, &mut scratch.lanes);
+        let lanes = column_lanes(b, col, &mut scratch.lanes[0]);
         let s = scale.unwrap_or(1.0);
         return dots::<S, T>(simd, lanes, split, rows, |i, v| put(i, v * s));
     }
@@ -208,6 +209,28 @@ fn column_dots<S: Simd, T: Widen>(
     push_widened(row, b, col, scale);
     for (i, r) in rows.enumerate() {
         put(i, simd_dot(simd, &a[r * k..][..k], row));
+    }
+}
+
+/// `put(c, r, dot(row r, column c) * scales[c])` for every left row `r` of `panels` (`rows` in
+/// all) and each of the `C` weight columns `ws` (lanes of `T`, one length): the panel kernel's
+/// products, shared by both matmul kernels.
+#[inline(always)]
+fn panel_products<S: Simd, T: Widen, const C: usize>(
+    simd: S,
+    (ws, scales): ([&[u32]; C], [f32; C]),
+    panels: &Panels,
+    rows: usize,
+    mut put: impl FnMut(usize, usize, f32),
+) {
+    for p in 0..rows.div_ceil(PANEL) {
+        let live = PANEL.min(rows - p * PANEL);
+        let got = panel_dots::<S, T, C>(simd, ws, panels, p, live);
+        for (c, (got, s)) in got.iter().zip(scales).enumerate() {
+            for (r, v) in got[..live].iter().enumerate() {
+                put(c, p * PANEL + r, v * s);
+            }
+        }
     }
 }
 
@@ -268,31 +291,56 @@ impl<T: Widen> WithSimd for Columns<'_, T> {
 
     #[inline(always)]
     fn with_simd<S: Simd>(self, simd: S) {
+        if let Some(panels) = self.panels {
+            return self.in_panels(simd, panels);
+        }
         let (k, n, m) = (self.bop.rows, self.bop.cols, self.m);
         let (sk, sn) = self.bop.strides();
         for (jj, o) in self.out.chunks_exact_mut(m.max(1)).enumerate() {
             let g = self.g0 + jj;
             let (bi, j) = (g / n, g % n);
             let at = self.bop.batch_offset(bi) + j * sn;
-            let scale = self.scales.map(|s| s[bi * n + j]);
-            if let Some(panels) = self.panels {
-                let lanes = column_lanes(self.b, (at, k, sk), &mut self.scratch.lanes);
-                let (panels, s) = (&panels[bi], scale.unwrap_or(1.0));
-                for (p, o) in o.chunks_mut(PANEL).enumerate() {
-                    let got = panel_dots::<S, T>(simd, lanes, panels, p, o.len());
-                    o.iter_mut().zip(got).for_each(|(o, v)| *o = v * s);
-                }
-                continue;
-            }
             column_dots(
                 simd,
-                (self.b, (at, k, sk), scale),
+                (self.b, (at, k, sk), self.scales.map(|s| s[bi * n + j])),
                 self.a,
                 self.split,
                 self.scratch,
                 bi * m..(bi + 1) * m,
                 |i, v| o[i] = v,
             );
+        }
+    }
+}
+
+impl<T: Widen> Columns<'_, T> {
+    /// The task's columns through the panel kernel, two at a time where they belong to one
+    /// batch entry.
+    #[inline(always)]
+    fn in_panels<S: Simd>(self, simd: S, panels: &[Panels]) {
+        let (k, n, m) = (self.bop.rows, self.bop.cols, self.m);
+        let (sk, sn) = self.bop.strides();
+        let columns = self.out.len() / m.max(1);
+        let [l0, l1] = &mut self.scratch.lanes;
+        let mut jj = 0;
+        while jj < columns {
+            let g = self.g0 + jj;
+            let (bi, j) = (g / n, g % n);
+            let at = |j: usize| (self.bop.batch_offset(bi) + j * sn, k, sk);
+            let scale = |j: usize| self.scales.map_or(1.0, |s| s[bi * n + j]);
+            let out = &mut self.out[jj * m..];
+            let w0 = column_lanes(self.b, at(j), l0);
+            if jj + 1 < columns && j + 1 < n {
+                let w1 = column_lanes(self.b, at(j + 1), l1);
+                let put = |c: usize, r: usize, v: f32| out[c * m + r] = v;
+                let ws = ([w0, w1], [scale(j), scale(j + 1)]);
+                panel_products::<S, T, 2>(simd, ws, &panels[bi], m, put);
+                jj += 2;
+            } else {
+                let put = |_: usize, r: usize, v: f32| out[r] = v;
+                panel_products::<S, T, 1>(simd, ([w0], [scale(j)]), &panels[bi], m, put);
+                jj += 1;
+            }
         }
     }
 }
@@ -428,20 +476,28 @@ impl<T: Widen> WithSimd for ExpertTask<'_, T> {
         let (k, tn, left) = (tile.k, tile.tn, tile.left_rows());
         let mut res = vec![0f32; left * tn];
         let mut scratch = Scratch::default();
+        if let Some(panels) = self.panels {
+            let scale = |j: usize| self.scales.map_or(1.0, |s| s[j]);
+            let [l0, l1] = &mut scratch.lanes;
+            let mut jj = 0;
+            while jj < tn {
+                let j = tile.weight_row(jj);
+                let w0 = column_lanes(self.w, (j * k, k, 1), l0);
+                let put = |c: usize, r: usize, v: f32| res[r * tn + jj + c] = v;
+                if jj + 1 < tn {
+                    let w1 = column_lanes(self.w, ((j + 1) * k, k, 1), l1);
+                    let ws = ([w0, w1], [scale(j), scale(j + 1)]);
+                    panel_products::<S, T, 2>(simd, ws, panels, left, put);
+                    jj += 2;
+                } else {
+                    panel_products::<S, T, 1>(simd, ([w0], [scale(j)]), panels, left, put);
+                    jj += 1;
+                }
+            }
+            return res;
+        }
         for jj in 0..tn {
             let j = tile.weight_row(jj);
-            if let Some(panels) = self.panels {
-                let lanes = column_lanes(self.w, (j * k, k, 1), &mut scratch.lanes);
-                let s = self.scales.map_or(1.0, |s| s[j]);
-                for p in 0..left.div_ceil(PANEL) {
-                    let live = PANEL.min(left - p * PANEL);
-                    let got = panel_dots::<S, T>(simd, lanes, panels, p, live);
-                    for (r, v) in got.into_iter().enumerate().take(live) {
-                        res[(p * PANEL + r) * tn + jj] = v * s;
-                    }
-                }
-                continue;
-            }
             column_dots(
                 simd,
                 (self.w, (j * k, k, 1), self.scales.map(|s| s[j])),

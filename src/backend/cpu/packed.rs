@@ -165,7 +165,9 @@ fn dot_row<S: Simd, T: Packed>(simd: S, w: &[u32], split: &SplitRows, r: usize) 
     let mut even = simd.splat_f32s(0.0);
     let mut odd = even;
     let pairs = head.len() / 2;
+    let fetch = Prefetch::new();
     for t in 0..pairs {
+        fetch.ahead(&head[2 * t..]);
         even = step::<S, T>(simd, even, x, head[2 * t], 2 * t, per_group);
         odd = step::<S, T>(simd, odd, x, head[2 * t + 1], 2 * t + 1, per_group);
     }
@@ -258,86 +260,141 @@ impl Panels {
     }
 }
 
-/// The dot products of panel `panel`'s first `live` rows with one weight row (`w`, lanes of
-/// `T`); the rest of the [`PANEL`] values are zero. A panel of one to four live rows runs a
-/// narrower block, so a few rows cost no more FMAs than they need.
+/// Weight rows a panel kernel takes at once ([`panel_dots`]): each left vector it loads feeds
+/// this many FMAs, one per weight row.
+pub(super) const PANEL_COLS: usize = 2;
+
+/// The dot products of panel `panel`'s first `live` rows with each of `C` weight rows (`ws`,
+/// lanes of `T`, all of one length); the rest of the [`PANEL`] values are zero. A panel of one
+/// to four live rows runs a narrower block, so a few rows cost no more FMAs than they need.
 #[inline(always)]
-pub(super) fn panel_dots<S: Simd, T: Packed>(
+pub(super) fn panel_dots<S: Simd, T: Packed, const C: usize>(
     simd: S,
-    w: &[u32],
+    ws: [&[u32]; C],
     panels: &Panels,
     panel: usize,
     live: usize,
-) -> [f32; PANEL] {
+) -> [[f32; PANEL]; C] {
     debug_assert_eq!(panels.per_lane, T::PER_LANE);
     let x = panels.panel(panel);
-    let pad = |got: &[f32]| std::array::from_fn(|r| got.get(r).copied().unwrap_or(0.0));
+    let pad = |got: [[f32; 4]; C]| {
+        got.map(|col| std::array::from_fn(|r| col.get(r).copied().unwrap_or(0.0)))
+    };
     match live {
-        0 | 1 => pad(&panel_block::<S, T, 1>(simd, w, x, 0)),
-        2..=4 => pad(&panel_block::<S, T, 4>(simd, w, x, 0)),
-        _ if S::REGISTER_COUNT >= 32 => panel_block::<S, T, PANEL>(simd, w, x, 0),
+        0..=4 => pad(panel_block::<S, T, 4, C>(simd, ws, x, 0)),
+        _ if S::REGISTER_COUNT >= 32 => panel_block::<S, T, PANEL, C>(simd, ws, x, 0),
         _ => {
-            let lo = panel_block::<S, T, 4>(simd, w, x, 0);
-            let hi = panel_block::<S, T, 4>(simd, w, x, 4);
-            std::array::from_fn(|r| if r < 4 { lo[r] } else { hi[r - 4] })
+            let lo = panel_block::<S, T, 4, C>(simd, ws, x, 0);
+            let hi = panel_block::<S, T, 4, C>(simd, ws, x, 4);
+            std::array::from_fn(|c| {
+                std::array::from_fn(|r| if r < 4 { lo[c][r] } else { hi[c][r - 4] })
+            })
         }
     }
 }
 
-/// Rows `r0..r0 + R` of one panel (`x`) dotted with the weight row `w`: each vector of `w` is
-/// loaded and unpacked once and feeds `R` FMAs per lane position, whose operands sit one after
-/// another in `x`. Two accumulators a row (even and odd vectors) hide the FMA latency.
+/// Rows `r0..r0 + R` of one panel (`x`) dotted with each of the weight rows `ws`: each vector
+/// of a weight row is loaded and unpacked once and feeds `R` FMAs per lane position, whose
+/// operands sit one after another in `x`, and each left vector loaded feeds `C` FMAs. The
+/// `R x C` accumulators are independent chains that hide the FMA latency.
+///
+/// Why several weight rows: with one, every FMA needed its own load of a left vector (sixteen
+/// loads for sixteen FMAs a weight vector), and a batch-8 step ran at about half the
+/// weight-read rate of a batch-1 step (benches/README.md, "Two weight rows at a time").
 #[inline(always)]
-fn panel_block<S: Simd, T: Packed, const R: usize>(
+fn panel_block<S: Simd, T: Packed, const R: usize, const C: usize>(
     simd: S,
-    w: &[u32],
+    ws: [&[u32]; C],
     x: &[f32],
     r0: usize,
-) -> [f32; R] {
-    let (head, tail) = S::as_simd_u32s(w);
+) -> [[f32; R]; C] {
+    let rows = ws.map(S::as_simd_u32s);
     let xs = S::as_simd_f32s(x).0;
-    let mut even = [simd.splat_f32s(0.0); R];
-    let mut odd = even;
-    let pairs = head.len() / 2;
-    for t in 0..pairs {
-        let v = 2 * t;
-        panel_step::<S, T, R>(simd, &mut even, xs, head[v], v, r0);
-        panel_step::<S, T, R>(simd, &mut odd, xs, head[v + 1], v + 1, r0);
+    let mut acc = [[simd.splat_f32s(0.0); R]; C];
+    let vectors = rows[0].0.len();
+    let mut lanes = [simd.splat_u32s(0); C];
+    let fetch = Prefetch::new();
+    for v in 0..vectors {
+        for c in 0..C {
+            fetch.ahead(&rows[c].0[v..]);
+            lanes[c] = rows[c].0[v];
+        }
+        panel_step::<S, T, R, C>(simd, &mut acc, xs, lanes, v, r0);
     }
-    if head.len() % 2 == 1 {
-        let v = head.len() - 1;
-        panel_step::<S, T, R>(simd, &mut even, xs, head[v], v, r0);
-    }
-    if !tail.is_empty() {
+    if !rows[0].1.is_empty() {
         // Zero-filled: unpacks to zeros, and the panel is zero there too.
-        let lanes = simd.partial_load_u32s(tail);
-        panel_step::<S, T, R>(simd, &mut odd, xs, lanes, head.len(), r0);
+        for c in 0..C {
+            lanes[c] = simd.partial_load_u32s(rows[c].1);
+        }
+        panel_step::<S, T, R, C>(simd, &mut acc, xs, lanes, vectors, r0);
     }
-    let mut out = [0f32; R];
-    for r in 0..R {
-        out[r] = simd.reduce_sum_f32s(simd.add_f32s(even[r], odd[r]));
+    let mut out = [[0f32; R]; C];
+    for c in 0..C {
+        for r in 0..R {
+            out[c][r] = simd.reduce_sum_f32s(acc[c][r]);
+        }
     }
     out
 }
 
-/// Weight vector `v` (`lanes`) into rows `r0..r0 + R`'s accumulators (a plain function, as
-/// [`step`]).
+/// How far ahead of the weight vector being multiplied [`Prefetch::ahead`] asks for memory.
+const PREFETCH_BYTES: usize = 4096;
+
+/// Software prefetch of the weight stream, where the CPU has it (x86-64: SSE's `prefetcht0`,
+/// which `pulp` exposes as a safe call since a prefetch never faults).
+#[derive(Clone, Copy)]
+struct Prefetch {
+    #[cfg(target_arch = "x86_64")]
+    sse: Option<pulp::core_arch::x86::Sse>,
+}
+
+impl Prefetch {
+    #[inline(always)]
+    fn new() -> Self {
+        Prefetch {
+            #[cfg(target_arch = "x86_64")]
+            sse: pulp::core_arch::x86::Sse::try_new(),
+        }
+    }
+
+    /// Asks for the cache line [`PREFETCH_BYTES`] past the start of `from` (past its end is
+    /// fine: nothing is read).
+    #[inline(always)]
+    fn ahead<V>(self, from: &[V]) {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(sse) = self.sse {
+            let at = from.as_ptr().cast::<i8>().wrapping_add(PREFETCH_BYTES);
+            sse._mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(at);
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = from;
+    }
+}
+
+/// Weight vector `v` of each weight row (`lanes`) into rows `r0..r0 + R`'s accumulators (a
+/// plain function, as [`step`]).
 #[inline(always)]
-fn panel_step<S: Simd, T: Packed, const R: usize>(
+fn panel_step<S: Simd, T: Packed, const R: usize, const C: usize>(
     simd: S,
-    acc: &mut [S::f32s; R],
+    acc: &mut [[S::f32s; R]; C],
     xs: &[S::f32s],
-    lanes: S::u32s,
+    lanes: [S::u32s; C],
     v: usize,
     r0: usize,
 ) {
     let per = GROUP_ALIGN / S::F32_LANES;
     let block = T::PER_LANE * PANEL * per;
     let xb = &xs[(v / per) * block..][..block];
+    let mut wv = [simd.splat_f32s(0.0); C];
     for p in 0..T::PER_LANE {
-        let wv = T::unpack(simd, lanes, p);
+        for c in 0..C {
+            wv[c] = T::unpack(simd, lanes[c], p);
+        }
         for r in 0..R {
-            acc[r] = simd.mul_add_f32s(xb[(p * PANEL + r0 + r) * per + v % per], wv, acc[r]);
+            let xv = xb[(p * PANEL + r0 + r) * per + v % per];
+            for c in 0..C {
+                acc[c][r] = simd.mul_add_f32s(xv, wv[c], acc[c][r]);
+            }
         }
     }
 }
@@ -347,8 +404,11 @@ mod tests {
     use super::*;
     use pulp::{Arch, WithSimd};
 
+    /// Every kernel's products of the left rows `a` with the weight row `w`, and the
+    /// two-column panel kernel's with `w` and `w2` together.
     struct Dots<'a, T> {
         w: &'a [T],
+        w2: &'a [T],
         a: &'a [f32],
         k: usize,
     }
@@ -360,15 +420,22 @@ mod tests {
             let split = SplitRows::new(self.a, self.k, T::PER_LANE);
             let rows = self.a.len() / self.k;
             let lanes = T::as_lanes(self.w).expect("aligned test data");
+            let lanes2 = T::as_lanes(self.w2).expect("aligned test data");
             let mut out = vec![f32::NAN; rows];
             dots::<S, T>(simd, lanes, &split, 0..rows, |i, v| out[i] = v);
-            // The same rows in panels: the second half of the output.
+            // The same rows in panels, by `w` alone, then by `w` and `w2` together.
             let panels = Panels::new(self.a.chunks_exact(self.k), self.k, T::PER_LANE);
+            let (mut first, mut second) = (vec![], vec![]);
             for p in 0..rows.div_ceil(PANEL) {
                 let live = PANEL.min(rows - p * PANEL);
-                let got = panel_dots::<S, T>(simd, lanes, &panels, p, live);
+                let [got] = panel_dots::<S, T, 1>(simd, [lanes], &panels, p, live);
                 out.extend_from_slice(&got[..live]);
+                let [a, b] = panel_dots::<S, T, 2>(simd, [lanes, lanes2], &panels, p, live);
+                first.extend_from_slice(&a[..live]);
+                second.extend_from_slice(&b[..live]);
             }
+            out.extend(first);
+            out.extend(second);
             out
         }
     }
@@ -377,30 +444,38 @@ mod tests {
         let a: Vec<f32> = (0..rows * k)
             .map(|i| ((i * 7 % 13) as f32 - 6.0) / 8.0)
             .collect();
+        let w2: Vec<T> = w.iter().rev().copied().collect();
+        let dots = || Dots {
+            w,
+            w2: &w2,
+            a: &a,
+            k,
+        };
         // What the machine picks, and each width it has (scalar, AVX2, AVX-512).
-        let mut runs = vec![Arch::new().dispatch(Dots { w, a: &a, k })];
-        runs.push(Dots { w, a: &a, k }.with_simd(pulp::Scalar::new()));
+        let mut runs = vec![Arch::new().dispatch(dots())];
+        runs.push(dots().with_simd(pulp::Scalar::new()));
         #[cfg(target_arch = "x86_64")]
         {
             if let Some(simd) = pulp::x86::V3::try_new() {
-                runs.push(Dots { w, a: &a, k }.with_simd(simd));
+                runs.push(dots().with_simd(simd));
             }
             if let Some(simd) = pulp::x86::V4::try_new() {
-                runs.push(Dots { w, a: &a, k }.with_simd(simd));
+                runs.push(dots().with_simd(simd));
             }
         }
-        assert!(runs.iter().all(|r| r.len() == 2 * rows));
-        for (r, g) in runs
-            .iter()
-            .flatten()
-            .enumerate()
-            .map(|(i, g)| (i % rows, g))
-        {
-            let want: f64 = (0..k).map(|c| f64::from(a[r * k + c]) * value(w[c])).sum();
-            assert!(
-                (f64::from(*g) - want).abs() < 1e-4,
-                "k {k}, row {r} of {rows}: {g} vs {want}"
-            );
+        assert!(runs.iter().all(|r| r.len() == 4 * rows));
+        for run in &runs {
+            for (i, g) in run.iter().enumerate() {
+                // The last quarter is the products with `w2`.
+                let (r, weights) = (i % rows, if i < 3 * rows { w } else { &w2[..] });
+                let want: f64 = (0..k)
+                    .map(|c| f64::from(a[r * k + c]) * value(weights[c]))
+                    .sum();
+                assert!(
+                    (f64::from(*g) - want).abs() < 1e-4,
+                    "k {k}, output {i} (row {r} of {rows}): {g} vs {want}"
+                );
+            }
         }
     }
 
