@@ -343,14 +343,14 @@ const PREFETCH_BYTES: usize = 4096;
 /// Software prefetch of the weight stream, where the CPU has it (x86-64: SSE's `prefetcht0`,
 /// which `pulp` exposes as a safe call since a prefetch never faults).
 #[derive(Clone, Copy)]
-struct Prefetch {
+pub(super) struct Prefetch {
     #[cfg(target_arch = "x86_64")]
     sse: Option<pulp::core_arch::x86::Sse>,
 }
 
 impl Prefetch {
     #[inline(always)]
-    fn new() -> Self {
+    pub(super) fn new() -> Self {
         Prefetch {
             #[cfg(target_arch = "x86_64")]
             sse: pulp::core_arch::x86::Sse::try_new(),
@@ -360,7 +360,7 @@ impl Prefetch {
     /// Asks for the cache line [`PREFETCH_BYTES`] past the start of `from` (past its end is
     /// fine: nothing is read).
     #[inline(always)]
-    fn ahead<V>(self, from: &[V]) {
+    pub(super) fn ahead<V>(self, from: &[V]) {
         #[cfg(target_arch = "x86_64")]
         if let Some(sse) = self.sse {
             let at = from.as_ptr().cast::<i8>().wrapping_add(PREFETCH_BYTES);
