@@ -114,7 +114,7 @@ fn widen_int8_avx512(simd: pulp::x86::V4, row: &[i8], scale: f32, out: &mut Vec<
     let (dst, dst_tail) = out[from..].as_chunks_mut::<16>();
     for (i, (&codes, dst)) in chunks.iter().zip(dst).enumerate() {
         if i % 4 == 0 {
-            fetch.ahead(&row[i * 16..]);
+            fetch.ahead::<{ super::packed::PREFETCH_ONE_ROW }, _>(&row[i * 16..]);
         }
         let codes: __m128i = pulp::cast(codes);
         let wide = simd.avx512f._mm512_cvtepi8_epi32(codes);

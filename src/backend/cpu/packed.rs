@@ -167,7 +167,7 @@ fn dot_row<S: Simd, T: Packed>(simd: S, w: &[u32], split: &SplitRows, r: usize) 
     let pairs = head.len() / 2;
     let fetch = Prefetch::new();
     for t in 0..pairs {
-        fetch.ahead(&head[2 * t..]);
+        fetch.ahead::<PREFETCH_ONE_ROW, _>(&head[2 * t..]);
         even = step::<S, T>(simd, even, x, head[2 * t], 2 * t, per_group);
         odd = step::<S, T>(simd, odd, x, head[2 * t + 1], 2 * t + 1, per_group);
     }
@@ -316,7 +316,7 @@ fn panel_block<S: Simd, T: Packed, const R: usize, const C: usize>(
     let fetch = Prefetch::new();
     for v in 0..vectors {
         for c in 0..C {
-            fetch.ahead(&rows[c].0[v..]);
+            fetch.ahead::<PREFETCH_PANEL, _>(&rows[c].0[v..]);
             lanes[c] = rows[c].0[v];
         }
         panel_step::<S, T, R, C>(simd, &mut acc, xs, lanes, v, r0);
@@ -337,8 +337,13 @@ fn panel_block<S: Simd, T: Packed, const R: usize, const C: usize>(
     out
 }
 
-/// How far ahead of the weight vector being multiplied [`Prefetch::ahead`] asks for memory.
-const PREFETCH_BYTES: usize = 4096;
+/// How far ahead of the weight vector being multiplied the kernels ask for memory
+/// ([`Prefetch::ahead`]), in bytes: the one-row dot (a decode step of one row, the gathered
+/// experts) and the panel kernel (several rows; it consumes the stream more slowly). Tuned on
+/// the medium model's decode steps (benches/README.md, "Two weight rows at a time"): further
+/// ahead made batch 1 slower, nearer made the batch-8 LM head slower.
+pub(super) const PREFETCH_ONE_ROW: usize = 1024;
+pub(super) const PREFETCH_PANEL: usize = 4096;
 
 /// Software prefetch of the weight stream, where the CPU has it (x86-64: SSE's `prefetcht0`,
 /// which `pulp` exposes as a safe call since a prefetch never faults).
@@ -357,13 +362,13 @@ impl Prefetch {
         }
     }
 
-    /// Asks for the cache line [`PREFETCH_BYTES`] past the start of `from` (past its end is
-    /// fine: nothing is read).
+    /// Asks for the cache line `BYTES` past the start of `from` (past its end is fine:
+    /// nothing is read).
     #[inline(always)]
-    pub(super) fn ahead<V>(self, from: &[V]) {
+    pub(super) fn ahead<const BYTES: usize, V>(self, from: &[V]) {
         #[cfg(target_arch = "x86_64")]
         if let Some(sse) = self.sse {
-            let at = from.as_ptr().cast::<i8>().wrapping_add(PREFETCH_BYTES);
+            let at = from.as_ptr().cast::<i8>().wrapping_add(BYTES);
             sse._mm_prefetch::<{ core::arch::x86_64::_MM_HINT_T0 }>(at);
         }
         #[cfg(not(target_arch = "x86_64"))]
