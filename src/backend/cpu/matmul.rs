@@ -39,6 +39,14 @@ const PANEL_MIN_ROWS: usize = 4;
 trait Widen: Packed + Send + Sync {
     fn widen(self) -> f32;
 
+    /// `out[i] = dot(left[i], row) * scale` for a contiguous weight row and up to
+    /// [`FUSED_ROWS`] left rows, reading the row in place, where the type and the CPU have such
+    /// a kernel; `false` (nothing written) where not, and the caller widens the row.
+    #[inline(always)]
+    fn fused_dots(_row: &[Self], _scale: f32, _left: &[&[f32]], _out: &mut [f32]) -> bool {
+        false
+    }
+
     /// Appends `row` widened to f32, each value times `scale` when given.
     #[inline(always)]
     fn widen_row(row: &[Self], scale: Option<f32>, out: &mut Vec<f32>) {
@@ -81,6 +89,36 @@ impl Widen for i8 {
         f32::from(self)
     }
 
+    /// With AVX-512: sixteen codes at a time sign-extended and converted in registers, each
+    /// vector feeding every left row's FMA, the scale applied once to each sum. Widening the
+    /// row into a buffer first stored and reloaded every value and left the int8 experts at
+    /// about half the memory bandwidth at batch 8 (benches/README.md).
+    #[inline(always)]
+    fn fused_dots(row: &[Self], scale: f32, left: &[&[f32]], out: &mut [f32]) -> bool {
+        #[cfg(target_arch = "x86_64")]
+        if let Some(simd) = pulp::x86::V4::try_new() {
+            let done = |got: &[f32], out: &mut [f32]| {
+                out.iter_mut().zip(got).for_each(|(o, g)| *o = g * scale)
+            };
+            match *left {
+                [a] => done(&simd.vectorize(|| int8_dots_avx512(simd, row, [a])), out),
+                [a, b] => done(&simd.vectorize(|| int8_dots_avx512(simd, row, [a, b])), out),
+                [a, b, c] => done(
+                    &simd.vectorize(|| int8_dots_avx512(simd, row, [a, b, c])),
+                    out,
+                ),
+                [a, b, c, d] => done(
+                    &simd.vectorize(|| int8_dots_avx512(simd, row, [a, b, c, d])),
+                    out,
+                ),
+                _ => return false,
+            }
+            return true;
+        }
+        let _ = (row, scale, left, out);
+        false
+    }
+
     /// With AVX-512, sixteen codes at a time by the CPU's own sign extension and convert, the
     /// scale applied in the same pass, and the weight stream prefetched: the portable `Simd`
     /// trait has no byte-to-float convert, and the compiler's code for the generic loop
@@ -99,6 +137,63 @@ impl Widen for i8 {
             out[from..].iter_mut().for_each(|v| *v *= s);
         }
     }
+}
+
+/// Left rows from which [`Widen::fused_dots`] declines: a register block of its accumulators a
+/// row.
+const FUSED_ROWS: usize = 4;
+
+/// `dot(left[r], row)` for each left row, the int8 codes converted sixteen at a time in
+/// registers (see [`Widen::fused_dots`] for `i8`); two accumulators a row hide the FMA latency.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn int8_dots_avx512<const R: usize>(
+    simd: pulp::x86::V4,
+    row: &[i8],
+    left: [&[f32]; R],
+) -> [f32; R] {
+    use core::arch::x86_64::__m512;
+    use pulp::Simd;
+    let fetch = super::packed::Prefetch::new();
+    let f = simd.avx512f;
+    let zero = f._mm512_setzero_ps();
+    let mut acc = [[zero; 2]; R];
+    let (codes, tail) = row.as_chunks::<16>();
+    let mut xs = [&[][..]; R];
+    for r in 0..R {
+        xs[r] = left[r].as_chunks::<16>().0;
+    }
+    let widen = |c: [i8; 16]| f._mm512_cvtepi32_ps(f._mm512_cvtepi8_epi32(pulp::cast(c)));
+    for t in 0..codes.len() / 2 {
+        let (i, j) = (2 * t, 2 * t + 1);
+        if t % 2 == 0 {
+            fetch.ahead::<{ super::packed::PREFETCH_ONE_ROW }, _>(&row[i * 16..]);
+        }
+        let (wi, wj) = (widen(codes[i]), widen(codes[j]));
+        for r in 0..R {
+            acc[r][0] = f._mm512_fmadd_ps(pulp::cast(xs[r][i]), wi, acc[r][0]);
+            acc[r][1] = f._mm512_fmadd_ps(pulp::cast(xs[r][j]), wj, acc[r][1]);
+        }
+    }
+    if codes.len() % 2 == 1 {
+        let i = codes.len() - 1;
+        let wi = widen(codes[i]);
+        for r in 0..R {
+            acc[r][0] = f._mm512_fmadd_ps(pulp::cast(xs[r][i]), wi, acc[r][0]);
+        }
+    }
+    let mut out = [0f32; R];
+    let at = codes.len() * 16;
+    for r in 0..R {
+        let sum: __m512 = f._mm512_add_ps(acc[r][0], acc[r][1]);
+        let tail_sum: f32 = tail
+            .iter()
+            .zip(&left[r][at..])
+            .map(|(&q, &x)| f32::from(q) * x)
+            .sum();
+        out[r] = simd.reduce_sum_f32s(pulp::cast(sum)) + tail_sum;
+    }
+    out
 }
 
 /// `out.extend(row[i] as f32 * scale)` in AVX-512 (see [`Widen::widen_row`] for `i8`).
@@ -250,7 +345,7 @@ fn column_dots<S: Simd, T: Widen>(
     a: &[f32],
     split: Option<&SplitRows>,
     scratch: &mut Scratch,
-    rows: impl Iterator<Item = usize>,
+    rows: impl Iterator<Item = usize> + Clone,
     mut put: impl FnMut(usize, f32),
 ) {
     if let Some(split) = split {
@@ -258,7 +353,25 @@ fn column_dots<S: Simd, T: Widen>(
         let s = scale.unwrap_or(1.0);
         return dots::<S, T>(simd, lanes, split, rows, |i, v| put(i, v * s));
     }
-    let k = col.1;
+    let (at, k, sk) = col;
+    if sk == 1 && rows.clone().count() <= FUSED_ROWS {
+        let mut left = [&[][..]; FUSED_ROWS];
+        let mut n = 0;
+        for r in rows.clone() {
+            left[n] = &a[r * k..][..k];
+            n += 1;
+        }
+        let mut got = [0f32; FUSED_ROWS];
+        if T::fused_dots(
+            &b[at..at + k],
+            scale.unwrap_or(1.0),
+            &left[..n],
+            &mut got[..n],
+        ) {
+            got[..n].iter().enumerate().for_each(|(i, &v)| put(i, v));
+            return;
+        }
+    }
     let row = &mut scratch.widened;
     row.clear();
     push_widened(row, b, col, scale);
@@ -498,7 +611,7 @@ impl<'a> ExpertTile<'a> {
     }
 
     /// The left rows' indices into the whole left operand, in output order.
-    fn left(&self) -> impl Iterator<Item = usize> + '_ {
+    fn left(&self) -> impl Iterator<Item = usize> + Clone + '_ {
         let m = self.m;
         self.rows
             .iter()
