@@ -91,8 +91,9 @@ impl Widen for i8 {
 
     /// With AVX-512: sixteen codes at a time sign-extended and converted in registers, each
     /// vector feeding every left row's FMA, the scale applied once to each sum. Widening the
-    /// row into a buffer first stored and reloaded every value and left the int8 experts at
-    /// about half the memory bandwidth at batch 8 (benches/README.md).
+    /// row into a buffer first stored and reloaded every value: the int8 experts took 10.7
+    /// ms a batch-8 step that way and 8.6 ms this way (benches/README.md, "Two weight rows at
+    /// a time, prefetched").
     #[inline(always)]
     fn fused_dots(row: &[Self], scale: f32, left: &[&[f32]], out: &mut [f32]) -> bool {
         #[cfg(target_arch = "x86_64")]
@@ -119,12 +120,12 @@ impl Widen for i8 {
         false
     }
 
-    /// With AVX-512, sixteen codes at a time by the CPU's own sign extension and convert, the
-    /// scale applied in the same pass, and the weight stream prefetched: the portable `Simd`
-    /// trait has no byte-to-float convert, and the compiler's code for the generic loop
-    /// (widen, then scale in a second pass) left the int8 experts slower than bf16 ones at
-    /// batch 8, though they read half the bytes (benches/README.md, "int8 rows widened by
-    /// AVX-512").
+    /// For more left rows than [`Widen::fused_dots`] takes. With AVX-512, sixteen codes at a
+    /// time by the CPU's own sign extension and convert, the scale applied in the same pass,
+    /// the weight stream prefetched: the portable `Simd` trait has no byte-to-float convert,
+    /// and the generic loop (widen, then scale in a second pass) took 15.1 ms of a batch-8
+    /// step where this took 12.5 (benches/README.md, "Two weight rows at a time,
+    /// prefetched").
     #[inline(always)]
     fn widen_row(row: &[Self], scale: Option<f32>, out: &mut Vec<f32>) {
         #[cfg(target_arch = "x86_64")]

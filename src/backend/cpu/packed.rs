@@ -14,7 +14,8 @@
 //! one vector. Each row costs one copy per call, against a weight read of `k` values per
 //! output column. From four rows on (a batched decode step, an expert chosen by several rows)
 //! the rows go in [`Panels`] of eight, interleaved so that each unpacked weight vector feeds
-//! eight FMAs whose operands are adjacent in memory.
+//! eight FMAs whose operands are adjacent in memory, two weight rows at a time. Both kernels
+//! prefetch the weight stream ahead of them ([`Prefetch`]).
 
 use pulp::Simd;
 
@@ -95,8 +96,8 @@ impl Packed for half::bf16 {
 
 /// int8 has no packed form: the portable trait has no byte-to-float convert, and the
 /// biasing trick that stands in for it (xor, shift, mask, or and subtract per byte) made the
-/// int8 experts slower than widening each row with the CPU's own convert (`matmul.rs`;
-/// benches/README.md).
+/// int8 experts slower than the CPU's own convert, which `matmul.rs` uses through `pulp`'s
+/// AVX-512 token (benches/README.md).
 impl Packed for i8 {}
 
 /// Left rows (`[rows, k]`, f32) in the packed dot's layout for `per_lane` values a lane.
@@ -299,8 +300,8 @@ pub(super) fn panel_dots<S: Simd, T: Packed, const C: usize>(
 /// `R x C` accumulators are independent chains that hide the FMA latency.
 ///
 /// Why several weight rows: with one, every FMA needed its own load of a left vector (sixteen
-/// loads for sixteen FMAs a weight vector), and a batch-8 step ran at about half the
-/// weight-read rate of a batch-1 step (benches/README.md, "Two weight rows at a time").
+/// loads for sixteen FMAs a weight vector), and the batch-8 LM head took 4.7 ms where one
+/// row took 2.1 (benches/README.md, "Two weight rows at a time, prefetched").
 #[inline(always)]
 fn panel_block<S: Simd, T: Packed, const R: usize, const C: usize>(
     simd: S,
@@ -340,8 +341,8 @@ fn panel_block<S: Simd, T: Packed, const R: usize, const C: usize>(
 /// How far ahead of the weight vector being multiplied the kernels ask for memory
 /// ([`Prefetch::ahead`]), in bytes: the one-row dot (a decode step of one row, the gathered
 /// experts) and the panel kernel (several rows; it consumes the stream more slowly). Tuned on
-/// the medium model's decode steps (benches/README.md, "Two weight rows at a time"): further
-/// ahead made batch 1 slower, nearer made the batch-8 LM head slower.
+/// the medium model's decode steps (benches/README.md, "Two weight rows at a time,
+/// prefetched"): further ahead made batch 1 slower, nearer made the batch-8 LM head slower.
 pub(super) const PREFETCH_ONE_ROW: usize = 1024;
 pub(super) const PREFETCH_PANEL: usize = 4096;
 
