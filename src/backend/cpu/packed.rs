@@ -119,8 +119,9 @@ impl SplitRows {
             .chunks_exact(k.max(1))
             .zip(data.chunks_exact_mut(per_lane * group))
         {
-            for (c, &v) in row.iter().enumerate() {
-                out[(c % per_lane) * group + c / per_lane] = v;
+            for (p, group) in out.chunks_exact_mut(group).enumerate() {
+                let values = row.iter().skip(p).step_by(per_lane);
+                group.iter_mut().zip(values).for_each(|(o, &v)| *o = v);
             }
         }
         SplitRows {
@@ -242,10 +243,17 @@ impl Panels {
             if r == 0 {
                 data.resize(base + panel, 0f32);
             }
-            for (c, &v) in row.iter().enumerate() {
-                let (p, lane) = (c % per_lane, c / per_lane);
-                let (block, at) = (lane / GROUP_ALIGN, lane % GROUP_ALIGN);
-                data[base + ((block * per_lane + p) * PANEL + r) * GROUP_ALIGN + at] = v;
+            // Block `b` of 16 lanes holds row values `b * 16 * per_lane ..`, lane position `p`
+            // of them every `per_lane`-th from `p`.
+            for (b, values) in row.chunks(GROUP_ALIGN * per_lane).enumerate() {
+                for p in 0..per_lane {
+                    let at = base + ((b * per_lane + p) * PANEL + r) * GROUP_ALIGN;
+                    let lanes = values.iter().skip(p).step_by(per_lane);
+                    data[at..at + GROUP_ALIGN]
+                        .iter_mut()
+                        .zip(lanes)
+                        .for_each(|(o, &v)| *o = v);
+                }
             }
         }
         Panels {
