@@ -120,8 +120,8 @@ impl Widen for i8 {
         false
     }
 
-    /// For more left rows than [`Widen::fused_dots`] takes. With AVX-512, sixteen codes at a
-    /// time by the CPU's own sign extension and convert, the scale applied in the same pass,
+    /// Where [`Widen::fused_dots`] does not run (a weight column that is not contiguous, a
+    /// prefill-sized tile for the GEMM). With AVX-512, sixteen codes at a time by the CPU's own sign extension and convert, the scale applied in the same pass,
     /// the weight stream prefetched: the portable `Simd` trait has no byte-to-float convert,
     /// and the generic loop (widen, then scale in a second pass) took 15.1 ms of a batch-8
     /// step where this took 12.5 (benches/README.md, "Two weight rows at a time,
@@ -140,8 +140,9 @@ impl Widen for i8 {
     }
 }
 
-/// Left rows from which [`Widen::fused_dots`] declines: a register block of its accumulators a
-/// row.
+/// The most left rows one call of [`Widen::fused_dots`] takes: its accumulators, two a row,
+/// stay in registers. More rows go in groups of this many; each row's arithmetic is its own,
+/// so its product is the same in any group (a request's tokens must not depend on the batch).
 const FUSED_ROWS: usize = 4;
 
 /// `dot(left[r], row)` for each left row, the int8 codes converted sixteen at a time in
@@ -355,23 +356,8 @@ fn column_dots<S: Simd, T: Widen>(
         return dots::<S, T>(simd, lanes, split, rows, |i, v| put(i, v * s));
     }
     let (at, k, sk) = col;
-    if sk == 1 && rows.clone().count() <= FUSED_ROWS {
-        let mut left = [&[][..]; FUSED_ROWS];
-        let mut n = 0;
-        for r in rows.clone() {
-            left[n] = &a[r * k..][..k];
-            n += 1;
-        }
-        let mut got = [0f32; FUSED_ROWS];
-        if T::fused_dots(
-            &b[at..at + k],
-            scale.unwrap_or(1.0),
-            &left[..n],
-            &mut got[..n],
-        ) {
-            got[..n].iter().enumerate().for_each(|(i, &v)| put(i, v));
-            return;
-        }
+    if sk == 1 && fused_in_groups(&b[at..at + k], scale, a, rows.clone(), &mut put) {
+        return;
     }
     let row = &mut scratch.widened;
     row.clear();
@@ -379,6 +365,35 @@ fn column_dots<S: Simd, T: Widen>(
     for (i, r) in rows.enumerate() {
         put(i, simd_dot(simd, &a[r * k..][..k], row));
     }
+}
+
+/// `put(i, dot(a[r], row) * scale)` for the `i`-th left row `r` of `rows`, by
+/// [`Widen::fused_dots`] in groups of [`FUSED_ROWS`]; `false` (nothing put) where the type or
+/// the CPU has no fused kernel. Every row goes through the same kernel whatever the count, so
+/// a row's product does not depend on how many rows chose the weight (see [`FUSED_ROWS`]).
+#[inline(always)]
+fn fused_in_groups<T: Widen>(
+    row: &[T],
+    scale: Option<f32>,
+    a: &[f32],
+    rows: impl Iterator<Item = usize>,
+    put: &mut impl FnMut(usize, f32),
+) -> bool {
+    let k = row.len();
+    let mut rows = rows.enumerate().peekable();
+    while rows.peek().is_some() {
+        let (mut at, mut left, mut n) = ([0; FUSED_ROWS], [&[][..]; FUSED_ROWS], 0);
+        for (i, r) in rows.by_ref().take(FUSED_ROWS) {
+            (at[n], left[n]) = (i, &a[r * k..][..k]);
+            n += 1;
+        }
+        let mut got = [0f32; FUSED_ROWS];
+        if !T::fused_dots(row, scale.unwrap_or(1.0), &left[..n], &mut got[..n]) {
+            return false;
+        }
+        (0..n).for_each(|j| put(at[j], got[j]));
+    }
+    true
 }
 
 /// `put(c, r, dot(row r, column c) * scales[c])` for every left row `r` of `panels` (`rows` in
@@ -399,6 +414,38 @@ fn panel_products<S: Simd, T: Widen, const C: usize>(
             for (r, v) in got[..live].iter().enumerate() {
                 put(c, p * PANEL + r, v * s);
             }
+        }
+    }
+}
+
+/// `put(jj, r, dot(row r, column jj) * scale)` for columns `0..columns` through the panel
+/// kernel, two at a time where consecutive columns multiply the same panels. `column(jj)` says
+/// which panels, where the weight column lies (`(at, k, sk)`) and its scale; `bufs` hold a
+/// column's lanes when it cannot be read in place. Both matmul kernels take panels this way.
+#[inline(always)]
+fn panel_columns<'p, S: Simd, T: Widen>(
+    simd: S,
+    (b, bufs): (&[T], &mut [Vec<u32>; PANEL_COLS]),
+    (rows, columns): (usize, usize),
+    column: impl Fn(usize) -> (&'p Panels, (usize, usize, usize), f32),
+    mut put: impl FnMut(usize, usize, f32),
+) {
+    let [l0, l1] = bufs;
+    let mut jj = 0;
+    while jj < columns {
+        let (panels, at, s) = column(jj);
+        let w0 = column_lanes(b, at, l0);
+        let next = (jj + 1 < columns)
+            .then(|| column(jj + 1))
+            .filter(|(p, ..)| std::ptr::eq(*p, panels));
+        if let Some((_, at1, s1)) = next {
+            let w1 = column_lanes(b, at1, l1);
+            let ws = ([w0, w1], [s, s1]);
+            panel_products::<S, T, 2>(simd, ws, panels, rows, |c, r, v| put(jj + c, r, v));
+            jj += 2;
+        } else {
+            panel_products::<S, T, 1>(simd, ([w0], [s]), panels, rows, |_, r, v| put(jj, r, v));
+            jj += 1;
         }
     }
 }
@@ -483,34 +530,25 @@ impl<T: Widen> WithSimd for Columns<'_, T> {
 }
 
 impl<T: Widen> Columns<'_, T> {
-    /// The task's columns through the panel kernel, two at a time where they belong to one
-    /// batch entry.
+    /// The task's columns through the panel kernel ([`panel_columns`]).
     #[inline(always)]
     fn in_panels<S: Simd>(self, simd: S, panels: &[Panels]) {
         let (k, n, m) = (self.bop.rows, self.bop.cols, self.m);
         let (sk, sn) = self.bop.strides();
         let columns = self.out.len() / m.max(1);
-        let [l0, l1] = &mut self.scratch.lanes;
-        let mut jj = 0;
-        while jj < columns {
-            let g = self.g0 + jj;
-            let (bi, j) = (g / n, g % n);
-            let at = |j: usize| (self.bop.batch_offset(bi) + j * sn, k, sk);
-            let scale = |j: usize| self.scales.map_or(1.0, |s| s[bi * n + j]);
-            let out = &mut self.out[jj * m..];
-            let w0 = column_lanes(self.b, at(j), l0);
-            if jj + 1 < columns && j + 1 < n {
-                let w1 = column_lanes(self.b, at(j + 1), l1);
-                let put = |c: usize, r: usize, v: f32| out[c * m + r] = v;
-                let ws = ([w0, w1], [scale(j), scale(j + 1)]);
-                panel_products::<S, T, 2>(simd, ws, &panels[bi], m, put);
-                jj += 2;
-            } else {
-                let put = |_: usize, r: usize, v: f32| out[r] = v;
-                panel_products::<S, T, 1>(simd, ([w0], [scale(j)]), &panels[bi], m, put);
-                jj += 1;
-            }
-        }
+        let column = |jj: usize| {
+            let (bi, j) = ((self.g0 + jj) / n, (self.g0 + jj) % n);
+            let at = (self.bop.batch_offset(bi) + j * sn, k, sk);
+            (&panels[bi], at, self.scales.map_or(1.0, |s| s[bi * n + j]))
+        };
+        let out = self.out;
+        panel_columns::<S, T>(
+            simd,
+            (self.b, &mut self.scratch.lanes),
+            (m, columns),
+            column,
+            |jj, r, v| out[jj * m + r] = v,
+        );
     }
 }
 
@@ -646,23 +684,17 @@ impl<T: Widen> WithSimd for ExpertTask<'_, T> {
         let mut res = vec![0f32; left * tn];
         let mut scratch = Scratch::default();
         if let Some(panels) = self.panels {
-            let scale = |j: usize| self.scales.map_or(1.0, |s| s[j]);
-            let [l0, l1] = &mut scratch.lanes;
-            let mut jj = 0;
-            while jj < tn {
+            let column = |jj: usize| {
                 let j = tile.weight_row(jj);
-                let w0 = column_lanes(self.w, (j * k, k, 1), l0);
-                let put = |c: usize, r: usize, v: f32| res[r * tn + jj + c] = v;
-                if jj + 1 < tn {
-                    let w1 = column_lanes(self.w, ((j + 1) * k, k, 1), l1);
-                    let ws = ([w0, w1], [scale(j), scale(j + 1)]);
-                    panel_products::<S, T, 2>(simd, ws, panels, left, put);
-                    jj += 2;
-                } else {
-                    panel_products::<S, T, 1>(simd, ([w0], [scale(j)]), panels, left, put);
-                    jj += 1;
-                }
-            }
+                (panels, (j * k, k, 1), self.scales.map_or(1.0, |s| s[j]))
+            };
+            panel_columns::<S, T>(
+                simd,
+                (self.w, &mut scratch.lanes),
+                (left, tn),
+                column,
+                |jj, r, v| res[r * tn + jj] = v,
+            );
             return res;
         }
         for jj in 0..tn {
@@ -1341,6 +1373,17 @@ mod tests {
                     .unwrap();
                 let d = max_diff(&got.get(i).unwrap(), &want);
                 assert!(d < 1e-4, "row {i}: {d}");
+                // The same bits when the row is multiplied alone (expert 2 has six left rows
+                // here, so panels or groups of fused rows; alone, two): a request's tokens must
+                // not depend on what else is in the batch.
+                let alone = gathered(&a.narrow(0, i, 1).unwrap(), &weights, &[ei], experts);
+                let alone = alone.unwrap().get(0).unwrap().flatten_all().unwrap();
+                let row = got.get(i).unwrap().flatten_all().unwrap();
+                assert_eq!(
+                    row.to_vec1::<f32>().unwrap(),
+                    alone.to_vec1::<f32>().unwrap(),
+                    "row {i} alone"
+                );
             }
         }
     }

@@ -157,32 +157,29 @@ pub(super) fn dots<S: Simd, T: Packed>(
 
 /// The dot product of left row `r` with one weight row.
 ///
-/// Two accumulators (even and odd weight vectors), so consecutive FMAs do not wait on each
-/// other.
+/// One accumulator, in the order the panel kernel sums each row ([`panel_block`]), so a row's
+/// product is bit for bit the same whether it is multiplied alone or with others: a request's
+/// tokens must not depend on what else is in the batch (the server suite checks it). The
+/// FMA chain this makes (one vector at a time) still outruns the weights' arrival from memory.
 #[inline(always)]
 fn dot_row<S: Simd, T: Packed>(simd: S, w: &[u32], split: &SplitRows, r: usize) -> f32 {
     let (head, tail) = S::as_simd_u32s(w);
     let per_group = split.group / S::F32_LANES;
     let x = S::as_simd_f32s(split.row(r)).0;
-    let mut even = simd.splat_f32s(0.0);
-    let mut odd = even;
-    let pairs = head.len() / 2;
+    let mut acc = simd.splat_f32s(0.0);
     let fetch = Prefetch::new();
-    for t in 0..pairs {
-        fetch.ahead::<PREFETCH_ONE_ROW, _>(&head[2 * t..]);
-        even = step::<S, T>(simd, even, x, head[2 * t], 2 * t, per_group);
-        odd = step::<S, T>(simd, odd, x, head[2 * t + 1], 2 * t + 1, per_group);
-    }
-    if head.len() % 2 == 1 {
-        let last = head.len() - 1;
-        even = step::<S, T>(simd, even, x, head[last], last, per_group);
+    for (i, &lanes) in head.iter().enumerate() {
+        if i % 2 == 0 {
+            fetch.ahead::<PREFETCH_ONE_ROW, _>(&head[i..]);
+        }
+        acc = step::<S, T>(simd, acc, x, lanes, i, per_group);
     }
     if !tail.is_empty() {
         // Zero-filled: unpacks to zeros, and the split rows are zero there too.
         let lanes = simd.partial_load_u32s(tail);
-        odd = step::<S, T>(simd, odd, x, lanes, head.len(), per_group);
+        acc = step::<S, T>(simd, acc, x, lanes, head.len(), per_group);
     }
-    simd.reduce_sum_f32s(simd.add_f32s(even, odd))
+    simd.reduce_sum_f32s(acc)
 }
 
 /// One weight vector (`lanes`, vector `i` of the row) into the accumulator. A plain function,
@@ -305,7 +302,8 @@ pub(super) fn panel_dots<S: Simd, T: Packed, const C: usize>(
 /// Rows `r0..r0 + R` of one panel (`x`) dotted with each of the weight rows `ws`: each vector
 /// of a weight row is loaded and unpacked once and feeds `R` FMAs per lane position, whose
 /// operands sit one after another in `x`, and each left vector loaded feeds `C` FMAs. The
-/// `R x C` accumulators are independent chains that hide the FMA latency.
+/// `R x C` accumulators are independent chains that hide the FMA latency; each sums its row in
+/// the one-row dot's order ([`dot_row`]), so results do not depend on the rows' count.
 ///
 /// Why several weight rows: with one, every FMA needed its own load of a left vector (sixteen
 /// loads for sixteen FMAs a weight vector), and the batch-8 LM head took 4.7 ms where one
@@ -479,6 +477,15 @@ mod tests {
         }
         assert!(runs.iter().all(|r| r.len() == 4 * rows));
         for run in &runs {
+            // A row's product is the same bits alone, in a panel, and beside a second weight
+            // row: a request's tokens must not depend on the rest of the batch.
+            let (split, rest) = run.split_at(rows);
+            assert_eq!(split, &rest[..rows], "k {k}, {rows} rows: split vs panel");
+            assert_eq!(
+                split,
+                &rest[rows..2 * rows],
+                "k {k}, {rows} rows: one vs two columns"
+            );
             for (i, g) in run.iter().enumerate() {
                 // The last quarter is the products with `w2`.
                 let (r, weights) = (i % rows, if i < 3 * rows { w } else { &w2[..] });
