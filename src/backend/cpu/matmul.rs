@@ -50,11 +50,18 @@ trait Widen: Packed + Send + Sync {
     /// Appends `row` widened to f32, each value times `scale` when given.
     #[inline(always)]
     fn widen_row(row: &[Self], scale: Option<f32>, out: &mut Vec<f32>) {
-        let from = out.len();
-        out.extend(row.iter().map(|v| v.widen()));
-        if let Some(s) = scale {
-            out[from..].iter_mut().for_each(|v| *v *= s);
-        }
+        widen_scaled(row.iter().copied(), scale, out);
+    }
+}
+
+/// Appends `values` widened to f32, each times `scale` when given: the one generic widening
+/// loop ([`Widen::widen_row`] and the strided columns of [`push_widened`]).
+#[inline(always)]
+fn widen_scaled<T: Widen>(values: impl Iterator<Item = T>, scale: Option<f32>, out: &mut Vec<f32>) {
+    let from = out.len();
+    out.extend(values.map(T::widen));
+    if let Some(s) = scale {
+        out[from..].iter_mut().for_each(|v| *v *= s);
     }
 }
 
@@ -98,22 +105,14 @@ impl Widen for i8 {
     fn fused_dots(row: &[Self], scale: f32, left: &[&[f32]], out: &mut [f32]) -> bool {
         #[cfg(target_arch = "x86_64")]
         if let Some(simd) = pulp::x86::V4::try_new() {
-            let done = |got: &[f32], out: &mut [f32]| {
-                out.iter_mut().zip(got).for_each(|(o, g)| *o = g * scale)
-            };
-            match *left {
-                [a] => done(&simd.vectorize(|| int8_dots_avx512(simd, row, [a])), out),
-                [a, b] => done(&simd.vectorize(|| int8_dots_avx512(simd, row, [a, b])), out),
-                [a, b, c] => done(
-                    &simd.vectorize(|| int8_dots_avx512(simd, row, [a, b, c])),
-                    out,
-                ),
-                [a, b, c, d] => done(
-                    &simd.vectorize(|| int8_dots_avx512(simd, row, [a, b, c, d])),
-                    out,
-                ),
+            let rows = match left.len() {
+                1 => int8_dots_into::<1>(simd, row, left, out),
+                2 => int8_dots_into::<2>(simd, row, left, out),
+                3 => int8_dots_into::<3>(simd, row, left, out),
+                4 => int8_dots_into::<4>(simd, row, left, out),
                 _ => return false,
-            }
+            };
+            out[..rows].iter_mut().for_each(|o| *o *= scale);
             return true;
         }
         let _ = (row, scale, left, out);
@@ -121,22 +120,18 @@ impl Widen for i8 {
     }
 
     /// Where [`Widen::fused_dots`] does not run (a weight column that is not contiguous, a
-    /// prefill-sized tile for the GEMM). With AVX-512, sixteen codes at a time by the CPU's own sign extension and convert, the scale applied in the same pass,
-    /// the weight stream prefetched: the portable `Simd` trait has no byte-to-float convert,
-    /// and the generic loop (widen, then scale in a second pass) took 15.1 ms of a batch-8
-    /// step where this took 12.5 (benches/README.md, "Two weight rows at a time,
-    /// prefetched").
+    /// prefill-sized tile for the GEMM). With AVX-512, sixteen codes at a time by the CPU's
+    /// own sign extension and convert, the scale applied in the same pass, the weight stream
+    /// prefetched: the portable `Simd` trait has no byte-to-float convert, and the generic
+    /// loop (widen, then scale in a second pass) took 15.1 ms of a batch-8 step where this
+    /// took 12.5 (benches/README.md, "Two weight rows at a time, prefetched").
     #[inline(always)]
     fn widen_row(row: &[Self], scale: Option<f32>, out: &mut Vec<f32>) {
         #[cfg(target_arch = "x86_64")]
         if let Some(simd) = pulp::x86::V4::try_new() {
             return simd.vectorize(|| widen_int8_avx512(simd, row, scale.unwrap_or(1.0), out));
         }
-        let from = out.len();
-        out.extend(row.iter().map(|&v| f32::from(v)));
-        if let Some(s) = scale {
-            out[from..].iter_mut().for_each(|v| *v *= s);
-        }
+        widen_scaled(row.iter().copied(), scale, out);
     }
 }
 
@@ -144,6 +139,21 @@ impl Widen for i8 {
 /// stay in registers. More rows go in groups of this many; each row's arithmetic is its own,
 /// so its product is the same in any group (a request's tokens must not depend on the batch).
 const FUSED_ROWS: usize = 4;
+
+/// `out[r] = dot(left[r], row)` for `R` left rows (`left.len()`) by [`int8_dots_avx512`];
+/// returns `R`.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn int8_dots_into<const R: usize>(
+    simd: pulp::x86::V4,
+    row: &[i8],
+    left: &[&[f32]],
+    out: &mut [f32],
+) -> usize {
+    let left: [&[f32]; R] = std::array::from_fn(|r| left[r]);
+    out[..R].copy_from_slice(&simd.vectorize(|| int8_dots_avx512(simd, row, left)));
+    R
+}
 
 /// `dot(left[r], row)` for each left row, the int8 codes converted sixteen at a time in
 /// registers (see [`Widen::fused_dots`] for `i8`); two accumulators a row hide the FMA latency.
@@ -302,11 +312,7 @@ fn push_widened<T: Widen>(
     if sk == 1 {
         return T::widen_row(&b[at..at + k], scale, out);
     }
-    let from = out.len();
-    out.extend((0..k).map(|kk| b[at + kk * sk].widen()));
-    if let Some(s) = scale {
-        out[from..].iter_mut().for_each(|v| *v *= s);
-    }
+    widen_scaled((0..k).map(|kk| b[at + kk * sk]), scale, out);
 }
 
 /// Weight column `(at, k, sk)` as lanes of `T` for the packed dot: in place when it is
