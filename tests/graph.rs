@@ -94,6 +94,56 @@ fn cache_root_is_updated_in_place_not_copied() {
 }
 
 #[test]
+fn a_cast_of_one_repeated_value_converts_the_value_not_every_element() {
+    let b = GraphBuilder::new("t");
+    let x = b
+        .input("x", InputRole::Metadata, [2, 3], DType::I32)
+        .unwrap();
+    // A constant broadcast, cast: folded into a constant of the target dtype.
+    let ones = b
+        .full(1.0, [2, 3], DType::I32)
+        .unwrap()
+        .to_dtype(DType::F32)
+        .unwrap();
+    let third = b
+        .full(1.0 / 3.0, [2, 3], DType::F32)
+        .unwrap()
+        .to_dtype(DType::BF16)
+        .unwrap();
+    let truncated = b.scalar_f32(-2.75).to_dtype(DType::I32).unwrap();
+    // A value that varies stays a cast.
+    let cast = x.to_dtype(DType::F32).unwrap();
+    b.output("ones", &ones).unwrap();
+    b.output("third", &third).unwrap();
+    b.output("truncated", &truncated).unwrap();
+    b.output("cast", &cast).unwrap();
+    let g = b.finish().unwrap();
+    let casts: Vec<_> = g
+        .nodes()
+        .iter()
+        .filter(|n| matches!(n.op, Op::Cast(_)))
+        .collect();
+    assert_eq!(casts.len(), 1, "only the input's cast is left:\n{g}");
+
+    let dev = &Device::Cpu;
+    let x_t = CTensor::new(&[[1i32, -2, 3], [4, 5, -6]], dev).unwrap();
+    let out = cpu::run(&g, &[x_t]).unwrap();
+    assert_eq!(out[0].to_vec2::<f32>().unwrap(), vec![vec![1f32; 3]; 2]);
+    // What a cast of each element computes: f32 1/3 rounded to the nearest bf16, and -2.75
+    // truncated towards zero (HLO's convert, and Rust's `as`).
+    let bf16_third = half::bf16::from_f32(1.0f32 / 3.0);
+    assert_eq!(
+        out[1].to_vec2::<half::bf16>().unwrap(),
+        vec![vec![bf16_third; 3]; 2]
+    );
+    assert_eq!(out[2].to_scalar::<i32>().unwrap(), -2);
+    assert_eq!(
+        out[3].to_vec2::<f32>().unwrap(),
+        vec![vec![1f32, -2., 3.], vec![4., 5., -6.]]
+    );
+}
+
+#[test]
 fn named_methods_build_their_families_op() {
     // The named methods are generated one line each (`forward!`): a line naming the wrong
     // variant would build another op under the right name.

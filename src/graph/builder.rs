@@ -59,6 +59,20 @@ impl GraphBuilder {
         Tensor::new(id, shape, dtype, self.clone())
     }
 
+    /// The one value node `id` holds everywhere, when it is a constant of one value or a
+    /// broadcast of one: what [`Tensor::to_dtype`] folds.
+    pub(super) fn repeated_constant(&self, id: NodeId) -> Option<f64> {
+        let st = self.0.borrow();
+        let mut node = st.nodes.get(id.0)?;
+        if let Op::Broadcast(x) = node.op {
+            node = st.nodes.get(x.0)?;
+        }
+        match &node.op {
+            Op::Constant(lit) if lit.len() == 1 => lit.get_f64(0),
+            _ => None,
+        }
+    }
+
     /// Declares an input. Input names are unique (outputs have their own namespace, so an
     /// updated root may keep its input's name).
     pub fn input(

@@ -208,6 +208,19 @@ impl Literal {
         self.len() == 0
     }
 
+    /// Value `i` as an f64 (exact for every dtype a literal holds), or `None` past the end.
+    pub fn get_f64(&self, i: usize) -> Option<f64> {
+        Some(match self {
+            Literal::F32(v) => f64::from(*v.get(i)?),
+            Literal::BF16(v) => v.get(i)?.to_f64(),
+            Literal::F16(v) => v.get(i)?.to_f64(),
+            Literal::F8E4M3(v) => v.get(i)?.to_f64(),
+            Literal::I32(v) => f64::from(*v.get(i)?),
+            Literal::U32(v) => f64::from(*v.get(i)?),
+            Literal::I8(v) => f64::from(*v.get(i)?),
+        })
+    }
+
     /// The dtype of the values.
     pub fn dtype(&self) -> DType {
         match self {

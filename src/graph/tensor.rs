@@ -13,7 +13,7 @@
 //! candle-core generates its own with `unary_op!`/`bin_op!`.
 
 use super::shape::{broadcast_compatible, broadcast_shape};
-use super::{BinaryOp, CmpOp, DType, GraphBuilder, NodeId, Op, ReduceOp, Shape, UnaryOp};
+use super::{BinaryOp, CmpOp, DType, GraphBuilder, Literal, NodeId, Op, ReduceOp, Shape, UnaryOp};
 use crate::error::{Error, Result};
 
 /// Generates named forwarders to a family's generic method, one line each:
@@ -328,6 +328,14 @@ impl Tensor {
         }
         if dtype == DType::Bool {
             return Err(Error::shape("cast", "cast to bool (compare instead)"));
+        }
+        // One value broadcast is cast before its broadcast: a cast node would convert every
+        // element on the CPU each step (the decode sampler's one-hot of `[rows, vocab]`
+        // ones cost more than its argmax).
+        if let Some(v) = self.builder.repeated_constant(self.id) {
+            if Literal::scalar(v, dtype).is_some() {
+                return self.builder.full(v, self.shape.clone(), dtype);
+            }
         }
         Ok(self.push(Op::Cast(self.id), self.shape.clone(), dtype))
     }

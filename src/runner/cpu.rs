@@ -1,10 +1,18 @@
 //! The CPU twin of the device runner: the same graphs, run by candle-core on the host.
 //!
 //! It owns the weights (bound to every graph by name), the KV root (bound as input and
-//! aliased output of every graph, updated in place) and one graph per bucket. Capture records
-//! the buckets and forgets the graphs of earlier captures; each graph is built the first time
-//! a step needs it and kept, because on the CPU building is cheap and a server configured for
-//! `--max-batch 32 --max-len 2048` would otherwise build a hundred graphs it may never run.
+//! aliased output of every graph, updated in place) and the graphs it has run. Capture records
+//! the buckets (the limits a step must fit) and forgets the graphs of earlier captures.
+//!
+//! Unlike a NeuronCore, which can only replay the NEFFs compiled at capture, the CPU runs a
+//! graph of any shape, and building one is cheap (about a millisecond for the default model).
+//! So a step does not pad to its bucket here: a decode step runs on a graph of exactly its rows,
+//! and every step on a context of its longest sequence rounded up to a cache block (see
+//! [`cpu_context`]). Padding would be pure waste: the default buckets grow by 4x, and a batch of
+//! sequences 300 tokens long would otherwise attend over 1,024 positions (at `--max-len 1024`),
+//! which on the default model more than doubles the step. The graphs are kept in a small
+//! least-recently-used cache ([`GraphCache`]), since a server sees the same shapes again and
+//! again but may, over hours, see every one.
 //!
 //! With tensor parallelism (`tp > 1`) each rank holds its own weight shards and its own copy
 //! of the (replicated) KV root, and a step runs every rank's graph on its own thread; the
@@ -41,7 +49,75 @@ pub struct CpuRunner {
     /// Steps run so far: the step number the ranks' collectives are tagged with.
     steps: u64,
     runner_cfg: RunnerConfig,
-    graphs: HashMap<(StepKind, usize, usize, usize, LogitsOutput, Sampler), Graph>,
+    graphs: GraphCache,
+}
+
+/// What a CPU graph is built for: kind, rows, sequences, context, logits, sampler.
+type GraphKey = (StepKind, usize, usize, usize, LogitsOutput, Sampler);
+
+/// How many built graphs the CPU runner keeps. A server's steady state cycles through a few
+/// dozen shapes (batch sizes near its load, a context per 16 tokens of its longest sequence,
+/// the two samplers); a graph of V2-Lite is a few hundred kilobytes.
+const CACHED_GRAPHS: usize = 128;
+
+/// The graphs built so far, at most `capacity` ([`CACHED_GRAPHS`] in a runner), the least
+/// recently used dropped first.
+#[derive(Debug)]
+struct GraphCache {
+    graphs: HashMap<GraphKey, (Graph, u64)>,
+    capacity: usize,
+    /// Lookups so far: the clock each entry's last use is stamped with.
+    clock: u64,
+}
+
+impl GraphCache {
+    fn new(capacity: usize) -> Self {
+        GraphCache {
+            graphs: HashMap::new(),
+            capacity: capacity.max(1),
+            clock: 0,
+        }
+    }
+
+    /// The graph for `key`, built by `build` if it is not kept.
+    fn get_or_build(
+        &mut self,
+        key: GraphKey,
+        build: impl FnOnce() -> Result<Graph>,
+    ) -> Result<Graph> {
+        self.clock += 1;
+        if let Some((g, used)) = self.graphs.get_mut(&key) {
+            *used = self.clock;
+            return Ok(g.clone());
+        }
+        let g = build()?;
+        if self.graphs.len() >= self.capacity {
+            let oldest = self
+                .graphs
+                .iter()
+                .min_by_key(|(_, (_, used))| *used)
+                .map(|(k, _)| *k);
+            if let Some(k) = oldest {
+                self.graphs.remove(&k);
+            }
+        }
+        self.graphs.insert(key, (g.clone(), self.clock));
+        Ok(g)
+    }
+
+    fn len(&self) -> usize {
+        self.graphs.len()
+    }
+
+    fn clear(&mut self) {
+        self.graphs.clear();
+    }
+}
+
+/// The context a CPU step attends over: its longest sequence (`end` positions) rounded up to a
+/// whole cache block, the least a graph can take (see the module docs for why not a bucket).
+fn cpu_context(end: usize, block_size: usize) -> usize {
+    end.max(1).div_ceil(block_size) * block_size
 }
 
 impl std::fmt::Debug for CpuRunner {
@@ -91,7 +167,7 @@ impl CpuRunner {
             group: (tp > 1).then(|| Group::new(tp, DEFAULT_COLLECTIVE_TIMEOUT)),
             steps: 0,
             runner_cfg,
-            graphs: HashMap::new(),
+            graphs: GraphCache::new(CACHED_GRAPHS),
         })
     }
 
@@ -126,9 +202,7 @@ impl CpuRunner {
         sampler: Sampler,
     ) -> Result<Graph> {
         let key = (kind, rows, seqs, ctx, logits, sampler);
-        if let Some(g) = self.graphs.get(&key) {
-            return Ok(g.clone());
-        }
+        let (cfg, specs, layout) = (&self.cfg, &self.specs, &self.layout);
         // On the CPU the fused gather reads only the selected experts and computes only their
         // rows, so it wins at every batch size; the dense strategy only pays off on a device
         // whose bottleneck is memory traffic, not arithmetic (see `MoeStrategy::for_tokens`).
@@ -141,12 +215,10 @@ impl CpuRunner {
             moe,
             sampler,
         };
-        let g = match kind {
-            StepKind::Decode => model::build_decode(&self.cfg, &self.specs, &self.layout, &spec)?,
-            StepKind::Prefill => model::build_prefill(&self.cfg, &self.specs, &self.layout, &spec)?,
-        };
-        self.graphs.insert(key, g.clone());
-        Ok(g)
+        self.graphs.get_or_build(key, || match kind {
+            StepKind::Decode => model::build_decode(cfg, specs, layout, &spec),
+            StepKind::Prefill => model::build_prefill(cfg, specs, layout, &spec),
+        })
     }
 
     /// Rank `rank`'s inputs for `graph`, its metadata inputs from `metadata` (the step's
@@ -289,7 +361,12 @@ impl Runner for CpuRunner {
         let block_size = self.layout.block_size;
         match step {
             Step::Prefill { chunks, logits } => {
-                let (t, seqs, ctx) = self.runner_cfg.buckets.prefill_bucket(chunks, vocab)?;
+                // The bucket's chunk size (checked against the runner's limits), packing just
+                // these chunks, on the context they reach.
+                let (t, _, _) = self.runner_cfg.buckets.prefill_bucket(chunks, vocab)?;
+                let seqs = chunks.len();
+                let end = chunks.iter().map(|c| c.start + c.tokens.len()).max();
+                let ctx = cpu_context(end.unwrap_or(1), block_size);
                 let graph = self.graph(StepKind::Prefill, t, seqs, ctx, *logits, Sampler::Full)?;
                 let meta = step::prefill_step(chunks, t, seqs, ctx, block_size, vocab)?;
                 let real = match logits {
@@ -299,7 +376,11 @@ impl Runner for CpuRunner {
                 self.execute(&graph, &meta, chunks.len(), real)
             }
             Step::Decode { rows, logits } => {
-                let (batch, ctx) = self.runner_cfg.buckets.decode_bucket(rows, vocab)?;
+                // Checked against the buckets (the runner's limits), run at its own size.
+                self.runner_cfg.buckets.decode_bucket(rows, vocab)?;
+                let batch = rows.len().max(1);
+                let end = rows.iter().map(|r| r.position + 1).max();
+                let ctx = cpu_context(end.unwrap_or(1), block_size);
                 let want = match logits {
                     LogitsOutput::None => LogitsOutput::None,
                     _ => LogitsOutput::Sampled,
@@ -322,5 +403,63 @@ impl Runner for CpuRunner {
     fn destroy(&mut self) -> Result<()> {
         self.graphs.clear();
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::graph::{DType, GraphBuilder};
+
+    fn key(rows: usize) -> GraphKey {
+        let logits = LogitsOutput::None;
+        (StepKind::Decode, rows, rows, 16, logits, Sampler::Greedy)
+    }
+
+    fn graph(name: &str) -> Result<Graph> {
+        let b = GraphBuilder::new(name);
+        let x = b.input("x", InputRole::Metadata, [1], DType::F32)?;
+        b.output("y", &x)?;
+        b.finish()
+    }
+
+    #[test]
+    fn the_graph_cache_builds_once_and_drops_the_least_recently_used() {
+        let mut cache = GraphCache::new(2);
+        let mut built = Vec::new();
+        let mut get = |cache: &mut GraphCache, rows: usize| {
+            cache
+                .get_or_build(key(rows), || {
+                    built.push(rows);
+                    graph(&format!("g{rows}"))
+                })
+                .map(|g| g.name().to_string())
+        };
+        assert_eq!(get(&mut cache, 1).unwrap(), "g1");
+        assert_eq!(get(&mut cache, 2).unwrap(), "g2");
+        assert_eq!(get(&mut cache, 1).unwrap(), "g1");
+        // Full: 2 is the least recently used, so 3 takes its place.
+        assert_eq!(get(&mut cache, 3).unwrap(), "g3");
+        assert_eq!(cache.len(), 2);
+        assert_eq!(get(&mut cache, 1).unwrap(), "g1");
+        assert_eq!(get(&mut cache, 2).unwrap(), "g2");
+        assert_eq!(built, [1, 2, 3, 2]);
+    }
+
+    #[test]
+    fn a_failed_build_keeps_nothing() {
+        let mut cache = GraphCache::new(2);
+        let err = cache.get_or_build(key(1), || Err(Error::Internal("no".into())));
+        assert!(err.is_err());
+        assert_eq!(cache.len(), 0);
+    }
+
+    #[test]
+    fn a_cpu_step_attends_over_its_longest_sequence_in_whole_blocks() {
+        assert_eq!(cpu_context(1, 16), 16);
+        assert_eq!(cpu_context(16, 16), 16);
+        assert_eq!(cpu_context(17, 16), 32);
+        assert_eq!(cpu_context(300, 16), 304);
+        assert_eq!(cpu_context(0, 16), 16);
     }
 }

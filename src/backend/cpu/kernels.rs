@@ -3,11 +3,14 @@
 //! - [`RowGather`]: rows of a 2-D *strided* view picked by ids. A layer's cache view is a column
 //!   slice of the KV root; candle's `index_select` would first make the whole view contiguous,
 //!   copying every layer's cache on every step. This reads only the rows asked for.
+//! - [`RowSum`]: a sum over the last dim whose bits do not depend on trailing zeros.
 //! - [`ScatterRowsInPlace`]: writes rows into a column range of a cache root without copying it.
 //! - integer arithmetic with HLO's wrapping semantics (candle's integer ops are not wrapping, and
 //!   have no bitwise ops), and top-k.
 
-use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, InplaceOp3, Layout, Shape};
+use candle_core::{
+    backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, InplaceOp3, Layout, Shape,
+};
 
 use crate::graph::BinaryOp;
 
@@ -92,6 +95,65 @@ impl CustomOp2 for RowGather {
             }
         };
         Ok((out, Shape::from((ids.len(), cols))))
+    }
+}
+
+/// Lanes of [`RowSum`]: a divisor of every cache block size the runner uses, so a sequence's
+/// positions keep their lanes wherever a packed step puts its context.
+const SUM_LANES: usize = 16;
+
+/// The sum of each row of a contiguous f32 tensor over its last dim, whatever the row's length
+/// in the same bits for the same values followed by zeros.
+///
+/// A CPU step runs on a context of its own length (`runner::cpu`), so one sequence's attention
+/// row is longer or shorter with the company it keeps, the extra positions masked to zero. A
+/// sum whose order depends on the length (candle's: SIMD over multiples of 32, then the rest
+/// in a chain) then rounds differently, and a sampled stream changes with the batch. Here value
+/// `j` always goes to lane `j % 16`, each lane sums in order, and the lanes meet in one fixed
+/// tree: zeros past the end leave every lane as it was.
+pub(crate) struct RowSum;
+
+impl RowSum {
+    fn row(row: &[f32]) -> f32 {
+        let mut acc = [0f32; SUM_LANES];
+        let mut chunks = row.chunks_exact(SUM_LANES);
+        for c in &mut chunks {
+            acc.iter_mut().zip(c).for_each(|(a, v)| *a += v);
+        }
+        acc.iter_mut()
+            .zip(chunks.remainder())
+            .for_each(|(a, v)| *a += v);
+        let mut width = SUM_LANES;
+        while width > 1 {
+            width /= 2;
+            for l in 0..width {
+                acc[l] += acc[l + width];
+            }
+        }
+        acc[0]
+    }
+}
+
+impl CustomOp1 for RowSum {
+    fn name(&self) -> &'static str {
+        "row-sum"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let dims = l.dims();
+        let (CpuStorage::F32(data), Some((start, end)), Some((&n, outer))) =
+            (x, l.contiguous_offsets(), dims.split_last())
+        else {
+            return Err(candle_core::Error::Msg(
+                "row-sum needs a contiguous f32 tensor of rank 1 or more".into(),
+            ));
+        };
+        let data = &data[start..end];
+        let sums = match n {
+            0 => vec![0f32; outer.iter().product()],
+            n => data.chunks_exact(n).map(Self::row).collect(),
+        };
+        Ok((CpuStorage::F32(sums), Shape::from(outer)))
     }
 }
 
@@ -373,6 +435,32 @@ pub(crate) fn topk_rows(x: &[f32], n: usize, k: usize) -> Vec<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_row_sum_ignores_trailing_zeros_bit_for_bit() {
+        // Values of mixed magnitude, so the order of the additions shows in the bits.
+        let values: Vec<f32> = (0..100)
+            .map(|i| ((i * 7919) % 1000) as f32 * 1e-3 + if i % 3 == 0 { 1e4 } else { 0.0 })
+            .collect();
+        for len in 1..values.len() {
+            let row = &values[..len];
+            let exact: f64 = row.iter().map(|&v| f64::from(v)).sum();
+            let sum = RowSum::row(row);
+            assert!(
+                (f64::from(sum) - exact).abs() <= exact.abs() * 1e-6,
+                "{len}: {sum} vs {exact}"
+            );
+            for pad in [1, 15, 16, 17, 48, 300] {
+                let mut padded = row.to_vec();
+                padded.resize(len + pad, 0.0);
+                assert_eq!(
+                    RowSum::row(&padded).to_bits(),
+                    sum.to_bits(),
+                    "{len} + {pad} zeros"
+                );
+            }
+        }
+    }
 
     #[test]
     fn topk_orders_and_breaks_ties_low_index_first() {
