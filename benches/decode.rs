@@ -18,6 +18,12 @@ use deepinfer::model::{LogitsOutput, ModelWeights, Precision, Quantize};
 use deepinfer::runner::step::{DecodeRow, LogitControls, PrefillChunk, SamplingParams};
 use deepinfer::runner::{self, Backend, RunnerConfig, Step};
 
+/// The binary's allocator (jemalloc with transparent huge pages, see `src/bin/deepinfer`), so
+/// this bench measures what `deepinfer` runs.
+#[cfg(all(target_os = "linux", feature = "server"))]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 const PROMPT: usize = 16;
 
 fn decode_step(c: &mut Criterion) {
