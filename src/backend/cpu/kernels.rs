@@ -102,8 +102,8 @@ impl CustomOp2 for RowGather {
 /// positions keep their lanes wherever a packed step puts its context.
 const SUM_LANES: usize = 16;
 
-/// The sum of each row of a contiguous f32 tensor over its last dim, whatever the row's length
-/// in the same bits for the same values followed by zeros.
+/// The sum of each row of a contiguous f32 tensor over its last dim, in the same bits for the
+/// same values whatever zeros follow them.
 ///
 /// A CPU step runs on a context of its own length (`runner::cpu`), so one sequence's attention
 /// row is longer or shorter with the company it keeps, the extra positions masked to zero. A
