@@ -30,7 +30,7 @@ converter refuses it. Its pre-tokenizer is `ByteLevel(add_prefix_space=false, us
 with no normalizer: GPT-2's, which llama.cpp implements as `gpt-2`. `convert` therefore
 wraps `get_vocab_base_pre` (monkeypatched in the converter's own process, the converter file
 untouched): when the original raises for an unknown hash, and only if the checkpoint's
-tokenizer.json is byte for byte fixtures/default-model's and declares that pre-tokenizer,
+tokenizer.json is byte for byte one of fixtures/*/tokenizer.json and declares that pre-tokenizer,
 it answers "gpt-2"; any other unknown tokenizer still fails. `parity` checks the declaration:
 llama.cpp's tokenization of several texts must equal transformers'.
 """
@@ -101,9 +101,11 @@ def cmd_checkpoint(args):
 
 
 def declares_gpt2_pre_tokenizer(model_dir):
-    """True if model_dir's tokenizer is fixtures/default-model's, whose pre-tokenizer is GPT-2's."""
+    """True if model_dir's tokenizer is one of this repository's fixtures' (byte for byte the
+    tokenizer.json of a fixtures/ directory) and its pre-tokenizer is GPT-2's."""
     path = Path(model_dir) / "tokenizer.json"
-    if not path.is_file() or sha256(path) != sha256(TOKENIZER_DIR / "tokenizer.json"):
+    ours = {sha256(p) for p in (REPO / "fixtures").glob("*/tokenizer.json")}
+    if not path.is_file() or sha256(path) not in ours:
         return False
     tok = json.loads(path.read_text())
     pre = tok.get("pre_tokenizer") or {}
@@ -132,8 +134,8 @@ def cmd_convert(args):
             if not declares_gpt2_pre_tokenizer(self.dir_model):
                 raise
             print(f"convert: pre-tokenizer not in the converter's table; declared "
-                  f"{DECLARED_PRE_TOKENIZER!r} (GPT-2 byte-level regex, no normalizer: "
-                  f"{TOKENIZER_DIR.relative_to(REPO)}/tokenizer.json)")
+                  f"{DECLARED_PRE_TOKENIZER!r} (GPT-2 byte-level regex, no normalizer: a "
+                  f"fixtures/*/tokenizer.json)")
             return DECLARED_PRE_TOKENIZER
         finally:
             quiet.disabled = False

@@ -69,6 +69,9 @@ pub enum Error {
     /// A checkpoint tensor is missing, mis-shaped, of an unsupported dtype, or the file is corrupt.
     #[error("checkpoint: {0}")]
     Weights(String),
+    /// A GGUF file is malformed, or its metadata names something deepinfer does not run.
+    #[error("GGUF: {0}")]
+    Gguf(String),
     /// The tokenizer or chat template could not be loaded or applied.
     #[error("tokenizer: {0}")]
     Tokenizer(String),
@@ -144,7 +147,9 @@ impl Error {
     pub fn kind(&self) -> ErrorKind {
         match self {
             Error::Io { .. } => ErrorKind::Io,
-            Error::Config(_) | Error::Weights(_) | Error::Tokenizer(_) => ErrorKind::InvalidModel,
+            Error::Config(_) | Error::Weights(_) | Error::Gguf(_) | Error::Tokenizer(_) => {
+                ErrorKind::InvalidModel
+            }
             Error::InvalidInput(_) => ErrorKind::InvalidInput,
             Error::OutOfBlocks(_) => ErrorKind::ResourceExhausted,
             Error::Shape { .. } | Error::Binding { .. } | Error::Internal(_) | Error::Candle(_) => {

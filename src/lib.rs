@@ -23,6 +23,7 @@ pub mod config;
 pub mod engine;
 pub mod error;
 pub mod export;
+pub mod gguf;
 pub mod graph;
 #[cfg(feature = "server")]
 pub mod metrics;
@@ -31,6 +32,7 @@ pub mod plan;
 pub mod runner;
 #[cfg(feature = "server")]
 pub mod server;
+pub mod source;
 #[cfg(feature = "server")]
 pub mod tokenizer;
 pub mod weights;

@@ -96,6 +96,9 @@ impl Tokenizer {
     ///
     /// Errors name the file that is missing, unreadable or malformed.
     pub fn from_dir(dir: &Path) -> Result<Self> {
+        if crate::gguf::is_gguf(dir) && dir.is_file() {
+            return Self::from_gguf(dir);
+        }
         let tokenizer_path = dir.join("tokenizer.json");
         if !tokenizer_path.is_file() {
             return Err(Error::Tokenizer(format!(
@@ -107,7 +110,47 @@ impl Tokenizer {
             path: tokenizer_path.clone(),
             source,
         })?;
-        let mut inner = tokenizers::Tokenizer::from_bytes(&bytes)
+        let config_path = dir.join("tokenizer_config.json");
+        let config = if config_path.is_file() {
+            read_json(&config_path)?
+        } else {
+            Json::Object(Default::default())
+        };
+        let chat_template = chat_template(Some(dir), &config, &config_path)?;
+        Self::from_parts(
+            &bytes,
+            &tokenizer_path,
+            &config,
+            &config_path,
+            chat_template,
+        )
+    }
+
+    /// The tokenizer a GGUF file carries (see [`crate::gguf::tokenizer`] for how it is
+    /// rebuilt); errors name the file and the metadata key.
+    pub fn from_gguf(path: &Path) -> Result<Self> {
+        let gguf = crate::gguf::GgufFile::open(path)?;
+        let (tokenizer, config) = gguf.hf_tokenizer()?;
+        let chat_template = chat_template(None, &config, path)?;
+        Self::from_parts(
+            tokenizer.to_string().as_bytes(),
+            path,
+            &config,
+            path,
+            chat_template,
+        )
+    }
+
+    /// A tokenizer from the text of a `tokenizer.json` and a parsed `tokenizer_config.json`
+    /// (`tokenizer_path` and `config_path` name where they came from, for errors).
+    fn from_parts(
+        bytes: &[u8],
+        tokenizer_path: &Path,
+        config: &Json,
+        config_path: &Path,
+        chat_template: std::result::Result<String, String>,
+    ) -> Result<Self> {
+        let mut inner = tokenizers::Tokenizer::from_bytes(bytes)
             .map_err(|e| Error::Tokenizer(format!("{}: {e}", tokenizer_path.display())))?;
         // Never cut or pad a prompt behind the caller's back (transformers only applies
         // tokenizer.json's truncation/padding when a call asks for it); lengths are the
@@ -117,13 +160,7 @@ impl Tokenizer {
             .map_err(|e| Error::Tokenizer(format!("{}: {e}", tokenizer_path.display())))?;
         inner.with_padding(None);
 
-        let config_path = dir.join("tokenizer_config.json");
-        let config = if config_path.is_file() {
-            read_json(&config_path)?
-        } else {
-            Json::Object(Default::default())
-        };
-        let token = |key: &str| special_token(&config, key, &config_path);
+        let token = |key: &str| special_token(config, key, config_path);
         let bos_token = token("bos_token")?;
         let eos_token = token("eos_token")?;
         let flag = |key: &str| config.get(key).and_then(Json::as_bool).unwrap_or(false);
@@ -143,8 +180,6 @@ impl Tokenizer {
             && probe.last().copied() != eos_token_id;
         let clean_up_spaces = flag("clean_up_tokenization_spaces")
             && !matches!(inner.get_model(), ModelWrapper::BPE(_));
-
-        let chat_template = chat_template(dir, &config, &config_path)?;
 
         Ok(Tokenizer {
             inner,
@@ -335,20 +370,23 @@ fn special_token(config: &Json, key: &str, path: &Path) -> Result<Option<String>
 
 /// The chat template, or why there is none. Like transformers 5, `chat_template.jinja` takes
 /// priority over `tokenizer_config.json`'s `chat_template`, which may be a string or a list of
-/// `{"name", "template"}` of which the one named `default` is used.
+/// `{"name", "template"}` of which the one named `default` is used. A GGUF file has no
+/// directory (`dir` is `None`): its template is the config's.
 fn chat_template(
-    dir: &Path,
+    dir: Option<&Path>,
     config: &Json,
     config_path: &Path,
 ) -> Result<std::result::Result<String, String>> {
-    let jinja_path: PathBuf = dir.join("chat_template.jinja");
-    if jinja_path.is_file() {
-        let text = std::fs::read_to_string(&jinja_path).map_err(|source| Error::Io {
+    let jinja_path: Option<PathBuf> = dir.map(|d| d.join("chat_template.jinja"));
+    if let Some(jinja_path) = jinja_path.as_ref().filter(|p| p.is_file()) {
+        let text = std::fs::read_to_string(jinja_path).map_err(|source| Error::Io {
             path: jinja_path.clone(),
             source,
         })?;
         return Ok(Ok(text));
     }
+    let jinja_path =
+        jinja_path.map_or_else(|| "chat_template.jinja".into(), |p| p.display().to_string());
     let bad = || {
         Error::Tokenizer(format!(
             "{}: chat_template must be a string or a list of {{\"name\", \"template\"}}",
@@ -357,8 +395,7 @@ fn chat_template(
     };
     match config.get("chat_template") {
         None | Some(Json::Null) => Ok(Err(format!(
-            "the model has no chat template (neither {} nor chat_template in {})",
-            jinja_path.display(),
+            "the model has no chat template (neither {jinja_path} nor chat_template in {})",
             config_path.display()
         ))),
         Some(Json::String(s)) => Ok(Ok(s.clone())),

@@ -20,6 +20,8 @@ use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Component, Path, PathBuf};
 
+use candle_core::quantized::ggml_file::qtensor_from_ggml;
+use candle_core::quantized::{GgmlDType, QTensor};
 use candle_core::Tensor;
 use safetensors::tensor::Metadata;
 use safetensors::Dtype;
@@ -28,6 +30,7 @@ use crate::error::{Error, Result};
 use crate::graph::DType;
 
 mod convert;
+mod gguf;
 
 use convert::Buffer;
 
@@ -57,7 +60,7 @@ pub struct Checkpoint {
 #[derive(Debug, Clone)]
 struct TensorEntry {
     shard: usize,
-    dtype: Dtype,
+    encoding: Encoding,
     shape: Vec<usize>,
     /// Absolute byte offset of the data in the shard file.
     offset: u64,
@@ -185,7 +188,7 @@ impl Checkpoint {
             let (begin, end) = info.data_offsets;
             let entry = TensorEntry {
                 shard,
-                dtype: info.dtype,
+                encoding: Encoding::Plain(info.dtype),
                 shape: info.shape.clone(),
                 offset: data_start + begin as u64,
                 len: end - begin,
@@ -228,10 +231,13 @@ impl Checkpoint {
     /// (or of the first float tensor), what `--dtype auto` serves. FP8 checkpoints keep their
     /// embeddings in bf16, so they report bf16.
     pub fn float_dtype(&self) -> Option<DType> {
-        let of = |e: &TensorEntry| match e.dtype {
-            Dtype::F32 => Some(DType::F32),
-            Dtype::BF16 => Some(DType::BF16),
-            Dtype::F16 => Some(DType::F16),
+        let of = |e: &TensorEntry| match e.encoding {
+            Encoding::Plain(Dtype::F32) => Some(DType::F32),
+            Encoding::Plain(Dtype::BF16) => Some(DType::BF16),
+            Encoding::Plain(Dtype::F16) => Some(DType::F16),
+            // A GGUF whose embedding is in GGML blocks: what is dequantized is held in bf16
+            // (half f32's memory; the block-quantized matrices run as stored).
+            Encoding::Blocks(_) => Some(DType::BF16),
             _ => None,
         };
         self.entry("model.embed_tokens.weight")
@@ -305,12 +311,17 @@ impl Checkpoint {
         out: &mut Buffer,
     ) -> Result<()> {
         let entry = self.checked_entry(name, expected_shape)?;
-        if entry.dtype == Dtype::F8_E4M3 {
-            let mut values = self.read_f32(name, entry)?;
-            self.dequantize(name, &entry.shape, conv, &mut values)?;
-            return out.extend(&values, name);
+        match entry.encoding {
+            Encoding::Plain(Dtype::F8_E4M3) => {
+                let mut values = self.read_f32(name, entry)?;
+                self.dequantize(name, &entry.shape, conv, &mut values)?;
+                out.extend(&values, name)
+            }
+            Encoding::Plain(_) => self.read_chunks(name, entry, |chunk| out.extend(chunk, name)),
+            Encoding::Blocks(_) | Encoding::KvB(_) => {
+                out.extend(&self.read_f32(name, entry)?, name)
+            }
         }
-        self.read_chunks(name, entry, |chunk| out.extend(chunk, name))
     }
 
     /// Multiplies an fp8 weight's values by its block scales (`<name>_scale_inv`), checking
@@ -350,10 +361,10 @@ impl Checkpoint {
                     e.shape
                 )))
             }
-            Some(e) if !matches!(e.dtype, Dtype::F32 | Dtype::BF16) => {
+            Some(e) if !matches!(e.encoding, Encoding::Plain(Dtype::F32 | Dtype::BF16)) => {
                 return Err(Error::Weights(format!(
-                    "tensor `{scale_name}` has dtype {}, fp8 block scales are F32 or BF16",
-                    e.dtype
+                    "tensor `{scale_name}` is {}, fp8 block scales are F32 or BF16",
+                    e.encoding
                 )))
             }
             Some(e) => e,
@@ -363,14 +374,86 @@ impl Checkpoint {
         Ok(())
     }
 
-    /// Every value of a tensor as f32.
+    /// Every value of a tensor as f32 (GGML blocks dequantized, a split `kv_b_proj` joined).
     fn read_f32(&self, name: &str, entry: &TensorEntry) -> Result<Vec<f32>> {
-        let mut values = Vec::with_capacity(entry.shape.iter().product());
-        self.read_chunks(name, entry, |chunk| {
-            values.extend_from_slice(chunk);
-            Ok(())
+        match &entry.encoding {
+            Encoding::Plain(_) => {
+                let mut values = Vec::with_capacity(entry.shape.iter().product());
+                self.read_chunks(name, entry, |chunk| {
+                    values.extend_from_slice(chunk);
+                    Ok(())
+                })?;
+                Ok(values)
+            }
+            Encoding::Blocks(_) => {
+                let q = self.read_blocks(name, entry)?;
+                let values = q
+                    .dequantize(&candle_core::Device::Cpu)
+                    .and_then(|t| t.flatten_all()?.to_vec1::<f32>())
+                    .map_err(|e| Error::Weights(format!("dequantizing `{name}`: {e}")))?;
+                Ok(values)
+            }
+            Encoding::KvB(halves) => {
+                let k = self.read_f32(name, &halves.key)?;
+                let v = self.read_f32(name, &halves.value)?;
+                Ok(halves.join(&k, &v))
+            }
+        }
+    }
+
+    /// A tensor in GGML blocks as candle's quantized tensor, of the entry's shape.
+    fn read_blocks(&self, name: &str, entry: &TensorEntry) -> Result<QTensor> {
+        let Encoding::Blocks(format) = entry.encoding else {
+            return Err(Error::Internal(format!(
+                "tensor `{name}` is not in GGML blocks"
+            )));
+        };
+        let bytes = self.read_bytes(name, entry)?;
+        qtensor_from_ggml(
+            format,
+            &bytes,
+            entry.shape.clone(),
+            &candle_core::Device::Cpu,
+        )
+        .map_err(|e| Error::Weights(format!("tensor `{name}` ({format:?}): {e}")))
+    }
+
+    /// Tensor `name` as stored in GGML blocks, when it is (a GGUF's quantized matrices, for the
+    /// CPU backend to multiply as they are): `None` for a tensor in a plain float dtype. The
+    /// shape is checked as [`Checkpoint::tensor`] checks it.
+    pub fn blocks(&self, name: &str, expected_shape: &[usize]) -> Result<Option<QTensor>> {
+        let entry = self.checked_entry(name, expected_shape)?;
+        match entry.encoding {
+            Encoding::Blocks(_) => self.read_blocks(name, entry).map(Some),
+            _ => Ok(None),
+        }
+    }
+
+    /// Whether any tensor is stored in GGML blocks (only a quantized GGUF's are), which only
+    /// the CPU backend multiplies.
+    pub fn has_blocks(&self) -> bool {
+        self.tensors
+            .values()
+            .any(|e| matches!(e.encoding, Encoding::Blocks(_)))
+    }
+
+    /// The raw bytes of a stored tensor.
+    fn read_bytes(&self, name: &str, entry: &TensorEntry) -> Result<Vec<u8>> {
+        let path = &self.shards[entry.shard];
+        let io = |source| Error::Io {
+            path: path.clone(),
+            source,
+        };
+        let mut file = File::open(path).map_err(io)?;
+        file.seek(SeekFrom::Start(entry.offset)).map_err(io)?;
+        let mut bytes = vec![0u8; entry.len];
+        file.read_exact(&mut bytes).map_err(|e| {
+            Error::Weights(format!(
+                "{}: cannot read tensor `{name}` ({e}); was the file changed or truncated after it was opened?",
+                path.display()
+            ))
         })?;
-        Ok(values)
+        Ok(bytes)
     }
 
     /// Reads a tensor's bytes from its file a chunk at a time, decoding each chunk to f32 and
@@ -381,13 +464,16 @@ impl Checkpoint {
         entry: &TensorEntry,
         mut sink: impl FnMut(&[f32]) -> Result<()>,
     ) -> Result<()> {
-        if !convert::readable(entry.dtype) {
-            return Err(Error::Weights(format!(
-                "tensor `{name}` has dtype {}, which deepinfer cannot read (it reads F32, BF16, \
-                 F16 and block-scaled F8_E4M3)",
-                entry.dtype
-            )));
-        }
+        let dtype = match entry.encoding {
+            Encoding::Plain(dtype) if convert::readable(dtype) => dtype,
+            _ => {
+                return Err(Error::Weights(format!(
+                    "tensor `{name}` is {}, which deepinfer cannot read (it reads F32, BF16, \
+                     F16 and block-scaled F8_E4M3)",
+                    entry.encoding
+                )))
+            }
+        };
         let path = &self.shards[entry.shard];
         let io = |source| Error::Io {
             path: path.clone(),
@@ -395,7 +481,7 @@ impl Checkpoint {
         };
         let mut file = File::open(path).map_err(io)?;
         file.seek(SeekFrom::Start(entry.offset)).map_err(io)?;
-        let elem_bytes = (entry.dtype.bitsize() / 8).max(1);
+        let elem_bytes = (dtype.bitsize() / 8).max(1);
         // Whole elements per chunk, so no value straddles two chunks.
         let chunk_bytes = (READ_CHUNK_BYTES / elem_bytes * elem_bytes)
             .min(entry.len)
@@ -412,11 +498,32 @@ impl Checkpoint {
                 ))
             })?;
             values.clear();
-            convert::decode(entry.dtype, &buf[..n], &mut values);
+            convert::decode(dtype, &buf[..n], &mut values);
             sink(&values)?;
             remaining -= n;
         }
         Ok(())
+    }
+}
+
+/// How a tensor's bytes encode its values.
+#[derive(Debug, Clone)]
+enum Encoding {
+    /// A safetensors dtype (a GGUF's F32, F16 and BF16 tensors are read as these too).
+    Plain(Dtype),
+    /// GGML blocks (a quantized GGUF's `Q8_0`, `Q4_K`, ...).
+    Blocks(GgmlDType),
+    /// A GGUF's `kv_b_proj`, stored split in two (see [`gguf::KvHalves`]).
+    KvB(Box<gguf::KvHalves>),
+}
+
+impl std::fmt::Display for Encoding {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Encoding::Plain(d) => write!(f, "{d}"),
+            Encoding::Blocks(b) => write!(f, "GGML {b:?}"),
+            Encoding::KvB(_) => write!(f, "split into attn_k_b and attn_v_b"),
+        }
     }
 }
 

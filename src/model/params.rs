@@ -245,6 +245,10 @@ impl ModelWeights {
         let specs = WeightSpecs::new(cfg, precision);
         let mut weights = ModelWeights::held(specs.clone());
         for name in specs.names() {
+            if let Some(q) = stored_blocks(ckpt, &specs, name)? {
+                weights.quantized.insert(name.to_string(), q);
+                continue;
+            }
             for (name, t) in read_param(cfg, ckpt, &specs, name, 0, 1)? {
                 weights.insert(name, t)?;
             }
@@ -392,6 +396,13 @@ impl ModelWeights {
         let quantize = self.specs.precision.quantize;
         if quantize.is_cpu_only() && ranks > 1 {
             return Err(quantize.cpu_only_error("tensor parallelism (--tp above 1)"));
+        }
+        if !self.quantized.is_empty() && ranks > 1 {
+            return Err(Error::InvalidInput(
+                "weights held in GGML blocks (a quantized GGUF's) are not split for tensor \
+                 parallelism (--tp above 1); run them at --tp 1, or use a bf16/f32 checkpoint"
+                    .into(),
+            ));
         }
         let specs = WeightSpecs::sharded(cfg, &self.specs.precision, ranks)?;
         if let Some(st) = &self.stream {
@@ -743,18 +754,53 @@ pub fn ggml_format(
         Quantize::Q4K => GgmlDType::Q4K,
         Quantize::None | Quantize::ExpertsInt8 | Quantize::ExpertsInt4 => return None,
     };
-    let linear = name == "lm_head.weight"
-        || stacked_expert(name).is_some()
-        || ((name.ends_with("_proj.weight") || name.ends_with(".kv_a_proj_with_mqa.weight"))
-            && !name.ends_with(".kv_b_proj.weight")
-            && !name.contains(".indexer."));
     let cols = *dims.last()?;
-    if !linear || !(2..=3).contains(&dims.len()) {
+    if !multiplied_in_blocks(name) || !(2..=3).contains(&dims.len()) {
         return None;
     }
     [wanted, GgmlDType::Q8_0]
         .into_iter()
         .find(|&f| QuantizedWeight::fits(cols, f))
+}
+
+/// Whether parameter `name` may be held in GGML blocks: a linear layer's weight (see
+/// [`ggml_format`] for which are and why).
+fn multiplied_in_blocks(name: &str) -> bool {
+    name == "lm_head.weight"
+        || stacked_expert(name).is_some()
+        || ((name.ends_with("_proj.weight") || name.ends_with(".kv_a_proj_with_mqa.weight"))
+            && !name.ends_with(".kv_b_proj.weight")
+            && !name.contains(".indexer."))
+}
+
+/// A GGUF's block-quantized linear weight `name`, kept in the blocks the file stores (a Q4_K
+/// file runs Q4_K, not a requantization of it): when the checkpoint holds every tensor of it
+/// in GGML blocks and the precision multiplies GGML blocks at all (`--quantize` none, q8_0 or
+/// q4_k; int8 and int4 experts are made from the dequantized values instead). `None` sends
+/// the weight through [`read_param`], which dequantizes what it reads.
+fn stored_blocks(
+    ckpt: &Checkpoint,
+    specs: &WeightSpecs,
+    name: &str,
+) -> Result<Option<QuantizedWeight>> {
+    let ggml_kernels = matches!(
+        specs.precision.quantize,
+        Quantize::None | Quantize::Q8_0 | Quantize::Q4K
+    );
+    if !ggml_kernels || !multiplied_in_blocks(name) || !ckpt.has_blocks() {
+        return Ok(None);
+    }
+    let mut blocks = Vec::new();
+    for (source, shape) in checkpoint_tensors(specs, name, 0, 1) {
+        match ckpt.blocks(&source, &shape)? {
+            Some(q) => blocks.push(q),
+            None => return Ok(None),
+        }
+    }
+    let experts = stacked_expert(name).is_some();
+    QuantizedWeight::from_blocks(blocks, experts)
+        .map(Some)
+        .map_err(|e| Error::Weights(format!("`{name}` in GGML blocks: {e}")))
 }
 
 /// `(prefix, proj)` for a stacked expert name like `model.layers.3.mlp.experts.gate_proj`.

@@ -9,7 +9,7 @@ use crate::backend::neuron::sim_neff::{NeffNames, ENV_NEFF_NAMES, NAMES_FLAG};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::model::{ModelWeights, PrecisionChoice};
-use crate::weights::Checkpoint;
+use crate::source::ModelSource;
 
 use super::{Backend, CpuRunner, DeviceOptions, DeviceRunner, Runner, RunnerConfig};
 
@@ -140,19 +140,11 @@ impl Limits {
     }
 }
 
-/// Loads the checkpoint in `model_dir`, builds a runner within `limits` on `backend` and
-/// captures its buckets.
-pub fn open(backend: Backend, model_dir: &Path, limits: &Limits) -> Result<Box<dyn Runner>> {
-    if !model_dir.is_dir() {
-        return Err(Error::Io {
-            path: model_dir.to_path_buf(),
-            source: std::io::Error::new(
-                std::io::ErrorKind::NotFound,
-                "the model directory does not exist or is not a directory",
-            ),
-        });
-    }
-    let cfg = ModelConfig::from_file(&model_dir.join("config.json"))?;
+/// Loads the model at `model` (a checkpoint directory or a GGUF file), builds a runner within
+/// `limits` on `backend` and captures its buckets.
+pub fn open(backend: Backend, model: &Path, limits: &Limits) -> Result<Box<dyn Runner>> {
+    let source = ModelSource::new(model)?;
+    let cfg = source.config()?;
     let mut runner_cfg = limits.runner_config(&cfg)?;
     if backend != Backend::Cpu {
         let quantize = limits.precision.quantize;
@@ -171,7 +163,7 @@ pub fn open(backend: Backend, model_dir: &Path, limits: &Limits) -> Result<Box<d
             runner_cfg.num_blocks = plan.kv_blocks;
         }
     }
-    let checkpoint = Checkpoint::open(model_dir)?;
+    let (_, checkpoint) = source.open()?;
     let precision = limits.precision.resolve(checkpoint.float_dtype(), &cfg)?;
     runner_cfg.kv_dtype = precision.kv_cache;
     // The CPU computes on host tensors; a device runner uploads each rank's shards straight

@@ -64,6 +64,22 @@ impl QuantizedWeight {
         }
     }
 
+    /// A weight already in GGML blocks (a GGUF file's, as stored): one `[out, in]` matrix, or
+    /// with `experts` each expert's matrix in order. Repacked for candle's kernels now, as
+    /// [`QuantizedWeight::quantize`] does.
+    pub fn from_blocks(mut blocks: Vec<QTensor>, experts: bool) -> Result<Self> {
+        for q in &blocks {
+            warm(q)?;
+        }
+        match (experts, blocks.len()) {
+            (true, _) => Ok(QuantizedWeight::Experts(blocks.into())),
+            (false, 1) => Ok(QuantizedWeight::Matrix(Arc::new(blocks.remove(0)))),
+            (false, n) => Err(Error::Internal(format!(
+                "one matrix made of {n} block tensors"
+            ))),
+        }
+    }
+
     /// Whether a weight whose rows are `cols` wide can be held in `format`.
     pub fn fits(cols: usize, format: GgmlDType) -> bool {
         cols.is_multiple_of(format.block_size())

@@ -11,7 +11,7 @@ use deepinfer::engine::BlockAllocator;
 use deepinfer::model::{LogitsOutput, ModelWeights};
 use deepinfer::runner::step::{DecodeRow, LogitControls, PrefillChunk, SamplingParams};
 use deepinfer::runner::{self, Backend, RunnerConfig, Step};
-use deepinfer::weights::Checkpoint;
+use deepinfer::source::ModelSource;
 
 use crate::{emit, PrecisionArgs};
 
@@ -46,8 +46,7 @@ pub(crate) struct BenchArgs {
 pub(crate) fn run(args: BenchArgs) -> Result<()> {
     let (cfg, weights, precision) = match (&args.model, &args.config) {
         (Some(dir), _) => {
-            let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
-            let ckpt = Checkpoint::open(dir)?;
+            let (cfg, ckpt) = ModelSource::new(dir)?.open()?;
             let p = args.precision.choice().resolve(ckpt.float_dtype(), &cfg)?;
             let w = ModelWeights::load(&cfg, &ckpt, &p)?;
             (cfg, w, p)

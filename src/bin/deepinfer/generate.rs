@@ -5,7 +5,7 @@ use clap::Args;
 use deepinfer::engine::{self, StopConditions};
 use deepinfer::runner::step::SamplingParams;
 use deepinfer::runner::Limits;
-use deepinfer::tokenizer::{ChatMessage, Tokenizer};
+use deepinfer::tokenizer::ChatMessage;
 
 use crate::{emit, ModelArgs};
 
@@ -49,11 +49,7 @@ pub(crate) struct GenerateArgs {
 /// Runs the command.
 pub(crate) fn run(args: GenerateArgs) -> Result<()> {
     let dir = args.model.dir()?;
-    let tokenizer = if dir.join("tokenizer.json").is_file() {
-        Some(Tokenizer::from_dir(&dir)?)
-    } else {
-        None
-    };
+    let tokenizer = crate::tokenizer_of(&dir)?;
     let prompt = match (&args.prompt, &args.token_ids, &tokenizer) {
         (_, Some(ids), _) => ids.clone(),
         (Some(text), None, Some(tok)) if args.chat => {

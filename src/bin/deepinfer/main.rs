@@ -29,6 +29,8 @@ use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use deepinfer::model::{DTypeChoice, PrecisionChoice, Quantize};
 use deepinfer::runner::{self, Backend, Limits, Runner};
+use deepinfer::source::ModelSource;
+use deepinfer::tokenizer::Tokenizer;
 
 #[derive(Parser)]
 #[command(
@@ -63,8 +65,9 @@ enum Command {
 /// The model and backend arguments every running command takes.
 #[derive(Args)]
 struct ModelArgs {
-    /// Checkpoint directory (config.json, *.safetensors, tokenizer.json). Defaults to the
-    /// embedded default model.
+    /// Checkpoint directory (config.json, *.safetensors, tokenizer.json), or a GGUF file
+    /// (llama.cpp's format, a DeepSeek-V2/V3 `deepseek2` model). Defaults to the embedded
+    /// default model.
     #[arg(long)]
     model: Option<PathBuf>,
     /// Where graphs run: cpu, sim (nrt-sim) or neuron. Default: `sim` when NEURON_RT_LIB names
@@ -123,15 +126,10 @@ impl PrecisionArgs {
 }
 
 impl ModelArgs {
-    /// The model directory: the one given (which must be a directory), else the embedded
-    /// default model.
+    /// The model: the directory or GGUF file given, else the embedded default model.
     fn dir(&self) -> Result<PathBuf> {
         match &self.model {
-            Some(d) if d.is_dir() => Ok(d.clone()),
-            Some(d) => anyhow::bail!(
-                "model directory {} does not exist or is not a directory",
-                d.display()
-            ),
+            Some(d) => Ok(ModelSource::new(d)?.path().to_path_buf()),
             None => default_model_dir(),
         }
     }
@@ -152,6 +150,15 @@ impl ModelArgs {
         announce_capture(backend, dir, &limits)?;
         Ok(runner::open(backend, dir, &limits)?)
     }
+}
+
+/// The tokenizer of the model at `dir`: its tokenizer.json, or a GGUF file's own; `None` for a
+/// directory without one (commands then take token ids).
+fn tokenizer_of(dir: &Path) -> Result<Option<Tokenizer>> {
+    if dir.join("tokenizer.json").is_file() || deepinfer::gguf::is_gguf(dir) {
+        return Ok(Some(Tokenizer::from_dir(dir)?));
+    }
+    Ok(None)
 }
 
 /// The embedded default model: shipped in the repository, found beside the binary or in the
@@ -192,7 +199,7 @@ fn announce_capture(backend: Backend, dir: &Path, limits: &Limits) -> Result<()>
     if backend != Backend::Neuron {
         return Ok(());
     }
-    let cfg = deepinfer::config::ModelConfig::from_file(&dir.join("config.json"))?;
+    let cfg = ModelSource::new(dir)?.config()?;
     let b = limits.runner_config(&cfg)?.buckets;
     let list = |v: &[usize]| v.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
     let packed = b.graph_count() - (b.batch.len() + b.prefill_sizes().len()) * b.ctx.len();

@@ -5,14 +5,13 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use deepinfer::config::ModelConfig;
 use deepinfer::engine::{Engine, EngineOptions};
 use deepinfer::metrics::Metrics;
 use deepinfer::plan::KvBlocks;
 use deepinfer::runner::{self, Limits};
 use deepinfer::server::tools::format::{ToolCallFormat, FORMATS};
 use deepinfer::server::{AppState, ConnectionLimits, ServerConfig};
-use deepinfer::tokenizer::Tokenizer;
+use deepinfer::source::ModelSource;
 
 use crate::ModelArgs;
 
@@ -130,12 +129,8 @@ fn tool_call_parser(name: &str) -> std::result::Result<&'static ToolCallFormat, 
 /// Runs the command.
 pub(crate) fn run(args: ServeArgs) -> Result<()> {
     let dir = args.model.dir()?;
-    let cfg = ModelConfig::from_file(&dir.join("config.json"))?;
-    let mut tokenizer = if dir.join("tokenizer.json").is_file() {
-        Some(Tokenizer::from_dir(&dir)?)
-    } else {
-        None
-    };
+    let cfg = ModelSource::new(&dir)?.config()?;
+    let mut tokenizer = crate::tokenizer_of(&dir)?;
     if let Some(path) = &args.chat_template {
         let Some(tokenizer) = tokenizer.as_mut() else {
             anyhow::bail!(
@@ -183,7 +178,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         None => dir
             .canonicalize()
             .ok()
-            .and_then(|d| d.file_name().map(|n| n.to_string_lossy().into_owned()))
+            .and_then(|d| d.file_stem().map(|n| n.to_string_lossy().into_owned()))
             .unwrap_or_else(|| "model".into()),
     };
     let metrics = Arc::new(Metrics::new());
