@@ -194,7 +194,9 @@ impl GgufFile {
         match m.opt_str(&key("type"))? {
             None | Some("none") => Ok(None),
             Some("yarn") => {
-                let mscale = m.opt_f64(&key("yarn_log_multiplier"))?.unwrap_or(0.0) / 0.1;
+                // In f32, as stored: 0.1 * 1.0 reads back as exactly 1.0.
+                let log_mul = m.opt_f64(&key("yarn_log_multiplier"))?.unwrap_or(0.0) as f32;
+                let mscale = super::f32_decimal(log_mul / 0.1);
                 Ok(Some(json!({
                     "type": "yarn",
                     "factor": m.f64(&key("factor"))?,

@@ -123,6 +123,11 @@ impl GgufFile {
     }
 }
 
+/// The shortest decimal that rounds to `x`, as an f64 (`0.1f32` is 0.1, not 0.10000000149).
+pub fn f32_decimal(x: f32) -> f64 {
+    x.to_string().parse().unwrap_or(x as f64)
+}
+
 /// Bytes of `rows` rows of `cols` values in `dtype` (`cols` a multiple of its block).
 pub fn row_bytes(dtype: GgmlDType, rows: usize, cols: usize) -> usize {
     rows * cols / dtype.block_size() * dtype.type_size()
@@ -179,11 +184,12 @@ impl<'a> Metadata<'a> {
         Ok(self.opt_u64(key)?.map(|n| n as usize))
     }
 
-    /// `key` as a float (f32 or f64 in the file), if present.
+    /// `key` as a float (f32 or f64 in the file), if present. An f32 is read as the shortest
+    /// decimal that rounds to it (`1e-6`, not `9.99999997e-7`): what the converter wrote.
     pub fn opt_f64(&self, key: &str) -> Result<Option<f64>> {
         match self.get(key) {
             None => Ok(None),
-            Some(Value::F32(x)) => Ok(Some(*x as f64)),
+            Some(Value::F32(x)) => Ok(Some(f32_decimal(*x))),
             Some(Value::F64(x)) => Ok(Some(*x)),
             Some(v) => Err(self.wrong(key, "a float", v)),
         }
