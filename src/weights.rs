@@ -1,5 +1,5 @@
-//! Safetensors checkpoints: one `model.safetensors`, or the shards that
-//! `model.safetensors.index.json` lists.
+//! Checkpoints: one `model.safetensors`, or the shards that `model.safetensors.index.json`
+//! lists, or a llama.cpp GGUF file indexed under the same HF names ([`Checkpoint::open_gguf`]).
 //!
 //! [`Checkpoint::open`] reads and checks every shard's header once (names, dtypes, shapes, byte
 //! ranges, and that each file is as long as its header says, so a truncated download fails at
@@ -229,7 +229,7 @@ impl Checkpoint {
 
     /// The float dtype the checkpoint stores its weights in: that of `model.embed_tokens.weight`
     /// (or of the first float tensor), what `--dtype auto` serves. FP8 checkpoints keep their
-    /// embeddings in bf16, so they report bf16.
+    /// embeddings in bf16, so they report bf16; so do GGUF files whose embedding is quantized.
     pub fn float_dtype(&self) -> Option<DType> {
         let of = |e: &TensorEntry| match e.encoding {
             Encoding::Plain(Dtype::F32) => Some(DType::F32),

@@ -376,3 +376,39 @@ fn cli_generates_from_a_gguf_file_as_from_the_checkpoint_directory() {
     assert!(!from_dir.trim().is_empty());
     assert_eq!(run(&gguf_path("tiny-v3-f32.gguf")), from_dir);
 }
+
+/// A device backend streams the GGUF's tensors to the (simulated) NeuronCore at capture, the
+/// joined `kv_b_proj` included, and computes what transformers did; a Q8_0 file is dequantized
+/// at upload and runs too.
+#[test]
+fn sim_backend_runs_gguf_files() {
+    let score = |file: &str, fixture: &str| {
+        let r = reference(fixture);
+        let ids: Vec<String> = r.token_ids.iter().map(u32::to_string).collect();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_deepinfer"))
+            .args(["score", "--backend", "sim", "--dtype", "f32", "--token-ids"])
+            .arg(ids.join(","))
+            .arg("--model")
+            .arg(gguf_path(file))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{file}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let stdout = String::from_utf8(out.stdout).unwrap();
+        let line = stdout.lines().rfind(|l| l.starts_with('{')).unwrap();
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let logits: Vec<Vec<f32>> = serde_json::from_value(v["logits"].clone()).unwrap();
+        (logits, r.logits)
+    };
+    let (got, want) = score("tiny-v3-f32.gguf", "tiny-v3");
+    let worst = max_abs_diff_rows(&got, &want);
+    assert!(worst < TOL, "sim, tiny-v3-f32.gguf: {worst}");
+    let (got, want) = score("tiny-v2-lite-q8_0.gguf", "tiny-v2-lite");
+    let scale = want.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
+    let worst = max_abs_diff_rows(&got, &want);
+    // Q8_0 weights in f32 arithmetic: within the weights' own rounding of the f32 model.
+    assert!(worst < 0.05 * scale, "sim, tiny-v2-lite-q8_0.gguf: {worst}");
+}

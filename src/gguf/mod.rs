@@ -17,7 +17,6 @@ use std::io::BufReader;
 use std::path::{Path, PathBuf};
 
 use candle_core::quantized::gguf_file::{Content, TensorInfo, Value};
-use candle_core::quantized::GgmlDType;
 
 use crate::error::{Error, Result};
 
@@ -126,11 +125,6 @@ impl GgufFile {
 /// The shortest decimal that rounds to `x`, as an f64 (`0.1f32` is 0.1, not 0.10000000149).
 pub fn f32_decimal(x: f32) -> f64 {
     x.to_string().parse().unwrap_or(x as f64)
-}
-
-/// Bytes of `rows` rows of `cols` values in `dtype` (`cols` a multiple of its block).
-pub fn row_bytes(dtype: GgmlDType, rows: usize, cols: usize) -> usize {
-    rows * cols / dtype.block_size() * dtype.type_size()
 }
 
 /// A GGUF file's metadata, with getters whose errors name the file and the key.

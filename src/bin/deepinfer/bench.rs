@@ -17,7 +17,7 @@ use crate::{emit, PrecisionArgs};
 
 #[derive(Args)]
 pub(crate) struct BenchArgs {
-    /// Checkpoint directory to benchmark.
+    /// Checkpoint directory or GGUF file to benchmark.
     #[arg(long, conflicts_with = "config", required_unless_present = "config")]
     model: Option<PathBuf>,
     /// A config.json to benchmark with random weights instead.
