@@ -182,7 +182,7 @@ SRC=$SDIST/vendor/llama.cpp
 if [ ! -f "$SRC/convert_hf_to_gguf.py" ]; then
     say "downloading the llama-cpp-python $LLAMA_CPP_PYTHON sdist from PyPI"
     mkdir -p "$WORK/sdist"
-    run_logged pip-download "$VENV/bin/pip" download --no-deps --no-binary :all: \
+    run_logged pip-download "$VENV/bin/pip" download --no-deps --no-binary llama-cpp-python \
         "llama-cpp-python==$LLAMA_CPP_PYTHON" -d "$WORK/sdist"
     run_logged untar tar xzf "$WORK/sdist/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" -C "$WORK/sdist"
     [ -f "$SRC/convert_hf_to_gguf.py" ] || die "the sdist has no vendor/llama.cpp/convert_hf_to_gguf.py"
