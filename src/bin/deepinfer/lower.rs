@@ -174,6 +174,10 @@ fn check(args: &LowerArgs, dir: &Path) -> Result<()> {
 /// Runs the command.
 pub(crate) fn run(args: LowerArgs) -> Result<()> {
     let dir = match &args.model {
+        Some(d) if deepinfer::gguf::is_gguf(d) => anyhow::bail!(
+            "lower reads a checkpoint directory or a config.json, not a GGUF file ({})",
+            d.display()
+        ),
         Some(d) => d.clone(),
         None => default_model_dir()?,
     };

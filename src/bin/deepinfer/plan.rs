@@ -79,6 +79,10 @@ pub(crate) fn run(args: PlanArgs) -> Result<ExitCode> {
         (Some(file), _) => (file.clone(), None),
         (None, model) => {
             let dir = match model {
+                Some(d) if deepinfer::gguf::is_gguf(d) => anyhow::bail!(
+                    "plan reads a checkpoint directory or a config.json, not a GGUF file ({})",
+                    d.display()
+                ),
                 Some(d) if d.is_dir() => d.clone(),
                 Some(d) => anyhow::bail!(
                     "model directory {} does not exist or is not a directory",
