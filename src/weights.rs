@@ -439,19 +439,10 @@ impl Checkpoint {
 
     /// The raw bytes of a stored tensor.
     fn read_bytes(&self, name: &str, entry: &TensorEntry) -> Result<Vec<u8>> {
-        let path = &self.shards[entry.shard];
-        let io = |source| Error::Io {
-            path: path.clone(),
-            source,
-        };
-        let mut file = File::open(path).map_err(io)?;
-        file.seek(SeekFrom::Start(entry.offset)).map_err(io)?;
-        let mut bytes = vec![0u8; entry.len];
-        file.read_exact(&mut bytes).map_err(|e| {
-            Error::Weights(format!(
-                "{}: cannot read tensor `{name}` ({e}); was the file changed or truncated after it was opened?",
-                path.display()
-            ))
+        let mut bytes = Vec::with_capacity(entry.len);
+        self.read_raw(name, entry, READ_CHUNK_BYTES, |chunk| {
+            bytes.extend_from_slice(chunk);
+            Ok(())
         })?;
         Ok(bytes)
     }
@@ -474,6 +465,26 @@ impl Checkpoint {
                 )))
             }
         };
+        let elem_bytes = (dtype.bitsize() / 8).max(1);
+        // Whole elements per chunk, so no value straddles two chunks.
+        let chunk_bytes = READ_CHUNK_BYTES / elem_bytes * elem_bytes;
+        let mut values = Vec::with_capacity(chunk_bytes / elem_bytes);
+        self.read_raw(name, entry, chunk_bytes, |chunk| {
+            values.clear();
+            convert::decode(dtype, chunk, &mut values);
+            sink(&values)
+        })
+    }
+
+    /// Reads a tensor's bytes from its file in chunks of at most `chunk_bytes`, handing each
+    /// to `sink`.
+    fn read_raw(
+        &self,
+        name: &str,
+        entry: &TensorEntry,
+        chunk_bytes: usize,
+        mut sink: impl FnMut(&[u8]) -> Result<()>,
+    ) -> Result<()> {
         let path = &self.shards[entry.shard];
         let io = |source| Error::Io {
             path: path.clone(),
@@ -481,13 +492,7 @@ impl Checkpoint {
         };
         let mut file = File::open(path).map_err(io)?;
         file.seek(SeekFrom::Start(entry.offset)).map_err(io)?;
-        let elem_bytes = (dtype.bitsize() / 8).max(1);
-        // Whole elements per chunk, so no value straddles two chunks.
-        let chunk_bytes = (READ_CHUNK_BYTES / elem_bytes * elem_bytes)
-            .min(entry.len)
-            .max(1);
-        let mut buf = vec![0u8; chunk_bytes];
-        let mut values = Vec::with_capacity(chunk_bytes / elem_bytes);
+        let mut buf = vec![0u8; chunk_bytes.min(entry.len).max(1)];
         let mut remaining = entry.len;
         while remaining > 0 {
             let n = remaining.min(buf.len());
@@ -497,9 +502,7 @@ impl Checkpoint {
                     path.display()
                 ))
             })?;
-            values.clear();
-            convert::decode(dtype, &buf[..n], &mut values);
-            sink(&values)?;
+            sink(&buf[..n])?;
             remaining -= n;
         }
         Ok(())

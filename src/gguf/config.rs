@@ -13,7 +13,7 @@
 //! - `num_key_value_heads`: the file says 1 (llama.cpp runs MLA as multi-query attention over
 //!   the latent); HF's configs say the head count, which is what MLA's up-projection has.
 
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
 use super::{GgufFile, ARCHITECTURE};
 use crate::config::ModelConfig;
@@ -65,11 +65,8 @@ impl GgufFile {
             None => m.strings("tokenizer.ggml.tokens")?.len(),
         };
 
-        let mut c = Map::new();
         let experts = m.opt_usize(&key("expert_count"))?.filter(|&n| n > 0);
-        let gating = m.opt_u64(&key("expert_gating_func"))?;
-        let groups = m.opt_usize(&key("expert_group_count"))?.unwrap_or(1);
-        let sigmoid = match gating {
+        let sigmoid = match m.opt_u64(&key("expert_gating_func"))? {
             None | Some(GATING_SOFTMAX) => false,
             Some(GATING_SIGMOID) => true,
             Some(other) => {
@@ -80,111 +77,63 @@ impl GgufFile {
                 )))
             }
         };
-        c.insert(
-            "model_type".into(),
-            json!(if sigmoid {
-                "deepseek_v3"
-            } else {
-                "deepseek_v2"
-            }),
-        );
-        c.insert("vocab_size".into(), json!(vocab));
-        c.insert(
-            "hidden_size".into(),
-            json!(m.usize(&key("embedding_length"))?),
-        );
-        c.insert(
-            "intermediate_size".into(),
-            json!(m.usize(&key("feed_forward_length"))?),
-        );
-        c.insert(
-            "num_hidden_layers".into(),
-            json!(m.usize(&key("block_count"))?),
-        );
-        c.insert("num_attention_heads".into(), json!(heads));
-        c.insert("num_key_value_heads".into(), json!(heads));
-        c.insert(
-            "q_lora_rank".into(),
-            json!(m.opt_usize(&key("attention.q_lora_rank"))?),
-        );
-        c.insert(
-            "kv_lora_rank".into(),
-            json!(m.usize(&key("attention.kv_lora_rank"))?),
-        );
-        c.insert("qk_nope_head_dim".into(), json!(qk_nope));
-        c.insert("qk_rope_head_dim".into(), json!(rope_dim));
-        c.insert("v_head_dim".into(), json!(v_head));
-        c.insert("rope_interleave".into(), json!(true));
-        c.insert(
-            "rms_norm_eps".into(),
-            json!(m.f64(&key("attention.layer_norm_rms_epsilon"))?),
-        );
-        c.insert(
-            "max_position_embeddings".into(),
-            json!(m.usize(&key("context_length"))?),
-        );
-        c.insert(
-            "rope_theta".into(),
-            json!(m.opt_f64(&key("rope.freq_base"))?.unwrap_or(10_000.0)),
-        );
-        if let Some(scaling) = self.rope_scaling()? {
-            c.insert("rope_scaling".into(), scaling);
-        }
-        c.insert("n_routed_experts".into(), json!(experts));
+        let mut c = json!({
+            "model_type": if sigmoid { "deepseek_v3" } else { "deepseek_v2" },
+            "vocab_size": vocab,
+            "hidden_size": m.usize(&key("embedding_length"))?,
+            "intermediate_size": m.usize(&key("feed_forward_length"))?,
+            "num_hidden_layers": m.usize(&key("block_count"))?,
+            "num_attention_heads": heads,
+            "num_key_value_heads": heads,
+            "q_lora_rank": m.opt_usize(&key("attention.q_lora_rank"))?,
+            "kv_lora_rank": m.usize(&key("attention.kv_lora_rank"))?,
+            "qk_nope_head_dim": qk_nope,
+            "qk_rope_head_dim": rope_dim,
+            "v_head_dim": v_head,
+            "rope_interleave": true,
+            "rms_norm_eps": m.f64(&key("attention.layer_norm_rms_epsilon"))?,
+            "max_position_embeddings": m.usize(&key("context_length"))?,
+            "rope_theta": m.opt_f64(&key("rope.freq_base"))?.unwrap_or(10_000.0),
+            "rope_scaling": self.rope_scaling()?,
+            "n_routed_experts": experts,
+            "tie_word_embeddings": !self.tensor_infos().contains_key("output.weight"),
+            "torch_dtype": self.saved_dtype(),
+            "bos_token_id": m.opt_u64("tokenizer.ggml.bos_token_id")?,
+            "eos_token_id": m.opt_u64("tokenizer.ggml.eos_token_id")?,
+        });
         if experts.is_some() {
-            c.insert(
-                "moe_intermediate_size".into(),
-                json!(m.usize(&key("expert_feed_forward_length"))?),
-            );
-            c.insert(
-                "n_shared_experts".into(),
-                json!(m.opt_usize(&key("expert_shared_count"))?.unwrap_or(0)),
-            );
-            c.insert(
-                "num_experts_per_tok".into(),
-                json!(m.usize(&key("expert_used_count"))?),
-            );
-            c.insert(
-                "first_k_dense_replace".into(),
-                json!(m.opt_usize(&key("leading_dense_block_count"))?.unwrap_or(0)),
-            );
-            c.insert("moe_layer_freq".into(), json!(1));
-            c.insert(
-                "scoring_func".into(),
-                json!(if sigmoid { "sigmoid" } else { "softmax" }),
-            );
+            let groups = m.opt_usize(&key("expert_group_count"))?.unwrap_or(1);
             let method = match (sigmoid, groups > 1) {
                 (true, _) => "noaux_tc",
                 (false, true) => "group_limited_greedy",
                 (false, false) => "greedy",
             };
-            c.insert("topk_method".into(), json!(method));
-            c.insert("n_group".into(), json!(groups));
-            c.insert(
-                "topk_group".into(),
-                json!(m.opt_usize(&key("expert_group_used_count"))?.unwrap_or(1)),
-            );
-            c.insert(
-                "norm_topk_prob".into(),
-                json!(m.opt_bool(&key("expert_weights_norm"))?.unwrap_or(false)),
-            );
-            c.insert(
-                "routed_scaling_factor".into(),
-                json!(m.opt_f64(&key("expert_weights_scale"))?.unwrap_or(1.0)),
-            );
-        }
-        let tied = !self.tensor_infos().contains_key("output.weight");
-        c.insert("tie_word_embeddings".into(), json!(tied));
-        c.insert("torch_dtype".into(), json!(self.saved_dtype()));
-        for (hf, gguf) in [
-            ("bos_token_id", "tokenizer.ggml.bos_token_id"),
-            ("eos_token_id", "tokenizer.ggml.eos_token_id"),
-        ] {
-            if let Some(id) = m.opt_u64(gguf)? {
-                c.insert(hf.into(), json!(id));
+            let moe = json!({
+                "moe_intermediate_size": m.usize(&key("expert_feed_forward_length"))?,
+                "n_shared_experts": m.opt_usize(&key("expert_shared_count"))?.unwrap_or(0),
+                "num_experts_per_tok": m.usize(&key("expert_used_count"))?,
+                "first_k_dense_replace":
+                    m.opt_usize(&key("leading_dense_block_count"))?.unwrap_or(0),
+                "moe_layer_freq": 1,
+                "scoring_func": if sigmoid { "sigmoid" } else { "softmax" },
+                "topk_method": method,
+                "n_group": groups,
+                "topk_group": m.opt_usize(&key("expert_group_used_count"))?.unwrap_or(1),
+                "norm_topk_prob": m.opt_bool(&key("expert_weights_norm"))?.unwrap_or(false),
+                "routed_scaling_factor":
+                    m.opt_f64(&key("expert_weights_scale"))?.unwrap_or(1.0),
+            });
+            if let (Some(c), Value::Object(moe)) = (c.as_object_mut(), moe) {
+                c.extend(moe);
             }
         }
-        Ok(Value::Object(c))
+        // A key the file lacks is left out (its default applies), except where null says
+        // something: `q_lora_rank` (no query compression, V2-Lite) and `n_routed_experts` (a
+        // dense model).
+        if let Some(c) = c.as_object_mut() {
+            c.retain(|k, v| !v.is_null() || k == "q_lora_rank" || k == "n_routed_experts");
+        }
+        Ok(c)
     }
 
     /// `rope_scaling` for a YaRN file, `None` without scaling.
