@@ -92,7 +92,8 @@ impl std::fmt::Debug for Tokenizer {
 
 impl Tokenizer {
     /// Loads `tokenizer.json` (required) and `tokenizer_config.json` and `chat_template.jinja`
-    /// (both optional) from a model directory.
+    /// (both optional) from a model directory; given a `.gguf` file, its own tokenizer
+    /// ([`Tokenizer::from_gguf`]).
     ///
     /// Errors name the file that is missing, unreadable or malformed.
     pub fn from_dir(dir: &Path) -> Result<Self> {
