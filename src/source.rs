@@ -54,6 +54,14 @@ impl ModelSource {
         }
     }
 
+    /// The opened checkpoint (its headers read and checked; tensors are read when asked for).
+    pub fn checkpoint(&self) -> Result<Checkpoint> {
+        match self {
+            ModelSource::Dir(dir) => Checkpoint::open(dir),
+            ModelSource::Gguf(file) => Checkpoint::open_gguf(file),
+        }
+    }
+
     /// The configuration and the opened checkpoint (a GGUF's header is read once for both).
     pub fn open(&self) -> Result<(ModelConfig, Checkpoint)> {
         match self {

@@ -346,35 +346,39 @@ fn broken_gguf_files_are_refused_naming_what_is_wrong() {
     assert!(msg.contains("does not exist"), "{msg}");
 }
 
+/// `deepinfer ARGS --model MODEL`'s stdout; fails the test, with its stderr, if it fails.
+fn deepinfer(args: &[&str], model: &Path) -> String {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_deepinfer"))
+        .args(args)
+        .arg("--model")
+        .arg(model)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}: {}",
+        model.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap()
+}
+
 /// The CLI end to end: `generate --model FILE.gguf --prompt` tokenizes with the file's own
 /// tokenizer and continues as the HF checkpoint directory does.
 #[test]
 fn cli_generates_from_a_gguf_file_as_from_the_checkpoint_directory() {
-    let run = |model: &Path| {
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_deepinfer"))
-            .args([
-                "generate",
-                "--backend",
-                "cpu",
-                "--max-tokens",
-                "8",
-                "--prompt",
-            ])
-            .arg("ROMEO: But, soft!")
-            .arg("--model")
-            .arg(model)
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8(out.stdout).unwrap()
-    };
-    let from_dir = run(&fixture_dir("tiny-v3"));
+    let args = [
+        "generate",
+        "--backend",
+        "cpu",
+        "--max-tokens",
+        "8",
+        "--prompt",
+        "ROMEO: But, soft!",
+    ];
+    let from_dir = deepinfer(&args, &fixture_dir("tiny-v3"));
     assert!(!from_dir.trim().is_empty());
-    assert_eq!(run(&gguf_path("tiny-v3-f32.gguf")), from_dir);
+    assert_eq!(deepinfer(&args, &gguf_path("tiny-v3-f32.gguf")), from_dir);
 }
 
 /// A device backend streams the GGUF's tensors to the (simulated) NeuronCore at capture, the
@@ -385,19 +389,17 @@ fn sim_backend_runs_gguf_files() {
     let score = |file: &str, fixture: &str| {
         let r = reference(fixture);
         let ids: Vec<String> = r.token_ids.iter().map(u32::to_string).collect();
-        let out = std::process::Command::new(env!("CARGO_BIN_EXE_deepinfer"))
-            .args(["score", "--backend", "sim", "--dtype", "f32", "--token-ids"])
-            .arg(ids.join(","))
-            .arg("--model")
-            .arg(gguf_path(file))
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{file}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        let stdout = String::from_utf8(out.stdout).unwrap();
+        let ids = ids.join(",");
+        let args = [
+            "score",
+            "--backend",
+            "sim",
+            "--dtype",
+            "f32",
+            "--token-ids",
+            &ids,
+        ];
+        let stdout = deepinfer(&args, &gguf_path(file));
         let line = stdout.lines().rfind(|l| l.starts_with('{')).unwrap();
         let v: serde_json::Value = serde_json::from_str(line).unwrap();
         let logits: Vec<Vec<f32>> = serde_json::from_value(v["logits"].clone()).unwrap();

@@ -244,8 +244,15 @@ impl ModelWeights {
     pub fn load(cfg: &ModelConfig, ckpt: &Checkpoint, precision: &Precision) -> Result<Self> {
         let specs = WeightSpecs::new(cfg, precision);
         let mut weights = ModelWeights::held(specs.clone());
+        // Only a quantized GGUF holds GGML blocks; asked once, not per parameter.
+        let has_blocks = ckpt.has_blocks();
         for name in specs.names() {
-            if let Some(q) = stored_blocks(ckpt, &specs, name)? {
+            let stored = if has_blocks {
+                stored_blocks(ckpt, &specs, name)?
+            } else {
+                None
+            };
+            if let Some(q) = stored {
                 weights.quantized.insert(name.to_string(), q);
                 continue;
             }
@@ -787,7 +794,7 @@ fn stored_blocks(
         specs.precision.quantize,
         Quantize::None | Quantize::Q8_0 | Quantize::Q4K
     );
-    if !ggml_kernels || !multiplied_in_blocks(name) || !ckpt.has_blocks() {
+    if !ggml_kernels || !multiplied_in_blocks(name) {
         return Ok(None);
     }
     let mut blocks = Vec::new();

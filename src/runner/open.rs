@@ -163,7 +163,7 @@ pub fn open(backend: Backend, model: &Path, limits: &Limits) -> Result<Box<dyn R
             runner_cfg.num_blocks = plan.kv_blocks;
         }
     }
-    let (_, checkpoint) = source.open()?;
+    let checkpoint = source.checkpoint()?;
     let precision = limits.precision.resolve(checkpoint.float_dtype(), &cfg)?;
     runner_cfg.kv_dtype = precision.kv_cache;
     // The CPU computes on host tensors; a device runner uploads each rank's shards straight
