@@ -12,6 +12,7 @@ use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
 use deepinfer::backend::cpu;
 use deepinfer::graph::{DType, Graph, GraphBuilder, InputRole};
 use deepinfer::model::sampling::{self, SamplingInputs};
+use deepinfer::model::vocab::VocabSlice;
 
 const VOCAB: usize = 102_400;
 
@@ -34,7 +35,7 @@ fn graph(rows: usize, argmax_only: bool) -> Graph {
             seeds: &input("seeds", vec![rows], DType::U32),
             positions: &input("positions", vec![rows], DType::I32),
         };
-        sampling::sample(&logits, &p).expect("sampler")
+        sampling::sample(&logits, &p, &VocabSlice::Whole).expect("sampler")
     };
     b.output("next", &next).expect("output");
     b.finish().expect("graph")

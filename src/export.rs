@@ -7,7 +7,10 @@
 //! `NAME.inputs.safetensors` (every parameter's value, keyed by parameter name) and
 //! `NAME.outputs.safetensors` (what the CPU backend computes from them, keyed by output name).
 //! Graphs return the logits the device runner binds (decode: the sampled rows'; prefill: every
-//! position's), so their statistics count what a device step really writes.
+//! position's), so their statistics count what a device step really writes. The decode step's
+//! inputs feed one sequence's next token on every row: row 0 greedy (its logits are what
+//! transformers is checked against), the others sampled with each filter, a logit bias and an
+//! allowed-token mask in turn, so the sampler's draws are compared too.
 //! `manifest.json` lists every graph's parameters (HLO parameter order), outputs (root tuple
 //! order) and aliases, and the tensor-parallel degree `tp`.
 //!
@@ -38,7 +41,9 @@ use crate::model::{
     self, shard, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, PrecisionChoice, Sampler,
     WeightSpecs,
 };
-use crate::runner::step::{self, DecodeRow, HostArray, HostData, PrefillChunk, SamplingParams};
+use crate::runner::step::{
+    self, DecodeRow, HostArray, HostData, LogitControls, PrefillChunk, SamplingParams,
+};
 use crate::runner::{CpuRunner, Limits, Runner, RunnerConfig, Step, StepKind};
 use crate::weights::Checkpoint;
 
@@ -539,7 +544,7 @@ pub fn lower_sharded(
             start: 0,
             blocks: &blocks,
             sampling: SamplingParams::GREEDY,
-            controls: crate::runner::step::LogitControls::NONE,
+            controls: LogitControls::NONE,
         };
         let prefill_meta = step::prefill_step(
             std::slice::from_ref(&chunk),
@@ -559,7 +564,7 @@ pub fn lower_sharded(
             start: 0,
             blocks: &other,
             sampling: SamplingParams::GREEDY,
-            controls: crate::runner::step::LogitControls::NONE,
+            controls: LogitControls::NONE,
         };
         runner.replay(&Step::Prefill {
             chunks: &[head],
@@ -572,14 +577,14 @@ pub fn lower_sharded(
                 start: 0,
                 blocks: &blocks,
                 sampling: SamplingParams::GREEDY,
-                controls: crate::runner::step::LogitControls::NONE,
+                controls: LogitControls::NONE,
             },
             PrefillChunk {
                 tokens: &prompt[half..],
                 start: half,
                 blocks: &other,
                 sampling: SamplingParams::GREEDY,
-                controls: crate::runner::step::LogitControls::NONE,
+                controls: LogitControls::NONE,
             },
         ];
         let packed_meta = step::prefill_step(
@@ -627,15 +632,25 @@ pub fn lower_sharded(
                     entry,
                 )?;
             } else {
-                let row = DecodeRow {
-                    token: last[0],
-                    position: prompt.len(),
-                    blocks: &blocks,
-                    sampling: SamplingParams::GREEDY,
-                    controls: crate::runner::step::LogitControls::NONE,
-                };
-                let meta =
-                    step::decode_step(&[row], *rows, opts.ctx, rc.block_size, cfg.vocab_size)?;
+                // Row 0 is the greedy step transformers' logits check; the others feed the same
+                // token again with sampled rows, so that XLA draws through the sampler too.
+                let allowed = probe_mask(cfg.vocab_size);
+                let decode_rows: Vec<DecodeRow> = (0..*rows)
+                    .map(|i| DecodeRow {
+                        token: last[0],
+                        position: prompt.len(),
+                        blocks: &blocks,
+                        sampling: probe_sampling(i),
+                        controls: probe_controls(i, prompt.len(), &allowed),
+                    })
+                    .collect();
+                let meta = step::decode_step(
+                    &decode_rows,
+                    *rows,
+                    opts.ctx,
+                    rc.block_size,
+                    cfg.vocab_size,
+                )?;
                 entry.reference_positions = Some(
                     std::iter::once(Some(prompt.len()))
                         .chain(std::iter::repeat_n(None, rows - 1))
@@ -650,6 +665,52 @@ pub fn lower_sharded(
         serde_json::to_string_pretty(&manifest).map_err(|e| Error::Internal(e.to_string()))?;
     std::fs::write(&path, json).map_err(io_err(&path))?;
     Ok(manifest)
+}
+
+/// The sampling of row `i` of a lowered decode step's inputs: row 0 greedy, the others
+/// sampled with each filter in turn (top-k with top-p, top-p with min-p, the whole vocabulary,
+/// a small top-k), each with its own seed.
+fn probe_sampling(i: usize) -> SamplingParams {
+    let (temperature, top_k, top_p, min_p) = match i % 4 {
+        _ if i == 0 => return SamplingParams::GREEDY,
+        1 => (0.8, 20, 0.9, 0.0),
+        2 => (1.0, 0, 0.6, 0.02),
+        3 => (1.3, 0, 1.0, 0.0),
+        _ => (0.7, 5, 1.0, 0.0),
+    };
+    SamplingParams {
+        temperature,
+        top_k,
+        top_p,
+        min_p,
+        seed: 1000 + i as u32,
+        ..SamplingParams::GREEDY
+    }
+}
+
+/// Biases some lowered decode rows carry (token, bias).
+const PROBE_BIAS: [(u32, f32); 3] = [(1, 4.0), (5, 2.5), (9, -100.0)];
+
+/// An allowed-token mask that keeps every third token.
+fn probe_mask(vocab: usize) -> Vec<u32> {
+    (0..vocab.div_ceil(32))
+        .map(|w| {
+            (0..32)
+                .filter(|j| (32 * w + j) % 3 == 0)
+                .fold(0, |m, j| m | 1 << j)
+        })
+        .collect()
+}
+
+/// The logit controls of row `i` of a lowered decode step's inputs: its own state row past
+/// the first, a bias on every third row and the mask on every fourth.
+fn probe_controls<'a>(i: usize, prompt_len: usize, allowed: &'a [u32]) -> LogitControls<'a> {
+    LogitControls {
+        state_row: i as u32,
+        prompt_len,
+        bias: if i % 3 == 1 { &PROBE_BIAS } else { &[] },
+        allowed: (i % 4 == 2).then_some(allowed),
+    }
 }
 
 /// `deepinfer lower --check neuron`: builds and lowers every graph a Neuron capture within

@@ -15,6 +15,7 @@ use deepinfer::config::ModelConfig;
 use deepinfer::engine::{self, Event, GenerationParams, Scheduler};
 use deepinfer::graph::{DType, GraphBuilder, InputRole};
 use deepinfer::model::logits::{self, LogitInputs, LOGIT_BIAS_SLOTS};
+use deepinfer::model::vocab::VocabSlice;
 use deepinfer::model::LogitsOutput;
 use deepinfer::model::{ModelWeights, Precision};
 use deepinfer::runner::step::{DecodeRow, LogitControls, PrefillChunk, SamplingParams};
@@ -113,6 +114,7 @@ fn mask_bias_and_penalties_match_the_reference_formulas() {
             frequency: &fr,
             repetition: &re,
         },
+        &VocabSlice::Whole,
     )
     .unwrap();
     b.output("out", &out).unwrap();

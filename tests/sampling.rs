@@ -21,6 +21,7 @@ use deepinfer::backend::neuron::sim_neff::NeffNames;
 use deepinfer::backend::{cpu, hlo};
 use deepinfer::graph::{DType, Graph, GraphBuilder, InputRole};
 use deepinfer::model::sampling::{self, SamplingInputs};
+use deepinfer::model::vocab::VocabSlice;
 use deepinfer::runner::{self, binding};
 use neuron_sys::{Library, Model, Runtime, Tensor as NTensor, TensorSet};
 use statrs::distribution::{ChiSquared, ContinuousCDF};
@@ -96,7 +97,10 @@ fn sampler_graph(inputs: &[Input]) -> Graph {
             seeds: &t[4],
             positions: &t[5],
         };
-        vec![("next".into(), sampling::sample(&t[0], &p).unwrap())]
+        vec![(
+            "next".into(),
+            sampling::sample(&t[0], &p, &VocabSlice::Whole).unwrap(),
+        )]
     })
 }
 
@@ -346,13 +350,13 @@ fn chi_square(counts: &[usize], probs: &[f64], n: usize) -> (f64, usize, f64) {
     (stat, dof, p)
 }
 
-/// `DRAWS` draws of the test row, `ROWS` per execution, each row with its own seed.
-fn draws(run: impl Fn(&Graph, &[Input]) -> Vec<Vec<u8>>) -> Vec<i32> {
+/// `count` draws of the test row, `ROWS` per execution, each row with its own seed; `sample`
+/// runs the sampler over [`sampler_graph`]'s inputs and returns the tokens.
+fn draws(count: usize, mut sample: impl FnMut(&[Input]) -> Vec<i32>) -> Vec<i32> {
     let row = test_logits();
     let logits: Vec<f32> = (0..ROWS).flat_map(|_| row.iter().copied()).collect();
-    let mut tokens = Vec::with_capacity(DRAWS);
-    let mut g = None;
-    for chunk in 0..DRAWS / ROWS {
+    let mut tokens = Vec::with_capacity(count);
+    for chunk in 0..count / ROWS {
         let seeds: Vec<u32> = (0..ROWS).map(|r| (chunk * ROWS + r) as u32).collect();
         let inputs = [
             input("logits", DType::F32, &[ROWS, VOCAB], &logits),
@@ -362,10 +366,17 @@ fn draws(run: impl Fn(&Graph, &[Input]) -> Vec<Vec<u8>>) -> Vec<i32> {
             input("seeds", DType::U32, &[ROWS], &seeds),
             input("positions", DType::I32, &[ROWS], &vec![17i32; ROWS]),
         ];
-        let g = g.get_or_insert_with(|| sampler_graph(&inputs));
-        tokens.extend(i32s(&run(g, &inputs)[0]));
+        tokens.extend(sample(&inputs));
     }
     tokens
+}
+
+/// [`draws`] of the whole-vocabulary sampler graph through `run`.
+fn whole_draws(run: impl Fn(&Graph, &[Input]) -> Vec<Vec<u8>>) -> Vec<i32> {
+    let mut g = None;
+    draws(DRAWS, |inputs| {
+        i32s(&run(g.get_or_insert_with(|| sampler_graph(inputs)), inputs)[0])
+    })
 }
 
 fn assert_follows_the_distribution(executor: &str, tokens: &[i32]) {
@@ -392,13 +403,13 @@ fn assert_follows_the_distribution(executor: &str, tokens: &[i32]) {
 
 #[test]
 fn draws_follow_the_renormalised_distribution_on_the_cpu() {
-    assert_follows_the_distribution("cpu", &draws(run_cpu));
+    assert_follows_the_distribution("cpu", &whole_draws(run_cpu));
 }
 
 #[test]
 fn draws_follow_the_renormalised_distribution_through_nrt_sim() {
     let sim = sim();
-    assert_follows_the_distribution("nrt-sim", &draws(|g, i| run_sim(&sim, g, i)));
+    assert_follows_the_distribution("nrt-sim", &whole_draws(|g, i| run_sim(&sim, g, i)));
 }
 
 #[test]
@@ -498,4 +509,246 @@ fn the_mass_threshold_is_tagged_plain_hlo_and_one_op_after_import() {
     );
     let got = f32s(&run_cpu(&imported, &inputs)[0]);
     assert_eq!(got, [3.0, 0.5]);
+}
+
+/// The sampler over one of `ranks` equal slices of the vocabulary: [`sampler_graph`]'s inputs,
+/// the logits being the slice's columns, plus `first` (`[1]` i32), the slice's first token id.
+fn split_sampler_graph(inputs: &[Input], ranks: usize) -> Graph {
+    graph(inputs, |t| {
+        let off = t[3].full_like(0.0).unwrap();
+        let p = SamplingInputs {
+            temperature: &t[1],
+            top_k: &t[2],
+            top_p: &t[3],
+            min_p: &off,
+            seeds: &t[4],
+            positions: &t[5],
+        };
+        let vocab = VocabSlice::Shard {
+            ranks,
+            first: t[6].clone(),
+        };
+        vec![("next".into(), sampling::sample(&t[0], &p, &vocab).unwrap())]
+    })
+}
+
+/// Rank `r`'s inputs of a split graph: the columns of its slice of every `[rows, vocab]` input
+/// named in `split`, the others whole, then its first token id.
+fn rank_inputs(inputs: &[Input], split: &[&str], r: usize, ranks: usize) -> Vec<CTensor> {
+    let mut out: Vec<CTensor> = inputs
+        .iter()
+        .map(|i| {
+            let t = cpu::tensor_from_bytes(i.dtype, &i.shape, &i.bytes).unwrap();
+            if split.contains(&i.name) {
+                let n = i.shape[1] / ranks;
+                t.narrow(1, r * n, n).unwrap().contiguous().unwrap()
+            } else {
+                t
+            }
+        })
+        .collect();
+    let first = (r * inputs[0].shape[1] / ranks) as i32;
+    out.push(CTensor::from_slice(&[first], 1, &candle_core::Device::Cpu).unwrap());
+    out
+}
+
+/// Runs `g` on `ranks` CPU threads whose collectives meet, rank `r` with
+/// [`rank_inputs`]; checks that every rank computed the same outputs and returns rank 0's.
+fn run_split(g: &Graph, inputs: &[Input], split: &[&str], ranks: usize) -> Vec<Vec<u8>> {
+    let per_rank: Vec<Vec<CTensor>> = (0..ranks)
+        .map(|r| rank_inputs(inputs, split, r, ranks))
+        .collect();
+    let group = cpu::Group::new(ranks, std::time::Duration::from_secs(60));
+    let outs = cpu::run_group(g, &per_rank, &group, 0).unwrap();
+    let bytes: Vec<Vec<Vec<u8>>> = outs
+        .iter()
+        .map(|o| {
+            o.iter()
+                .zip(g.outputs())
+                .map(|(t, out)| {
+                    cpu::with_tensor_bytes(t, g.node(out.node).dtype, |b| b.to_vec()).unwrap()
+                })
+                .collect()
+        })
+        .collect();
+    for (r, b) in bytes.iter().enumerate() {
+        assert_eq!(b, &bytes[0], "rank {r} of {ranks} disagrees with rank 0");
+    }
+    bytes.into_iter().next().unwrap()
+}
+
+fn with_first(inputs: &[Input], ranks: usize) -> Vec<Input> {
+    let mut all: Vec<Input> = inputs
+        .iter()
+        .map(|i| Input {
+            name: i.name,
+            dtype: i.dtype,
+            shape: i.shape.clone(),
+            bytes: i.bytes.clone(),
+        })
+        .collect();
+    // Declared for the graph's shape; each rank's own value comes from `rank_inputs`.
+    all.push(input("first", DType::I32, &[1], &[0i32]));
+    // The graph sees one slice of the logits.
+    all[0].shape[1] /= ranks;
+    all
+}
+
+/// Split by vocabulary over 4 ranks, the draws still follow the exact renormalised
+/// distribution (the f64 reference, by chi-square, never outside the nucleus), and they are the
+/// unsplit sampler's draws: the same seeds pick the same tokens, unless a draw's target falls
+/// within float rounding of a boundary between two tokens' running masses (the split sums them
+/// in another order); at most one in a thousand may differ. 2,000 draws (not 10,000): the
+/// split search costs the CPU 15 compares per value and round where the unsplit op costs one.
+#[test]
+fn split_draws_follow_the_distribution_and_are_the_unsplit_draws() {
+    let (ranks, count) = (4, 2_000);
+    let whole = whole_draws(run_cpu);
+    let mut g = None;
+    let split = draws(count, |inputs| {
+        let g = g.get_or_insert_with(|| split_sampler_graph(&with_first(inputs, ranks), ranks));
+        i32s(&run_split(g, inputs, &["logits"], ranks)[0])
+    });
+    assert_follows_the_distribution(&format!("cpu, {ranks} ranks"), &split);
+    let differ = whole.iter().zip(&split).filter(|(a, b)| a != b).count();
+    eprintln!("{ranks} ranks: {differ} of {count} draws differ from the unsplit sampler's");
+    assert!(
+        differ * 1000 <= count,
+        "{ranks} ranks: {differ} draws differ"
+    );
+}
+
+/// Split over 4 ranks, greedy rows take the lowest token id holding the maximum (two ranks
+/// hold it here), and `top_k = 1` or a tiny or zero `top_p` keep just the tied maxima; without
+/// a tie all four rows give the maximum, held by the last rank. Sampled rows stay in range.
+#[test]
+fn split_greedy_rows_take_the_lowest_id_of_the_maximum() {
+    let ranks = 4;
+    for (ties, want) in [(&[9_001, 25_000][..], 9_001), (&[30_000][..], 30_000)] {
+        let mut row = test_logits();
+        for &t in ties {
+            row[t] = 3.0;
+        }
+        row[100] = 2.999; // a near miss in rank 0
+        let rows = 6;
+        let logits: Vec<f32> = (0..rows).flat_map(|_| row.iter().copied()).collect();
+        let inputs = [
+            input("logits", DType::F32, &[rows, VOCAB], &logits),
+            input(
+                "temperature",
+                DType::F32,
+                &[rows],
+                &[0.0f32, 1.0, 1.0, 1.0, 1.0, 1.0],
+            ),
+            input(
+                "top_k",
+                DType::I32,
+                &[rows],
+                &[0i32, 1, 0, 0, 0, VOCAB as i32],
+            ),
+            input(
+                "top_p",
+                DType::F32,
+                &[rows],
+                &[1.0f32, 1.0, 1e-6, 0.0, 1.0, 1.0],
+            ),
+            input("seeds", DType::U32, &[rows], &[1u32, 2, 3, 4, 5, 6]),
+            input("positions", DType::I32, &[rows], &[0i32; 6]),
+        ];
+        let g = split_sampler_graph(&with_first(&inputs, ranks), ranks);
+        let got = i32s(&run_split(&g, &inputs, &["logits"], ranks)[0]);
+        assert_eq!(got[0], want, "greedy: {got:?}");
+        for &t in &got[1..4] {
+            assert!(
+                ties.contains(&(t as usize)),
+                "{t} is not a maximum: {got:?}"
+            );
+        }
+        assert!(
+            got[4..].iter().all(|&t| (0..VOCAB as i32).contains(&t)),
+            "{got:?}"
+        );
+    }
+}
+
+/// The mass threshold by definition, in f64: sort the values in descending order, add up the
+/// weights, and take the value where the running mass first reaches the target (every value tied
+/// with it counts); `+inf` for a target `<= 0`, `-inf` when the whole row falls short.
+fn threshold_by_sorting(x: &[f32], w: &[f32], target: f32) -> f32 {
+    if target <= 0.0 {
+        return f32::INFINITY;
+    }
+    let mut order: Vec<usize> = (0..x.len()).collect();
+    order.sort_by(|&a, &b| x[b].total_cmp(&x[a]));
+    let mut mass = 0.0f64;
+    for (k, &i) in order.iter().enumerate() {
+        mass += f64::from(w[i]);
+        let tied_next = order.get(k + 1).is_some_and(|&j| x[j] == x[i]);
+        if mass >= f64::from(target) && !tied_next {
+            return x[i];
+        }
+    }
+    f32::NEG_INFINITY
+}
+
+/// Split over 4 ranks, the threshold search (8 rounds of 15 keys, the masses all-reduced) finds
+/// the value the definition gives and the unsplit op finds, for unit weights (top-k's k-th
+/// largest, ties included) and for weights whose sums are exact in any order, at targets from
+/// below zero to beyond the whole row's mass; values include ties, negatives, zero and +-inf.
+#[test]
+fn the_split_mass_threshold_is_the_definitions() {
+    let (ranks, rows, n) = (4, 12, 64);
+    let x: Vec<f32> = (0..rows * n)
+        .map(|i| match i % n {
+            0 => f32::INFINITY,
+            1 => f32::NEG_INFINITY,
+            2 | 3 => 0.0,
+            j => ((j * 37 + i / n * 11) % 23) as f32 * 0.375 - 4.0,
+        })
+        .collect();
+    // Multiples of 1/8 below 4: every partial sum is exact in f32.
+    let w: Vec<f32> = (0..rows * n)
+        .map(|i| ((i * 13) % 32) as f32 / 8.0)
+        .collect();
+    let ones = vec![1.0f32; rows * n];
+    let targets: Vec<f32> = (0..rows)
+        .map(|r| {
+            [
+                -1.0, 0.0, 0.5, 1.0, 3.0, 7.0, 20.0, 33.0, 60.0, 64.0, 65.0, 1e9,
+            ][r]
+        })
+        .collect();
+    for weights in [&ones, &w] {
+        let inputs = [
+            input("x", DType::F32, &[rows, n], &x),
+            input("w", DType::F32, &[rows, n], weights),
+            input("target", DType::F32, &[rows], &targets),
+        ];
+        let whole = graph(&inputs, |t| {
+            vec![("t".into(), t[0].mass_threshold(&t[1], &t[2]).unwrap())]
+        });
+        let mut declared = with_first(&inputs, 1);
+        declared[0].shape[1] /= ranks;
+        declared[1].shape[1] /= ranks;
+        let split = graph(&declared, |t| {
+            let vocab = VocabSlice::Shard {
+                ranks,
+                first: t[3].clone(),
+            };
+            vec![(
+                "t".into(),
+                vocab.mass_threshold(&t[0], &t[1], &t[2]).unwrap(),
+            )]
+        });
+        let want: Vec<f32> = (0..rows)
+            .map(|r| {
+                let cols = r * n..(r + 1) * n;
+                threshold_by_sorting(&x[cols.clone()], &weights[cols], targets[r])
+            })
+            .collect();
+        let got_whole = f32s(&run_cpu(&whole, &inputs)[0]);
+        let got_split = f32s(&run_split(&split, &inputs, &["x", "w"], ranks)[0]);
+        assert_eq!(got_whole, want, "the unsplit op against the definition");
+        assert_eq!(got_split, want, "{ranks} ranks against the definition");
+    }
 }

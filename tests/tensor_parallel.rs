@@ -1,7 +1,8 @@
 //! Tensor parallelism against transformers and against `tp = 1`: every fixture split over 2 and
 //! 4 ranks (each rank a thread of the CPU backend running its shards, collectives meeting in
 //! one group) gives transformers' logits at every position, its greedy continuation, and
-//! decode logits within 1e-4 of the unsplit model's, for both MoE strategies.
+//! decode logits within 1e-4 of the unsplit model's, for both MoE strategies, and draws the
+//! unsplit model's sampled tokens.
 
 mod common;
 
@@ -82,6 +83,57 @@ fn split_decode_batches_match_the_unsplit_model_with_both_moe_strategies() {
         for tp in [2, 4] {
             for moe in [MoeStrategy::Gather, MoeStrategy::Dense] {
                 decode_batch_matches(name, tp, moe);
+            }
+        }
+    }
+}
+
+/// Sampled rows draw from each rank's vocabulary slice, never the gathered logits: with the
+/// same seeds, every split model draws the unsplit model's tokens (itself checked against the
+/// exact distribution in tests/sampling.rs), through top-k, top-p, min-p and the penalties.
+#[test]
+fn split_models_draw_the_unsplit_models_sampled_tokens() {
+    let params = [
+        SamplingParams {
+            temperature: 0.9,
+            top_k: 8,
+            top_p: 0.9,
+            seed: 11,
+            presence_penalty: 0.5,
+            frequency_penalty: 0.3,
+            ..SamplingParams::GREEDY
+        },
+        SamplingParams {
+            temperature: 1.3,
+            min_p: 0.02,
+            seed: 12,
+            repetition_penalty: 1.3,
+            ..SamplingParams::GREEDY
+        },
+        SamplingParams {
+            temperature: 0.7,
+            top_p: 0.5,
+            seed: 13,
+            ..SamplingParams::GREEDY
+        },
+    ];
+    for name in FIXTURES {
+        let r = reference(name);
+        let stop = StopConditions {
+            max_tokens: 16,
+            stop_token_ids: vec![],
+        };
+        let mut one = tp_runner(name, 1, 1, None);
+        let want: Vec<Vec<u32>> = params
+            .iter()
+            .map(|p| engine::generate(&mut one, &r.greedy.prompt_token_ids, *p, &stop).unwrap())
+            .collect();
+        for tp in [2, 4] {
+            let mut run = tp_runner(name, tp, 1, None);
+            for (p, want) in params.iter().zip(&want) {
+                let got =
+                    engine::generate(&mut run, &r.greedy.prompt_token_ids, *p, &stop).unwrap();
+                assert_eq!(&got, want, "{name} tp {tp} {p:?}");
             }
         }
     }

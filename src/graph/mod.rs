@@ -15,6 +15,7 @@ mod builder;
 mod display;
 mod dtype;
 mod op;
+pub mod order_key;
 mod shape;
 pub mod stats;
 mod tensor;

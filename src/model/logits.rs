@@ -17,6 +17,7 @@
 //! `l / r` (if `l > 0`) or `l * r` where `seen`, with `r` the repetition penalty; then
 //! `l - c * frequency - (c > 0) * presence`.
 
+use super::vocab::VocabSlice;
 use crate::error::Result;
 use crate::graph::{DType, Tensor};
 
@@ -46,11 +47,10 @@ pub struct LogitInputs<'a> {
     pub repetition: &'a Tensor,
 }
 
-/// Token `v`'s bit of each row's mask, as a bool `[rows, vocab]`.
-fn allowed_tokens(words: &Tensor, vocab: usize) -> Result<Tensor> {
-    let b = words.builder();
-    let rows = words.dim(0);
-    let v = b.iota([rows, vocab], DType::I32, 1)?.to_dtype(DType::U32)?;
+/// Each column's bit of its row's mask, as a bool `[rows, n]`, given the columns' token ids
+/// (`[rows, n]` i32).
+fn allowed_tokens(words: &Tensor, ids: &Tensor) -> Result<Tensor> {
+    let v = ids.to_dtype(DType::U32)?;
     let word = words.gather(&v.shr(&v.full_like(5.0)?)?.to_dtype(DType::I32)?, 1)?;
     let bit = word
         .shr(&v.bitand(&v.full_like(31.0)?)?)?
@@ -70,22 +70,30 @@ fn dense_bias(index: &Tensor, values: &Tensor, rows: usize, vocab: usize) -> Res
         .narrow(1, 0, vocab)
 }
 
-/// `logits` (`[rows, vocab]` f32) after the mask, the bias and the penalties, given each row's
-/// generated-token counts and prompt presence (`[rows, vocab]` f32 each).
+/// `logits` (`[rows, n]` f32, the part of the vocabulary `vocab` says) after the mask, the
+/// bias and the penalties, given each row's generated-token counts and prompt presence over
+/// the whole vocabulary (`[rows, vocab]` f32 each).
 pub fn adjust(
     logits: &Tensor,
     counts: &Tensor,
     prompt: &Tensor,
     p: &LogitInputs<'_>,
+    vocab: &VocabSlice,
 ) -> Result<Tensor> {
-    let (rows, vocab) = (logits.dim(0), logits.dim(1));
-    let allowed = allowed_tokens(p.allowed, vocab)?;
+    let rows = logits.dim(0);
+    let ids = vocab.token_ids(logits)?;
+    let allowed = allowed_tokens(p.allowed, &ids)?;
     let l = allowed.where_cond(logits, &logits.full_like(f64::NEG_INFINITY)?)?;
-    let l = l.add(&dense_bias(p.bias_index, p.bias_values, rows, vocab)?)?;
+    let bias = dense_bias(p.bias_index, p.bias_values, rows, counts.dim(1))?;
+    let l = l.add(&vocab.columns(&bias, logits)?)?;
+    let (counts, prompt) = (
+        vocab.columns(counts, logits)?,
+        vocab.columns(prompt, logits)?,
+    );
     let zero = l.full_like(0.0)?;
     let generated = counts.gt(&zero)?;
     let seen = generated.where_cond(&generated, &prompt.gt(&zero)?)?;
-    let r = p.repetition.unsqueeze(1)?.broadcast_as([rows, vocab])?;
+    let r = p.repetition.unsqueeze(1)?.broadcast_as(l.shape().clone())?;
     let penalised = l.gt(&zero)?.where_cond(&l.div(&r)?, &l.mul(&r)?)?;
     let l = seen.where_cond(&penalised, &l)?;
     let freq = counts.broadcast_mul(&p.frequency.unsqueeze(1)?)?;

@@ -44,6 +44,7 @@ pub mod precision;
 pub mod rope;
 pub mod sampling;
 pub mod shard;
+pub mod vocab;
 
 use std::cell::RefCell;
 use std::collections::HashMap;
@@ -53,6 +54,7 @@ use crate::error::{Error, Result};
 use crate::graph::{DType, Graph, GraphBuilder, InputRole, ReduceOp, Tensor};
 
 use attention::Roots;
+use vocab::VocabSlice;
 
 pub use moe::MoeStrategy;
 pub use params::{ModelWeights, WeightSpecs};
@@ -103,6 +105,17 @@ impl<'a> Weights<'a> {
     /// The attention heads this rank computes.
     pub fn heads(&self, cfg: &ModelConfig) -> usize {
         cfg.num_attention_heads / self.ranks()
+    }
+
+    /// The part of the vocabulary this rank's embedding rows and LM head cover.
+    pub fn vocab_slice(&self) -> Result<VocabSlice> {
+        Ok(match self.ranks() {
+            1 => VocabSlice::Whole,
+            ranks => VocabSlice::Shard {
+                ranks,
+                first: self.get(shard::SHARD_OFFSETS)?.narrow(0, 0, 1)?,
+            },
+        })
     }
 
     /// A rank's partial result (head-split attention, split MLP, its experts) summed over
@@ -415,26 +428,33 @@ fn embed(w: &Weights, ids: &Tensor) -> Result<Tensor> {
     w.complete(mine.where_cond(&x, &x.full_like(0.0)?)?)
 }
 
-/// The logits of the hidden states `x` (`[n, hidden]`) over the whole vocabulary: a rank's
-/// vocabulary slice, all-gathered when the LM head is split.
+/// The logits of the hidden states `x` (`[n, hidden]`) over the part of the vocabulary this
+/// rank's LM head holds ([`Weights::vocab_slice`]).
 fn lm_logits(cfg: &ModelConfig, w: &Weights, x: &Tensor) -> Result<Tensor> {
-    let logits = ops::linear(x, &w.get(ModelWeights::lm_head_name(cfg))?)?;
+    ops::linear(x, &w.get(ModelWeights::lm_head_name(cfg))?)
+}
+
+/// `logits` of this rank's vocabulary slice joined into whole rows, for a graph that returns
+/// them (sampling never needs them whole, see [`vocab`]).
+fn whole_logits(w: &Weights, logits: &Tensor) -> Result<Tensor> {
     match w.ranks() {
-        1 => Ok(logits),
+        1 => Ok(logits.clone()),
         n => logits.all_gather(1, n),
     }
 }
 
 /// Declares the per-row sampling inputs, adjusts `logits` (mask, bias, penalties from the rows'
-/// `counts` and `prompt` presence, see [`logits`]) and samples from them.
+/// `counts` and `prompt` presence, see [`logits`]) and samples from them; `logits` cover
+/// `vocab`'s part of the vocabulary.
 fn sample_rows(
     b: &GraphBuilder,
     logits: &Tensor,
+    vocab: &VocabSlice,
     positions: &Tensor,
     counts: &Tensor,
     prompt: &Tensor,
 ) -> Result<Tensor> {
-    let (rows, vocab) = (logits.dim(0), logits.dim(1));
+    let rows = logits.dim(0);
     let temperature = metadata(b, inputs::TEMPERATURE, vec![rows], DType::F32)?;
     let top_k = metadata(b, inputs::TOP_K, vec![rows], DType::I32)?;
     let top_p = metadata(b, inputs::TOP_P, vec![rows], DType::F32)?;
@@ -452,7 +472,7 @@ fn sample_rows(
     let allowed = metadata(
         b,
         inputs::ALLOWED_TOKENS,
-        vec![rows, vocab.div_ceil(32)],
+        vec![rows, vocab.vocab(logits.dim(1)).div_ceil(32)],
         DType::U32,
     )?;
     let adjusted = logits::adjust(
@@ -467,6 +487,7 @@ fn sample_rows(
             frequency: &frequency,
             repetition: &repetition,
         },
+        vocab,
     )?;
     sampling::sample(
         &adjusted,
@@ -478,6 +499,7 @@ fn sample_rows(
             seeds: &seeds,
             positions,
         },
+        vocab,
     )
 }
 
@@ -570,13 +592,14 @@ pub fn build_decode(
     let logits = lm_logits(cfg, &w, &x)?;
     let state_rows = metadata(&b, inputs::STATE_ROWS, vec![rows], DType::I32)?;
     let (state, counts, prompt) = logits::decode_state(&s.state, &state_rows, &s.input_ids)?;
+    let vocab = w.vocab_slice()?;
     let next = match spec.sampler {
-        Sampler::Full => sample_rows(&b, &logits, &s.positions, &counts, &prompt)?,
-        Sampler::Greedy => logits.argmax(1)?,
+        Sampler::Full => sample_rows(&b, &logits, &vocab, &s.positions, &counts, &prompt)?,
+        Sampler::Greedy => vocab.argmax(&logits)?,
     };
     b.output("next_tokens", &next)?;
     if spec.logits != LogitsOutput::None {
-        b.output("logits", &logits)?;
+        b.output("logits", &whole_logits(&w, &logits)?)?;
     }
     output_roots(&b, &new_roots, &s.roots, (&state, &s.state))?;
     b.finish()
@@ -657,12 +680,15 @@ pub fn build_prefill(
         &prompt_lens,
         &s.input_ids,
     )?;
-    let next = sample_rows(&b, &last_logits, &last_pos, &counts, &prompt)?;
+    let vocab = w.vocab_slice()?;
+    let next = sample_rows(&b, &last_logits, &vocab, &last_pos, &counts, &prompt)?;
     b.output("next_tokens", &next)?;
     match spec.logits {
         LogitsOutput::None => {}
-        LogitsOutput::Sampled => b.output("logits", &last_logits)?,
-        LogitsOutput::AllPositions => b.output("logits", &lm_logits(cfg, &w, &x)?)?,
+        LogitsOutput::Sampled => b.output("logits", &whole_logits(&w, &last_logits)?)?,
+        LogitsOutput::AllPositions => {
+            b.output("logits", &whole_logits(&w, &lm_logits(cfg, &w, &x)?)?)?
+        }
     }
     output_roots(&b, &new_roots, &s.roots, (&state, &s.state))?;
     b.finish()

@@ -16,6 +16,10 @@
 //! turns into a top-k it caps at 16,384 (aws-neuron/aws-neuron-sdk issue 1339), and V2-Lite's
 //! vocabulary is 102,400. Rows with `temperature <= 0` are a plain argmax.
 //!
+//! Split by vocabulary over tensor-parallel ranks, the same steps run on each rank's slice,
+//! with the row maxima, sums, thresholds and the draw completed across ranks
+//! ([`super::vocab`]); every rank draws the same token.
+//!
 //! The uniform comes from a counter-based generator: a hash of (seed, position), so it needs no
 //! state between steps and gives the same draw for the same (seed, position) whatever the
 //! batch. The hash is murmur3's 32-bit finalizer, whose u32 multiplies wrap; a NeuronCore's
@@ -24,6 +28,7 @@
 //! 2^24, in f32, where they are exact on every engine, and reassembles the 32-bit result with
 //! shifts, masks and xors; see [`wrapping_mul`]. The result is bit for bit the u32 hash.
 
+use super::vocab::VocabSlice;
 use crate::error::Result;
 use crate::graph::{DType, Tensor};
 
@@ -117,18 +122,18 @@ pub fn uniform(seeds: &Tensor, positions: &Tensor) -> Result<Tensor> {
     k.affine(1.0 / f64::from(1u32 << 23), 0.5 / f64::from(1u32 << 23))
 }
 
-/// The next token of each row (`[b]`, i32) from its logits (`[b, vocab]`, f32).
-pub fn sample(logits: &Tensor, p: &SamplingInputs<'_>) -> Result<Tensor> {
-    let b = logits.builder();
-    let (rows, vocab) = (logits.dim(0), logits.dim(1));
-    let greedy = logits.argmax(1)?;
+/// The next token of each row (`[b]`, i32) from its logits (`[b, n]`, f32), which cover the
+/// part of the vocabulary `vocab` says: split by vocabulary, every rank draws the same tokens
+/// from its own slice (see [`super::vocab`]).
+pub fn sample(logits: &Tensor, p: &SamplingInputs<'_>, vocab: &VocabSlice) -> Result<Tensor> {
+    let greedy = vocab.argmax(logits)?;
 
     let zero = p.temperature.full_like(0.0)?;
     let neg_inf = p.temperature.full_like(f64::NEG_INFINITY)?;
     let sampling = p.temperature.gt(&zero)?;
     let temp = sampling.where_cond(p.temperature, &p.temperature.full_like(1.0)?)?;
     let z = logits.broadcast_div(&temp.unsqueeze(1)?)?;
-    let z_max = z.max_keepdim(1)?; // [b, 1]
+    let z_max = vocab.row_max(&z)?.unsqueeze(1)?; // [b, 1]
     let e = z.broadcast_sub(&z_max)?.exp()?; // softmax(z), unnormalised
     let none = e.full_like(0.0)?;
 
@@ -140,32 +145,27 @@ pub fn sample(logits: &Tensor, p: &SamplingInputs<'_>) -> Result<Tensor> {
 
     // top-k: the k-th largest z, for 0 < k < vocab, among what min-p kept.
     let k_positive = p.top_k.gt(&p.top_k.full_like(0.0)?)?;
-    let k_on =
-        k_positive.where_cond(&p.top_k.lt(&p.top_k.full_like(vocab as f64)?)?, &k_positive)?;
+    let whole = vocab.vocab(logits.dim(1)) as f64;
+    let k_on = k_positive.where_cond(&p.top_k.lt(&p.top_k.full_like(whole)?)?, &k_positive)?;
     let k_target = k_on.where_cond(&p.top_k.to_dtype(DType::F32)?, &zero)?;
-    let t_k = z.mass_threshold(&z.full_like(1.0)?, &k_target)?;
+    let t_k = vocab.mass_threshold(&z, &z.full_like(1.0)?, &k_target)?;
     let t_k = k_on.where_cond(&t_k, &neg_inf)?.maximum(&t_m)?;
     let e_k = z.ge(&t_k.unsqueeze(1)?)?.where_cond(&e, &none)?;
 
     // top-p on what top-k kept: the largest z whose mass at or above reaches top_p of it.
     let p_on = p.top_p.lt(&p.top_p.full_like(1.0)?)?;
-    let p_target = p_on.where_cond(&p.top_p.mul(&e_k.sum(1)?)?, &zero)?;
-    let t_p = z.mass_threshold(&e_k, &p_target)?;
+    let p_target = p_on.where_cond(&p.top_p.mul(&vocab.row_sum(&e_k)?)?, &zero)?;
+    let t_p = vocab.mass_threshold(&z, &e_k, &p_target)?;
     let t_p = p_on.where_cond(&t_p, &neg_inf)?;
 
     // Both cuts, never above the best token (a top_p <= 0 keeps that one).
     let cut = t_k.maximum(&t_p)?.minimum(&z_max.squeeze(1)?)?;
     let kept = z.ge(&cut.unsqueeze(1)?)?.where_cond(&e, &none)?;
 
-    // The draw: the first token whose running mass reaches u * total, as the largest
-    // -index whose mass at or above (the tokens up to that index) reaches it.
+    // The draw: the first token whose running mass reaches u * total.
     let u = uniform(p.seeds, p.positions)?;
-    let draw_target = sampling.where_cond(&u.mul(&kept.sum(1)?)?, &zero)?;
-    let neg_index = b
-        .iota([rows, vocab], DType::I32, 1)?
-        .to_dtype(DType::F32)?
-        .neg()?;
-    let at = neg_index.mass_threshold(&kept, &draw_target)?;
+    let draw_target = sampling.where_cond(&u.mul(&vocab.row_sum(&kept)?)?, &zero)?;
+    let at = vocab.draw(&kept, &draw_target)?;
     // -inf only if rounding left u * total above the summed mass (u < 1): take the best token.
     let found = at.gt(&neg_inf)?.where_cond(&sampling, &zero.gt(&zero)?)?;
     let token = found.where_cond(&at, &zero)?.neg()?.to_dtype(DType::I32)?;

@@ -24,8 +24,9 @@
 //!   others. Splitting inside each expert instead would make every rank read a slice of every
 //!   selected expert: the same bytes, but `ranks` times more, smaller matmuls.
 //! - **Embedding and LM head, by vocabulary.** A rank holds `vocab / ranks` rows: the
-//!   embedding looks up the ids in its range and an all-reduce fills the others; the LM head's
-//!   logits are all-gathered before sampling.
+//!   embedding looks up the ids in its range and an all-reduce fills the others; each rank
+//!   adjusts and samples its own slice of the logits, and only per-row figures cross ranks
+//!   (`super::vocab`): the logits are all-gathered only for a graph that returns them.
 //!
 //! A rank finds its vocabulary rows and experts from one small per-rank input,
 //! [`SHARD_OFFSETS`], so that every rank runs one and the same HLO (one NEFF per bucket).

@@ -10,15 +10,11 @@
 //! wider than 16,384 into a top-k it refuses: aws-neuron/aws-neuron-sdk issue 1339), no integer
 //! is multiplied or added, and every float operation is exact.
 //!
-//! A key's value is computed, not reinterpreted (no `bitcast-convert`, which no public source
-//! shows neuronx-cc accepting): exponent and mantissa are cut out with shifts and masks, and the
-//! value is `(1 + mantissa / 2^23) * 2^(exponent - 127)`, the power of two read from a
-//! 256-entry table (`gather`), with the sign applied by a select. The table maps exponent 0
-//! (zero and the subnormals) to 0 and exponent 255 (infinities and NaNs) to infinity, so every
-//! key has a value, the values never decrease as the key grows, and the search needs no NaN
-//! case: a target no value reaches leaves the key at 0, whose value is -inf, and a target
-//! `<= 0` takes it to the top, +inf. A subnormal answer comes out as 0, which is also what an
-//! engine that flushes subnormals (XLA's CPU) computes.
+//! A key's value is computed by exact arithmetic, not reinterpreted
+//! ([`crate::graph::order_key`]), so the search needs no NaN case: a target no value reaches
+//! leaves the key at 0, whose value is -inf, and a target `<= 0` takes it to the top, +inf. A
+//! subnormal answer comes out as 0, which is also what an engine that flushes subnormals (XLA's
+//! CPU) computes.
 //!
 //! The instructions are written into the entry computation, each tagged with the frontend
 //! attribute `COMPOSITE_PART_ATTR` and the last with `COMPOSITE_ATTR` naming the op and
@@ -29,22 +25,11 @@
 use super::{array_shape, Emitter};
 use crate::backend::hlo::proto::{GatherDimensionNumbers, PrimitiveType};
 use crate::backend::hlo::{literal, opcodes, primitive_type};
+use crate::graph::order_key::exponent_scales;
 use crate::graph::{BinaryOp, CmpOp, DType, Literal, ReduceOp};
 
 /// The [`COMPOSITE_ATTR`](crate::backend::hlo::COMPOSITE_ATTR) value of a mass threshold.
 pub(crate) const MASS_THRESHOLD: &str = "mass_threshold";
-
-/// `2^(e - 127)` for each biased exponent `e`: 0 for `e = 0` (zero and subnormals, which are
-/// flushed) and infinity for `e = 255` (infinities and NaNs).
-fn exponent_table() -> Vec<f32> {
-    (0..256)
-        .map(|e| match e {
-            0 => 0.0,
-            255 => f32::INFINITY,
-            e => f32::from_bits((e as u32) << 23),
-        })
-        .collect()
-}
 
 impl Emitter<'_> {
     /// The bisection for `[rows, n]` values `x`, weights `w` and `[rows]` targets; returns the
@@ -79,7 +64,7 @@ impl Emitter<'_> {
         let zeros = self.push(opcodes::BROADCAST, mat_f.clone(), &[zero], |_| {});
         let table_shape = array_shape(&[256], f32_);
         let table = self.constant(
-            literal::to_proto(&Literal::F32(exponent_table()), table_shape.clone()),
+            literal::to_proto(&Literal::F32(exponent_scales()), table_shape.clone()),
             table_shape,
         );
         let c23 = row_const(self, DType::U32, 23.0);
