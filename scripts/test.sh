@@ -69,15 +69,16 @@ for run in "tiny-v2-lite:bf16:reference.json:1e-3:--dtype bf16" \
     .venv/bin/python scripts/xla_check.py "$out/$fixture-$tag" --tol "$tol" \
         --reference "fixtures/$fixture/$ref" "${peer[@]}" || status=1
 done
-# Tensor parallelism: the prefill and batch-1 decode graphs of every fixture at --tp 2 and 4
-# (between them both MoE strategies: at tp 2 decode gathers the selected experts, everything else
-# runs its experts densely), run by XLA with that many replicas. About 15 s per fixture and
-# degree, nearly all of it XLA compiling two modules.
+# Tensor parallelism: the prefill and batch-1 and batch-4 decode graphs of every fixture at --tp 2
+# and 4 (between them both MoE strategies: at tp 2 decode gathers the selected experts, everything
+# else runs its experts densely), run by XLA with that many replicas; batch 4's rows 1-3 draw
+# sampled tokens from each rank's vocabulary slice. About 20 s per fixture and degree, nearly all
+# of it XLA compiling the modules.
 for tp in 2 4; do
     for fixture in tiny-v3 tiny-v2-lite tiny-v2-group tiny-v32; do
         ids=$(.venv/bin/python -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['token_ids'])))" "fixtures/$fixture/reference.json")
         target/release/deepinfer lower --model "fixtures/$fixture" --out "$out/$fixture-tp$tp" --dtype f32 \
-            --tp "$tp" --batch-sizes 1 --ctx 64 --inputs-from-token-ids "$ids" > /dev/null
+            --tp "$tp" --batch-sizes 1,4 --ctx 64 --inputs-from-token-ids "$ids" > /dev/null
         echo "== XLA conformance: $fixture (--tp $tp, $tp replicas)"
         .venv/bin/python scripts/xla_check.py "$out/$fixture-tp$tp" --reference "fixtures/$fixture/reference.json" || status=1
     done

@@ -18,8 +18,9 @@ each module is compiled with N replicas (`CompileOptions.num_replicas = N`, repl
 device r, the child process started with `XLA_FLAGS=--xla_force_host_platform_device_count=N`)
 and run once on every rank's inputs (`NAME.rank{r}.inputs.safetensors`): its all-reduce and
 all-gather meet across the replicas. Every rank's outputs, the updated cache root included, must
-match the CPU backend's (all ranks compute the same values); with --reference, every rank's
-mapped logits rows must match transformers'.
+match the CPU backend's (all ranks compute the same values, but the logits: each rank returns
+its slice of the vocabulary's columns, checked against those columns); with --reference, the
+ranks' slices joined into whole rows must match transformers'.
 
 How (the README's test command does this for every fixture):
 
@@ -172,23 +173,36 @@ def check_graph(out_dir: Path, g: dict, tol: float, reference, reference_tol, tp
         return [f"{g['name']}: XLA failed (exit {child.returncode}): {child.stderr.strip()[-2000:]}"]
     got = np.load(npz)
     want = load_file(str(out_dir / g["cpu_outputs"]))
+    per_rank = [{o["name"]: got[f"r{r}_{o['index']}"] for o in g["outputs"]} for r in range(tp)]
     failures = []
-    for r in range(tp):
-        failures += check_rank(g, got, want, r if tp > 1 else None, tol, reference, reference_tol)
+    for r, outs in enumerate(per_rank):
+        label = g["name"] if tp == 1 else f"{g['name']}@rank{r}"
+        failures += check_outputs(label, outs, rank_view(want, r, tp), tol)
+    if reference is not None and g.get("reference_positions") is not None:
+        # Each rank's logits are its vocabulary slice; transformers' rows are whole.
+        logits = np.concatenate([outs["logits"] for outs in per_rank], axis=1)
+        failures += check_reference(g["name"], logits, g["reference_positions"], reference, reference_tol)
     return failures
 
 
-def check_rank(g: dict, got, want, rank, tol: float, reference, reference_tol) -> list[str]:
-    """Checks one rank's outputs (`rank` None: the only one, unsharded) against the CPU
-    backend's and, with a reference, every logits row the manifest maps to a position against
-    transformers' (`reference_tol(position)` allowed)."""
-    label = g["name"] if rank is None else f"{g['name']}@rank{rank}"
-    r = rank or 0
+def rank_view(want: dict, rank: int, tp: int) -> dict:
+    """What rank `rank` of `tp` must output: the CPU backend's outputs, whose logits are whole
+    rows, with the logits cut to the rank's vocabulary slice (columns `rank * vocab / tp`
+    onwards)."""
+    if tp == 1 or "logits" not in want:
+        return want
+    width = want["logits"].shape[1] // tp
+    return {**want, "logits": want["logits"][:, rank * width:(rank + 1) * width]}
+
+
+def check_outputs(label: str, got: dict, want: dict, tol: float) -> list[str]:
+    """Checks one rank's outputs against the CPU backend's: floats within `tol` (16-bit floats
+    one unit in the last place more), integers identical."""
     failures = []
-    for o in g["outputs"]:
-        x, y = got[f"r{r}_{o['index']}"], want[o["name"]]
+    for name, x in got.items():
+        y = want[name]
         if x.shape != y.shape:
-            failures.append(f"{label}.{o['name']}: shape {x.shape} vs {y.shape}")
+            failures.append(f"{label}.{name}: shape {x.shape} vs {y.shape}")
         elif y.dtype.name in ("bfloat16", "float16"):
             # A value both computed in f32 and then rounded to 16 bits may round to neighbouring
             # 16-bit values when the f32 results differ in their last bits: allow one unit in
@@ -197,35 +211,37 @@ def check_rank(g: dict, got, want, rank, tol: float, reference, reference_tol) -
             a, b = x.astype(np.float64), y.astype(np.float64)
             excess = float(np.max(np.abs(a - b) - (tol + ulp * np.abs(b)))) if x.size else 0.0
             diff = float(np.max(np.abs(a - b))) if x.size else 0.0
-            print(f"  {label}.{o['name']}: max |xla - cpu| = {diff:.3g} ({y.dtype.name})")
+            print(f"  {label}.{name}: max |xla - cpu| = {diff:.3g} ({y.dtype.name})")
             if not excess <= 0.0:
-                failures.append(f"{label}.{o['name']}: differs by more than one {y.dtype.name} ulp + {tol}")
+                failures.append(f"{label}.{name}: differs by more than one {y.dtype.name} ulp + {tol}")
         elif np.issubdtype(y.dtype, np.floating):
             diff = float(np.max(np.abs(x.astype(np.float64) - y.astype(np.float64)))) if x.size else 0.0
-            print(f"  {label}.{o['name']}: max |xla - cpu| = {diff:.3g}")
+            print(f"  {label}.{name}: max |xla - cpu| = {diff:.3g}")
             if not diff <= tol:
-                failures.append(f"{label}.{o['name']}: max abs diff {diff} > {tol}")
+                failures.append(f"{label}.{name}: max abs diff {diff} > {tol}")
         elif not np.array_equal(x, y):
-            failures.append(f"{label}.{o['name']}: {x.tolist()} != {y.tolist()}")
+            failures.append(f"{label}.{name}: {x.tolist()} != {y.tolist()}")
         else:
-            print(f"  {label}.{o['name']}: identical ({x.tolist() if x.size <= 8 else x.shape})")
-    if reference is not None and g.get("reference_positions") is not None:
-        # Every real logits row against transformers' logits at the position it predicts
-        # (decode's row 0, and every position of the prefill graphs, the packed one included).
-        k = [o["name"] for o in g["outputs"]].index("logits")
-        rows = got[f"r{r}_{k}"]
-        worst, worst_excess = 0.0, -np.inf
-        for row, pos in enumerate(g["reference_positions"]):
-            if pos is None:
-                continue
-            ref = np.asarray(reference["logits"][pos], dtype=np.float64)
-            diff = float(np.max(np.abs(rows[row].astype(np.float64) - ref)))
-            worst = max(worst, diff)
-            worst_excess = max(worst_excess, diff - reference_tol(pos))
-        print(f"  {label}: logits vs transformers, max |diff| = {worst:.3g}")
-        if not worst_excess <= 0.0:
-            failures.append(f"{label}: logits differ from transformers beyond the allowed tolerance")
+            print(f"  {label}.{name}: identical ({x.tolist() if x.size <= 8 else x.shape})")
     return failures
+
+
+def check_reference(label: str, logits, positions, reference, reference_tol) -> list[str]:
+    """Every real logits row against transformers' logits at the position it predicts
+    (decode's row 0, and every position of the prefill graphs, the packed one included),
+    `reference_tol(position)` allowed."""
+    worst, worst_excess = 0.0, -np.inf
+    for row, pos in enumerate(positions):
+        if pos is None:
+            continue
+        ref = np.asarray(reference["logits"][pos], dtype=np.float64)
+        diff = float(np.max(np.abs(logits[row].astype(np.float64) - ref)))
+        worst = max(worst, diff)
+        worst_excess = max(worst_excess, diff - reference_tol(pos))
+    print(f"  {label}: logits vs transformers, max |diff| = {worst:.3g}")
+    if not worst_excess <= 0.0:
+        return [f"{label}: logits differ from transformers beyond the allowed tolerance"]
+    return []
 
 
 def main() -> int:

@@ -19,9 +19,11 @@
 //! replica group `{0..N}`); what differs per rank is its weight shards and
 //! [`crate::model::shard::SHARD_OFFSETS`], so the inputs are one `NAME.rank{r}.inputs.safetensors`
 //! per rank (that rank's shards, the shared metadata, and the KV root: rank 0's, as every
-//! rank's root holds the same values). All ranks compute the same outputs (checked here), so
-//! `NAME.outputs.safetensors` is written once. At `tp = 1` the files are exactly those of an
-//! unsharded model.
+//! rank's root holds the same values). All ranks compute the same outputs (checked here) but
+//! the logits, of which each rank computes its vocabulary slice's columns, so
+//! `NAME.outputs.safetensors` is written once, with the whole logits rows (rank `r`'s are
+//! columns `r * vocab / N` onwards). At `tp = 1` the files are exactly those of an unsharded
+//! model.
 
 use std::collections::HashMap;
 use std::path::Path;
@@ -372,7 +374,7 @@ fn write_step(
             let mut all = cpu::run_group(graph, &rank_inputs, &group, 0)?;
             for (r, outs) in all.iter().enumerate().skip(1) {
                 for ((o, a), b) in graph.outputs().iter().zip(outs).zip(&all[0]) {
-                    if !bit_identical(a, b)? {
+                    if o.name != "logits" && !bit_identical(a, b)? {
                         return Err(Error::Internal(format!(
                             "{}: rank {r}'s output {} differs from rank 0's",
                             graph.name(),
@@ -380,6 +382,11 @@ fn write_step(
                         )));
                     }
                 }
+            }
+            // Each rank's logits are its vocabulary slice; the file holds the whole rows.
+            if let Some(i) = graph.output_index("logits") {
+                let slices: Vec<&CTensor> = all.iter().map(|o| &o[i]).collect();
+                all[0][i] = CTensor::cat(&slices, 1)?;
             }
             all.swap_remove(0)
         }

@@ -30,7 +30,9 @@
 //!
 //! Outputs: `next_tokens` (`[b]` / `[s]` i32), `logits` on request (`[b, vocab]` for decode and
 //! each chunk's last position in prefill, or `[t, vocab]` for every position), and the updated
-//! cache roots under their input names (see [`cache_roots`]).
+//! cache roots under their input names (see [`cache_roots`]). Split by vocabulary (`--tp N`),
+//! each rank's `logits` are its slice's columns (`vocab / N` of them, see [`vocab`]): no
+//! collective gathers them, the runner joins the ranks' slices on the host when asked.
 
 pub mod attention;
 pub mod cost;
@@ -429,18 +431,9 @@ fn embed(w: &Weights, ids: &Tensor) -> Result<Tensor> {
 }
 
 /// The logits of the hidden states `x` (`[n, hidden]`) over the part of the vocabulary this
-/// rank's LM head holds ([`Weights::vocab_slice`]).
+/// rank's LM head holds ([`Weights::vocab_slice`]); never gathered, see the module docs.
 fn lm_logits(cfg: &ModelConfig, w: &Weights, x: &Tensor) -> Result<Tensor> {
     ops::linear(x, &w.get(ModelWeights::lm_head_name(cfg))?)
-}
-
-/// `logits` of this rank's vocabulary slice joined into whole rows, for a graph that returns
-/// them (sampling never needs them whole, see [`vocab`]).
-fn whole_logits(w: &Weights, logits: &Tensor) -> Result<Tensor> {
-    match w.ranks() {
-        1 => Ok(logits.clone()),
-        n => logits.all_gather(1, n),
-    }
 }
 
 /// Declares the per-row sampling inputs, adjusts `logits` (mask, bias, penalties from the rows'
@@ -599,7 +592,7 @@ pub fn build_decode(
     };
     b.output("next_tokens", &next)?;
     if spec.logits != LogitsOutput::None {
-        b.output("logits", &whole_logits(&w, &logits)?)?;
+        b.output("logits", &logits)?;
     }
     output_roots(&b, &new_roots, &s.roots, (&state, &s.state))?;
     b.finish()
@@ -685,10 +678,8 @@ pub fn build_prefill(
     b.output("next_tokens", &next)?;
     match spec.logits {
         LogitsOutput::None => {}
-        LogitsOutput::Sampled => b.output("logits", &whole_logits(&w, &last_logits)?)?,
-        LogitsOutput::AllPositions => {
-            b.output("logits", &whole_logits(&w, &lm_logits(cfg, &w, &x)?)?)?
-        }
+        LogitsOutput::Sampled => b.output("logits", &last_logits)?,
+        LogitsOutput::AllPositions => b.output("logits", &lm_logits(cfg, &w, &x)?)?,
     }
     output_roots(&b, &new_roots, &s.roots, (&state, &s.state))?;
     b.finish()

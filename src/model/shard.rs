@@ -26,7 +26,8 @@
 //! - **Embedding and LM head, by vocabulary.** A rank holds `vocab / ranks` rows: the
 //!   embedding looks up the ids in its range and an all-reduce fills the others; each rank
 //!   adjusts and samples its own slice of the logits, and only per-row figures cross ranks
-//!   (`super::vocab`): the logits are all-gathered only for a graph that returns them.
+//!   (`super::vocab`). A graph that returns logits returns the rank's slice; the runner joins
+//!   the ranks' slices on the host.
 //!
 //! A rank finds its vocabulary rows and experts from one small per-rank input,
 //! [`SHARD_OFFSETS`], so that every rank runs one and the same HLO (one NEFF per bucket).

@@ -23,7 +23,8 @@
 //!   found.
 //!
 //! A step then crosses ranks 23 times with at most `[rows, 15]` f32, against one gather of
-//! `[rows, vocab]`; the logits are gathered only for a graph that returns them.
+//! `[rows, vocab]`; the logits themselves never cross ranks (a graph that returns them returns
+//! each rank's slice).
 
 use crate::error::Result;
 use crate::graph::{order_key, DType, Literal, ReduceOp, Tensor};

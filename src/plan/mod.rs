@@ -40,9 +40,9 @@
 //!   [batch, ctx/block]`) and the prefill chunk packing the most sequences `s` at that
 //!   context (three `[chunk]` vectors, `seq_ids [chunk]` when `s > 1`, `s` block-table rows,
 //!   `last_index [s]` and four `[s]` sampling vectors);
-//! - outputs: `next_tokens` and f32 logits `[max_batch, vocab]` (decode) and `[chunk, vocab]`
-//!   (prefill; its `next_tokens` at the widest packing), full vocabulary (gathered) on every
-//!   rank, as at N = 1;
+//! - outputs: `next_tokens` and f32 logits `[max_batch, vocab / N]` (decode) and
+//!   `[chunk, vocab / N]` (prefill; its `next_tokens` at the widest packing): each rank's
+//!   logits are its vocabulary slice's (`model::vocab`);
 //! - NEFF code and scratchpad: an estimate, see [`neff`].
 //!
 //! # Host RAM while loading
@@ -363,7 +363,7 @@ impl Plan {
         let tp = opts.tp;
         let entries = experts_entries(cfg, weights, opts.experts, checkpoint, tp);
         let est = neff::estimate(cfg, tp, &buckets, opts.instance);
-        let (metadata, outputs) = metadata_and_outputs(cfg, &buckets, block_size);
+        let (metadata, outputs) = metadata_and_outputs(cfg, &buckets, block_size, tp);
         // A block's slots in every cache root: the latents and (V3.2) the index keys.
         let block_bytes = (block_size
             * cfg.num_hidden_layers
@@ -519,10 +519,16 @@ fn experts_entries(
     bytes::entries(cfg, weights, quantize, checkpoint, tp)
 }
 
-/// Bytes of the persistent metadata buffers and outputs on one rank (see the module docs;
-/// `runner::device`'s `allocate_and_load` is what this mirrors).
-fn metadata_and_outputs(cfg: &ModelConfig, buckets: &Buckets, block_size: usize) -> (u64, u64) {
-    let (b, t, vocab) = (buckets.max_batch(), buckets.prefill_chunk, cfg.vocab_size);
+/// Bytes of the persistent metadata buffers and outputs on one of `tp` ranks (see the module
+/// docs; `runner::device`'s `allocate_and_load` is what this mirrors).
+fn metadata_and_outputs(
+    cfg: &ModelConfig,
+    buckets: &Buckets,
+    block_size: usize,
+    tp: usize,
+) -> (u64, u64) {
+    let (b, t) = (buckets.max_batch(), buckets.prefill_chunk);
+    let vocab = cfg.vocab_size / tp.max(1);
     let metadata: usize = buckets
         .ctx
         .iter()

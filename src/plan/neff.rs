@@ -29,8 +29,9 @@
 //! (2 x `[rows, heads/N, ctx]`), prefill's naive keys and values
 //! (`[ctx, heads/N, qk_head_dim + v_head_dim]`), the all-experts MoE strategy's gate, up and
 //! activation (3 x `[E/N, rows, moe_intermediate]`), and the logits and the sampler's working
-//! copy over the full vocabulary (2 x `[rows, vocab]`). neuronx-cc tiles through SBUF and may
-//! need less; it may also keep more alive. Meant for a margin, not a prediction.
+//! copy over the rank's vocabulary slice (2 x `[rows, vocab/N]`; the split threshold search's
+//! `[rows, 15, vocab/N]` compares are taken to fuse into their sums). neuronx-cc tiles through
+//! SBUF and may need less; it may also keep more alive. Meant for a margin, not a prediction.
 
 use crate::config::ModelConfig;
 use crate::runner::Buckets;
@@ -94,7 +95,7 @@ fn live_f32(
         + seqs * ctx * (cfg.kv_cache_width() + cfg.index_cache_width())
         + 2 * rows * heads * ctx
         + rows * cfg.indexer.map_or(0, |ix| ix.n_heads) * ctx
-        + 2 * rows * cfg.vocab_size;
+        + 2 * rows * (cfg.vocab_size / tp);
     if naive {
         n += ctx * heads * (cfg.qk_head_dim() + cfg.v_head_dim);
     }

@@ -259,7 +259,8 @@ impl CpuRunner {
     }
 
     /// Runs `graph` (on every rank, each on its own thread, when `tp > 1`) and returns rank
-    /// 0's outputs; every rank samples the same tokens from the same gathered logits.
+    /// 0's outputs, with the logits (each rank's vocabulary slice) joined into whole rows;
+    /// every rank samples the same tokens (see `model::vocab`).
     fn run(&mut self, graph: &Graph, metadata: &[HostArray]) -> Result<Vec<CTensor>> {
         let metadata = metadata_tensors(metadata)?;
         let Some(group) = self.group.clone() else {
@@ -281,6 +282,12 @@ impl CpuRunner {
             })
             .collect::<Result<Vec<Vec<CTensor>>>>()?;
         let mut outs = cpu::run_group(graph, &inputs, &group, step)?;
+        // Each rank returns its vocabulary slice's logits; the whole rows are their join.
+        if let Some(i) = graph.output_index("logits") {
+            let slices: Vec<&CTensor> = outs.iter().map(|o| &o[i]).collect();
+            let whole = CTensor::cat(&slices, 1)?;
+            outs[0][i] = whole;
+        }
         Ok(outs.swap_remove(0))
     }
 

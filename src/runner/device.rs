@@ -25,7 +25,8 @@
 //! (streamed from the checkpoint, see [`ModelWeights::stream`]), and each rank has its own KV
 //! root (the latent cache is replicated), metadata buffers and outputs. A replay writes every
 //! rank's metadata and executes the ranks concurrently; outputs are read from the first rank
-//! (every rank holds the same gathered logits and samples the same tokens).
+//! (every rank samples the same tokens from its vocabulary slice, see `model::vocab`); when a
+//! request asks for logprobs, every rank's logits slice is read and the columns joined.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -233,6 +234,9 @@ type RankMeta = (Vec<Vec<MetaBuf>>, Vec<Vec<MetaBuf>>);
 struct RankWorkers {
     /// Each worker's rank's metadata buffers (`decode`, `prefill`), which the runner fills.
     metas: Vec<RankMeta>,
+    /// Each worker's rank's logits outputs (`decode`, `prefill`): its vocabulary slice, which
+    /// the runner reads to join whole rows.
+    logits: Vec<(Tensor, Tensor)>,
     board: Arc<Board>,
     threads: Vec<std::thread::JoinHandle<()>>,
 }
@@ -271,11 +275,15 @@ impl RankWorkers {
         let mut metas = Vec::with_capacity(states.len());
         let mut workers = RankWorkers {
             metas: Vec::new(),
+            logits: Vec::with_capacity(states.len()),
             board: Arc::clone(&board),
             threads: Vec::with_capacity(states.len()),
         };
         for (i, state) in states.into_iter().enumerate() {
             metas.push((state.decode_meta.clone(), state.prefill_meta.clone()));
+            workers
+                .logits
+                .push((state.decode_logits.clone(), state.prefill_logits.clone()));
             let board = Arc::clone(&board);
             let thread = std::thread::Builder::new()
                 .name(format!("deepinfer-rank-{}", i + 1))
@@ -805,8 +813,8 @@ impl DeviceRunner {
             }
         }
 
-        // Persistent outputs.
-        let vocab = self.cfg.vocab_size;
+        // Persistent outputs; the logits are this rank's vocabulary slice's columns.
+        let vocab = self.cfg.vocab_size / rc.tp;
         let t = rc.buckets.prefill_chunk;
         let decode_next =
             Tensor::device(rt, nc, max_batch * 4, "decode/next_tokens").map_err(dev(CAP))?;
@@ -1003,11 +1011,12 @@ impl DeviceRunner {
         Ok(())
     }
 
-    /// The first `real_rows` sampled tokens from `next`, and the logits rows `logits` names
-    /// (a buffer and ranges of its rows, read in order).
+    /// The first `real_rows` sampled tokens from `next`, and the logits rows `logits` names:
+    /// every rank's buffer in rank order (each holds its slice of the vocabulary's columns) and
+    /// ranges of rows, read in order and joined into whole rows of `vocab`.
     fn read_outputs(
         next: &Tensor,
-        logits: Option<(&Tensor, impl IntoIterator<Item = std::ops::Range<usize>>)>,
+        logits: Option<(&[&Tensor], impl IntoIterator<Item = std::ops::Range<usize>>)>,
         real_rows: usize,
         vocab: usize,
         graph: &str,
@@ -1016,13 +1025,21 @@ impl DeviceRunner {
         next.read(0, bytemuck::cast_slice_mut(&mut tokens))
             .map_err(dev(graph))?;
         let logits = match logits {
-            Some((t, ranges)) => {
+            Some((slices, ranges)) => {
+                let width = vocab / slices.len().max(1);
                 let mut rows = Vec::new();
+                let mut flat = Vec::new();
                 for r in ranges {
-                    let mut flat = vec![0f32; r.len() * vocab];
-                    t.read(r.start * vocab * 4, bytemuck::cast_slice_mut(&mut flat))
-                        .map_err(dev(graph))?;
-                    rows.extend(flat.chunks(vocab.max(1)).map(<[f32]>::to_vec));
+                    let first = rows.len();
+                    rows.extend((0..r.len()).map(|_| vec![0f32; vocab]));
+                    flat.resize(r.len() * width, 0f32);
+                    for (k, t) in slices.iter().enumerate() {
+                        t.read(r.start * width * 4, bytemuck::cast_slice_mut(&mut flat))
+                            .map_err(dev(graph))?;
+                        for (row, part) in rows[first..].iter_mut().zip(flat.chunks(width)) {
+                            row[k * width..(k + 1) * width].copy_from_slice(part);
+                        }
+                    }
                 }
                 Some(rows)
             }
@@ -1032,6 +1049,30 @@ impl DeviceRunner {
             next_tokens: tokens,
             logits,
         })
+    }
+
+    /// Every rank's logits buffer of `kind`, in rank order, to join whole rows from; an error
+    /// when this process runs only some of the ranks (the others' slices are on other hosts).
+    fn logits_slices(&self, kind: StepKind) -> Result<Vec<&Tensor>> {
+        let st = self.state.as_ref().ok_or_else(not_captured)?;
+        if self.span.count != self.runner_cfg.tp {
+            return Err(Error::InvalidInput(format!(
+                "logits (logprobs) need every rank's vocabulary slice; this process runs ranks \
+                 {}..{} of {}",
+                self.span.first,
+                self.span.first + self.span.count,
+                self.runner_cfg.tp
+            )));
+        }
+        Ok(
+            std::iter::once((&st.first.decode_logits, &st.first.prefill_logits))
+                .chain(st.others.logits.iter().map(|(d, p)| (d, p)))
+                .map(|(decode, prefill)| match kind {
+                    StepKind::Decode => decode,
+                    StepKind::Prefill => prefill,
+                })
+                .collect(),
+        )
     }
 
     /// Writes the step's metadata into every local rank's buffers for graph `key` (unless the
@@ -1099,8 +1140,7 @@ impl DeviceRunner {
                 self.cfg.vocab_size,
             )?;
         }
-        let vocab = self.cfg.vocab_size;
-        let r = self.run_step((StepKind::Prefill, t, seqs, ctx))?;
+        self.run_step((StepKind::Prefill, t, seqs, ctx))?;
         // The graph returns every position's logits, chunk after chunk; a chunk's sample was
         // drawn from its last.
         let all = logits == LogitsOutput::AllPositions;
@@ -1109,8 +1149,18 @@ impl DeviceRunner {
             *end += c.tokens.len();
             Some(if all { start..*end } else { *end - 1..*end })
         });
-        let want = (logits != LogitsOutput::None).then_some((&r.prefill_logits, ranges));
-        Self::read_outputs(&r.prefill_next, want, chunks.len(), vocab, "prefill")
+        let slices = match logits {
+            LogitsOutput::None => Vec::new(),
+            _ => self.logits_slices(StepKind::Prefill)?,
+        };
+        let want = (!slices.is_empty()).then_some((slices.as_slice(), ranges));
+        let next = &self
+            .state
+            .as_ref()
+            .ok_or_else(not_captured)?
+            .first
+            .prefill_next;
+        Self::read_outputs(next, want, chunks.len(), self.cfg.vocab_size, "prefill")
     }
 
     /// Runs one decode step for `rows`, padded to the smallest batch bucket.
@@ -1133,11 +1183,20 @@ impl DeviceRunner {
                 self.cfg.vocab_size,
             )?;
         }
-        let vocab = self.cfg.vocab_size;
-        let r = self.run_step((StepKind::Decode, batch, batch, ctx))?;
-        let all = std::iter::once(0..rows.len());
-        let want = (logits != LogitsOutput::None).then_some((&r.decode_logits, all));
-        Self::read_outputs(&r.decode_next, want, rows.len(), vocab, "decode")
+        self.run_step((StepKind::Decode, batch, batch, ctx))?;
+        let slices = match logits {
+            LogitsOutput::None => Vec::new(),
+            _ => self.logits_slices(StepKind::Decode)?,
+        };
+        let want =
+            (!slices.is_empty()).then_some((slices.as_slice(), std::iter::once(0..rows.len())));
+        let next = &self
+            .state
+            .as_ref()
+            .ok_or_else(not_captured)?
+            .first
+            .decode_next;
+        Self::read_outputs(next, want, rows.len(), self.cfg.vocab_size, "decode")
     }
 
     /// The persistent device buffer of metadata input `name` (`input_ids`, `block_tables`, …)
