@@ -140,6 +140,16 @@ pub enum Error {
     /// The engine thread could not start, or the model failed to load on it.
     #[error("engine: {0}")]
     Engine(String),
+
+    /// Another instance of a model split over several (a follower, or the leader seen from
+    /// one) failed, answered nonsense or went away; `addr` is its address.
+    #[error("instance {addr}: {msg}")]
+    Instance {
+        /// The other instance's address (`host:port`).
+        addr: String,
+        /// What happened.
+        msg: String,
+    },
 }
 
 impl Error {
@@ -162,6 +172,7 @@ impl Error {
             Error::Compile(_) => ErrorKind::Compile,
             Error::Neuron(e) if e.is_library_missing() => ErrorKind::Unavailable,
             Error::Neuron(_) | Error::Device { .. } | Error::Collective(_) => ErrorKind::Device,
+            Error::Instance { .. } => ErrorKind::Device,
             Error::Engine(_) => ErrorKind::Internal,
         }
     }

@@ -28,7 +28,9 @@
 //! (every rank samples the same tokens from its vocabulary slice, see `model::vocab`); when a
 //! request asks for logprobs, every rank's logits slice is read and the columns joined.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
+use std::ops::Range;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
@@ -37,6 +39,7 @@ use candle_core::Tensor as CTensor;
 use neuron_sys::{Library, Model, Runtime, Tensor, TensorSet};
 
 use super::binding::{bind, NeffBinding};
+use super::instances::{runner_error_is_collective, Followers, Setup, StepMessage};
 use super::open::{sim_compiler_config, sim_compiler_config_from_env};
 use super::step::{self, HostArray, HostData};
 use super::{Backend, Buckets, Runner, RunnerConfig, Step, StepKind, StepOutput};
@@ -108,6 +111,37 @@ pub struct RankSpan {
     pub first: usize,
     /// How many ranks (NeuronCores) this process runs.
     pub count: usize,
+}
+
+impl std::str::FromStr for RankSpan {
+    type Err = Error;
+
+    /// `FIRST..END` (`--ranks 32..64`): ranks `FIRST` up to, not including, `END`.
+    fn from_str(s: &str) -> Result<Self> {
+        let bad = || {
+            Error::InvalidInput(format!(
+                "ranks `{s}`: expected FIRST..END with FIRST below END, such as 32..64"
+            ))
+        };
+        let (a, b) = s.split_once("..").ok_or_else(bad)?;
+        let (first, end): (usize, usize) = (
+            a.trim().parse().map_err(|_| bad())?,
+            b.trim().parse().map_err(|_| bad())?,
+        );
+        if first >= end {
+            return Err(bad());
+        }
+        Ok(RankSpan {
+            first,
+            count: end - first,
+        })
+    }
+}
+
+impl std::fmt::Display for RankSpan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}..{}", self.first, self.first + self.count)
+    }
 }
 
 /// `NEURON_RT_ROOT_COMM_ID`: where libnrt bootstraps its collectives (`host:port` of rank 0).
@@ -395,6 +429,9 @@ pub struct DeviceRunner {
     stats: Option<CaptureStats>,
     /// Host staging for step metadata, refilled in place each replay (no allocation).
     staging: step::StepArrays,
+    /// The processes running the other ranks, when this one leads a model over several
+    /// instances ([`DeviceRunner::attach_followers`]).
+    followers: Option<Followers>,
 }
 
 impl std::fmt::Debug for DeviceRunner {
@@ -403,6 +440,7 @@ impl std::fmt::Debug for DeviceRunner {
             .field("runner_cfg", &self.runner_cfg)
             .field("opts", &self.opts)
             .field("captured", &self.state.is_some())
+            .field("followers", &self.followers)
             .finish()
     }
 }
@@ -508,6 +546,7 @@ impl DeviceRunner {
             state: None,
             stats: None,
             staging: step::StepArrays::default(),
+            followers: None,
         })
     }
 
@@ -959,6 +998,8 @@ impl DeviceRunner {
     /// Unloads every model and frees every tensor. Idempotent. Returns the first error libnrt
     /// reported while unloading.
     fn release(&mut self) -> Result<()> {
+        // The followers end with the leader's capture (dropping them says goodbye).
+        self.followers = None;
         if let Some(state) = self.state.take() {
             drop(state);
             if let Some(e) = self.rt.take_deferred_errors().into_iter().next() {
@@ -1011,79 +1052,77 @@ impl DeviceRunner {
         Ok(())
     }
 
-    /// The first `real_rows` sampled tokens from `next`, and the logits rows `logits` names:
-    /// every rank's buffer in rank order (each holds its slice of the vocabulary's columns) and
-    /// ranges of rows, read in order and joined into whole rows of `vocab`.
-    fn read_outputs(
-        next: &Tensor,
-        logits: Option<(&[&Tensor], impl IntoIterator<Item = std::ops::Range<usize>>)>,
-        real_rows: usize,
-        vocab: usize,
-        graph: &str,
-    ) -> Result<StepOutput> {
+    /// The first `real_rows` sampled tokens of the step just run, from the first rank's `kind`
+    /// output.
+    fn read_tokens(&self, kind: StepKind, real_rows: usize) -> Result<Vec<u32>> {
+        let first = &self.captured()?.first;
+        let (next, graph) = match kind {
+            StepKind::Decode => (&first.decode_next, "decode"),
+            StepKind::Prefill => (&first.prefill_next, "prefill"),
+        };
         let mut tokens = vec![0u32; real_rows];
         next.read(0, bytemuck::cast_slice_mut(&mut tokens))
             .map_err(dev(graph))?;
-        let logits = match logits {
-            Some((slices, ranges)) => {
-                let width = vocab / slices.len().max(1);
-                let mut rows = Vec::new();
-                let mut flat = Vec::new();
-                for r in ranges {
-                    let first = rows.len();
-                    rows.extend((0..r.len()).map(|_| vec![0f32; vocab]));
-                    flat.resize(r.len() * width, 0f32);
-                    for (k, t) in slices.iter().enumerate() {
-                        t.read(r.start * width * 4, bytemuck::cast_slice_mut(&mut flat))
-                            .map_err(dev(graph))?;
-                        for (row, part) in rows[first..].iter_mut().zip(flat.chunks(width)) {
-                            row[k * width..(k + 1) * width].copy_from_slice(part);
-                        }
-                    }
-                }
-                Some(rows)
-            }
-            None => None,
-        };
-        Ok(StepOutput {
-            next_tokens: tokens,
-            logits,
-        })
+        Ok(tokens)
     }
 
-    /// Every rank's logits buffer of `kind`, in rank order, to join whole rows from; an error
-    /// when this process runs only some of the ranks (the others' slices are on other hosts).
-    fn logits_slices(&self, kind: StepKind) -> Result<Vec<&Tensor>> {
-        let st = self.state.as_ref().ok_or_else(not_captured)?;
-        if self.span.count != self.runner_cfg.tp {
-            return Err(Error::InvalidInput(format!(
-                "logits (logprobs) need every rank's vocabulary slice; this process runs ranks \
-                 {}..{} of {}",
-                self.span.first,
-                self.span.first + self.span.count,
-                self.runner_cfg.tp
-            )));
+    /// The logits rows `rows` of the step just run on this process's ranks: each rank's
+    /// vocabulary slice (`vocab / tp` columns), rank after rank, the rows of each in order.
+    fn local_logits(&self, kind: StepKind, rows: &[Range<usize>]) -> Result<Vec<f32>> {
+        let st = self.captured()?;
+        let width = self.cfg.vocab_size / self.runner_cfg.tp;
+        let n: usize = rows.iter().map(|r| r.len()).sum();
+        let mut out = vec![0f32; self.span.count * n * width];
+        let slices = std::iter::once((&st.first.decode_logits, &st.first.prefill_logits))
+            .chain(st.others.logits.iter().map(|(d, p)| (d, p)));
+        let mut at = 0;
+        for (decode, prefill) in slices {
+            let (t, graph) = match kind {
+                StepKind::Decode => (decode, "decode"),
+                StepKind::Prefill => (prefill, "prefill"),
+            };
+            for r in rows {
+                let part = &mut out[at..at + r.len() * width];
+                t.read(r.start * width * 4, bytemuck::cast_slice_mut(part))
+                    .map_err(dev(graph))?;
+                at += part.len();
+            }
         }
-        Ok(
-            std::iter::once((&st.first.decode_logits, &st.first.prefill_logits))
-                .chain(st.others.logits.iter().map(|(d, p)| (d, p)))
-                .map(|(decode, prefill)| match kind {
-                    StepKind::Decode => decode,
-                    StepKind::Prefill => prefill,
-                })
-                .collect(),
-        )
+        Ok(out)
+    }
+
+    /// Whether this process can return whole logits rows: it runs every rank, or its followers
+    /// run the others.
+    fn sees_every_rank(&self) -> Result<()> {
+        let remote: usize = self
+            .followers
+            .as_ref()
+            .map_or(0, |f| f.spans().iter().map(|s| s.count).sum());
+        if self.span.count + remote == self.runner_cfg.tp {
+            return Ok(());
+        }
+        Err(Error::InvalidInput(format!(
+            "logits (logprobs) need every rank's vocabulary slice; this process runs ranks \
+             {}..{} of {} and has no followers for the others",
+            self.span.first,
+            self.span.first + self.span.count,
+            self.runner_cfg.tp
+        )))
     }
 
     /// Writes the step's metadata into every local rank's buffers for graph `key` (unless the
-    /// caller wrote them, [`MetadataSource::OnDevice`]), executes the graph on every rank
-    /// (the first here, the others on their workers, concurrently) and returns the first rank's
-    /// state to read the outputs from. A failure on any rank fails the step; the error reported
-    /// is the failing rank's own, not the collective failure it caused on the others.
-    fn run_step(&mut self, key: GraphKey) -> Result<&RankState> {
+    /// caller wrote them, [`MetadataSource::OnDevice`]), sends the step to the followers,
+    /// executes the graph on every local rank (the first here, the others on their workers,
+    /// concurrently) and returns the logits rows `logits_rows` of every rank that ran it: as
+    /// `(first rank, values)` parts, this process's first (see [`Self::local_logits`]). A
+    /// failure on any rank or follower fails the step; the error reported is the failing
+    /// rank's own, not the collective failure it caused on the others.
+    fn run_step(
+        &mut self,
+        key: GraphKey,
+        logits_rows: &[Range<usize>],
+    ) -> Result<Vec<(usize, Vec<f32>)>> {
         let copy = self.opts.metadata == MetadataSource::Host;
-        let arrays = self.staging.arrays();
-        let unmasked = self.staging.allowed_tokens_unmasked();
         let st = self.state.as_ref().ok_or_else(not_captured)?;
         let g = st.first.graphs.get(&key).ok_or_else(|| {
             Error::Internal(format!(
@@ -1091,6 +1130,10 @@ impl DeviceRunner {
                 key.0, key.1, key.2, key.3
             ))
         })?;
+        let (arrays, unmasked) = (
+            self.staging.arrays(),
+            self.staging.allowed_tokens_unmasked(),
+        );
         if copy {
             for (decode, prefill) in self.all_metadata() {
                 let meta = match key.0 {
@@ -1100,23 +1143,88 @@ impl DeviceRunner {
                 Self::write_meta(meta, arrays, unmasked, &g.name)?;
             }
         }
+        if let Some(followers) = self.followers.as_mut() {
+            if !copy {
+                return Err(Error::InvalidInput(
+                    "followers need the step metadata on the host (MetadataSource::Host)".into(),
+                ));
+            }
+            followers.send(&StepMessage {
+                kind: key.0,
+                rows: key.1,
+                seqs: key.2,
+                ctx: key.3,
+                unmasked,
+                arrays: Cow::Borrowed(arrays),
+                logits_rows: Cow::Borrowed(logits_rows),
+            })?;
+        }
         st.others.post(key);
         let first = st.first.execute(&key);
-        let mut errors = st.others.wait();
+        let mut errors: Vec<(Error, bool)> = st
+            .others
+            .wait()
+            .into_iter()
+            .map(|e| {
+                let collective = runner_error_is_collective(&e);
+                (e, collective)
+            })
+            .collect();
         if let Err(e) = first {
-            errors.insert(0, e);
+            let collective = runner_error_is_collective(&e);
+            errors.insert(0, (e, collective));
         }
-        let is_collective = |e: &Error| {
-            matches!(e, Error::Device { source, .. }
-                if source.status_code() == Some(neuron_sys::sys::NRT_EXEC_HW_ERR_COLLECTIVES))
-        };
-        if let Some(i) = errors.iter().position(|e| !is_collective(e)) {
-            return Err(errors.swap_remove(i));
+        let mut parts = Vec::new();
+        for (rank, answer) in self
+            .followers
+            .as_mut()
+            .map(|f| f.wait())
+            .unwrap_or_default()
+        {
+            match answer {
+                Ok(logits) => parts.push((rank, logits)),
+                Err(e) => errors.push(e),
+            }
         }
-        match errors.into_iter().next() {
-            Some(e) => Err(e),
-            None => Ok(&st.first),
+        if let Some(i) = errors.iter().position(|(_, collective)| !collective) {
+            return Err(errors.swap_remove(i).0);
         }
+        if let Some((e, _)) = errors.into_iter().next() {
+            return Err(e);
+        }
+        if !logits_rows.is_empty() {
+            parts.insert(0, (self.span.first, self.local_logits(key.0, logits_rows)?));
+        }
+        Ok(parts)
+    }
+
+    /// Whole logits rows (`rows` of them, `vocab` wide) from every rank's part, as
+    /// [`Self::run_step`] returns them.
+    fn join_logits(&self, parts: Vec<(usize, Vec<f32>)>, rows: usize) -> Result<Vec<Vec<f32>>> {
+        let (vocab, tp) = (self.cfg.vocab_size, self.runner_cfg.tp);
+        let width = vocab / tp;
+        let mut out = vec![vec![0f32; vocab]; rows];
+        let mut seen = 0;
+        for (first, data) in parts {
+            let per_rank = rows * width;
+            if per_rank == 0 || !data.len().is_multiple_of(per_rank) {
+                return Err(Error::Internal(format!(
+                    "{} logits from the ranks from {first}: not whole rows of {width}",
+                    data.len()
+                )));
+            }
+            for (k, rank_rows) in data.chunks(per_rank).enumerate() {
+                let cols = (first + k) * width..(first + k + 1) * width;
+                for (row, part) in out.iter_mut().zip(rank_rows.chunks(width)) {
+                    row[cols.clone()].copy_from_slice(part);
+                }
+                seen += 1;
+            }
+        }
+        if seen != tp {
+            return Err(Error::Internal(format!("logits from {seen} of {tp} ranks")));
+        }
+        Ok(out)
     }
 
     /// Runs one prefill step over `chunks` on its bucket's graph.
@@ -1140,27 +1248,21 @@ impl DeviceRunner {
                 self.cfg.vocab_size,
             )?;
         }
-        self.run_step((StepKind::Prefill, t, seqs, ctx))?;
         // The graph returns every position's logits, chunk after chunk; a chunk's sample was
         // drawn from its last.
         let all = logits == LogitsOutput::AllPositions;
-        let ranges = chunks.iter().scan(0, move |end, c| {
-            let start = *end;
-            *end += c.tokens.len();
-            Some(if all { start..*end } else { *end - 1..*end })
-        });
-        let slices = match logits {
+        let rows: Vec<Range<usize>> = match logits {
             LogitsOutput::None => Vec::new(),
-            _ => self.logits_slices(StepKind::Prefill)?,
+            _ => chunks
+                .iter()
+                .scan(0, |end, c| {
+                    let start = *end;
+                    *end += c.tokens.len();
+                    Some(if all { start..*end } else { *end - 1..*end })
+                })
+                .collect(),
         };
-        let want = (!slices.is_empty()).then_some((slices.as_slice(), ranges));
-        let next = &self
-            .state
-            .as_ref()
-            .ok_or_else(not_captured)?
-            .first
-            .prefill_next;
-        Self::read_outputs(next, want, chunks.len(), self.cfg.vocab_size, "prefill")
+        self.finish_step((StepKind::Prefill, t, seqs, ctx), &rows, chunks.len())
     }
 
     /// Runs one decode step for `rows`, padded to the smallest batch bucket.
@@ -1183,20 +1285,82 @@ impl DeviceRunner {
                 self.cfg.vocab_size,
             )?;
         }
-        self.run_step((StepKind::Decode, batch, batch, ctx))?;
-        let slices = match logits {
-            LogitsOutput::None => Vec::new(),
-            _ => self.logits_slices(StepKind::Decode)?,
+        // One range of rows (all of them), not a list of row numbers.
+        #[allow(clippy::single_range_in_vec_init)]
+        let every_row = [0..rows.len()];
+        let wanted: &[Range<usize>] = match logits {
+            LogitsOutput::None => &[],
+            _ => &every_row,
         };
-        let want =
-            (!slices.is_empty()).then_some((slices.as_slice(), std::iter::once(0..rows.len())));
-        let next = &self
-            .state
-            .as_ref()
-            .ok_or_else(not_captured)?
-            .first
-            .decode_next;
-        Self::read_outputs(next, want, rows.len(), self.cfg.vocab_size, "decode")
+        self.finish_step((StepKind::Decode, batch, batch, ctx), wanted, rows.len())
+    }
+
+    /// Runs the step whose metadata is staged on graph `key` and reads its `real_rows` tokens
+    /// and the logits rows `wanted` (none when empty).
+    fn finish_step(
+        &mut self,
+        key: GraphKey,
+        wanted: &[Range<usize>],
+        real_rows: usize,
+    ) -> Result<StepOutput> {
+        if !wanted.is_empty() {
+            self.sees_every_rank()?;
+        }
+        let parts = self.run_step(key, wanted)?;
+        let next_tokens = self.read_tokens(key.0, real_rows)?;
+        let logits = match wanted.is_empty() {
+            true => None,
+            false => {
+                let n = wanted.iter().map(|r| r.len()).sum();
+                Some(self.join_logits(parts, n)?)
+            }
+        };
+        Ok(StepOutput {
+            next_tokens,
+            logits,
+        })
+    }
+
+    /// Runs one step a leader sent this follower: its metadata on every local rank, and the
+    /// logits rows it asked for from them (see [`Self::local_logits`]).
+    pub(crate) fn run_followed(&mut self, step: StepMessage<'_>) -> Result<Vec<f32>> {
+        self.captured()?;
+        if self.opts.metadata != MetadataSource::Host {
+            return Err(Error::InvalidInput(
+                "a follower takes its step metadata from the leader (MetadataSource::Host)".into(),
+            ));
+        }
+        self.staging
+            .replace(step.arrays.into_owned(), step.unmasked);
+        let key = (step.kind, step.rows, step.seqs, step.ctx);
+        let parts = self.run_step(key, &step.logits_rows)?;
+        Ok(parts.into_iter().next().map(|(_, v)| v).unwrap_or_default())
+    }
+
+    /// What this runner captured, for a leader and its followers to compare (see
+    /// [`super::instances::Setup`]).
+    pub fn setup(&self) -> Setup {
+        Setup {
+            first: self.span.first,
+            count: self.span.count,
+            model: format!("{:?}", self.cfg),
+            runner: format!("{:?}", self.runner_cfg),
+            precision: format!("{:?}", self.specs.precision()),
+        }
+    }
+
+    /// Makes this runner the leader of `followers` (which run the ranks after its own): every
+    /// step is sent to them first. The runner must be captured, and replays must copy host
+    /// metadata ([`MetadataSource::Host`]: the followers receive it from here).
+    pub fn attach_followers(&mut self, followers: Followers) -> Result<()> {
+        self.captured()?;
+        if self.opts.metadata != MetadataSource::Host {
+            return Err(Error::InvalidInput(
+                "followers need the step metadata on the host (MetadataSource::Host)".into(),
+            ));
+        }
+        self.followers = Some(followers);
+        Ok(())
     }
 
     /// The persistent device buffer of metadata input `name` (`input_ids`, `block_tables`, …)
@@ -1317,6 +1481,11 @@ impl Runner for DeviceRunner {
         buckets.validate(self.runner_cfg.block_size)?;
         if self.state.is_some() && self.runner_cfg.buckets == *buckets {
             return Ok(());
+        }
+        if self.followers.is_some() {
+            return Err(Error::InvalidInput(
+                "a leader cannot capture other buckets: its followers captured these".into(),
+            ));
         }
         self.release()?;
         self.runner_cfg.buckets = buckets.clone();

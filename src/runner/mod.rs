@@ -43,6 +43,7 @@ pub mod binding;
 mod buckets;
 mod cpu;
 pub mod device;
+pub mod instances;
 mod open;
 pub mod step;
 

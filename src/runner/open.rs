@@ -11,6 +11,8 @@ use crate::error::{Error, Result};
 use crate::model::{ModelWeights, PrecisionChoice};
 use crate::source::ModelSource;
 
+use super::device::RankSpan;
+use super::instances::{Followers, Launch, Timeouts};
 use super::{Backend, CpuRunner, DeviceOptions, DeviceRunner, Runner, RunnerConfig};
 
 /// The file name of nrt-sim's shared library.
@@ -67,6 +69,12 @@ pub struct Limits {
     pub compile_timeout: Option<Duration>,
     /// `--tp`: the tensor-parallel degree (default 1).
     pub tp: usize,
+    /// `--ranks`: the global ranks this process runs (default: all of them); fewer when the
+    /// model spans several instances (see [`super::instances`]).
+    pub ranks: Option<RankSpan>,
+    /// `--followers`: the addresses of the processes running the other ranks, in rank order,
+    /// for the leader of a model over several instances; empty for one instance.
+    pub followers: Vec<String>,
 }
 
 impl Limits {
@@ -83,6 +91,8 @@ impl Limits {
             precision: PrecisionChoice::default(),
             compile_timeout: None,
             tp: 1,
+            ranks: None,
+            followers: Vec::new(),
         }
     }
 
@@ -141,8 +151,74 @@ impl Limits {
 }
 
 /// Loads the model at `model` (a checkpoint directory or a GGUF file), builds a runner within
-/// `limits` on `backend` and captures its buckets.
+/// `limits` on `backend` and captures its buckets. With `limits.followers`, this process leads
+/// a model over several instances: it launches the followers, captures its own ranks while
+/// they capture theirs, and checks them (see [`super::instances`]).
 pub fn open(backend: Backend, model: &Path, limits: &Limits) -> Result<Box<dyn Runner>> {
+    check_instances(backend, limits)?;
+    if backend == Backend::Cpu {
+        let (cfg, weights, runner_cfg) = load(backend, model, limits)?;
+        return open_captured(backend, cfg, weights, runner_cfg, limits.compiler_config());
+    }
+    let pending = match limits.followers.is_empty() {
+        true => None,
+        false => Some(Followers::launch(
+            &limits.followers,
+            &Launch::of(limits),
+            Timeouts::default(),
+        )?),
+    };
+    let mut runner = open_device(backend, model, limits)?;
+    if let Some(pending) = pending {
+        let followers = pending.join(&runner.setup(), limits.tp)?;
+        runner.attach_followers(followers)?;
+    }
+    Ok(Box::new(runner))
+}
+
+/// `--ranks` and `--followers` make sense together: ranks on a device backend only, a span
+/// inside `--tp`, and a leader (followers given) running the ranks from 0, short of `--tp`.
+fn check_instances(backend: Backend, limits: &Limits) -> Result<()> {
+    let Some(span) = limits.ranks else {
+        return match limits.followers.is_empty() {
+            true => Ok(()),
+            false => Err(Error::InvalidInput(
+                "--followers needs --ranks 0..K: the ranks this process (the leader) runs".into(),
+            )),
+        };
+    };
+    let end = span.first + span.count;
+    if backend == Backend::Cpu {
+        return Err(Error::InvalidInput(
+            "--ranks splits a model over several instances' NeuronCores: use --backend neuron \
+             (on the CPU, --tp runs every rank as a thread of one process)"
+                .into(),
+        ));
+    }
+    if span.count == 0 || end > limits.tp {
+        return Err(Error::InvalidInput(format!(
+            "--ranks {}..{end} is not a span of the --tp {} ranks",
+            span.first, limits.tp
+        )));
+    }
+    if !limits.followers.is_empty() && (span.first != 0 || span.count == limits.tp) {
+        return Err(Error::InvalidInput(format!(
+            "with --followers this process is the leader: --ranks 0..K with K below --tp {} \
+             (got {}..{end})",
+            limits.tp, span.first
+        )));
+    }
+    Ok(())
+}
+
+/// The model's configuration, weights and runner configuration within `limits` for `backend`:
+/// on a device, checked against the memory plan before the checkpoint is read, and streamed
+/// (each rank's shards go from the checkpoint to its core at capture, no host copy).
+fn load(
+    backend: Backend,
+    model: &Path,
+    limits: &Limits,
+) -> Result<(ModelConfig, ModelWeights, RunnerConfig)> {
     let source = ModelSource::new(model)?;
     let cfg = source.config()?;
     let mut runner_cfg = limits.runner_config(&cfg)?;
@@ -153,11 +229,7 @@ pub fn open(backend: Backend, model: &Path, limits: &Limits) -> Result<Box<dyn R
         }
         // Before the checkpoint is read or a graph compiled: the plan must fit the NeuronCores
         // (the dtype `auto` resolves to is config.json's, as the checkpoint is not open yet).
-        let lib = match backend {
-            Backend::Sim => neuron_sys::Library::open(&find_sim_library()?)?,
-            _ => neuron_sys::Library::load()?,
-        };
-        let cores = lib.visible_nc_count()?.unwrap_or(1) as usize;
+        let cores = device_library(backend)?.visible_nc_count()?.unwrap_or(1) as usize;
         let plan = device_plan(&cfg, limits, cfg.saved_dtype, cores)?;
         if limits.kv_blocks_auto {
             runner_cfg.num_blocks = plan.kv_blocks;
@@ -166,13 +238,44 @@ pub fn open(backend: Backend, model: &Path, limits: &Limits) -> Result<Box<dyn R
     let checkpoint = source.checkpoint()?;
     let precision = limits.precision.resolve(checkpoint.float_dtype(), &cfg)?;
     runner_cfg.kv_dtype = precision.kv_cache;
-    // The CPU computes on host tensors; a device runner uploads each rank's shards straight
-    // from the checkpoint at capture and keeps no host copy.
     let weights = match backend {
         Backend::Cpu => ModelWeights::load(&cfg, &checkpoint, &precision)?,
         _ => ModelWeights::stream(&cfg, std::sync::Arc::new(checkpoint), &precision)?,
     };
-    open_captured(backend, cfg, weights, runner_cfg, limits.compiler_config())
+    Ok((cfg, weights, runner_cfg))
+}
+
+/// A captured device runner (`backend` sim or neuron) for the model at `model` within
+/// `limits`, running `limits.ranks` (default all) of its `--tp` ranks; no followers attached.
+pub(crate) fn open_device(backend: Backend, model: &Path, limits: &Limits) -> Result<DeviceRunner> {
+    let (cfg, weights, runner_cfg) = load(backend, model, limits)?;
+    let mut opts = device_options(backend, limits.compiler_config())?;
+    opts.ranks = limits.ranks;
+    let buckets = runner_cfg.buckets.clone();
+    let lib = device_library(backend)?;
+    let mut runner = DeviceRunner::new(cfg, weights, runner_cfg, lib, opts)?;
+    runner.capture(&buckets)?;
+    Ok(runner)
+}
+
+/// The libnrt of `backend`: nrt-sim's for sim, else the installed one.
+fn device_library(backend: Backend) -> Result<std::sync::Arc<neuron_sys::Library>> {
+    Ok(match backend {
+        Backend::Sim => neuron_sys::Library::open(&find_sim_library()?)?,
+        _ => neuron_sys::Library::load()?,
+    })
+}
+
+/// The device options of `backend` (sim or neuron) compiling with `compiler` on neuron.
+fn device_options(backend: Backend, compiler: CompilerConfig) -> Result<DeviceOptions> {
+    match backend {
+        Backend::Sim => {
+            let names = NeffNames::from_env().map_err(|e| Error::InvalidInput(e.to_string()))?;
+            Ok(DeviceOptions::sim_named(names))
+        }
+        Backend::Neuron => Ok(DeviceOptions::neuron(compiler)),
+        Backend::Cpu => Err(Error::Internal("device options for the CPU backend".into())),
+    }
 }
 
 /// The memory plan of a device capture within `limits` on a trn instance with `cores` visible
@@ -193,7 +296,10 @@ pub fn device_plan(
     };
     let opts = PlanOptions {
         instance,
-        instances: 1,
+        // A process running some of the ranks is one of the instances that run them all.
+        instances: limits
+            .ranks
+            .map_or(1, |r| limits.tp.div_ceil(r.count.max(1))),
         tp: limits.tp,
         dtype: match limits.precision.dtype {
             crate::model::DTypeChoice::Auto => WeightDType::Auto,
@@ -250,20 +356,9 @@ fn open_captured(
     let buckets = runner_cfg.buckets.clone();
     let mut runner: Box<dyn Runner> = match backend {
         Backend::Cpu => Box::new(CpuRunner::new(cfg, weights, runner_cfg)?),
-        Backend::Sim => {
-            let lib = neuron_sys::Library::open(&find_sim_library()?)?;
-            let names = NeffNames::from_env().map_err(|e| Error::InvalidInput(e.to_string()))?;
-            Box::new(DeviceRunner::new(
-                cfg,
-                weights,
-                runner_cfg,
-                lib,
-                DeviceOptions::sim_named(names),
-            )?)
-        }
-        Backend::Neuron => {
-            let lib = neuron_sys::Library::load()?;
-            let opts = DeviceOptions::neuron(compiler);
+        _ => {
+            let opts = device_options(backend, compiler)?;
+            let lib = device_library(backend)?;
             Box::new(DeviceRunner::new(cfg, weights, runner_cfg, lib, opts)?)
         }
     };

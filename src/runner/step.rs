@@ -182,6 +182,13 @@ impl StepArrays {
         self.unmasked
     }
 
+    /// Replaces the contents with `arrays` filled elsewhere (a follower's, by its leader), whose
+    /// allowed-token array is `unmasked` when every bit is set.
+    pub(crate) fn replace(&mut self, arrays: Vec<HostArray>, unmasked: bool) {
+        self.arrays = arrays;
+        self.unmasked = unmasked;
+    }
+
     /// Array `i`, named `name` with `shape`, emptied and typed like `empty`, ready to be filled.
     fn slot(
         &mut self,

@@ -15,6 +15,7 @@
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 mod bench;
+mod follow;
 mod generate;
 mod logging;
 mod lower;
@@ -28,6 +29,7 @@ use std::process::ExitCode;
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
 use deepinfer::model::{DTypeChoice, PrecisionChoice, Quantize};
+use deepinfer::runner::device::RankSpan;
 use deepinfer::runner::{self, Backend, Limits, Runner};
 use deepinfer::source::ModelSource;
 use deepinfer::tokenizer::Tokenizer;
@@ -60,6 +62,9 @@ enum Command {
     /// Per-NeuronCore memory plan of a (tensor-parallel) deployment: whether it fits an
     /// instance, and what would. Exit status 0 when it fits, 1 when not, 2 on bad flags.
     Plan(plan::PlanArgs),
+    /// Run some ranks of a model split over several instances for a leader elsewhere (which
+    /// sends the launch and every step): wait for it, capture, run its steps until it ends.
+    Follow(follow::FollowArgs),
 }
 
 /// The model and backend arguments every running command takes.
@@ -82,6 +87,15 @@ struct ModelArgs {
     /// CPU backend each rank is a thread.
     #[arg(long, default_value_t = 1)]
     tp: usize,
+    /// The global ranks this process runs, FIRST..END (default: all of --tp). A model over
+    /// several instances runs one process per instance: this one, the leader, runs 0..K and
+    /// lists the others in --followers.
+    #[arg(long, value_name = "FIRST..END")]
+    ranks: Option<RankSpan>,
+    /// The followers running the ranks after --ranks, as HOST:PORT, comma-separated, in rank
+    /// order: each started with `deepinfer follow` on its instance (see the README).
+    #[arg(long, value_delimiter = ',', value_name = "HOST:PORT")]
+    followers: Vec<String>,
     #[command(flatten)]
     precision: PrecisionArgs,
 }
@@ -139,6 +153,8 @@ impl ModelArgs {
         Limits {
             compile_timeout: self.compile_timeout,
             tp: self.tp,
+            ranks: self.ranks,
+            followers: self.followers.clone(),
             ..self.precision.apply(limits)
         }
     }
@@ -249,6 +265,7 @@ fn main() -> ExitCode {
         Command::Bench(a) => bench::run(a),
         Command::Lower(a) => lower::run(a),
         Command::Serve(a) => serve::run(a),
+        Command::Follow(a) => follow::run(a),
         Command::Plan(a) => match plan::run(a) {
             Ok(code) => return code,
             Err(e) => Err(e),

@@ -1,0 +1,494 @@
+//! One model over several instances: a leader that schedules and its followers.
+//!
+//! A model split over more NeuronCores than one instance has (DeepSeek-V3 at `--tp 64` over
+//! two trn1.32xlarge) runs one process per instance, each with a contiguous span of the global
+//! ranks. libnrt's collectives join the ranks across instances over EFA, but every rank must
+//! also execute the same graph with the same step metadata at every step, and only one process
+//! schedules. So the process that schedules (the leader: `serve`, `generate`, with `--ranks
+//! 0..K --followers HOST:PORT,..`) sends each step to the others (the followers, `deepinfer
+//! follow --ranks K..N --listen ADDR`), which run it on their ranks and answer.
+//!
+//! - **Launch.** A follower is started with only its model, backend, ranks and address; the
+//!   leader connects, sends its [`Launch`] (the tensor-parallel degree and every limit that
+//!   decides what is captured), and captures its own ranks while the followers capture
+//!   theirs. Each follower answers with its [`Setup`]: the leader checks that the model, the
+//!   runner configuration and the dtypes are its own and that the followers' ranks, after its
+//!   own, cover the degree. A mismatch is one error naming what differs, before any step.
+//! - **Steps.** The leader sends a step (its graph's key, the metadata arrays, and which logits
+//!   rows it wants back) to every follower before it executes its own ranks, then waits for
+//!   every answer. A follower's failure fails the step like a local rank's; a follower that
+//!   does not answer within [`Timeouts::step`], or whose connection drops, fails that step and
+//!   every later one (a lost instance cannot be replaced under libnrt's collectives), promptly
+//!   and with its address in the message.
+//! - **The logits** are each rank's vocabulary slice: a follower returns its ranks' columns of
+//!   the rows asked for (only for requests that want logprobs; sampling never needs them).
+//!
+//! The wire format is in [`wire`]. There is no authentication: run followers on the cluster's
+//! private network, as libnrt's own collectives are.
+
+mod wire;
+
+use std::io::ErrorKind as IoKind;
+use std::net::{TcpListener, TcpStream, ToSocketAddrs};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use serde::{Deserialize, Serialize};
+
+use super::device::RankSpan;
+use super::{Backend, Limits};
+use crate::error::{Error, Result};
+use crate::model::PrecisionChoice;
+
+use wire::{read_frame, text, write_text, Tag};
+pub(crate) use wire::{Done, StepMessage};
+
+/// How long a leader waits on its followers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    /// To connect to a follower (retried until then: followers may still be starting).
+    pub connect: Duration,
+    /// For a follower to capture (compile and load) and answer the launch.
+    pub capture: Duration,
+    /// For a follower to answer one step.
+    pub step: Duration,
+}
+
+impl Default for Timeouts {
+    /// Ten minutes to connect; capture as long as the longest compile may take
+    /// ([`crate::backend::neuron::compile::DEFAULT_TIMEOUT`]) plus loading; five minutes a step
+    /// (a step takes milliseconds; the margin covers libnrt's own collective timeouts, so the
+    /// leader reports the follower's error rather than its own timeout).
+    fn default() -> Self {
+        Timeouts {
+            connect: Duration::from_secs(600),
+            capture: crate::backend::neuron::compile::DEFAULT_TIMEOUT + Duration::from_secs(600),
+            step: Duration::from_secs(300),
+        }
+    }
+}
+
+/// What a leader sends a follower to capture: the degree and every limit a capture depends on.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Launch {
+    /// The leader's deepinfer version; a follower of another version refuses.
+    pub version: String,
+    /// `--tp`.
+    pub tp: usize,
+    /// `--max-batch`.
+    pub max_batch: usize,
+    /// `--max-len`.
+    pub max_len: usize,
+    /// `--kv-blocks N`.
+    pub kv_blocks: Option<usize>,
+    /// `--kv-blocks auto`.
+    pub kv_blocks_auto: bool,
+    /// `--hbm-utilization`.
+    pub hbm_utilization: f64,
+    /// `--prefill-chunk`.
+    pub prefill_chunk: Option<usize>,
+    /// `--max-prefill-seqs`.
+    pub prefill_seqs: Option<usize>,
+    /// `--dtype`, `--kv-dtype`, `--quantize`, as typed.
+    pub dtype: String,
+    /// See `dtype`.
+    pub kv_dtype: String,
+    /// See `dtype`.
+    pub quantize: String,
+    /// `--compile-timeout`, in seconds.
+    pub compile_timeout_secs: Option<u64>,
+}
+
+impl Launch {
+    /// The launch of a leader running within `limits`.
+    pub fn of(limits: &Limits) -> Launch {
+        Launch {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            tp: limits.tp,
+            max_batch: limits.max_batch,
+            max_len: limits.max_len,
+            kv_blocks: limits.kv_blocks,
+            kv_blocks_auto: limits.kv_blocks_auto,
+            hbm_utilization: limits.hbm_utilization,
+            prefill_chunk: limits.prefill_chunk,
+            prefill_seqs: limits.prefill_seqs,
+            dtype: limits.precision.dtype.to_string(),
+            kv_dtype: limits.precision.kv_dtype.to_string(),
+            quantize: limits.precision.quantize.to_string(),
+            compile_timeout_secs: limits.compile_timeout.map(|d| d.as_secs()),
+        }
+    }
+
+    /// The limits a follower running `ranks` captures within.
+    pub fn limits(&self, ranks: RankSpan) -> Result<Limits> {
+        if self.version != env!("CARGO_PKG_VERSION") {
+            return Err(Error::InvalidInput(format!(
+                "the leader runs deepinfer {}, this follower {}: run the same build everywhere",
+                self.version,
+                env!("CARGO_PKG_VERSION")
+            )));
+        }
+        Ok(Limits {
+            kv_blocks: self.kv_blocks,
+            kv_blocks_auto: self.kv_blocks_auto,
+            hbm_utilization: self.hbm_utilization,
+            prefill_chunk: self.prefill_chunk,
+            prefill_seqs: self.prefill_seqs,
+            precision: PrecisionChoice {
+                dtype: self.dtype.parse()?,
+                kv_dtype: self.kv_dtype.parse()?,
+                quantize: self.quantize.parse()?,
+            },
+            compile_timeout: self.compile_timeout_secs.map(Duration::from_secs),
+            tp: self.tp,
+            ranks: Some(ranks),
+            ..Limits::new(self.max_batch, self.max_len)
+        })
+    }
+}
+
+/// What a process captured, for the leader to check its followers against: the same model,
+/// runner configuration and dtypes on every instance, and where each one's ranks are.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Setup {
+    /// The first global rank the process runs.
+    pub first: usize,
+    /// How many ranks it runs.
+    pub count: usize,
+    /// The model's configuration, as the runner read it (`Debug` text).
+    pub model: String,
+    /// The runner configuration: degree, buckets, cache (`Debug` text).
+    pub runner: String,
+    /// The resolved dtypes and quantization (`Debug` text).
+    pub precision: String,
+}
+
+impl Setup {
+    /// The first difference from `leader`'s that makes the two unable to run one model, named.
+    fn mismatch(&self, leader: &Setup) -> Option<String> {
+        if self.model != leader.model {
+            return Some("its model (config.json) is not the leader's".into());
+        }
+        if self.runner != leader.runner {
+            return Some(format!(
+                "its runner configuration {} is not the leader's {}",
+                self.runner, leader.runner
+            ));
+        }
+        if self.precision != leader.precision {
+            return Some(format!(
+                "its dtypes {} are not the leader's {} (does its checkpoint hold other dtypes?)",
+                self.precision, leader.precision
+            ));
+        }
+        None
+    }
+}
+
+/// One follower's answer to a step: the first rank it runs, and the logits asked for or the
+/// error (with whether it was a collective's).
+pub(crate) type Answer = (usize, Result<Vec<f32>, (Error, bool)>);
+
+/// A follower as the leader sees it.
+struct Link {
+    addr: String,
+    span: RankSpan,
+    stream: TcpStream,
+}
+
+/// Followers connected and sent the launch, capturing; [`Pending::join`] waits for them.
+pub struct Pending {
+    links: Vec<(String, TcpStream)>,
+    timeouts: Timeouts,
+}
+
+/// A leader's followers, ready for steps (see the module docs).
+pub struct Followers {
+    links: Vec<Link>,
+    step_timeout: Duration,
+    /// The address of the follower lost and why the followers can no longer run steps.
+    lost: Option<(String, String)>,
+}
+
+impl std::fmt::Debug for Followers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let addrs: Vec<_> = self.links.iter().map(|l| (&l.addr, l.span)).collect();
+        f.debug_struct("Followers")
+            .field("links", &addrs)
+            .field("lost", &self.lost)
+            .finish()
+    }
+}
+
+fn lost(addr: &str, what: &str, e: impl std::fmt::Display) -> Error {
+    Error::Instance {
+        addr: addr.to_string(),
+        msg: format!("{what}: {e}"),
+    }
+}
+
+/// Connects to `addr`, retrying refused connections until `deadline`.
+fn connect(addr: &str, deadline: Instant) -> Result<TcpStream> {
+    let resolved: Vec<_> = addr
+        .to_socket_addrs()
+        .map_err(|e| Error::InvalidInput(format!("--followers {addr}: {e} (expected HOST:PORT)")))?
+        .collect();
+    loop {
+        let mut last = None;
+        for a in &resolved {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match TcpStream::connect_timeout(a, left.max(Duration::from_millis(1))) {
+                Ok(s) => return Ok(s),
+                Err(e) => last = Some(e),
+            }
+        }
+        if Instant::now() >= deadline {
+            let e = last.map_or("no address".to_string(), |e| e.to_string());
+            return Err(lost(
+                addr,
+                "no follower answered (is `deepinfer follow` running there?)",
+                e,
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+}
+
+impl Followers {
+    /// Connects to the followers at `addrs` (in the order of their ranks) and sends each
+    /// `launch`; returns while they capture, so the leader captures meanwhile.
+    pub fn launch(addrs: &[String], launch: &Launch, timeouts: Timeouts) -> Result<Pending> {
+        let deadline = Instant::now() + timeouts.connect;
+        let json = serde_json::to_string(launch)
+            .map_err(|e| Error::Internal(format!("launch as JSON: {e}")))?;
+        let mut links = Vec::with_capacity(addrs.len());
+        for addr in addrs {
+            let mut stream = connect(addr, deadline)?;
+            stream
+                .set_nodelay(true)
+                .map_err(|e| lost(addr, "configuring the connection", e))?;
+            write_text(&mut stream, Tag::Hello, &json)
+                .map_err(|e| lost(addr, "sending the launch", e))?;
+            links.push((addr.clone(), stream));
+        }
+        Ok(Pending { links, timeouts })
+    }
+
+    /// Sends `step` to every follower; their answers are [`Followers::wait`]'s.
+    pub(crate) fn send(&mut self, step: &StepMessage) -> Result<()> {
+        if let Some((addr, msg)) = &self.lost {
+            return Err(Error::Instance {
+                addr: addr.clone(),
+                msg: msg.clone(),
+            });
+        }
+        for i in 0..self.links.len() {
+            let l = &mut self.links[i];
+            if let Err(e) = step.write(&mut l.stream)? {
+                return Err(self.lose(i, "sending a step", e));
+            }
+        }
+        Ok(())
+    }
+
+    /// Every follower's answer to the step [`Followers::send`] sent, in rank order: the logits
+    /// asked for with the first rank they start at, or the error (and whether it was a
+    /// collective's, caused elsewhere).
+    pub(crate) fn wait(&mut self) -> Vec<Answer> {
+        let mut answers = Vec::with_capacity(self.links.len());
+        for i in 0..self.links.len() {
+            let l = &mut self.links[i];
+            let (first, addr) = (l.span.first, l.addr.clone());
+            let answer = match read_frame(&mut l.stream) {
+                Ok(Ok((Tag::Done, body))) => match Done::read(&body) {
+                    Ok(Done::Ran(logits)) => Ok(logits),
+                    Ok(Done::Failed {
+                        message,
+                        collective,
+                    }) => Err((Error::Instance { addr, msg: message }, collective)),
+                    Err(e) => Err((self.lose(i, "reading its answer", e), false)),
+                },
+                Ok(Ok((tag, body))) => {
+                    let why = match tag {
+                        Tag::Failed => text(body).unwrap_or_default(),
+                        _ => format!("an unexpected {tag:?} message"),
+                    };
+                    Err((self.lose(i, "it stopped", why), false))
+                }
+                Ok(Err(e)) => Err((self.lose(i, "reading its answer", e), false)),
+                Err(e) if matches!(e.kind(), IoKind::WouldBlock | IoKind::TimedOut) => {
+                    let why = format!("no answer within {:?}", self.step_timeout);
+                    Err((self.lose(i, "a step", why), false))
+                }
+                Err(e) => Err((self.lose(i, "the connection", e), false)),
+            };
+            answers.push((first, answer));
+        }
+        answers
+    }
+
+    /// Marks the followers lost because of link `i`'s failure and returns that error; later
+    /// steps fail at once with it.
+    fn lose(&mut self, i: usize, what: &str, e: impl std::fmt::Display) -> Error {
+        let l = &self.links[i];
+        let err = lost(&l.addr, what, e);
+        let msg = format!(
+            "the follower running ranks {}..{} is lost ({err}); restart every instance",
+            l.span.first,
+            l.span.first + l.span.count
+        );
+        self.lost = Some((l.addr.clone(), msg));
+        err
+    }
+
+    /// The ranks after the leader's that the followers run, as `(first, count)` in order.
+    pub fn spans(&self) -> Vec<RankSpan> {
+        self.links.iter().map(|l| l.span).collect()
+    }
+}
+
+impl Drop for Followers {
+    /// Tells every follower to stop (best effort: a lost one is gone already).
+    fn drop(&mut self) {
+        for l in &mut self.links {
+            let _ = write_text(&mut l.stream, Tag::Bye, "");
+        }
+    }
+}
+
+impl Pending {
+    /// Waits for every follower's setup and checks it against the leader's (`leader`, whose
+    /// ranks start at 0) and `tp`: the same model, runner configuration and dtypes, and ranks
+    /// that continue the leader's without gap or overlap up to `tp`.
+    pub fn join(self, leader: &Setup, tp: usize) -> Result<Followers> {
+        let deadline = Instant::now() + self.timeouts.capture;
+        let mut links = Vec::with_capacity(self.links.len());
+        let mut next = leader.first + leader.count;
+        for (addr, mut stream) in self.links {
+            let left = deadline.saturating_duration_since(Instant::now());
+            stream
+                .set_read_timeout(Some(left.max(Duration::from_millis(1))))
+                .map_err(|e| lost(&addr, "configuring the connection", e))?;
+            let setup: Setup = match read_frame(&mut stream) {
+                Ok(Ok((Tag::Welcome, body))) => serde_json::from_str(&text(body)?)
+                    .map_err(|e| lost(&addr, "reading its setup", e))?,
+                Ok(Ok((Tag::Failed, body))) => {
+                    return Err(lost(&addr, "the follower could not start", text(body)?))
+                }
+                Ok(Ok((tag, _))) => return Err(lost(&addr, "an unexpected message", tag as u8)),
+                Ok(Err(e)) => return Err(e),
+                Err(e) => return Err(lost(&addr, "waiting for it to capture", e)),
+            };
+            if let Some(why) = setup.mismatch(leader) {
+                return Err(Error::InvalidInput(format!(
+                    "the follower at {addr} cannot run this model with the leader: {why}"
+                )));
+            }
+            if setup.first != next {
+                return Err(Error::InvalidInput(format!(
+                    "the follower at {addr} runs ranks {}..{}, but the next ranks to cover are \
+                     {next}..: list --followers in rank order, their --ranks continuing the \
+                     leader's without gap or overlap",
+                    setup.first,
+                    setup.first + setup.count
+                )));
+            }
+            next += setup.count;
+            let step = self.timeouts.step;
+            stream
+                .set_read_timeout(Some(step))
+                .map_err(|e| lost(&addr, "configuring the connection", e))?;
+            links.push(Link {
+                addr,
+                span: RankSpan {
+                    first: setup.first,
+                    count: setup.count,
+                },
+                stream,
+            });
+        }
+        if next != tp {
+            return Err(Error::InvalidInput(format!(
+                "the leader and its followers run ranks 0..{next}, but --tp is {tp}: start \
+                 followers for ranks {next}..{tp}"
+            )));
+        }
+        Ok(Followers {
+            links,
+            step_timeout: self.timeouts.step,
+            lost: None,
+        })
+    }
+}
+
+/// Runs a follower (`deepinfer follow`): waits on `listener` for its leader, opens the model at
+/// `model` on `backend` for global ranks `ranks` within the leader's launch, captures, and runs
+/// every step the leader sends until it says goodbye. `ready` is told once the runner is
+/// captured. Returns when the leader ends (or an error when it vanishes mid-step, or the
+/// launch cannot be served here: a failure the leader is also told of).
+pub fn follow(
+    backend: Backend,
+    model: &Path,
+    ranks: RankSpan,
+    listener: TcpListener,
+    ready: impl FnOnce(&Setup),
+) -> Result<()> {
+    let (mut stream, peer) = listener
+        .accept()
+        .map_err(|e| Error::Unavailable(format!("waiting for the leader: {e}")))?;
+    let peer = peer.to_string();
+    stream
+        .set_nodelay(true)
+        .map_err(|e| lost(&peer, "configuring the connection", e))?;
+    let launch: Launch = match read_frame(&mut stream) {
+        Ok(Ok((Tag::Hello, body))) => {
+            serde_json::from_str(&text(body)?).map_err(|e| lost(&peer, "reading the launch", e))?
+        }
+        Ok(Ok((tag, _))) => return Err(lost(&peer, "expected the launch, got", tag as u8)),
+        Ok(Err(e)) => return Err(e),
+        Err(e) => return Err(lost(&peer, "reading the launch", e)),
+    };
+    let opened = launch
+        .limits(ranks)
+        .and_then(|limits| super::open::open_device(backend, model, &limits));
+    let mut runner = match opened {
+        Ok(r) => r,
+        Err(e) => {
+            let _ = write_text(&mut stream, Tag::Failed, &e.to_string());
+            return Err(e);
+        }
+    };
+    let setup = runner.setup();
+    let json = serde_json::to_string(&setup).map_err(|e| Error::Internal(format!("setup: {e}")))?;
+    write_text(&mut stream, Tag::Welcome, &json)
+        .map_err(|e| lost(&peer, "answering the launch", e))?;
+    ready(&setup);
+    loop {
+        let body = match read_frame(&mut stream) {
+            Ok(Ok((Tag::Step, body))) => body,
+            Ok(Ok((Tag::Bye, _))) => return Ok(()),
+            Ok(Ok((tag, _))) => return Err(lost(&peer, "expected a step, got", tag as u8)),
+            Ok(Err(e)) => return Err(e),
+            Err(e) if e.kind() == IoKind::UnexpectedEof => {
+                return Err(lost(&peer, "the leader went away", e))
+            }
+            Err(e) => return Err(lost(&peer, "reading a step", e)),
+        };
+        let done = match StepMessage::read(&body).and_then(|s| runner.run_followed(s)) {
+            Ok(logits) => Done::Ran(logits),
+            Err(e) => Done::Failed {
+                collective: runner_error_is_collective(&e),
+                message: e.to_string(),
+            },
+        };
+        if let Err(e) = done.write(&mut stream)? {
+            return Err(lost(&peer, "answering a step", e));
+        }
+    }
+}
+
+/// Whether `e` is a collective's failure: on this rank, the symptom of another's fault.
+pub(crate) fn runner_error_is_collective(e: &Error) -> bool {
+    matches!(e, Error::Device { source, .. }
+        if source.status_code() == Some(neuron_sys::sys::NRT_EXEC_HW_ERR_COLLECTIVES))
+}
