@@ -504,3 +504,105 @@ fn generate_and_score_split_over_neuron_cores_match_transformers() {
         assert!(worst < 1e-4, "--tp {tp}: {worst}");
     }
 }
+
+/// Two processes, as on two instances: `deepinfer follow` and a leader (`generate --ranks
+/// --followers`) started on another model. The leader refuses in one line naming the follower
+/// and what differs; the follower ends with an error too. (A leader and follower that match
+/// cannot step across processes here: nrt-sim's collectives meet inside one process; see
+/// tests/instances_sim.rs for those.)
+#[test]
+fn a_leader_refuses_a_follower_started_on_another_model() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let addr = format!("127.0.0.1:{port}");
+    let env = [
+        ("NEURON_RT_LIB", nrt_sim_library().display().to_string()),
+        ("NRT_SIM_NC_COUNT", "2".to_string()),
+        ("NEURON_RT_ROOT_COMM_ID", "127.0.0.1:61997".to_string()),
+    ];
+    let follower = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
+        .args([
+            "follow",
+            "--backend",
+            "sim",
+            "--ranks",
+            "2..4",
+            "--listen",
+            &addr,
+        ])
+        .args(["--model", &fixture("tiny-v2-lite")])
+        .envs(env.clone())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
+        .args([
+            "generate",
+            "--backend",
+            "sim",
+            "--tp",
+            "4",
+            "--ranks",
+            "0..2",
+        ])
+        .args([
+            "--followers",
+            &addr,
+            "--token-ids",
+            "3,4,5",
+            "--max-tokens",
+            "2",
+        ])
+        .args(["--model", &fixture("tiny-v3")])
+        .envs(env)
+        .output()
+        .unwrap();
+    assert_clean_error(
+        &out,
+        &format!(
+            "the follower at {addr} cannot run this model with the leader: its model \
+             (config.json) is not the leader's"
+        ),
+    );
+    let follower = follower.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&follower.stderr);
+    assert!(!follower.status.success(), "{err}");
+    assert!(err.contains("waiting for its leader on 127.0.0.1"), "{err}");
+}
+
+#[test]
+fn follow_refuses_what_cannot_follow() {
+    let tiny = fixture("tiny-v3");
+    let out = deepinfer(&[
+        "follow",
+        "--model",
+        &tiny,
+        "--backend",
+        "cpu",
+        "--ranks",
+        "0..2",
+    ]);
+    assert_clean_error(&out, "a follower runs NeuronCores");
+    let out = deepinfer(&["follow", "--model", &tiny, "--ranks", "3..1"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        err.contains("expected FIRST..END with FIRST below END"),
+        "{err}"
+    );
+    let out = deepinfer(&[
+        "follow",
+        "--model",
+        &tiny,
+        "--backend",
+        "sim",
+        "--ranks",
+        "0..2",
+        "--listen",
+        "nowhere",
+    ]);
+    assert_clean_error(&out, "cannot listen on nowhere");
+}

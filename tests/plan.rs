@@ -218,6 +218,24 @@ fn v3_fp8_does_not_fit_one_trn1_32xlarge() {
         ],
     );
     assert_eq!(two["fits"], true, "{two}");
+    // What the runner serves it in over two instances (README): fp8 dequantized to bf16 at
+    // load, int4 experts.
+    let served = plan(
+        "deepseek-v3.json",
+        &[
+            "--instance",
+            "trn1.32xlarge",
+            "--instances",
+            "2",
+            "--tp",
+            "64",
+            "--quantize",
+            "experts-int4",
+            "--kv-blocks",
+            "auto",
+        ],
+    );
+    assert_eq!(served["fits"], true, "{served}");
     // One trn2.48xlarge (64 logical cores of 24 GiB) holds it at the serve defaults.
     assert!(s.contains("one trn2.48xlarge"), "{s}");
     let trn2 = plan(
