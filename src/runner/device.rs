@@ -27,6 +27,10 @@
 //! rank's metadata and executes the ranks concurrently; outputs are read from the first rank
 //! (every rank samples the same tokens from its vocabulary slice, see `model::vocab`); when a
 //! request asks for logprobs, every rank's logits slice is read and the columns joined.
+//!
+//! A runner may run only some of the ranks ([`DeviceOptions::ranks`]): one instance's share of
+//! a model over several. The leader's runner then sends every step to its followers' runners
+//! before executing its own ranks and waits for their answers ([`super::instances`]).
 
 use std::borrow::Cow;
 use std::collections::HashMap;

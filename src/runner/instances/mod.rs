@@ -233,6 +233,7 @@ fn connect(addr: &str, deadline: Instant) -> Result<TcpStream> {
         .to_socket_addrs()
         .map_err(|e| Error::InvalidInput(format!("--followers {addr}: {e} (expected HOST:PORT)")))?
         .collect();
+    let mut said = false;
     loop {
         let mut last = None;
         for a in &resolved {
@@ -249,6 +250,10 @@ fn connect(addr: &str, deadline: Instant) -> Result<TcpStream> {
                 "no follower answered (is `deepinfer follow` running there?)",
                 e,
             ));
+        }
+        if !said {
+            tracing::info!("waiting for the follower at {addr} (`deepinfer follow`) to listen");
+            said = true;
         }
         std::thread::sleep(Duration::from_millis(200));
     }
@@ -394,9 +399,11 @@ impl Pending {
                 )));
             }
             next += setup.count;
-            let step = self.timeouts.step;
+            // A follower that stops reading must not stall the leader's writes either.
+            let step = Some(self.timeouts.step);
             stream
-                .set_read_timeout(Some(step))
+                .set_read_timeout(step)
+                .and_then(|()| stream.set_write_timeout(step))
                 .map_err(|e| lost(&addr, "configuring the connection", e))?;
             links.push(Link {
                 addr,
