@@ -412,20 +412,13 @@ fn draws_follow_the_renormalised_distribution_through_nrt_sim() {
     assert_follows_the_distribution("nrt-sim", &whole_draws(|g, i| run_sim(&sim, g, i)));
 }
 
-#[test]
-fn greedy_top_k_1_and_a_tiny_top_p_give_the_argmax() {
-    let row = test_logits();
-    let best = row
-        .iter()
-        .enumerate()
-        .max_by(|a, b| a.1.total_cmp(b.1))
-        .map(|(t, _)| t as i32)
-        .unwrap();
-    // Row 0 greedy; row 1 top_k = 1; row 2 top_p = 1e-6; row 3 top_p = 0; then sampled rows
-    // with neither filter (whole vocabulary) and with top_k = vocab (off).
+/// Six copies of `row` whose first four must all give its maximum: row 0 greedy, row 1
+/// `top_k = 1`, row 2 `top_p = 1e-6`, row 3 `top_p = 0`; then sampled rows with neither filter
+/// (the whole vocabulary) and with `top_k = vocab` (off).
+fn argmax_rows(row: &[f32]) -> [Input; 6] {
     let rows = 6;
     let logits: Vec<f32> = (0..rows).flat_map(|_| row.iter().copied()).collect();
-    let inputs = [
+    [
         input("logits", DType::F32, &[rows, VOCAB], &logits),
         input(
             "temperature",
@@ -447,7 +440,19 @@ fn greedy_top_k_1_and_a_tiny_top_p_give_the_argmax() {
         ),
         input("seeds", DType::U32, &[rows], &[1u32, 2, 3, 4, 5, 6]),
         input("positions", DType::I32, &[rows], &[0i32; 6]),
-    ];
+    ]
+}
+
+#[test]
+fn greedy_top_k_1_and_a_tiny_top_p_give_the_argmax() {
+    let row = test_logits();
+    let best = row
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .map(|(t, _)| t as i32)
+        .unwrap();
+    let inputs = argmax_rows(&row);
     let g = sampler_graph(&inputs);
     let sim = sim();
     for (executor, outs) in [
@@ -630,31 +635,7 @@ fn split_greedy_rows_take_the_lowest_id_of_the_maximum() {
             row[t] = 3.0;
         }
         row[100] = 2.999; // a near miss in rank 0
-        let rows = 6;
-        let logits: Vec<f32> = (0..rows).flat_map(|_| row.iter().copied()).collect();
-        let inputs = [
-            input("logits", DType::F32, &[rows, VOCAB], &logits),
-            input(
-                "temperature",
-                DType::F32,
-                &[rows],
-                &[0.0f32, 1.0, 1.0, 1.0, 1.0, 1.0],
-            ),
-            input(
-                "top_k",
-                DType::I32,
-                &[rows],
-                &[0i32, 1, 0, 0, 0, VOCAB as i32],
-            ),
-            input(
-                "top_p",
-                DType::F32,
-                &[rows],
-                &[1.0f32, 1.0, 1e-6, 0.0, 1.0, 1.0],
-            ),
-            input("seeds", DType::U32, &[rows], &[1u32, 2, 3, 4, 5, 6]),
-            input("positions", DType::I32, &[rows], &[0i32; 6]),
-        ];
+        let inputs = argmax_rows(&row);
         let g = split_sampler_graph(&with_first(&inputs, ranks), ranks);
         let got = i32s(&run_split(&g, &inputs, &["logits"], ranks)[0]);
         assert_eq!(got[0], want, "greedy: {got:?}");
