@@ -62,3 +62,100 @@ fn f32_logits_do_not_depend_on_the_batch() {
 fn the_default_models_logits_do_not_depend_on_the_batch() {
     logits_do_not_depend_on_the_batch("default-model", Precision::all(DType::BF16));
 }
+
+/// A prompt's last logits do not depend on the prompts packed with it in one prefill step.
+///
+/// Known to fail (2026-12-03): packed with others, a prompt's logits differ in hundreds of bits
+/// (tiny-v3 f32: 492 of 512 logits for the first packing). It is what made the server's
+/// slow-reader test flaky with a retrained default model: a request's choices packed
+/// differently from an identical request's drift apart after a few hundred sampled tokens.
+/// Suspect: the packed step's attention runs every token over all its sequences' context
+/// positions (masked), so a sequence's softmax sums and its probabilities-times-values
+/// reductions see other sequences' masked positions ahead of or after its own, in an order
+/// that changes the float rounding.
+fn packed_prefill_does_not_change_a_prompt(name: &str, precision: Precision) {
+    use deepinfer::model::LogitsOutput;
+    use deepinfer::runner::step::{LogitControls, PrefillChunk, SamplingParams};
+    use deepinfer::runner::Step;
+    // Contexts up to 1,024 tokens: the short ones pack up to eight prompts.
+    let dir = common::fixture_dir(name);
+    let cfg = deepinfer::config::ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let ckpt = deepinfer::weights::Checkpoint::open(&dir).unwrap();
+    let weights = deepinfer::model::ModelWeights::load(&cfg, &ckpt, &precision).unwrap();
+    let mut rc = deepinfer::runner::RunnerConfig::for_limits(8, 1024);
+    rc.kv_dtype = precision.kv_cache;
+    let mut run =
+        deepinfer::runner::open_with_weights(deepinfer::runner::Backend::Cpu, cfg, weights, rc)
+            .unwrap();
+    let vocab = run.config().vocab_size as u32;
+    let mut blocks = common::allocator(&*run);
+    let prompts: Vec<Vec<u32>> = [11usize, 7, 16, 3, 9]
+        .iter()
+        .enumerate()
+        .map(|(p, &n)| {
+            (0..n as u32)
+                .map(|i| (i * 977 + 13 + p as u32 * 31) % vocab)
+                .collect()
+        })
+        .collect();
+    let mut last = |which: &[usize], blocks: &mut deepinfer::engine::BlockAllocator| {
+        let tables: Vec<Vec<u32>> = which
+            .iter()
+            .map(|&p| {
+                let mut t = Vec::new();
+                blocks.grow(&mut t, prompts[p].len()).unwrap();
+                t
+            })
+            .collect();
+        let chunks: Vec<PrefillChunk> = which
+            .iter()
+            .zip(&tables)
+            .map(|(&p, t)| PrefillChunk {
+                tokens: &prompts[p],
+                start: 0,
+                blocks: t,
+                sampling: SamplingParams::GREEDY,
+                controls: LogitControls::NONE,
+            })
+            .collect();
+        let out = run
+            .replay(&Step::Prefill {
+                chunks: &chunks,
+                logits: LogitsOutput::Sampled,
+            })
+            .unwrap();
+        for mut t in tables {
+            blocks.release(&mut t);
+        }
+        out.logits.unwrap()
+    };
+    let alone: Vec<Vec<f32>> = (0..prompts.len())
+        .map(|p| last(&[p], &mut blocks).remove(0))
+        .collect();
+    for packing in [vec![0, 1], vec![1, 0, 2], vec![3, 4, 0, 1, 2], vec![2, 0]] {
+        let got = last(&packing, &mut blocks);
+        for (row, &p) in got.iter().zip(&packing) {
+            let differ = row
+                .iter()
+                .zip(&alone[p])
+                .filter(|(a, b)| a.to_bits() != b.to_bits())
+                .count();
+            assert_eq!(
+                differ, 0,
+                "{name}: prompt {p} packed as {packing:?}: {differ} logits differ"
+            );
+        }
+    }
+}
+
+#[test]
+#[ignore = "known to fail: packed prefill is not bit-invariant (see the function's docs)"]
+fn f32_packed_prefill_does_not_change_a_prompt() {
+    packed_prefill_does_not_change_a_prompt("tiny-v3", Precision::F32);
+}
+
+#[test]
+#[ignore = "known to fail: packed prefill is not bit-invariant (see the function's docs)"]
+fn the_default_models_packed_prefill_does_not_change_a_prompt() {
+    packed_prefill_does_not_change_a_prompt("default-model", Precision::all(DType::BF16));
+}
