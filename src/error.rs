@@ -177,6 +177,13 @@ impl Error {
         }
     }
 
+    /// Whether this is a collective's failure on a tensor-parallel rank: libnrt's status when
+    /// another rank failed or vanished, so the step's real cause is that rank's own error.
+    pub fn is_collective_failure(&self) -> bool {
+        matches!(self, Error::Device { source, .. }
+            if source.status_code() == Some(neuron_sys::sys::NRT_EXEC_HW_ERR_COLLECTIVES))
+    }
+
     /// Builds a [`Error::Shape`] error.
     pub(crate) fn shape(op: &'static str, msg: impl Into<String>) -> Self {
         Error::Shape {

@@ -384,10 +384,7 @@ fn write_step(
                 }
             }
             // Each rank's logits are its vocabulary slice; the file holds the whole rows.
-            if let Some(i) = graph.output_index("logits") {
-                let slices: Vec<&CTensor> = all.iter().map(|o| &o[i]).collect();
-                all[0][i] = CTensor::cat(&slices, 1)?;
-            }
+            cpu::join_logits(graph, &mut all)?;
             all.swap_remove(0)
         }
     };

@@ -78,15 +78,7 @@ fn packed_prefill_does_not_change_a_prompt(name: &str, precision: Precision) {
     use deepinfer::runner::step::{LogitControls, PrefillChunk, SamplingParams};
     use deepinfer::runner::Step;
     // Contexts up to 1,024 tokens: the short ones pack up to eight prompts.
-    let dir = common::fixture_dir(name);
-    let cfg = deepinfer::config::ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    let ckpt = deepinfer::weights::Checkpoint::open(&dir).unwrap();
-    let weights = deepinfer::model::ModelWeights::load(&cfg, &ckpt, &precision).unwrap();
-    let mut rc = deepinfer::runner::RunnerConfig::for_limits(8, 1024);
-    rc.kv_dtype = precision.kv_cache;
-    let mut run =
-        deepinfer::runner::open_with_weights(deepinfer::runner::Backend::Cpu, cfg, weights, rc)
-            .unwrap();
+    let mut run = common::runner_sized(name, 8, 1024, None, precision);
     let vocab = run.config().vocab_size as u32;
     let mut blocks = common::allocator(&*run);
     let prompts: Vec<Vec<u32>> = [11usize, 7, 16, 3, 9]

@@ -69,3 +69,9 @@ pub const ALL: [&str; 20] = [
     LOGIT_BIAS_VALUES,
     ALLOWED_TOKENS,
 ];
+
+/// The `'static` name of the metadata input called `name` (one of [`ALL`]), for code that
+/// reads names at run time (a loaded model's bindings, a leader's step message).
+pub fn by_name(name: &str) -> Option<&'static str> {
+    ALL.into_iter().find(|n| *n == name)
+}

@@ -282,12 +282,7 @@ impl CpuRunner {
             })
             .collect::<Result<Vec<Vec<CTensor>>>>()?;
         let mut outs = cpu::run_group(graph, &inputs, &group, step)?;
-        // Each rank returns its vocabulary slice's logits; the whole rows are their join.
-        if let Some(i) = graph.output_index("logits") {
-            let slices: Vec<&CTensor> = outs.iter().map(|o| &o[i]).collect();
-            let whole = CTensor::cat(&slices, 1)?;
-            outs[0][i] = whole;
-        }
+        cpu::join_logits(graph, &mut outs)?;
         Ok(outs.swap_remove(0))
     }
 

@@ -43,7 +43,7 @@ use candle_core::Tensor as CTensor;
 use neuron_sys::{Library, Model, Runtime, Tensor, TensorSet};
 
 use super::binding::{bind, NeffBinding};
-use super::instances::{runner_error_is_collective, Followers, Setup, StepMessage};
+use super::instances::{Followers, Setup, StepMessage};
 use super::open::{sim_compiler_config, sim_compiler_config_from_env};
 use super::step::{self, HostArray, HostData};
 use super::{Backend, Buckets, Runner, RunnerConfig, Step, StepKind, StepOutput};
@@ -839,7 +839,7 @@ impl DeviceRunner {
                     let dims = decl.shape.dims();
                     let lead = dims.first().copied().unwrap_or(1).max(1);
                     let total = dims.iter().product::<usize>() * decl.dtype.size_in_bytes();
-                    let name = metadata_name(&decl.name).ok_or_else(|| Error::Binding {
+                    let name = inputs::by_name(&decl.name).ok_or_else(|| Error::Binding {
                         name: decl.name.clone(),
                         msg: format!("graph `{}`: unknown metadata input", g.name()),
                     })?;
@@ -1098,10 +1098,7 @@ impl DeviceRunner {
     /// Whether this process can return whole logits rows: it runs every rank, or its followers
     /// run the others.
     fn sees_every_rank(&self) -> Result<()> {
-        let remote: usize = self
-            .followers
-            .as_ref()
-            .map_or(0, |f| f.spans().iter().map(|s| s.count).sum());
+        let remote: usize = self.followers.as_ref().map_or(0, Followers::rank_count);
         if self.span.count + remote == self.runner_cfg.tp {
             return Ok(());
         }
@@ -1170,12 +1167,12 @@ impl DeviceRunner {
             .wait()
             .into_iter()
             .map(|e| {
-                let collective = runner_error_is_collective(&e);
+                let collective = e.is_collective_failure();
                 (e, collective)
             })
             .collect();
         if let Err(e) = first {
-            let collective = runner_error_is_collective(&e);
+            let collective = e.is_collective_failure();
             errors.insert(0, (e, collective));
         }
         let mut parts = Vec::new();
@@ -1456,11 +1453,6 @@ fn check_size(
         }),
         _ => Ok(()),
     }
-}
-
-/// The `'static` name of a metadata input (one of [`inputs::ALL`]).
-fn metadata_name(name: &str) -> Option<&'static str> {
-    inputs::ALL.into_iter().find(|n| *n == name)
 }
 
 impl Runner for DeviceRunner {

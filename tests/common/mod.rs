@@ -63,11 +63,22 @@ pub fn runner_in(
     moe: Option<MoeStrategy>,
     precision: Precision,
 ) -> Box<dyn Runner> {
+    runner_sized(name, max_batch, 128, moe, precision)
+}
+
+/// [`runner_in`] for sequences of up to `max_len` tokens.
+pub fn runner_sized(
+    name: &str,
+    max_batch: usize,
+    max_len: usize,
+    moe: Option<MoeStrategy>,
+    precision: Precision,
+) -> Box<dyn Runner> {
     let dir = fixture_dir(name);
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let ckpt = Checkpoint::open(&dir).unwrap();
     let weights = ModelWeights::load(&cfg, &ckpt, &precision).unwrap();
-    let mut rc = RunnerConfig::for_limits(max_batch, 128);
+    let mut rc = RunnerConfig::for_limits(max_batch, max_len);
     rc.moe = moe;
     rc.kv_dtype = precision.kv_cache;
     runner::open_with_weights(Backend::Cpu, cfg, weights, rc).unwrap()

@@ -94,6 +94,17 @@ pub fn run_rank(
     out
 }
 
+/// Joins the ranks' `logits` outputs of `graph` (each rank's vocabulary slice, see
+/// `model::vocab`) into whole rows, in rank 0's outputs; a graph without logits is left as is.
+pub fn join_logits(graph: &Graph, outs: &mut [Vec<CTensor>]) -> Result<()> {
+    if let (Some(i), false) = (graph.output_index("logits"), outs.is_empty()) {
+        let slices: Vec<&CTensor> = outs.iter().map(|o| &o[i]).collect();
+        let whole = CTensor::cat(&slices, 1)?;
+        outs[0][i] = whole;
+    }
+    Ok(())
+}
+
 /// Every rank's step of a tensor-parallel graph: [`run_rank`] for each rank of `group` on its
 /// own thread, with `inputs[r]` as rank `r`'s inputs, as step number `step`. Returns every
 /// rank's outputs in rank order; when the step fails, the error is the first rank's own cause

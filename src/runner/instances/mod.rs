@@ -346,9 +346,9 @@ impl Followers {
         err
     }
 
-    /// The ranks after the leader's that the followers run, as `(first, count)` in order.
-    pub fn spans(&self) -> Vec<RankSpan> {
-        self.links.iter().map(|l| l.span).collect()
+    /// How many ranks the followers run between them.
+    pub fn rank_count(&self) -> usize {
+        self.links.iter().map(|l| l.span.count).sum()
     }
 }
 
@@ -484,7 +484,7 @@ pub fn follow(
         let done = match StepMessage::read(&body).and_then(|s| runner.run_followed(s)) {
             Ok(logits) => Done::Ran(logits),
             Err(e) => Done::Failed {
-                collective: runner_error_is_collective(&e),
+                collective: e.is_collective_failure(),
                 message: e.to_string(),
             },
         };
@@ -492,10 +492,4 @@ pub fn follow(
             return Err(lost(&peer, "answering a step", e));
         }
     }
-}
-
-/// Whether `e` is a collective's failure: on this rank, the symptom of another's fault.
-pub(crate) fn runner_error_is_collective(e: &Error) -> bool {
-    matches!(e, Error::Device { source, .. }
-        if source.status_code() == Some(neuron_sys::sys::NRT_EXEC_HW_ERR_COLLECTIVES))
 }

@@ -183,11 +183,6 @@ pub(super) fn text(body: Vec<u8>) -> Result<String> {
     String::from_utf8(body).map_err(|_| malformed("text that is not UTF-8"))
 }
 
-/// The `'static` name of a metadata input (one of [`crate::model::inputs::ALL`]).
-fn metadata_name(name: &str) -> Option<&'static str> {
-    crate::model::inputs::ALL.into_iter().find(|n| *n == name)
-}
-
 impl StepMessage<'_> {
     /// Writes this step as one [`Tag::Step`] frame.
     pub fn write(&self, w: &mut impl Write) -> Result<std::io::Result<()>> {
@@ -244,7 +239,7 @@ impl StepMessage<'_> {
         let mut arrays = Vec::with_capacity(n.min(64));
         for _ in 0..n {
             let name = i.str()?;
-            let name = metadata_name(&name)
+            let name = crate::model::inputs::by_name(&name)
                 .ok_or_else(|| malformed(format!("no metadata input is named `{name}`")))?;
             let dims = i.u32()?;
             let shape = (0..dims).map(|_| i.u32()).collect::<Result<Vec<_>>>()?;
