@@ -523,7 +523,7 @@ fn a_leader_refuses_a_follower_started_on_another_model() {
         ("NRT_SIM_NC_COUNT", "2".to_string()),
         ("NEURON_RT_ROOT_COMM_ID", "127.0.0.1:61997".to_string()),
     ];
-    let follower = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
+    let mut follower = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
         .args([
             "follow",
             "--backend",
@@ -538,6 +538,15 @@ fn a_leader_refuses_a_follower_started_on_another_model() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
+    // The leader starts once the follower listens (else it would also say, on a second line,
+    // that it waits for it).
+    let mut follower_err = std::io::BufReader::new(follower.stderr.take().unwrap());
+    let mut listening = String::new();
+    std::io::BufRead::read_line(&mut follower_err, &mut listening).unwrap();
+    assert!(
+        listening.contains("waiting for its leader on 127.0.0.1"),
+        "{listening}"
+    );
     let out = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
         .args([
             "generate",
@@ -567,10 +576,10 @@ fn a_leader_refuses_a_follower_started_on_another_model() {
              (config.json) is not the leader's"
         ),
     );
-    let follower = follower.wait_with_output().unwrap();
-    let err = String::from_utf8_lossy(&follower.stderr);
-    assert!(!follower.status.success(), "{err}");
-    assert!(err.contains("waiting for its leader on 127.0.0.1"), "{err}");
+    let mut rest = String::new();
+    std::io::Read::read_to_string(&mut follower_err, &mut rest).unwrap();
+    assert!(!follower.wait().unwrap().success(), "{rest}");
+    assert!(rest.contains("error:"), "{rest}");
 }
 
 #[test]
