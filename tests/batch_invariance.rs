@@ -29,7 +29,8 @@ fn logits_do_not_depend_on_the_batch(name: &str, precision: Precision) {
             "{name}: a logit is not finite"
         );
     }
-    for rows in [2, 3, 5, 8, 9, 13, 17] {
+    // 65 rows: past the 64 from which the CPU matmul once switched to another kernel.
+    for rows in [2, 3, 5, 8, 9, 13, 17, 65] {
         let mut run = runner_in(name, rows, None, precision);
         for (step, s) in decode_staggered_steps(&mut *run, &ids, rows)
             .iter()
@@ -65,14 +66,12 @@ fn the_default_models_logits_do_not_depend_on_the_batch() {
 
 /// A prompt's last logits do not depend on the prompts packed with it in one prefill step.
 ///
-/// Known to fail (2026-12-03): packed with others, a prompt's logits differ in hundreds of bits
-/// (tiny-v3 f32: 492 of 512 logits for the first packing). It is what made the server's
-/// slow-reader test flaky with a retrained default model: a request's choices packed
-/// differently from an identical request's drift apart after a few hundred sampled tokens.
-/// Suspect: the packed step's attention runs every token over all its sequences' context
-/// positions (masked), so a sequence's softmax sums and its probabilities-times-values
-/// reductions see other sequences' masked positions ahead of or after its own, in an order
-/// that changes the float rounding.
+/// Alone, a short prompt runs in the 16-token prefill bucket; packed, in the 64-token one, and
+/// every other prompt's tokens, context positions and expert choices sit in the same matmuls
+/// and reductions. Until 2026-12-03 the CPU matmul handed operands of 64 rows or more to
+/// candle's GEMM, which sums in another order: 492 of 512 tiny-v3 logits differed for the
+/// first packing, and identical server requests prefilled in different company drifted apart
+/// after a few hundred sampled tokens.
 fn packed_prefill_does_not_change_a_prompt(name: &str, precision: Precision) {
     use deepinfer::model::LogitsOutput;
     use deepinfer::runner::step::{LogitControls, PrefillChunk, SamplingParams};
@@ -141,13 +140,11 @@ fn packed_prefill_does_not_change_a_prompt(name: &str, precision: Precision) {
 }
 
 #[test]
-#[ignore = "known to fail: packed prefill is not bit-invariant (see the function's docs)"]
 fn f32_packed_prefill_does_not_change_a_prompt() {
     packed_prefill_does_not_change_a_prompt("tiny-v3", Precision::F32);
 }
 
 #[test]
-#[ignore = "known to fail: packed prefill is not bit-invariant (see the function's docs)"]
 fn the_default_models_packed_prefill_does_not_change_a_prompt() {
     packed_prefill_does_not_change_a_prompt("default-model", Precision::all(DType::BF16));
 }

@@ -7,9 +7,15 @@
 //! the matmul reads the bf16 values and widens them as it goes: each weight row (an output
 //! column) is read once per call, in place by the packed dot (`packed.rs`, f32 and bf16) or
 //! widened into a `k`-float buffer that stays in L1, and serves every left row. Decode is bound
-//! by reading the weights, so reading half the bytes is the point. Prefill-sized left operands
-//! (from [`GEMM_ROWS`] rows) widen tiles of the weight and let candle's f32 GEMM do the
-//! arithmetic.
+//! by reading the weights, so reading half the bytes is the point.
+//!
+//! Every left-operand row count takes the same kernels, whose sum for one output adds the same
+//! products in the same order whatever the other rows: a row's result does not depend on its
+//! batch (`tests/batch_invariance.rs`). A prefill chunk packed with other prompts therefore
+//! gives each prompt the bits it gets alone. Handing prefill-sized operands to candle's f32
+//! GEMM, as this kernel once did from 64 rows, broke that (its blocking sums in another
+//! order) and was no faster: on `benches/prefill.rs` a 64-token chunk took 163 / 170 ms in
+//! f32 / bf16 through the GEMM against 142 / 119 here (benches/README.md).
 //!
 //! Layouts: `b` is `[.., k, n]` with any strides. The weight of a linear layer arrives as the
 //! transposed view of its `[n, k]` rows (`k` contiguous); a slice of `kv_b_proj` arrives with
@@ -22,13 +28,6 @@ use pulp::{Arch, Simd, WithSimd};
 
 /// Output columns (weight rows) per parallel task.
 const TILE: usize = 32;
-
-/// Left-operand rows from which the tiles go through candle's f32 GEMM instead of the dot
-/// loop (prefill-sized batches, where the GEMM's blocking wins over the widening's cost).
-/// A decode step of 32 rows stays on the packed dot: on the default model it took 14-15 ms
-/// there against 18-19 through the GEMM (benches/README.md); prefill chunks (64 tokens by
-/// default) keep the GEMM.
-pub(crate) const GEMM_ROWS: usize = 64;
 
 /// Left rows from which the packed dot takes them in panels ([`Panels`]). Fewer go in the split
 /// layout, a row at a time: a panel takes the room of eight rows in L1 whatever the count
@@ -119,8 +118,7 @@ impl Widen for i8 {
         false
     }
 
-    /// Where [`Widen::fused_dots`] does not run (a weight column that is not contiguous, a
-    /// prefill-sized tile for the GEMM). With AVX-512, sixteen codes at a time by the CPU's
+    /// Where [`Widen::fused_dots`] does not run (a weight column that is not contiguous). With AVX-512, sixteen codes at a time by the CPU's
     /// own sign extension and convert, the scale applied in the same pass, the weight stream
     /// prefetched: the portable `Simd` trait has no byte-to-float convert, and the generic
     /// loop (widen, then scale in a second pass) took 15.1 ms of a batch-8 step where this
@@ -929,37 +927,6 @@ fn run<T: Widen>(
     if out.is_empty() {
         return Ok(out);
     }
-    let place = |out: &mut [f32], (bi, j0, tn): (usize, usize, usize), t: &[f32]| {
-        for i in 0..m {
-            let at = bi * m * n + i * n + j0;
-            out[at..at + tn].copy_from_slice(&t[i * tn..(i + 1) * tn]);
-        }
-    };
-    if m >= GEMM_ROWS && k > 0 {
-        // Prefill-sized: widen a larger tile and let the f32 GEMM (itself parallel) do the
-        // arithmetic.
-        const GEMM_TILE: usize = 256;
-        let dev = &candle_core::Device::Cpu;
-        let mut scratch = Vec::with_capacity(GEMM_TILE * k);
-        let (sk, sn) = bop.strides();
-        for bi in 0..batch {
-            let base = bop.batch_offset(bi);
-            let lhs =
-                candle_core::Tensor::from_slice(&a[bi * m * k..(bi + 1) * m * k], (m, k), dev)?;
-            for j0 in (0..n).step_by(GEMM_TILE) {
-                let tn = GEMM_TILE.min(n - j0);
-                scratch.clear();
-                for j in j0..j0 + tn {
-                    let scale = scales.map(|s| s[bi * n + j]);
-                    push_widened(&mut scratch, b, (base + j * sn, k, sk), scale);
-                }
-                let w = candle_core::Tensor::from_slice(&scratch, (tn, k), dev)?;
-                let t = lhs.matmul(&w.t()?)?.flatten_all()?.to_vec1::<f32>()?;
-                place(&mut out, (bi, j0, tn), &t);
-            }
-        }
-        return Ok(out);
-    }
     let (sk, sn) = bop.strides();
     if sn == 1 && sk != 1 && n > 1 {
         // `n` contiguous (MLA's absorbed slices of `kv_b_proj`, the latent cache as values):
@@ -1171,7 +1138,7 @@ mod tests {
         let dev = &Device::Cpu;
         // k = 70, 96 and 200: the packed dot (1 and 3 rows: the split layout; 9 and 17 rows:
         // panels of 8, the last one partial; vector tails at k = 70 and 200); odd k (33, 19):
-        // the widening loop; m = 70 >= GEMM_ROWS: the GEMM.
+        // the widening loop, at 40 and 70 rows.
         let shapes = [
             (1, 1, 70, 45),
             (2, 9, 96, 37),
@@ -1263,6 +1230,53 @@ mod tests {
                 "{dtype:?} strided"
             );
             assert_ne!(product(&aligned), product(&odd_copy), "distinct weights");
+        }
+    }
+
+    /// A left row's products are the same bits whatever rows are multiplied with it: one row
+    /// alone (the split layout), a few, panels of many, prefill-sized counts (up to 300 rows,
+    /// where this kernel once handed over to candle's GEMM), for `k`-contiguous weights (the
+    /// packed dot, and at odd `k` the widening loop) and `n`-contiguous ones (the row tile).
+    /// Packed prefill and batched decode rely on it.
+    #[test]
+    fn a_rows_products_do_not_depend_on_the_row_count() {
+        let dev = &Device::Cpu;
+        let (n, most) = (40, 300);
+        for (k, dtype) in [(96, DType::F32), (96, DType::BF16), (33, DType::BF16)] {
+            let a: Vec<f32> = (0..most * k)
+                .map(|i| ((i * 7 % 13) as f32 - 6.1) / 8.3)
+                .collect();
+            let a = Tensor::from_vec(a, (most, k), dev).unwrap();
+            let w: Vec<f32> = (0..n * k)
+                .map(|i| ((i * 5 % 17) as f32 - 8.2) / 16.7)
+                .collect();
+            let w = Tensor::from_vec(w, (n, k), dev)
+                .unwrap()
+                .to_dtype(dtype)
+                .unwrap();
+            // `w^T` read along k (a linear layer's weight) and a copy with n contiguous.
+            let k_major = w.t().unwrap();
+            let n_major = k_major.contiguous().unwrap();
+            for (name, b) in [("k-contiguous", &k_major), ("n-contiguous", &n_major)] {
+                let rows = |m: usize| -> Vec<Vec<u32>> {
+                    let out = a
+                        .narrow(0, most - m, m)
+                        .unwrap()
+                        .apply_op2_no_bwd(b, &WidenMatMul)
+                        .unwrap()
+                        .to_vec2::<f32>()
+                        .unwrap();
+                    out.iter()
+                        .map(|r| r.iter().map(|v| v.to_bits()).collect())
+                        .collect()
+                };
+                // The last row of `a`, as the last of `m` rows.
+                let alone = rows(1).remove(0);
+                for m in [2, 3, 4, 9, 63, 64, 65, 130, most] {
+                    let got = rows(m).pop().unwrap();
+                    assert_eq!(got, alone, "{dtype:?} k={k} {name}: the row among {m}");
+                }
+            }
         }
     }
 

@@ -1043,10 +1043,10 @@ fn binary(op: BinaryOp, a: &CTensor, b: &CTensor, dtype: DType) -> Result<CTenso
 /// `a @ b`; with `widen`, reduced-precision operands give an f32 result accumulated in f32
 /// ([`matmul::WidenMatMul`]).
 fn matmul(a: &CTensor, b: &CTensor, widen: bool) -> Result<CTensor> {
-    // Few left rows (decode) in f32: the same kernel reads each weight row once, at any
-    // strides (candle's GEMM is slower at one row, and copies operands it cannot stride).
-    let few_rows = a.rank() >= 2 && a.dim(a.rank() - 2)? < matmul::GEMM_ROWS;
-    if widen || (few_rows && a.dtype() == CDType::F32 && b.dtype() == CDType::F32) {
+    // f32 too goes through the widening kernel, at any row count: it reads each weight row
+    // once at any strides (candle's GEMM copies operands it cannot stride), and a row's
+    // result does not depend on the other rows (see `matmul`'s module docs).
+    if widen || (a.dtype() == CDType::F32 && b.dtype() == CDType::F32) {
         return Ok(a.apply_op2_no_bwd(b, &matmul::WidenMatMul)?);
     }
     match a.matmul(b) {
