@@ -26,11 +26,8 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 const STEP_TOKENS: usize = 64;
 
 fn prefill_step(c: &mut Criterion) {
-    // As the binary does: candle would otherwise parse /proc/cpuinfo on every matmul.
-    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
-        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-    }
+    // As the binary does (see its docs).
+    deepinfer::backend::cpu::pin_thread_count();
     let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/configs/medium-bench.json");
     let cfg = ModelConfig::from_file(&path).expect("medium config");
     let mut group = c.benchmark_group("cpu_prefill_step_medium");

@@ -42,11 +42,8 @@ fn graph(rows: usize, argmax_only: bool) -> Graph {
 }
 
 fn sampler(c: &mut Criterion) {
-    // As the binary does: candle would otherwise parse /proc/cpuinfo on every op.
-    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
-        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-    }
+    // As the binary does (see its docs).
+    deepinfer::backend::cpu::pin_thread_count();
     let dev = &Device::Cpu;
     let mut group = c.benchmark_group("cpu_sampler_vocab_102400");
     group.sample_size(20);

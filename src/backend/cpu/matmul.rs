@@ -118,11 +118,12 @@ impl Widen for i8 {
         false
     }
 
-    /// Where [`Widen::fused_dots`] does not run (a weight column that is not contiguous). With AVX-512, sixteen codes at a time by the CPU's
-    /// own sign extension and convert, the scale applied in the same pass, the weight stream
-    /// prefetched: the portable `Simd` trait has no byte-to-float convert, and the generic
-    /// loop (widen, then scale in a second pass) took 15.1 ms of a batch-8 step where this
-    /// took 12.5 (benches/README.md, "Two weight rows at a time, prefetched").
+    /// Where [`Widen::fused_dots`] does not run (a weight column that is not contiguous). With
+    /// AVX-512, sixteen codes at a time by the CPU's own sign extension and convert, the scale
+    /// applied in the same pass, the weight stream prefetched: the portable `Simd` trait has no
+    /// byte-to-float convert, and the generic loop (widen, then scale in a second pass) took
+    /// 15.1 ms of a batch-8 step where this took 12.5 (benches/README.md, "Two weight rows at a
+    /// time, prefetched").
     #[inline(always)]
     fn widen_row(row: &[Self], scale: Option<f32>, out: &mut Vec<f32>) {
         #[cfg(target_arch = "x86_64")]

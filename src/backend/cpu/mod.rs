@@ -24,6 +24,7 @@ mod threshold;
 
 pub use bytes::{tensor_from_bytes, with_tensor_bytes};
 pub use collective::{Group, RankComm, DEFAULT_COLLECTIVE_TIMEOUT};
+pub use pool::pin_thread_count;
 pub use quantized::QuantizedWeight;
 
 use candle_core::{DType as CDType, Device, Tensor as CTensor};

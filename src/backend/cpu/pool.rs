@@ -10,6 +10,17 @@
 
 use std::sync::Mutex;
 
+/// Sets `RAYON_NUM_THREADS` to the machine's parallelism unless the user set it. candle-core
+/// asks for its thread count on every matrix product, and without the variable that means
+/// parsing `/proc/cpuinfo` each time (several percent of a decode step); set once, before any
+/// thread starts, the answer is an env lookup. The binary and the benches call it first thing.
+pub fn pin_thread_count() {
+    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
+        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
+    }
+}
+
 /// Runs `task(scratch, i, chunk)` for every `size`-long chunk of `out` on candle's CPU thread
 /// pool, with a `scratch` made by `init` once per run of chunks a thread takes (not per chunk).
 pub(crate) fn for_each_chunk<S>(

@@ -235,16 +235,6 @@ fn announce_capture(backend: Backend, dir: &Path, limits: &Limits) -> Result<()>
     Ok(())
 }
 
-/// candle-core asks for its thread count on every matrix product, and without
-/// `RAYON_NUM_THREADS` that means parsing `/proc/cpuinfo` each time (several percent of a
-/// decode step). Setting it once, before any thread starts, makes the answer an env lookup.
-fn pin_thread_count() {
-    if std::env::var_os("RAYON_NUM_THREADS").is_none() {
-        let n = std::thread::available_parallelism().map_or(1, |n| n.get());
-        std::env::set_var("RAYON_NUM_THREADS", n.to_string());
-    }
-}
-
 fn doctor() -> Result<ExitCode> {
     let report = deepinfer::backend::neuron::doctor::doctor_report();
     emit(report.to_string().trim_end())?;
@@ -256,7 +246,7 @@ fn doctor() -> Result<ExitCode> {
 }
 
 fn main() -> ExitCode {
-    pin_thread_count();
+    deepinfer::backend::cpu::pin_thread_count();
     logging::init();
     let cli = Cli::parse();
     let result = match cli.command {
