@@ -921,3 +921,79 @@ fn a_later_request_takes_a_slot_back_from_one_that_filled_the_engine() {
     }
     assert_eq!(results[&100].tokens.len(), 2);
 }
+
+/// With fair decoding, while a later request runs beside eight choices of one request, no
+/// decode step takes more than its equal share (4 of 8 slots) from the choices, they take
+/// turns (each one running decodes within every two steps), and every choice still continues
+/// exactly as transformers did. Without it, the choices fill the other 7 rows of each step.
+#[test]
+fn fair_decoding_gives_each_request_an_equal_share_of_a_step() {
+    let reference = common::reference("tiny-v3").greedy;
+    let n = reference.generated_token_ids.len();
+    for fair in [true, false] {
+        let mut s = recording_tiny_v3(RunnerConfig::for_limits(8, 64));
+        s.set_fair_decode(fair);
+        let choice = GenerationParams {
+            group: Some(1),
+            ..greedy(n)
+        };
+        for id in 0..8u64 {
+            s.add(id, reference.prompt_token_ids.clone(), choice.clone())
+                .unwrap();
+        }
+        let mut results = HashMap::new();
+        // Until a decode step feeds all eight (one prompt enters per step here).
+        for _ in 0..16 {
+            collect(s.step(), &mut results);
+            if s.runner().steps.iter().rev().find(|(p, _)| !p) == Some(&(false, 8)) {
+                break;
+            }
+        }
+        let alone = s.runner().steps.len();
+        let last_decode = s.runner().steps.iter().rev().find(|(p, _)| !p);
+        assert_eq!(last_decode, Some(&(false, 8)), "fair: {fair}");
+        s.add(100, reference.prompt_token_ids[..4].to_vec(), greedy(6))
+            .unwrap();
+        // Tokens per choice, step by step, while request 100 is in the engine.
+        let mut progress: Vec<Vec<usize>> = Vec::new();
+        while results.get(&100).is_none_or(|r| r.finish.is_none()) {
+            collect(s.step(), &mut results);
+            progress.push((0..8).map(|id| results[&id].tokens.len()).collect());
+        }
+        let decode_rows: Vec<usize> = s.runner().steps[alone..]
+            .iter()
+            .filter(|(prefill, _)| !prefill)
+            .map(|&(_, rows)| rows)
+            .collect();
+        assert!(decode_rows.len() >= 5, "{decode_rows:?}");
+        if fair {
+            assert!(decode_rows.iter().all(|&r| r <= 5), "{decode_rows:?}");
+            // Between its first and last token in the window, no choice (the one preempted
+            // for request 100 included, once back) waits two steps in a row.
+            for id in 0..8 {
+                let moved: Vec<bool> = progress.windows(2).map(|w| w[1][id] > w[0][id]).collect();
+                let (Some(first), Some(last)) = (
+                    moved.iter().position(|&m| m),
+                    moved.iter().rposition(|&m| m),
+                ) else {
+                    continue;
+                };
+                assert!(
+                    moved[first..=last].windows(3).all(|w| w.iter().any(|&m| m)),
+                    "choice {id} waited two steps: {progress:?}"
+                );
+            }
+        } else {
+            assert!(decode_rows.contains(&8), "{decode_rows:?}");
+        }
+        run_to_end(&mut s, &mut results);
+        for id in 0..8u64 {
+            assert_eq!(
+                results[&id].tokens, reference.generated_token_ids,
+                "choice {id}, fair: {fair}"
+            );
+        }
+        assert_eq!(results[&100].tokens.len(), 6);
+        assert_eq!(s.blocks_in_use(), 0);
+    }
+}

@@ -148,6 +148,7 @@ fn start(limits: Limits, max_waiting: usize, api_key: Option<&str>) -> Server {
             max_waiting,
             max_num_batched_tokens: None,
             prefix_caching: true,
+            fair_decode: false,
             eos_token_ids: tokenizer.eos_token_id().into_iter().collect(),
             log_stats_every: None,
         },

@@ -28,6 +28,15 @@
 //!   more: that group's newest sequence is preempted and recomputed later. A request that
 //!   filled an idle server with its choices thus makes room for the requests that arrive
 //!   after it, at the cost of recomputing the choices it gives back.
+//! - With fair decoding on ([`Scheduler::set_fair_decode`]; `deepinfer serve` turns it on for
+//!   the CPU backend), while two or more requests are active each decode step takes at most
+//!   an equal share of the batch from each (the slots divided among the groups running or
+//!   waiting, rounded up); a request's rows beyond it sit that step out, keeping their cache,
+//!   the least recently decoded going first next time. Where a step's cost grows with its
+//!   rows, as on a CPU (the default model's 32-row step costs about 7 times its 1-row step),
+//!   a request with many choices would otherwise slow every other request's tokens by as
+//!   much; the price is its own throughput while others run. On a NeuronCore a decode step
+//!   reads the weights once whatever its rows, so there the rows are better all taken.
 //! - Prefill alternates the order in which sequences get their chunks: on even steps the
 //!   shortest remaining prompt first (a short prompt behind long ones finishes its prefill in
 //!   one or two steps), on odd steps the oldest first (a long prompt advances at least every
@@ -213,6 +222,9 @@ struct Sequence {
     constraint: Option<Constraint>,
     /// The constraint's allowed-token bits for the next token (empty without a constraint).
     mask: Vec<u32>,
+    /// One more than the iteration whose decode step last fed this sequence (0: none yet):
+    /// with fair decoding, a request's rows that sat a step out go first next time.
+    last_decoded: u64,
 }
 
 impl Sequence {
@@ -275,6 +287,9 @@ pub struct Scheduler<R: Runner> {
     tokenizer: Option<Arc<Tokenizer>>,
     eos_token_ids: Vec<u32>,
     max_running: usize,
+    /// Whether a decode step takes at most an equal share of its rows from each active
+    /// request (see the module docs, "Fairness").
+    fair_decode: bool,
     /// Tokens one iteration may feed, decode rows and prefill tokens together.
     token_budget: usize,
     /// Iterations so far: their parity picks the prefill order (see the module docs).
@@ -309,6 +324,7 @@ impl<R: Runner> Scheduler<R> {
             tokenizer,
             eos_token_ids,
             max_running,
+            fair_decode: false,
             token_budget: usize::MAX,
             iterations: 0,
             steps_run: 0,
@@ -369,6 +385,14 @@ impl<R: Runner> Scheduler<R> {
         }
         self.token_budget = tokens;
         Ok(())
+    }
+
+    /// Turns fair decoding on or off (off by default): while several requests are active,
+    /// each decode step takes at most an equal share of the batch from each (see the module
+    /// docs, "Fairness"). Worth it where a step's cost grows with its rows (the CPU backend);
+    /// it changes no sequence's tokens, only when they come.
+    pub fn set_fair_decode(&mut self, on: bool) {
+        self.fair_decode = on;
     }
 
     /// The runner.
@@ -463,6 +487,7 @@ impl<R: Runner> Scheduler<R> {
             decoder,
             prompt_logprobs_sent: 0,
             state_row: 0,
+            last_decoded: 0,
             bias: Vec::new(),
             constraint,
             mask,
@@ -672,13 +697,15 @@ impl<R: Runner> Scheduler<R> {
     /// Decodes one token for every decoding sequence not skipped; returns how many rows the
     /// step fed.
     fn decode_step(&mut self, out: &mut Vec<Output>, skip: &dyn Fn(RequestId) -> bool) -> usize {
+        let sitting_out = self.beyond_fair_share(skip);
+        let idle = |s: &Sequence| skip(s.id) || sitting_out.contains(&s.id);
         // Room for one more slot each, preempting from the newest until it fits.
         loop {
             let alloc = &self.blocks;
             let need: usize = self
                 .running
                 .iter()
-                .filter(|s| s.phase == Phase::Decode && !skip(s.id))
+                .filter(|s| s.phase == Phase::Decode && !idle(s))
                 .map(|s| {
                     alloc
                         .blocks_for(s.tokens.len())
@@ -692,7 +719,7 @@ impl<R: Runner> Scheduler<R> {
         let mut batch: Vec<usize> = Vec::new();
         for (i, seq) in self.running.iter_mut().enumerate() {
             if seq.phase == Phase::Decode
-                && !skip(seq.id)
+                && !idle(seq)
                 && self.blocks.grow(&mut seq.blocks, seq.tokens.len()).is_ok()
             {
                 batch.push(i);
@@ -740,6 +767,7 @@ impl<R: Runner> Scheduler<R> {
                     let advance = advances.next().flatten();
                     let seq = &mut self.running[i];
                     seq.computed += 1;
+                    seq.last_decoded = self.iterations + 1;
                     let written = &seq.tokens[..seq.computed];
                     self.blocks
                         .register(&seq.blocks, written, &mut seq.block_hashes);
@@ -761,6 +789,44 @@ impl<R: Runner> Scheduler<R> {
         }
         self.remove_finished(out);
         batch.len()
+    }
+
+    /// With fair decoding, the decoding sequences (not skipped) that sit this step out: those
+    /// of a request beyond its equal share of the slots (divided among the groups running or
+    /// waiting, rounded up), the most recently decoded first. Empty with one active request.
+    fn beyond_fair_share(&self, skip: &dyn Fn(RequestId) -> bool) -> Vec<RequestId> {
+        if !self.fair_decode {
+            return Vec::new();
+        }
+        // Each active group and its decoding sequences, in admission order.
+        let mut groups: Vec<(u64, Vec<&Sequence>)> = Vec::new();
+        let running = self.running.iter().filter(|s| !skip(s.id));
+        for seq in running.chain(&self.waiting) {
+            let g = group_of(seq);
+            let at = match groups.iter().position(|(h, _)| *h == g) {
+                Some(at) => at,
+                None => {
+                    groups.push((g, Vec::new()));
+                    groups.len() - 1
+                }
+            };
+            if seq.phase == Phase::Decode {
+                groups[at].1.push(seq);
+            }
+        }
+        if groups.len() < 2 {
+            return Vec::new();
+        }
+        let share = self.max_running.div_ceil(groups.len());
+        let mut out = Vec::new();
+        for (_, mut seqs) in groups {
+            if seqs.len() > share {
+                // Stable: among equally recent rows, the earlier admitted goes first.
+                seqs.sort_by_key(|s| s.last_decoded);
+                out.extend(seqs[share..].iter().map(|s| s.id));
+            }
+        }
+        out
     }
 
     /// Chooses this step's prefill chunks, admitting waiting sequences first: (index into

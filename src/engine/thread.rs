@@ -102,6 +102,9 @@ pub struct EngineOptions {
     /// Reuse the cached KV blocks of earlier requests' prefixes (see the scheduler's docs);
     /// on by default.
     pub prefix_caching: bool,
+    /// Give each active request at most an equal share of a decode step's rows (see
+    /// [`Scheduler::set_fair_decode`]); for backends whose step cost grows with its rows.
+    pub fair_decode: bool,
     /// End-of-sequence tokens (unless a request ignores them).
     pub eos_token_ids: Vec<u32>,
     /// Print a line of throughput and occupancy to stderr this often while there is work
@@ -392,6 +395,7 @@ impl Engine {
         let log_every = options.log_stats_every;
         let token_budget = options.max_num_batched_tokens;
         let prefix_caching = options.prefix_caching;
+        let fair_decode = options.fair_decode;
         let thread = std::thread::Builder::new()
             .name("deepinfer-engine".into())
             .spawn(move || {
@@ -414,6 +418,7 @@ impl Engine {
                         s.set_max_num_batched_tokens(n)?;
                     }
                     s.set_prefix_caching(prefix_caching)?;
+                    s.set_fair_decode(fair_decode);
                     Ok(s)
                 });
                 let mut scheduler = match scheduler {

@@ -73,6 +73,13 @@ pub(crate) struct ServeArgs {
     /// requests with the same prefix (automatic prefix caching is on by default, as in vLLM).
     #[arg(long)]
     no_prefix_caching: bool,
+    /// While several requests are active, give each at most an equal share of a decode step's
+    /// rows (the rest of a request's choices sit the step out, keeping their cache). On the
+    /// CPU a step's cost grows with its rows, so one request with many choices would slow
+    /// every other request's tokens; on a NeuronCore a step reads the weights once whatever
+    /// its rows. `auto`: on for the CPU backend, off on a device.
+    #[arg(long, value_enum, default_value_t = FairDecode::Auto)]
+    fair_decode: FairDecode,
     /// Requests that may wait for a batch slot before new ones get 429 (with Retry-After);
     /// free batch slots come on top, so an idle server accepts --max-batch + --max-waiting at
     /// once, and 0 accepts a request only when a slot is free.
@@ -113,6 +120,15 @@ pub(crate) struct ServeArgs {
     #[arg(long, default_value_t = deepinfer::engine::DEFAULT_STALL_TIMEOUT.as_secs(),
           value_parser = clap::value_parser!(u64).range(1..))]
     stall_timeout_secs: u64,
+}
+
+/// `--fair-decode`'s values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum FairDecode {
+    /// On for the CPU backend, off on a device (nrt-sim included).
+    Auto,
+    On,
+    Off,
 }
 
 /// `--tool-call-parser`'s value: a format by name.
@@ -192,6 +208,11 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
             max_waiting: args.max_waiting,
             max_num_batched_tokens: args.max_num_batched_tokens,
             prefix_caching: !args.no_prefix_caching,
+            fair_decode: match args.fair_decode {
+                FairDecode::Auto => backend == runner::Backend::Cpu,
+                FairDecode::On => true,
+                FairDecode::Off => false,
+            },
             eos_token_ids: eos,
             log_stats_every: (args.log_stats_secs > 0)
                 .then(|| Duration::from_secs(args.log_stats_secs)),
