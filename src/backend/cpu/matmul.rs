@@ -488,7 +488,7 @@ fn simd_dot<S: Simd>(simd: S, x: &[f32], y: &[f32]) -> f32 {
 }
 
 /// One parallel task: output columns `g0..` (numbered over batch x n), each column's `m`
-/// values into `out` (`[columns, m]`).
+/// values into `out` as a tile of `m` rows (`[m, columns]`), copied into place by [`run`].
 ///
 /// Each weight column (a weight row of a linear layer) is read once and multiplied with every
 /// left row: by the packed dot where the type has one and `k` fits it (`packed.rs`), else
@@ -517,10 +517,12 @@ impl<T: Widen> WithSimd for Columns<'_, T> {
         }
         let (k, n, m) = (self.bop.rows, self.bop.cols, self.m);
         let (sk, sn) = self.bop.strides();
-        for (jj, o) in self.out.chunks_exact_mut(m.max(1)).enumerate() {
+        let columns = self.out.len() / m.max(1);
+        for jj in 0..columns {
             let g = self.g0 + jj;
             let (bi, j) = (g / n, g % n);
             let at = self.bop.batch_offset(bi) + j * sn;
+            let out = &mut *self.out;
             column_dots(
                 simd,
                 (self.b, (at, k, sk), self.scales.map(|s| s[bi * n + j])),
@@ -528,7 +530,7 @@ impl<T: Widen> WithSimd for Columns<'_, T> {
                 self.split,
                 self.scratch,
                 bi * m..(bi + 1) * m,
-                |i, v| o[i] = v,
+                |i, v| out[i * columns + jj] = v,
             );
         }
     }
@@ -552,7 +554,7 @@ impl<T: Widen> Columns<'_, T> {
             (self.b, &mut self.scratch.lanes),
             (m, columns),
             column,
-            |jj, r, v| out[jj * m + r] = v,
+            |jj, r, v| out[r * columns + jj] = v,
         );
     }
 }
@@ -961,9 +963,10 @@ fn run<T: Widen>(
         }
         return Ok(out);
     }
-    // Column-major (`[batch, n, m]`), so each parallel chunk of output columns is one
-    // contiguous slice; transposed back below (a no-op for one left row).
-    let mut cols = vec![0f32; batch * n * m];
+    // Each parallel task's output columns as one contiguous tile of `m` rows (`[m, TILE]`),
+    // copied into place below a row at a time (a no-op for one left row). A column-major
+    // buffer transposed value by value cost more than some small matmuls' products.
+    let mut tiles = vec![0f32; batch * n * m];
     let arch = Arch::new();
     // The packed dot takes PANEL_MIN_ROWS left rows or more in panels (per batch entry), fewer
     // in the split layout; a type without one, the widening loop.
@@ -978,7 +981,7 @@ fn run<T: Widen>(
         (split_rows::<T>(a, k), None)
     };
     for_each_chunk(
-        &mut cols,
+        &mut tiles,
         TILE * m.max(1),
         Scratch::default,
         |scratch, c, chunk| {
@@ -997,13 +1000,21 @@ fn run<T: Widen>(
         },
     );
     if m == 1 {
-        return Ok(cols);
+        return Ok(tiles);
     }
-    for bi in 0..batch {
-        for j in 0..n {
+    for (c, tile) in tiles.chunks(TILE * m).enumerate() {
+        let columns = tile.len() / m;
+        // The tile's columns in runs within one batch entry (a tile may straddle two).
+        let mut jj = 0;
+        while jj < columns {
+            let g = c * TILE + jj;
+            let (bi, j) = (g / n, g % n);
+            let run = (n - j).min(columns - jj);
             for i in 0..m {
-                out[bi * m * n + i * n + j] = cols[bi * n * m + j * m + i];
+                let to = bi * m * n + i * n + j;
+                out[to..to + run].copy_from_slice(&tile[i * columns + jj..][..run]);
             }
+            jj += run;
         }
     }
     Ok(out)
