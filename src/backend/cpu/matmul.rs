@@ -926,10 +926,11 @@ fn run<T: Widen>(
     m: usize,
 ) -> candle_core::Result<Vec<f32>> {
     let (k, n) = (bop.rows, bop.cols);
-    let mut out = vec![0f32; batch * m * n];
-    if out.is_empty() {
-        return Ok(out);
+    if batch * m * n == 0 {
+        return Ok(Vec::new());
     }
+    // The result is appended row by row from the tasks' tiles (never zeroed first).
+    let mut out = Vec::new();
     let (sk, sn) = bop.strides();
     if sn == 1 && sk != 1 && n > 1 {
         // `n` contiguous (MLA's absorbed slices of `kv_b_proj`, the latent cache as values):
@@ -953,12 +954,13 @@ fn run<T: Widen>(
                 out: chunk,
             })
         });
-        for (t, chunk) in tiled.chunks_exact(m * ROW_TILE).enumerate() {
-            let (bi, j0) = (t / tiles, (t % tiles) * ROW_TILE);
-            let tn = ROW_TILE.min(n - j0);
+        out.reserve_exact(batch * m * n);
+        for entry in tiled.chunks_exact(tiles * m * ROW_TILE) {
             for i in 0..m {
-                let at = bi * m * n + i * n + j0;
-                out[at..at + tn].copy_from_slice(&chunk[i * ROW_TILE..i * ROW_TILE + tn]);
+                for (t, chunk) in entry.chunks_exact(m * ROW_TILE).enumerate() {
+                    let tn = ROW_TILE.min(n - t * ROW_TILE);
+                    out.extend_from_slice(&chunk[i * ROW_TILE..][..tn]);
+                }
             }
         }
         return Ok(out);
@@ -1002,19 +1004,21 @@ fn run<T: Widen>(
     if m == 1 {
         return Ok(tiles);
     }
-    for (c, tile) in tiles.chunks(TILE * m).enumerate() {
-        let columns = tile.len() / m;
-        // The tile's columns in runs within one batch entry (a tile may straddle two).
-        let mut jj = 0;
-        while jj < columns {
-            let g = c * TILE + jj;
-            let (bi, j) = (g / n, g % n);
-            let run = (n - j).min(columns - jj);
-            for i in 0..m {
-                let to = bi * m * n + i * n + j;
-                out[to..to + run].copy_from_slice(&tile[i * columns + jj..][..run]);
+    out.reserve_exact(batch * m * n);
+    // Row `i` of batch entry `bi` is columns `bi * n..(bi + 1) * n` of the tiles' row `i`:
+    // whole tiles, and parts of the first and last where a tile straddles two entries.
+    for bi in 0..batch {
+        let (g0, g1) = (bi * n, (bi + 1) * n);
+        for i in 0..m {
+            for c in g0 / TILE..g1.div_ceil(TILE) {
+                let tile = &tiles[c * TILE * m..((c + 1) * TILE).min(batch * n) * m];
+                let columns = tile.len() / m;
+                let (from, to) = (
+                    g0.max(c * TILE) - c * TILE,
+                    g1.min(c * TILE + columns) - c * TILE,
+                );
+                out.extend_from_slice(&tile[i * columns + from..i * columns + to]);
             }
-            jj += run;
         }
     }
     Ok(out)
