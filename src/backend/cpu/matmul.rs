@@ -46,6 +46,12 @@ trait Widen: Packed + Send + Sync {
         false
     }
 
+    /// The values themselves when they already are f32 (read in place, nothing widened).
+    #[inline(always)]
+    fn as_f32(_values: &[Self]) -> Option<&[f32]> {
+        None
+    }
+
     /// Appends `row` widened to f32, each value times `scale` when given.
     #[inline(always)]
     fn widen_row(row: &[Self], scale: Option<f32>, out: &mut Vec<f32>) {
@@ -67,6 +73,10 @@ fn widen_scaled<T: Widen>(values: impl Iterator<Item = T>, scale: Option<f32>, o
 impl Widen for f32 {
     fn widen(self) -> f32 {
         self
+    }
+
+    fn as_f32(values: &[Self]) -> Option<&[f32]> {
+        Some(values)
     }
 }
 
@@ -565,9 +575,15 @@ const ROW_TILE: usize = 64;
 /// One parallel task for a `b` whose `n` is contiguous: columns `j0..j0 + tn` of batch entry
 /// `bi` for every left row, as `[m, ROW_TILE]` in `out`.
 ///
-/// The tile's `k` rows of `tn` weights are widened once into `wbuf` (contiguous reads), then
-/// each left row accumulates `a[i, kk] * wbuf[kk]` over `kk` into its output row, which stays in
-/// L1: the layout's own order, where the column kernel would read every value `sk` apart.
+/// Each left row accumulates `a[i, kk] * row(kk)` over `kk`, in order, into its `tn` outputs:
+/// the layout's own order, where the column kernel would read every value `sk` apart. The
+/// tile's `k` rows of `tn` weights are read in place when they are f32 (the attention values
+/// of an f32 cache, `sk` apart), else widened once into `wbuf`. Where `tn` is a whole number
+/// of vectors that fit the registers (a full 64-column tile), the outputs stay in registers
+/// for the whole sum, two rows at a time with AVX-512 ([`row_tile_sums`]): the same FMAs in
+/// the same order as the loop over memory kept for other tiles, which reloads and stores every
+/// output vector for every `kk` (2.0-2.9x slower on MLA's attention values, benches/README.md,
+/// "Attention values in registers").
 struct RowTile<'a, T> {
     a: &'a [f32],
     b: &'a [T],
@@ -589,25 +605,59 @@ impl<T: Widen> WithSimd for RowTile<'_, T> {
         let (k, n, m, tn) = (self.bop.rows, self.bop.cols, self.m, self.tn);
         let (sk, _) = self.bop.strides();
         let base = self.bop.batch_offset(self.bi) + self.j0;
+        let in_place = T::as_f32(self.b).filter(|_| self.scales.is_none());
         let wbuf = self.wbuf;
-        wbuf.clear();
-        for kk in 0..k {
-            let at = base + kk * sk;
-            wbuf.extend(self.b[at..at + tn].iter().map(|v| v.widen()));
-        }
-        if let Some(s) = self.scales {
-            let s = &s[self.bi * n + self.j0..][..tn];
-            for row in wbuf.chunks_exact_mut(tn) {
-                row.iter_mut().zip(s).for_each(|(w, s)| *w *= s);
+        if in_place.is_none() {
+            wbuf.clear();
+            for kk in 0..k {
+                let at = base + kk * sk;
+                wbuf.extend(self.b[at..at + tn].iter().map(|v| v.widen()));
+            }
+            if let Some(s) = self.scales {
+                let s = &s[self.bi * n + self.j0..][..tn];
+                for row in wbuf.chunks_exact_mut(tn) {
+                    row.iter_mut().zip(s).for_each(|(w, s)| *w *= s);
+                }
             }
         }
+        let (rows, first, stride) = match in_place {
+            Some(b) => (b, base, sk),
+            None => (wbuf.as_slice(), 0, tn),
+        };
+        let weights = (rows, first, stride);
+        let x = |i: usize| &self.a[(self.bi * m + i) * k..][..k];
+        let out = self.out;
+        // Whole vectors that fit the registers: the sums stay there (two rows at a time when
+        // a row takes four vectors, sharing each weight vector's load).
+        let vectors = (tn % S::F32_LANES == 0).then_some(tn / S::F32_LANES);
+        if let Some(v @ (4 | 8)) = vectors {
+            let put = |out: &mut [f32], r: usize, acc: &[S::f32s]| {
+                let o = &mut out[r * ROW_TILE..][..tn];
+                S::as_mut_simd_f32s(o).0.copy_from_slice(acc);
+            };
+            let mut i = 0;
+            while i < m {
+                if v == 4 && i + 1 < m {
+                    let acc = row_tile_sums::<S, 4, 2>(simd, [x(i), x(i + 1)], weights);
+                    put(out, i, &acc[0]);
+                    put(out, i + 1, &acc[1]);
+                    i += 2;
+                } else if v == 4 {
+                    put(out, i, &row_tile_sums::<S, 4, 1>(simd, [x(i)], weights)[0]);
+                    i += 1;
+                } else {
+                    put(out, i, &row_tile_sums::<S, 8, 1>(simd, [x(i)], weights)[0]);
+                    i += 1;
+                }
+            }
+            return;
+        }
         for i in 0..m {
-            let x = &self.a[(self.bi * m + i) * k..][..k];
-            let o = &mut self.out[i * ROW_TILE..][..tn];
+            let o = &mut out[i * ROW_TILE..][..tn];
             o.fill(0.0);
             let (oh, ot) = S::as_mut_simd_f32s(o);
-            for (kk, &xv) in x.iter().enumerate() {
-                let (wh, wt) = S::as_simd_f32s(&wbuf[kk * tn..][..tn]);
+            for (kk, &xv) in x(i).iter().enumerate() {
+                let (wh, wt) = S::as_simd_f32s(&rows[first + kk * stride..][..tn]);
                 let xs = simd.splat_f32s(xv);
                 for (o, w) in oh.iter_mut().zip(wh) {
                     *o = simd.mul_add_f32s(xs, *w, *o);
@@ -618,6 +668,29 @@ impl<T: Widen> WithSimd for RowTile<'_, T> {
             }
         }
     }
+}
+
+/// The sums of [`RowTile`] for `R` left rows `x` and `V` whole weight vectors a row
+/// (`rows[first + kk * stride..]`), kept in registers: for each `kk` in order, one FMA per
+/// vector and row, the same operations in the same order as the loop over memory, so the
+/// same bits. Each weight vector is loaded once for the `R` rows.
+#[inline(always)]
+fn row_tile_sums<S: Simd, const V: usize, const R: usize>(
+    simd: S,
+    x: [&[f32]; R],
+    (rows, first, stride): (&[f32], usize, usize),
+) -> [[S::f32s; V]; R] {
+    let mut acc = [[simd.splat_f32s(0.0); V]; R];
+    for kk in 0..x[0].len() {
+        let (wh, _) = S::as_simd_f32s(&rows[first + kk * stride..][..V * S::F32_LANES]);
+        for (acc, x) in acc.iter_mut().zip(x) {
+            let xs = simd.splat_f32s(x[kk]);
+            for (acc, w) in acc.iter_mut().zip(wh) {
+                *acc = simd.mul_add_f32s(xs, *w, *acc);
+            }
+        }
+    }
+    acc
 }
 
 /// Where one task of [`gathered`] works: columns `j0..j0 + tn` of expert `e` (of `out_n`) for
@@ -1154,7 +1227,9 @@ mod tests {
         let dev = &Device::Cpu;
         // k = 70, 96 and 200: the packed dot (1 and 3 rows: the split layout; 9 and 17 rows:
         // panels of 8, the last one partial; vector tails at k = 70 and 200); odd k (33, 19):
-        // the widening loop, at 40 and 70 rows.
+        // the widening loop, at 40 and 70 rows; n = 130 and 300 with n contiguous: the row-tile
+        // kernel's whole 64-column tiles (sums in registers, rows in pairs and one alone; f32
+        // read in place, bf16 widened) and its partial ones.
         let shapes = [
             (1, 1, 70, 45),
             (2, 9, 96, 37),
@@ -1163,8 +1238,12 @@ mod tests {
             (3, 5, 33, 40),
             (1, 40, 19, 300),
             (1, 70, 19, 300),
+            (2, 7, 50, 130),
         ];
-        for &(batch, m, k, n) in &shapes {
+        for (&(batch, m, k, n), dtype) in shapes
+            .iter()
+            .flat_map(|s| [(s, DType::BF16), (s, DType::F32)])
+        {
             let a: Vec<f32> = (0..batch * m * k)
                 .map(|i| ((i * 7 % 13) as f32 - 6.0) / 8.0)
                 .collect();
@@ -1173,11 +1252,11 @@ mod tests {
                 .collect();
             let a = Tensor::from_vec(a, (batch, m, k), dev)
                 .unwrap()
-                .to_dtype(DType::BF16)
+                .to_dtype(dtype)
                 .unwrap();
             let w = Tensor::from_vec(w, (batch, n, k), dev)
                 .unwrap()
-                .to_dtype(DType::BF16)
+                .to_dtype(dtype)
                 .unwrap();
             let a64 = a.to_dtype(DType::F64).unwrap();
             let w64 = w.to_dtype(DType::F64).unwrap();
@@ -1190,7 +1269,7 @@ mod tests {
             for g in [got, got2] {
                 assert_eq!(g.dtype(), DType::F32);
                 let d = max_diff(&g, &want);
-                assert!(d < 1e-4, "{batch}x{m}x{k}x{n}: {d}");
+                assert!(d < 1e-4, "{dtype:?} {batch}x{m}x{k}x{n}: {d}");
             }
         }
     }
@@ -1257,7 +1336,9 @@ mod tests {
     #[test]
     fn a_rows_products_do_not_depend_on_the_row_count() {
         let dev = &Device::Cpu;
-        let (n, most) = (40, 300);
+        // n = 104: one whole 64-column tile of the row-tile kernel (sums in registers, rows in
+        // pairs) and a partial one.
+        let (n, most) = (104, 300);
         for (k, dtype) in [(96, DType::F32), (96, DType::BF16), (33, DType::BF16)] {
             let a: Vec<f32> = (0..most * k)
                 .map(|i| ((i * 7 % 13) as f32 - 6.1) / 8.3)
