@@ -127,7 +127,9 @@ pub(crate) struct ServeArgs {
 enum FairDecode {
     /// On for the CPU backend, off on a device (nrt-sim included).
     Auto,
+    /// On whatever the backend.
     On,
+    /// Off: every running choice decodes in every step.
     Off,
 }
 
