@@ -877,6 +877,17 @@ fn max_num_batched_tokens_bounds_every_iteration() {
     );
 }
 
+/// Adds `count` greedy choices of one request (group 1, ids from 0) for `prompt`.
+fn add_choices<R: Runner>(s: &mut Scheduler<R>, count: u64, prompt: &[u32], max_tokens: usize) {
+    let choice = GenerationParams {
+        group: Some(1),
+        ..greedy(max_tokens)
+    };
+    for id in 0..count {
+        s.add(id, prompt.to_vec(), choice.clone()).unwrap();
+    }
+}
+
 /// Eight choices of one request fill all four slots of an idle engine; a request arriving
 /// while they decode takes a slot back (one choice is preempted and later recomputed) and
 /// starts within a few steps instead of after the first choices finish, and every choice
@@ -886,14 +897,7 @@ fn a_later_request_takes_a_slot_back_from_one_that_filled_the_engine() {
     let reference = common::reference("tiny-v3").greedy;
     let n = reference.generated_token_ids.len();
     let mut s = recording_tiny_v3(RunnerConfig::for_limits(4, 64));
-    let choice = GenerationParams {
-        group: Some(1),
-        ..greedy(n)
-    };
-    for id in 0..8u64 {
-        s.add(id, reference.prompt_token_ids.clone(), choice.clone())
-            .unwrap();
-    }
+    add_choices(&mut s, 8, &reference.prompt_token_ids, n);
     let mut results = HashMap::new();
     for _ in 0..3 {
         collect(s.step(), &mut results);
@@ -933,14 +937,7 @@ fn fair_decoding_gives_each_request_an_equal_share_of_a_step() {
     for fair in [true, false] {
         let mut s = recording_tiny_v3(RunnerConfig::for_limits(8, 64));
         s.set_fair_decode(fair);
-        let choice = GenerationParams {
-            group: Some(1),
-            ..greedy(n)
-        };
-        for id in 0..8u64 {
-            s.add(id, reference.prompt_token_ids.clone(), choice.clone())
-                .unwrap();
-        }
+        add_choices(&mut s, 8, &reference.prompt_token_ids, n);
         let mut results = HashMap::new();
         // Until a decode step feeds all eight (one prompt enters per step here).
         for _ in 0..16 {
