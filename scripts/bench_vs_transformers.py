@@ -15,7 +15,10 @@ size measures
     q8_0 / q4_k: `--dtype bf16 --quantize q8_0|q4_k`, GGML block formats, CPU only);
 
 and prints a table of tokens/s (batch * steps / seconds) and each deepinfer precision's ratio
-to the faster of transformers' two.
+to the faster of transformers' two. With --rounds N every cell is measured N times: a round
+measures both engines at one batch size back to back (transformers f32 and bf16, then each
+deepinfer precision), and each ratio is taken within its round, so that a machine whose speed
+drifts over minutes (shared VMs do) slows both sides of a ratio alike.
 
 Why: a like-for-like CPU baseline for the Rust engine's decode path (same weights, same
 threads, same prompt length and step count).
@@ -33,6 +36,7 @@ distort the timings).
 """
 
 import argparse
+import copy
 import json
 import os
 import shutil
@@ -126,6 +130,9 @@ def main():
     parser.add_argument("--deepinfer", type=Path, default=Path("target/release/deepinfer"))
     parser.add_argument("--checkpoint-dir", type=Path, help="write the checkpoint here and keep it")
     parser.add_argument("--precisions", default="f32,bf16,int8", help="deepinfer precisions: f32, bf16, int8, q8_0, q4_k")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="measure every cell this many times; each round measures both engines at one "
+                             "batch size back to back, so the machine's drift falls on both")
     args = parser.parse_args()
     precisions = args.precisions.split(",")
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
@@ -138,25 +145,29 @@ def main():
         model = build_checkpoint(args.config, model_dir)
         params = sum(p.numel() for p in model.parameters())
         print(f"{params / 1e6:.1f}M parameters; {args.threads} threads; prompt {PROMPT_LEN}; {args.steps} steps")
+        # Both dtypes stay in memory, so rounds never convert back (bf16 -> f32 would round).
+        models = {"float32": model, "bfloat16": copy.deepcopy(model).to(torch.bfloat16)}
 
-        hf = {}
-        for dtype in (torch.float32, torch.bfloat16):
-            model = model.to(dtype)
-            for batch in batch_sizes:
-                hf[(str(dtype).removeprefix("torch."), batch)] = transformers_tokens_per_s(model, batch, args.steps)
-                print(f"transformers {dtype} batch {batch}: {hf[(str(dtype).removeprefix('torch.'), batch)]:.2f} tok/s")
-        del model
+        # (round, batch) -> ({transformers dtype: tok/s}, {our precision: tok/s or None})
+        cells = {}
+        for r in range(1, args.rounds + 1):
+            for b in batch_sizes:
+                hf = {name: transformers_tokens_per_s(m, b, args.steps) for name, m in models.items()}
+                ours = {p: deepinfer_tokens_per_s(args.deepinfer, model_dir, b, args.steps, args.threads, p)
+                        for p in precisions}
+                cells[(r, b)] = (hf, ours)
+                shown = ", ".join(f"{p} {v:.2f}" if v is not None else f"{p} n/a" for p, v in ours.items())
+                print(f"round {r} batch {b}: transformers float32 {hf['float32']:.2f}, "
+                      f"bfloat16 {hf['bfloat16']:.2f}; deepinfer {shown} tok/s")
 
-        ours = {(p, b): deepinfer_tokens_per_s(args.deepinfer, model_dir, b, args.steps, args.threads, p)
-                for p in precisions for b in batch_sizes}
-
-    head = f"{'batch':>5}  {'hf f32':>8}  {'hf bf16':>8}" + "".join(f"  {'ours ' + p:>10}  {'ratio':>6}" for p in precisions)
-    print("\ntokens/s; ratio = ours / the faster transformers\n" + head)
-    for b in batch_sizes:
-        best = max(hf[("float32", b)], hf[("bfloat16", b)])
-        row = f"{b:>5}  {hf[('float32', b)]:>8.2f}  {hf[('bfloat16', b)]:>8.2f}"
+    head = (f"{'round':>5}  {'batch':>5}  {'hf f32':>8}  {'hf bf16':>8}"
+            + "".join(f"  {'ours ' + p:>10}  {'ratio':>6}" for p in precisions))
+    print("\ntokens/s; ratio = ours / the faster transformers in the same round\n" + head)
+    for (r, b), (hf, ours) in sorted(cells.items(), key=lambda cell: (cell[0][1], cell[0][0])):
+        best = max(hf.values())
+        row = f"{r:>5}  {b:>5}  {hf['float32']:>8.2f}  {hf['bfloat16']:>8.2f}"
         for p in precisions:
-            mine = ours[(p, b)]
+            mine = ours[p]
             row += f"  {mine:>10.2f}  {mine / best:>5.2f}x" if mine is not None else f"  {'n/a':>10}  {'n/a':>6}"
         print(row)
 
