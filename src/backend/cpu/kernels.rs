@@ -13,6 +13,7 @@ use candle_core::{
     backend::BackendStorage, CpuStorage, CustomOp1, CustomOp2, InplaceOp3, Layout, Shape,
 };
 
+use super::pool::for_each_chunk;
 use crate::graph::BinaryOp;
 
 fn ids_as_usize(
@@ -42,6 +43,16 @@ fn ids_as_usize(
     }
 }
 
+/// Values from which [`RowGather`] copies its rows on the thread pool. A decode step's cache
+/// gather (every context row of every sequence, per layer: 17 sequences of 192 positions of
+/// the default model are 313 K values) is scattered reads of short rows, bound by the memory
+/// latency one core hides; on two cores the gather took about a quarter less (benches/README.md,
+/// "Step overhead outside the matmuls"). Small gathers (an embedding lookup) stay on the caller.
+const PARALLEL_GATHER: usize = 1 << 15;
+
+/// Rows one task of a parallel [`RowGather`] copies.
+const GATHER_TASK_ROWS: usize = 256;
+
 /// Gathers rows of a 2-D view whose columns are contiguous (any row stride, any offset).
 pub(crate) struct RowGather;
 
@@ -66,18 +77,34 @@ impl CustomOp2 for RowGather {
         }
         let ids = ids_as_usize(ids, ids_l, rows)?;
         let (start, row_stride) = (src_l.start_offset(), stride[0]);
-        fn pick<T: Copy>(
+        fn pick<T: Copy + Default + Send + Sync>(
             data: &[T],
             ids: &[usize],
             start: usize,
             stride: usize,
             cols: usize,
         ) -> Vec<T> {
-            let mut out = Vec::with_capacity(ids.len() * cols);
-            for &r in ids {
-                let at = start + r * stride;
-                out.extend_from_slice(&data[at..at + cols]);
+            if ids.len() * cols < PARALLEL_GATHER || cols == 0 {
+                let mut out = Vec::with_capacity(ids.len() * cols);
+                for &r in ids {
+                    let at = start + r * stride;
+                    out.extend_from_slice(&data[at..at + cols]);
+                }
+                return out;
             }
+            let mut out = vec![T::default(); ids.len() * cols];
+            let rows = GATHER_TASK_ROWS;
+            for_each_chunk(
+                &mut out,
+                rows * cols,
+                || (),
+                |_, t, chunk| {
+                    for (i, row) in chunk.chunks_exact_mut(cols).enumerate() {
+                        let at = start + ids[t * rows + i] * stride;
+                        row.copy_from_slice(&data[at..at + cols]);
+                    }
+                },
+            );
             out
         }
         let out = match src {
@@ -508,6 +535,41 @@ mod tests {
                     sum.to_bits(),
                     "{len} + {pad} zeros"
                 );
+            }
+        }
+    }
+
+    /// Rows of a column slice (a layer's view of a cache root), gathered on one thread and on
+    /// the pool, against candle's `index_select` of the same view made contiguous.
+    #[test]
+    fn a_row_gather_matches_index_select_small_and_large() {
+        use candle_core::{DType, Device, Tensor};
+        let (rows, width) = (700usize, 4 * 96);
+        let root = Tensor::arange(0f32, (rows * width) as f32, &Device::Cpu)
+            .and_then(|t| t.reshape((rows, width)))
+            .expect("root");
+        for dtype in [DType::F32, DType::BF16] {
+            let view = root
+                .to_dtype(dtype)
+                .and_then(|t| t.narrow(1, 96, 96))
+                .expect("view");
+            // 10 rows stay on the caller; 900 rows (86,400 values) go to the pool.
+            for n in [10usize, 900] {
+                let ids: Vec<u32> = (0..n).map(|i| ((i * 7919) % rows) as u32).collect();
+                let ids = Tensor::new(ids.as_slice(), &Device::Cpu).expect("ids");
+                let got = view.apply_op2_no_bwd(&ids, &RowGather).expect("gather");
+                let want = view
+                    .contiguous()
+                    .and_then(|v| v.index_select(&ids, 0))
+                    .expect("index_select");
+                let flat = |t: &Tensor| {
+                    t.to_dtype(DType::F32)
+                        .and_then(|t| t.flatten_all())
+                        .and_then(|t| t.to_vec1::<f32>())
+                        .expect("values")
+                };
+                assert_eq!(got.dims(), want.dims(), "{dtype:?}, {n} rows");
+                assert_eq!(flat(&got), flat(&want), "{dtype:?}, {n} rows");
             }
         }
     }

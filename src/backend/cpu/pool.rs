@@ -23,13 +23,13 @@ pub fn pin_thread_count() {
 
 /// Runs `task(scratch, i, chunk)` for every `size`-long chunk of `out` on candle's CPU thread
 /// pool, with a `scratch` made by `init` once per run of chunks a thread takes (not per chunk).
-pub(crate) fn for_each_chunk<S>(
-    out: &mut [f32],
+pub(crate) fn for_each_chunk<T: Send, S>(
+    out: &mut [T],
     size: usize,
     init: impl Fn() -> S + Sync,
-    task: impl Fn(&mut S, usize, &mut [f32]) + Sync,
+    task: impl Fn(&mut S, usize, &mut [T]) + Sync,
 ) {
-    let chunks: Vec<Mutex<&mut [f32]>> = out.chunks_mut(size.max(1)).map(Mutex::new).collect();
+    let chunks: Vec<Mutex<&mut [T]>> = out.chunks_mut(size.max(1)).map(Mutex::new).collect();
     candle_core::utils::barrier_pool().execute_chunked(chunks.len(), |range| {
         let mut scratch = init();
         for i in range {
