@@ -584,11 +584,19 @@ pub fn build_decode(
     let (x, new_roots) = s.forward(cfg, &w, &visible, attention::decode, spec.moe)?;
     let logits = lm_logits(cfg, &w, &x)?;
     let state_rows = metadata(&b, inputs::STATE_ROWS, vec![rows], DType::I32)?;
-    let (state, counts, prompt) = logits::decode_state(&s.state, &state_rows, &s.input_ids)?;
     let vocab = w.vocab_slice()?;
-    let next = match spec.sampler {
-        Sampler::Full => sample_rows(&b, &logits, &vocab, &s.positions, &counts, &prompt)?,
-        Sampler::Greedy => vocab.argmax(&logits)?,
+    let (next, state) = match spec.sampler {
+        Sampler::Full => {
+            let (state, counts, prompt) =
+                logits::decode_state(&s.state, &state_rows, &s.input_ids)?;
+            let next = sample_rows(&b, &logits, &vocab, &s.positions, &counts, &prompt)?;
+            (next, state)
+        }
+        // No row of a greedy step has a penalty, now or later (a request's parameters are
+        // fixed and a step with one penalised row samples in full), so no row's token counts
+        // are ever read: the state root goes out as it came in. Updating it cost a few
+        // vocabulary-wide ops a step (benches/README.md, "Step overhead outside the matmuls").
+        Sampler::Greedy => (vocab.argmax(&logits)?, s.state.clone()),
     };
     b.output("next_tokens", &next)?;
     if spec.logits != LogitsOutput::None {
