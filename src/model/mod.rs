@@ -212,8 +212,9 @@ pub enum Sampler {
     Full,
     /// Every row greedy with no logit controls: a plain argmax of the logits, which is what
     /// [`Sampler::Full`] computes for such rows (the controls are then identities), without its
-    /// vocabulary-wide filters and draw. The sampling-state root is updated all the same. The
-    /// CPU runner builds it for steps where it applies (one more graph per bucket costs a
+    /// vocabulary-wide filters and draw, and without updating the rows' token counts in the
+    /// sampling-state root (no such row is ever penalised, see [`build_decode`]). The CPU
+    /// runner builds it for steps where it applies (one more graph per bucket costs a
     /// NeuronCore a NEFF, a CPU nothing).
     Greedy,
 }
@@ -594,8 +595,10 @@ pub fn build_decode(
         }
         // No row of a greedy step has a penalty, now or later (a request's parameters are
         // fixed and a step with one penalised row samples in full), so no row's token counts
-        // are ever read: the state root goes out as it came in. Updating it cost a few
-        // vocabulary-wide ops a step (benches/README.md, "Step overhead outside the matmuls").
+        // are ever read: the state root goes out as it came in. A penalised request that later
+        // takes the row starts it afresh (its prompt is prefilled from position 0: penalised
+        // sequences are never prefix-cached). Updating it cost a few vocabulary-wide ops a
+        // step (benches/README.md, "Step overhead outside the matmuls").
         Sampler::Greedy => (vocab.argmax(&logits)?, s.state.clone()),
     };
     b.output("next_tokens", &next)?;
