@@ -615,3 +615,17 @@ fn follow_refuses_what_cannot_follow() {
     ]);
     assert_clean_error(&out, "cannot listen on nowhere");
 }
+
+/// `serve --fair-decode-slowdown` below 1 (a step cheaper than one row per request) or not a
+/// number is refused by name before anything is loaded.
+#[test]
+fn a_fair_decode_slowdown_below_one_is_refused() {
+    for bad in ["0.5", "nan", "fast"] {
+        let out = deepinfer(&["serve", "--fair-decode-slowdown", bad]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{bad}: {err}");
+        assert!(err.contains("--fair-decode-slowdown"), "{bad}: {err}");
+        assert!(err.contains("at least 1"), "{bad}: {err}");
+        assert!(!err.contains("panicked"), "{err}");
+    }
+}

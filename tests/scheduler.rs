@@ -6,6 +6,7 @@ mod common;
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::Duration;
 
 use common::fixture_dir;
 use deepinfer::config::ModelConfig;
@@ -698,11 +699,13 @@ fn consecutive_failed_steps_are_reported_until_a_step_succeeds() {
 }
 
 /// A runner that records how many chunks each prefill step packed, and each step's tokens
-/// (decode: its rows; prefill: `0` then the chunks' tokens, so a prefill is told apart).
+/// (decode: its rows; prefill: `0` then the chunks' tokens, so a prefill is told apart), and
+/// reports decode costs from `cost` when given (else none, as a device runner).
 struct Recording<R> {
     inner: R,
     prefill_chunks: Vec<usize>,
     steps: Vec<(bool, usize)>,
+    cost: Option<fn(usize) -> Duration>,
 }
 
 impl<R: Runner> Runner for Recording<R> {
@@ -732,6 +735,9 @@ impl<R: Runner> Runner for Recording<R> {
     fn destroy(&mut self) -> deepinfer::Result<()> {
         self.inner.destroy()
     }
+    fn decode_cost(&self, rows: usize) -> Option<Duration> {
+        self.cost.map(|cost| cost(rows))
+    }
 }
 
 fn recording_tiny_v3(rc: RunnerConfig) -> Scheduler<Recording<Box<dyn Runner>>> {
@@ -741,6 +747,7 @@ fn recording_tiny_v3(rc: RunnerConfig) -> Scheduler<Recording<Box<dyn Runner>>> 
         inner,
         prefill_chunks: Vec::new(),
         steps: Vec::new(),
+        cost: None,
     };
     Scheduler::new(runner, None, Vec::new()).unwrap()
 }
@@ -988,6 +995,65 @@ fn fair_decoding_gives_each_request_an_equal_share_of_a_step() {
             assert_eq!(
                 results[&id].tokens, reference.generated_token_ids,
                 "choice {id}, fair: {fair}"
+            );
+        }
+        assert_eq!(results[&100].tokens.len(), 6);
+        assert_eq!(s.blocks_in_use(), 0);
+    }
+}
+
+/// A decode step's cost on a CPU-like runner: 1 ms and 1 ms a row.
+fn linear_cost(rows: usize) -> Duration {
+    Duration::from_millis(1 + rows as u64)
+}
+
+/// With fair decoding and a runner that reports its decode costs, while a later request runs
+/// beside sixteen choices of one request, no decode step costs more than twice a step of one
+/// row per request (2 x 3 ms: at most 5 rows), where the equal share alone would allow 9; the
+/// choices that sit steps out hold back the prefill of the choice preempted for the later
+/// request (it would only sit out too); and every choice still continues exactly as
+/// transformers did. A slowdown below 1 is refused.
+#[test]
+fn fair_decoding_bounds_a_step_by_its_cost_and_holds_back_prefill() {
+    let reference = common::reference("tiny-v3").greedy;
+    let n = reference.generated_token_ids.len();
+    for cost in [Some(linear_cost as fn(usize) -> Duration), None] {
+        let mut s = recording_tiny_v3(RunnerConfig::for_limits(16, 64));
+        s.runner_mut().cost = cost;
+        s.set_fair_decode(true);
+        assert!(s.set_fair_decode_slowdown(0.5).is_err());
+        assert!(s.set_fair_decode_slowdown(f64::NAN).is_err());
+        s.set_fair_decode_slowdown(2.0).unwrap();
+        add_choices(&mut s, 16, &reference.prompt_token_ids, n);
+        let mut results = HashMap::new();
+        for _ in 0..32 {
+            collect(s.step(), &mut results);
+            if s.runner().steps.last() == Some(&(false, 16)) {
+                break;
+            }
+        }
+        assert_eq!(s.runner().steps.last(), Some(&(false, 16)), "{cost:?}");
+        let alone = s.runner().steps.len();
+        s.add(100, reference.prompt_token_ids[..4].to_vec(), greedy(6))
+            .unwrap();
+        while results.get(&100).is_none_or(|r| r.finish.is_none()) {
+            collect(s.step(), &mut results);
+        }
+        let during = &s.runner().steps[alone..];
+        let decode_rows: Vec<usize> = during.iter().filter(|s| !s.0).map(|s| s.1).collect();
+        // Request 100's own prompt is the one prefill while it runs.
+        let prefills: Vec<usize> = during.iter().filter(|s| s.0).map(|s| s.1).collect();
+        assert_eq!(prefills, [4], "{cost:?}: {during:?}");
+        assert!(decode_rows.len() >= 5, "{decode_rows:?}");
+        match cost {
+            Some(_) => assert!(decode_rows.iter().all(|&r| r <= 5), "{decode_rows:?}"),
+            None => assert!(decode_rows.contains(&9), "{decode_rows:?}"),
+        }
+        run_to_end(&mut s, &mut results);
+        for id in 0..16u64 {
+            assert_eq!(
+                results[&id].tokens, reference.generated_token_ids,
+                "choice {id}"
             );
         }
         assert_eq!(results[&100].tokens.len(), 6);

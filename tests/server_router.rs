@@ -149,6 +149,7 @@ fn start(limits: Limits, max_waiting: usize, api_key: Option<&str>) -> Server {
             max_num_batched_tokens: None,
             prefix_caching: true,
             fair_decode: false,
+            fair_decode_slowdown: deepinfer::engine::DEFAULT_FAIR_DECODE_SLOWDOWN,
             eos_token_ids: tokenizer.eos_token_id().into_iter().collect(),
             log_stats_every: None,
         },

@@ -19,7 +19,9 @@ mod thread;
 
 pub use blocks::BlockAllocator;
 pub use params::{FinishReason, GenerationParams};
-pub use scheduler::{Event, Output, RequestId, Scheduler, TokenEvent, TokenLogprobs};
+pub use scheduler::{
+    Event, Output, RequestId, Scheduler, TokenEvent, TokenLogprobs, DEFAULT_FAIR_DECODE_SLOWDOWN,
+};
 pub use single::{generate, score, StopConditions};
 pub use thread::{
     Engine, EngineInfo, EngineOptions, RequestStream, SubmitError, DEFAULT_STALL_TIMEOUT,

@@ -37,6 +37,15 @@
 //!   a request with many choices would otherwise slow every other request's tokens by as
 //!   much; the price is its own throughput while others run. On a NeuronCore a decode step
 //!   reads the weights once whatever its rows, so there the rows are better all taken.
+//! - An equal share of 32 slots is still 16 rows beside one other request's one. Where the
+//!   runner reports what its steps cost ([`Runner::decode_cost`]: the CPU runner measures
+//!   them), the step is also bounded by cost: at most [`Scheduler::set_fair_decode_slowdown`]
+//!   times (default 2) the cost of a step of one row per active request, the request with
+//!   the most rows giving rows up first. Another request's tokens then come at about that
+//!   many times their pace alone, whatever the model and machine.
+//! - While some of a request's decoding sequences sit a step out, its sequences still to
+//!   prefill (choices admitted as slots free up, or preempted ones to recompute) wait: they
+//!   would only sit out too, and their prefill would go into the other requests' steps.
 //! - Prefill alternates the order in which sequences get their chunks: on even steps the
 //!   shortest remaining prompt first (a short prompt behind long ones finishes its prefill in
 //!   one or two steps), on odd steps the oldest first (a long prompt advances at least every
@@ -72,6 +81,12 @@ use super::blocks::{BlockAllocator, PrefixCacheStats};
 use super::detokenize::{IncrementalDecoder, StopStrings};
 use super::grammar::{advance_all, fill_masks, Advance, Constraint};
 use super::params::{FinishReason, GenerationParams};
+
+/// The default of [`Scheduler::set_fair_decode_slowdown`]: while other requests run, a step
+/// may cost twice a step of one row per request. On the default model a short request then
+/// keeps within about 3x its idle latency beside a 64-choice one (benches/README.md,
+/// "Fair decoding by cost").
+pub const DEFAULT_FAIR_DECODE_SLOWDOWN: f64 = 2.0;
 
 /// Identifies a request inside the engine.
 pub type RequestId = u64;
@@ -290,6 +305,12 @@ pub struct Scheduler<R: Runner> {
     /// Whether a decode step takes at most an equal share of its rows from each active
     /// request (see the module docs, "Fairness").
     fair_decode: bool,
+    /// With fair decoding, how many times the cost of a step of one row per active request a
+    /// step may cost (see [`Scheduler::set_fair_decode_slowdown`]).
+    fair_slowdown: f64,
+    /// With fair decoding, the groups some of whose decoding sequences sat the last decode
+    /// step out: their sequences still to prefill wait (see the module docs, "Fairness").
+    held_back: Vec<u64>,
     /// Tokens one iteration may feed, decode rows and prefill tokens together.
     token_budget: usize,
     /// Iterations so far: their parity picks the prefill order (see the module docs).
@@ -325,6 +346,8 @@ impl<R: Runner> Scheduler<R> {
             eos_token_ids,
             max_running,
             fair_decode: false,
+            fair_slowdown: DEFAULT_FAIR_DECODE_SLOWDOWN,
+            held_back: Vec::new(),
             token_budget: usize::MAX,
             iterations: 0,
             steps_run: 0,
@@ -393,6 +416,22 @@ impl<R: Runner> Scheduler<R> {
     /// it changes no sequence's tokens, only when they come.
     pub fn set_fair_decode(&mut self, on: bool) {
         self.fair_decode = on;
+    }
+
+    /// With fair decoding, while several requests are active, a decode step may cost at most
+    /// `factor` times a step of one row per active request, by the runner's
+    /// [`Runner::decode_cost`] (where it reports none, only the equal share applies); the
+    /// request with the most rows gives rows up first. This bounds how much a request with
+    /// many choices slows the others' tokens: about `factor` times their pace alone. Default
+    /// [`DEFAULT_FAIR_DECODE_SLOWDOWN`]; `factor` must be at least 1.
+    pub fn set_fair_decode_slowdown(&mut self, factor: f64) -> Result<()> {
+        if !(factor.is_finite() && factor >= 1.0) {
+            return Err(Error::InvalidInput(format!(
+                "the fair decoding slowdown must be a number of at least 1, not {factor}"
+            )));
+        }
+        self.fair_slowdown = factor;
+        Ok(())
     }
 
     /// The runner.
@@ -698,6 +737,12 @@ impl<R: Runner> Scheduler<R> {
     /// step fed.
     fn decode_step(&mut self, out: &mut Vec<Output>, skip: &dyn Fn(RequestId) -> bool) -> usize {
         let sitting_out = self.beyond_fair_share(skip);
+        self.held_back.clear();
+        for seq in self.running.iter().filter(|s| sitting_out.contains(&s.id)) {
+            if !self.held_back.contains(&group_of(seq)) {
+                self.held_back.push(group_of(seq));
+            }
+        }
         let idle = |s: &Sequence| skip(s.id) || sitting_out.contains(&s.id);
         // Room for one more slot each, preempting from the newest until it fits.
         loop {
@@ -793,7 +838,9 @@ impl<R: Runner> Scheduler<R> {
 
     /// With fair decoding, the decoding sequences (not skipped) that sit this step out: those
     /// of a request beyond its equal share of the slots (divided among the groups running or
-    /// waiting, rounded up), the most recently decoded first. Empty with one active request.
+    /// waiting, rounded up), and then beyond what keeps the step within its cost bound
+    /// ([`Scheduler::rows_within_cost`]), the most recently decoded first. Empty with one
+    /// active request.
     fn beyond_fair_share(&self, skip: &dyn Fn(RequestId) -> bool) -> Vec<RequestId> {
         if !self.fair_decode {
             return Vec::new();
@@ -818,15 +865,42 @@ impl<R: Runner> Scheduler<R> {
             return Vec::new();
         }
         let share = self.max_running.div_ceil(groups.len());
+        let mut keep: Vec<usize> = groups.iter().map(|(_, s)| s.len().min(share)).collect();
+        self.rows_within_cost(&mut keep);
         let mut out = Vec::new();
-        for (_, mut seqs) in groups {
-            if seqs.len() > share {
+        for ((_, mut seqs), keep) in groups.into_iter().zip(keep) {
+            if seqs.len() > keep {
                 // Stable: among equally recent rows, the earlier admitted goes first.
                 seqs.sort_by_key(|s| s.last_decoded);
-                out.extend(seqs[share..].iter().map(|s| s.id));
+                out.extend(seqs[keep..].iter().map(|s| s.id));
             }
         }
         out
+    }
+
+    /// Lowers the rows each group decodes (`keep`, by group) until the step's expected cost
+    /// is within [`Scheduler::set_fair_decode_slowdown`]'s factor of a step of one row per
+    /// active group (decoding or not yet), one row at a time from the group with the most (the
+    /// later one of equals), never below one. Leaves `keep` alone where the runner reports no
+    /// costs.
+    fn rows_within_cost(&self, keep: &mut [usize]) {
+        let cost = |rows: usize| self.runner.decode_cost(rows);
+        let Some(bound) = cost(keep.len()).map(|c| c.mul_f64(self.fair_slowdown)) else {
+            return;
+        };
+        loop {
+            let rows: usize = keep.iter().sum();
+            if cost(rows).is_none_or(|c| c <= bound) {
+                return;
+            }
+            let Some(most) = keep.iter_mut().max_by_key(|k| **k) else {
+                return;
+            };
+            if *most <= 1 {
+                return;
+            }
+            *most -= 1;
+        }
     }
 
     /// Chooses this step's prefill chunks, admitting waiting sequences first: (index into
@@ -838,8 +912,12 @@ impl<R: Runner> Scheduler<R> {
     ) -> Vec<(usize, usize)> {
         while self.admit() {}
         let buckets = &self.runner.runner_config().buckets;
+        let held_back = |seq: &Sequence| self.held_back.contains(&group_of(seq));
         let mut order: Vec<usize> = (0..self.running.len())
-            .filter(|&i| self.running[i].phase == Phase::Prefill && !skip(self.running[i].id))
+            .filter(|&i| {
+                let seq = &self.running[i];
+                seq.phase == Phase::Prefill && !skip(seq.id) && !held_back(seq)
+            })
             .collect();
         if self.iterations.is_multiple_of(2) {
             // Stable: among equals, the oldest first.

@@ -105,6 +105,9 @@ pub struct EngineOptions {
     /// Give each active request at most an equal share of a decode step's rows (see
     /// [`Scheduler::set_fair_decode`]); for backends whose step cost grows with its rows.
     pub fair_decode: bool,
+    /// With fair decoding, how many times a step of one row per active request a step may
+    /// cost (see [`Scheduler::set_fair_decode_slowdown`]).
+    pub fair_decode_slowdown: f64,
     /// End-of-sequence tokens (unless a request ignores them).
     pub eos_token_ids: Vec<u32>,
     /// Print a line of throughput and occupancy to stderr this often while there is work
@@ -396,6 +399,7 @@ impl Engine {
         let token_budget = options.max_num_batched_tokens;
         let prefix_caching = options.prefix_caching;
         let fair_decode = options.fair_decode;
+        let fair_slowdown = options.fair_decode_slowdown;
         let thread = std::thread::Builder::new()
             .name("deepinfer-engine".into())
             .spawn(move || {
@@ -419,6 +423,7 @@ impl Engine {
                     }
                     s.set_prefix_caching(prefix_caching)?;
                     s.set_fair_decode(fair_decode);
+                    s.set_fair_decode_slowdown(fair_slowdown)?;
                     Ok(s)
                 });
                 let mut scheduler = match scheduler {

@@ -21,6 +21,7 @@
 
 use std::collections::HashMap;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor as CTensor};
 
@@ -33,7 +34,7 @@ use crate::model::{
 };
 
 use super::step::{self, HostArray, HostData};
-use super::{Backend, Buckets, Runner, RunnerConfig, Step, StepKind, StepOutput};
+use super::{Backend, Buckets, DecodeCosts, Runner, RunnerConfig, Step, StepKind, StepOutput};
 
 /// The CPU graph runner for one model.
 pub struct CpuRunner {
@@ -50,6 +51,8 @@ pub struct CpuRunner {
     steps: u64,
     runner_cfg: RunnerConfig,
     graphs: GraphCache,
+    /// Decode steps' times by row count, for the scheduler's fair decoding.
+    decode_costs: DecodeCosts,
 }
 
 /// What a CPU graph is built for: kind, rows, sequences, context, logits, sampler.
@@ -168,6 +171,7 @@ impl CpuRunner {
             steps: 0,
             runner_cfg,
             graphs: GraphCache::new(CACHED_GRAPHS),
+            decode_costs: DecodeCosts::default(),
         })
     }
 
@@ -397,7 +401,11 @@ impl Runner for CpuRunner {
                 };
                 let graph = self.graph(StepKind::Decode, batch, batch, ctx, want, sampler)?;
                 let meta = step::decode_step(rows, batch, ctx, block_size, vocab)?;
-                self.execute(&graph, &meta, rows.len(), rows.len())
+                // Timed without the graph's building, which a new shape pays once.
+                let started = Instant::now();
+                let out = self.execute(&graph, &meta, rows.len(), rows.len())?;
+                self.decode_costs.record(rows.len(), started.elapsed());
+                Ok(out)
             }
         }
     }
@@ -405,6 +413,10 @@ impl Runner for CpuRunner {
     fn destroy(&mut self) -> Result<()> {
         self.graphs.clear();
         Ok(())
+    }
+
+    fn decode_cost(&self, rows: usize) -> Option<Duration> {
+        self.decode_costs.estimate(rows)
     }
 }
 

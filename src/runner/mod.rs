@@ -42,6 +42,7 @@
 pub mod binding;
 mod buckets;
 mod cpu;
+mod decode_costs;
 pub mod device;
 pub mod instances;
 mod open;
@@ -53,6 +54,7 @@ use crate::model::LogitsOutput;
 
 pub use buckets::{Buckets, RunnerConfig, CTX_BUCKET_RATIO, DEFAULT_PREFILL_SEQS, MIN_CTX_BUCKET};
 pub use cpu::CpuRunner;
+pub use decode_costs::DecodeCosts;
 pub use device::{CaptureStats, DeviceOptions, DeviceRunner, MetadataSource, NeffSource};
 pub use open::{
     choose_backend, device_plan, find_sim_library, open, open_with_weights, sim_compiler,
@@ -174,6 +176,12 @@ pub trait Runner {
     fn replay(&mut self, step: &Step<'_>) -> Result<StepOutput>;
     /// Releases every graph and device tensor; [`Runner::capture`] works again afterwards.
     fn destroy(&mut self) -> Result<()>;
+    /// What a decode step of `rows` rows is expected to cost, where that grows with the rows
+    /// and the runner has measured it (the CPU runner; see [`DecodeCosts`]); `None` otherwise.
+    /// The scheduler's fair decoding bounds how much one request's rows slow a step by it.
+    fn decode_cost(&self, _rows: usize) -> Option<std::time::Duration> {
+        None
+    }
 }
 
 impl<R: Runner + ?Sized> Runner for Box<R> {
@@ -194,5 +202,8 @@ impl<R: Runner + ?Sized> Runner for Box<R> {
     }
     fn destroy(&mut self) -> Result<()> {
         (**self).destroy()
+    }
+    fn decode_cost(&self, rows: usize) -> Option<std::time::Duration> {
+        (**self).decode_cost(rows)
     }
 }

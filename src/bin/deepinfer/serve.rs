@@ -80,6 +80,13 @@ pub(crate) struct ServeArgs {
     /// its rows. `auto`: on for the CPU backend, off on a device.
     #[arg(long, value_enum, default_value_t = FairDecode::Auto)]
     fair_decode: FairDecode,
+    /// With fair decoding, while several requests are active a decode step may cost at most
+    /// this many times a step of one row per request (as the CPU runner measured its steps);
+    /// the request with the most rows gives rows up first. Bounds how much a request with many
+    /// choices slows the others' tokens; larger favours its throughput. At least 1.
+    #[arg(long, default_value_t = deepinfer::engine::DEFAULT_FAIR_DECODE_SLOWDOWN,
+          value_parser = parse_slowdown)]
+    fair_decode_slowdown: f64,
     /// Requests that may wait for a batch slot before new ones get 429 (with Retry-After);
     /// free batch slots come on top, so an idle server accepts --max-batch + --max-waiting at
     /// once, and 0 accepts a request only when a slot is free.
@@ -120,6 +127,14 @@ pub(crate) struct ServeArgs {
     #[arg(long, default_value_t = deepinfer::engine::DEFAULT_STALL_TIMEOUT.as_secs(),
           value_parser = clap::value_parser!(u64).range(1..))]
     stall_timeout_secs: u64,
+}
+
+/// `--fair-decode-slowdown`: a finite number of at least 1.
+fn parse_slowdown(s: &str) -> std::result::Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(f) if f.is_finite() && f >= 1.0 => Ok(f),
+        _ => Err(format!("expected a number of at least 1, got {s:?}")),
+    }
 }
 
 /// `--fair-decode`'s values.
@@ -215,6 +230,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
                 FairDecode::On => true,
                 FairDecode::Off => false,
             },
+            fair_decode_slowdown: args.fair_decode_slowdown,
             eos_token_ids: eos,
             log_stats_every: (args.log_stats_secs > 0)
                 .then(|| Duration::from_secs(args.log_stats_secs)),
