@@ -83,9 +83,9 @@ use super::grammar::{advance_all, fill_masks, Advance, Constraint};
 use super::params::{FinishReason, GenerationParams};
 
 /// The default of [`Scheduler::set_fair_decode_slowdown`]: while other requests run, a step
-/// may cost twice a step of one row per request. On the default model a short request then
-/// keeps within about 3x its idle latency beside a 64-choice one (benches/README.md,
-/// "Fair decoding by cost").
+/// may cost twice a step of one row per request. On the default model a short request beside
+/// a 64-choice one then takes about 2 to 3 times its idle latency at the median
+/// (benches/README.md, "Fair decoding by cost").
 pub const DEFAULT_FAIR_DECODE_SLOWDOWN: f64 = 2.0;
 
 /// Identifies a request inside the engine.
