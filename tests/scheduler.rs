@@ -990,16 +990,27 @@ fn fair_decoding_gives_each_request_an_equal_share_of_a_step() {
         } else {
             assert!(decode_rows.contains(&8), "{decode_rows:?}");
         }
-        run_to_end(&mut s, &mut results);
-        for id in 0..8u64 {
-            assert_eq!(
-                results[&id].tokens, reference.generated_token_ids,
-                "choice {id}, fair: {fair}"
-            );
-        }
-        assert_eq!(results[&100].tokens.len(), 6);
-        assert_eq!(s.blocks_in_use(), 0);
+        let want = &reference.generated_token_ids;
+        finish_beside_request_100(&mut s, &mut results, 8, want, &format!("fair: {fair}"));
     }
+}
+
+/// Runs `s` to the end, then checks that choices `0..choices` each generated `want` (what
+/// transformers did), that request 100 got its 6 tokens, and that every block came back;
+/// `case` names the variant in a failure.
+fn finish_beside_request_100<R: Runner>(
+    s: &mut Scheduler<R>,
+    results: &mut HashMap<RequestId, Result>,
+    choices: u64,
+    want: &[u32],
+    case: &str,
+) {
+    run_to_end(s, results);
+    for id in 0..choices {
+        assert_eq!(results[&id].tokens, want, "choice {id}, {case}");
+    }
+    assert_eq!(results[&100].tokens.len(), 6);
+    assert_eq!(s.blocks_in_use(), 0);
 }
 
 /// A decode step's cost on a CPU-like runner: 1 ms and 1 ms a row.
@@ -1049,14 +1060,7 @@ fn fair_decoding_bounds_a_step_by_its_cost_and_holds_back_prefill() {
             Some(_) => assert!(decode_rows.iter().all(|&r| r <= 5), "{decode_rows:?}"),
             None => assert!(decode_rows.contains(&9), "{decode_rows:?}"),
         }
-        run_to_end(&mut s, &mut results);
-        for id in 0..16u64 {
-            assert_eq!(
-                results[&id].tokens, reference.generated_token_ids,
-                "choice {id}"
-            );
-        }
-        assert_eq!(results[&100].tokens.len(), 6);
-        assert_eq!(s.blocks_in_use(), 0);
+        let want = &reference.generated_token_ids;
+        finish_beside_request_100(&mut s, &mut results, 16, want, &format!("{cost:?}"));
     }
 }
