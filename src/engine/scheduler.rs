@@ -736,13 +736,8 @@ impl<R: Runner> Scheduler<R> {
     /// Decodes one token for every decoding sequence not skipped; returns how many rows the
     /// step fed.
     fn decode_step(&mut self, out: &mut Vec<Output>, skip: &dyn Fn(RequestId) -> bool) -> usize {
-        let sitting_out = self.beyond_fair_share(skip);
-        self.held_back.clear();
-        for seq in self.running.iter().filter(|s| sitting_out.contains(&s.id)) {
-            if !self.held_back.contains(&group_of(seq)) {
-                self.held_back.push(group_of(seq));
-            }
-        }
+        let (sitting_out, held_back) = self.beyond_fair_share(skip);
+        self.held_back = held_back;
         let idle = |s: &Sequence| skip(s.id) || sitting_out.contains(&s.id);
         // Room for one more slot each, preempting from the newest until it fits.
         loop {
@@ -839,11 +834,11 @@ impl<R: Runner> Scheduler<R> {
     /// With fair decoding, the decoding sequences (not skipped) that sit this step out: those
     /// of a request beyond its equal share of the slots (divided among the groups running or
     /// waiting, rounded up), and then beyond what keeps the step within its cost bound
-    /// ([`Scheduler::rows_within_cost`]), the most recently decoded first. Empty with one
-    /// active request.
-    fn beyond_fair_share(&self, skip: &dyn Fn(RequestId) -> bool) -> Vec<RequestId> {
+    /// ([`Scheduler::rows_within_cost`]), the most recently decoded first; and the groups they
+    /// belong to. Both empty with one active request.
+    fn beyond_fair_share(&self, skip: &dyn Fn(RequestId) -> bool) -> (Vec<RequestId>, Vec<u64>) {
         if !self.fair_decode {
-            return Vec::new();
+            return (Vec::new(), Vec::new());
         }
         // Each active group and its decoding sequences, in admission order.
         let mut groups: Vec<(u64, Vec<&Sequence>)> = Vec::new();
@@ -862,20 +857,21 @@ impl<R: Runner> Scheduler<R> {
             }
         }
         if groups.len() < 2 {
-            return Vec::new();
+            return (Vec::new(), Vec::new());
         }
         let share = self.max_running.div_ceil(groups.len());
         let mut keep: Vec<usize> = groups.iter().map(|(_, s)| s.len().min(share)).collect();
         self.rows_within_cost(&mut keep);
-        let mut out = Vec::new();
-        for ((_, mut seqs), keep) in groups.into_iter().zip(keep) {
+        let (mut out, mut held) = (Vec::new(), Vec::new());
+        for ((group, mut seqs), keep) in groups.into_iter().zip(keep) {
             if seqs.len() > keep {
                 // Stable: among equally recent rows, the earlier admitted goes first.
                 seqs.sort_by_key(|s| s.last_decoded);
                 out.extend(seqs[keep..].iter().map(|s| s.id));
+                held.push(group);
             }
         }
-        out
+        (out, held)
     }
 
     /// Lowers the rows each group decodes (`keep`, by group) until the step's expected cost

@@ -26,9 +26,6 @@ const NEW_STEP_WEIGHT: f64 = 0.25;
 /// At most how many times the expected time a step's time counts as (see the module docs).
 const OUTLIER_CAP: f64 = 2.0;
 
-/// A measured row count and its average step time in seconds.
-type Measured = (usize, f64);
-
 /// Moving averages of decode step times, by row count.
 #[derive(Debug, Default, Clone)]
 pub struct DecodeCosts {
@@ -45,9 +42,11 @@ impl DecodeCosts {
         if self.seconds.len() <= rows {
             self.seconds.resize(rows + 1, None);
         }
-        let cap = self
-            .between(rows)
-            .map_or(f64::INFINITY, |s| s * OUTLIER_CAP);
+        // Only a count measured or between measured counts has an expectation to cap by.
+        let cap = match self.expected(rows) {
+            Some((seconds, true)) => seconds * OUTLIER_CAP,
+            _ => f64::INFINITY,
+        };
         let now = took.as_secs_f64().min(cap);
         let slot = &mut self.seconds[rows];
         *slot = Some(match *slot {
@@ -59,34 +58,29 @@ impl DecodeCosts {
     /// The expected time of a decode step of `rows` rows (see the module docs for counts never
     /// run); `None` before any step has been measured.
     pub fn estimate(&self, rows: usize) -> Option<Duration> {
-        let seconds = match self.neighbours(rows) {
-            (Some((lo, a)), Some((hi, b))) if hi > lo => {
-                a + (b - a) * (rows - lo) as f64 / (hi - lo) as f64
-            }
-            (Some((_, a)), _) => a,
-            (None, Some((hi, b))) => b * rows as f64 / hi as f64,
-            (None, None) => return None,
-        };
-        Some(Duration::from_secs_f64(seconds.max(0.0)))
+        self.expected(rows)
+            .map(|(seconds, _)| Duration::from_secs_f64(seconds.max(0.0)))
     }
 
-    /// Seconds: `rows`' own average, or the line between the measured counts around it;
-    /// `None` where it has measured counts on one side only.
-    fn between(&self, rows: usize) -> Option<f64> {
-        match self.neighbours(rows) {
-            (Some(_), Some(_)) => self.estimate(rows).map(|d| d.as_secs_f64()),
-            _ => None,
-        }
-    }
-
-    /// The nearest measured counts at or below `rows` and at or above it, with their averages.
-    fn neighbours(&self, rows: usize) -> (Option<Measured>, Option<Measured>) {
+    /// The expected seconds of `rows` rows, and whether measured counts lie on both sides of
+    /// it (its own average, or the line between its nearest measured neighbours) rather than
+    /// on one side only (extrapolated).
+    fn expected(&self, rows: usize) -> Option<(f64, bool)> {
         let measured = |r: usize| self.seconds.get(r).copied().flatten().map(|s| (r, s));
         let below = (1..=rows.min(self.seconds.len().saturating_sub(1)))
             .rev()
             .find_map(measured);
         let above = (rows.max(1)..self.seconds.len()).find_map(measured);
-        (below, above)
+        match (below, above) {
+            (Some((lo, a)), Some((hi, b))) if hi > lo => {
+                Some((a + (b - a) * (rows - lo) as f64 / (hi - lo) as f64, true))
+            }
+            // `rows` itself measured.
+            (Some((_, a)), Some(_)) => Some((a, true)),
+            (Some((_, a)), None) => Some((a, false)),
+            (None, Some((hi, b))) => Some((b * rows as f64 / hi as f64, false)),
+            (None, None) => None,
+        }
     }
 }
 
