@@ -342,7 +342,7 @@ fn write_step(
                     })?
                     .1
                     .copy()?,
-                InputRole::Metadata => {
+                InputRole::Metadata | InputRole::Carried => {
                     let a = metadata.iter().find(|a| a.name == d.name).ok_or_else(|| {
                         Error::Binding {
                             name: d.name.clone(),
@@ -757,6 +757,7 @@ pub fn check_neuron(
         let g = match kind {
             StepKind::Decode => model::build_decode(cfg, &specs, &layout, &spec)?,
             StepKind::Prefill => model::build_prefill(cfg, &specs, &layout, &spec)?,
+            StepKind::Sample => model::build_sample(cfg, &specs, &layout, rows)?,
         };
         graphs.push(check_module(&hlo::emit::emit(&g)?, opts));
     }

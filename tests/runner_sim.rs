@@ -20,8 +20,8 @@ use deepinfer::graph::DType;
 use deepinfer::model::{LogitsOutput, ModelWeights, Precision};
 use deepinfer::runner::step::{DecodeRow, LogitControls, PrefillChunk, SamplingParams};
 use deepinfer::runner::{
-    self, Backend, Buckets, DeviceOptions, DeviceRunner, MetadataSource, NeffSource, Runner,
-    RunnerConfig, Step, StepOutput,
+    self, Backend, Buckets, DeviceOptions, DeviceRunner, LateMasks, MetadataSource, NeffSource,
+    Runner, RunnerConfig, Step, StepOutput,
 };
 use deepinfer::weights::Checkpoint;
 use neuron_sys::Library;
@@ -1179,4 +1179,211 @@ fn packed_prefill_on_nrt_sim_matches_transformers() {
     let want: Vec<Vec<f32>> = (5..n).map(|p| r.logits[p].clone()).collect();
     let worst = common::max_abs_diff_rows(out.logits.as_ref().unwrap(), &want);
     assert!(worst < 1e-4, "unpacked after packed: {worst}");
+}
+
+/// Tokens, logits and the thread each step's late masks were computed on, for
+/// [`late_mask_steps`].
+type LateTrace = Vec<(StepOutput, std::thread::ThreadId)>;
+
+/// The allowed-token mask of the tokens `t` with `t % 3 == phase`.
+fn every_third(vocab: usize, phase: usize) -> Vec<u32> {
+    (0..vocab.div_ceil(32))
+        .map(|w| {
+            (0..32)
+                .filter(|j| 32 * w + j < vocab && (32 * w + j) % 3 == phase)
+                .fold(0u32, |m, j| m | 1 << j)
+        })
+        .collect()
+}
+
+fn allows(mask: &[u32], token: u32) -> bool {
+    mask[token as usize / 32] >> (token % 32) & 1 == 1
+}
+
+/// `prompt` prefilled, then two decode steps of four rows, each fed `last` (the first step at
+/// the prompt's end, so its logits are the reference's last row): row 0 greedy under late
+/// mask 0, row 1 greedy, row 2 sampled with a bias under late mask 1, row 3 sampled with every
+/// penalty (its token counts live in the sampling-state root, which the second step reads).
+fn late_mask_steps(
+    r: &mut dyn Runner,
+    prompt: &[u32],
+    last: u32,
+    masks: &[Vec<u32>; 2],
+) -> LateTrace {
+    let mut alloc = common::allocator(r);
+    let mut blocks = Vec::new();
+    alloc.grow(&mut blocks, prompt.len() + 2).unwrap();
+    r.prefill(
+        &PrefillChunk {
+            tokens: prompt,
+            start: 0,
+            blocks: &blocks,
+            sampling: SamplingParams::GREEDY,
+            controls: LogitControls::NONE,
+        },
+        LogitsOutput::None,
+    )
+    .unwrap();
+    let sampled = SamplingParams {
+        temperature: 0.9,
+        top_k: 40,
+        top_p: 0.95,
+        seed: 7,
+        ..SamplingParams::GREEDY
+    };
+    let penalised = SamplingParams {
+        temperature: 0.7,
+        seed: 11,
+        presence_penalty: 0.5,
+        frequency_penalty: 0.8,
+        repetition_penalty: 1.3,
+        ..SamplingParams::GREEDY
+    };
+    const BIAS: [(u32, f32); 2] = [(3, 2.0), (5, -1.5)];
+    let mut fed = [last; 4];
+    let mut trace = Vec::new();
+    for step in 0..2 {
+        let position = prompt.len() + step;
+        let row = |i: usize, sampling: SamplingParams, bias: &'static [(u32, f32)]| DecodeRow {
+            token: fed[i],
+            position,
+            blocks: &blocks,
+            sampling,
+            controls: LogitControls {
+                state_row: i as u32 + 1,
+                prompt_len: prompt.len(),
+                bias,
+                allowed: None,
+            },
+        };
+        let rows = [
+            row(0, SamplingParams::GREEDY, &[]),
+            row(1, SamplingParams::GREEDY, &[]),
+            row(2, sampled, &BIAS),
+            row(3, penalised, &[]),
+        ];
+        let mut on = None;
+        let mut fill = |out: &mut [&mut [u32]]| {
+            on = Some(std::thread::current().id());
+            for (o, m) in out.iter_mut().zip(masks) {
+                o.copy_from_slice(m);
+            }
+        };
+        let out = r
+            .replay_with_masks(
+                &rows,
+                LogitsOutput::Sampled,
+                LateMasks {
+                    rows: &[0, 2],
+                    fill: &mut fill,
+                },
+            )
+            .unwrap();
+        fed.copy_from_slice(&out.next_tokens);
+        trace.push((out, on.expect("the masks were filled")));
+    }
+    alloc.release(&mut blocks);
+    trace
+}
+
+/// A split decode step (`DeviceOptions::split_sampler`: the forward pass, then a sampling
+/// graph reading the logits it left on the device) computes its late masks on another thread
+/// while the forward pass runs, and draws what the fused graph and the CPU draw: greedy rows
+/// transformers' argmax (under the mask: the best allowed token), sampled rows within their
+/// masks, penalties counted in the sampling-state root as before.
+#[test]
+fn split_sampling_overlaps_the_masks_and_draws_what_the_fused_graph_draws() {
+    let _g = serial();
+    for name in ["tiny-v3", "tiny-v2-lite"] {
+        let reference = common::reference(name);
+        let (prompt, last) = reference.token_ids.split_at(reference.token_ids.len() - 1);
+        let want = &reference.logits[prompt.len()];
+        let vocab = want.len();
+        let argmax = |allowed: &dyn Fn(usize) -> bool| {
+            (0..vocab)
+                .filter(|&t| allowed(t))
+                .max_by(|&a, &b| want[a].total_cmp(&want[b]))
+                .unwrap() as u32
+        };
+        let best = argmax(&|_| true);
+        // Mask 0 excludes transformers' best token, so the mask decides row 0's token.
+        let masks = [
+            every_third(vocab, (best as usize + 1) % 3),
+            every_third(vocab, best as usize % 3),
+        ];
+        let rc = || {
+            let mut rc = small_config();
+            rc.buckets.batch = vec![1, 4];
+            rc
+        };
+        let split = DeviceOptions {
+            split_sampler: true,
+            ..DeviceOptions::sim()
+        };
+        let split = device_with(name, rc(), &Precision::F32, split);
+        let graphs = split.graph_names();
+        for g in ["decode_logits_b4_c64", "sample_b4", "sample_b1"] {
+            assert!(
+                graphs.iter().any(|n| n == g),
+                "{name}: no {g} in {graphs:?}"
+            );
+        }
+        assert!(
+            !graphs.iter().any(|n| n.starts_with("decode_b")),
+            "{graphs:?}"
+        );
+        let mut runners: Vec<(&str, Box<dyn Runner>)> = vec![
+            ("cpu", cpu(name, rc())),
+            ("fused", Box::new(device(name, rc()))),
+            ("split", Box::new(split)),
+        ];
+        let caller = std::thread::current().id();
+        let mut traces = Vec::new();
+        for (what, r) in &mut runners {
+            let trace = late_mask_steps(r.as_mut(), prompt, last[0], &masks);
+            let (first, on) = &trace[0];
+            let logits = first.logits.as_ref().unwrap();
+            for (i, row) in logits.iter().enumerate() {
+                let d = common::max_abs_diff(row, want);
+                assert!(
+                    d <= 1e-4,
+                    "{name} {what}: row {i}'s logits differ from transformers' by {d}"
+                );
+            }
+            let t = &first.next_tokens;
+            assert_eq!(
+                t[0],
+                argmax(&|t| t % 3 == (best as usize + 1) % 3),
+                "{name} {what}"
+            );
+            assert_ne!(t[0], best, "{name} {what}: the mask was not applied");
+            assert_eq!(t[1], best, "{name} {what}");
+            for (step, (out, _)) in trace.iter().enumerate() {
+                assert!(
+                    allows(&masks[0], out.next_tokens[0]),
+                    "{name} {what} step {step}"
+                );
+                assert!(
+                    allows(&masks[1], out.next_tokens[2]),
+                    "{name} {what} step {step}"
+                );
+            }
+            assert_eq!(
+                *what == "split",
+                *on != caller,
+                "{name} {what}: masks filled on {on:?}"
+            );
+            traces.push(trace);
+        }
+        for (i, (what, _)) in runners.iter().enumerate().skip(1) {
+            for (step, ((a, _), (b, _))) in traces[0].iter().zip(&traces[i]).enumerate() {
+                assert_eq!(a.next_tokens, b.next_tokens, "{name} {what} step {step}");
+                let (p, q) = (a.logits.as_ref().unwrap(), b.logits.as_ref().unwrap());
+                for (u, v) in p.iter().zip(q) {
+                    let d = common::max_abs_diff(u, v);
+                    assert!(d <= 1e-5, "{name} {what} step {step}: logits differ by {d}");
+                }
+            }
+        }
+    }
 }

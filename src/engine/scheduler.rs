@@ -74,7 +74,7 @@ use std::sync::Arc;
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::LogitsOutput;
 use crate::runner::step::{DecodeRow, LogitControls, PrefillChunk, LOGIT_BIAS_SLOTS};
-use crate::runner::{Runner, Step, StepOutput};
+use crate::runner::{LateMasks, Runner, Step, StepOutput};
 use crate::tokenizer::Tokenizer;
 
 use super::blocks::{BlockAllocator, PrefixCacheStats};
@@ -707,6 +707,28 @@ impl<R: Runner> Scheduler<R> {
         fill_masks(&mut masks);
     }
 
+    /// A decode step's [`Scheduler::prepare_controls`], the masks left for later: refreshes
+    /// the biases of the running sequences at `rows` and takes their constraints out for the
+    /// step, with each one's row in the step. Their masks are computed while the step runs
+    /// ([`Runner::replay_with_masks`]); [`Scheduler::return_constraints`] puts them back.
+    fn take_constraints(&mut self, rows: &[usize]) -> Vec<(usize, Constraint)> {
+        let eos = &self.eos_token_ids;
+        let mut late = Vec::new();
+        for (k, &i) in rows.iter().enumerate() {
+            let seq = &mut self.running[i];
+            seq.refresh_bias(eos);
+            late.extend(seq.constraint.take().map(|c| (k, c)));
+        }
+        late
+    }
+
+    /// Puts the constraints [`Scheduler::take_constraints`] took for the step of `rows` back.
+    fn return_constraints(&mut self, rows: &[usize], late: Vec<(usize, Constraint)>) {
+        for (k, c) in late {
+            self.running[rows[k]].constraint = Some(c);
+        }
+    }
+
     /// Advances the constraints of the running sequences at `rows` (sorted indices) by their
     /// `tokens`, all at once ([`advance_all`]); `None` for a row without a constraint, and
     /// rows past the answer's end have none.
@@ -768,7 +790,7 @@ impl<R: Runner> Scheduler<R> {
         if batch.is_empty() {
             return 0;
         }
-        self.prepare_controls(&batch);
+        let mut late = self.take_constraints(&batch);
         let rows: Vec<DecodeRow<'_>> = batch
             .iter()
             .map(|&i| {
@@ -792,11 +814,33 @@ impl<R: Runner> Scheduler<R> {
             LogitsOutput::None
         };
         self.steps_run += 1;
-        let result = self.runner.replay(&Step::Decode {
-            rows: &rows,
-            logits,
-        });
+        let result = match late.is_empty() {
+            true => self.runner.replay(&Step::Decode {
+                rows: &rows,
+                logits,
+            }),
+            false => {
+                let late_rows: Vec<usize> = late.iter().map(|(k, _)| *k).collect();
+                let mut fill = |masks: &mut [&mut [u32]]| {
+                    let mut pairs: Vec<(&mut Constraint, &mut [u32])> = late
+                        .iter_mut()
+                        .map(|(_, c)| c)
+                        .zip(masks.iter_mut().map(|m| &mut **m))
+                        .collect();
+                    fill_masks(&mut pairs);
+                };
+                self.runner.replay_with_masks(
+                    &rows,
+                    logits,
+                    LateMasks {
+                        rows: &late_rows,
+                        fill: &mut fill,
+                    },
+                )
+            }
+        };
         drop(rows);
+        self.return_constraints(&batch, late);
         match self.check_step("decode", result, batch.len()) {
             Ok(StepOutput {
                 next_tokens: tokens,

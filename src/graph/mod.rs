@@ -52,6 +52,10 @@ pub enum InputRole {
     Metadata,
     /// A KV-cache root: allocated once, updated in place through an aliased output.
     CacheRoot,
+    /// A tensor an earlier graph of the same step left on the device (the logits a split
+    /// decode step's forward graph returns, which its sampling graph reads): bound to that
+    /// graph's output buffer, never written by the host.
+    Carried,
 }
 
 impl InputRole {
@@ -61,15 +65,21 @@ impl InputRole {
             InputRole::Weight => "weight",
             InputRole::Metadata => "metadata",
             InputRole::CacheRoot => "cache_root",
+            InputRole::Carried => "carried",
         }
     }
 
     /// The role whose [`InputRole::name`] is `name`: how a dump or an HLO module's role
     /// attribute is read back.
     pub fn from_name(name: &str) -> Option<Self> {
-        [InputRole::Weight, InputRole::Metadata, InputRole::CacheRoot]
-            .into_iter()
-            .find(|r| r.name() == name)
+        [
+            InputRole::Weight,
+            InputRole::Metadata,
+            InputRole::CacheRoot,
+            InputRole::Carried,
+        ]
+        .into_iter()
+        .find(|r| r.name() == name)
     }
 }
 

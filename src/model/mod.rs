@@ -217,7 +217,17 @@ pub enum Sampler {
     /// runner builds it for steps where it applies (one more graph per bucket costs a
     /// NeuronCore a NEFF, a CPU nothing).
     Greedy,
+    /// None: the graph ends at every row's logits (its `logits` output, whatever
+    /// [`GraphSpec::logits`] says) and leaves the rows' token counts alone; [`build_sample`]
+    /// then samples from those logits in a graph of its own, as [`Sampler::Full`] would have.
+    /// A device runner splits its decode steps so the host computes the allowed-token masks
+    /// while the forward pass runs (see `runner::device`, "Split sampling").
+    Deferred,
 }
+
+/// The name of a split decode step's logits: its forward graph's output and its sampling
+/// graph's [`InputRole::Carried`] input, one device buffer.
+pub const STEP_LOGITS: &str = "logits";
 
 fn metadata(b: &GraphBuilder, name: &str, shape: Vec<usize>, dtype: DType) -> Result<Tensor> {
     b.input(name, InputRole::Metadata, shape, dtype)
@@ -576,7 +586,11 @@ pub fn build_decode(
 ) -> Result<Graph> {
     check_spec(spec, cache)?;
     let (rows, ctx) = (spec.rows, spec.ctx);
-    let b = GraphBuilder::new(format!("decode_b{rows}_c{ctx}"));
+    let name = match spec.sampler {
+        Sampler::Deferred => format!("decode_logits_b{rows}_c{ctx}"),
+        _ => format!("decode_b{rows}_c{ctx}"),
+    };
+    let b = GraphBuilder::new(name);
     let w = Weights::new(&b, specs);
     let s = step_inputs(&b, cfg, cache, rows, rows, ctx)?;
     let context_lens = metadata(&b, inputs::CONTEXT_LENS, vec![rows], DType::I32)?;
@@ -584,10 +598,10 @@ pub fn build_decode(
     let visible = j.lt(&context_lens.unsqueeze(1)?)?;
     let (x, new_roots) = s.forward(cfg, &w, &visible, attention::decode, spec.moe)?;
     let logits = lm_logits(cfg, &w, &x)?;
-    let state_rows = metadata(&b, inputs::STATE_ROWS, vec![rows], DType::I32)?;
     let vocab = w.vocab_slice()?;
     let (next, state) = match spec.sampler {
         Sampler::Full => {
+            let state_rows = metadata(&b, inputs::STATE_ROWS, vec![rows], DType::I32)?;
             let (state, counts, prompt) =
                 logits::decode_state(&s.state, &state_rows, &s.input_ids)?;
             let next = sample_rows(&b, &logits, &vocab, &s.positions, &counts, &prompt)?;
@@ -600,12 +614,70 @@ pub fn build_decode(
         // sequences are never prefix-cached). Updating it cost a few vocabulary-wide ops a
         // step (benches/README.md, "Step overhead outside the matmuls").
         Sampler::Greedy => (vocab.argmax(&logits)?, s.state.clone()),
+        Sampler::Deferred => {
+            b.output(STEP_LOGITS, &logits)?;
+            output_roots(&b, &new_roots, &s.roots, (&s.state, &s.state))?;
+            return b.finish();
+        }
     };
     b.output("next_tokens", &next)?;
     if spec.logits != LogitsOutput::None {
-        b.output("logits", &logits)?;
+        b.output(STEP_LOGITS, &logits)?;
     }
     output_roots(&b, &new_roots, &s.roots, (&state, &s.state))?;
+    b.finish()
+}
+
+/// The sampling half of a split decode step of `rows` rows ([`Sampler::Deferred`]): the logit
+/// controls and sampler of [`Sampler::Full`] over the logits the step's forward graph left on
+/// the device ([`STEP_LOGITS`], an [`InputRole::Carried`] input bound to that graph's output),
+/// counting the fed tokens in the sampling-state root as the fused graph does. It reads the
+/// same inputs and runs the same ops on the same logits, so it draws the same tokens.
+pub fn build_sample(
+    cfg: &ModelConfig,
+    specs: &WeightSpecs,
+    cache: &CacheLayout,
+    rows: usize,
+) -> Result<Graph> {
+    let head = ModelWeights::lm_head_name(cfg);
+    let width = match specs.shape(head) {
+        Some(&[width, _]) => width,
+        other => {
+            return Err(Error::shape(
+                "weight",
+                format!("the LM head `{head}` is {other:?}, not a matrix"),
+            ))
+        }
+    };
+    if rows == 0 {
+        return Err(Error::shape("bucket", "a sampling graph of no rows"));
+    }
+    let b = GraphBuilder::new(format!("sample_b{rows}"));
+    let w = Weights::new(&b, specs);
+    let logits = b.input(
+        STEP_LOGITS,
+        InputRole::Carried,
+        vec![rows, width],
+        DType::F32,
+    )?;
+    let input_ids = metadata(&b, inputs::INPUT_IDS, vec![rows], DType::I32)?;
+    let positions = metadata(&b, inputs::POSITIONS, vec![rows], DType::I32)?;
+    let state_rows = metadata(&b, inputs::STATE_ROWS, vec![rows], DType::I32)?;
+    let root = cache_roots(cfg, cache)
+        .into_iter()
+        .find(|r| r.name == logits::STATE_ROOT)
+        .ok_or_else(|| Error::shape("cache", "no sampling-state root"))?;
+    let state = b.input(
+        root.name,
+        InputRole::CacheRoot,
+        root.shape().to_vec(),
+        root.dtype,
+    )?;
+    let (new_state, counts, prompt) = logits::decode_state(&state, &state_rows, &input_ids)?;
+    let vocab = w.vocab_slice()?;
+    let next = sample_rows(&b, &logits, &vocab, &positions, &counts, &prompt)?;
+    b.output("next_tokens", &next)?;
+    b.output_aliased(logits::STATE_ROOT, &new_state, &state)?;
     b.finish()
 }
 

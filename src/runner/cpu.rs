@@ -222,6 +222,9 @@ impl CpuRunner {
         self.graphs.get_or_build(key, || match kind {
             StepKind::Decode => model::build_decode(cfg, specs, layout, &spec),
             StepKind::Prefill => model::build_prefill(cfg, specs, layout, &spec),
+            StepKind::Sample => Err(Error::Internal(
+                "the CPU runner does not split its decode steps".into(),
+            )),
         })
     }
 
@@ -248,7 +251,8 @@ impl CpuRunner {
                         name: decl.name.clone(),
                         msg: "the model keeps no cache root of that name".into(),
                     })?,
-                InputRole::Metadata => metadata
+                // The CPU runner runs no split decode step (it has no device to overlap).
+                InputRole::Metadata | InputRole::Carried => metadata
                     .iter()
                     .find(|(name, _)| *name == decl.name)
                     .map(|(_, t)| t.clone())

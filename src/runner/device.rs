@@ -31,6 +31,22 @@
 //! A runner may run only some of the ranks ([`DeviceOptions::ranks`]): one instance's share of
 //! a model over several. The leader's runner then sends every step to its followers' runners
 //! before executing its own ranks and waits for their answers ([`super::instances`]).
+//!
+//! # Split sampling
+//!
+//! A constrained row's allowed-token mask depends on the token the last step sampled for it,
+//! and computing it walks the vocabulary on the host (`engine::grammar`): at 64 rows of a
+//! 129,280-token vocabulary, milliseconds. With the sampler inside the decode graph, the device
+//! idles while the host computes them. With [`DeviceOptions::split_sampler`], every decode
+//! bucket is captured as two graphs instead: the forward pass, which leaves the logits in the
+//! persistent `logits` output (`model::Sampler::Deferred`), and per batch bucket a small
+//! sampling graph ([`model::build_sample`]) that reads that buffer (an
+//! [`InputRole::Carried`] input, bound to the same device tensor) with the masks and the other
+//! sampling inputs. [`Runner::replay_with_masks`] starts the forward pass, computes the masks
+//! on another thread meanwhile, then writes them and runs the sampler: the masks cost the step
+//! only what they take beyond the forward pass. Tokens are the fused graph's (the sampling
+//! graph runs the same ops on the same logits). The sampling graphs of every context bucket
+//! bind the first context bucket's metadata buffers, which each sampling step writes.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -46,7 +62,7 @@ use super::binding::{bind, NeffBinding};
 use super::instances::{Followers, Setup, StepMessage};
 use super::open::{sim_compiler_config, sim_compiler_config_from_env};
 use super::step::{self, HostArray, HostData};
-use super::{Backend, Buckets, Runner, RunnerConfig, Step, StepKind, StepOutput};
+use super::{Backend, Buckets, LateMasks, Runner, RunnerConfig, Step, StepKind, StepOutput};
 use crate::backend::cpu::{tensor_from_bytes, with_tensor_bytes};
 use crate::backend::hlo::emit;
 use crate::backend::neuron::compile::{compile_all, CompileJob, CompilerConfig};
@@ -103,6 +119,11 @@ pub struct DeviceOptions {
     pub metadata: MetadataSource,
     /// Which of the `tp` ranks this process runs (see [`RankSpan`]); `None`: all of them.
     pub ranks: Option<RankSpan>,
+    /// Split every decode step in two graphs, the forward pass to the logits and the sampler
+    /// (see "Split sampling" in the module docs), so that the allowed-token masks of
+    /// constrained rows are computed on the host while the forward pass runs. Costs a second
+    /// execution per decode step and one small graph per batch bucket.
+    pub split_sampler: bool,
 }
 
 /// The ranks of a tensor-parallel model one process runs: global ranks `first .. first + count`
@@ -164,6 +185,7 @@ impl DeviceOptions {
             nc: 0,
             metadata: MetadataSource::Host,
             ranks: None,
+            split_sampler: false,
         }
     }
 
@@ -174,6 +196,7 @@ impl DeviceOptions {
             nc: 0,
             metadata: MetadataSource::Host,
             ranks: None,
+            split_sampler: false,
         }
     }
 
@@ -184,6 +207,7 @@ impl DeviceOptions {
             nc: 0,
             metadata: MetadataSource::Host,
             ranks: None,
+            split_sampler: false,
         }
     }
 }
@@ -433,6 +457,8 @@ pub struct DeviceRunner {
     stats: Option<CaptureStats>,
     /// Host staging for step metadata, refilled in place each replay (no allocation).
     staging: step::StepArrays,
+    /// Where late masks are computed during a split step's forward pass, kept between steps.
+    mask_scratch: Vec<u32>,
     /// The processes running the other ranks, when this one leads a model over several
     /// instances ([`DeviceRunner::attach_followers`]).
     followers: Option<Followers>,
@@ -550,6 +576,7 @@ impl DeviceRunner {
             state: None,
             stats: None,
             staging: step::StepArrays::default(),
+            mask_scratch: Vec::new(),
             followers: None,
         })
     }
@@ -657,11 +684,28 @@ impl DeviceRunner {
                     ctx,
                     logits: kind.device_logits(),
                     moe: self.moe_for(rows),
-                    sampler: Sampler::Full,
+                    sampler: match kind == StepKind::Decode && self.opts.split_sampler {
+                        true => Sampler::Deferred,
+                        false => Sampler::Full,
+                    },
                 };
                 (kind, spec)
             })
             .collect();
+        if self.opts.split_sampler {
+            let ctx = self.sample_ctx();
+            out.extend(self.runner_cfg.buckets.batch.iter().map(|&rows| {
+                let spec = GraphSpec {
+                    rows,
+                    seqs: rows,
+                    ctx,
+                    logits: LogitsOutput::None,
+                    moe: MoeStrategy::Gather,
+                    sampler: Sampler::Full,
+                };
+                (StepKind::Sample, spec)
+            }));
+        }
         out.sort_by_key(|(k, s)| {
             (
                 std::cmp::Reverse(s.rows * s.ctx),
@@ -671,6 +715,12 @@ impl DeviceRunner {
             )
         });
         out
+    }
+
+    /// The context bucket a sampling graph is keyed by and whose metadata buffers it binds
+    /// (it attends to nothing, so every decode bucket's rows share it).
+    fn sample_ctx(&self) -> usize {
+        self.runner_cfg.buckets.ctx.first().copied().unwrap_or(0)
     }
 
     /// Builds, lowers, compiles and loads every bucket's graph, uploads the weights and
@@ -695,6 +745,9 @@ impl DeviceRunner {
                 }
                 StepKind::Prefill => {
                     model::build_prefill(&self.cfg, &self.specs, &self.layout, spec)?
+                }
+                StepKind::Sample => {
+                    model::build_sample(&self.cfg, &self.specs, &self.layout, spec.rows)?
                 }
             };
             let hlo = emit::to_bytes(&emit::emit(&g)?);
@@ -830,12 +883,26 @@ impl DeviceRunner {
                         name: format!("{kind:?} rows {rows} seqs {seqs} ctx {ctx}"),
                         msg: "no captured graph".into(),
                     })?;
+                // A split decode step's sampling inputs are its sampling graph's.
+                let sample = graphs
+                    .iter()
+                    .find(|(k, s, _)| {
+                        kind == StepKind::Decode && *k == StepKind::Sample && s.rows == rows
+                    })
+                    .map(|(_, _, g)| g);
                 let prefix = match kind {
-                    StepKind::Decode => "decode",
+                    StepKind::Decode | StepKind::Sample => "decode",
                     StepKind::Prefill => "prefill",
                 };
-                let mut bufs = Vec::new();
-                for decl in g.inputs().iter().filter(|d| d.role == InputRole::Metadata) {
+                let mut bufs: Vec<MetaBuf> = Vec::new();
+                let decls = g
+                    .inputs()
+                    .iter()
+                    .chain(sample.iter().flat_map(|g| g.inputs()));
+                for decl in decls.filter(|d| d.role == InputRole::Metadata) {
+                    if bufs.iter().any(|b| b.name == decl.name) {
+                        continue;
+                    }
                     let dims = decl.shape.dims();
                     let lead = dims.first().copied().unwrap_or(1).max(1);
                     let total = dims.iter().product::<usize>() * decl.dtype.size_in_bytes();
@@ -885,7 +952,7 @@ impl DeviceRunner {
                 .position(|&c| c == spec.ctx)
                 .unwrap_or(0);
             let meta = match kind {
-                StepKind::Decode => &decode_meta[ctx_index],
+                StepKind::Decode | StepKind::Sample => &decode_meta[ctx_index],
                 StepKind::Prefill => &prefill_meta[ctx_index],
             };
             let model = match rc.tp {
@@ -915,6 +982,16 @@ impl DeviceRunner {
                             })?
                     }
                     InputRole::CacheRoot => root_named(&decl.name, name)?,
+                    // The logits the step's forward graph left (see "Split sampling").
+                    InputRole::Carried if decl.name == model::STEP_LOGITS => {
+                        first_bytes(&decode_logits, spec.rows * vocab * 4, name)?
+                    }
+                    InputRole::Carried => {
+                        return Err(Error::Binding {
+                            name: decl.name.clone(),
+                            msg: format!("graph `{name}`: no graph leaves that input"),
+                        })
+                    }
                     InputRole::Metadata => {
                         let buf = meta.iter().find(|b| b.name == decl.name).ok_or_else(|| {
                             Error::Binding {
@@ -948,7 +1025,7 @@ impl DeviceRunner {
                 let t = match (kind, decl.name.as_str()) {
                     // An updated cache root: the same tensor as the input it aliases.
                     _ if decl.aliases.is_some() => root_named(&decl.name, name)?,
-                    (StepKind::Decode, "next_tokens") => {
+                    (StepKind::Decode | StepKind::Sample, "next_tokens") => {
                         first_bytes(&decode_next, spec.rows * 4, name)?
                     }
                     (StepKind::Decode, "logits") => {
@@ -1061,7 +1138,7 @@ impl DeviceRunner {
     fn read_tokens(&self, kind: StepKind, real_rows: usize) -> Result<Vec<u32>> {
         let first = &self.captured()?.first;
         let (next, graph) = match kind {
-            StepKind::Decode => (&first.decode_next, "decode"),
+            StepKind::Decode | StepKind::Sample => (&first.decode_next, "decode"),
             StepKind::Prefill => (&first.prefill_next, "prefill"),
         };
         let mut tokens = vec![0u32; real_rows];
@@ -1082,7 +1159,7 @@ impl DeviceRunner {
         let mut at = 0;
         for (decode, prefill) in slices {
             let (t, graph) = match kind {
-                StepKind::Decode => (decode, "decode"),
+                StepKind::Decode | StepKind::Sample => (decode, "decode"),
                 StepKind::Prefill => (prefill, "prefill"),
             };
             for r in rows {
@@ -1138,7 +1215,7 @@ impl DeviceRunner {
         if copy {
             for (decode, prefill) in self.all_metadata() {
                 let meta = match key.0 {
-                    StepKind::Decode => &decode[g.ctx_index],
+                    StepKind::Decode | StepKind::Sample => &decode[g.ctx_index],
                     StepKind::Prefill => &prefill[g.ctx_index],
                 };
                 Self::write_meta(meta, arrays, unmasked, &g.name)?;
@@ -1286,14 +1363,67 @@ impl DeviceRunner {
                 self.cfg.vocab_size,
             )?;
         }
-        // One range of rows (all of them), not a list of row numbers.
-        #[allow(clippy::single_range_in_vec_init)]
-        let every_row = [0..rows.len()];
-        let wanted: &[Range<usize>] = match logits {
-            LogitsOutput::None => &[],
-            _ => &every_row,
-        };
-        self.finish_step((StepKind::Decode, batch, batch, ctx), wanted, rows.len())
+        let wanted = decode_logits_rows(rows.len(), logits);
+        let key = (StepKind::Decode, batch, batch, ctx);
+        if !self.opts.split_sampler {
+            return self.finish_step(key, &wanted, rows.len());
+        }
+        if !wanted.is_empty() {
+            self.sees_every_rank()?;
+        }
+        self.run_step(key, &[])?;
+        let sample = (StepKind::Sample, batch, batch, self.sample_ctx());
+        self.finish_step(sample, &wanted, rows.len())
+    }
+
+    /// [`Runner::replay_with_masks`] on split graphs: stages the step, runs the forward pass
+    /// while another thread computes the masks, writes them into the staged allowed-token
+    /// array and runs the sampling graph (see "Split sampling").
+    fn replay_split_with_masks(
+        &mut self,
+        rows: &[step::DecodeRow<'_>],
+        logits: LogitsOutput,
+        masks: LateMasks<'_>,
+    ) -> Result<StepOutput> {
+        self.captured()?;
+        let vocab = self.cfg.vocab_size;
+        let (batch, ctx) = self.runner_cfg.buckets.decode_bucket(rows, vocab)?;
+        if let Some(&i) = masks.rows.iter().find(|&&i| i >= rows.len()) {
+            return Err(Error::InvalidInput(format!(
+                "a late mask for row {i} of a step of {} rows",
+                rows.len()
+            )));
+        }
+        self.staging
+            .fill_decode(rows, batch, ctx, self.layout.block_size, vocab)?;
+        let wanted = decode_logits_rows(rows.len(), logits);
+        if !wanted.is_empty() {
+            self.sees_every_rank()?;
+        }
+        let words = vocab.div_ceil(32);
+        let mut scratch = std::mem::take(&mut self.mask_scratch);
+        scratch.clear();
+        scratch.resize(masks.rows.len() * words, u32::MAX);
+        let (fill, out) = (masks.fill, &mut scratch);
+        let (forward, filled) = std::thread::scope(|s| {
+            let filler = s.spawn(move || {
+                let mut views: Vec<&mut [u32]> = out.chunks_mut(words).collect();
+                fill(&mut views);
+            });
+            let forward = self.run_step((StepKind::Decode, batch, batch, ctx), &[]);
+            (forward, filler.join())
+        });
+        if filled.is_err() {
+            return Err(Error::Internal(
+                "computing the allowed-token masks panicked".into(),
+            ));
+        }
+        forward?;
+        let written = self.staging.set_allowed_rows(masks.rows, &scratch);
+        self.mask_scratch = scratch;
+        written?;
+        let sample = (StepKind::Sample, batch, batch, self.sample_ctx());
+        self.finish_step(sample, &wanted, rows.len())
     }
 
     /// Runs the step whose metadata is staged on graph `key` and reads its `real_rows` tokens
@@ -1403,6 +1533,15 @@ impl DeviceRunner {
 }
 
 /// The error for a replay before capture (or after destroy).
+/// The logits rows a decode step of `rows` rows reads back: none, or all of them as one range.
+fn decode_logits_rows(rows: usize, logits: LogitsOutput) -> Vec<Range<usize>> {
+    match logits {
+        LogitsOutput::None => Vec::new(),
+        // One range of rows (all of them), not a list of row numbers.
+        _ => std::iter::once(0..rows).collect(),
+    }
+}
+
 fn not_captured() -> Error {
     Error::Internal(
         "the device runner is not captured (never, or destroyed since): call capture() before \
@@ -1486,6 +1625,18 @@ impl Runner for DeviceRunner {
         self.release()?;
         self.runner_cfg.buckets = buckets.clone();
         self.capture_buckets()
+    }
+
+    fn replay_with_masks(
+        &mut self,
+        rows: &[step::DecodeRow<'_>],
+        logits: LogitsOutput,
+        masks: LateMasks<'_>,
+    ) -> Result<StepOutput> {
+        match self.opts.split_sampler && self.opts.metadata == MetadataSource::Host {
+            true => self.replay_split_with_masks(rows, logits, masks),
+            false => super::replay_after_masks(self, rows, logits, masks),
+        }
     }
 
     fn replay(&mut self, step: &Step<'_>) -> Result<StepOutput> {

@@ -135,6 +135,10 @@ pub enum Step<'a> {
 pub(crate) enum StepKind {
     Decode,
     Prefill,
+    /// The sampling graph of a split decode step (device runners with
+    /// [`DeviceOptions::split_sampler`]), which samples from the logits its `Decode` graph
+    /// left on the device.
+    Sample,
 }
 
 impl StepKind {
@@ -143,7 +147,7 @@ impl StepKind {
     /// every request. The cost model counts these outputs too.
     pub(crate) fn device_logits(self) -> LogitsOutput {
         match self {
-            StepKind::Decode => LogitsOutput::Sampled,
+            StepKind::Decode | StepKind::Sample => LogitsOutput::Sampled,
             StepKind::Prefill => LogitsOutput::AllPositions,
         }
     }
@@ -158,6 +162,43 @@ pub struct StepOutput {
     /// position), or with [`LogitsOutput::AllPositions`] one per real position, chunk after
     /// chunk.
     pub logits: Option<Vec<Vec<f32>>>,
+}
+
+/// The allowed-token masks of some rows of a decode step, which the caller computes while the
+/// step runs ([`Runner::replay_with_masks`]).
+pub struct LateMasks<'a> {
+    /// The rows (indices into the step's rows, ascending) the masks are for; their
+    /// `controls.allowed` is ignored.
+    pub rows: &'a [usize],
+    /// Writes row `rows[k]`'s mask into `masks[k]` (`vocab.div_ceil(32)` words, every bit set
+    /// on entry; token `32 w + j` is bit `j` of word `w`). Called once, on a thread of its own
+    /// where the runner overlaps it with the step.
+    pub fill: &'a mut (dyn FnMut(&mut [&mut [u32]]) + Send),
+}
+
+/// [`Runner::replay_with_masks`] without overlap: fills the masks, then replays the step with
+/// them. What a runner that cannot overlap them does.
+pub fn replay_after_masks<R: Runner + ?Sized>(
+    runner: &mut R,
+    rows: &[DecodeRow<'_>],
+    logits: LogitsOutput,
+    masks: LateMasks<'_>,
+) -> Result<StepOutput> {
+    let words = runner.config().vocab_size.div_ceil(32);
+    let mut filled = vec![u32::MAX; masks.rows.len() * words];
+    let mut views: Vec<&mut [u32]> = filled.chunks_mut(words).collect();
+    (masks.fill)(&mut views);
+    let mut rows = rows.to_vec();
+    for (&i, mask) in masks.rows.iter().zip(filled.chunks(words)) {
+        let row = rows.get_mut(i).ok_or_else(|| {
+            Error::InvalidInput(format!("a late mask for row {i} of a step of fewer rows"))
+        })?;
+        row.controls.allowed = Some(mask);
+    }
+    runner.replay(&Step::Decode {
+        rows: &rows,
+        logits,
+    })
 }
 
 /// The graph runner contract (see the module docs). The engine drives it; every backend
@@ -182,6 +223,20 @@ pub trait Runner {
     fn decode_cost(&self, _rows: usize) -> Option<std::time::Duration> {
         None
     }
+    /// Runs a decode step whose rows `masks.rows` are under constraints whose masks depend on
+    /// the tokens the last step sampled: [`LateMasks::fill`] computes them while the step's
+    /// forward pass runs where the runner can (a device runner that splits its decode steps,
+    /// [`DeviceOptions::split_sampler`]), and before the step otherwise
+    /// ([`replay_after_masks`]). The tokens are those [`Runner::replay`] draws with the masks
+    /// in the rows.
+    fn replay_with_masks(
+        &mut self,
+        rows: &[DecodeRow<'_>],
+        logits: LogitsOutput,
+        masks: LateMasks<'_>,
+    ) -> Result<StepOutput> {
+        replay_after_masks(self, rows, logits, masks)
+    }
 }
 
 impl<R: Runner + ?Sized> Runner for Box<R> {
@@ -205,5 +260,13 @@ impl<R: Runner + ?Sized> Runner for Box<R> {
     }
     fn decode_cost(&self, rows: usize) -> Option<std::time::Duration> {
         (**self).decode_cost(rows)
+    }
+    fn replay_with_masks(
+        &mut self,
+        rows: &[DecodeRow<'_>],
+        logits: LogitsOutput,
+        masks: LateMasks<'_>,
+    ) -> Result<StepOutput> {
+        (**self).replay_with_masks(rows, logits, masks)
     }
 }

@@ -75,6 +75,10 @@ pub struct Limits {
     /// `--followers`: the addresses of the processes running the other ranks, in rank order,
     /// for the leader of a model over several instances; empty for one instance.
     pub followers: Vec<String>,
+    /// `--split-sampler`: device decode steps run the forward pass and the sampler as two
+    /// graphs, so constrained rows' masks are computed while the forward pass runs
+    /// ([`DeviceOptions::split_sampler`]). The CPU backend ignores it.
+    pub split_sampler: bool,
 }
 
 impl Limits {
@@ -93,6 +97,7 @@ impl Limits {
             tp: 1,
             ranks: None,
             followers: Vec::new(),
+            split_sampler: false,
         }
     }
 
@@ -251,6 +256,7 @@ pub(crate) fn open_device(backend: Backend, model: &Path, limits: &Limits) -> Re
     let (cfg, weights, runner_cfg) = load(backend, model, limits)?;
     let mut opts = device_options(backend, limits.compiler_config())?;
     opts.ranks = limits.ranks;
+    opts.split_sampler = limits.split_sampler;
     let buckets = runner_cfg.buckets.clone();
     let lib = device_library(backend)?;
     let mut runner = DeviceRunner::new(cfg, weights, runner_cfg, lib, opts)?;

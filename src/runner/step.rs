@@ -182,6 +182,40 @@ impl StepArrays {
         self.unmasked
     }
 
+    /// Overwrites rows `rows` of the last fill's allowed-token array with `masks` (each row's
+    /// words in turn): masks computed after the fill, while the step's forward pass ran (see
+    /// `Runner::replay_with_masks`).
+    pub(crate) fn set_allowed_rows(&mut self, rows: &[usize], masks: &[u32]) -> Result<()> {
+        let array = self
+            .arrays
+            .iter_mut()
+            .find(|a| a.name == inputs::ALLOWED_TOKENS);
+        let Some(HostArray {
+            shape,
+            data: HostData::U32(v),
+            ..
+        }) = array
+        else {
+            return Err(Error::Internal("no allowed-token array was filled".into()));
+        };
+        let words = shape.get(1).copied().unwrap_or(0);
+        if words == 0 || masks.len() != rows.len() * words {
+            return Err(Error::Internal(format!(
+                "{} mask words for {} rows of {words}",
+                masks.len(),
+                rows.len()
+            )));
+        }
+        for (&r, mask) in rows.iter().zip(masks.chunks(words)) {
+            let row = v.get_mut(r * words..(r + 1) * words).ok_or_else(|| {
+                Error::Internal(format!("a mask for row {r} beyond the filled rows"))
+            })?;
+            row.copy_from_slice(mask);
+        }
+        self.unmasked &= rows.is_empty();
+        Ok(())
+    }
+
     /// Replaces the contents with `arrays` filled elsewhere (a follower's, by its leader), whose
     /// allowed-token array is `unmasked` when every bit is set.
     pub(crate) fn replace(&mut self, arrays: Vec<HostArray>, unmasked: bool) {

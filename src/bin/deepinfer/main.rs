@@ -96,6 +96,12 @@ struct ModelArgs {
     /// order: each started with `deepinfer follow` on its instance (see the README).
     #[arg(long, value_delimiter = ',', value_name = "HOST:PORT")]
     followers: Vec<String>,
+    /// On a device (sim or neuron): run each decode step as two graphs, the forward pass and
+    /// the sampler, so that structured outputs' allowed-token masks are computed on the host
+    /// while the forward pass runs instead of before it. Costs a second graph execution per
+    /// decode step and one small graph per batch bucket at capture.
+    #[arg(long)]
+    split_sampler: bool,
     #[command(flatten)]
     precision: PrecisionArgs,
 }
@@ -155,6 +161,7 @@ impl ModelArgs {
             tp: self.tp,
             ranks: self.ranks,
             followers: self.followers.clone(),
+            split_sampler: self.split_sampler,
             ..self.precision.apply(limits)
         }
     }
@@ -219,11 +226,15 @@ fn announce_capture(backend: Backend, dir: &Path, limits: &Limits) -> Result<()>
     let b = limits.runner_config(&cfg)?.buckets;
     let list = |v: &[usize]| v.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
     let packed = b.graph_count() - (b.batch.len() + b.prefill_sizes().len()) * b.ctx.len();
+    let samplers = match limits.split_sampler {
+        true => b.batch.len(),
+        false => 0,
+    };
     eprintln!(
         "deepinfer: capture compiles {} NEFFs ({} decode: batch {} x context {}; {} prefill: \
-         chunk {} x context {}; {packed} packed prefill of up to {} sequences); NEFFs already in \
-         the cache are reused",
-        b.graph_count(),
+         chunk {} x context {}; {packed} packed prefill of up to {} sequences; {samplers} \
+         sampling graphs); NEFFs already in the cache are reused",
+        b.graph_count() + samplers,
         b.batch.len() * b.ctx.len(),
         list(&b.batch),
         list(&b.ctx),

@@ -97,6 +97,9 @@ pub struct Launch {
     pub quantize: String,
     /// `--compile-timeout`, in seconds.
     pub compile_timeout_secs: Option<u64>,
+    /// `--split-sampler`: the followers capture the same split decode graphs.
+    #[serde(default)]
+    pub split_sampler: bool,
 }
 
 impl Launch {
@@ -116,6 +119,7 @@ impl Launch {
             kv_dtype: limits.precision.kv_dtype.to_string(),
             quantize: limits.precision.quantize.to_string(),
             compile_timeout_secs: limits.compile_timeout.map(|d| d.as_secs()),
+            split_sampler: limits.split_sampler,
         }
     }
 
@@ -142,6 +146,7 @@ impl Launch {
             compile_timeout: self.compile_timeout_secs.map(Duration::from_secs),
             tp: self.tp,
             ranks: Some(ranks),
+            split_sampler: self.split_sampler,
             ..Limits::new(self.max_batch, self.max_len)
         })
     }

@@ -190,6 +190,7 @@ impl StepMessage<'_> {
         o.u8(match self.kind {
             StepKind::Decode => 0,
             StepKind::Prefill => 1,
+            StepKind::Sample => 2,
         });
         o.u32(self.rows)?;
         o.u32(self.seqs)?;
@@ -231,6 +232,7 @@ impl StepMessage<'_> {
         let kind = match i.u8()? {
             0 => StepKind::Decode,
             1 => StepKind::Prefill,
+            2 => StepKind::Sample,
             k => return Err(malformed(format!("step kind {k}"))),
         };
         let (rows, seqs, ctx) = (i.u32()?, i.u32()?, i.u32()?);

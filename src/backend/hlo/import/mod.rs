@@ -257,7 +257,7 @@ pub fn import(m: &HloModuleProto) -> Result<Graph> {
             .and_then(|a| a.get(ROLE_ATTR))
             .and_then(|s| InputRole::from_name(s))
         {
-            Some(role @ (InputRole::Weight | InputRole::CacheRoot)) => role,
+            Some(role @ (InputRole::Weight | InputRole::CacheRoot | InputRole::Carried)) => role,
             // Metadata, or no role (a foreign module): an aliased parameter is a cache root.
             _ if io.aliased[k] => InputRole::CacheRoot,
             _ => InputRole::Metadata,
