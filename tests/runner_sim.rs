@@ -10,11 +10,13 @@ mod common;
 
 use std::path::PathBuf;
 use std::process::Command;
-use std::sync::{Mutex, MutexGuard, PoisonError};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use common::RunnerExt;
 use deepinfer::backend::neuron::sim_neff::NeffNames;
 use deepinfer::config::ModelConfig;
+use deepinfer::engine::grammar::{GrammarCompiler, ResponseFormat};
+use deepinfer::engine::{Event, FinishReason, GenerationParams, Scheduler};
 use deepinfer::error::Error;
 use deepinfer::graph::DType;
 use deepinfer::model::{LogitsOutput, ModelWeights, Precision};
@@ -23,9 +25,11 @@ use deepinfer::runner::{
     self, Backend, Buckets, DeviceOptions, DeviceRunner, LateMasks, MetadataSource, NeffSource,
     Runner, RunnerConfig, Step, StepOutput,
 };
+use deepinfer::tokenizer::Tokenizer;
 use deepinfer::weights::Checkpoint;
 use neuron_sys::Library;
 use nrt_sim::SimLibrary;
+use serde_json::json;
 
 fn serial() -> MutexGuard<'static, ()> {
     static LOCK: Mutex<()> = Mutex::new(());
@@ -1385,5 +1389,120 @@ fn split_sampling_overlaps_the_masks_and_draws_what_the_fused_graph_draws() {
                 }
             }
         }
+    }
+}
+
+/// What one request of [`constrained_requests`] produced: its tokens, its text, and how it
+/// ended.
+type RequestTrace = (Vec<u32>, String, Option<FinishReason>);
+
+/// Four requests on the default model through the scheduler, seeded sampling at temperature 1:
+/// three under a JSON schema (a bounded string, an integer range, an enum), one free.
+fn constrained_requests(runner: Box<dyn Runner>) -> Vec<RequestTrace> {
+    let dir = common::fixture_dir("default-model");
+    let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
+    let eos: Vec<u32> = tok.eos_token_id().into_iter().collect();
+    let compiler = GrammarCompiler::new(&tok).unwrap();
+    let format = ResponseFormat::from_openai(&json!({
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": serde_json::from_str::<serde_json::Value>(PERSON).unwrap()}
+    }))
+    .unwrap();
+    let mut s = Scheduler::new(runner, Some(tok.clone()), eos).unwrap();
+    for (i, text) in [
+        "ROMEO:",
+        "JULIET:\nO",
+        "KING HENRY:\nOnce more",
+        "HAMLET:\nTo be",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let params = GenerationParams {
+            sampling: SamplingParams {
+                temperature: 1.0,
+                seed: 100 + i as u32,
+                ..SamplingParams::GREEDY
+            },
+            ..GenerationParams::greedy(200)
+        };
+        let constraint = match i < 3 {
+            true => compiler.matcher(&format).unwrap(),
+            false => None,
+        };
+        let prompt = tok.encode(text, true).unwrap();
+        s.add_constrained(i as u64, prompt, params, constraint)
+            .unwrap();
+    }
+    let mut out: Vec<RequestTrace> = vec![Default::default(); 4];
+    for _ in 0..10_000 {
+        if s.is_idle() {
+            return out;
+        }
+        for o in s.step() {
+            let r = &mut out[o.id as usize];
+            match o.event {
+                Event::Token(t) => {
+                    r.0.push(t.token);
+                    r.1.push_str(&t.text);
+                    r.2 = t.finish;
+                }
+                Event::Finished(f) => r.2 = Some(f),
+                Event::PromptLogprobs { .. } => {}
+                Event::Failed { message, .. } => panic!("request {}: {message}", o.id),
+            }
+        }
+    }
+    panic!("the scheduler did not finish");
+}
+
+/// The schema of [`constrained_requests`].
+const PERSON: &str = r#"{"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 8},
+    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "mood": {"enum": ["calm", "angry", "sad"]}},
+  "required": ["name", "age", "mood"], "additionalProperties": false}"#;
+
+/// Structured outputs through the scheduler on split graphs, the masks computed while each
+/// forward pass runs: every constrained answer is a document of the schema (parsed by
+/// serde_json, its fields checked), and every request's tokens are the CPU runner's.
+#[test]
+fn constrained_requests_on_split_graphs_validate_and_match_the_cpu() {
+    let _g = serial();
+    let rc = || RunnerConfig {
+        block_size: 16,
+        num_blocks: 4 * 16 + 1,
+        buckets: Buckets {
+            batch: vec![1, 2, 4],
+            ctx: vec![64, 256],
+            prefill_chunk: 16,
+            prefill_seqs: 1,
+        },
+        moe: None,
+        kv_dtype: DType::F32,
+        tp: 1,
+    };
+    let split = DeviceOptions {
+        split_sampler: true,
+        ..DeviceOptions::sim()
+    };
+    let device = device_with("default-model", rc(), &Precision::F32, split);
+    let got = constrained_requests(Box::new(device));
+    let want = constrained_requests(cpu("default-model", rc()));
+    assert_eq!(got, want);
+    for (i, (_, text, finish)) in got.iter().take(3).enumerate() {
+        assert_eq!(*finish, Some(FinishReason::Stop), "request {i}: {text:?}");
+        let doc: serde_json::Value = serde_json::from_str(text)
+            .unwrap_or_else(|e| panic!("request {i}: {text:?} is not JSON: {e}"));
+        let name = doc["name"].as_str().expect("a string name");
+        assert!(name.chars().count() <= 8, "request {i}: {text}");
+        let age = doc["age"].as_i64().expect("an integer age");
+        assert!((0..=120).contains(&age), "request {i}: {text}");
+        assert!(["calm", "angry", "sad"].contains(&doc["mood"].as_str().unwrap_or("")));
+        assert_eq!(
+            doc.as_object().map(|o| o.len()),
+            Some(3),
+            "request {i}: {text}"
+        );
     }
 }

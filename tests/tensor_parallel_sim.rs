@@ -42,12 +42,16 @@ fn config(tp: usize) -> RunnerConfig {
 
 /// A captured device runner on nrt-sim, split over `tp` cores.
 fn sim(name: &str, tp: usize) -> DeviceRunner {
+    sim_with(name, tp, DeviceOptions::sim())
+}
+
+fn sim_with(name: &str, tp: usize, opts: DeviceOptions) -> DeviceRunner {
     let (cfg, weights) = load(name);
     let lib = Library::open(nrt_sim::library_next_to_current_exe().expect("libnrt_sim.so"))
         .expect("load nrt-sim");
     let rc = config(tp);
     let buckets = rc.buckets.clone();
-    let mut d = DeviceRunner::new(cfg, weights, rc, lib, DeviceOptions::sim()).expect("runner");
+    let mut d = DeviceRunner::new(cfg, weights, rc, lib, opts).expect("runner");
     d.capture(&buckets).expect("capture");
     d
 }
@@ -95,6 +99,23 @@ fn child_split_models() {
             assert_eq!(got, r.greedy.generated_token_ids, "{name} tp {tp}");
             d.destroy().unwrap();
         }
+        // Split sampling: each rank's sampling graph reads its own vocabulary slice of the
+        // logits its forward pass left, and the ranks complete the argmax together.
+        let split = DeviceOptions {
+            split_sampler: true,
+            ..DeviceOptions::sim()
+        };
+        let mut d = sim_with(name, 2, split);
+        let stop = StopConditions {
+            max_tokens: r.greedy.generated_token_ids.len(),
+            stop_token_ids: vec![],
+        };
+        let prompt = &r.greedy.prompt_token_ids;
+        let got = engine::generate(&mut d, prompt, SamplingParams::GREEDY, &stop).unwrap();
+        assert_eq!(
+            got, r.greedy.generated_token_ids,
+            "{name} tp 2, split sampling"
+        );
     }
 }
 

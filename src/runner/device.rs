@@ -45,8 +45,10 @@
 //! sampling inputs. [`Runner::replay_with_masks`] starts the forward pass, computes the masks
 //! on another thread meanwhile, then writes them and runs the sampler: the masks cost the step
 //! only what they take beyond the forward pass. Tokens are the fused graph's (the sampling
-//! graph runs the same ops on the same logits). The sampling graphs of every context bucket
-//! bind the first context bucket's metadata buffers, which each sampling step writes.
+//! graph runs the same ops on the same logits). Each decode bucket's sampling graph binds
+//! that bucket's metadata buffers (one NEFF per batch size, compiled once, loaded per context
+//! bucket): the forward pass writes every input both graphs read, and the sampling graph's
+//! step copies only the masks.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -278,6 +280,18 @@ struct Captured {
     // Field order is drop order; the two are independent.
     first: RankState,
     others: RankWorkers,
+}
+
+/// Which of the staged metadata arrays a step writes into its graph's buffers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum MetaWrites {
+    /// Every array: what every graph but a split step's sampling graph needs.
+    All,
+    /// Only the allowed-token array: masks computed while the step's forward pass ran, which
+    /// wrote the rest into the same buffers.
+    AllowedTokens,
+    /// Nothing: the step's forward pass wrote every buffer its sampling graph reads.
+    None,
 }
 
 /// The graph key of a step: kind, rows, sequences (decode: its rows), context.
@@ -693,18 +707,19 @@ impl DeviceRunner {
             })
             .collect();
         if self.opts.split_sampler {
-            let ctx = self.sample_ctx();
-            out.extend(self.runner_cfg.buckets.batch.iter().map(|&rows| {
-                let spec = GraphSpec {
-                    rows,
-                    seqs: rows,
-                    ctx,
-                    logits: LogitsOutput::None,
-                    moe: MoeStrategy::Gather,
-                    sampler: Sampler::Full,
-                };
-                (StepKind::Sample, spec)
-            }));
+            let samplers: Vec<_> = out
+                .iter()
+                .filter(|(kind, _)| *kind == StepKind::Decode)
+                .map(|(_, spec)| {
+                    let spec = GraphSpec {
+                        logits: LogitsOutput::None,
+                        sampler: Sampler::Full,
+                        ..*spec
+                    };
+                    (StepKind::Sample, spec)
+                })
+                .collect();
+            out.extend(samplers);
         }
         out.sort_by_key(|(k, s)| {
             (
@@ -715,12 +730,6 @@ impl DeviceRunner {
             )
         });
         out
-    }
-
-    /// The context bucket a sampling graph is keyed by and whose metadata buffers it binds
-    /// (it attends to nothing, so every decode bucket's rows share it).
-    fn sample_ctx(&self) -> usize {
-        self.runner_cfg.buckets.ctx.first().copied().unwrap_or(0)
     }
 
     /// Builds, lowers, compiles and loads every bucket's graph, uploads the weights and
@@ -750,18 +759,25 @@ impl DeviceRunner {
                     model::build_sample(&self.cfg, &self.specs, &self.layout, spec.rows)?
                 }
             };
-            let hlo = emit::to_bytes(&emit::emit(&g)?);
+            // A sampling graph is the same for every context bucket: compiled once.
+            if !jobs.iter().any(|j: &CompileJob| j.name == g.name()) {
+                jobs.push(CompileJob {
+                    name: g.name().to_string(),
+                    hlo: emit::to_bytes(&emit::emit(&g)?),
+                });
+            }
             timings.push(t.elapsed());
-            jobs.push(CompileJob {
-                name: g.name().to_string(),
-                hlo,
-            });
             graphs.push((*kind, *spec, g));
         }
-        let neffs: Vec<Vec<u8>> = compile_all(self.opts.neff.compiler(), &jobs)?
-            .into_iter()
-            .map(|c| c.neff)
-            .collect();
+        let compiled = compile_all(self.opts.neff.compiler(), &jobs)?;
+        let neffs: Vec<Vec<u8>> = graphs
+            .iter()
+            .map(|(_, _, g)| {
+                let at = jobs.iter().position(|j| j.name == g.name());
+                at.map(|i| compiled[i].neff.clone())
+                    .ok_or_else(|| Error::Internal(format!("no NEFF for `{}`", g.name())))
+            })
+            .collect::<Result<_>>()?;
         progress.update(
             graphs.len(),
             &format!("loading {} models, uploading weights", graphs.len()),
@@ -887,7 +903,10 @@ impl DeviceRunner {
                 let sample = graphs
                     .iter()
                     .find(|(k, s, _)| {
-                        kind == StepKind::Decode && *k == StepKind::Sample && s.rows == rows
+                        kind == StepKind::Decode
+                            && *k == StepKind::Sample
+                            && s.rows == rows
+                            && s.ctx == ctx
                     })
                     .map(|(_, _, g)| g);
                 let prefix = match kind {
@@ -1199,6 +1218,7 @@ impl DeviceRunner {
         &mut self,
         key: GraphKey,
         logits_rows: &[Range<usize>],
+        writes: MetaWrites,
     ) -> Result<Vec<(usize, Vec<f32>)>> {
         let copy = self.opts.metadata == MetadataSource::Host;
         let st = self.state.as_ref().ok_or_else(not_captured)?;
@@ -1212,13 +1232,21 @@ impl DeviceRunner {
             self.staging.arrays(),
             self.staging.allowed_tokens_unmasked(),
         );
+        let written = match writes {
+            MetaWrites::All => arrays,
+            MetaWrites::None => &[],
+            MetaWrites::AllowedTokens => arrays
+                .iter()
+                .position(|a| a.name == inputs::ALLOWED_TOKENS)
+                .map_or(&[][..], |i| &arrays[i..=i]),
+        };
         if copy {
             for (decode, prefill) in self.all_metadata() {
                 let meta = match key.0 {
                     StepKind::Decode | StepKind::Sample => &decode[g.ctx_index],
                     StepKind::Prefill => &prefill[g.ctx_index],
                 };
-                Self::write_meta(meta, arrays, unmasked, &g.name)?;
+                Self::write_meta(meta, written, unmasked, &g.name)?;
             }
         }
         if let Some(followers) = self.followers.as_mut() {
@@ -1340,7 +1368,8 @@ impl DeviceRunner {
                 })
                 .collect(),
         };
-        self.finish_step((StepKind::Prefill, t, seqs, ctx), &rows, chunks.len())
+        let key = (StepKind::Prefill, t, seqs, ctx);
+        self.finish_step(key, &rows, chunks.len(), MetaWrites::All)
     }
 
     /// Runs one decode step for `rows`, padded to the smallest batch bucket.
@@ -1366,14 +1395,15 @@ impl DeviceRunner {
         let wanted = decode_logits_rows(rows.len(), logits);
         let key = (StepKind::Decode, batch, batch, ctx);
         if !self.opts.split_sampler {
-            return self.finish_step(key, &wanted, rows.len());
+            return self.finish_step(key, &wanted, rows.len(), MetaWrites::All);
         }
         if !wanted.is_empty() {
             self.sees_every_rank()?;
         }
-        self.run_step(key, &[])?;
-        let sample = (StepKind::Sample, batch, batch, self.sample_ctx());
-        self.finish_step(sample, &wanted, rows.len())
+        self.run_step(key, &[], MetaWrites::All)?;
+        // The forward pass wrote the sampling graph's inputs too (the same buffers).
+        let sample = (StepKind::Sample, batch, batch, ctx);
+        self.finish_step(sample, &wanted, rows.len(), MetaWrites::None)
     }
 
     /// [`Runner::replay_with_masks`] on split graphs: stages the step, runs the forward pass
@@ -1410,7 +1440,8 @@ impl DeviceRunner {
                 let mut views: Vec<&mut [u32]> = out.chunks_mut(words).collect();
                 fill(&mut views);
             });
-            let forward = self.run_step((StepKind::Decode, batch, batch, ctx), &[]);
+            let forward =
+                self.run_step((StepKind::Decode, batch, batch, ctx), &[], MetaWrites::All);
             (forward, filler.join())
         });
         if filled.is_err() {
@@ -1422,8 +1453,9 @@ impl DeviceRunner {
         let written = self.staging.set_allowed_rows(masks.rows, &scratch);
         self.mask_scratch = scratch;
         written?;
-        let sample = (StepKind::Sample, batch, batch, self.sample_ctx());
-        self.finish_step(sample, &wanted, rows.len())
+        // Only the masks changed since the forward pass wrote the step's buffers.
+        let sample = (StepKind::Sample, batch, batch, ctx);
+        self.finish_step(sample, &wanted, rows.len(), MetaWrites::AllowedTokens)
     }
 
     /// Runs the step whose metadata is staged on graph `key` and reads its `real_rows` tokens
@@ -1433,11 +1465,12 @@ impl DeviceRunner {
         key: GraphKey,
         wanted: &[Range<usize>],
         real_rows: usize,
+        writes: MetaWrites,
     ) -> Result<StepOutput> {
         if !wanted.is_empty() {
             self.sees_every_rank()?;
         }
-        let parts = self.run_step(key, wanted)?;
+        let parts = self.run_step(key, wanted, writes)?;
         let next_tokens = self.read_tokens(key.0, real_rows)?;
         let logits = match wanted.is_empty() {
             true => None,
@@ -1464,7 +1497,7 @@ impl DeviceRunner {
         self.staging
             .replace(step.arrays.into_owned(), step.unmasked);
         let key = (step.kind, step.rows, step.seqs, step.ctx);
-        let parts = self.run_step(key, &step.logits_rows)?;
+        let parts = self.run_step(key, &step.logits_rows, MetaWrites::All)?;
         Ok(parts.into_iter().next().map(|(_, v)| v).unwrap_or_default())
     }
 
