@@ -9,7 +9,8 @@
 #    CPU backend. jax is installed into .venv from PyPI.
 #    Then tensor parallelism: every fixture lowered for 2 and 4 ranks (`lower --tp N`: one HLO
 #    module per graph, one inputs file per rank) runs in XLA with 2 and 4 replicas; every rank
-#    must match our CPU backend and the decode logits transformers' reference.
+#    must match our CPU backend and the decode logits transformers' reference. Then the split
+#    decode graphs of --split-sampler (tiny-v3, --tp 1 and 2).
 #    Then the conformance suite's cases (tests/conformance/*.json) run as our emitted HLO in XLA and
 #    must match numpy's expected values, as they do on the CPU backend, emit -> import -> CPU and
 #    nrt-sim in step 1 (scripts/xla_conformance.py).
@@ -18,7 +19,8 @@
 #    every rule (src/backend/neuron/check). `--neuron-runtime 2.30.50` is the runtime minimum
 #    `deepinfer doctor` enforces (tensors of 4 GiB or more: the V2 and V3 KV roots at 2048
 #    tokens x 32 sequences, and V3's stacked bf16 expert weights, 7.5 GB per layer and matrix).
-#    V2-Lite is clean whole, at --tp 2 and whole with int4 experts (what fits one core).
+#    V2-Lite is clean whole, at --tp 2, whole with int4 experts (what fits one core) and split
+#    for --split-sampler (forward and sampling graphs).
 #    V2 and V3 are checked as deployed, one rank's graph
 #    at --tp 32: whole, a 236B/671B model in one NeuronCore's graph is over the instruction
 #    budget estimate at the larger buckets. A run is `config:flags[:tp]` (`--tp`, default 1).
@@ -83,6 +85,17 @@ for tp in 2 4; do
         .venv/bin/python scripts/xla_check.py "$out/$fixture-tp$tp" --reference "fixtures/$fixture/reference.json" || status=1
     done
 done
+# Split sampling (--split-sampler): each decode batch as its forward graph (to the logits) and
+# its sampling graph (reading them), at --tp 1 and 2; the sampled rows draw through the masks,
+# biases and penalties as in the fused graph.
+for tp in 1 2; do
+    fixture=tiny-v3
+    ids=$(.venv/bin/python -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['token_ids'])))" "fixtures/$fixture/reference.json")
+    target/release/deepinfer lower --model "fixtures/$fixture" --out "$out/$fixture-split-tp$tp" --dtype f32 \
+        --tp "$tp" --batch-sizes 1,4 --ctx 64 --inputs-from-token-ids "$ids" --split-sampler > /dev/null
+    echo "== XLA conformance: $fixture (--split-sampler --tp $tp)"
+    .venv/bin/python scripts/xla_check.py "$out/$fixture-split-tp$tp" --reference "fixtures/$fixture/reference.json" || status=1
+done
 echo "== XLA conformance: tests/conformance"
 .venv/bin/python scripts/make_conformance.py --check > /dev/null || status=1
 DEEPINFER_CONFORMANCE_OUT="$out/conformance" cargo test --quiet --test conformance || status=1
@@ -90,6 +103,7 @@ DEEPINFER_CONFORMANCE_OUT="$out/conformance" cargo test --quiet --test conforman
 # V2 and V3 as deployed: split over a trn1.32xlarge's 32 NeuronCores, each rank's graph is what
 # neuronx-cc compiles (whole, they are over its instruction budget); V2-Lite whole and at --tp 2.
 for run in deepseek-v2-lite:: deepseek-v2-lite::2 "deepseek-v2-lite:--quantize experts-int4:" \
+    "deepseek-v2-lite:--split-sampler:" \
     deepseek-v2::32 deepseek-v3::32 deepseek-v3.2::32; do
     IFS=: read -r config allow tp <<< "$run"
     tp=${tp:-1}

@@ -64,6 +64,9 @@ pub struct LowerOptions {
     pub inputs_from_token_ids: Option<Vec<u32>>,
     /// `--dtype`, `--kv-dtype`, `--quantize`.
     pub precision: PrecisionChoice,
+    /// `--split-sampler`: each decode batch as the two graphs a split capture compiles (the
+    /// forward pass to the logits, then the sampling graph reading them) instead of one.
+    pub split_sampler: bool,
 }
 
 /// One parameter in the manifest.
@@ -317,6 +320,8 @@ fn snapshot(roots: &[(&'static str, CTensor)]) -> Result<Vec<(&'static str, CTen
 /// copy of each of `roots`), runs it on the CPU backend (every rank on its own thread when there are
 /// several), and writes the inputs (one file per rank when sharded) and rank 0's outputs as
 /// safetensors. Every rank must compute the same outputs; a difference is an internal error.
+/// A carried input (a split step's logits) is taken from `metadata` as whole rows, each rank
+/// its vocabulary slice. Returns rank 0's outputs by name, the logits as whole rows.
 fn write_step(
     graph: &Graph,
     weights: &[ModelWeights],
@@ -324,7 +329,7 @@ fn write_step(
     roots: &[(&'static str, CTensor)],
     out: &Path,
     entry: &mut ManifestGraph,
-) -> Result<()> {
+) -> Result<HashMap<String, CTensor>> {
     let ranks = weights.len();
     let mut rank_inputs = Vec::with_capacity(ranks);
     for (r, weights) in weights.iter().enumerate() {
@@ -349,7 +354,14 @@ fn write_step(
                             msg: "no metadata for it".into(),
                         }
                     })?;
-                    host_tensor(a)?
+                    let t = host_tensor(a)?;
+                    match d.role {
+                        InputRole::Carried if ranks > 1 => {
+                            let width = t.dim(1)? / ranks;
+                            t.narrow(1, r * width, width)?.contiguous()?
+                        }
+                        _ => t,
+                    }
                 }
             };
             named.insert(d.name.clone(), t.clone());
@@ -397,7 +409,7 @@ fn write_step(
     let outputs_file = format!("{}.outputs.safetensors", graph.name());
     candle_core::safetensors::save(&named_out, out.join(&outputs_file))?;
     entry.cpu_outputs = Some(outputs_file);
-    Ok(())
+    Ok(named_out)
 }
 
 /// Lowers the model in `model_dir` into `out`, unsharded; see the module docs for the layout.
@@ -485,10 +497,21 @@ pub fn lower_sharded(
                 ctx: opts.ctx,
                 logits: StepKind::Decode.device_logits(),
                 moe: moe(b),
-                sampler: Sampler::Full,
+                sampler: match opts.split_sampler {
+                    true => Sampler::Deferred,
+                    false => Sampler::Full,
+                },
             },
         )?;
         graphs.push((g, "decode", b, b));
+        if opts.split_sampler {
+            graphs.push((
+                model::build_sample(&cfg, &specs, &layout, b)?,
+                "sample",
+                b,
+                b,
+            ));
+        }
     }
 
     let mut manifest = Manifest {
@@ -609,6 +632,8 @@ pub fn lower_sharded(
             logits: LogitsOutput::None,
         })?;
         let root = snapshot(runner.roots())?;
+        // A split decode step's logits, from its forward graph to its sampling graph.
+        let mut carried: Option<CTensor> = None;
         for ((g, kind, rows, seqs), entry) in graphs.iter().zip(manifest.graphs.iter_mut()) {
             if *kind == "prefill" && *seqs == 1 {
                 let positions = (0..prompt.len()).map(Some);
@@ -648,19 +673,33 @@ pub fn lower_sharded(
                         controls: probe_controls(i, prompt.len(), &allowed),
                     })
                     .collect();
-                let meta = step::decode_step(
+                let mut meta = step::decode_step(
                     &decode_rows,
                     *rows,
                     opts.ctx,
                     rc.block_size,
                     cfg.vocab_size,
                 )?;
+                if *kind == "sample" {
+                    // The logits its forward graph (the graph before it) returned.
+                    let logits = carried.take().ok_or_else(|| {
+                        Error::Internal(format!("{}: no forward graph before it", g.name()))
+                    })?;
+                    meta.push(HostArray {
+                        name: model::STEP_LOGITS,
+                        shape: logits.dims().to_vec(),
+                        data: HostData::F32(logits.flatten_all()?.to_vec1()?),
+                    });
+                    write_step(g, runner.rank_weights(), &meta, &root, out, entry)?;
+                    continue;
+                }
                 entry.reference_positions = Some(
                     std::iter::once(Some(prompt.len()))
                         .chain(std::iter::repeat_n(None, rows - 1))
                         .collect(),
                 );
-                write_step(g, runner.rank_weights(), &meta, &root, out, entry)?;
+                let outs = write_step(g, runner.rank_weights(), &meta, &root, out, entry)?;
+                carried = outs.get(model::STEP_LOGITS).cloned();
             }
         }
     }
@@ -752,7 +791,10 @@ pub fn check_neuron(
             moe: cfg.routing.as_ref().map_or(MoeStrategy::Dense, |r| {
                 MoeStrategy::for_tokens(r, rows, specs.ranks())
             }),
-            sampler: Sampler::Full,
+            sampler: match kind == StepKind::Decode && limits.split_sampler {
+                true => Sampler::Deferred,
+                false => Sampler::Full,
+            },
         };
         let g = match kind {
             StepKind::Decode => model::build_decode(cfg, &specs, &layout, &spec)?,
@@ -760,6 +802,13 @@ pub fn check_neuron(
             StepKind::Sample => model::build_sample(cfg, &specs, &layout, rows)?,
         };
         graphs.push(check_module(&hlo::emit::emit(&g)?, opts));
+    }
+    // A split capture's sampling graphs: one per batch bucket (the same for every context).
+    if limits.split_sampler {
+        for &rows in &rc.buckets.batch {
+            let g = model::build_sample(cfg, &specs, &layout, rows)?;
+            graphs.push(check_module(&hlo::emit::emit(&g)?, opts));
+        }
     }
     Ok(CheckReport { graphs, jobs })
 }

@@ -20,6 +20,7 @@ fn decode_reads_stay_near_the_floor_on_published_configs() {
             ctx: 1024,
             inputs_from_token_ids: None,
             precision: PrecisionChoice::default(),
+            split_sampler: false,
         };
         let m = lower(&dir, &dir.join("out"), &opts).unwrap();
         let floored: Vec<_> = m.costs.iter().filter(|c| c.floor.is_some()).collect();

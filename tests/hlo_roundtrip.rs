@@ -32,6 +32,7 @@ fn emit_import_run_is_bit_identical_for_every_fixture_graph() {
                 dtype,
                 ..Default::default()
             },
+            split_sampler: false,
         };
         let manifest = lower(&fixture_dir(name), &out, &opts).unwrap();
         // Prefill, packed prefill of two sequences, four decode batches.
@@ -119,6 +120,7 @@ fn no_graph_transposes_an_operand_of_a_dot() {
                 ctx: 64,
                 inputs_from_token_ids: None,
                 precision,
+                split_sampler: false,
             };
             let manifest = lower(&fixture_dir(name), &out, &opts).unwrap();
             for g in &manifest.graphs {
@@ -173,6 +175,7 @@ fn corrupt_or_foreign_modules_are_errors_not_panics() {
         ctx: 64,
         inputs_from_token_ids: None,
         precision: PrecisionChoice::default(),
+        split_sampler: false,
     };
     let manifest = lower(&fixture_dir("tiny-v3"), &out, &opts).unwrap();
     let bytes = std::fs::read(out.join(&manifest.graphs[1].hlo)).unwrap();
@@ -195,6 +198,7 @@ fn emitting_the_same_graph_twice_gives_the_same_bytes() {
         ctx: 64,
         inputs_from_token_ids: None,
         precision: PrecisionChoice::default(),
+        split_sampler: false,
     };
     let first = lower(&fixture_dir("tiny-v3"), &out.join("a"), &opts).unwrap();
     lower(&fixture_dir("tiny-v3"), &out.join("b"), &opts).unwrap();

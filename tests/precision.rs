@@ -302,6 +302,7 @@ fn quantizing_a_model_without_routed_experts_is_refused_before_loading() {
             quantize: Quantize::ExpertsInt8,
             ..Default::default()
         },
+        split_sampler: false,
     };
     let err = lower(&dir, &dir.join("out"), &opts)
         .unwrap_err()

@@ -66,6 +66,11 @@ pub(crate) struct LowerArgs {
     /// With --check, the graphs a capture at this degree compiles.
     #[arg(long, default_value_t = 1)]
     tp: usize,
+    /// Each decode batch as the two graphs a `--split-sampler` capture compiles: the forward
+    /// pass to the logits (`decode_logits_b*`) and the sampling graph reading them
+    /// (`sample_b*`). With --check, the graphs such a capture compiles.
+    #[arg(long)]
+    split_sampler: bool,
     /// Decode batch sizes, one graph each.
     #[arg(long, value_delimiter = ',', default_value = "1")]
     batch_sizes: Vec<usize>,
@@ -140,6 +145,7 @@ fn check(args: &LowerArgs, dir: &Path) -> Result<()> {
         prefill_chunk: Some(args.prefill_chunk),
         prefill_seqs: Some(args.max_prefill_seqs),
         tp: args.tp,
+        split_sampler: args.split_sampler,
         ..Limits::new(args.max_batch, args.max_len.unwrap_or(2048))
     });
     let opts = CheckOptions {
@@ -192,6 +198,7 @@ pub(crate) fn run(args: LowerArgs) -> Result<()> {
         ctx: args.ctx,
         inputs_from_token_ids: args.inputs_from_token_ids,
         precision: args.precision.choice(),
+        split_sampler: args.split_sampler,
     };
     let manifest = export::lower_sharded(&dir, &out, &opts, args.tp)?;
     if args.compile {
