@@ -26,6 +26,20 @@
 //!   is a new sequence from the compiler's cache, as a server's next request is: its lexer
 //!   family (see `grammar`'s "Shared lexers") has already built most of the DFA it needs.
 //!
+//! - `json_schema_device_step_64_rows/device_{3,10}ms/{fused,split}`: the same 64 rows
+//!   (129,280 tokens, `maxLength` 16) through a whole decode step of the device runner on
+//!   nrt-sim, whose forward pass takes a fixed device time without the host's CPUs
+//!   (`NRT_SIM_FREE_EXECUTE=1`, and `NRT_SIM_SLOW_EXECUTE_MS` for the models named `decode*`):
+//!   3 ms or 10 ms (a V2-Lite batch-64 forward pass at its bandwidth floor is about 2 ms split
+//!   over a trn1.32xlarge's cores, 17 to 35 ms on a trn1.2xlarge).
+//!   `fused`: the masks, then the step (one graph); `split` (`--split-sampler`): the masks on
+//!   another thread while the forward pass runs, then the sampling graph. One iteration is the
+//!   runner's `replay_with_masks` and the constraints' advance, as the scheduler runs them;
+//!   subtract the device time to get the host time the step waits for. `*_no_schema`: the
+//!   same steps' replay without constraints, the runner's own share. The model is tiny-v3's shape
+//!   with the vocabulary widened to 129,280 and random weights (nothing is computed).
+//!   Needs `libnrt_sim.so` (`cargo build --release -p nrt-sim`); skipped without it.
+//!
 //! - `step_metadata_b64_vocab_129280`: a decode step's metadata as the device runner refills it
 //!   (`StepArrays::fill_decode`): 64 unconstrained rows, context 4,096, a 129,280 vocabulary.
 //!
@@ -192,6 +206,102 @@ fn json_schema_masks(c: &mut Criterion) {
     let _ = std::fs::remove_dir_all(&synthetic_dir);
 }
 
+/// The device times of a forward pass in `json_schema_device_step_64_rows`, in ms.
+const DEVICE_STEP_MS: [u64; 2] = [3, 10];
+
+fn json_schema_device_step(c: &mut Criterion) {
+    use deepinfer::runner::{DeviceOptions, DeviceRunner, Runner};
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let Some(lib) = nrt_sim::library_next_to_current_exe()
+        .or_else(|| Some(root.join("target/release/libnrt_sim.so")).filter(|p| p.is_file()))
+    else {
+        eprintln!("json_schema_device_step skipped: no libnrt_sim.so (cargo build -p nrt-sim)");
+        return;
+    };
+    let dir = std::env::temp_dir().join(format!("deepinfer-bench-step-{}", std::process::id()));
+    let tok = synthetic_vocab::synthetic_tokenizer(&dir.join("vocab"), 129_280);
+    // tiny-v3's shape with DeepSeek V3's vocabulary.
+    let text = std::fs::read_to_string(root.join("fixtures/tiny-v3/config.json")).expect("config");
+    let mut raw: serde_json::Value = serde_json::from_str(&text).expect("config json");
+    raw["vocab_size"] = 129_280.into();
+    std::fs::create_dir_all(dir.join("model")).expect("temp dir");
+    std::fs::write(dir.join("model/config.json"), raw.to_string()).expect("config");
+    let cfg = deepinfer::config::ModelConfig::from_file(&dir.join("model/config.json"))
+        .expect("widened config");
+    let rc = deepinfer::runner::RunnerConfig {
+        block_size: 16,
+        num_blocks: 64 * 3 + 1,
+        buckets: deepinfer::runner::Buckets {
+            batch: vec![64],
+            ctx: vec![64],
+            prefill_chunk: 16,
+            prefill_seqs: 1,
+        },
+        moe: None,
+        kv_dtype: deepinfer::graph::DType::BF16,
+        tp: 1,
+    };
+    let mut blocks =
+        deepinfer::engine::BlockAllocator::new(rc.num_blocks, rc.block_size).expect("blocks");
+    let tables: Vec<Vec<u32>> = (0..64)
+        .map(|_| {
+            let mut t = Vec::new();
+            blocks.grow(&mut t, 40).expect("blocks");
+            t
+        })
+        .collect();
+    // Read at each nrt_init (each runner's): nothing else runs meanwhile.
+    std::env::set_var(nrt_sim::ENV_FREE_EXECUTE, "1");
+    std::env::set_var(nrt_sim::ENV_SLOW_EXECUTE_MODELS, "decode");
+    let mut group = c.benchmark_group("json_schema_device_step_64_rows");
+    group.sample_size(30);
+    for (ms, split) in DEVICE_STEP_MS
+        .into_iter()
+        .flat_map(|ms| [(ms, false), (ms, true)])
+    {
+        std::env::set_var(nrt_sim::ENV_SLOW_EXECUTE_MS, ms.to_string());
+        let weights =
+            deepinfer::model::ModelWeights::random(&cfg, 0, &deepinfer::model::Precision::F32)
+                .expect("random weights");
+        let opts = DeviceOptions {
+            split_sampler: split,
+            ..DeviceOptions::sim()
+        };
+        let lib = neuron_sys::Library::open(&lib).expect("nrt-sim");
+        let mut runner =
+            DeviceRunner::new(cfg.clone(), weights, rc.clone(), lib, opts).expect("nrt-sim runner");
+        runner.capture(&rc.buckets).expect("capture");
+        let mut rows = SchemaRows::new(&tok, schema(Some(16)));
+        let name = if split { "split" } else { "fused" };
+        group.bench_function(format!("device_{ms}ms/{name}"), |b| {
+            b.iter_custom(|iters| {
+                (0..iters)
+                    .map(|_| rows.device_step(&mut runner, &tables))
+                    .sum()
+            })
+        });
+        // The same step without a schema: what the runner's replay itself leaves the host.
+        group.bench_function(format!("device_{ms}ms/{name}_no_schema"), |b| {
+            let steps: Vec<_> = decode_rows(&tables);
+            let step = deepinfer::runner::Step::Decode {
+                rows: &steps,
+                logits: deepinfer::model::LogitsOutput::None,
+            };
+            b.iter(|| runner.replay(&step).expect("a step on nrt-sim"))
+        });
+        drop(runner);
+    }
+    group.finish();
+    for var in [
+        nrt_sim::ENV_FREE_EXECUTE,
+        nrt_sim::ENV_SLOW_EXECUTE_MS,
+        nrt_sim::ENV_SLOW_EXECUTE_MODELS,
+    ] {
+        std::env::remove_var(var);
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// 64 sequences under one schema, each at its own place in its document.
 struct SchemaRows {
     compiler: deepinfer::engine::grammar::GrammarCompiler,
@@ -286,6 +396,69 @@ impl SchemaRows {
     }
 }
 
+impl SchemaRows {
+    /// One decode step of the rows on `runner` (their block tables `tables`), timed: the
+    /// masks through [`Runner::replay_with_masks`] (each also kept for choosing the row's
+    /// token), then every constraint advanced, as the scheduler runs a step.
+    fn device_step(
+        &mut self,
+        runner: &mut impl deepinfer::runner::Runner,
+        tables: &[Vec<u32>],
+    ) -> std::time::Duration {
+        use deepinfer::engine::grammar::{advance_all, fill_masks, Advance};
+        let rows = decode_rows(tables);
+        let late: Vec<usize> = (0..Self::ROWS).collect();
+        let start = std::time::Instant::now();
+        let (constraints, masks) = (&mut self.rows, &mut self.masks);
+        let mut fill = |out: &mut [&mut [u32]]| {
+            let mut step: Vec<_> = constraints
+                .iter_mut()
+                .zip(masks.iter_mut())
+                .map(|(row, mask)| (row, mask.as_mut_slice()))
+                .collect();
+            fill_masks(&mut step);
+            for (o, m) in out.iter_mut().zip(masks.iter()) {
+                o.copy_from_slice(m);
+            }
+        };
+        runner
+            .replay_with_masks(
+                &rows,
+                deepinfer::model::LogitsOutput::None,
+                deepinfer::runner::LateMasks {
+                    rows: &late,
+                    fill: &mut fill,
+                },
+            )
+            .expect("a step on nrt-sim");
+        let tokens: Vec<u32> = (0..Self::ROWS).map(|i| self.token(i)).collect();
+        let mut step: Vec<_> = self.rows.iter_mut().zip(tokens).collect();
+        let advanced = advance_all(&mut step);
+        let timed = start.elapsed();
+        for (i, advance) in advanced.into_iter().enumerate() {
+            if advance != Advance::Accepted {
+                self.rows[i] = self.fresh();
+            }
+        }
+        timed
+    }
+}
+
+/// One greedy decode row per block table, fed token 1 at position 39.
+fn decode_rows(tables: &[Vec<u32>]) -> Vec<deepinfer::runner::step::DecodeRow<'_>> {
+    use deepinfer::runner::step::{DecodeRow, LogitControls, SamplingParams};
+    tables
+        .iter()
+        .map(|t| DecodeRow {
+            token: 1,
+            position: 39,
+            blocks: t,
+            sampling: SamplingParams::GREEDY,
+            controls: LogitControls::NONE,
+        })
+        .collect()
+}
+
 /// The lowest token the mask allows other than `eos` (a word at a time).
 fn lowest_allowed_but(mask: &[u32], eos: u32) -> Option<u32> {
     mask.iter().enumerate().find_map(|(w, &word)| {
@@ -303,6 +476,7 @@ criterion_group!(
     stop_strings,
     token_logprobs,
     step_metadata,
-    json_schema_masks
+    json_schema_masks,
+    json_schema_device_step
 );
 criterion_main!(benches);

@@ -14,6 +14,8 @@ pub const ENV_FAIL_EXECUTE: &str = "NRT_SIM_FAIL_EXECUTE";
 pub const ENV_FAIL_LOAD: &str = "NRT_SIM_FAIL_LOAD";
 /// `NRT_SIM_SLOW_EXECUTE_MS`.
 pub const ENV_SLOW_EXECUTE_MS: &str = "NRT_SIM_SLOW_EXECUTE_MS";
+/// `NRT_SIM_SLOW_EXECUTE_MODELS`: which models `NRT_SIM_SLOW_EXECUTE_MS` slows.
+pub const ENV_SLOW_EXECUTE_MODELS: &str = "NRT_SIM_SLOW_EXECUTE_MODELS";
 /// `NRT_SIM_FREE_EXECUTE`.
 pub const ENV_FREE_EXECUTE: &str = "NRT_SIM_FREE_EXECUTE";
 /// `NRT_SIM_HBM_BYTES`: device memory per NeuronCore.
@@ -40,6 +42,8 @@ pub(crate) struct Config {
     pub(crate) fail_load: Option<u64>,
     /// Sleep this long in every execution, after validation.
     pub(crate) slow_execute: Option<Duration>,
+    /// Only in executions of models whose name contains one of these (all models when empty).
+    pub(crate) slow_models: Vec<String>,
     /// Validate bindings, then return success without computing.
     pub(crate) free_execute: bool,
     /// Device memory per NeuronCore, in bytes.
@@ -54,6 +58,7 @@ impl Default for Config {
             fail_execute: None,
             fail_load: None,
             slow_execute: None,
+            slow_models: Vec::new(),
             free_execute: false,
             hbm_bytes: DEFAULT_HBM_BYTES,
             collective_timeout: DEFAULT_COLLECTIVE_TIMEOUT,
@@ -130,7 +135,23 @@ impl Config {
             fail_execute: nth(ENV_FAIL_EXECUTE)?,
             fail_load: nth(ENV_FAIL_LOAD)?,
             slow_execute: slow,
+            slow_models: get(ENV_SLOW_EXECUTE_MODELS)
+                .map(|v| {
+                    v.split(',')
+                        .map(str::trim)
+                        .filter(|m| !m.is_empty())
+                        .map(String::from)
+                        .collect()
+                })
+                .unwrap_or_default(),
             free_execute: free,
         })
+    }
+
+    /// How long an execution of model `name` sleeps (see `slow_execute`).
+    pub(crate) fn slow_for(&self, name: &str) -> Option<Duration> {
+        let slowed =
+            self.slow_models.is_empty() || self.slow_models.iter().any(|m| name.contains(m));
+        self.slow_execute.filter(|_| slowed)
     }
 }

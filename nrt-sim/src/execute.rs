@@ -225,7 +225,7 @@ pub(crate) fn execute(model: Handle, input_set: Handle, output_set: Handle) -> R
 }
 
 fn execute_planned(model: Handle, p: Plan, rank: Option<&(RankComm, u64)>) -> Res<()> {
-    if let Some(d) = p.config.slow_execute {
+    if let Some(d) = p.config.slow_for(&p.name) {
         std::thread::sleep(d);
     }
     if !p.config.free_execute {

@@ -108,6 +108,7 @@
 //! | `NRT_SIM_FAIL_EXECUTE=N` | the N-th execution (1-based, counting `nrt_execute` calls whose bindings validated) returns `NRT_EXEC_COMPLETED_WITH_ERR` (1004) and writes nothing; later ones succeed |
 //! | `NRT_SIM_FAIL_LOAD=N` | the N-th load of a valid module (1-based) returns `NRT_RESOURCE` (4, what a real load that runs out of device memory returns); later ones succeed. `NRT_SIM_FAIL_LOAD=1` fails the first load |
 //! | `NRT_SIM_SLOW_EXECUTE_MS=n` | every execution sleeps n ms after validating its bindings |
+//! | `NRT_SIM_SLOW_EXECUTE_MODELS=a,b` | only executions of models whose name contains `a` or `b` sleep (with `NRT_SIM_FREE_EXECUTE`: a device step of a known length that leaves the host's CPUs free) |
 //! | `NRT_SIM_FREE_EXECUTE=1` | executions validate their bindings (names, sizes, handles, cores, sharing) and return success without copying or computing anything: outputs are left as they were. For measuring host overhead |
 //! | `NRT_SIM_HBM_BYTES=n` | each NeuronCore holds n bytes of device memory (default [`DEFAULT_HBM_BYTES`], 16 GiB); not a fault, but read with them |
 //!
@@ -177,7 +178,7 @@ mod tensor_set;
 
 pub use config::{
     DEFAULT_COLLECTIVE_TIMEOUT, DEFAULT_HBM_BYTES, ENV_COLLECTIVE_TIMEOUT_MS, ENV_FAIL_EXECUTE,
-    ENV_FAIL_LOAD, ENV_FREE_EXECUTE, ENV_HBM_BYTES, ENV_SLOW_EXECUTE_MS,
+    ENV_FAIL_LOAD, ENV_FREE_EXECUTE, ENV_HBM_BYTES, ENV_SLOW_EXECUTE_MODELS, ENV_SLOW_EXECUTE_MS,
 };
 pub use counters::{CoreMemory, Counters, Live, ModelCounters};
 pub use fault_child::{is_fault_child, run_test_in_child, CHILD_ENV};

@@ -145,6 +145,41 @@ fn child_slow_execute() {
 }
 
 #[test]
+fn slow_execute_models_slows_only_the_models_named() {
+    for models in ["decode, sample", "decode, tin"] {
+        run_child(
+            "child_slow_execute_models",
+            &[
+                (nrt_sim::ENV_SLOW_EXECUTE_MS, "300"),
+                (nrt_sim::ENV_SLOW_EXECUTE_MODELS, models),
+            ],
+        );
+    }
+}
+
+#[test]
+#[ignore = "runs in a child process started by its parent test"]
+fn child_slow_execute_models() {
+    if !is_child() {
+        return;
+    }
+    let sim = Sim::open();
+    let _rt = sim.runtime();
+    let raw = sim.raw();
+    // The tiny NEFF's model is `tiny`: slowed when a name in the list is part of it.
+    let models = std::env::var(nrt_sim::ENV_SLOW_EXECUTE_MODELS).unwrap();
+    let slowed = models.split(',').any(|m| "tiny".contains(m.trim()));
+    let (_, model) = raw.load(&tiny_neff());
+    let b = TinyBindings::new(&raw);
+    let start = Instant::now();
+    assert_eq!(raw.execute(model, b.inputs, b.outputs), OK);
+    let slept = start.elapsed() >= Duration::from_millis(300);
+    assert_eq!(slept, slowed, "{models}: {:?}", start.elapsed());
+    b.free(&raw);
+    assert_eq!(raw.unload(model), OK);
+}
+
+#[test]
 fn free_execute_validates_bindings_and_skips_the_arithmetic() {
     run_child("child_free_execute", &[(nrt_sim::ENV_FREE_EXECUTE, "1")]);
 }

@@ -290,6 +290,9 @@ enum MetaWrites {
     /// Only the allowed-token array: masks computed while the step's forward pass ran, which
     /// wrote the rest into the same buffers.
     AllowedTokens,
+    /// Every array but the allowed-token one: a split step's forward pass (which does not read
+    /// it) while its masks are still being computed.
+    AllButAllowedTokens,
     /// Nothing: the step's forward pass wrote every buffer its sampling graph reads.
     None,
 }
@@ -1118,7 +1121,12 @@ impl DeviceRunner {
 
     /// Writes `meta` into the bucket's persistent buffers (only the bucket's rows), except an
     /// `unmasked` allowed-token array whose buffer already holds all ones there.
-    fn write_meta(bufs: &[MetaBuf], meta: &[HostArray], unmasked: bool, graph: &str) -> Result<()> {
+    fn write_meta<'a>(
+        bufs: &[MetaBuf],
+        meta: impl IntoIterator<Item = &'a HostArray>,
+        unmasked: bool,
+        graph: &str,
+    ) -> Result<()> {
         for a in meta {
             let buf = bufs
                 .iter()
@@ -1232,13 +1240,12 @@ impl DeviceRunner {
             self.staging.arrays(),
             self.staging.allowed_tokens_unmasked(),
         );
-        let written = match writes {
-            MetaWrites::All => arrays,
-            MetaWrites::None => &[],
-            MetaWrites::AllowedTokens => arrays
-                .iter()
-                .position(|a| a.name == inputs::ALLOWED_TOKENS)
-                .map_or(&[][..], |i| &arrays[i..=i]),
+        let allowed = |a: &HostArray| a.name == inputs::ALLOWED_TOKENS;
+        let written = |a: &&HostArray| match writes {
+            MetaWrites::All => true,
+            MetaWrites::None => false,
+            MetaWrites::AllowedTokens => allowed(a),
+            MetaWrites::AllButAllowedTokens => !allowed(a),
         };
         if copy {
             for (decode, prefill) in self.all_metadata() {
@@ -1246,7 +1253,7 @@ impl DeviceRunner {
                     StepKind::Decode | StepKind::Sample => &decode[g.ctx_index],
                     StepKind::Prefill => &prefill[g.ctx_index],
                 };
-                Self::write_meta(meta, written, unmasked, &g.name)?;
+                Self::write_meta(meta, arrays.iter().filter(written), unmasked, &g.name)?;
             }
         }
         if let Some(followers) = self.followers.as_mut() {
@@ -1440,8 +1447,11 @@ impl DeviceRunner {
                 let mut views: Vec<&mut [u32]> = out.chunks_mut(words).collect();
                 fill(&mut views);
             });
-            let forward =
-                self.run_step((StepKind::Decode, batch, batch, ctx), &[], MetaWrites::All);
+            let forward = self.run_step(
+                (StepKind::Decode, batch, batch, ctx),
+                &[],
+                MetaWrites::AllButAllowedTokens,
+            );
             (forward, filler.join())
         });
         if filled.is_err() {

@@ -371,6 +371,7 @@ pub fn lowered_tiny_v3() -> &'static (PathBuf, Manifest) {
                 ctx: 64,
                 inputs_from_token_ids: Some(tokens),
                 precision: Default::default(),
+                split_sampler: false,
             },
         )
         .expect("lower tiny-v3");
