@@ -17,11 +17,15 @@
 //!
 //! # When the masks are computed
 //!
-//! A row's mask depends on the token the previous step sampled for it, and the step that needs
-//! the mask cannot start before it exists; so the masks are computed between steps, not while
-//! the device runs one. What keeps that gap short is [`fill_masks`] and [`advance_all`]: the
-//! rows' grammars are independent, so a step's tokens are taken and its masks filled in
-//! parallel (see "Costs"; `benches/host_work.rs` measures 64 rows).
+//! A row's mask depends on the token the previous step sampled for it, and only the step's
+//! sampler needs it, not its forward pass. The scheduler hands a decode step's masks to the
+//! runner as a callback (`runner::LateMasks`): a device runner that splits its decode steps
+//! (`--split-sampler`, see `runner::device`, "Split sampling") computes them on another thread
+//! while the forward pass runs on the device, and only what outlasts the forward pass delays
+//! the step; other runners compute them first. Prefill steps compute them first too (the masks
+//! of their last positions only). Either way the rows' grammars are independent, so
+//! [`fill_masks`] and [`advance_all`] spread a step's rows over threads (see "Costs";
+//! `benches/host_work.rs` measures 64 rows, alone and through a device step).
 //!
 //! # Tokens
 //!
