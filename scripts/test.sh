@@ -27,8 +27,8 @@
 # 4. The server end to end (tests/server, pytest): the official `openai` client drives a live
 #    `deepinfer serve` on the default model; transformers' tokenizer and `deepinfer generate`
 #    are the references. Installed into .venv from PyPI with the rest. Twice: with automatic
-#    prefix caching (the default) and with --no-prefix-caching; and the structured-output and
-#    tool tests once more on nrt-sim with --split-sampler.
+#    prefix caching (the default) and with --no-prefix-caching; and the structured-output
+#    tests once more on nrt-sim with --split-sampler.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -118,11 +118,11 @@ echo "== server end to end (tests/server)"
 # Again with the prefix cache off: every output must be the same with and without it (each
 # test checks its outputs against references that never cache). The connection-limit,
 # backpressure and shutdown tests check no output and take a minute: not repeated.
-# Structured outputs and tool calls through nrt-sim with split sampling: the masks computed
-# while each step's forward pass runs; every document must still validate (jsonschema).
-echo "== server end to end, --backend sim --split-sampler (structured outputs, tools)"
+# Structured outputs through nrt-sim with split sampling: the masks computed while each step's
+# forward pass runs; every document must still validate (jsonschema). About 15 s.
+echo "== server end to end, --backend sim --split-sampler (structured outputs)"
 DEEPINFER_TEST_SERVE_ARGS="--backend sim --split-sampler" .venv/bin/python -m pytest -q \
-    tests/server/test_structured_outputs.py tests/server/test_tools.py || status=1
+    tests/server/test_structured_outputs.py || status=1
 echo "== server end to end, --no-prefix-caching (tests/server)"
 DEEPINFER_TEST_SERVE_ARGS=--no-prefix-caching .venv/bin/python -m pytest tests/server -q \
     --ignore=tests/server/test_backpressure.py --ignore=tests/server/test_connections.py \
