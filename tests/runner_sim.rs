@@ -1469,18 +1469,12 @@ const PERSON: &str = r#"{"type": "object", "properties": {
 #[test]
 fn constrained_requests_on_split_graphs_validate_and_match_the_cpu() {
     let _g = serial();
-    let rc = || RunnerConfig {
-        block_size: 16,
-        num_blocks: 4 * 16 + 1,
-        buckets: Buckets {
-            batch: vec![1, 2, 4],
-            ctx: vec![64, 256],
-            prefill_chunk: 16,
-            prefill_seqs: 1,
-        },
-        moe: None,
-        kv_dtype: DType::F32,
-        tp: 1,
+    // Room for four documents of up to 200 tokens.
+    let rc = || {
+        let mut rc = small_config();
+        rc.num_blocks = 4 * 16 + 1;
+        rc.buckets.ctx = vec![64, 256];
+        rc
     };
     let split = DeviceOptions {
         split_sampler: true,
