@@ -149,6 +149,27 @@ fn child_two_instances() {
         drop(leader);
         follower.join().unwrap().unwrap();
     }
+    // Split sampling (`--split-sampler`): the follower takes it from the launch, captures the
+    // split graphs and runs both halves of every decode step the leader sends.
+    let r = reference("tiny-v3");
+    let (addr, follower) = start_follower(fixture_dir("tiny-v3"), 2);
+    let lead = Limits {
+        split_sampler: true,
+        ..limits(RankSpan { first: 0, count: 2 }, vec![addr])
+    };
+    let mut leader = runner::open(Backend::Sim, &fixture_dir("tiny-v3"), &lead).unwrap();
+    let stop = StopConditions {
+        max_tokens: r.greedy.generated_token_ids.len(),
+        stop_token_ids: vec![],
+    };
+    let prompt = &r.greedy.prompt_token_ids;
+    let got = engine::generate(&mut leader, prompt, SamplingParams::GREEDY, &stop).unwrap();
+    assert_eq!(
+        got, r.greedy.generated_token_ids,
+        "split sampling over two instances"
+    );
+    drop(leader);
+    follower.join().unwrap().unwrap();
 }
 
 #[test]
