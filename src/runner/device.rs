@@ -715,7 +715,7 @@ impl DeviceRunner {
                 .filter(|(kind, _)| *kind == StepKind::Decode)
                 .map(|(_, spec)| {
                     let spec = GraphSpec {
-                        logits: LogitsOutput::None,
+                        logits: StepKind::Sample.device_logits(),
                         sampler: Sampler::Full,
                         ..*spec
                     };

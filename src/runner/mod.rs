@@ -147,8 +147,10 @@ impl StepKind {
     /// every request. The cost model counts these outputs too.
     pub(crate) fn device_logits(self) -> LogitsOutput {
         match self {
-            StepKind::Decode | StepKind::Sample => LogitsOutput::Sampled,
+            StepKind::Decode => LogitsOutput::Sampled,
             StepKind::Prefill => LogitsOutput::AllPositions,
+            // It reads its forward graph's logits, which stay where they are.
+            StepKind::Sample => LogitsOutput::None,
         }
     }
 }
