@@ -773,11 +773,12 @@ impl DeviceRunner {
             graphs.push((*kind, *spec, g));
         }
         let compiled = compile_all(self.opts.neff.compiler(), &jobs)?;
-        let neffs: Vec<Vec<u8>> = graphs
+        // Each graph's NEFF, borrowed: a sampling graph's is shared by its context buckets.
+        let neffs: Vec<&[u8]> = graphs
             .iter()
             .map(|(_, _, g)| {
                 let at = jobs.iter().position(|j| j.name == g.name());
-                at.map(|i| compiled[i].neff.clone())
+                at.map(|i| compiled[i].neff.as_slice())
                     .ok_or_else(|| Error::Internal(format!("no NEFF for `{}`", g.name())))
             })
             .collect::<Result<_>>()?;
@@ -817,7 +818,7 @@ impl DeviceRunner {
         &self,
         local: usize,
         graphs: &[(StepKind, GraphSpec, Graph)],
-        neffs: &[Vec<u8>],
+        neffs: &[&[u8]],
     ) -> Result<(RankState, u64)> {
         const CAP: &str = "capture";
         let rt = &self.rt;
@@ -1402,15 +1403,17 @@ impl DeviceRunner {
         let wanted = decode_logits_rows(rows.len(), logits);
         let key = (StepKind::Decode, batch, batch, ctx);
         if !self.opts.split_sampler {
-            return self.finish_step(key, &wanted, rows.len(), MetaWrites::All);
+            return self.finish_step(key, wanted.as_slice(), rows.len(), MetaWrites::All);
         }
-        if !wanted.is_empty() {
+        // Checked before the forward pass, not after it (in `finish_step`): a step that cannot
+        // return its logits must not have written the cache.
+        if wanted.is_some() {
             self.sees_every_rank()?;
         }
         self.run_step(key, &[], MetaWrites::All)?;
         // The forward pass wrote the sampling graph's inputs too (the same buffers).
         let sample = (StepKind::Sample, batch, batch, ctx);
-        self.finish_step(sample, &wanted, rows.len(), MetaWrites::None)
+        self.finish_step(sample, wanted.as_slice(), rows.len(), MetaWrites::None)
     }
 
     /// [`Runner::replay_with_masks`] on split graphs: stages the step, runs the forward pass
@@ -1434,7 +1437,9 @@ impl DeviceRunner {
         self.staging
             .fill_decode(rows, batch, ctx, self.layout.block_size, vocab)?;
         let wanted = decode_logits_rows(rows.len(), logits);
-        if !wanted.is_empty() {
+        // Checked before the forward pass, not after it (in `finish_step`): a step that cannot
+        // return its logits must not have written the cache.
+        if wanted.is_some() {
             self.sees_every_rank()?;
         }
         let words = vocab.div_ceil(32);
@@ -1465,7 +1470,12 @@ impl DeviceRunner {
         written?;
         // Only the masks changed since the forward pass wrote the step's buffers.
         let sample = (StepKind::Sample, batch, batch, ctx);
-        self.finish_step(sample, &wanted, rows.len(), MetaWrites::AllowedTokens)
+        self.finish_step(
+            sample,
+            wanted.as_slice(),
+            rows.len(),
+            MetaWrites::AllowedTokens,
+        )
     }
 
     /// Runs the step whose metadata is staged on graph `key` and reads its `real_rows` tokens
@@ -1577,12 +1587,8 @@ impl DeviceRunner {
 
 /// The error for a replay before capture (or after destroy).
 /// The logits rows a decode step of `rows` rows reads back: none, or all of them as one range.
-fn decode_logits_rows(rows: usize, logits: LogitsOutput) -> Vec<Range<usize>> {
-    match logits {
-        LogitsOutput::None => Vec::new(),
-        // One range of rows (all of them), not a list of row numbers.
-        _ => std::iter::once(0..rows).collect(),
-    }
+fn decode_logits_rows(rows: usize, logits: LogitsOutput) -> Option<Range<usize>> {
+    (logits != LogitsOutput::None).then_some(0..rows)
 }
 
 fn not_captured() -> Error {
