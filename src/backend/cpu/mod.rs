@@ -329,7 +329,14 @@ fn run_with(
                     ReduceOp::Min => x.min(*dim)?,
                 }
             }
-            Op::ArgMax(x, dim) => get(*x)?.argmax(*dim)?.to_dtype(CDType::I32)?,
+            Op::ArgMax(x, dim) => {
+                let x = get(*x)?;
+                if x.dtype() == CDType::F32 && *dim + 1 == x.rank() && x.dims()[*dim] > 0 {
+                    x.contiguous()?.apply_op1_no_bwd(&kernels::RowArgMax)?
+                } else {
+                    x.argmax(*dim)?.to_dtype(CDType::I32)?
+                }
+            }
             Op::TopK(x, k) => {
                 let x = get(*x)?;
                 let n = *x.dims().last().unwrap_or(&1);
