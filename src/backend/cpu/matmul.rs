@@ -28,7 +28,7 @@ use pulp::{Arch, Simd, WithSimd};
 
 /// Output columns (weight rows) per parallel task. A task reads its weight rows as one
 /// stream, and each costs the pool a hand-off (and a gathered-expert task its result buffer):
-/// 128 made decode steps 5-8% faster than 32 on the medium checkpoint (f32 and bf16, batch 1
+/// 128 made decode steps 4-8% faster than 32 on the medium checkpoint (f32 and bf16, batch 1
 /// and 8; 256 was no faster, benches/README.md, "Wider matmul tasks").
 const TILE: usize = 128;
 
