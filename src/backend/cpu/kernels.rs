@@ -130,6 +130,24 @@ impl CustomOp2 for RowGather {
 /// positions keep their lanes wherever a packed step puts its context.
 const SUM_LANES: usize = 16;
 
+/// A contiguous f32 tensor of rank 1 or more as its values, its last dim and the dims before
+/// it: what the row-wise kernels ([`RowSum`], [`RowArgMax`]) take. `op` names the kernel in
+/// the error.
+fn f32_rows<'a, 'l>(
+    op: &str,
+    x: &'a CpuStorage,
+    l: &'l Layout,
+) -> candle_core::Result<(&'a [f32], usize, &'l [usize])> {
+    let (CpuStorage::F32(data), Some((start, end)), Some((&n, outer))) =
+        (x, l.contiguous_offsets(), l.dims().split_last())
+    else {
+        return Err(candle_core::Error::Msg(format!(
+            "{op} needs a contiguous f32 tensor of rank 1 or more"
+        )));
+    };
+    Ok((&data[start..end], n, outer))
+}
+
 /// The sum of each row of a contiguous f32 tensor over its last dim, in the same bits for the
 /// same values whatever zeros follow them.
 ///
@@ -168,15 +186,7 @@ impl CustomOp1 for RowSum {
     }
 
     fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let dims = l.dims();
-        let (CpuStorage::F32(data), Some((start, end)), Some((&n, outer))) =
-            (x, l.contiguous_offsets(), dims.split_last())
-        else {
-            return Err(candle_core::Error::Msg(
-                "row-sum needs a contiguous f32 tensor of rank 1 or more".into(),
-            ));
-        };
-        let data = &data[start..end];
+        let (data, n, outer) = f32_rows(self.name(), x, l)?;
         let sums = match n {
             0 => vec![0f32; outer.iter().product()],
             n => data.chunks_exact(n).map(Self::row).collect(),
@@ -228,18 +238,11 @@ impl CustomOp1 for RowArgMax {
     }
 
     fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
-        let dims = l.dims();
-        let (CpuStorage::F32(data), Some((start, end)), Some((&n, outer))) =
-            (x, l.contiguous_offsets(), dims.split_last())
-        else {
-            return Err(candle_core::Error::Msg(
-                "row-argmax needs a contiguous f32 tensor of rank 1 or more".into(),
-            ));
-        };
+        let (data, n, outer) = f32_rows(self.name(), x, l)?;
         if n == 0 {
             return Err(candle_core::Error::Msg("row-argmax of empty rows".into()));
         }
-        let index = data[start..end].chunks_exact(n).map(Self::row).collect();
+        let index = data.chunks_exact(n).map(Self::row).collect();
         Ok((CpuStorage::I32(index), Shape::from(outer)))
     }
 }
