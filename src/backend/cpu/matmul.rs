@@ -1115,8 +1115,16 @@ fn run<T: Widen>(
     Ok(out)
 }
 
-fn widen_lhs(s: &CpuStorage, op: &Operand) -> candle_core::Result<Vec<f32>> {
-    Ok(match s {
+/// The left operand as a contiguous f32 `[batch, m, k]`: borrowed when it already is one (a
+/// decode step's activations, most of the time), else widened and laid out afresh.
+fn widen_lhs<'a>(
+    s: &'a CpuStorage,
+    op: &Operand,
+) -> candle_core::Result<std::borrow::Cow<'a, [f32]>> {
+    if let (CpuStorage::F32(v), Some((from, to))) = (s, op.layout.contiguous_offsets()) {
+        return Ok(std::borrow::Cow::Borrowed(&v[from..to]));
+    }
+    Ok(std::borrow::Cow::Owned(match s {
         CpuStorage::F32(v) => widen_all(v, op),
         CpuStorage::BF16(v) => widen_all(v, op),
         CpuStorage::F16(v) => widen_all(v, op),
@@ -1127,7 +1135,7 @@ fn widen_lhs(s: &CpuStorage, op: &Operand) -> candle_core::Result<Vec<f32>> {
                 other.dtype()
             )))
         }
-    })
+    }))
 }
 
 /// The shared body of [`WidenMatMul`] and [`ScaledMatMul`].

@@ -243,13 +243,15 @@ impl Panels {
             // Block `b` of 16 lanes holds row values `b * 16 * per_lane ..`, lane position `p`
             // of them every `per_lane`-th from `p`.
             for (b, values) in row.chunks(GROUP_ALIGN * per_lane).enumerate() {
-                for p in 0..per_lane {
-                    let at = base + ((b * per_lane + p) * PANEL + r) * GROUP_ALIGN;
-                    let lanes = values.iter().skip(p).step_by(per_lane);
-                    data[at..at + GROUP_ALIGN]
-                        .iter_mut()
-                        .zip(lanes)
-                        .for_each(|(o, &v)| *o = v);
+                let at = |p: usize| base + ((b * per_lane + p) * PANEL + r) * GROUP_ALIGN;
+                if per_lane == 1 {
+                    data[at(0)..at(0) + values.len()].copy_from_slice(values);
+                    continue;
+                }
+                for (lane, elements) in values.chunks_exact(per_lane).enumerate() {
+                    for (p, &v) in elements.iter().enumerate() {
+                        data[at(p) + lane] = v;
+                    }
                 }
             }
         }
