@@ -169,7 +169,10 @@ fn dot_row<S: Simd, T: Packed>(simd: S, w: &[u32], split: &SplitRows, r: usize) 
     let mut acc = simd.splat_f32s(0.0);
     let fetch = Prefetch::new();
     for (i, &lanes) in head.iter().enumerate() {
-        if i % 2 == 0 {
+        // f32 rows are left to the hardware prefetcher: one FMA a vector consumes them at
+        // the memory's pace, and the software prefetch cost a batch-1 f32 step 3-4%
+        // (benches/README.md, "Whole experts a task").
+        if T::PER_LANE > 1 && i % 2 == 0 {
             fetch.ahead::<PREFETCH_ONE_ROW, _>(&head[i..]);
         }
         acc = step::<S, T>(simd, acc, x, lanes, i, per_group);
