@@ -170,8 +170,8 @@ fn dot_row<S: Simd, T: Packed>(simd: S, w: &[u32], split: &SplitRows, r: usize) 
     let fetch = Prefetch::new();
     for (i, &lanes) in head.iter().enumerate() {
         // f32 rows are left to the hardware prefetcher: one FMA a vector consumes them at
-        // the memory's pace, and the software prefetch cost a batch-1 f32 step 3-4%
-        // (benches/README.md, "Whole experts a task").
+        // the memory's pace, and the software prefetch made a batch-1 f32 step about 5%
+        // slower (benches/README.md, "Whole experts a task").
         if T::PER_LANE > 1 && i % 2 == 0 {
             fetch.ahead::<PREFETCH_ONE_ROW, _>(&head[i..]);
         }
