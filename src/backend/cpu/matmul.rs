@@ -724,17 +724,17 @@ struct ExpertTile<'a> {
 }
 
 impl<'a> ExpertTile<'a> {
-    /// The tile of task `(group, j0)` of [`gathered`].
+    /// The tile of task `(group, j0)` of [`gathered`], whose tasks are `tile` columns wide.
     fn of(
         (g, j0): (usize, usize),
         groups: &'a [(usize, Vec<usize>)],
-        (m, k, out_n): (usize, usize, usize),
+        (m, k, out_n, tile): (usize, usize, usize, usize),
     ) -> Self {
         ExpertTile {
             rows: &groups[g].1,
             e: groups[g].0,
             j0,
-            tn: expert_tile(k, out_n).min(out_n - j0),
+            tn: tile.min(out_n - j0),
             m,
             k,
             out_n,
@@ -928,7 +928,7 @@ pub(crate) fn gathered(
         a: &[f32],
         w: &[T],
         scales: Option<&[f32]>,
-        (m, k, out_n): (usize, usize, usize),
+        (m, k, out_n, tile): (usize, usize, usize, usize),
     ) -> candle_core::Result<Vec<Vec<f32>>> {
         // An expert chosen by several left rows multiplies them in panels (its rows gathered),
         // the others read the split layout, made only when some expert needs it.
@@ -954,11 +954,11 @@ pub(crate) fn gathered(
                 panels: panels[tasks[t].0].as_ref(),
                 w,
                 scales,
-                tile: ExpertTile::of(tasks[t], groups, (m, k, out_n)),
+                tile: ExpertTile::of(tasks[t], groups, (m, k, out_n, tile)),
             })
         })
     }
-    let dims = (m, k, out_n);
+    let dims = (m, k, out_n, tile);
     let Storage::Cpu(w_cpu) = &*w_st else {
         return Err(candle_core::Error::Msg(
             "gathered matmul on a non-CPU tensor".into(),

@@ -29,6 +29,13 @@ pub(super) trait Packed: Copy + Sized {
     /// Elements in one `u32` lane; 0 when the type has no packed form.
     const PER_LANE: usize = 0;
 
+    /// Whether the one-row dot asks for this type's rows ahead of use ([`Prefetch`]). f32
+    /// rows, one FMA a vector, are consumed at the memory's pace and go faster with the
+    /// hardware prefetcher alone: the software prefetch made a batch-1 f32 step about 5%
+    /// slower, where bf16 was up to 20% slower without it (benches/README.md, "Whole experts a
+    /// task").
+    const PREFETCH: bool = true;
+
     /// The row's elements as `u32` lanes, or `None` (no packed form, or the slice is not
     /// 4-byte aligned).
     fn as_lanes(_row: &[Self]) -> Option<&[u32]> {
@@ -52,6 +59,7 @@ impl Packed for float8::F8E4M3 {}
 
 impl Packed for f32 {
     const PER_LANE: usize = 1;
+    const PREFETCH: bool = false;
 
     fn as_lanes(row: &[Self]) -> Option<&[u32]> {
         Some(bytemuck::cast_slice(row))
@@ -169,10 +177,7 @@ fn dot_row<S: Simd, T: Packed>(simd: S, w: &[u32], split: &SplitRows, r: usize) 
     let mut acc = simd.splat_f32s(0.0);
     let fetch = Prefetch::new();
     for (i, &lanes) in head.iter().enumerate() {
-        // f32 rows are left to the hardware prefetcher: one FMA a vector consumes them at
-        // the memory's pace, and the software prefetch made a batch-1 f32 step about 5%
-        // slower (benches/README.md, "Whole experts a task").
-        if T::PER_LANE > 1 && i % 2 == 0 {
+        if T::PREFETCH && i % 2 == 0 {
             fetch.ahead::<PREFETCH_ONE_ROW, _>(&head[i..]);
         }
         acc = step::<S, T>(simd, acc, x, lanes, i, per_group);
@@ -247,10 +252,6 @@ impl Panels {
             // of them every `per_lane`-th from `p`.
             for (b, values) in row.chunks(GROUP_ALIGN * per_lane).enumerate() {
                 let at = |p: usize| base + ((b * per_lane + p) * PANEL + r) * GROUP_ALIGN;
-                if per_lane == 1 {
-                    data[at(0)..at(0) + values.len()].copy_from_slice(values);
-                    continue;
-                }
                 for (lane, elements) in values.chunks_exact(per_lane).enumerate() {
                     for (p, &v) in elements.iter().enumerate() {
                         data[at(p) + lane] = v;
