@@ -32,6 +32,23 @@ use pulp::{Arch, Simd, WithSimd};
 /// and 8; 256 was no faster, benches/README.md, "Wider matmul tasks").
 const TILE: usize = 128;
 
+/// Output columns per task of [`run`] for `columns` columns on `threads` threads: at most
+/// [`TILE`], in a number of tasks that the threads share evenly. With tasks of [`TILE`], a
+/// product of 384 columns (the medium model's `q_a_proj`) made three tasks, so one thread read
+/// two thirds of its weights while the other waited, and a router of 64 columns one task on one
+/// thread: four tasks of 96 and two of 32 took 60 and 57 of their 425 and 115 us a batch-1 f32
+/// step (benches/README.md, "Tasks the threads share evenly"). Every column runs the same
+/// kernel whatever its task, so the bits do not change.
+fn column_tile(columns: usize, threads: usize) -> usize {
+    let tasks = columns.div_ceil(TILE).next_multiple_of(threads.max(1));
+    columns.div_ceil(tasks.max(1)).max(1)
+}
+
+/// The threads that run [`run`]'s tasks: candle's pool workers and the calling thread.
+fn pool_threads() -> usize {
+    candle_core::utils::barrier_pool().n_workers() + 1
+}
+
 /// Weight values per task of the gathered experts ([`expert_tile`]).
 const EXPERT_TASK_VALUES: usize = 256 * 1024;
 
@@ -1056,10 +1073,11 @@ fn run<T: Widen>(
         }
         return Ok(out);
     }
-    // Each parallel task's output columns as one contiguous tile of `m` rows (`[m, TILE]`),
+    // Each parallel task's output columns as one contiguous tile of `m` rows (`[m, width]`),
     // copied into place below a row at a time (a no-op for one left row). A column-major
     // buffer transposed value by value cost more than some small matmuls' products.
     let mut tiles = vec![0f32; batch * n * m];
+    let width = column_tile(batch * n, pool_threads());
     let arch = Arch::new();
     // The packed dot takes PANEL_MIN_ROWS left rows or more in panels (per batch entry), fewer
     // in the split layout; a type without one, the widening loop.
@@ -1075,7 +1093,7 @@ fn run<T: Widen>(
     };
     for_each_chunk(
         &mut tiles,
-        TILE * m.max(1),
+        width * m.max(1),
         Scratch::default,
         |scratch, c, chunk| {
             arch.dispatch(Columns {
@@ -1085,7 +1103,7 @@ fn run<T: Widen>(
                 b,
                 bop,
                 scales,
-                g0: c * TILE,
+                g0: c * width,
                 m,
                 scratch,
                 out: chunk,
@@ -1101,12 +1119,12 @@ fn run<T: Widen>(
     for bi in 0..batch {
         let (g0, g1) = (bi * n, (bi + 1) * n);
         for i in 0..m {
-            for c in g0 / TILE..g1.div_ceil(TILE) {
-                let tile = &tiles[c * TILE * m..((c + 1) * TILE).min(batch * n) * m];
+            for c in g0 / width..g1.div_ceil(width) {
+                let tile = &tiles[c * width * m..((c + 1) * width).min(batch * n) * m];
                 let columns = tile.len() / m;
                 let (from, to) = (
-                    g0.max(c * TILE) - c * TILE,
-                    g1.min(c * TILE + columns) - c * TILE,
+                    g0.max(c * width) - c * width,
+                    g1.min(c * width + columns) - c * width,
                 );
                 out.extend_from_slice(&tile[i * columns + from..i * columns + to]);
             }
@@ -1265,9 +1283,11 @@ mod tests {
             (1, 40, 19, 300),
             (1, 70, 19, 300),
             (2, 7, 50, 130),
-            // 300 columns in tasks of TILE: tasks that straddle batch entries.
+            // 300 columns in tasks of 75 (two threads) or 100 (one or three): tasks that
+            // straddle batch entries of 100 or 150 columns.
             (3, 2, 64, 100),
             (3, 5, 64, 100),
+            (2, 3, 64, 150),
         ];
         for (&(batch, m, k, n), dtype) in shapes
             .iter()
@@ -1449,6 +1469,29 @@ mod tests {
         assert_eq!(expert_tile(36, 7300), 7281);
         for (k, out) in [(36, 70), (37, 70), (36, 7300)] {
             gathered_case(k, out);
+        }
+    }
+
+    /// Tasks no wider than TILE, covering every column, in a number the threads share evenly.
+    #[test]
+    fn column_tasks_are_shared_evenly() {
+        assert_eq!(column_tile(384, 2), 96);
+        assert_eq!(column_tile(64, 2), 32);
+        assert_eq!(column_tile(32_000, 2), TILE);
+        assert_eq!(column_tile(1, 2), 1);
+        assert_eq!(column_tile(0, 2), 1);
+        for columns in 1..1_000 {
+            for threads in 1..5 {
+                let width = column_tile(columns, threads);
+                let tasks = columns.div_ceil(width);
+                assert!(width <= TILE, "{columns} on {threads}");
+                // Every thread gets the same number of tasks, or each of the few a task.
+                let even = tasks % threads == 0 || columns < threads * TILE;
+                assert!(
+                    even,
+                    "{columns} columns on {threads}: {tasks} tasks of {width}"
+                );
+            }
         }
     }
 
