@@ -63,11 +63,12 @@ type GraphKey = (StepKind, usize, usize, usize, LogitsOutput, Sampler);
 /// the two samplers); a V2-Lite decode graph is about 5,600 nodes, under a megabyte.
 const CACHED_GRAPHS: usize = 128;
 
-/// The graphs built so far, at most `capacity` ([`CACHED_GRAPHS`] in a runner), the least
-/// recently used dropped first.
+/// The graphs built so far, each with its execution plan once it has run (see
+/// [`cpu::Prepared`]), at most `capacity` ([`CACHED_GRAPHS`] in a runner), the least recently
+/// used dropped first.
 #[derive(Debug)]
 struct GraphCache {
-    graphs: HashMap<GraphKey, (Graph, u64)>,
+    graphs: HashMap<GraphKey, (cpu::Prepared, u64)>,
     capacity: usize,
     /// Lookups so far: the clock each entry's last use is stamped with.
     clock: u64,
@@ -87,13 +88,13 @@ impl GraphCache {
         &mut self,
         key: GraphKey,
         build: impl FnOnce() -> Result<Graph>,
-    ) -> Result<Graph> {
+    ) -> Result<cpu::Prepared> {
         self.clock += 1;
         if let Some((g, used)) = self.graphs.get_mut(&key) {
             *used = self.clock;
             return Ok(g.clone());
         }
-        let g = build()?;
+        let g = cpu::Prepared::new(build()?);
         if self.graphs.len() >= self.capacity {
             let oldest = self
                 .graphs
@@ -204,7 +205,7 @@ impl CpuRunner {
         ctx: usize,
         logits: LogitsOutput,
         sampler: Sampler,
-    ) -> Result<Graph> {
+    ) -> Result<cpu::Prepared> {
         let key = (kind, rows, seqs, ctx, logits, sampler);
         let (cfg, specs, layout) = (&self.cfg, &self.specs, &self.layout);
         // On the CPU the fused gather reads only the selected experts and computes only their
@@ -266,13 +267,14 @@ impl CpuRunner {
         Ok(inputs)
     }
 
-    /// Runs `graph` (on every rank, each on its own thread, when `tp > 1`) and returns rank
-    /// 0's outputs, with the logits (each rank's vocabulary slice) joined into whole rows;
-    /// every rank samples the same tokens (see `model::vocab`).
-    fn run(&mut self, graph: &Graph, metadata: &[HostArray]) -> Result<Vec<CTensor>> {
+    /// Runs `prepared`'s graph (on every rank, each on its own thread, when `tp > 1`) and
+    /// returns rank 0's outputs, with the logits (each rank's vocabulary slice) joined into
+    /// whole rows; every rank samples the same tokens (see `model::vocab`).
+    fn run(&mut self, prepared: &cpu::Prepared, metadata: &[HostArray]) -> Result<Vec<CTensor>> {
         let metadata = metadata_tensors(metadata)?;
+        let graph = prepared.graph();
         let Some(group) = self.group.clone() else {
-            return cpu::run_values(graph, &self.inputs(graph, &metadata, 0)?);
+            return prepared.run(&self.inputs(graph, &metadata, 0)?);
         };
         let step = self.steps;
         self.steps += 1;
@@ -294,16 +296,17 @@ impl CpuRunner {
         Ok(outs.swap_remove(0))
     }
 
-    /// Runs `graph` and keeps the first `real_samples` sampled tokens and `real_logits` logits
-    /// rows (the rest are padding).
+    /// Runs `prepared`'s graph and keeps the first `real_samples` sampled tokens and
+    /// `real_logits` logits rows (the rest are padding).
     fn execute(
         &mut self,
-        graph: &Graph,
+        prepared: &cpu::Prepared,
         metadata: &[HostArray],
         real_samples: usize,
         real_logits: usize,
     ) -> Result<StepOutput> {
-        let outputs = self.run(graph, metadata)?;
+        let outputs = self.run(prepared, metadata)?;
+        let graph = prepared.graph();
         let get = |name: &str| graph.output_index(name).map(|i| &outputs[i]);
         let next = get("next_tokens")
             .ok_or_else(|| Error::Binding {
@@ -451,7 +454,7 @@ mod tests {
                     built.push(rows);
                     graph(&format!("g{rows}"))
                 })
-                .map(|g| g.name().to_string())
+                .map(|g| g.graph().name().to_string())
         };
         assert_eq!(get(&mut cache, 1).unwrap(), "g1");
         assert_eq!(get(&mut cache, 2).unwrap(), "g2");
