@@ -36,8 +36,8 @@ const TILE: usize = 128;
 /// [`TILE`], in a number of tasks that the threads share evenly. With tasks of [`TILE`], a
 /// product of 384 columns (the medium model's `q_a_proj`) made three tasks, so one thread read
 /// two thirds of its weights while the other waited, and a router of 64 columns one task on one
-/// thread: four tasks of 96 and two of 32 took 60 and 57 of their 425 and 115 us a batch-1 f32
-/// step (benches/README.md, "Tasks the threads share evenly"). Every column runs the same
+/// thread: four tasks of 96 and two of 32 took about 60 us off each's 425 and 115 us a batch-1
+/// f32 step (benches/README.md, "Tasks the threads share evenly"). Every column runs the same
 /// kernel whatever its task, so the bits do not change.
 fn column_tile(columns: usize, threads: usize) -> usize {
     let tasks = columns.div_ceil(TILE).next_multiple_of(threads.max(1));
