@@ -26,19 +26,19 @@ use super::pool::{for_each_chunk, parallel_map};
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, CustomOp3, Layout, Shape};
 use pulp::{Arch, Simd, WithSimd};
 
-/// Output columns (weight rows) per parallel task. A task reads its weight rows as one
-/// stream, and each costs the pool a hand-off (and a gathered-expert task its result buffer):
-/// 128 made decode steps 4-8% faster than 32 on the medium checkpoint (f32 and bf16, batch 1
-/// and 8; 256 was no faster, benches/README.md, "Wider matmul tasks").
+/// The most output columns (weight rows) a parallel task takes ([`column_tile`]). A task reads
+/// its weight rows as one stream, and each costs the pool a hand-off (and a gathered-expert
+/// task its result buffer): 128 made decode steps 4-8% faster than 32 on the medium checkpoint
+/// (f32 and bf16, batch 1 and 8; 256 was no faster, benches/README.md, "Wider matmul tasks").
 const TILE: usize = 128;
 
 /// Output columns per task of [`run`] for `columns` columns on `threads` threads: at most
 /// [`TILE`], in a number of tasks that the threads share evenly. With tasks of [`TILE`], a
 /// product of 384 columns (the medium model's `q_a_proj`) made three tasks, so one thread read
 /// two thirds of its weights while the other waited, and a router of 64 columns one task on one
-/// thread: four tasks of 96 and two of 32 took about 60 us off each's 425 and 115 us a batch-1
-/// f32 step (benches/README.md, "Tasks the threads share evenly"). Every column runs the same
-/// kernel whatever its task, so the bits do not change.
+/// thread: four tasks of 96 and two of 32 took about 60 us off each of their 425 and 115 us a
+/// batch-1 f32 step (benches/README.md, "Tasks the threads share evenly"). Every column runs
+/// the same kernel whatever its task, so the bits do not change.
 fn column_tile(columns: usize, threads: usize) -> usize {
     let tasks = columns.div_ceil(TILE).next_multiple_of(threads.max(1));
     columns.div_ceil(tasks.max(1)).max(1)
