@@ -174,10 +174,12 @@ fn run_with(
 
 /// Which inputs are quantized weights: what a [`Plan`] depends on besides the graph.
 fn quantized_inputs(inputs: &[Value]) -> Vec<bool> {
-    inputs
-        .iter()
-        .map(|v| matches!(v, Value::Quantized(_)))
-        .collect()
+    inputs.iter().map(is_quantized).collect()
+}
+
+/// Whether `v` is a weight in a GGML block format rather than a tensor.
+fn is_quantized(v: &Value) -> bool {
+    matches!(v, Value::Quantized(_))
 }
 
 /// A graph that keeps its execution plan between runs, for a caller that runs one graph many
@@ -221,23 +223,27 @@ impl Prepared {
     }
 
     /// [`run_values`] of the graph, with the plan of an earlier run when the inputs are of
-    /// the same kinds.
+    /// the same kinds (compared in place: a step with a kept plan allocates nothing here).
     pub fn run(&self, inputs: &[Value]) -> Result<Vec<CTensor>> {
         let graph = &self.graph;
         check_inputs(graph, inputs)?;
-        let quantized = quantized_inputs(inputs);
-        let kept = self.plan.lock().ok().and_then(|p| p.clone());
-        let planned = match kept {
-            Some(p) if p.quantized == quantized => p,
+        // Only a panic inside `Plan::new` could poison the lock, and it leaves the slot as it was.
+        let mut slot = self.plan.lock().unwrap_or_else(|e| e.into_inner());
+        let same_kinds = |p: &Planned| {
+            p.quantized
+                .iter()
+                .copied()
+                .eq(inputs.iter().map(is_quantized))
+        };
+        let planned = match slot.as_ref() {
+            Some(p) if same_kinds(p) => p.clone(),
             _ => {
+                let quantized = quantized_inputs(inputs);
                 let plan = Plan::new(graph, &quantized)?;
-                let p = Arc::new(Planned { quantized, plan });
-                if let Ok(mut slot) = self.plan.lock() {
-                    *slot = Some(p.clone());
-                }
-                p
+                slot.insert(Arc::new(Planned { quantized, plan })).clone()
             }
         };
+        drop(slot);
         run_planned(graph, &planned.plan, inputs, None)
     }
 }
