@@ -221,10 +221,17 @@ fn child_peak_hbm() {
             };
             let plan = runner::device_plan(&cfg, &limits, Some(deepinfer::graph::DType::F32), 4)
                 .expect("plan");
+            // What the plan counts of the NEFFs, less the runtime's micro-code (per core, not
+            // per NEFF), which nrt-sim does not charge: every NEFF's code and collectives
+            // buffers and the largest one's scratchpad, each charged by nrt-sim at its load.
+            let neffs: u64 = plan.neffs.iter().map(|g| g.footprint.private()).sum();
             for (core, planned) in plan.per_core().iter().enumerate() {
-                // nrt-sim allocates what the runner binds; NEFF code and scratch are the
-                // device's, which it does not model.
-                let want = planned.weights + planned.kv_cache + planned.metadata + planned.outputs;
+                let want = planned.weights
+                    + planned.kv_cache
+                    + planned.metadata
+                    + planned.outputs
+                    + neffs
+                    + planned.scratchpad;
                 let got = counters.hbm[core].peak;
                 let err = (got as f64 - want as f64).abs() / want as f64;
                 eprintln!("{name} tp {tp} core {core}: nrt-sim peak {got} B, plan {want} B");

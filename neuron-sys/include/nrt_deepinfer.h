@@ -231,6 +231,9 @@ void nrt_tensor_free(nrt_tensor_t **tensor);
 NRT_STATUS nrt_tensor_read(const nrt_tensor_t *tensor, void *buf, size_t offset, size_t size);
 NRT_STATUS nrt_tensor_write(nrt_tensor_t *tensor, const void *buf, size_t offset, size_t size);
 size_t nrt_tensor_get_size(const nrt_tensor_t *tensor);
+/* Sets [offset, offset + size) of the tensor to the byte `value` on the device, with no host
+   buffer crossing the bus (nrt.h). */
+NRT_STATUS nrt_tensor_memset(nrt_tensor_t *tensor, uint64_t offset, int value, size_t size);
 /* A zero-copy view of [offset, offset + size) of tensor_source, sharing its refcounted storage. */
 NRT_STATUS nrt_tensor_allocate_slice(const nrt_tensor_t *tensor_source, size_t offset, size_t size,
                                      const char *name, nrt_tensor_t **tensor_slice);
@@ -271,6 +274,7 @@ typedef __typeof__(nrt_tensor_free) *nrt_tensor_free_fn;
 typedef __typeof__(nrt_tensor_read) *nrt_tensor_read_fn;
 typedef __typeof__(nrt_tensor_write) *nrt_tensor_write_fn;
 typedef __typeof__(nrt_tensor_get_size) *nrt_tensor_get_size_fn;
+typedef __typeof__(nrt_tensor_memset) *nrt_tensor_memset_fn;
 typedef __typeof__(nrt_tensor_allocate_slice) *nrt_tensor_allocate_slice_fn;
 typedef __typeof__(nrt_get_model_tensor_info) *nrt_get_model_tensor_info_fn;
 typedef __typeof__(nrt_free_model_tensor_info) *nrt_free_model_tensor_info_fn;

@@ -290,6 +290,14 @@ pub type nrt_tensor_write_fn = ::std::option::Option<
 >;
 pub type nrt_tensor_get_size_fn =
     ::std::option::Option<unsafe extern "C" fn(arg1: *const nrt_tensor_t) -> usize>;
+pub type nrt_tensor_memset_fn = ::std::option::Option<
+    unsafe extern "C" fn(
+        arg1: *mut nrt_tensor_t,
+        arg2: u64,
+        arg3: ::std::os::raw::c_int,
+        arg4: usize,
+    ) -> NRT_STATUS,
+>;
 pub type nrt_tensor_allocate_slice_fn = ::std::option::Option<
     unsafe extern "C" fn(
         arg1: *const nrt_tensor_t,

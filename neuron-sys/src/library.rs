@@ -151,6 +151,7 @@ api_table! {
         nrt_get_model_tensor_info: nrt_get_model_tensor_info_fn,
         nrt_free_model_tensor_info: nrt_free_model_tensor_info_fn,
         nrt_tensor_allocate_slice: nrt_tensor_allocate_slice_fn,
+        nrt_tensor_memset: nrt_tensor_memset_fn,
         nrt_get_version: nrt_get_version_fn,
         nrt_get_total_nc_count: nrt_get_total_nc_count_fn,
         nrt_get_visible_nc_count: nrt_get_visible_nc_count_fn,

@@ -26,8 +26,9 @@ pub use crate::bindings::{
     nrt_load_collectives_fn, nrt_load_fn, nrt_model, nrt_model_t, nrt_tensor,
     nrt_tensor_allocate_fn, nrt_tensor_allocate_slice_fn, nrt_tensor_free_fn,
     nrt_tensor_get_size_fn, nrt_tensor_info, nrt_tensor_info_array, nrt_tensor_info_array_t,
-    nrt_tensor_info_t, nrt_tensor_placement_t, nrt_tensor_read_fn, nrt_tensor_set_t, nrt_tensor_t,
-    nrt_tensor_usage_t, nrt_tensor_write_fn, nrt_unload_fn, nrt_version, nrt_version_t, NRT_STATUS,
+    nrt_tensor_info_t, nrt_tensor_memset_fn, nrt_tensor_placement_t, nrt_tensor_read_fn,
+    nrt_tensor_set_t, nrt_tensor_t, nrt_tensor_usage_t, nrt_tensor_write_fn, nrt_unload_fn,
+    nrt_version, nrt_version_t, NRT_STATUS,
 };
 
 /// Declares the status codes once: the constants, [`status_name`], [`STATUS_CODES`], and

@@ -34,14 +34,17 @@ pub struct Live {
 pub struct CoreMemory {
     /// The NeuronCore (relative to the visible ones).
     pub core: u32,
-    /// Bytes of live device tensors on it now (an allocation counts once, however many slices
-    /// view it).
+    /// Bytes in use on it now: live device tensors (an allocation counts once, however many
+    /// slices view it) and what its loaded models hold (their private bytes and the shared
+    /// scratchpad).
     pub used: u64,
     /// The most that was in use at once since the library was loaded or the counters reset.
     pub peak: u64,
     /// What it holds (`NRT_SIM_HBM_BYTES`, 16 GiB by default); an allocation past it fails with
     /// `NRT_RESOURCE`.
     pub capacity: u64,
+    /// Of `used`, the shared scratchpad of the models loaded on it (the largest one's).
+    pub scratch: u64,
 }
 
 /// One live model.
@@ -53,6 +56,13 @@ pub struct ModelCounters {
     pub name: String,
     /// Completed executions of this handle since load (or the last reset).
     pub executions: u64,
+    /// The NeuronCore it is loaded on.
+    pub core: u32,
+    /// Its code, DMA rings and collectives buffers, held in its core's HBM while it is loaded
+    /// (`deepinfer::backend::neuron::footprint`).
+    pub private_bytes: u64,
+    /// The scratchpad it needs; its core's shared scratchpad holds the largest of its models'.
+    pub scratch_bytes: u64,
 }
 
 /// A snapshot of the simulator's counters.

@@ -435,6 +435,30 @@ pub unsafe extern "C" fn nrt_tensor_write(
     })
 }
 
+/// Sets `size` bytes of the tensor at `offset` to the low byte of `value` (as C's `memset`
+/// converts it), on the device: no bytes are counted in `tensor_bytes_written`. Out of range
+/// is `NRT_INVALID`; a freed tensor is `NRT_INVALID_HANDLE`.
+///
+/// # Safety
+///
+/// None beyond the C ABI: the handle is never dereferenced.
+#[no_mangle]
+pub unsafe extern "C" fn nrt_tensor_memset(
+    tensor: *mut nrt_tensor_t,
+    offset: u64,
+    value: c_int,
+    size: usize,
+) -> NRT_STATUS {
+    let call = "nrt_tensor_memset";
+    guard(call, || {
+        let offset = usize::try_from(offset)
+            .map_err(|_| Fail::invalid(format!("offset {offset} is out of range")))?;
+        let window = Window::open(call, Handle::from_ptr(tensor), offset, size, Io::Fill)?;
+        window.with_bytes_mut(|dst| dst.fill(value as u8));
+        Ok(())
+    })
+}
+
 /// The tensor's size in bytes; 0 for a freed or foreign tensor (recorded as
 /// `NRT_INVALID_HANDLE`), since the C function has no status.
 ///
@@ -622,6 +646,7 @@ const _: () = {
     let _: sys::nrt_tensor_free_fn = Some(nrt_tensor_free);
     let _: sys::nrt_tensor_read_fn = Some(nrt_tensor_read);
     let _: sys::nrt_tensor_write_fn = Some(nrt_tensor_write);
+    let _: sys::nrt_tensor_memset_fn = Some(nrt_tensor_memset);
     let _: sys::nrt_tensor_get_size_fn = Some(nrt_tensor_get_size);
     let _: sys::nrt_tensor_allocate_slice_fn = Some(nrt_tensor_allocate_slice);
     let _: sys::nrt_get_model_tensor_info_fn = Some(nrt_get_model_tensor_info);

@@ -34,7 +34,19 @@
 //!
 //! - **HBM per NeuronCore**: [`DEFAULT_HBM_BYTES`] (16 GiB, trn1) per core, or
 //!   `NRT_SIM_HBM_BYTES`; a device allocation past it is `NRT_RESOURCE`. Slices allocate
-//!   nothing; host tensors are not HBM. The counters report use, peak and capacity per core.
+//!   nothing; host tensors are not HBM. Each loaded model holds its code, DMA rings and
+//!   collectives buffers, and each core one scratchpad, the largest of its models', as the
+//!   runtime's device-memory guide describes
+//!   ([`deepinfer::backend::neuron::footprint`], from the NEFF's HLO): a load that does not
+//!   fit is `NRT_RESOURCE` naming the model. The counters report use, peak, capacity and
+//!   scratchpad per core, and each model's charge.
+//! - **The collectives bootstrap**: `nrt_load_collectives` with more than one device returns
+//!   only once every rank of the group has entered the load of the same model, as libnrt's
+//!   communicator setup needs; a rank left alone fails with `NRT_TIMEOUT` after
+//!   `NRT_SIM_COLLECTIVE_TIMEOUT_MS`, naming the missing ranks (a runner that loads its ranks
+//!   one after another hangs on a trn1; here it fails).
+//! - **`nrt_tensor_memset`** sets device bytes without counting them as written: zeroing a
+//!   cache root sends nothing over the bus.
 //! - **Cores**: a device tensor remembers its NeuronCore (a slice its parent's), and executing a
 //!   model with a tensor of another core bound is `NRT_INVALID` (libnrt refuses the set:
 //!   "Tensor ... allocated on vnc 0 must be allocated on same vnc as model (1)").
@@ -157,6 +169,7 @@
 //   device (fail, model_io, state)
 //   safe bodies over the state: runtime, model, tensor, tensor_set, execute (and device)
 //   ffi: the `extern "C"` shells over all of the above
+mod bootstrap;
 mod boundary;
 mod c_text;
 mod config;

@@ -6,9 +6,11 @@ use std::sync::Arc;
 
 use deepinfer::backend::cpu::Group;
 use deepinfer::backend::hlo::import::import_bytes;
+use deepinfer::backend::neuron::footprint;
 use deepinfer::backend::neuron::sim_neff::{SimNeff, SimNeffError};
 use neuron_sys::sys::{self, nrt_tensor_info_array_t};
 
+use crate::bootstrap;
 use crate::config::ENV_FAIL_LOAD;
 use crate::fail::{Fail, Res};
 use crate::handle::{Handle, Kind};
@@ -33,7 +35,9 @@ pub(crate) struct CollectivesContext {
 /// A graph with collectives must come through `nrt_load_collectives` (`collectives`), with a
 /// device count equal to its replica count and `NEURON_RT_ROOT_COMM_ID` set, as libnrt needs to
 /// bootstrap its collectives; each rank's model takes the seat of its device id in the group of
-/// models of the same graph and device count (`NRT_INVALID` if that seat is taken).
+/// models of the same graph and device count (`NRT_INVALID` if that seat is taken). With more
+/// than one device the load returns only once every rank has entered it (`NRT_TIMEOUT` after
+/// `NRT_SIM_COLLECTIVE_TIMEOUT_MS` otherwise: see [`bootstrap`]).
 pub(crate) fn load(
     neff: &[u8],
     vnc: i32,
@@ -74,6 +78,17 @@ pub(crate) fn load(
     })?;
     let (inputs, outputs) = describe(&graph, &container.inputs, &container.outputs)?;
     check_collectives(&graph, collectives)?;
+    let footprint = footprint::of_hlo_bytes(&container.hlo)
+        .map_err(|e| Fail::invalid(format!("the NEFF's HLO: {e}")))?;
+    if let Some(ctx) = collectives.filter(|c| c.device_count > 1) {
+        // A seat already taken fails at once, not after the bootstrap's wait.
+        let timeout = {
+            let st = state();
+            seat(&st, graph.name(), ctx)?;
+            st.config.collective_timeout
+        };
+        bootstrap::wait_for_every_rank(graph.name(), ctx.device_id, ctx.device_count, timeout)?;
+    }
     let mut st = state();
     st.require_running("nrt_load")?;
     st.loads_since_init += 1;
@@ -91,16 +106,32 @@ pub(crate) fn load(
         Some(ctx) => Some(seat(&st, &name, ctx)?),
         None => None,
     };
+    let core = vnc.max(0) as u32;
+    let charge = st
+        .charge_neff(core, footprint.private(), footprint.scratch)
+        .map_err(|(need, used)| {
+            Fail::new(
+                sys::NRT_RESOURCE,
+                format!(
+                    "cannot load model `{name}` on NeuronCore {core}: its code and DMA rings \
+                     ({} bytes), collectives buffers ({} bytes) and scratchpad ({} bytes, \
+                     shared with the core's other models) need {need} more bytes; {used} of \
+                     its {} bytes of device memory are in use (NRT_SIM_HBM_BYTES)",
+                    footprint.code, footprint.collectives, footprint.scratch, st.config.hbm_bytes
+                ),
+            )
+        })?;
     let h = st
         .models
         .insert(ModelEntry {
             graph,
             name,
-            core: vnc.max(0) as u32,
+            core,
             inputs,
             outputs,
             executions: 0,
             rank,
+            charge,
         })
         .ok_or_else(|| Fail::new(sys::NRT_RESOURCE, "too many models"))?;
     st.stats.loads += 1;
@@ -199,6 +230,7 @@ pub(crate) fn unload(model: Handle) -> Res<()> {
     st.models
         .remove(model)
         .map_err(|why| Fail::handle("model", Kind::Model, why))?;
+    st.settle_scratch();
     Ok(())
 }
 

@@ -40,6 +40,7 @@ pub(crate) fn close() -> Res<()> {
     let tensors = st.tensors.drain();
     let sets = st.sets.drain();
     let models = st.models.drain();
+    st.settle_scratch();
     st.stats.live_at_last_close = Some(live);
     st.phase = Phase::Closed;
     // Freed after the lock is released, so freeing memory holds up no other thread.

@@ -93,6 +93,22 @@ impl TensorEntry {
 /// A tensor set: names bound to tensor handles. The set does not own its tensors.
 pub(crate) type TensorSet = HashMap<String, Handle>;
 
+/// What a loaded NEFF holds of its core's HBM beyond its bound tensors
+/// (`deepinfer::backend::neuron::footprint`): its private part (code, DMA rings, collectives
+/// buffers) is reserved at load and given back when the model goes; its scratchpad is the
+/// core's shared one ([`State::scratch_held`]), which holds the largest of its NEFFs'.
+pub(crate) struct NeffCharge {
+    pub(crate) core: u32,
+    pub(crate) private: u64,
+    pub(crate) scratch: u64,
+}
+
+impl Drop for NeffCharge {
+    fn drop(&mut self) {
+        release_hbm(self.core, self.private);
+    }
+}
+
 /// A loaded model.
 pub(crate) struct ModelEntry {
     pub(crate) graph: Graph,
@@ -105,6 +121,8 @@ pub(crate) struct ModelEntry {
     /// For a model loaded with `nrt_load_collectives`: its seat in the group of ranks that
     /// load the same graph with the same device count.
     pub(crate) rank: Option<RankSeat>,
+    /// Its code, DMA rings, collectives buffers and scratchpad, charged to its core.
+    pub(crate) charge: NeffCharge,
 }
 
 /// One rank of a collectives group: its handle on the group's meetings, its global device id,
@@ -159,6 +177,9 @@ pub(crate) struct State {
     /// Tensor-info arrays handed out, by address (they are looked up, never dereferenced).
     pub(crate) infos: HashMap<usize, InfoArray>,
     pub(crate) stats: Stats,
+    /// The shared scratchpad each core holds (reserved in its HBM): the largest of its loaded
+    /// NEFFs' scratch, as libnrt (2.33 and later) shares one scratchpad between a core's NEFFs.
+    pub(crate) scratch_held: [u64; MAX_NC_COUNT as usize],
 }
 
 static STATE: LazyLock<Mutex<State>> = LazyLock::new(|| {
@@ -172,6 +193,7 @@ static STATE: LazyLock<Mutex<State>> = LazyLock::new(|| {
         models: Slab::new(Kind::Model),
         infos: HashMap::new(),
         stats: Stats::default(),
+        scratch_held: [0; MAX_NC_COUNT as usize],
     })
 });
 
@@ -188,6 +210,44 @@ pub(crate) fn lock_bytes(s: &Storage) -> MutexGuard<'_, Vec<u8>> {
 }
 
 impl State {
+    /// Reserves what a NEFF needs on `core` beyond what the core already holds: its private
+    /// part, and the growth of the shared scratchpad when its scratch is the largest. Nothing
+    /// is reserved when it does not fit (`Err` with the bytes missing and in use).
+    pub(crate) fn charge_neff(
+        &mut self,
+        core: u32,
+        private: u64,
+        scratch: u64,
+    ) -> Result<NeffCharge, (u64, u64)> {
+        let capacity = self.config.hbm_bytes;
+        let held = self.scratch_held[core as usize];
+        let growth = scratch.saturating_sub(held);
+        let need = private + growth;
+        reserve_hbm(core, need, capacity).map_err(|used| (need, used))?;
+        self.scratch_held[core as usize] = held.max(scratch);
+        Ok(NeffCharge {
+            core,
+            private,
+            scratch,
+        })
+    }
+
+    /// Shrinks each core's shared scratchpad to the largest of the NEFFs still loaded on it
+    /// (after a model is unloaded, or all are at `nrt_close`).
+    pub(crate) fn settle_scratch(&mut self) {
+        let mut wanted = [0u64; MAX_NC_COUNT as usize];
+        for (_, m) in self.models.iter() {
+            let c = m.charge.core as usize;
+            wanted[c] = wanted[c].max(m.charge.scratch);
+        }
+        for (core, (held, want)) in self.scratch_held.iter_mut().zip(wanted).enumerate() {
+            if *held > want {
+                release_hbm(core as u32, *held - want);
+                *held = want;
+            }
+        }
+    }
+
     /// `NRT_UNINITIALIZED` before `nrt_init`, `NRT_CLOSED` after `nrt_close`.
     pub(crate) fn require_running(&self, call: &str) -> Res<()> {
         match self.phase {
@@ -261,6 +321,9 @@ impl State {
                     handle: h.0,
                     name: m.name.clone(),
                     executions: m.executions,
+                    core: m.charge.core,
+                    private_bytes: m.charge.private,
+                    scratch_bytes: m.charge.scratch,
                 })
                 .collect(),
             execute_calls: s.execute_calls,
@@ -277,6 +340,7 @@ impl State {
                     used: HBM_USED[core as usize].load(Ordering::SeqCst),
                     peak: HBM_PEAK[core as usize].load(Ordering::SeqCst),
                     capacity: self.config.hbm_bytes,
+                    scratch: self.scratch_held[core as usize],
                 })
                 .collect(),
         }

@@ -156,6 +156,8 @@ pub(crate) enum Io {
     Read,
     /// `nrt_tensor_write` (counted in `tensor_bytes_written`).
     Write,
+    /// `nrt_tensor_memset`: set on the device, no bytes cross the bus (not counted).
+    Fill,
 }
 
 /// A checked byte range of one tensor's storage, for one read or write. It holds the
@@ -182,10 +184,13 @@ impl Window {
         check_range(call, offset, size, t.size)?;
         let (storage, start, name) = (Arc::clone(&t.storage), t.offset + offset, t.name.clone());
         let map = match io {
-            Io::Read => &mut st.stats.bytes_read,
-            Io::Write => &mut st.stats.bytes_written,
+            Io::Read => Some(&mut st.stats.bytes_read),
+            Io::Write => Some(&mut st.stats.bytes_written),
+            Io::Fill => None,
         };
-        *map.entry(name).or_default() += size as u64;
+        if let Some(map) = map {
+            *map.entry(name).or_default() += size as u64;
+        }
         Ok(Window {
             storage,
             start,

@@ -522,10 +522,15 @@ fn collectives_load_as_ranks_of_a_group_and_meet_at_execution() {
     std::env::set_var("NEURON_RT_ROOT_COMM_ID", "localhost:61234");
     assert_eq!(status(load(0, 0, 3)), Some(sys::NRT_INVALID));
 
-    let r0 = load(0, 0, 2).unwrap();
-    // Device 0's seat is taken.
+    // Both ranks load at once: each load returns only when the other has entered it.
+    let (r0, r1) = std::thread::scope(|s| {
+        let r1 = s.spawn(|| load(1, 1, 2));
+        (load(0, 0, 2).unwrap(), r1.join().unwrap().unwrap())
+    });
+    // Device 0's seat is taken: refused at once, not after the bootstrap's wait.
+    let t = std::time::Instant::now();
     assert_eq!(status(load(1, 0, 2)), Some(sys::NRT_INVALID));
-    let r1 = load(1, 1, 2).unwrap();
+    assert!(t.elapsed() < std::time::Duration::from_secs(5));
 
     let bind = |core: u32, vals: &[f32]| {
         let x = Tensor::device(&rt, core, 12, "x").unwrap();
@@ -552,4 +557,75 @@ fn collectives_load_as_ranks_of_a_group_and_meet_at_execution() {
         assert_eq!(f32s(&y0.read_vec(0, 12).unwrap()), [11.0, 22.0, 33.0]);
         assert_eq!(f32s(&y1.read_vec(0, 12).unwrap()), [11.0, 22.0, 33.0]);
     }
+}
+
+#[test]
+fn a_collectives_load_waits_for_every_rank_and_times_out_naming_the_missing() {
+    nrt_sim::run_test_in_child(
+        "child_bootstrap_timeout",
+        &[(nrt_sim::ENV_COLLECTIVE_TIMEOUT_MS, "300")],
+    );
+}
+
+#[test]
+#[ignore = "runs in a child process started by its parent test"]
+fn child_bootstrap_timeout() {
+    if !nrt_sim::is_fault_child() {
+        return a_collectives_load_waits_for_every_rank_and_times_out_naming_the_missing();
+    }
+    let sim = Sim::open();
+    let rt = sim.runtime();
+    let neff = all_reduce_neff();
+    std::env::set_var("NEURON_RT_ROOT_COMM_ID", "localhost:61234");
+    let load = |core: u32, id: u32| Model::load_collectives(&rt, &neff, Some(core), None, id, 2);
+
+    // One rank alone, as a runner loading its ranks one after another would: libnrt's
+    // bootstrap waits for rank 1 (forever, aws-neuron-sdk#699); nrt-sim gives up.
+    let t = std::time::Instant::now();
+    let err = load(0, 0).unwrap_err();
+    assert_eq!(err.status_code(), Some(sys::NRT_TIMEOUT), "{err}");
+    assert!(t.elapsed() >= std::time::Duration::from_millis(300));
+    let last = sim.counters().last_error.unwrap();
+    assert!(
+        last.contains("device(s) 1 ") && last.contains("localhost:61234"),
+        "{last}"
+    );
+    // The same ranks loaded concurrently meet, and the group executes.
+    let (r0, r1) = std::thread::scope(|s| {
+        let r1 = s.spawn(|| load(1, 1));
+        (load(0, 0).unwrap(), r1.join().unwrap().unwrap())
+    });
+    drop((r0, r1));
+
+    // Four ranks of which one never comes: the three that did each name it.
+    let neff4 = {
+        use deepinfer::graph::{DType, GraphBuilder, InputRole, ReduceOp};
+        let b = GraphBuilder::new("sum4");
+        let x = b
+            .input("x", InputRole::Metadata, vec![3], DType::F32)
+            .unwrap();
+        b.output("y", &x.all_reduce(ReduceOp::Sum, 4).unwrap())
+            .unwrap();
+        common::neff_of(&deepinfer::backend::hlo::emit::to_bytes(
+            &deepinfer::backend::hlo::emit::emit(&b.finish().unwrap()).unwrap(),
+        ))
+    };
+    let errs: Vec<String> = std::thread::scope(|s| {
+        let ranks: Vec<_> = [0u32, 1, 3]
+            .into_iter()
+            .map(|id| {
+                let (rt, neff4) = (&rt, &neff4);
+                s.spawn(move || Model::load_collectives(rt, neff4, Some(id % 2), None, id, 4))
+            })
+            .collect();
+        ranks
+            .into_iter()
+            .map(|h| h.join().unwrap().unwrap_err().to_string())
+            .collect()
+    });
+    for e in errs {
+        assert!(e.contains("NRT_TIMEOUT"), "{e}");
+    }
+    let last = sim.counters().last_error.unwrap();
+    assert!(last.contains("device(s) 2 "), "{last}");
 }

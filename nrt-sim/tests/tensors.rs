@@ -121,6 +121,39 @@ fn allocate_write_read_slice_and_bind() {
 }
 
 #[test]
+fn memset_sets_bytes_on_the_device_and_sends_none_over_the_bus() {
+    let _g = serial();
+    let sim = Sim::open();
+    sim.hooks.reset();
+    let rt = sim.runtime();
+    let t = Tensor::device(&rt, 0, 64, "zeroed").unwrap();
+    // Fresh device memory is not cleared: nrt_tensor_memset is what clears it.
+    assert_eq!(t.read_vec(0, 64).unwrap(), vec![nrt_sim::FILL_BYTE; 64]);
+    t.fill(8, 0, 16).unwrap();
+    let mut want = vec![nrt_sim::FILL_BYTE; 64];
+    want[8..24].fill(0);
+    assert_eq!(t.read_vec(0, 64).unwrap(), want);
+    // Through a slice, at the slice's offset; C's memset takes the value's low byte.
+    let s = t.slice(32, 16).unwrap();
+    let memset = sim.api().nrt_tensor_memset.expect("nrt_tensor_memset");
+    // SAFETY: a live tensor handle of nrt-sim; the range lies within it.
+    let status = unsafe { memset(s.as_raw(), 4, 0x1AB, 4) };
+    assert_eq!(status, OK);
+    want[36..40].fill(0xAB);
+    assert_eq!(t.read_vec(0, 64).unwrap(), want);
+    // SAFETY: as above; the range is checked by nrt-sim, not dereferenced.
+    let status = unsafe { memset(t.as_raw(), 60, 0, 8) };
+    assert_eq!(status, sys::NRT_INVALID, "past the end");
+    assert!(
+        t.fill(60, 0, 8).is_err(),
+        "the safe level checks the range too"
+    );
+    let c = sim.counters();
+    assert_eq!(c.bytes_written("zeroed"), 0, "nothing crossed the bus");
+    assert_eq!(c.bytes_written("zeroed[32..48]"), 0);
+}
+
+#[test]
 fn misuse_is_a_status_never_a_crash() {
     let _g = serial();
     let sim = Sim::open();

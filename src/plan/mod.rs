@@ -43,7 +43,8 @@
 //! - outputs: `next_tokens` and f32 logits `[max_batch, vocab / N]` (decode) and
 //!   `[chunk, vocab / N]` (prefill; its `next_tokens` at the widest packing): each rank's
 //!   logits are its vocabulary slice's (`model::vocab`);
-//! - NEFF code and scratchpad: an estimate, see [`neff`].
+//! - NEFF code and scratchpad: from each bucket's graph, partly computed and partly guessed,
+//!   see [`neff`].
 //!
 //! # Host RAM while loading
 //!
@@ -69,7 +70,7 @@ use std::str::FromStr;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::graph::DType;
-use crate::model::{DTypeChoice, Quantize};
+use crate::model::{DTypeChoice, Precision, Quantize};
 use crate::runner::{Buckets, Limits};
 
 pub use self::bytes::WeightFormat;
@@ -200,6 +201,9 @@ pub struct PlanOptions {
     /// The checkpoint's float dtype when known (what `--dtype auto` means); `None` falls back
     /// to config.json's `torch_dtype`, then f32, as the runner does.
     pub saved_dtype: Option<DType>,
+    /// `--split-sampler`: decode buckets captured as a forward pass and a sampling graph
+    /// (more NEFFs, each smaller).
+    pub split_sampler: bool,
 }
 
 impl Default for PlanOptions {
@@ -219,6 +223,7 @@ impl Default for PlanOptions {
             kv_blocks: KvBlocks::Default,
             hbm_utilization: DEFAULT_HBM_UTILIZATION,
             saved_dtype: None,
+            split_sampler: false,
         }
     }
 }
@@ -314,6 +319,8 @@ pub struct Plan {
     pub budget_per_core: u64,
     /// The host while loading.
     pub host: HostPeak,
+    /// Each NEFF's estimated footprint on a core, in the order a capture builds them.
+    pub neffs: Vec<neff::GraphFootprint>,
     per_core: Vec<CoreBytes>,
 }
 
@@ -355,14 +362,26 @@ impl Plan {
             prefill_seqs: opts.prefill_seqs,
             ..Limits::new(opts.max_batch, opts.max_len)
         };
-        let rc = limits.runner_config(cfg)?;
+        let tp = opts.tp;
+        let mut rc = limits.runner_config(cfg)?;
+        rc.tp = tp;
+        rc.kv_dtype = kv_dtype;
         let buckets = rc.buckets.clone();
         let block_size = rc.block_size;
         let min_kv_blocks = buckets.max_len().div_ceil(block_size) + 1;
 
-        let tp = opts.tp;
         let entries = experts_entries(cfg, weights, opts.experts, checkpoint, tp);
-        let est = neff::estimate(cfg, tp, &buckets, opts.instance);
+        // The graphs as the runner would build them: fp8 checkpoints are dequantized to bf16
+        // at load, so their graphs are bf16's.
+        let precision = Precision {
+            weights: match weights {
+                WeightFormat::Float(d) => d,
+                WeightFormat::Fp8Block(_) => DType::BF16,
+            },
+            kv_cache: kv_dtype,
+            quantize: quantize_of(opts.experts),
+        };
+        let est = neff::estimate(cfg, &precision, &rc, opts.instance, opts.split_sampler)?;
         let (metadata, outputs) = metadata_and_outputs(cfg, &buckets, block_size, tp);
         // A block's slots in every cache root: the latents and (V3.2) the index keys.
         let block_bytes = (block_size
@@ -432,6 +451,7 @@ impl Plan {
             replicated_bytes: bytes::replicated_bytes(&entries),
             budget_per_core,
             host,
+            neffs: est.graphs,
             per_core,
         })
     }
@@ -503,6 +523,15 @@ pub fn auto_kv_blocks(cfg: &ModelConfig, opts: &PlanOptions) -> Result<usize> {
     Ok(Plan::compute(cfg, &opts)?.kv_blocks)
 }
 
+/// The runner's quantization for `experts` storage.
+fn quantize_of(experts: Experts) -> Quantize {
+    match experts {
+        Experts::AsWeights => Quantize::None,
+        Experts::Int8 => Quantize::ExpertsInt8,
+        Experts::Int4 => Quantize::ExpertsInt4,
+    }
+}
+
 /// The entries for `experts` storage.
 fn experts_entries(
     cfg: &ModelConfig,
@@ -511,12 +540,7 @@ fn experts_entries(
     checkpoint: WeightFormat,
     tp: usize,
 ) -> Vec<bytes::Entry> {
-    let quantize = match experts {
-        Experts::AsWeights => Quantize::None,
-        Experts::Int8 => Quantize::ExpertsInt8,
-        Experts::Int4 => Quantize::ExpertsInt4,
-    };
-    bytes::entries(cfg, weights, quantize, checkpoint, tp)
+    bytes::entries(cfg, weights, quantize_of(experts), checkpoint, tp)
 }
 
 /// Bytes of the persistent metadata buffers and outputs on one of `tp` ranks (see the module

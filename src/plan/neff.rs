@@ -1,106 +1,178 @@
-//! An estimate of the device memory the compiled graphs themselves take on each core: NEFF
-//! code (with its DMA rings) and the scratchpad for intermediates. Nothing here is measured on
-//! hardware; every figure is a rule of thumb with its source, printed as an estimate.
+//! The device memory the compiled graphs themselves take on each core, from the graphs: every
+//! bucket's graph is built as a capture would build it, lowered to HLO, and measured by
+//! [`footprint`] (code and DMA rings from the instruction estimate, the largest set of live
+//! intermediates, collectives buffers), the figure nrt-sim charges each load. Per core:
 //!
-//! # Code
+//! `code = 96 MiB x physical cores per rank + the sum of every NEFF's private bytes`
 //!
-//! The Neuron runtime's device-memory guide (aws-neuron-sdk
-//! `neuron-runtime/explore/device-memory.rst`) splits a core's HBM into tensors, model
-//! constants, model code (with "a micro-code overhead of 96MB per physical Neuron Core"),
-//! scratchpad, DMA rings, profile buffers and collectives; each loaded NEFF pays its own code
-//! and DMA rings, and only the scratchpad is shared. Our NEFFs carry no constants (weights are
-//! inputs), so per core:
+//! `scratchpad = the largest NEFF's scratch` (shared by the core's NEFFs since runtime 2.33)
 //!
-//! `code = 96 MiB x physical cores per rank + NEFFs x layers x` [`CODE_PER_LAYER`]
+//! What is computed and what is guessed is said in [`footprint`]: the scratchpad is computed
+//! from the graph (an upper bound under the stated assumptions); bytes per instruction and the
+//! collectives buffers are guesses; the first-contact report measures the real NEFF sizes.
 //!
-//! where [`CODE_PER_LAYER`] comes from the one public size of a whole-model NEFF with weights
-//! as inputs and no vocabulary-wide ArgMax: 40 MB for Llama-3.1-8B's 32 layers (ZML's prefill
-//! NEFF, aws-neuron-sdk#1210; its decode NEFF with an ArgMax was 800 MB, the reason our
-//! sampler avoids one). It is not scaled with tensor parallelism: a rank's graph has the same
-//! layers and ops on narrower tensors, and instruction counts shrink far less than bytes.
+//! # Layers by extrapolation
 //!
-//! # Scratchpad
-//!
-//! One layer's live f32 intermediates in the largest graph, the larger of decode at
-//! (max batch, longest context) and prefill at (chunk, longest context): the residual stream
-//! and its normalized copies (4 x `[rows, hidden]`), the query and the absorbed query
-//! (`[rows, heads/N, qk_head_dim + kv_lora_rank]`), the context latents gathered from the cache
-//! (`[seqs, ctx, kv_lora_rank + qk_rope_head_dim]`), the attention scores and probabilities
-//! (2 x `[rows, heads/N, ctx]`), prefill's naive keys and values
-//! (`[ctx, heads/N, qk_head_dim + v_head_dim]`), the all-experts MoE strategy's gate, up and
-//! activation (3 x `[E/N, rows, moe_intermediate]`), and the logits and the sampler's working
-//! copy over the rank's vocabulary slice (2 x `[rows, vocab/N]`; the split threshold search's
-//! `[rows, 15, vocab/N]` compares are taken to fuse into their sums). neuronx-cc tiles through
-//! SBUF and may need less; it may also keep more alive. Meant for a margin, not a prediction.
+//! A plan is made for many configurations (`suggest` tries each `--tp` and quantization), and
+//! a 61-layer V3 graph per bucket each time would take minutes. Every MoE layer of a model is
+//! the same graph, so each bucket's graph is built with the dense layers and one and two MoE
+//! periods (`first_k_dense_replace + moe_layer_freq` and `+ 2 x moe_layer_freq` layers), and
+//! the code and instructions are extrapolated linearly to the model's layers; the scratchpad
+//! (one layer's intermediates at a time) and the collectives buffers (the largest collective)
+//! do not grow with layers and are taken from the larger build. A model with no more layers
+//! than that is built whole.
 
+use crate::backend::hlo::emit;
+use crate::backend::neuron::footprint::{self, NeffFootprint, MICROCODE_PER_PHYSICAL_CORE};
 use crate::config::ModelConfig;
-use crate::runner::Buckets;
+use crate::error::Result;
+use crate::model::{self, GraphSpec, MoeStrategy, Precision, Sampler, WeightSpecs};
+use crate::runner::{Buckets, RunnerConfig, StepKind};
 
 use super::instance::Instance;
 
-/// The runtime's micro-code overhead per physical NeuronCore (device-memory.rst).
-pub const MICROCODE_PER_PHYSICAL_CORE: u64 = 96 << 20;
-
-/// NEFF code and DMA rings per layer of one whole-model NEFF: 40 MB / 32 layers
-/// (aws-neuron-sdk#1210, see the module docs).
-pub const CODE_PER_LAYER: u64 = 40_000_000 / 32;
+/// One bucket's graph and what its NEFF takes.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GraphFootprint {
+    /// The graph's name (`decode_b8_c2048`).
+    pub name: String,
+    /// Its footprint (extrapolated to the model's layers, see the module docs).
+    pub footprint: NeffFootprint,
+}
 
 /// The estimate for one core.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct NeffEstimate {
-    /// Code, DMA rings and micro-code of every NEFF loaded on the core.
+    /// Code, DMA rings and collectives buffers of every NEFF loaded on the core, and the
+    /// runtime's micro-code.
     pub code: u64,
-    /// The shared scratchpad.
+    /// The shared scratchpad: the largest NEFF's.
     pub scratchpad: u64,
+    /// Per graph, in the order a capture builds them.
+    pub graphs: Vec<GraphFootprint>,
 }
 
-/// The estimate for one rank of `tp` running `buckets` of `cfg` on `instance`.
+/// The graphs a capture of `buckets` builds for a rank of `tp`, with their MoE strategy and
+/// sampler: the device runner's rule (`MoeStrategy::for_tokens`), and with `split_sampler` a
+/// forward pass per decode bucket and a sampling graph per batch size.
+fn specs(
+    cfg: &ModelConfig,
+    buckets: &Buckets,
+    tp: usize,
+    split: bool,
+) -> Vec<(StepKind, GraphSpec)> {
+    let moe = |rows: usize| {
+        cfg.routing
+            .as_ref()
+            .map_or(MoeStrategy::Dense, |r| MoeStrategy::for_tokens(r, rows, tp))
+    };
+    let mut out: Vec<(StepKind, GraphSpec)> = buckets
+        .graphs()
+        .into_iter()
+        .map(|(kind, rows, seqs, ctx)| {
+            let spec = GraphSpec {
+                rows,
+                seqs,
+                ctx,
+                logits: kind.device_logits(),
+                moe: moe(rows),
+                sampler: match kind == StepKind::Decode && split {
+                    true => Sampler::Deferred,
+                    false => Sampler::Full,
+                },
+            };
+            (kind, spec)
+        })
+        .collect();
+    if split {
+        for &rows in &buckets.batch {
+            let spec = GraphSpec {
+                rows,
+                seqs: rows,
+                ctx: buckets.max_len(),
+                logits: StepKind::Sample.device_logits(),
+                moe: moe(rows),
+                sampler: Sampler::Full,
+            };
+            out.push((StepKind::Sample, spec));
+        }
+    }
+    out
+}
+
+/// The footprint of one bucket's graph of `cfg` (whole, at whatever layer count it has).
+fn footprint_of(
+    cfg: &ModelConfig,
+    precision: &Precision,
+    rc: &RunnerConfig,
+    kind: StepKind,
+    spec: &GraphSpec,
+) -> Result<(String, NeffFootprint)> {
+    let specs = WeightSpecs::sharded(cfg, precision, rc.tp)?;
+    let layout = rc.cache_layout();
+    let g = match kind {
+        StepKind::Decode => model::build_decode(cfg, &specs, &layout, spec)?,
+        StepKind::Prefill => model::build_prefill(cfg, &specs, &layout, spec)?,
+        StepKind::Sample => model::build_sample(cfg, &specs, &layout, spec.rows)?,
+    };
+    Ok((g.name().to_string(), footprint::of_module(&emit::emit(&g)?)))
+}
+
+/// The estimate for one rank of a capture of `rc` (its buckets, cache geometry and `tp`) of
+/// `cfg` in `precision` on `instance` (see the module docs).
 pub fn estimate(
     cfg: &ModelConfig,
-    tp: usize,
-    buckets: &Buckets,
+    precision: &Precision,
+    rc: &RunnerConfig,
     instance: Instance,
-) -> NeffEstimate {
+    split_sampler: bool,
+) -> Result<NeffEstimate> {
+    let layers = cfg.num_hidden_layers;
+    let period = cfg.moe_layer_freq.max(1);
+    let one = cfg.first_k_dense_replace + period;
+    let two = one + period;
+    let mut graphs = Vec::new();
+    let mut seen = std::collections::HashSet::new();
+    for (kind, spec) in specs(cfg, &rc.buckets, rc.tp, split_sampler) {
+        let (name, fp) = if cfg.routing.is_none() || layers <= two {
+            footprint_of(cfg, precision, rc, kind, &spec)?
+        } else {
+            let with = |n| {
+                let mut c = cfg.clone();
+                c.num_hidden_layers = n;
+                footprint_of(&c, precision, rc, kind, &spec)
+            };
+            let (name, a) = with(one)?;
+            let (_, b) = with(two)?;
+            let periods = (layers - one) as f64 / period as f64;
+            let grow = |x: u64, y: u64| x + (y.saturating_sub(x) as f64 * periods).round() as u64;
+            let instructions = grow(a.instructions, b.instructions);
+            let fp = NeffFootprint {
+                instructions,
+                code: grow(a.code, b.code),
+                scratch: a.scratch.max(b.scratch),
+                collectives: a.collectives.max(b.collectives),
+            };
+            (name, fp)
+        };
+        // A sampling graph is one NEFF shared by every context bucket.
+        if seen.insert(name.clone()) {
+            graphs.push(GraphFootprint {
+                name,
+                footprint: fp,
+            });
+        }
+    }
     let code = MICROCODE_PER_PHYSICAL_CORE * instance.physical_per_core()
-        + buckets.graph_count() as u64 * cfg.num_hidden_layers as u64 * CODE_PER_LAYER;
-    let ctx = buckets.max_len();
-    let decode = live_f32(
-        cfg,
-        tp,
-        buckets.max_batch(),
-        buckets.max_batch(),
-        ctx,
-        false,
-    );
-    let prefill = live_f32(cfg, tp, buckets.prefill_chunk, 1, ctx, true);
-    NeffEstimate {
+        + graphs.iter().map(|g| g.footprint.private()).sum::<u64>();
+    let scratchpad = graphs
+        .iter()
+        .map(|g| g.footprint.scratch)
+        .max()
+        .unwrap_or(0);
+    Ok(NeffEstimate {
         code,
-        scratchpad: 4 * decode.max(prefill),
-    }
-}
-
-/// f32 elements alive in one layer of a graph of `rows` tokens of `seqs` sequences over `ctx`.
-fn live_f32(
-    cfg: &ModelConfig,
-    tp: usize,
-    rows: usize,
-    seqs: usize,
-    ctx: usize,
-    naive: bool,
-) -> u64 {
-    let tp = tp.max(1);
-    let heads = cfg.num_attention_heads / tp;
-    let mut n = 4 * rows * cfg.hidden_size
-        + rows * heads * (cfg.qk_head_dim() + cfg.kv_lora_rank)
-        + seqs * ctx * (cfg.kv_cache_width() + cfg.index_cache_width())
-        + 2 * rows * heads * ctx
-        + rows * cfg.indexer.map_or(0, |ix| ix.n_heads) * ctx
-        + 2 * rows * (cfg.vocab_size / tp);
-    if naive {
-        n += ctx * heads * (cfg.qk_head_dim() + cfg.v_head_dim);
-    }
-    if let Some(r) = &cfg.routing {
-        n += 3 * (r.n_routed_experts / tp) * rows * cfg.moe_intermediate_size;
-    }
-    n as u64
+        scratchpad,
+        graphs,
+    })
 }

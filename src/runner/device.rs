@@ -221,7 +221,8 @@ pub struct CaptureStats {
     pub graphs: Vec<(String, Duration, usize)>,
     /// The whole capture, compile and load included.
     pub total: Duration,
-    /// Bytes written to the device at capture (weights, and zeroing the KV root).
+    /// Bytes written to the device from the host at capture: the weights (the cache roots are
+    /// zeroed on the device, see `nrt_tensor_memset`).
     pub bytes_uploaded: u64,
 }
 
@@ -246,6 +247,8 @@ impl MetaBuf {
 /// One loaded model and its bindings.
 struct Loaded {
     name: String,
+    /// How the graph evaluates its routed experts.
+    moe: MoeStrategy,
     model: Model,
     /// The NEFF names its tensors are bound under.
     names: NeffBinding,
@@ -499,6 +502,319 @@ fn dev(graph: &str) -> impl FnOnce(neuron_sys::Error) -> Error + '_ {
     }
 }
 
+/// What a rank's loading thread reads of its runner (see `DeviceRunner::load_every_rank`).
+struct RankLoader<'a> {
+    rt: &'a Runtime,
+    /// The NeuronCore of local rank 0.
+    first_nc: u32,
+    /// The global rank of local rank 0.
+    first_rank: usize,
+    rc: &'a RunnerConfig,
+    cfg: &'a ModelConfig,
+    layout: &'a CacheLayout,
+    /// Each local rank's weights.
+    weights: &'a [ModelWeights],
+}
+
+impl RankLoader<'_> {
+    /// Uploads local rank `local`'s weights to its NeuronCore, allocates its persistent
+    /// tensors and loads every graph on it (with `nrt_load_collectives` as global rank
+    /// `span.first + local` when the model is split).
+    fn allocate_and_load(
+        &self,
+        local: usize,
+        graphs: &[(StepKind, GraphSpec, Graph)],
+        neffs: &[&[u8]],
+        progress: &Progress,
+    ) -> Result<(RankState, u64)> {
+        const CAP: &str = "capture";
+        let rt = self.rt;
+        let nc = self.first_nc + local as u32;
+        let rc = self.rc;
+        let host_weights = &self.weights[local];
+        let mut uploaded = 0u64;
+
+        // Weights: once, under the graph input's name, each read (for streamed weights: from
+        // the checkpoint, this rank's shard only) and uploaded before the next is read.
+        let mut weights: HashMap<String, Tensor> = HashMap::new();
+        for (_, _, g) in graphs {
+            for decl in g.inputs().iter().filter(|d| d.role == InputRole::Weight) {
+                if weights.contains_key(&decl.name) {
+                    continue;
+                }
+                for (name, host) in host_weights.fetch(&decl.name)? {
+                    let Some(d) = g.inputs().iter().find(|d| d.name == name) else {
+                        continue;
+                    };
+                    let (t, n) = with_tensor_bytes(&host, d.dtype, |bytes| -> Result<_> {
+                        let t = Tensor::device(rt, nc, bytes.len(), &name).map_err(dev(CAP))?;
+                        t.write(0, bytes).map_err(dev(CAP))?;
+                        Ok((t, bytes.len() as u64))
+                    })??;
+                    uploaded += n;
+                    weights.insert(name, t);
+                }
+            }
+        }
+
+        // The cache roots, each zeroed once (device memory is not zeroed by the allocator), on
+        // the device: `nrt_tensor_memset` sends nothing over the bus, where host writes of
+        // zeros would send the whole root (about 124 GB for V2 at tp 32).
+        let mut roots = Vec::new();
+        for spec in model::cache_roots(self.cfg, self.layout) {
+            let root_bytes = spec.bytes() as usize;
+            let root = Tensor::device(rt, nc, root_bytes, spec.name).map_err(dev(CAP))?;
+            root.fill_or_write(0, 0, root_bytes).map_err(dev(CAP))?;
+            roots.push((spec.name, root));
+        }
+        let root_named = |name: &str, graph: &str| {
+            roots
+                .iter()
+                .find(|(n, _)| *n == name)
+                .map(|(_, t)| t.clone())
+                .ok_or_else(|| Error::Binding {
+                    name: name.to_string(),
+                    msg: format!("graph `{graph}`: the model keeps no cache root of that name"),
+                })
+        };
+
+        // Metadata buffers per ctx bucket, at the largest batch (decode) / the largest chunk
+        // packing the most sequences (prefill: every smaller prefill graph's inputs are
+        // prefixes of its, and only it and the other packed graphs read `seq_ids`).
+        let max_batch = rc.buckets.batch.iter().copied().max().unwrap_or(1);
+        let mut decode_meta = Vec::with_capacity(rc.buckets.ctx.len());
+        let mut prefill_meta = Vec::with_capacity(rc.buckets.ctx.len());
+        for &ctx in &rc.buckets.ctx {
+            let chunk = rc.buckets.prefill_chunk;
+            for (kind, rows, seqs, out) in [
+                (StepKind::Decode, max_batch, max_batch, &mut decode_meta),
+                (
+                    StepKind::Prefill,
+                    chunk,
+                    rc.buckets.packed_seqs(chunk, ctx),
+                    &mut prefill_meta,
+                ),
+            ] {
+                let g = graphs
+                    .iter()
+                    .find(|(k, s, _)| {
+                        *k == kind && s.rows == rows && s.seqs == seqs && s.ctx == ctx
+                    })
+                    .map(|(_, _, g)| g)
+                    .ok_or_else(|| Error::Binding {
+                        name: format!("{kind:?} rows {rows} seqs {seqs} ctx {ctx}"),
+                        msg: "no captured graph".into(),
+                    })?;
+                // A split decode step's sampling inputs are its sampling graph's.
+                let sample = graphs
+                    .iter()
+                    .find(|(k, s, _)| {
+                        kind == StepKind::Decode
+                            && *k == StepKind::Sample
+                            && s.rows == rows
+                            && s.ctx == ctx
+                    })
+                    .map(|(_, _, g)| g);
+                let prefix = match kind {
+                    StepKind::Decode | StepKind::Sample => "decode",
+                    StepKind::Prefill => "prefill",
+                };
+                let mut bufs: Vec<MetaBuf> = Vec::new();
+                let decls = g
+                    .inputs()
+                    .iter()
+                    .chain(sample.iter().flat_map(|g| g.inputs()));
+                for decl in decls.filter(|d| d.role == InputRole::Metadata) {
+                    if bufs.iter().any(|b| b.name == decl.name) {
+                        continue;
+                    }
+                    let dims = decl.shape.dims();
+                    let lead = dims.first().copied().unwrap_or(1).max(1);
+                    let total = dims.iter().product::<usize>() * decl.dtype.size_in_bytes();
+                    let name = inputs::by_name(&decl.name).ok_or_else(|| Error::Binding {
+                        name: decl.name.clone(),
+                        msg: format!("graph `{}`: unknown metadata input", g.name()),
+                    })?;
+                    let tensor = Tensor::device(rt, nc, total, &format!("{prefix}_c{ctx}/{name}"))
+                        .map_err(dev(CAP))?;
+                    bufs.push(MetaBuf {
+                        name,
+                        tensor,
+                        row_bytes: total / lead,
+                        ones: Arc::new(AtomicUsize::new(0)),
+                    });
+                }
+                out.push(bufs);
+            }
+        }
+
+        // Persistent outputs; the logits are this rank's vocabulary slice's columns.
+        let vocab = self.cfg.vocab_size / rc.tp;
+        let t = rc.buckets.prefill_chunk;
+        let decode_next =
+            Tensor::device(rt, nc, max_batch * 4, "decode/next_tokens").map_err(dev(CAP))?;
+        let decode_logits =
+            Tensor::device(rt, nc, max_batch * vocab * 4, "decode/logits").map_err(dev(CAP))?;
+        let max_packed = rc
+            .buckets
+            .ctx
+            .iter()
+            .map(|&c| rc.buckets.packed_seqs(t, c))
+            .max()
+            .unwrap_or(1);
+        let prefill_next =
+            Tensor::device(rt, nc, max_packed * 4, "prefill/next_tokens").map_err(dev(CAP))?;
+        let prefill_logits =
+            Tensor::device(rt, nc, t * vocab * 4, "prefill/logits").map_err(dev(CAP))?;
+
+        let mut loaded = HashMap::new();
+        for (done, ((kind, spec, g), neff)) in graphs.iter().zip(neffs).enumerate() {
+            let name = g.name();
+            progress.update(done, name);
+            let ctx_index = rc
+                .buckets
+                .ctx
+                .iter()
+                .position(|&c| c == spec.ctx)
+                .unwrap_or(0);
+            let meta = match kind {
+                StepKind::Decode | StepKind::Sample => &decode_meta[ctx_index],
+                StepKind::Prefill => &prefill_meta[ctx_index],
+            };
+            let model = match rc.tp {
+                1 => Model::load(rt, neff, Some(nc), None),
+                tp => Model::load_collectives(
+                    rt,
+                    neff,
+                    Some(nc),
+                    None,
+                    (self.first_rank + local) as u32,
+                    tp as u32,
+                ),
+            }
+            .map_err(dev(name))?;
+            let (names, in_sizes, out_sizes) = reported_io(&model, g)?;
+            let mut inputs = TensorSet::new(rt).map_err(dev(name))?;
+            for (k, decl) in g.inputs().iter().enumerate() {
+                let want = decl.shape.dims().iter().product::<usize>() * decl.dtype.size_in_bytes();
+                let t = match decl.role {
+                    InputRole::Weight => {
+                        weights
+                            .get(&decl.name)
+                            .cloned()
+                            .ok_or_else(|| Error::Binding {
+                                name: decl.name.clone(),
+                                msg: format!("graph `{name}`: weight not uploaded"),
+                            })?
+                    }
+                    InputRole::CacheRoot => root_named(&decl.name, name)?,
+                    // The logits the step's forward graph left (see "Split sampling").
+                    InputRole::Carried if decl.name == model::STEP_LOGITS => {
+                        first_bytes(&decode_logits, spec.rows * vocab * 4, name)?
+                    }
+                    InputRole::Carried => {
+                        return Err(Error::Binding {
+                            name: decl.name.clone(),
+                            msg: format!("graph `{name}`: no graph leaves that input"),
+                        })
+                    }
+                    InputRole::Metadata => {
+                        let buf = meta.iter().find(|b| b.name == decl.name).ok_or_else(|| {
+                            Error::Binding {
+                                name: decl.name.clone(),
+                                msg: format!("graph `{name}`: no metadata buffer"),
+                            }
+                        })?;
+                        first_bytes(&buf.tensor, want, name)?
+                    }
+                };
+                if t.size() != want {
+                    return Err(Error::Binding {
+                        name: decl.name.clone(),
+                        msg: format!(
+                            "graph `{name}` needs {want} bytes, the device tensor has {}",
+                            t.size()
+                        ),
+                    });
+                }
+                check_size(
+                    name,
+                    "input",
+                    &names.inputs[k],
+                    in_sizes.get(&names.inputs[k]),
+                    &t,
+                )?;
+                inputs.add(&names.inputs[k], &t).map_err(dev(name))?;
+            }
+            let mut outputs = TensorSet::new(rt).map_err(dev(name))?;
+            for (k, decl) in g.outputs().iter().enumerate() {
+                let t = match (kind, decl.name.as_str()) {
+                    // An updated cache root: the same tensor as the input it aliases.
+                    _ if decl.aliases.is_some() => root_named(&decl.name, name)?,
+                    (StepKind::Decode | StepKind::Sample, "next_tokens") => {
+                        first_bytes(&decode_next, spec.rows * 4, name)?
+                    }
+                    (StepKind::Decode, "logits") => {
+                        first_bytes(&decode_logits, spec.rows * vocab * 4, name)?
+                    }
+                    (StepKind::Prefill, "next_tokens") => {
+                        first_bytes(&prefill_next, spec.seqs * 4, name)?
+                    }
+                    (StepKind::Prefill, "logits") => {
+                        first_bytes(&prefill_logits, spec.rows * vocab * 4, name)?
+                    }
+                    (_, other) => {
+                        return Err(Error::Binding {
+                            name: other.to_string(),
+                            msg: format!("graph `{name}`: unexpected output"),
+                        })
+                    }
+                };
+                let neff_name = &names.outputs[k];
+                check_size(name, "output", neff_name, out_sizes.get(neff_name), &t)?;
+                outputs.add(neff_name, &t).map_err(dev(name))?;
+            }
+            loaded.insert(
+                (*kind, spec.rows, spec.seqs, spec.ctx),
+                Loaded {
+                    name: name.to_string(),
+                    moe: spec.moe,
+                    model,
+                    names,
+                    inputs,
+                    outputs,
+                    ctx_index,
+                },
+            );
+        }
+        Ok((
+            RankState {
+                graphs: loaded,
+                decode_meta,
+                prefill_meta,
+                decode_next,
+                decode_logits,
+                prefill_next,
+                prefill_logits,
+                roots,
+                weights,
+            },
+            uploaded,
+        ))
+    }
+}
+
+/// A device error of rank `rank`'s capture, saying which rank and NeuronCore it came from.
+fn on_rank(e: Error, rank: usize, nc: u32) -> Error {
+    match e {
+        Error::Device { graph, source } => Error::Device {
+            graph: format!("{graph} (rank {rank}, NeuronCore {nc})"),
+            source,
+        },
+        e => e,
+    }
+}
+
 fn host_bytes(a: &HostArray) -> &[u8] {
     match &a.data {
         HostData::I32(v) => bytemuck::cast_slice(v),
@@ -662,6 +978,17 @@ impl DeviceRunner {
             .map(|l| &l.names)
     }
 
+    /// The MoE strategy loaded graph `graph` was built with, or `None` when no such graph is
+    /// captured. Tests use it to see that nrt-sim runs both strategies where a device would.
+    pub fn moe_strategy(&self, graph: &str) -> Option<MoeStrategy> {
+        let st = self.state.as_ref()?;
+        st.first
+            .graphs
+            .values()
+            .find(|l| l.name == graph)
+            .map(|l| l.moe)
+    }
+
     /// Names of the loaded graphs, largest first.
     pub fn graph_names(&self) -> Vec<String> {
         self.stats
@@ -675,12 +1002,12 @@ impl DeviceRunner {
         if let Some(m) = self.runner_cfg.moe {
             return m;
         }
-        match (&self.opts.neff, &self.cfg.routing) {
-            // The simulator runs on the CPU backend, where the gather wins (see CpuRunner).
-            (NeffSource::Sim(_), _) | (_, None) => MoeStrategy::Gather,
-            (NeffSource::Compile(_), Some(r)) => {
-                MoeStrategy::for_tokens(r, tokens, self.runner_cfg.tp)
-            }
+        // One rule for nrt-sim and the device: the simulator runs the graphs a trn1 would, so a
+        // Dense-strategy graph is tested wherever a device would capture one (the CPU backend
+        // under the simulator would be faster with the gather, but that is not what ships).
+        match &self.cfg.routing {
+            None => MoeStrategy::Gather,
+            Some(r) => MoeStrategy::for_tokens(r, tokens, self.runner_cfg.tp),
         }
     }
 
@@ -786,9 +1113,7 @@ impl DeviceRunner {
             graphs.len(),
             &format!("loading {} models, uploading weights", graphs.len()),
         );
-        let loaded = (0..self.span.count)
-            .map(|i| self.allocate_and_load(i, &graphs, &neffs))
-            .collect::<Result<Vec<_>>>();
+        let loaded = self.load_every_rank(&graphs, &neffs);
         drop(progress);
         let loaded = loaded?;
         let uploaded = loaded.iter().map(|(_, n)| n).sum();
@@ -811,292 +1136,94 @@ impl DeviceRunner {
         Ok(())
     }
 
-    /// Uploads local rank `local`'s weights to its NeuronCore, allocates its persistent
-    /// tensors and loads every graph on it (with `nrt_load_collectives` as global rank
-    /// `span.first + local` when the model is split).
-    fn allocate_and_load(
+    /// Runs [`Self::allocate_and_load`] for every local rank at once, each on its own thread.
+    ///
+    /// Concurrency is required, not an optimisation: `nrt_load_collectives` bootstraps the
+    /// collectives communicator inside the call and returns only once every rank of the group
+    /// has entered it (a serial loop waits in rank 0's first load forever on a trn1,
+    /// aws-neuron-sdk#699; nrt-sim fails it with `NRT_TIMEOUT`). The ranks of the other
+    /// instances load at the same time in their own processes. Each rank shows a progress bar
+    /// (weights, then each model loaded); of the ranks that failed, the error reported is the first
+    /// that is not a bootstrap timeout (a rank whose load failed leaves the others waiting for
+    /// it until they time out), naming the rank, its NeuronCore and the graph.
+    fn load_every_rank(
         &self,
-        local: usize,
         graphs: &[(StepKind, GraphSpec, Graph)],
         neffs: &[&[u8]],
-    ) -> Result<(RankState, u64)> {
-        const CAP: &str = "capture";
-        let rt = &self.rt;
-        let nc = self.opts.nc + local as u32;
-        let rc = &self.runner_cfg;
-        let host_weights = &self.weights[local];
-        let mut uploaded = 0u64;
-
-        // Weights: once, under the graph input's name, each read (for streamed weights: from
-        // the checkpoint, this rank's shard only) and uploaded before the next is read.
-        let mut weights: HashMap<String, Tensor> = HashMap::new();
-        for (_, _, g) in graphs {
-            for decl in g.inputs().iter().filter(|d| d.role == InputRole::Weight) {
-                if weights.contains_key(&decl.name) {
-                    continue;
-                }
-                for (name, host) in host_weights.fetch(&decl.name)? {
-                    let Some(d) = g.inputs().iter().find(|d| d.name == name) else {
-                        continue;
-                    };
-                    let (t, n) = with_tensor_bytes(&host, d.dtype, |bytes| -> Result<_> {
-                        let t = Tensor::device(rt, nc, bytes.len(), &name).map_err(dev(CAP))?;
-                        t.write(0, bytes).map_err(dev(CAP))?;
-                        Ok((t, bytes.len() as u64))
-                    })??;
-                    uploaded += n;
-                    weights.insert(name, t);
-                }
-            }
-        }
-
-        // The cache roots, each zeroed once (device memory is not zeroed by the allocator).
-        let mut roots = Vec::new();
-        for spec in model::cache_roots(&self.cfg, &self.layout) {
-            let root_bytes = spec.bytes() as usize;
-            let root = Tensor::device(rt, nc, root_bytes, spec.name).map_err(dev(CAP))?;
-            let zeros = vec![0u8; root_bytes.min(1 << 20)];
-            let mut off = 0;
-            while off < root_bytes {
-                let n = zeros.len().min(root_bytes - off);
-                root.write(off, &zeros[..n]).map_err(dev(CAP))?;
-                off += n;
-            }
-            uploaded += root_bytes as u64;
-            roots.push((spec.name, root));
-        }
-        let root_named = |name: &str, graph: &str| {
-            roots
-                .iter()
-                .find(|(n, _)| *n == name)
-                .map(|(_, t)| t.clone())
-                .ok_or_else(|| Error::Binding {
-                    name: name.to_string(),
-                    msg: format!("graph `{graph}`: the model keeps no cache root of that name"),
-                })
+    ) -> Result<Vec<(RankState, u64)>> {
+        // What the loading threads share: the runner's configuration, not the runner (whose
+        // captured state is not `Sync`).
+        let loader = RankLoader {
+            rt: &self.rt,
+            first_nc: self.opts.nc,
+            first_rank: self.span.first,
+            rc: &self.runner_cfg,
+            cfg: &self.cfg,
+            layout: &self.layout,
+            weights: &self.weights,
         };
-
-        // Metadata buffers per ctx bucket, at the largest batch (decode) / the largest chunk
-        // packing the most sequences (prefill: every smaller prefill graph's inputs are
-        // prefixes of its, and only it and the other packed graphs read `seq_ids`).
-        let max_batch = rc.buckets.batch.iter().copied().max().unwrap_or(1);
-        let mut decode_meta = Vec::with_capacity(rc.buckets.ctx.len());
-        let mut prefill_meta = Vec::with_capacity(rc.buckets.ctx.len());
-        for &ctx in &rc.buckets.ctx {
-            let chunk = rc.buckets.prefill_chunk;
-            for (kind, rows, seqs, out) in [
-                (StepKind::Decode, max_batch, max_batch, &mut decode_meta),
-                (
-                    StepKind::Prefill,
-                    chunk,
-                    rc.buckets.packed_seqs(chunk, ctx),
-                    &mut prefill_meta,
-                ),
-            ] {
-                let g = graphs
-                    .iter()
-                    .find(|(k, s, _)| {
-                        *k == kind && s.rows == rows && s.seqs == seqs && s.ctx == ctx
-                    })
-                    .map(|(_, _, g)| g)
-                    .ok_or_else(|| Error::Binding {
-                        name: format!("{kind:?} rows {rows} seqs {seqs} ctx {ctx}"),
-                        msg: "no captured graph".into(),
-                    })?;
-                // A split decode step's sampling inputs are its sampling graph's.
-                let sample = graphs
-                    .iter()
-                    .find(|(k, s, _)| {
-                        kind == StepKind::Decode
-                            && *k == StepKind::Sample
-                            && s.rows == rows
-                            && s.ctx == ctx
-                    })
-                    .map(|(_, _, g)| g);
-                let prefix = match kind {
-                    StepKind::Decode | StepKind::Sample => "decode",
-                    StepKind::Prefill => "prefill",
-                };
-                let mut bufs: Vec<MetaBuf> = Vec::new();
-                let decls = g
-                    .inputs()
-                    .iter()
-                    .chain(sample.iter().flat_map(|g| g.inputs()));
-                for decl in decls.filter(|d| d.role == InputRole::Metadata) {
-                    if bufs.iter().any(|b| b.name == decl.name) {
-                        continue;
-                    }
-                    let dims = decl.shape.dims();
-                    let lead = dims.first().copied().unwrap_or(1).max(1);
-                    let total = dims.iter().product::<usize>() * decl.dtype.size_in_bytes();
-                    let name = inputs::by_name(&decl.name).ok_or_else(|| Error::Binding {
-                        name: decl.name.clone(),
-                        msg: format!("graph `{}`: unknown metadata input", g.name()),
-                    })?;
-                    let tensor = Tensor::device(rt, nc, total, &format!("{prefix}_c{ctx}/{name}"))
-                        .map_err(dev(CAP))?;
-                    bufs.push(MetaBuf {
-                        name,
-                        tensor,
-                        row_bytes: total / lead,
-                        ones: Arc::new(AtomicUsize::new(0)),
-                    });
-                }
-                out.push(bufs);
-            }
-        }
-
-        // Persistent outputs; the logits are this rank's vocabulary slice's columns.
-        let vocab = self.cfg.vocab_size / rc.tp;
-        let t = rc.buckets.prefill_chunk;
-        let decode_next =
-            Tensor::device(rt, nc, max_batch * 4, "decode/next_tokens").map_err(dev(CAP))?;
-        let decode_logits =
-            Tensor::device(rt, nc, max_batch * vocab * 4, "decode/logits").map_err(dev(CAP))?;
-        let max_packed = rc
-            .buckets
-            .ctx
-            .iter()
-            .map(|&c| rc.buckets.packed_seqs(t, c))
-            .max()
-            .unwrap_or(1);
-        let prefill_next =
-            Tensor::device(rt, nc, max_packed * 4, "prefill/next_tokens").map_err(dev(CAP))?;
-        let prefill_logits =
-            Tensor::device(rt, nc, t * vocab * 4, "prefill/logits").map_err(dev(CAP))?;
-
-        let mut loaded = HashMap::new();
-        for ((kind, spec, g), neff) in graphs.iter().zip(neffs) {
-            let name = g.name();
-            let ctx_index = rc
-                .buckets
-                .ctx
-                .iter()
-                .position(|&c| c == spec.ctx)
-                .unwrap_or(0);
-            let meta = match kind {
-                StepKind::Decode | StepKind::Sample => &decode_meta[ctx_index],
-                StepKind::Prefill => &prefill_meta[ctx_index],
-            };
-            let model = match rc.tp {
-                1 => Model::load(rt, neff, Some(nc), None),
-                tp => Model::load_collectives(
-                    rt,
-                    neff,
-                    Some(nc),
-                    None,
-                    (self.span.first + local) as u32,
-                    tp as u32,
-                ),
-            }
-            .map_err(dev(name))?;
-            let (names, in_sizes, out_sizes) = reported_io(&model, g)?;
-            let mut inputs = TensorSet::new(rt).map_err(dev(name))?;
-            for (k, decl) in g.inputs().iter().enumerate() {
-                let want = decl.shape.dims().iter().product::<usize>() * decl.dtype.size_in_bytes();
-                let t = match decl.role {
-                    InputRole::Weight => {
-                        weights
-                            .get(&decl.name)
-                            .cloned()
-                            .ok_or_else(|| Error::Binding {
-                                name: decl.name.clone(),
-                                msg: format!("graph `{name}`: weight not uploaded"),
-                            })?
-                    }
-                    InputRole::CacheRoot => root_named(&decl.name, name)?,
-                    // The logits the step's forward graph left (see "Split sampling").
-                    InputRole::Carried if decl.name == model::STEP_LOGITS => {
-                        first_bytes(&decode_logits, spec.rows * vocab * 4, name)?
-                    }
-                    InputRole::Carried => {
-                        return Err(Error::Binding {
-                            name: decl.name.clone(),
-                            msg: format!("graph `{name}`: no graph leaves that input"),
-                        })
-                    }
-                    InputRole::Metadata => {
-                        let buf = meta.iter().find(|b| b.name == decl.name).ok_or_else(|| {
-                            Error::Binding {
-                                name: decl.name.clone(),
-                                msg: format!("graph `{name}`: no metadata buffer"),
+        let loader = &loader;
+        let results: Vec<Result<(RankState, u64)>> = std::thread::scope(|s| {
+            let handles: Vec<_> = (0..self.span.count)
+                .map(|local| {
+                    let rank = self.span.first + local;
+                    let nc = self.opts.nc + local as u32;
+                    std::thread::Builder::new()
+                        .name(format!("load-rank-{rank}"))
+                        .spawn_scoped(s, move || {
+                            let t = Instant::now();
+                            // A bar per rank: weights uploaded, then each model loaded.
+                            let progress = Progress::start(
+                                &format!("rank {rank} (NeuronCore {nc}): loading"),
+                                graphs.len(),
+                            );
+                            progress.update(0, "uploading weights");
+                            let r = loader
+                                .allocate_and_load(local, graphs, neffs, &progress)
+                                .map_err(|e| on_rank(e, rank, nc));
+                            if let Ok((_, bytes)) = &r {
+                                tracing::debug!(
+                                    "rank {rank} (NeuronCore {nc}): {} models loaded, {:.2} GB \
+                                     uploaded in {:.1} s",
+                                    graphs.len(),
+                                    *bytes as f64 / 1e9,
+                                    t.elapsed().as_secs_f64()
+                                );
                             }
-                        })?;
-                        first_bytes(&buf.tensor, want, name)?
-                    }
-                };
-                if t.size() != want {
-                    return Err(Error::Binding {
-                        name: decl.name.clone(),
-                        msg: format!(
-                            "graph `{name}` needs {want} bytes, the device tensor has {}",
-                            t.size()
-                        ),
-                    });
-                }
-                check_size(
-                    name,
-                    "input",
-                    &names.inputs[k],
-                    in_sizes.get(&names.inputs[k]),
-                    &t,
-                )?;
-                inputs.add(&names.inputs[k], &t).map_err(dev(name))?;
-            }
-            let mut outputs = TensorSet::new(rt).map_err(dev(name))?;
-            for (k, decl) in g.outputs().iter().enumerate() {
-                let t = match (kind, decl.name.as_str()) {
-                    // An updated cache root: the same tensor as the input it aliases.
-                    _ if decl.aliases.is_some() => root_named(&decl.name, name)?,
-                    (StepKind::Decode | StepKind::Sample, "next_tokens") => {
-                        first_bytes(&decode_next, spec.rows * 4, name)?
-                    }
-                    (StepKind::Decode, "logits") => {
-                        first_bytes(&decode_logits, spec.rows * vocab * 4, name)?
-                    }
-                    (StepKind::Prefill, "next_tokens") => {
-                        first_bytes(&prefill_next, spec.seqs * 4, name)?
-                    }
-                    (StepKind::Prefill, "logits") => {
-                        first_bytes(&prefill_logits, spec.rows * vocab * 4, name)?
-                    }
-                    (_, other) => {
-                        return Err(Error::Binding {
-                            name: other.to_string(),
-                            msg: format!("graph `{name}`: unexpected output"),
+                            r
                         })
-                    }
-                };
-                let neff_name = &names.outputs[k];
-                check_size(name, "output", neff_name, out_sizes.get(neff_name), &t)?;
-                outputs.add(neff_name, &t).map_err(dev(name))?;
+                })
+                .collect();
+            handles
+                .into_iter()
+                .map(|h| match h {
+                    Ok(h) => h.join().unwrap_or_else(|_| {
+                        Err(Error::Internal("a rank's loading thread panicked".into()))
+                    }),
+                    Err(e) => Err(Error::Internal(format!(
+                        "cannot start a loading thread: {e}"
+                    ))),
+                })
+                .collect()
+        });
+        let is_timeout = |r: &Result<(RankState, u64)>| match r {
+            Err(Error::Device { source, .. }) => {
+                source.status_code() == Some(neuron_sys::sys::NRT_TIMEOUT)
             }
-            loaded.insert(
-                (*kind, spec.rows, spec.seqs, spec.ctx),
-                Loaded {
-                    name: name.to_string(),
-                    model,
-                    names,
-                    inputs,
-                    outputs,
-                    ctx_index,
-                },
-            );
+            _ => false,
+        };
+        if let Some(at) = results
+            .iter()
+            .position(|r| r.is_err() && !is_timeout(r))
+            .or_else(|| results.iter().position(Result::is_err))
+        {
+            let mut results = results;
+            return Err(results
+                .swap_remove(at)
+                .err()
+                .unwrap_or_else(|| Error::Internal("a failed rank's error went missing".into())));
         }
-        Ok((
-            RankState {
-                graphs: loaded,
-                decode_meta,
-                prefill_meta,
-                decode_next,
-                decode_logits,
-                prefill_next,
-                prefill_logits,
-                roots,
-                weights,
-            },
-            uploaded,
-        ))
+        results.into_iter().collect()
     }
 
     /// Unloads every model and frees every tensor. Idempotent. Returns the first error libnrt

@@ -173,10 +173,17 @@ pub fn open(backend: Backend, model: &Path, limits: &Limits) -> Result<Box<dyn R
             Timeouts::default(),
         )?),
     };
-    let mut runner = open_device(backend, model, limits)?;
-    if let Some(pending) = pending {
-        let followers = pending.join(&runner.setup(), limits.tp)?;
-        runner.attach_followers(followers)?;
+    let mut runner = prepare_device(backend, model, limits)?;
+    // The followers capture only once their setups agree with this one, and at the same time
+    // as this process (every rank loads each NEFF at once: see `instances`).
+    let capturing = match pending {
+        Some(p) => Some(p.agree(&runner.setup(), limits.tp)?),
+        None => None,
+    };
+    let buckets = runner.runner_config().buckets.clone();
+    runner.capture(&buckets)?;
+    if let Some(capturing) = capturing {
+        runner.attach_followers(capturing.join()?)?;
     }
     Ok(Box::new(runner))
 }
@@ -250,18 +257,20 @@ fn load(
     Ok((cfg, weights, runner_cfg))
 }
 
-/// A captured device runner (`backend` sim or neuron) for the model at `model` within
-/// `limits`, running `limits.ranks` (default all) of its `--tp` ranks; no followers attached.
-pub(crate) fn open_device(backend: Backend, model: &Path, limits: &Limits) -> Result<DeviceRunner> {
+/// A device runner (`backend` sim or neuron) for the model at `model` within `limits`,
+/// running `limits.ranks` (default all) of its `--tp` ranks, planned and opened but not yet
+/// captured (nothing compiled or loaded); no followers attached.
+pub(crate) fn prepare_device(
+    backend: Backend,
+    model: &Path,
+    limits: &Limits,
+) -> Result<DeviceRunner> {
     let (cfg, weights, runner_cfg) = load(backend, model, limits)?;
     let mut opts = device_options(backend, limits.compiler_config())?;
     opts.ranks = limits.ranks;
     opts.split_sampler = limits.split_sampler;
-    let buckets = runner_cfg.buckets.clone();
     let lib = device_library(backend)?;
-    let mut runner = DeviceRunner::new(cfg, weights, runner_cfg, lib, opts)?;
-    runner.capture(&buckets)?;
-    Ok(runner)
+    DeviceRunner::new(cfg, weights, runner_cfg, lib, opts)
 }
 
 /// The libnrt of `backend`: nrt-sim's for sim, else the installed one.
@@ -324,6 +333,7 @@ pub fn device_plan(
         },
         hbm_utilization: limits.hbm_utilization,
         saved_dtype: saved,
+        split_sampler: limits.split_sampler,
     };
     let p = plan::Plan::compute(cfg, &opts)?;
     if p.fits() {

@@ -239,6 +239,52 @@ impl Tensor {
         lib.check(CALL, status)
     }
 
+    /// Sets bytes `offset .. offset + len` of the tensor to `value` (`nrt_tensor_memset`).
+    ///
+    /// Done by the runtime where the tensor lives: zeroing a device buffer sends no bytes
+    /// over the bus, where writing zeros from the host would send all of them (a KV-cache
+    /// root of many GB per NeuronCore). A library without the symbol (older than runtime 2.0)
+    /// is [`crate::Error::Unsupported`]; [`Tensor::fill_or_write`] falls back to writes.
+    pub fn fill(&self, offset: usize, value: u8, len: usize) -> Result<()> {
+        const CALL: &str = "nrt_tensor_memset";
+        check_range(CALL, offset, len, self.inner.size)?;
+        let lib = &self.inner.rt.inner.lib;
+        let f = lib
+            .api()
+            .nrt_tensor_memset
+            .ok_or_else(|| lib.unsupported(CALL))?;
+        if len == 0 {
+            return Ok(());
+        }
+        // SAFETY: live tensor; the range lies within it; no host memory is passed.
+        let status = unsafe {
+            f(
+                self.inner.ptr.as_ptr(),
+                offset as u64,
+                std::os::raw::c_int::from(value),
+                len,
+            )
+        };
+        lib.check(CALL, status)
+    }
+
+    /// [`Tensor::fill`] where the library has `nrt_tensor_memset`, else writes of `value` from
+    /// the host in pieces of at most 1 MiB (what every libnrt can do, at the bus's cost).
+    pub fn fill_or_write(&self, offset: usize, value: u8, len: usize) -> Result<()> {
+        if self.inner.rt.inner.lib.api().nrt_tensor_memset.is_some() {
+            return self.fill(offset, value, len);
+        }
+        check_range("nrt_tensor_write", offset, len, self.inner.size)?;
+        let piece = vec![value; len.min(1 << 20)];
+        let mut at = offset;
+        while at < offset + len {
+            let n = piece.len().min(offset + len - at);
+            self.write(at, &piece[..n])?;
+            at += n;
+        }
+        Ok(())
+    }
+
     /// Copies bytes `offset .. offset + buf.len()` of the tensor into `buf`
     /// (`nrt_tensor_read`, device to host).
     pub fn read(&self, offset: usize, buf: &mut [u8]) -> Result<()> {

@@ -3,6 +3,7 @@
 //! - [`check`]: `lower --check neuron`, what neuronx-cc and libnrt would reject in a module.
 //! - [`compile`]: the `neuronx-cc` driver and its NEFF cache.
 //! - [`doctor`]: `deepinfer doctor`'s report of what a Neuron run needs on this machine.
+//! - [`footprint`]: what a loaded NEFF takes of its core's HBM (code, scratchpad, collectives), from its HLO.
 //! - [`minimums`]: the oldest runtime and compiler versions the graphs need, and why.
 //! - [`progress`]: how long operations (capture, compile) report progress, for the binary to draw.
 //! - [`sim_neff`]: nrt-sim's NEFF container, which its stand-in compiler writes through the same
@@ -15,6 +16,7 @@
 pub mod check;
 pub mod compile;
 pub mod doctor;
+pub mod footprint;
 pub mod minimums;
 pub mod progress;
 pub mod sim_neff;

@@ -116,6 +116,7 @@ pub(crate) fn run(args: PlanArgs) -> Result<ExitCode> {
         kv_blocks: args.kv_blocks.unwrap_or_default(),
         hbm_utilization: args.hbm_utilization,
         saved_dtype,
+        split_sampler: false,
     };
     let plan = match Plan::compute(&cfg, &opts) {
         Ok(p) => p,
@@ -217,6 +218,13 @@ fn to_json(
         "hbm_utilization": opts.hbm_utilization,
         "budget_per_core": plan.budget_per_core,
         "per_core": plan.per_core().iter().map(|c| core_json(c, plan.budget_per_core)).collect::<Vec<_>>(),
+        "neffs": plan.neffs.iter().map(|g| json!({
+            "name": g.name,
+            "instructions_estimate": g.footprint.instructions,
+            "code_estimate": g.footprint.code,
+            "collectives_estimate": g.footprint.collectives,
+            "scratch_computed": g.footprint.scratch,
+        })).collect::<Vec<_>>(),
         "host": {
             "peak": plan.host.peak(),
             "largest_checkpoint_tensor": plan.host.largest_checkpoint_tensor,
@@ -326,10 +334,23 @@ fn print_table(
         start = end + 1;
     }
     emit(&format!(
-        "* estimates (see deepinfer::plan::neff); budget = {} HBM per core x {}",
+        "* from each bucket's graph (deepinfer::plan::neff): scratch is computed (the largest \
+         NEFF's live intermediates); neff code is 96 MiB of runtime micro-code per physical \
+         core plus, per NEFF, {} B per estimated instruction and twice the largest collective \
+         (guesses; not yet measured on a trn1)\nbudget = {} HBM per core x {}",
+        deepinfer::backend::neuron::footprint::BYTES_PER_INSTRUCTION,
         gib(plan.instance.hbm_per_core()),
         opts.hbm_utilization
     ))?;
+    if let Some(big) = plan.neffs.iter().max_by_key(|g| g.footprint.private()) {
+        emit(&format!(
+            "largest NEFF: {} (~{} instructions, code {}, scratch {})",
+            big.name,
+            big.footprint.instructions,
+            plan::human_bytes(big.footprint.private()),
+            plan::human_bytes(big.footprint.scratch)
+        ))?;
+    }
     emit(&format!(
         "host RAM while loading: {} peak (largest checkpoint tensor {} + largest shard {}{}) of {}",
         plan::human_bytes(plan.host.peak()),

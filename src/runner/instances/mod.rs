@@ -9,11 +9,16 @@
 //! follow --ranks K..N --listen ADDR`), which run it on their ranks and answer.
 //!
 //! - **Launch.** A follower is started with only its model, backend, ranks and address; the
-//!   leader connects, sends its [`Launch`] (the tensor-parallel degree and every limit that
-//!   decides what is captured), and captures its own ranks while the followers capture
-//!   theirs. Each follower answers with its [`Setup`]: the leader checks that the model, the
-//!   runner configuration and the dtypes are its own and that the followers' ranks, after its
-//!   own, cover the degree. A mismatch is one error naming what differs, before any step.
+//!   leader connects and sends its [`Launch`] (the tensor-parallel degree and every limit that
+//!   decides what is captured). Each follower opens its model within it and answers with its
+//!   [`Setup`] before capturing anything: the leader checks that the model, the runner
+//!   configuration and the dtypes are its own and that the followers' ranks, after its own,
+//!   cover the degree. A mismatch is one error naming what differs (the followers are told
+//!   and end), before any NEFF is loaded: a follower of another model would otherwise leave
+//!   every rank waiting in libnrt's collectives bootstrap for ranks that never load the same
+//!   NEFF. Only when all agree does the leader tell them to capture, and capture its own
+//!   ranks meanwhile: every rank of every instance loads each NEFF at the same time, as the
+//!   bootstrap requires. Each follower says when it is captured.
 //! - **Steps.** The leader sends a step (its graph's key, the metadata arrays, and which logits
 //!   rows it wants back) to every follower before it executes its own ranks, then waits for
 //!   every answer. A follower's failure fails the step like a local rank's; a follower that
@@ -36,7 +41,7 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 
 use super::device::RankSpan;
-use super::{Backend, Limits};
+use super::{Backend, Limits, Runner};
 use crate::error::{Error, Result};
 use crate::model::PrecisionChoice;
 
@@ -201,9 +206,17 @@ struct Link {
     stream: TcpStream,
 }
 
-/// Followers connected and sent the launch, capturing; [`Pending::join`] waits for them.
+/// Followers connected and sent the launch, opening the model; [`Pending::agree`] checks
+/// their setups and lets them capture.
 pub struct Pending {
     links: Vec<(String, TcpStream)>,
+    timeouts: Timeouts,
+}
+
+/// Followers whose setups agree with the leader's, capturing; [`Capturing::join`] waits for
+/// them.
+pub struct Capturing {
+    links: Vec<Link>,
     timeouts: Timeouts,
 }
 
@@ -369,25 +382,52 @@ impl Drop for Followers {
 impl Pending {
     /// Waits for every follower's setup and checks it against the leader's (`leader`, whose
     /// ranks start at 0) and `tp`: the same model, runner configuration and dtypes, and ranks
-    /// that continue the leader's without gap or overlap up to `tp`.
-    pub fn join(self, leader: &Setup, tp: usize) -> Result<Followers> {
+    /// that continue the leader's without gap or overlap up to `tp`. When all agree, tells
+    /// them to capture (the leader captures its own ranks meanwhile); otherwise tells every
+    /// follower why and returns that error, before anything is loaded.
+    pub fn agree(mut self, leader: &Setup, tp: usize) -> Result<Capturing> {
+        match self.check(leader, tp) {
+            Ok(spans) => {
+                let mut links = Vec::with_capacity(spans.len());
+                for ((addr, mut stream), span) in self.links.into_iter().zip(spans) {
+                    write_text(&mut stream, Tag::Capture, "")
+                        .map_err(|e| lost(&addr, "telling it to capture", e))?;
+                    links.push(Link { addr, span, stream });
+                }
+                Ok(Capturing {
+                    links,
+                    timeouts: self.timeouts,
+                })
+            }
+            Err(e) => {
+                for (_, stream) in &mut self.links {
+                    let _ = write_text(stream, Tag::Failed, &format!("the leader refused: {e}"));
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Every follower's setup, checked; their rank spans in order.
+    fn check(&mut self, leader: &Setup, tp: usize) -> Result<Vec<RankSpan>> {
         let deadline = Instant::now() + self.timeouts.capture;
-        let mut links = Vec::with_capacity(self.links.len());
+        let mut spans = Vec::with_capacity(self.links.len());
         let mut next = leader.first + leader.count;
-        for (addr, mut stream) in self.links {
+        for (addr, stream) in &mut self.links {
+            let addr = addr.as_str();
             let left = deadline.saturating_duration_since(Instant::now());
             stream
                 .set_read_timeout(Some(left.max(Duration::from_millis(1))))
-                .map_err(|e| lost(&addr, "configuring the connection", e))?;
-            let setup: Setup = match read_frame(&mut stream) {
+                .map_err(|e| lost(addr, "configuring the connection", e))?;
+            let setup: Setup = match read_frame(stream) {
                 Ok(Ok((Tag::Welcome, body))) => serde_json::from_str(&text(body)?)
-                    .map_err(|e| lost(&addr, "reading its setup", e))?,
+                    .map_err(|e| lost(addr, "reading its setup", e))?,
                 Ok(Ok((Tag::Failed, body))) => {
-                    return Err(lost(&addr, "the follower could not start", text(body)?))
+                    return Err(lost(addr, "the follower could not start", text(body)?))
                 }
-                Ok(Ok((tag, _))) => return Err(lost(&addr, "an unexpected message", tag as u8)),
+                Ok(Ok((tag, _))) => return Err(lost(addr, "an unexpected message", tag as u8)),
                 Ok(Err(e)) => return Err(e),
-                Err(e) => return Err(lost(&addr, "waiting for it to capture", e)),
+                Err(e) => return Err(lost(addr, "waiting for its setup", e)),
             };
             if let Some(why) = setup.mismatch(leader) {
                 return Err(Error::InvalidInput(format!(
@@ -404,19 +444,9 @@ impl Pending {
                 )));
             }
             next += setup.count;
-            // A follower that stops reading must not stall the leader's writes either.
-            let step = Some(self.timeouts.step);
-            stream
-                .set_read_timeout(step)
-                .and_then(|()| stream.set_write_timeout(step))
-                .map_err(|e| lost(&addr, "configuring the connection", e))?;
-            links.push(Link {
-                addr,
-                span: RankSpan {
-                    first: setup.first,
-                    count: setup.count,
-                },
-                stream,
+            spans.push(RankSpan {
+                first: setup.first,
+                count: setup.count,
             });
         }
         if next != tp {
@@ -424,6 +454,38 @@ impl Pending {
                 "the leader and its followers run ranks 0..{next}, but --tp is {tp}: start \
                  followers for ranks {next}..{tp}"
             )));
+        }
+        Ok(spans)
+    }
+}
+
+impl Capturing {
+    /// Waits for every follower to say it has captured; then they are ready for steps.
+    pub fn join(self) -> Result<Followers> {
+        let deadline = Instant::now() + self.timeouts.capture;
+        let mut links = Vec::with_capacity(self.links.len());
+        for mut l in self.links {
+            let addr = l.addr.as_str();
+            let left = deadline.saturating_duration_since(Instant::now());
+            l.stream
+                .set_read_timeout(Some(left.max(Duration::from_millis(1))))
+                .map_err(|e| lost(addr, "configuring the connection", e))?;
+            match read_frame(&mut l.stream) {
+                Ok(Ok((Tag::Captured, _))) => {}
+                Ok(Ok((Tag::Failed, body))) => {
+                    return Err(lost(addr, "the follower could not capture", text(body)?))
+                }
+                Ok(Ok((tag, _))) => return Err(lost(addr, "an unexpected message", tag as u8)),
+                Ok(Err(e)) => return Err(e),
+                Err(e) => return Err(lost(addr, "waiting for it to capture", e)),
+            }
+            // A follower that stops reading must not stall the leader's writes either.
+            let step = Some(self.timeouts.step);
+            l.stream
+                .set_read_timeout(step)
+                .and_then(|()| l.stream.set_write_timeout(step))
+                .map_err(|e| lost(addr, "configuring the connection", e))?;
+            links.push(l);
         }
         Ok(Followers {
             links,
@@ -462,7 +524,7 @@ pub fn follow(
     };
     let opened = launch
         .limits(ranks)
-        .and_then(|limits| super::open::open_device(backend, model, &limits));
+        .and_then(|limits| super::open::prepare_device(backend, model, &limits));
     let mut runner = match opened {
         Ok(r) => r,
         Err(e) => {
@@ -474,6 +536,21 @@ pub fn follow(
     let json = serde_json::to_string(&setup).map_err(|e| Error::Internal(format!("setup: {e}")))?;
     write_text(&mut stream, Tag::Welcome, &json)
         .map_err(|e| lost(&peer, "answering the launch", e))?;
+    // Capture only when the leader has checked every setup (see "Launch").
+    match read_frame(&mut stream) {
+        Ok(Ok((Tag::Capture, _))) => {}
+        Ok(Ok((Tag::Failed, body))) => return Err(lost(&peer, "not captured", text(body)?)),
+        Ok(Ok((tag, _))) => return Err(lost(&peer, "expected the go-ahead, got", tag as u8)),
+        Ok(Err(e)) => return Err(e),
+        Err(e) => return Err(lost(&peer, "waiting for the go-ahead", e)),
+    }
+    let buckets = runner.runner_config().buckets.clone();
+    if let Err(e) = runner.capture(&buckets) {
+        let _ = write_text(&mut stream, Tag::Failed, &e.to_string());
+        return Err(e);
+    }
+    write_text(&mut stream, Tag::Captured, "")
+        .map_err(|e| lost(&peer, "saying it is captured", e))?;
     ready(&setup);
     loop {
         let body = match read_frame(&mut stream) {

@@ -26,7 +26,7 @@ const MAX_FRAME: usize = 1 << 30;
 pub(super) enum Tag {
     /// Leader to follower: the launch (JSON, [`super::Launch`]).
     Hello = 1,
-    /// Follower to leader: what it captured (JSON, [`super::Setup`]).
+    /// Follower to leader: what it will capture (JSON, [`super::Setup`]), before capturing.
     Welcome = 2,
     /// Leader to follower: run one step ([`StepMessage`]).
     Step = 3,
@@ -36,6 +36,11 @@ pub(super) enum Tag {
     Bye = 5,
     /// Either way: the sender cannot go on; a UTF-8 reason.
     Failed = 6,
+    /// Leader to follower: every setup agrees, capture now (the ranks of every instance must
+    /// load at once: libnrt's collectives bootstrap waits for all of them).
+    Capture = 7,
+    /// Follower to leader: captured, ready for steps.
+    Captured = 8,
 }
 
 impl Tag {
@@ -47,6 +52,8 @@ impl Tag {
             4 => Tag::Done,
             5 => Tag::Bye,
             6 => Tag::Failed,
+            7 => Tag::Capture,
+            8 => Tag::Captured,
             _ => return Err(malformed(format!("unknown message tag {b}"))),
         })
     }

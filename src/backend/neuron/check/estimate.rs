@@ -19,7 +19,9 @@
 //!   [`VECTOR_TILE`] chunks of a slice;
 //! - `sort`: a bitonic network: `log2(n)(log2(n)+1)/2` compare-exchange stages of three vector
 //!   instructions (compare, two selects) over the whole operand;
-//! - slices, concatenation, padding, copies: one DMA per [`VECTOR_TILE`] elements written;
+//! - slices, concatenation, padding, copies: one DMA per [`VECTOR_TILE`] elements written,
+//!   except a slice of an entry parameter, a reshape of one or an in-place update of one (a
+//!   layer's window of a cache root), which its consumers read in place: none;
 //! - parameters, constants, tuples, reshapes: none (layout only).
 //!
 //! Limits, stated plainly: this is not calibrated against a compiler run (nothing here has
@@ -168,8 +170,34 @@ pub fn instructions_by_opcode(module: &HloModuleProto) -> Vec<(String, u64)> {
         .iter()
         .filter_map(|i| i.shape.as_ref().map(|s| (i.id, s)))
         .collect();
+    // Entry parameters, reshapes and bitcasts of them, and in-place updates of them (a cache
+    // root after a layer's scatter); instructions are in order, so an operand is seen before
+    // its user.
+    let mut parameters = std::collections::HashSet::new();
+    for i in &entry.instructions {
+        let view_of_input = matches!(
+            i.opcode.as_str(),
+            "reshape" | "bitcast" | "scatter" | "dynamic-update-slice"
+        ) && i
+            .operand_ids
+            .first()
+            .is_some_and(|id| parameters.contains(id));
+        if i.opcode == "parameter" || view_of_input {
+            parameters.insert(i.id);
+        }
+    }
     let mut by_opcode: std::collections::BTreeMap<&str, u64> = Default::default();
     for inst in &entry.instructions {
+        // A static slice of an input (a layer's column window of a cache root) is read in
+        // place by its consumers' DMAs through an access pattern: no copy of its own.
+        if inst.opcode == "slice"
+            && inst
+                .operand_ids
+                .first()
+                .is_some_and(|id| parameters.contains(id))
+        {
+            continue;
+        }
         let operand = |k: usize| {
             inst.operand_ids
                 .get(k)
