@@ -107,11 +107,7 @@ fn quantized_fixtures_stay_near_transformers_under_both_moe_strategies() {
             ..Precision::all(DType::F32)
         };
         let weights = ModelWeights::load(&cfg, &ckpt, &precision).unwrap();
-        let scale = reference
-            .logits
-            .iter()
-            .flatten()
-            .fold(0f32, |m, x| m.max(x.abs()));
+        let scale = common::max_abs(&reference.logits);
         let mut per_strategy = Vec::new();
         for moe in [MoeStrategy::Gather, MoeStrategy::Dense] {
             let mut rc = RunnerConfig::for_limits(1, 128);
