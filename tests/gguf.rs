@@ -226,6 +226,11 @@ fn q8_0_gguf_runs_its_own_blocks_and_stays_near_transformers() {
     )
     .unwrap();
     let logits = engine::score(&mut run, &r.token_ids).unwrap();
+    assert_eq!(
+        logits.len(),
+        r.logits.len(),
+        "Q8_0 GGUF: rows of logits scored vs transformers'"
+    );
     let mut per_position: Vec<f32> = logits
         .iter()
         .zip(&r.logits)
