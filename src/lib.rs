@@ -33,6 +33,8 @@ pub mod runner;
 #[cfg(feature = "server")]
 pub mod server;
 pub mod source;
+#[cfg(test)]
+mod test_util;
 #[cfg(feature = "server")]
 pub mod tokenizer;
 pub mod weights;

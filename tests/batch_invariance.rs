@@ -36,7 +36,13 @@ fn logits_do_not_depend_on_the_batch(name: &str, precision: Precision) {
             .iter()
             .enumerate()
         {
+            // `decode_staggered_steps` checked one row of logits per position.
             for (r, (got, &pos)) in s.logits.iter().zip(&s.positions).enumerate() {
+                assert_eq!(
+                    got.len(),
+                    alone[pos].len(),
+                    "{name}: {rows} rows, step {step}: logits of the row at position {pos}"
+                );
                 let differ = got
                     .iter()
                     .zip(&alone[pos])
@@ -123,9 +129,26 @@ fn packed_prefill_does_not_change_a_prompt(name: &str, precision: Precision) {
     let alone: Vec<Vec<f32>> = (0..prompts.len())
         .map(|p| last(&[p], &mut blocks).remove(0))
         .collect();
+    // Equal bits would let NaN logits alone and packed pass.
+    for (p, row) in alone.iter().enumerate() {
+        assert!(
+            row.iter().all(|v| v.is_finite()),
+            "{name}: prompt {p} alone: a logit is not finite"
+        );
+    }
     for packing in [vec![0, 1], vec![1, 0, 2], vec![3, 4, 0, 1, 2], vec![2, 0]] {
         let got = last(&packing, &mut blocks);
+        assert_eq!(
+            got.len(),
+            packing.len(),
+            "{name}: rows of logits for the prompts packed as {packing:?}"
+        );
         for (row, &p) in got.iter().zip(&packing) {
+            assert_eq!(
+                row.len(),
+                alone[p].len(),
+                "{name}: logits of prompt {p} packed as {packing:?}"
+            );
             let differ = row
                 .iter()
                 .zip(&alone[p])

@@ -1,8 +1,14 @@
 //! The `deepinfer` binary: output formats, and one clear line on stderr with a non-zero exit
 //! for every kind of bad input (never a panic).
 
+#[path = "common/compare.rs"]
+#[allow(dead_code)] // only the rows' comparison is used here
+mod compare;
+
 use std::path::PathBuf;
 use std::process::{Command, Output};
+
+use compare::max_abs_diff_rows;
 
 fn deepinfer(args: &[&str]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_deepinfer"))
@@ -491,16 +497,9 @@ fn generate_and_score_split_over_neuron_cores_match_transformers() {
         assert_eq!(got, r.greedy.generated_token_ids, "--tp {tp}");
         let s = run(&["score", "--token-ids", &ids(&r.token_ids)]);
         let logits: Vec<Vec<f32>> = serde_json::from_value(s["logits"].clone()).unwrap();
-        assert_eq!(logits.len(), r.logits.len());
-        let worst = logits
-            .iter()
-            .flatten()
-            .zip(r.logits.iter().flatten())
-            .map(|(a, b)| {
-                assert!(a.is_finite(), "--tp {tp}: {a}");
-                (a - b).abs()
-            })
-            .fold(0f32, f32::max);
+        assert_eq!(logits.len(), r.logits.len(), "--tp {tp}: rows of logits");
+        // Checks each row's length too, and fails on a non-finite logit on either side.
+        let worst = max_abs_diff_rows(&logits, &r.logits);
         assert!(worst < 1e-4, "--tp {tp}: {worst}");
     }
 }

@@ -81,8 +81,16 @@ fn guarded<T>(f: impl FnOnce() -> Result<T, String>) -> Result<T, String> {
     })
 }
 
-/// Compares every output of one run.
+/// Compares every output of one run. A run that returns more or fewer outputs than the case
+/// declares fails (a zip would compare only the common ones).
 fn check(p: &Prepared<'_>, got: &[Array]) -> Result<(), String> {
+    let (specs, expected) = (p.case.outputs.len(), p.expected.len());
+    if (specs, expected) != (got.len(), got.len()) {
+        return Err(format!(
+            "{} outputs for {specs} declared and {expected} expected",
+            got.len()
+        ));
+    }
     let errors: Vec<String> = p
         .case
         .outputs

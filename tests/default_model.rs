@@ -22,6 +22,8 @@ fn heldout_perplexity_matches_transformers_within_a_tenth_of_a_percent() {
         serde_json::from_str(&std::fs::read_to_string(dir.join("heldout.json")).unwrap()).unwrap();
     let mut runner = runner::open(Backend::Cpu, &dir, &Limits::new(1, h.token_ids.len())).unwrap();
     let logits = engine::score(&mut runner, &h.token_ids).unwrap();
+    // A row per token: each but the last predicts the next token.
+    assert_eq!(logits.len(), h.token_ids.len(), "rows of logits vs tokens");
     let mut nll = 0.0f64;
     for (row, &next) in logits.iter().zip(&h.token_ids[1..]) {
         let m = row.iter().cloned().fold(f32::NEG_INFINITY, f32::max) as f64;

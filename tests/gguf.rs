@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
-use common::{fixture_dir, max_abs_diff, max_abs_diff_rows, reference};
+use common::{fixture_dir, max_abs, max_abs_diff, max_abs_diff_rows, reference};
 use deepinfer::backend::cpu::{QuantizedWeight, Value};
 use deepinfer::engine::{self, StopConditions};
 use deepinfer::model::{ModelWeights, Precision, PrecisionChoice};
@@ -207,15 +207,17 @@ fn q8_0_gguf_runs_its_own_blocks_and_stays_near_transformers() {
     let want = hf
         .tensor_f32("model.embed_tokens.weight", embed.dims())
         .unwrap();
-    let step = max_abs(&want) / 127.0;
-    let err = max_abs(&(embed - &want).unwrap());
+    let values = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+    let (ours, theirs) = (values(embed), values(&want));
+    let step = max_abs(std::slice::from_ref(&theirs)) / 127.0;
+    let err = max_abs_diff(&ours, &theirs);
     assert!(
         err <= step / 2.0 + 1e-6,
         "embedding off by {err} (step {step})"
     );
 
     let r = reference(fixture);
-    let scale = r.logits.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
+    let scale = max_abs(&r.logits);
     let mut run = runner::open_with_weights(
         Backend::Cpu,
         cfg,
@@ -224,6 +226,11 @@ fn q8_0_gguf_runs_its_own_blocks_and_stays_near_transformers() {
     )
     .unwrap();
     let logits = engine::score(&mut run, &r.token_ids).unwrap();
+    assert_eq!(
+        logits.len(),
+        r.logits.len(),
+        "Q8_0 GGUF: rows of logits scored vs transformers'"
+    );
     let mut per_position: Vec<f32> = logits
         .iter()
         .zip(&r.logits)
@@ -239,17 +246,6 @@ fn q8_0_gguf_runs_its_own_blocks_and_stays_near_transformers() {
         per_position[n - 1]
     );
     assert!(per_position[n / 2] < 0.04 && per_position[3 * n / 4] < 0.05);
-}
-
-fn max_abs(t: &Tensor) -> f32 {
-    t.abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap()
 }
 
 /// A copy of `file` in a temporary directory, its metadata and tensors edited by `edit`.
@@ -409,7 +405,7 @@ fn sim_backend_runs_gguf_files() {
     let worst = max_abs_diff_rows(&got, &want);
     assert!(worst < TOL, "sim, tiny-v3-f32.gguf: {worst}");
     let (got, want) = score("tiny-v2-lite-q8_0.gguf", "tiny-v2-lite");
-    let scale = want.iter().flatten().fold(0f32, |m, x| m.max(x.abs()));
+    let scale = max_abs(&want);
     let worst = max_abs_diff_rows(&got, &want);
     // Q8_0 weights in f32 arithmetic: within the weights' own rounding of the f32 model.
     assert!(worst < 0.05 * scale, "sim, tiny-v2-lite-q8_0.gguf: {worst}");

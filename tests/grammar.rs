@@ -15,7 +15,9 @@
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
-use deepinfer::engine::grammar::{Constraint, GrammarCompiler, GrammarError, ResponseFormat};
+use deepinfer::engine::grammar::{
+    Constraint, GrammarCacheStats, GrammarCompiler, GrammarError, ResponseFormat,
+};
 use deepinfer::error::ErrorKind;
 use deepinfer::tokenizer::Tokenizer;
 use serde_json::{json, Value};
@@ -631,19 +633,49 @@ fn schema_errors_name_the_problem() {
     }
 }
 
+/// A schema is compiled once: its later constraints are cache hits, told by the compiler's
+/// counters (a timing would depend on the machine's load; the times are only printed). Another
+/// schema is compiled rather than served the first one's grammar, free text compiles nothing,
+/// and an invalid schema, never cached, is compiled again each time it is sent.
 #[test]
 fn compiled_grammars_are_cached() {
     let (_, compiler) = load("default-model");
-    let format = walk_schemas().remove(0).1;
+    let mut schemas = walk_schemas().into_iter().map(|(_, format, _)| format);
+    let (format, other) = (schemas.next().unwrap(), schemas.next().unwrap());
+    let stats = |hits, compiles, cached| GrammarCacheStats {
+        hits,
+        compiles,
+        cached,
+    };
+    assert_eq!(compiler.cache_stats(), stats(0, 0, 0));
     let start = Instant::now();
     drop(compiler.matcher(&format).unwrap());
     let first = start.elapsed();
+    assert_eq!(
+        compiler.cache_stats(),
+        stats(0, 1, 1),
+        "the first request compiles"
+    );
     let start = Instant::now();
     let n = 20;
     for _ in 0..n {
         drop(compiler.matcher(&format).unwrap());
     }
     let cached = start.elapsed() / n;
+    assert_eq!(
+        compiler.cache_stats(),
+        stats(u64::from(n), 1, 1),
+        "every later request for the same schema is a hit"
+    );
+    drop(compiler.matcher(&other).unwrap());
+    assert_eq!(compiler.cache_stats(), stats(u64::from(n), 2, 2));
+    assert!(compiler.matcher(&ResponseFormat::Text).unwrap().is_none());
+    assert_eq!(compiler.cache_stats(), stats(u64::from(n), 2, 2));
+    let invalid = schema_format(&json!({"type": "array", "uniqueItems": true}));
+    for compiles in [3, 4] {
+        compiler.matcher(&invalid).unwrap_err();
+        assert_eq!(compiler.cache_stats(), stats(u64::from(n), compiles, 2));
+    }
     eprintln!(
         "compile {:.2} ms, cached copy {:.1} µs",
         first.as_secs_f64() * 1e3,

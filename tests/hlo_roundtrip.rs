@@ -5,7 +5,7 @@
 mod common;
 
 use candle_core::{Device, Tensor};
-use common::{fixture_dir, reference, FIXTURES};
+use common::{fixture_dir, max_abs_diff_f64, reference, FIXTURES};
 use deepinfer::backend::{cpu, hlo};
 use deepinfer::export::{lower, LowerOptions};
 use deepinfer::graph::{
@@ -55,26 +55,26 @@ fn emit_import_run_is_bit_identical_for_every_fixture_graph() {
                 .collect();
             let got = cpu::run(&imported, &args).unwrap();
             assert_eq!(imported.outputs().len(), want.len(), "{}", g.name);
+            assert_eq!(
+                got.len(),
+                imported.outputs().len(),
+                "{}: outputs computed vs declared",
+                g.name
+            );
             for (decl, t) in imported.outputs().iter().zip(&got) {
                 let w = &want[&decl.name];
-                let (a, b) = (
+                assert_eq!(t.dims(), w.dims(), "{} output {}", g.name, decl.name);
+                let values = |t: &Tensor| {
                     t.flatten_all()
                         .unwrap()
                         .to_dtype(candle_core::DType::F64)
-                        .unwrap(),
-                    w.flatten_all()
                         .unwrap()
-                        .to_dtype(candle_core::DType::F64)
-                        .unwrap(),
-                );
-                let diff: f64 = (a - b)
-                    .unwrap()
-                    .abs()
-                    .unwrap()
-                    .max(0)
-                    .unwrap()
-                    .to_scalar()
-                    .unwrap();
+                        .to_vec1::<f64>()
+                        .unwrap()
+                };
+                // Fails on a NaN or an infinity on either side, which candle's `max` of the
+                // differences skipped unless it came first.
+                let diff = max_abs_diff_f64(&values(t), &values(w));
                 assert_eq!(
                     diff, 0.0,
                     "{} output {} differs after the round trip",

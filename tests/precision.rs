@@ -42,6 +42,7 @@ fn argmax(row: &[f32]) -> usize {
 }
 
 fn argmax_agreement(a: &[Vec<f32>], b: &[Vec<f32>]) -> f64 {
+    assert_eq!(a.len(), b.len(), "compared logits differ in row count");
     let same = a
         .iter()
         .zip(b)
@@ -127,6 +128,7 @@ fn v32_bf16_drifts_no_more_than_transformers_bf16_on_average() {
     let peer: PeerBf16 = reference_file(name, "reference-bf16.json");
     let ours = engine::score(&mut runner_in(name, 1, None, BF16), &f32_ref.token_ids).unwrap();
     let mean = |rows: &[Vec<f32>]| {
+        assert_eq!(rows.len(), f32_ref.logits.len(), "{name}: rows of logits");
         let per: Vec<f32> = rows
             .iter()
             .zip(&f32_ref.logits)
@@ -280,6 +282,11 @@ fn int4_groups_quantize_and_dequantize_as_defined() {
         .unwrap()
         .to_vec1::<f32>()
         .unwrap();
+    assert_eq!(
+        got.len(),
+        want.len(),
+        "dequantized values vs the definition's"
+    );
     for (i, (&g, &w)) in got.iter().zip(&want).enumerate() {
         assert_eq!(f64::from(g), w, "element {i}");
     }

@@ -21,6 +21,8 @@ struct Heldout {
 }
 
 fn perplexity(logits: &[Vec<f32>], ids: &[u32]) -> f64 {
+    // A row per token: each but the last predicts the next token.
+    assert_eq!(logits.len(), ids.len(), "rows of logits vs tokens scored");
     let mut nll = 0.0f64;
     for (row, &next) in logits.iter().zip(&ids[1..]) {
         assert!(row.iter().all(|x| x.is_finite()), "a non-finite logit");
@@ -107,11 +109,7 @@ fn quantized_fixtures_stay_near_transformers_under_both_moe_strategies() {
             ..Precision::all(DType::F32)
         };
         let weights = ModelWeights::load(&cfg, &ckpt, &precision).unwrap();
-        let scale = reference
-            .logits
-            .iter()
-            .flatten()
-            .fold(0f32, |m, x| m.max(x.abs()));
+        let scale = common::max_abs(&reference.logits);
         let mut per_strategy = Vec::new();
         for moe in [MoeStrategy::Gather, MoeStrategy::Dense] {
             let mut rc = RunnerConfig::for_limits(1, 128);
@@ -119,6 +117,11 @@ fn quantized_fixtures_stay_near_transformers_under_both_moe_strategies() {
             let mut runner =
                 runner::open_with_weights(Backend::Cpu, cfg.clone(), weights.clone(), rc).unwrap();
             let logits = engine::score(&mut runner, &reference.token_ids).unwrap();
+            assert_eq!(
+                logits.len(),
+                reference.logits.len(),
+                "{fixture} {moe:?}: rows of logits scored vs transformers'"
+            );
             let dense = cfg.indexer.map_or(logits.len(), |ix| ix.topk);
             let mut per_position: Vec<f32> = logits
                 .iter()

@@ -1512,9 +1512,15 @@ fn split_sampling_overlaps_the_masks_and_draws_what_the_fused_graph_draws() {
             traces.push(trace);
         }
         for (i, (what, _)) in runners.iter().enumerate().skip(1) {
+            assert_eq!(traces[0].len(), traces[i].len(), "{name} {what}: steps");
             for (step, ((a, _), (b, _))) in traces[0].iter().zip(&traces[i]).enumerate() {
                 assert_eq!(a.next_tokens, b.next_tokens, "{name} {what} step {step}");
                 let (p, q) = (a.logits.as_ref().unwrap(), b.logits.as_ref().unwrap());
+                assert_eq!(
+                    p.len(),
+                    q.len(),
+                    "{name} {what} step {step}: rows of logits"
+                );
                 for (u, v) in p.iter().zip(q) {
                     let d = common::max_abs_diff(u, v);
                     assert!(d <= 1e-5, "{name} {what} step {step}: logits differ by {d}");

@@ -110,9 +110,13 @@ fn run_cpu(g: &Graph, inputs: &[Input]) -> Vec<Vec<u8>> {
         .iter()
         .map(|i| cpu::tensor_from_bytes(i.dtype, &i.shape, &i.bytes).unwrap())
         .collect();
-    cpu::run(g, &args)
-        .unwrap()
-        .iter()
+    let outs = cpu::run(g, &args).unwrap();
+    assert_eq!(
+        outs.len(),
+        g.outputs().len(),
+        "outputs computed vs declared"
+    );
+    outs.iter()
         .zip(g.outputs())
         .map(|(t, o)| cpu::with_tensor_bytes(t, g.node(o.node).dtype, |b| b.to_vec()).unwrap())
         .collect()
@@ -568,6 +572,7 @@ fn run_split(g: &Graph, inputs: &[Input], split: &[&str], ranks: usize) -> Vec<V
     let bytes: Vec<Vec<Vec<u8>>> = outs
         .iter()
         .map(|o| {
+            assert_eq!(o.len(), g.outputs().len(), "outputs computed vs declared");
             o.iter()
                 .zip(g.outputs())
                 .map(|(t, out)| {
@@ -615,6 +620,10 @@ fn split_draws_follow_the_distribution_and_are_the_unsplit_draws() {
         i32s(&run_split(g, inputs, &["logits"], ranks)[0])
     });
     assert_follows_the_distribution(&format!("cpu, {ranks} ranks"), &split);
+    assert_eq!(split.len(), count, "split draws");
+    // Draw `i` is seeded with `i` in both, so the split's draws are compared with the first
+    // `count` of the whole sampler's (`whole_draws` makes `DRAWS`, more than `count`).
+    let whole = &whole[..count];
     let differ = whole.iter().zip(&split).filter(|(a, b)| a != b).count();
     eprintln!("{ranks} ranks: {differ} of {count} draws differ from the unsplit sampler's");
     assert!(

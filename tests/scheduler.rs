@@ -626,6 +626,11 @@ fn prompt_logprobs_cover_every_position_once_across_chunks_and_preemption() {
         for id in 0..4u64 {
             let v = &got[&id];
             assert_eq!(v.len(), prompt.len(), "request {id}");
+            assert_eq!(
+                v[1..].len(),
+                want.len(),
+                "request {id}: positions with a token before"
+            );
             assert_eq!(v[0], None);
             for (j, (g, w)) in v[1..].iter().zip(&want).enumerate() {
                 let g = g.expect("a log-probability");

@@ -244,6 +244,19 @@ fn completion(extra: Value) -> Value {
     v
 }
 
+fn chat(extra: Value) -> Value {
+    let mut v = json!({
+        "model": MODEL,
+        "messages": [{"role": "user", "content": "ROMEO:"}],
+        "max_tokens": 4,
+        "temperature": 0
+    });
+    for (k, x) in extra.as_object().unwrap() {
+        v[k] = x.clone();
+    }
+    v
+}
+
 /// The `data:` payloads of an SSE body.
 fn sse_data(text: &str) -> Vec<String> {
     text.lines()
@@ -463,6 +476,193 @@ async fn a_wrong_method_is_a_405_in_the_error_shape_with_allow() {
     )
     .await;
     error_of(r, StatusCode::UNAUTHORIZED).await;
+}
+
+/// The optional fields both endpoints read (`SamplingFields` in `src/server/protocol.rs`).
+const OPTIONAL_SAMPLING_FIELDS: &[&str] = &[
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "stream",
+    "stream_options",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "min_p",
+    "min_tokens",
+    "logit_bias",
+    "response_format",
+    "logprobs",
+    "top_logprobs",
+    "user",
+];
+
+/// The body of a 200 response (not streamed), after checking the status.
+async fn ok_body(r: Response, what: &str) -> Value {
+    let status = r.status();
+    let text = body_text(r).await;
+    assert_eq!(status, StatusCode::OK, "{what}: {text}");
+    serde_json::from_str(&text).unwrap()
+}
+
+/// `null` is every optional field's default, as in OpenAI's API and vLLM (clients serialize
+/// unset fields as `null`): each field alone, then all of them at once, on both endpoints.
+/// `echo` and `ignore_eos` were once refused with a 400 for it.
+#[tokio::test]
+async fn null_is_every_optional_fields_default() {
+    let s = shared();
+    let completion_fields = [OPTIONAL_SAMPLING_FIELDS, &["echo", "best_of", "suffix"]].concat();
+    let chat_fields = [
+        OPTIONAL_SAMPLING_FIELDS,
+        &[
+            "max_completion_tokens",
+            "tools",
+            "tool_choice",
+            "parallel_tool_calls",
+        ],
+    ]
+    .concat();
+    let all_null = |fields: &[&str]| {
+        Value::Object(
+            fields
+                .iter()
+                .map(|f| (f.to_string(), Value::Null))
+                .collect(),
+        )
+    };
+    for field in &completion_fields {
+        let r = send(
+            &s.app,
+            post("/v1/completions", &completion(json!({ *field: null }))),
+        )
+        .await;
+        let body = ok_body(r, &format!("completions, {field}: null")).await;
+        assert_eq!(body["object"], "text_completion", "{body}");
+        assert_eq!(body["choices"].as_array().unwrap().len(), 1, "{body}");
+    }
+    let r = send(
+        &s.app,
+        post("/v1/completions", &completion(all_null(&completion_fields))),
+    )
+    .await;
+    ok_body(r, "completions, every optional field null").await;
+    for field in &chat_fields {
+        let r = send(
+            &s.app,
+            post("/v1/chat/completions", &chat(json!({ *field: null }))),
+        )
+        .await;
+        let body = ok_body(r, &format!("chat, {field}: null")).await;
+        assert_eq!(body["object"], "chat.completion", "{body}");
+    }
+    let r = send(
+        &s.app,
+        post("/v1/chat/completions", &chat(all_null(&chat_fields))),
+    )
+    .await;
+    ok_body(r, "chat, every optional field null").await;
+    // `max_tokens` too (the default: 16 for a completion, the rest of the context for chat).
+    let r = send(
+        &s.app,
+        post("/v1/completions", &completion(json!({"max_tokens": null}))),
+    )
+    .await;
+    let body = ok_body(r, "completions, max_tokens: null").await;
+    assert_eq!(body["usage"]["completion_tokens"], 16, "{body}");
+    let r = send(
+        &s.app,
+        post("/v1/chat/completions", &chat(json!({"max_tokens": null}))),
+    )
+    .await;
+    ok_body(r, "chat, max_tokens: null").await;
+    // And null means the default, not merely "accepted": greedy text as with `false`.
+    for field in ["echo", "ignore_eos"] {
+        let mut texts = Vec::new();
+        for value in [json!(false), Value::Null] {
+            let r = send(
+                &s.app,
+                post("/v1/completions", &completion(json!({ field: value }))),
+            )
+            .await;
+            let body = ok_body(r, &format!("completions, {field}: {value}")).await;
+            texts.push(body["choices"][0]["text"].clone());
+        }
+        assert_eq!(texts[0], texts[1], "{field}: null vs false");
+    }
+}
+
+/// `stream_options` is an object or `null`; anything else is a 400 naming it, as OpenAI's. A
+/// JSON array used to be read as the options' fields in order (`[]` as no options).
+#[tokio::test]
+async fn stream_options_must_be_an_object_or_null() {
+    let s = shared();
+    for (uri, body) in [
+        ("/v1/completions", completion(json!({"stream": true}))),
+        ("/v1/chat/completions", chat(json!({"stream": true}))),
+    ] {
+        for bad in [
+            json!([]),
+            json!([true]),
+            json!("include_usage"),
+            json!(true),
+            json!(1),
+        ] {
+            let mut body = body.clone();
+            body["stream_options"] = bad.clone();
+            let r = send(&s.app, post(uri, &body)).await;
+            let e = error_of(r, StatusCode::BAD_REQUEST).await;
+            assert_eq!(e["type"], "invalid_request_error", "{uri} {bad}: {e}");
+            assert_eq!(e["param"], "stream_options", "{uri} {bad}: {e}");
+            assert_eq!(e["code"], Value::Null, "{uri} {bad}: {e}");
+            let message = e["message"].as_str().unwrap();
+            assert!(message.contains("stream_options"), "{uri} {bad}: {e}");
+        }
+        // A field of the object keeps its own name in the error.
+        let mut wrong = body.clone();
+        wrong["stream_options"] = json!({"include_usage": "yes"});
+        let e = error_of(
+            send(&s.app, post(uri, &wrong)).await,
+            StatusCode::BAD_REQUEST,
+        )
+        .await;
+        assert_eq!(e["param"], "stream_options.include_usage", "{uri}: {e}");
+        // An object, `null`, and an object whose field is `null`, are served.
+        for good in [
+            json!({"include_usage": true}),
+            json!({"include_usage": null}),
+            json!({}),
+            Value::Null,
+        ] {
+            let mut body = body.clone();
+            body["stream_options"] = good.clone();
+            let r = send(&s.app, post(uri, &body)).await;
+            let status = r.status();
+            let text = body_text(r).await;
+            assert_eq!(status, StatusCode::OK, "{uri} {good}: {text}");
+            let data = sse_data(&text);
+            assert_eq!(
+                data.last().map(String::as_str),
+                Some("[DONE]"),
+                "{uri} {good}"
+            );
+            // Only `include_usage: true` adds the last chunk with the counts.
+            let usage = data.iter().rev().nth(1).and_then(|d| {
+                serde_json::from_str::<Value>(d)
+                    .ok()
+                    .filter(|c| !c["usage"].is_null())
+            });
+            assert_eq!(
+                usage.is_some(),
+                good["include_usage"] == true,
+                "{uri} {good}: {text}"
+            );
+        }
+    }
 }
 
 #[tokio::test]

@@ -88,6 +88,7 @@ fn decode_indices_match_a_stable_sort_with_and_without_tiling() {
                 continue;
             }
             let got = run_indices(&data, k, width);
+            assert_eq!(got.len(), want.len(), "k {k} width {width}: rows");
             for (row, (g, w)) in got.iter().zip(&want).enumerate() {
                 // Hidden positions may fill a row short of finite values; which ones is not
                 // specified, only that every finite value ranks first.

@@ -63,8 +63,11 @@ fn decode_batch_matches(name: &str, tp: usize, moe: MoeStrategy) {
     let unsplit = common::decode_staggered_steps(one.as_mut(), &r.token_ids, rows);
     let steps = common::decode_staggered_steps(split.as_mut(), &r.token_ids, rows);
     let (mut vs_one, mut vs_hf) = (0.0f32, 0.0f32);
+    assert_eq!(unsplit.len(), steps.len(), "{name} tp {tp}: steps");
     for (step, (a, b)) in unsplit.iter().zip(&steps).enumerate() {
         assert_eq!(a.next_tokens, b.next_tokens, "{name} tp {tp} step {step}");
+        // Each step holds a row of logits per position (checked where it was made).
+        assert_eq!(a.positions, b.positions, "{name} tp {tp} step {step}");
         for ((a, b), &position) in a.logits.iter().zip(&b.logits).zip(&b.positions) {
             vs_one = vs_one.max(max_abs_diff(a, b));
             vs_hf = vs_hf.max(max_abs_diff(b, &r.logits[position]));

@@ -142,7 +142,14 @@ fn tp_inputs_per_rank_reproduce_the_outputs_through_emit_and_import() {
                 &Device::Cpu,
             )
             .unwrap();
+            assert_eq!(got.len(), ranks, "{}: ranks that returned outputs", g.name);
             for (r, outs) in got.iter().enumerate() {
+                assert_eq!(
+                    outs.len(),
+                    imported.outputs().len(),
+                    "{} rank {r}: outputs computed vs declared",
+                    g.name
+                );
                 for (decl, t) in imported.outputs().iter().zip(outs) {
                     // Each rank's logits are its slice of the whole rows' columns.
                     let w = &match decl.name.as_str() {

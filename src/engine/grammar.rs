@@ -457,6 +457,27 @@ pub struct GrammarCompiler {
 struct GrammarCache {
     grammars: HashMap<String, CompiledGrammar>,
     order: VecDeque<String>,
+    /// [`GrammarCacheStats::hits`], counted under the lock.
+    hits: u64,
+    /// [`GrammarCacheStats::compiles`], counted under the lock.
+    compiles: u64,
+}
+
+/// What a [`GrammarCompiler`]'s cache of compiled grammars has done so far.
+///
+/// Counters rather than a timing: a test can tell a cache hit from a compile exactly, where
+/// "the second request was faster" depends on the machine's load. Also what an operator would
+/// read to size the cache (its capacity is fixed at 64 grammars, oldest out first).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct GrammarCacheStats {
+    /// Constraints served from an already compiled grammar.
+    pub hits: u64,
+    /// Grammars compiled because none was cached, failed compilations included (an invalid
+    /// schema is not cached, so sending it again compiles it again). Two threads that miss
+    /// the same grammar at once both compile it; one result is kept.
+    pub compiles: u64,
+    /// Compiled grammars held now.
+    pub cached: usize,
 }
 
 /// One compiled grammar: a never advanced original and the lexer families sequences are
@@ -630,8 +651,14 @@ impl GrammarCompiler {
             OutputGrammar::JsonSchema(schema) => format!("json:{schema}"),
             OutputGrammar::Lark(lark) => format!("lark:{lark}"),
         };
-        if let Some(compiled) = self.lock_cache().grammars.get_mut(&key) {
-            return Ok(self.constraint(compiled.matcher()));
+        {
+            let mut guard = self.lock_cache();
+            let cache = &mut *guard;
+            if let Some(compiled) = cache.grammars.get_mut(&key) {
+                cache.hits += 1;
+                return Ok(self.constraint(compiled.matcher()));
+            }
+            cache.compiles += 1;
         }
         // Compiled outside the lock: a large schema takes milliseconds.
         let original = self.compile(grammar)?;
@@ -650,6 +677,17 @@ impl GrammarCompiler {
             .entry(key)
             .or_insert_with(|| CompiledGrammar::new(original));
         Ok(self.constraint(compiled.matcher()))
+    }
+
+    /// How often the cache of compiled grammars was hit, how many compilations it took, and
+    /// how many grammars it holds (see [`GrammarCacheStats`]).
+    pub fn cache_stats(&self) -> GrammarCacheStats {
+        let cache = self.lock_cache();
+        GrammarCacheStats {
+            hits: cache.hits,
+            compiles: cache.compiles,
+            cached: cache.grammars.len(),
+        }
     }
 
     fn constraint(&self, (matcher, family): (Matcher, Arc<AtomicU64>)) -> Constraint {

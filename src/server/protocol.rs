@@ -3,8 +3,19 @@
 //! Fields we do not implement but that change what a client gets (`best_of > n`, `suffix`,
 //! ...) are refused with a 400 naming the field rather than silently ignored; unknown fields
 //! are ignored, as OpenAI's SDKs send new ones over time.
+//!
+//! Every optional field takes `null` as its default, as OpenAI's API and vLLM do: clients
+//! (and OpenAI's own SDKs, for some fields) serialize an unset field as `null`. An `Option`
+//! field does so by itself; a field with a plain default (`stream`, `echo`, `ignore_eos`,
+//! `include_usage`) needs `null_is_false`, since serde's `#[serde(default)]` only covers an
+//! absent field.
 
-use serde::Deserialize;
+use std::fmt;
+use std::marker::PhantomData;
+
+use serde::de::value::MapAccessDeserializer;
+use serde::de::{MapAccess, Visitor};
+use serde::{Deserialize, Deserializer};
 
 use super::error::ApiError;
 
@@ -42,11 +53,11 @@ pub enum Stop {
     Many(Vec<String>),
 }
 
-/// `stream_options`.
+/// `stream_options`: an object (or `null`), read by `object_or_null`.
 #[derive(Debug, Clone, Default, Deserialize)]
 pub struct StreamOptions {
     /// Send a last chunk with the usage counts.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "null_is_false")]
     pub include_usage: bool,
 }
 
@@ -67,13 +78,14 @@ pub struct SamplingFields {
     pub stop: Option<Stop>,
     /// vLLM's extension: stop after any of these tokens.
     pub stop_token_ids: Option<Vec<u32>>,
-    /// vLLM's extension: keep going past end-of-sequence.
-    #[serde(default)]
+    /// vLLM's extension: keep going past end-of-sequence (`null` is `false`).
+    #[serde(default, deserialize_with = "null_is_false")]
     pub ignore_eos: bool,
     /// Stream over SSE (`null`, as OpenAI's clients may send, is `false`).
     #[serde(default, deserialize_with = "null_is_false")]
     pub stream: bool,
-    /// Streaming options.
+    /// Streaming options: an object or `null`, anything else a 400 naming the field.
+    #[serde(default, deserialize_with = "object_or_null")]
     pub stream_options: Option<StreamOptions>,
     /// Choices per prompt (each its own sequence; the k-th samples with the seed plus k).
     pub n: Option<i64>,
@@ -112,8 +124,8 @@ pub struct CompletionRequest {
     /// Defaults to 16, as OpenAI's.
     pub max_tokens: Option<i64>,
     /// Start each choice's text with its prompt (and its log-probabilities with the prompt's,
-    /// when `logprobs` is set); allows `max_tokens: 0`.
-    #[serde(default)]
+    /// when `logprobs` is set); allows `max_tokens: 0`. `null` is `false`.
+    #[serde(default, deserialize_with = "null_is_false")]
     pub echo: bool,
     /// Refused unless equal to `n` (choices are not ranked).
     pub best_of: Option<i64>,
@@ -175,8 +187,45 @@ pub struct ChatRequest {
 }
 
 /// A boolean field that may also be `null` (meaning `false`).
-fn null_is_false<'de, D: serde::Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+fn null_is_false<'de, D: Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
     Ok(Option::<bool>::deserialize(d)?.unwrap_or(false))
+}
+
+/// An object field that may also be `null` (meaning absent), and nothing else.
+///
+/// serde's derived `Deserialize` for a struct also reads a JSON array as its fields in order,
+/// so `"stream_options": []` was taken as no options and `[true]` as `include_usage`, where
+/// OpenAI refuses both. Reading through [`MapAccessDeserializer`] rather than a
+/// `serde_json::Value` keeps the caller's path tracking, so an error inside the object names
+/// its field (`stream_options.include_usage`).
+fn object_or_null<'de, D, T>(d: D) -> Result<Option<T>, D::Error>
+where
+    D: Deserializer<'de>,
+    T: Deserialize<'de>,
+{
+    struct ObjectOrNull<T>(PhantomData<T>);
+
+    impl<'de, T: Deserialize<'de>> Visitor<'de> for ObjectOrNull<T> {
+        type Value = Option<T>;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("an object or null")
+        }
+
+        fn visit_unit<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+
+        fn visit_none<E: serde::de::Error>(self) -> Result<Self::Value, E> {
+            Ok(None)
+        }
+
+        fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Self::Value, A::Error> {
+            T::deserialize(MapAccessDeserializer::new(map)).map(Some)
+        }
+    }
+
+    d.deserialize_any(ObjectOrNull(PhantomData))
 }
 
 impl SamplingFields {

@@ -27,6 +27,36 @@ pub fn max_abs_diff_rows(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
     worst
 }
 
+/// [`max_abs_diff`] for values read as f64 (e.g. a tensor of any dtype widened to compare it
+/// exactly), with the same refusals.
+pub fn max_abs_diff_f64(a: &[f64], b: &[f64]) -> f64 {
+    assert_eq!(a.len(), b.len(), "compared slices differ in length");
+    let mut worst = 0.0f64;
+    for (i, (&x, &y)) in a.iter().zip(b).enumerate() {
+        assert!(
+            x.is_finite() && y.is_finite(),
+            "index {i}: non-finite value (left {x}, right {y})"
+        );
+        worst = worst.max((x - y).abs());
+    }
+    worst
+}
+
+/// The largest `|x|` over rows: the scale a relative tolerance is taken of.
+///
+/// Panics on a NaN or an infinity (naming the row and index): a fold with `f32::max` would
+/// skip a NaN, and an infinite scale would make any tolerance pass.
+pub fn max_abs(rows: &[Vec<f32>]) -> f32 {
+    let mut largest = 0.0f32;
+    for (r, row) in rows.iter().enumerate() {
+        for (i, &x) in row.iter().enumerate() {
+            assert!(x.is_finite(), "row {r}, index {i}: non-finite value {x}");
+            largest = largest.max(x.abs());
+        }
+    }
+    largest
+}
+
 fn max_abs_diff_in(a: &[f32], b: &[f32], row: &str) -> f32 {
     assert_eq!(a.len(), b.len(), "{row}compared slices differ in length");
     let mut worst = 0.0f32;

@@ -14,7 +14,7 @@ use serde::Deserialize;
 
 mod compare;
 #[allow(unused_imports)] // not every test binary compares floats
-pub use compare::{max_abs_diff, max_abs_diff_rows};
+pub use compare::{max_abs, max_abs_diff, max_abs_diff_f64, max_abs_diff_rows};
 
 /// The tiny checkpoints `scripts/make_fixtures.py` writes, with transformers' outputs.
 pub const FIXTURES: &[&str] = &["tiny-v3", "tiny-v2-lite", "tiny-v2-group", "tiny-v32"];
@@ -126,7 +126,9 @@ pub struct StaggeredStep {
 }
 
 /// `rows` sequences decode `ids` one token at a time through the decode graph only, row `i`
-/// starting `i` steps late (so positions differ within a batch); every step's outputs.
+/// starting `i` steps late (so positions differ within a batch); every step's outputs, each
+/// checked to hold one row of logits and one sampled token per row in the batch (so that the
+/// callers' zips of logits with positions cannot drop a row).
 pub fn decode_staggered_steps(
     run: &mut dyn Runner,
     ids: &[u32],
@@ -157,10 +159,16 @@ pub fn decode_staggered_steps(
                 logits: LogitsOutput::Sampled,
             })
             .unwrap();
+        let logits = out.logits.unwrap();
+        assert_eq!(
+            (logits.len(), out.next_tokens.len()),
+            (batch.len(), batch.len()),
+            "step {step}: rows of logits and sampled tokens vs rows in the batch"
+        );
         steps.push(StaggeredStep {
             next_tokens: out.next_tokens,
             positions: active.iter().map(|&i| step - i).collect(),
-            logits: out.logits.unwrap(),
+            logits,
         });
     }
     steps
@@ -171,6 +179,7 @@ pub fn decode_staggered_steps(
 pub fn decode_staggered(run: &mut dyn Runner, ids: &[u32], rows: usize, want: &[Vec<f32>]) -> f32 {
     let mut worst = 0.0f32;
     for step in decode_staggered_steps(run, ids, rows) {
+        // `decode_staggered_steps` checked one row of logits per position.
         for (got, &position) in step.logits.iter().zip(&step.positions) {
             worst = worst.max(max_abs_diff(got, &want[position]));
         }

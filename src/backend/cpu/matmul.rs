@@ -1248,21 +1248,8 @@ impl CustomOp3 for ScaledMatMul {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_util::max_abs_diff_tensors;
     use candle_core::{DType, Device, Tensor};
-
-    /// max |a - b| in f64 (`b` already f64).
-    fn max_diff(a: &Tensor, b: &Tensor) -> f64 {
-        let d = (a.to_dtype(DType::F64).unwrap() - b)
-            .unwrap()
-            .abs()
-            .unwrap();
-        d.flatten_all()
-            .unwrap()
-            .max(0)
-            .unwrap()
-            .to_scalar()
-            .unwrap()
-    }
 
     /// The kernel against f64 arithmetic on the widened values, for each layout it reads
     /// (`k`-contiguous weight rows, `n`-contiguous slices, batched) and both row regimes.
@@ -1317,7 +1304,7 @@ mod tests {
             let got2 = a.apply_op2_no_bwd(&wt, &WidenMatMul).unwrap();
             for g in [got, got2] {
                 assert_eq!(g.dtype(), DType::F32);
-                let d = max_diff(&g, &want);
+                let d = max_abs_diff_tensors(&g, &want);
                 assert!(d < 1e-4, "{dtype:?} {batch}x{m}x{k}x{n}: {d}");
             }
         }
@@ -1454,7 +1441,7 @@ mod tests {
                 .unwrap()
                 .matmul(&Tensor::from_vec(deq, (k, n), dev).unwrap())
                 .unwrap();
-            let d = max_diff(&got, &want);
+            let d = max_abs_diff_tensors(&got, &want);
             assert!(d < 1e-4, "{m}x{k}x{n}: {d}");
         }
     }
@@ -1576,7 +1563,7 @@ mod tests {
                     .unwrap()
                     .matmul(&dense.get(ei).unwrap().t().unwrap())
                     .unwrap();
-                let d = max_diff(&got.get(i).unwrap(), &want);
+                let d = max_abs_diff_tensors(&got.get(i).unwrap(), &want);
                 assert!(d < 1e-4, "row {i}: {d}");
                 // The same bits when the row is multiplied alone (expert 2 has six left rows
                 // here, so panels or groups of fused rows; alone, two): a request's tokens must

@@ -1163,6 +1163,7 @@ fn index_select(x: &CTensor, ids: &CTensor, dim: usize) -> Result<CTensor> {
 mod tests {
     use super::*;
     use crate::graph::GraphBuilder;
+    use crate::test_util::max_abs_diff;
     use candle_core::quantized::GgmlDType;
 
     /// `x @ w^T` for `x: [2, 64]` and a weight `w: [32, 64]`.
@@ -1205,12 +1206,7 @@ mod tests {
             let out = prepared.run(&[Value::Tensor(x.clone()), w]).unwrap();
             out[0].flatten_all().unwrap().to_vec1().unwrap()
         };
-        let worst = |got: &[f32]| {
-            got.iter()
-                .zip(&want)
-                .map(|(&g, &w)| (f64::from(g) - w).abs())
-                .fold(0.0, f64::max)
-        };
+        let worst = |got: &[f32]| max_abs_diff(got, &want);
         let tensor = run(Value::Tensor(w.clone()));
         assert!(worst(&tensor) < 1e-4, "f32: {}", worst(&tensor));
         assert_eq!(run(Value::Tensor(w.clone())), tensor);

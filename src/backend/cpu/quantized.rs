@@ -185,6 +185,7 @@ fn apply(q: &QTensor, x: &CTensor) -> candle_core::Result<CTensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_util::{max_abs, max_abs_diff_tensors, values};
 
     fn lcg(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed | 1;
@@ -221,18 +222,8 @@ mod tests {
                 let dq = qt.dequantize(&Device::Cpu).unwrap();
                 let want = x.matmul(&dq.t().unwrap()).unwrap();
                 let got = q.linear(&x).unwrap();
-                let diff = (got - &want)
-                    .unwrap()
-                    .abs()
-                    .unwrap()
-                    .flatten_all()
-                    .unwrap()
-                    .max(0)
-                    .unwrap()
-                    .to_scalar::<f32>()
-                    .unwrap();
-                let scale = want.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
-                let scale = scale.to_scalar::<f32>().unwrap();
+                let diff = max_abs_diff_tensors(&got, &want);
+                let scale = max_abs(&values(&want));
                 assert!(
                     diff < 0.02 * scale,
                     "{format:?} k {k} m {m}: {diff} of {scale}"
@@ -261,25 +252,15 @@ mod tests {
             let own = CTensor::from_vec(own, (out, k), &Device::Cpu).unwrap();
             let one = QuantizedWeight::quantize(&own, GgmlDType::Q8_0).unwrap();
             let want = one.linear(&x.get(i).unwrap()).unwrap();
-            let row = got.get(i).unwrap();
-            let d = (row - &want).unwrap().abs().unwrap().flatten_all().unwrap();
-            let d = d.max(0).unwrap().to_scalar::<f32>().unwrap();
+            let d = max_abs_diff_tensors(&got.get(i).unwrap(), &want);
             assert!(d < 1e-5, "row {i} (expert {id}): {d}");
         }
         let all = x.narrow(0, 0, e).unwrap();
         let per = q.per_expert(&all).unwrap();
         for (j, qe) in qs.iter().enumerate() {
             let want = apply(qe, &all.get(j).unwrap().contiguous().unwrap()).unwrap();
-            let d = (per.get(j).unwrap() - &want)
-                .unwrap()
-                .abs()
-                .unwrap()
-                .flatten_all()
-                .unwrap();
-            assert!(
-                d.max(0).unwrap().to_scalar::<f32>().unwrap() < 1e-6,
-                "expert {j}"
-            );
+            let d = max_abs_diff_tensors(&per.get(j).unwrap(), &want);
+            assert!(d < 1e-6, "expert {j}: {d}");
         }
     }
 }

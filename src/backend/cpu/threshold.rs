@@ -115,6 +115,7 @@ mod tests {
 
     /// The definition, by sorting: the largest value whose mass at or above reaches the target.
     fn by_sorting(x: &[f32], w: &[f32], target: f32) -> f32 {
+        assert_eq!(x.len(), w.len(), "a weight per value");
         if target.is_nan() {
             return f32::NEG_INFINITY;
         }
