@@ -9,8 +9,10 @@
 //!   `tp_8` ≤ 2 × `tp_1`.
 //! - `capture/…`: build + lower time of one bucket graph of `fixtures/configs/deepseek-v2-lite.json`
 //!   (config only; no weights).
-//! - `decode_step/…` (only with `DEEPINFER_BENCH_BACKEND=cpu|sim|neuron`): one real decode step
-//!   of the tiny-v3 fixture at batch 8 on the chosen backend.
+//! - `decode_step/…` (on a trn1 by default, elsewhere with `DEEPINFER_BENCH_BACKEND=cpu|sim|
+//!   neuron`): one real decode step per batch bucket of the deployment the `DEEPINFER_BENCH_*`
+//!   variables describe (model, dtype, quantization, tp, batch, length; see
+//!   `bench_deployment`), opened as `serve` opens it, with each bucket's NeuronCore floor.
 //!
 //! Needs `libnrt_sim.so` beside the bench binary: `cargo build -p nrt-sim` (or `cargo test
 //! --workspace`) first.
@@ -26,9 +28,10 @@ use deepinfer::model::{
     self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, Precision, Sampler,
     WeightSpecs,
 };
+use deepinfer::model::{DTypeChoice, Quantize};
 use deepinfer::runner::step::{DecodeRow, LogitControls, SamplingParams};
 use deepinfer::runner::{
-    self, Backend, Buckets, DeviceOptions, DeviceRunner, Runner, RunnerConfig, Step,
+    self, Backend, Buckets, DeviceOptions, DeviceRunner, Limits, Runner, RunnerConfig, Step,
 };
 use deepinfer::weights::Checkpoint;
 
@@ -224,27 +227,61 @@ fn capture(c: &mut Criterion) {
     group.finish();
 }
 
-/// The checkpoint the decode-step bench runs: `DEEPINFER_BENCH_MODEL`, else the tiny fixture.
-fn bench_model() -> (String, ModelConfig, ModelWeights) {
-    let dir = std::env::var_os("DEEPINFER_BENCH_MODEL")
+/// The deployment the decode-step bench measures, from the environment: the checkpoint
+/// `DEEPINFER_BENCH_MODEL` (default the tiny-v3 fixture), `DEEPINFER_BENCH_DTYPE` (default
+/// `auto`: the checkpoint's; f32 for the fixture), `DEEPINFER_BENCH_QUANTIZE` (default none),
+/// `DEEPINFER_BENCH_TP` (default 1), `DEEPINFER_BENCH_MAX_BATCH` (default 8) and
+/// `DEEPINFER_BENCH_MAX_LEN` (default 128). A malformed value is a message, not a default.
+fn bench_deployment() -> Result<(PathBuf, Limits), String> {
+    let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+    let number = |name: &str, default: usize| -> Result<usize, String> {
+        var(name).map_or(Ok(default), |v| {
+            v.trim()
+                .parse()
+                .map_err(|_| format!("{name}={v:?} is not a number"))
+        })
+    };
+    let fixture = var("DEEPINFER_BENCH_MODEL").is_none();
+    let dir = var("DEEPINFER_BENCH_MODEL")
         .map(PathBuf::from)
         .unwrap_or_else(|| root().join("fixtures/tiny-v3"));
-    let cfg = ModelConfig::from_file(&dir.join("config.json")).expect("config");
-    let w = ModelWeights::load(
-        &cfg,
-        &Checkpoint::open(&dir).expect("checkpoint"),
-        &Precision::F32,
-    )
-    .expect("w");
-    let name = dir
-        .file_name()
-        .map_or("model".into(), |n| n.to_string_lossy().into_owned());
-    (name, cfg, w)
+    let dtype = match var("DEEPINFER_BENCH_DTYPE") {
+        Some(d) => d
+            .parse()
+            .map_err(|e| format!("DEEPINFER_BENCH_DTYPE: {e}"))?,
+        None if fixture => DTypeChoice::Exactly(DType::F32),
+        None => DTypeChoice::Auto,
+    };
+    let quantize: Quantize = match var("DEEPINFER_BENCH_QUANTIZE") {
+        Some(q) => q
+            .parse()
+            .map_err(|e| format!("DEEPINFER_BENCH_QUANTIZE: {e}"))?,
+        None => Quantize::None,
+    };
+    let mut limits = Limits {
+        tp: number("DEEPINFER_BENCH_TP", 1)?,
+        ..Limits::new(
+            number("DEEPINFER_BENCH_MAX_BATCH", 8)?,
+            number("DEEPINFER_BENCH_MAX_LEN", 128)?,
+        )
+    };
+    limits.precision.dtype = dtype;
+    limits.precision.quantize = quantize;
+    Ok((dir, limits))
 }
 
-/// One real decode step per batch bucket, on the backend `DEEPINFER_BENCH_BACKEND` names, or
-/// by default on the Neuron backend when libnrt loads and sees a NeuronCore (on a trn1 instance,
-/// `cargo bench` thus measures the device). Throughput is tokens per second.
+/// One NeuronCore-v2's share of a trn1 chip's HBM bandwidth (820 GiB/s for the chip's two
+/// cores, AWS's trn1 architecture page): the floor's denominator.
+const CORE_BANDWIDTH: f64 = 410.0 * (1u64 << 30) as f64;
+
+/// One real decode step per captured batch bucket of the deployment [`bench_deployment`]
+/// describes, on the backend `DEEPINFER_BENCH_BACKEND` names, or by default on the Neuron
+/// backend when libnrt loads and sees a NeuronCore (on a trn1 instance, `cargo bench` thus
+/// measures the device). The runner is opened as `serve` opens it: the memory plan refuses a
+/// deployment that does not fit (the message is printed and the bench skipped), and weights
+/// stream from the checkpoint to each core. Throughput is tokens per second; each bucket's
+/// line also prints the step's memory-bandwidth floor on a NeuronCore (the unavoidable bytes,
+/// `model::cost::decode_floor`, spread over the ranks, at 410 GiB/s a core).
 fn decode_step(c: &mut Criterion) {
     let backend = match std::env::var("DEEPINFER_BENCH_BACKEND") {
         Ok(b) => b,
@@ -256,25 +293,50 @@ fn decode_step(c: &mut Criterion) {
             }
         },
     };
-    let (model, cfg, weights) = bench_model();
-    let batches = [1usize, 8];
-    let rc = RunnerConfig::for_limits(8, 128);
-    let backend: Backend = backend.parse().expect("DEEPINFER_BENCH_BACKEND");
+    let backend: Backend = match backend.parse() {
+        Ok(b) => b,
+        Err(e) => return eprintln!("decode_step: DEEPINFER_BENCH_BACKEND: {e}"),
+    };
+    let (dir, limits) = match bench_deployment() {
+        Ok(d) => d,
+        Err(e) => return eprintln!("decode_step: {e}"),
+    };
+    let mut runner = match runner::open(backend, &dir, &limits) {
+        Ok(r) => r,
+        Err(e) => return eprintln!("decode_step: {} not measured: {e}", dir.display()),
+    };
+    let model = dir
+        .file_name()
+        .map_or("model".into(), |n| n.to_string_lossy().into_owned());
+    let rc = runner.runner_config().clone();
+    let cfg = runner.config().clone();
+    let floor_of = |batch: usize, ctx: usize| -> Option<f64> {
+        let saved = Checkpoint::open(&dir).ok()?.float_dtype();
+        let precision = limits.precision.resolve(saved, &cfg).ok()?;
+        let specs = WeightSpecs::new(&cfg, &precision);
+        let f = deepinfer::model::cost::decode_floor(&cfg, &specs, rc.kv_dtype, batch, ctx);
+        Some(f.total() / rc.tp as f64 / CORE_BANDWIDTH)
+    };
+    let max_batch = rc.buckets.max_batch();
     let mut blocks = BlockAllocator::new(rc.num_blocks, rc.block_size).expect("blocks");
-    let mut runner = runner::open_with_weights(backend, cfg, weights, rc).expect("capture");
-    let mut tables: Vec<Vec<u32>> = vec![Vec::new(); 8];
+    // Every sequence at the middle of the longest context bucket.
+    let ctx = rc.buckets.max_len() / 2;
+    let mut tables: Vec<Vec<u32>> = vec![Vec::new(); max_batch];
     for t in tables.iter_mut() {
-        blocks.grow(t, 40).expect("blocks");
+        blocks.grow(t, ctx + 1).expect("blocks");
     }
-    let mut group = c.benchmark_group(format!("decode_step/{backend}/{model}"));
-    for batch in batches {
+    let mut group = c.benchmark_group(format!(
+        "decode_step/{backend}/{model}/tp{}/{}",
+        rc.tp, limits.precision.dtype
+    ));
+    for &batch in &rc.buckets.batch {
         let rows: Vec<DecodeRow> = tables
             .iter()
             .take(batch)
             .enumerate()
             .map(|(i, t)| DecodeRow {
                 token: i as u32 + 1,
-                position: 32 + i,
+                position: ctx - i % 4,
                 blocks: t,
                 sampling: SamplingParams::GREEDY,
                 controls: LogitControls::NONE,
@@ -284,6 +346,14 @@ fn decode_step(c: &mut Criterion) {
             rows: &rows,
             logits: LogitsOutput::None,
         };
+        if let Some(floor) = floor_of(batch, ctx) {
+            eprintln!(
+                "decode_step batch {batch} at {ctx} tokens: NeuronCore floor {:.3} ms a step \
+                 ({:.0} tok/s)",
+                floor * 1e3,
+                batch as f64 / floor
+            );
+        }
         group.throughput(criterion::Throughput::Elements(batch as u64));
         group.bench_function(format!("batch_{batch}"), |b| {
             b.iter(|| runner.replay(&step).expect("decode"))

@@ -521,6 +521,10 @@ fn a_leader_refuses_a_follower_started_on_another_model() {
         ("NEURON_RT_LIB", nrt_sim_library().display().to_string()),
         ("NRT_SIM_NC_COUNT", "2".to_string()),
         ("NEURON_RT_ROOT_COMM_ID", "127.0.0.1:61997".to_string()),
+        (
+            "DEEPINFER_INSTANCE_SECRET",
+            "cli-test-shared-secret".to_string(),
+        ),
     ];
     let mut follower = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
         .args([
@@ -613,6 +617,14 @@ fn follow_refuses_what_cannot_follow() {
         "nowhere",
     ]);
     assert_clean_error(&out, "cannot listen on nowhere");
+    // No shared secret: nothing could prove to be its leader.
+    let out = Command::new(env!("CARGO_BIN_EXE_deepinfer"))
+        .args(["follow", "--model", &tiny, "--backend", "sim"])
+        .args(["--ranks", "0..2", "--listen", "127.0.0.1:0"])
+        .env_remove("DEEPINFER_INSTANCE_SECRET")
+        .output()
+        .unwrap();
+    assert_clean_error(&out, "deepinfer follow needs DEEPINFER_INSTANCE_SECRET");
 }
 
 /// `serve --fair-decode-slowdown` below 1 (a step cheaper than one row per request) or not a

@@ -35,11 +35,17 @@ const ENV: [(&str, &str); 2] = [
 
 /// `--tp 4 --ranks RANKS --followers FOLLOWERS --dtype f32` (transformers' reference is f32;
 /// some fixtures say bf16 in config.json).
+/// The secret the leader and followers of these tests share.
+fn secret() -> instances::InstanceSecret {
+    instances::InstanceSecret::new("instances-sim-test-secret").unwrap()
+}
+
 fn limits(ranks: RankSpan, followers: Vec<String>) -> Limits {
     let mut l = Limits {
         tp: 4,
         ranks: Some(ranks),
         followers,
+        instance_secret: Some(secret()),
         ..Limits::new(2, 128)
     };
     l.precision.dtype = DTypeChoice::Exactly(DType::F32);
@@ -55,8 +61,9 @@ fn start_follower(
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let span = RankSpan { first, count: 2 };
-    let t =
-        std::thread::spawn(move || instances::follow(Backend::Sim, &model, span, listener, |_| {}));
+    let t = std::thread::spawn(move || {
+        instances::follow(Backend::Sim, &model, span, listener, &secret(), |_| {})
+    });
     (addr, t)
 }
 
@@ -282,6 +289,80 @@ fn child_mismatch() {
         "{err}"
     );
     assert!(follower.join().unwrap().is_err());
+}
+
+/// Only the leader holding the shared secret drives a follower: a stranger's connection (no
+/// proof, or a proof of another secret) is refused before it can send a step, the follower
+/// keeps waiting, and then serves its leader, whose scores match transformers'. A leader with
+/// another secret gets an error naming the follower.
+#[test]
+fn only_a_leader_proving_the_shared_secret_drives_a_follower() {
+    run_child("child_auth", &ENV);
+}
+
+#[test]
+#[ignore = "runs in a child process started by its parent test"]
+fn child_auth() {
+    if !is_child() {
+        return only_a_leader_proving_the_shared_secret_drives_a_follower();
+    }
+    let (addr, follower) = start_follower(fixture_dir("tiny-v3"), 2);
+    // A stranger: reads the challenge, sends a launch without a valid proof.
+    let mut s = TcpStream::connect(&addr).unwrap();
+    // A frame: its length (tag included, u32 little-endian), the tag, the body.
+    let frame = |s: &mut TcpStream| {
+        let mut len = [0u8; 4];
+        s.read_exact(&mut len).unwrap();
+        let mut buf = vec![0u8; u32::from_le_bytes(len) as usize];
+        s.read_exact(&mut buf).unwrap();
+        (buf[0], String::from_utf8(buf[1..].to_vec()).unwrap())
+    };
+    let (tag, challenge) = frame(&mut s);
+    assert_eq!(
+        (tag, challenge.len()),
+        (9, 64),
+        "a challenge of 32 bytes in hex"
+    );
+    let launch = serde_json::to_string(&instances::Launch::of(&limits(
+        RankSpan { first: 0, count: 2 },
+        vec![],
+    )))
+    .unwrap();
+    let body = format!("{}\n{launch}", "00".repeat(32));
+    let mut msg = ((body.len() + 1) as u32).to_le_bytes().to_vec();
+    msg.push(1);
+    msg.extend_from_slice(body.as_bytes());
+    s.write_all(&msg).unwrap();
+    let (tag, why) = frame(&mut s);
+    assert_eq!(tag, 6, "refused: {why}");
+    assert!(why.contains("authentication failed"), "{why}");
+    drop(s);
+    // A leader with another secret is refused the same way, and says which follower.
+    let wrong = Limits {
+        instance_secret: Some(instances::InstanceSecret::new("some-other-secret-value").unwrap()),
+        ..limits(RankSpan { first: 0, count: 2 }, vec![addr.clone()])
+    };
+    let err = open_err(Backend::Sim, &fixture_dir("tiny-v3"), &wrong);
+    assert!(
+        err.contains(&addr) && err.contains("authentication failed"),
+        "{err}"
+    );
+    // The follower still waits for its leader, and serves it.
+    let r = reference("tiny-v3");
+    let lead = limits(RankSpan { first: 0, count: 2 }, vec![addr]);
+    let mut leader = runner::open(Backend::Sim, &fixture_dir("tiny-v3"), &lead).unwrap();
+    let logits = engine::score(&mut leader, &r.token_ids).unwrap();
+    let worst = max_abs_diff_rows(&logits, &r.logits);
+    assert!(worst < 1e-4, "{worst}");
+    drop(leader);
+    follower.join().unwrap().unwrap();
+    // Without a secret, a leader refuses to launch.
+    let none = Limits {
+        instance_secret: None,
+        ..limits(RankSpan { first: 0, count: 2 }, vec!["127.0.0.1:1".into()])
+    };
+    let err = open_err(Backend::Sim, &fixture_dir("tiny-v3"), &none);
+    assert!(err.contains("DEEPINFER_INSTANCE_SECRET"), "{err}");
 }
 
 #[test]

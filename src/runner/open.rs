@@ -12,7 +12,7 @@ use crate::model::{ModelWeights, PrecisionChoice};
 use crate::source::ModelSource;
 
 use super::device::RankSpan;
-use super::instances::{Followers, Launch, Timeouts};
+use super::instances::{Followers, InstanceSecret, Launch, Timeouts};
 use super::{Backend, CpuRunner, DeviceOptions, DeviceRunner, Runner, RunnerConfig};
 
 /// The file name of nrt-sim's shared library.
@@ -75,6 +75,9 @@ pub struct Limits {
     /// `--followers`: the addresses of the processes running the other ranks, in rank order,
     /// for the leader of a model over several instances; empty for one instance.
     pub followers: Vec<String>,
+    /// The secret the leader proves to its followers ([`super::instances::ENV_SECRET`]);
+    /// required with `followers`.
+    pub instance_secret: Option<super::instances::InstanceSecret>,
     /// `--split-sampler`: device decode steps run the forward pass and the sampler as two
     /// graphs, so constrained rows' masks are computed while the forward pass runs
     /// ([`DeviceOptions::split_sampler`]). The CPU backend ignores it.
@@ -97,6 +100,7 @@ impl Limits {
             tp: 1,
             ranks: None,
             followers: Vec::new(),
+            instance_secret: None,
             split_sampler: false,
         }
     }
@@ -165,11 +169,13 @@ pub fn open(backend: Backend, model: &Path, limits: &Limits) -> Result<Box<dyn R
         let (cfg, weights, runner_cfg) = load(backend, model, limits)?;
         return open_captured(backend, cfg, weights, runner_cfg, limits.compiler_config());
     }
-    let pending = match limits.followers.is_empty() {
-        true => None,
-        false => Some(Followers::launch(
+    let pending = match (limits.followers.is_empty(), &limits.instance_secret) {
+        (true, _) => None,
+        (false, None) => return Err(InstanceSecret::missing("--followers")),
+        (false, Some(secret)) => Some(Followers::launch(
             &limits.followers,
             &Launch::of(limits),
+            secret,
             Timeouts::default(),
         )?),
     };

@@ -22,8 +22,9 @@ pub(crate) struct FollowArgs {
     /// a --tp 64 model.
     #[arg(long, value_name = "FIRST..END")]
     ranks: RankSpan,
-    /// Address to wait for the leader on (the one it lists in --followers). The protocol has
-    /// no authentication: bind the cluster's private network.
+    /// Address to wait for the leader on (the one it lists in --followers). Only a leader that
+    /// proves DEEPINFER_INSTANCE_SECRET (the same on both sides) is answered; the steps are not
+    /// encrypted: bind the cluster's private network.
     #[arg(long, default_value = "0.0.0.0:7400")]
     listen: String,
 }
@@ -38,18 +39,27 @@ pub(crate) fn run(args: FollowArgs) -> Result<()> {
     }
     let listener = TcpListener::bind(&args.listen)
         .with_context(|| format!("cannot listen on {}", args.listen))?;
+    let secret = runner::instances::InstanceSecret::from_env()?
+        .ok_or_else(|| runner::instances::InstanceSecret::missing("deepinfer follow"))?;
     let addr = listener.local_addr()?;
     eprintln!(
         "deepinfer: follower for ranks {} waiting for its leader on {addr}",
         args.ranks
     );
-    runner::instances::follow(args.backend, &args.model, args.ranks, listener, |setup| {
-        eprintln!(
-            "deepinfer: ranks {}..{} captured; running the leader's steps",
-            setup.first,
-            setup.first + setup.count
-        )
-    })?;
+    runner::instances::follow(
+        args.backend,
+        &args.model,
+        args.ranks,
+        listener,
+        &secret,
+        |setup| {
+            eprintln!(
+                "deepinfer: ranks {}..{} captured; running the leader's steps",
+                setup.first,
+                setup.first + setup.count
+            )
+        },
+    )?;
     eprintln!("deepinfer: the leader ended; follower done");
     Ok(())
 }

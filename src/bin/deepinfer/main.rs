@@ -154,22 +154,28 @@ impl ModelArgs {
         }
     }
 
-    /// `limits` with these dtypes and this compile timeout.
-    fn limits(&self, limits: &Limits) -> Limits {
-        Limits {
+    /// `limits` with these dtypes and this compile timeout; with `--followers`, the
+    /// instances' shared secret from the environment.
+    fn limits(&self, limits: &Limits) -> Result<Limits> {
+        let instance_secret = match self.followers.is_empty() {
+            true => None,
+            false => runner::instances::InstanceSecret::from_env()?,
+        };
+        Ok(Limits {
             compile_timeout: self.compile_timeout,
             tp: self.tp,
             ranks: self.ranks,
             followers: self.followers.clone(),
+            instance_secret,
             split_sampler: self.split_sampler,
             ..self.precision.apply(limits)
-        }
+        })
     }
 
     /// Opens a captured runner for the model within `limits` on the chosen backend.
     fn open(&self, dir: &Path, limits: &Limits) -> Result<Box<dyn Runner>> {
         let backend = runner::choose_backend(self.backend);
-        let limits = self.limits(limits);
+        let limits = self.limits(limits)?;
         announce_capture(backend, dir, &limits)?;
         Ok(runner::open(backend, dir, &limits)?)
     }

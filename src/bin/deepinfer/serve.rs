@@ -188,7 +188,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         prefill_chunk: Some(args.prefill_chunk),
         prefill_seqs: Some(args.max_prefill_seqs),
         ..Limits::new(args.max_batch, args.max_len.unwrap_or(2048))
-    });
+    })?;
     // Checked here, so a bad flag fails before the model loads.
     limits.runner_config(&cfg)?;
     if let Some(n) = args.max_num_batched_tokens {

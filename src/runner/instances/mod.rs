@@ -28,9 +28,15 @@
 //! - **The logits** are each rank's vocabulary slice: a follower returns its ranks' columns of
 //!   the rows asked for (only for requests that want logprobs; sampling never needs them).
 //!
-//! The wire format is in [`wire`]. There is no authentication: run followers on the cluster's
-//! private network, as libnrt's own collectives are.
+//! - **Who may lead.** A follower answers only a leader that proves it holds the secret both
+//!   were given ([`ENV_SECRET`]): a challenge-response at the handshake ([`auth`]); any other
+//!   connection is refused before it can send a step or read an output, and the follower goes
+//!   on waiting.
+//!
+//! The wire format is in [`wire`]. Only the handshake is authenticated (the steps are not
+//! encrypted): run followers on the cluster's private network, as libnrt's collectives are.
 
+mod auth;
 mod wire;
 
 use std::io::ErrorKind as IoKind;
@@ -45,6 +51,7 @@ use super::{Backend, Limits, Runner};
 use crate::error::{Error, Result};
 use crate::model::PrecisionChoice;
 
+pub use auth::{InstanceSecret, ENV_SECRET};
 use wire::{read_frame, text, write_text, Tag};
 pub(crate) use wire::{Done, StepMessage};
 
@@ -279,18 +286,35 @@ fn connect(addr: &str, deadline: Instant) -> Result<TcpStream> {
 
 impl Followers {
     /// Connects to the followers at `addrs` (in the order of their ranks) and sends each
-    /// `launch`; returns while they capture, so the leader captures meanwhile.
-    pub fn launch(addrs: &[String], launch: &Launch, timeouts: Timeouts) -> Result<Pending> {
+    /// `launch` with the proof of `secret` for its challenge; returns while they open the
+    /// model ([`Pending::agree`] goes on).
+    pub fn launch(
+        addrs: &[String],
+        launch: &Launch,
+        secret: &InstanceSecret,
+        timeouts: Timeouts,
+    ) -> Result<Pending> {
         let deadline = Instant::now() + timeouts.connect;
         let json = serde_json::to_string(launch)
             .map_err(|e| Error::Internal(format!("launch as JSON: {e}")))?;
         let mut links = Vec::with_capacity(addrs.len());
         for addr in addrs {
             let mut stream = connect(addr, deadline)?;
+            let left = deadline.saturating_duration_since(Instant::now());
             stream
                 .set_nodelay(true)
+                .and_then(|()| stream.set_read_timeout(Some(left.max(Duration::from_secs(30)))))
                 .map_err(|e| lost(addr, "configuring the connection", e))?;
-            write_text(&mut stream, Tag::Hello, &json)
+            let challenge = match read_frame(&mut stream) {
+                Ok(Ok((Tag::Challenge, body))) => auth::from_hex(&text(body)?)
+                    .filter(|c| c.len() == auth::CHALLENGE_BYTES)
+                    .ok_or_else(|| lost(addr, "its challenge", "not 32 bytes of hex"))?,
+                Ok(Ok((tag, _))) => return Err(lost(addr, "expected a challenge, got", tag as u8)),
+                Ok(Err(e)) => return Err(e),
+                Err(e) => return Err(lost(addr, "waiting for its challenge", e)),
+            };
+            let proof = secret.prove(&challenge, &json)?;
+            write_text(&mut stream, Tag::Hello, &format!("{proof}\n{json}"))
                 .map_err(|e| lost(addr, "sending the launch", e))?;
             links.push((addr.clone(), stream));
         }
@@ -495,7 +519,39 @@ impl Capturing {
     }
 }
 
-/// Runs a follower (`deepinfer follow`): waits on `listener` for its leader, opens the model at
+/// How long a follower waits for a connection's launch before refusing it: a leader sends
+/// it at once; a stranger that sends nothing must not hold the port.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// The follower's half of the handshake on a new connection: sends a fresh challenge, reads
+/// the launch and checks its proof of `secret`. The launch, or why the peer is refused.
+fn authenticate(stream: &mut TcpStream, peer: &str, secret: &InstanceSecret) -> Result<Launch> {
+    stream
+        .set_nodelay(true)
+        .and_then(|()| stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT)))
+        .map_err(|e| lost(peer, "configuring the connection", e))?;
+    let challenge = auth::challenge()?;
+    write_text(stream, Tag::Challenge, &auth::to_hex(&challenge))
+        .map_err(|e| lost(peer, "sending the challenge", e))?;
+    let body = match read_frame(stream) {
+        Ok(Ok((Tag::Hello, body))) => text(body)?,
+        Ok(Ok((tag, _))) => return Err(lost(peer, "expected the launch, got", tag as u8)),
+        Ok(Err(e)) => return Err(e),
+        Err(e) => return Err(lost(peer, "reading the launch", e)),
+    };
+    let (proof, json) = body.split_once('\n').unwrap_or(("", body.as_str()));
+    if !secret.verify(&challenge, json, proof) {
+        return Err(lost(
+            peer,
+            "authentication failed",
+            format!("the launch does not prove {ENV_SECRET}: is it the same on both sides?"),
+        ));
+    }
+    serde_json::from_str(json).map_err(|e| lost(peer, "reading the launch", e))
+}
+
+/// Runs a follower (`deepinfer follow`): waits on `listener` for its leader (the first
+/// connection whose launch proves `secret`; others are refused and logged), opens the model at
 /// `model` on `backend` for global ranks `ranks` within the leader's launch, captures, and runs
 /// every step the leader sends until it says goodbye. `ready` is told once the runner is
 /// captured. Returns when the leader ends (or an error when it vanishes mid-step, or the
@@ -505,23 +561,26 @@ pub fn follow(
     model: &Path,
     ranks: RankSpan,
     listener: TcpListener,
+    secret: &InstanceSecret,
     ready: impl FnOnce(&Setup),
 ) -> Result<()> {
-    let (mut stream, peer) = listener
-        .accept()
-        .map_err(|e| Error::Unavailable(format!("waiting for the leader: {e}")))?;
-    let peer = peer.to_string();
-    stream
-        .set_nodelay(true)
-        .map_err(|e| lost(&peer, "configuring the connection", e))?;
-    let launch: Launch = match read_frame(&mut stream) {
-        Ok(Ok((Tag::Hello, body))) => {
-            serde_json::from_str(&text(body)?).map_err(|e| lost(&peer, "reading the launch", e))?
+    let (mut stream, peer, launch) = loop {
+        let (mut stream, peer) = listener
+            .accept()
+            .map_err(|e| Error::Unavailable(format!("waiting for the leader: {e}")))?;
+        let peer = peer.to_string();
+        match authenticate(&mut stream, &peer, secret) {
+            Ok(launch) => break (stream, peer, launch),
+            Err(e) => {
+                // Refused before it could send a step or read an output; keep waiting.
+                let _ = write_text(&mut stream, Tag::Failed, &e.to_string());
+                tracing::warn!("refused a connection from {peer}: {e}");
+            }
         }
-        Ok(Ok((tag, _))) => return Err(lost(&peer, "expected the launch, got", tag as u8)),
-        Ok(Err(e)) => return Err(e),
-        Err(e) => return Err(lost(&peer, "reading the launch", e)),
     };
+    stream
+        .set_read_timeout(None)
+        .map_err(|e| lost(&peer, "configuring the connection", e))?;
     let opened = launch
         .limits(ranks)
         .and_then(|limits| super::open::prepare_device(backend, model, &limits));

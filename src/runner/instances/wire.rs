@@ -24,7 +24,8 @@ const MAX_FRAME: usize = 1 << 30;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
 pub(super) enum Tag {
-    /// Leader to follower: the launch (JSON, [`super::Launch`]).
+    /// Leader to follower: the proof of the shared secret (hex), a newline, and the launch
+    /// (JSON, [`super::Launch`]).
     Hello = 1,
     /// Follower to leader: what it will capture (JSON, [`super::Setup`]), before capturing.
     Welcome = 2,
@@ -41,6 +42,9 @@ pub(super) enum Tag {
     Capture = 7,
     /// Follower to leader: captured, ready for steps.
     Captured = 8,
+    /// Follower to leader, first on every connection: a fresh random challenge (hex) the
+    /// launch must prove the shared secret against ([`super::auth`]).
+    Challenge = 9,
 }
 
 impl Tag {
@@ -54,6 +58,7 @@ impl Tag {
             6 => Tag::Failed,
             7 => Tag::Capture,
             8 => Tag::Captured,
+            9 => Tag::Challenge,
             _ => return Err(malformed(format!("unknown message tag {b}"))),
         })
     }
