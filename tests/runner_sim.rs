@@ -1215,6 +1215,37 @@ fn cli_generate_and_score_agree_on_cpu_and_sim() {
     assert!(diff <= 1e-5, "{diff}");
 }
 
+/// More ranks than the simulator shows: the error suggests what `score` can change (a lower
+/// `--tp`, NRT_SIM_NC_COUNT), never `--instance`, which only `plan` takes.
+#[test]
+fn cli_too_many_ranks_suggests_what_the_command_can_change() {
+    let model = common::fixture_dir("tiny-v3");
+    let out = cli(
+        &[
+            "score",
+            "--backend",
+            "sim",
+            "--tp",
+            "4",
+            "--model",
+            model.to_str().unwrap(),
+            "--token-ids",
+            "1,2,3",
+        ],
+        &[("NRT_SIM_NC_COUNT", std::ffi::OsStr::new("2"))],
+    );
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--tp 4 needs 4 NeuronCores here but 2 are visible")
+            && err.contains("use --tp 1, 2")
+            && err.contains("NRT_SIM_NC_COUNT"),
+        "{err}"
+    );
+    assert!(!err.contains("--instance "), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "{err}");
+}
+
 #[test]
 fn cli_neuron_without_libnrt_is_one_clear_error() {
     let model = common::fixture_dir("tiny-v3");

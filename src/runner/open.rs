@@ -310,6 +310,26 @@ pub fn device_plan(
     cores: usize,
 ) -> Result<crate::plan::Plan> {
     use crate::plan::{self, Instance, KvBlocks, PlanOptions, WeightDType};
+    // More ranks than this process sees: said in what a runner's user can change (the plan's
+    // own message would suggest `--instance`, a flag only `deepinfer plan` takes).
+    let local = limits.ranks.map_or(limits.tp, |r| r.count);
+    if local > cores {
+        let fits: Vec<String> = plan::valid_tps(cfg, cores)
+            .iter()
+            .map(usize::to_string)
+            .collect();
+        let lower = match fits.is_empty() {
+            true => String::new(),
+            false => format!("use --tp {}, or ", fits.join(", ")),
+        };
+        return Err(Error::InvalidInput(format!(
+            "--tp {} needs {local} NeuronCores here but {cores} are visible: {lower}run where \
+             more are visible (a trn1.32xlarge has 32, selected with NEURON_RT_VISIBLE_CORES; \
+             on --backend sim, NRT_SIM_NC_COUNT), or split the ranks over instances with \
+             --ranks and --followers",
+            limits.tp
+        )));
+    }
     let instance = match cores {
         0..=2 => Instance::Trn1_2xlarge,
         3..=32 => Instance::Trn1_32xlarge,
