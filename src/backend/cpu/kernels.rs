@@ -198,11 +198,11 @@ impl CustomOp1 for RowSum {
 /// The index of each row's largest value (`i32`), for a contiguous f32 tensor over its last
 /// dim: the greedy sampler's argmax over the vocabulary.
 ///
-/// The same answer as candle's `argmax`, which walked each row one compare-and-branch at a
-/// time (0.35 ms of a batch-8 step at 32,000 tokens): the first index of the largest value,
-/// NaNs passed over, except that a row starting with NaN gives 0 (nothing compares greater
-/// than it). Here the largest value is found sixteen lanes at a time, then its first index:
-/// 0.12 ms there.
+/// The first index of the largest value, a NaN counting as the largest (the first NaN's
+/// index), as `torch.argmax`, numpy and XLA's lowering here (`hlo::emit`) answer. candle's
+/// `argmax` walked each row one compare-and-branch at a time (0.35 ms of a batch-8 step at
+/// 32,000 tokens) and passed NaNs over; here the largest value is found sixteen lanes at a
+/// time, with whether any lane saw a NaN, then its first index: 0.12 ms there.
 pub(crate) struct RowArgMax;
 
 impl RowArgMax {
@@ -210,25 +210,27 @@ impl RowArgMax {
         let Some(&first) = row.first() else {
             return 0;
         };
-        if first.is_nan() {
-            return 0;
-        }
         let mut lanes = [first; SUM_LANES];
+        let mut nan = [false; SUM_LANES];
         let mut chunks = row.chunks_exact(SUM_LANES);
         for c in &mut chunks {
-            lanes
-                .iter_mut()
-                .zip(c)
-                .for_each(|(m, &v)| *m = if v > *m { v } else { *m });
+            for ((m, n), &v) in lanes.iter_mut().zip(&mut nan).zip(c) {
+                *m = if v > *m { v } else { *m };
+                *n |= v.is_nan();
+            }
         }
-        let largest = chunks
-            .remainder()
-            .iter()
-            .chain(&lanes)
-            .fold(first, |m, &v| if v > m { v } else { m });
-        row.iter()
-            .position(|&v| v == largest)
-            .map_or(0, |i| i as i32)
+        let rest = chunks.remainder();
+        let any_nan = first.is_nan() || nan.contains(&true) || rest.iter().any(|v| v.is_nan());
+        let found = if any_nan {
+            row.iter().position(|v| v.is_nan())
+        } else {
+            let largest = rest
+                .iter()
+                .chain(&lanes)
+                .fold(first, |m, &v| if v > m { v } else { m });
+            row.iter().position(|&v| v == largest)
+        };
+        found.map_or(0, |i| i as i32)
     }
 }
 
@@ -636,8 +638,10 @@ mod tests {
         }
     }
 
+    /// candle's answer where a row has no NaN; the first NaN's index where it has one (what
+    /// `torch.argmax` and numpy return, and candle does not: it skips NaNs).
     #[test]
-    fn a_row_argmax_agrees_with_candles() {
+    fn a_row_argmax_agrees_with_candles_and_a_nan_wins() {
         let mut rows: Vec<Vec<f32>> = vec![
             vec![1.0],
             vec![f32::NEG_INFINITY; 37],
@@ -657,10 +661,13 @@ mod tests {
             let x =
                 candle_core::Tensor::from_vec(row.clone(), row.len(), &candle_core::Device::Cpu)
                     .expect("tensor");
-            let want = x
-                .argmax(0)
-                .and_then(|t| t.to_scalar::<u32>())
-                .expect("argmax");
+            let want = match row.iter().position(|v| v.is_nan()) {
+                Some(first_nan) => first_nan as u32,
+                None => x
+                    .argmax(0)
+                    .and_then(|t| t.to_scalar::<u32>())
+                    .expect("argmax"),
+            };
             let got = x
                 .unsqueeze(0)
                 .and_then(|t| t.apply_op1_no_bwd(&RowArgMax))

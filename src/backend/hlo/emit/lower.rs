@@ -261,8 +261,12 @@ impl Emitter<'_> {
         })
     }
 
-    /// The first index of the maximum: reduce-max, compare with it, select the iota where
-    /// equal (`i32::MAX` elsewhere), reduce-min.
+    /// The first index of the maximum, a NaN counting as the maximum (the first NaN's index, as
+    /// `torch.argmax` and numpy answer): reduce-max, compare with it, select the iota where
+    /// equal (`i32::MAX` elsewhere), reduce-min; the same for `x != x` (NaN), whose index wins
+    /// when there is one. Without the NaN half a row holding a NaN has a NaN maximum equal to
+    /// nothing, and the index would be `i32::MAX`, outside the row; a NaN-skipping maximum (the
+    /// CPU backend's, under nrt-sim) would give another index than XLA's.
     fn lower_argmax(&mut self, x: NodeId, dim: usize) -> i64 {
         let dims = self.dims_of(x.0).to_vec();
         let x_dtype = self.dtype_of(x.0);
@@ -276,15 +280,40 @@ impl Emitter<'_> {
                 .collect();
         });
         let pred = array_shape(&dims, PrimitiveType::Pred);
-        let is_max = self.compare(CmpOp::Eq, x, maxb, pred, xt);
+        let is_max = self.compare(CmpOp::Eq, x, maxb, pred.clone(), xt);
+        let is_nan = self.compare(CmpOp::Ne, x, x, pred, xt);
         let s32 = array_shape(&dims, PrimitiveType::S32);
         let iota = self.push(opcodes::IOTA, s32.clone(), &[], |i| {
             i.dimensions = vec![dim as i64]
         });
         let big = self.scalar(DType::I32, i32::MAX as f64);
         let bigb = self.broadcast(big, &[], &dims, PrimitiveType::S32);
-        let sel = self.push(opcodes::SELECT, s32, &[is_max, iota, bigb], |_| {});
-        self.reduce(sel, &dims, dim, ReduceOp::Min, DType::I32)
+        let first_of = |e: &mut Self, mask: i64| {
+            let sel = e.push(opcodes::SELECT, s32.clone(), &[mask, iota, bigb], |_| {});
+            e.reduce(sel, &dims, dim, ReduceOp::Min, DType::I32)
+        };
+        let max_at = first_of(self, is_max);
+        let nan_at = first_of(self, is_nan);
+        let out: Vec<usize> = dims
+            .iter()
+            .enumerate()
+            .filter(|&(d, _)| d != dim)
+            .map(|(_, &n)| n)
+            .collect();
+        let big_out = self.broadcast(big, &[], &out, PrimitiveType::S32);
+        let has_nan = self.compare(
+            CmpOp::Lt,
+            nan_at,
+            big_out,
+            array_shape(&out, PrimitiveType::Pred),
+            PrimitiveType::S32,
+        );
+        self.push(
+            opcodes::SELECT,
+            array_shape(&out, PrimitiveType::S32),
+            &[has_nan, nan_at, max_at],
+            |_| {},
+        )
     }
 
     /// The indices of the `k` largest along the last dim: a stable descending sort of (value,
