@@ -10,7 +10,8 @@
 # first-contact-report). --sim runs it on nrt-sim and its stand-in compiler, without Trainium.
 # Exit status: 0 every step passed, 1 a step failed, 2 no Neuron on this machine.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+# Not `cd`: a relative MODEL or --out DIR is the caller's, so the repository is named instead.
+root=$(cd "$(dirname "$0")/.." && pwd)
 
 args=()
 model=()
@@ -33,5 +34,5 @@ while [ $# -gt 0 ]; do
     shift
 done
 
-cargo build --release --workspace --quiet
-exec target/release/deepinfer first-contact "${args[@]}" "${model[@]}"
+cargo build --manifest-path "$root/Cargo.toml" --release --workspace --quiet
+exec "$root/target/release/deepinfer" first-contact "${args[@]}" "${model[@]}"

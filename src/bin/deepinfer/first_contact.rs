@@ -67,6 +67,8 @@ const BENCH_PROMPT: usize = 16;
 /// The prompt length whose prefill the bench times (time to first token).
 const TTFT_PROMPT: usize = 32;
 
+/// `deepinfer first-contact`'s flags: few on purpose, since its user has just logged in to a
+/// new machine; the limits are there for a model whose capture at the defaults is too slow.
 #[derive(Args)]
 pub(crate) struct FirstContactArgs {
     /// Run on nrt-sim with its stand-in compiler (backend `sim`) instead of libnrt and
