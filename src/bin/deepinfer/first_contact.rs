@@ -47,7 +47,7 @@ const PARITY_TOKENS: usize = 16;
 /// The largest logit difference parity accepts between the device and the CPU backend, for
 /// weights held in f32. Both run the same graph in f32; what differs is the order of the
 /// reductions (XLA's on the device, candle's on the CPU), a few ulps on logits of order 10.
-const TOL_F32: f32 = 1e-3;
+const TOL_F32: f64 = 1e-3;
 
 /// The bound for bf16 or f16 weights and cache. The weights are the same bf16 values on both
 /// sides and activations are f32, but each prefill writes its KV rows in bf16 and reads them
@@ -56,7 +56,7 @@ const TOL_F32: f32 = 1e-3;
 /// (`scripts/test.sh` measured ~2e-4 on the tiny fixtures between XLA and the CPU; bigger
 /// models accumulate more layers). 2e-2 stays far below the logit gaps greedy decoding depends
 /// on, which the token comparison checks separately.
-const TOL_HALF: f32 = 2e-2;
+const TOL_HALF: f64 = 2e-2;
 
 /// Decode steps timed per batch bucket in the bench (after one untimed step).
 const BENCH_STEPS: usize = 8;
@@ -603,7 +603,7 @@ fn parity(ctx: &mut Ctx) -> Result<Outcome> {
             false => f32::INFINITY,
         };
         let equal = dev_tokens == cpu_tokens;
-        let pass = equal && finite && shapes_match && max_diff <= tol;
+        let pass = equal && finite && shapes_match && f64::from(max_diff) <= tol;
         ok &= pass;
         writeln!(
             output,
