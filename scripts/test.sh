@@ -2,7 +2,8 @@
 # The whole test suite, from a fresh clone.
 #
 # 1. `cargo test --workspace`: everything in Rust (parity with transformers on the committed
-#    fixtures, the CLI, the graph, the compile driver, ...).
+#    fixtures, the CLI, the graph, the compile driver, ...); then
+#    `scripts/trn1-first-contact.sh --sim`, the trn1 first-contact command on nrt-sim.
 # 2. XLA conformance: every graph we emit for every fixture (prefill, and decode at batch 1, 2, 4
 #    and 8; tiny-v32's sparse attention included) runs in XLA itself (jaxlib on the CPU) and must match our CPU backend, and the decode
 #    logits must match transformers' reference; then bf16 and int8-expert graphs against our
@@ -42,6 +43,9 @@ cargo build --release --workspace --quiet
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 status=0
+# The trn1 first-contact command end to end on nrt-sim (what a fresh trn1 runs without --sim).
+echo "== first contact (scripts/trn1-first-contact.sh --sim)"
+scripts/trn1-first-contact.sh --sim --out "$out/first-contact" || status=1
 for fixture in tiny-v3 tiny-v2-lite tiny-v2-group tiny-v32; do
     ids=$(.venv/bin/python -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['token_ids'])))" "fixtures/$fixture/reference.json")
     target/release/deepinfer lower --model "fixtures/$fixture" --out "$out/$fixture" --dtype f32 \

@@ -34,6 +34,7 @@ use serde::Serialize;
 use crate::backend::cpu::{self, Group, DEFAULT_COLLECTIVE_TIMEOUT};
 use crate::backend::hlo;
 use crate::backend::neuron::check::{check_module, CheckOptions, CheckReport};
+use crate::backend::neuron::compile::CompileJob;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::graph::stats::{stats, GraphStats};
@@ -770,18 +771,52 @@ pub fn check_neuron(
     opts: &CheckOptions,
     jobs: usize,
 ) -> Result<CheckReport> {
+    let mut graphs = Vec::new();
+    for_each_capture_graph(cfg, limits, "`deepinfer lower --check neuron`", |g| {
+        graphs.push(check_module(&hlo::emit::emit(g)?, opts));
+        Ok(())
+    })?;
+    Ok(CheckReport { graphs, jobs })
+}
+
+/// The compile jobs (one HLO module per graph, by name, each once) of a device capture within
+/// `limits`, from the model's configuration alone: what `deepinfer first-contact` compiles
+/// through the compile driver before capturing, so each NEFF's compile is timed and reported on
+/// its own, and the capture that follows finds them in the NEFF cache. The graphs are
+/// [`check_neuron`]'s (one loop builds both), with precision `auto` resolved to config.json's
+/// saved dtype, as a capture's plan does.
+pub fn capture_compile_jobs(cfg: &ModelConfig, limits: &Limits) -> Result<Vec<CompileJob>> {
+    let mut jobs: Vec<CompileJob> = Vec::new();
+    for_each_capture_graph(cfg, limits, "a device capture", |g| {
+        if !jobs.iter().any(|j| j.name == g.name()) {
+            jobs.push(CompileJob {
+                name: g.name().to_string(),
+                hlo: hlo::emit::to_bytes(&hlo::emit::emit(g)?),
+            });
+        }
+        Ok(())
+    })?;
+    Ok(jobs)
+}
+
+/// Builds every graph a device capture within `limits` compiles, one at a time (so memory stays
+/// at one graph), and hands each to `f`; `what` names the caller in a CPU-only quantization's
+/// error.
+fn for_each_capture_graph(
+    cfg: &ModelConfig,
+    limits: &Limits,
+    what: &str,
+    mut f: impl FnMut(&Graph) -> Result<()>,
+) -> Result<()> {
     let precision = limits.precision.resolve(cfg.saved_dtype, cfg)?;
     if precision.quantize.is_cpu_only() {
-        return Err(precision
-            .quantize
-            .cpu_only_error("`deepinfer lower --check neuron`"));
+        return Err(precision.quantize.cpu_only_error(what));
     }
     let mut rc = limits.runner_config(cfg)?;
     rc.kv_dtype = precision.kv_cache;
     rc.buckets.validate(rc.block_size)?;
     let specs = WeightSpecs::sharded(cfg, &precision, rc.tp)?;
     let layout = rc.cache_layout();
-    let mut graphs = Vec::with_capacity(rc.buckets.graph_count());
     for (kind, rows, seqs, ctx) in rc.buckets.graphs() {
         let spec = GraphSpec {
             rows,
@@ -801,14 +836,13 @@ pub fn check_neuron(
             StepKind::Prefill => model::build_prefill(cfg, &specs, &layout, &spec)?,
             StepKind::Sample => model::build_sample(cfg, &specs, &layout, rows)?,
         };
-        graphs.push(check_module(&hlo::emit::emit(&g)?, opts));
+        f(&g)?;
     }
     // A split capture's sampling graphs: one per batch bucket (the same for every context).
     if limits.split_sampler {
         for &rows in &rc.buckets.batch {
-            let g = model::build_sample(cfg, &specs, &layout, rows)?;
-            graphs.push(check_module(&hlo::emit::emit(&g)?, opts));
+            f(&model::build_sample(cfg, &specs, &layout, rows)?)?;
         }
     }
-    Ok(CheckReport { graphs, jobs })
+    Ok(())
 }

@@ -57,8 +57,8 @@ pub use cpu::CpuRunner;
 pub use decode_costs::DecodeCosts;
 pub use device::{CaptureStats, DeviceOptions, DeviceRunner, MetadataSource, NeffSource};
 pub use open::{
-    choose_backend, device_plan, find_sim_library, open, open_with_weights, sim_compiler,
-    sim_compiler_config, sim_compiler_config_from_env, sim_library_beside_exe,
+    choose_backend, device_plan, device_plan_options, find_sim_library, open, open_with_weights,
+    sim_compiler, sim_compiler_config, sim_compiler_config_from_env, sim_library_beside_exe,
     sim_library_candidates, Limits, SIM_COMPILER_FILE, SIM_GIT_HASH, SIM_LIBRARY_FILE,
 };
 use step::{DecodeRow, PrefillChunk};

@@ -309,7 +309,7 @@ pub fn device_plan(
     saved: Option<crate::graph::DType>,
     cores: usize,
 ) -> Result<crate::plan::Plan> {
-    use crate::plan::{self, Instance, KvBlocks, PlanOptions, WeightDType};
+    use crate::plan;
     // More ranks than this process sees: said in what a runner's user can change (the plan's
     // own message would suggest `--instance`, a flag only `deepinfer plan` takes).
     let local = limits.ranks.map_or(limits.tp, |r| r.count);
@@ -330,12 +330,39 @@ pub fn device_plan(
             limits.tp
         )));
     }
+    let opts = device_plan_options(limits, saved, cores)?;
+    let instance = opts.instance;
+    let p = plan::Plan::compute(cfg, &opts)?;
+    if p.fits() {
+        return Ok(p);
+    }
+    let fix = plan::suggest(cfg, &opts)?
+        .first()
+        .map(|s| format!("; what would: {}", s.describe()))
+        .unwrap_or_default();
+    Err(Error::InvalidInput(format!(
+        "the model does not fit a {instance} at --tp {}: {}{fix} (see `deepinfer plan`)",
+        limits.tp,
+        p.shortfalls().join("; ")
+    )))
+}
+
+/// The memory plan's options for a device capture within `limits` on a trn instance with
+/// `cores` visible NeuronCores ([`device_plan`]'s rule for the instance), for a checkpoint saved
+/// in `saved`: public so that a report (`deepinfer first-contact`) can plan exactly what a
+/// capture will check, and show the figures even when they do not fit.
+pub fn device_plan_options(
+    limits: &Limits,
+    saved: Option<crate::graph::DType>,
+    cores: usize,
+) -> Result<crate::plan::PlanOptions> {
+    use crate::plan::{Instance, KvBlocks, PlanOptions, WeightDType};
     let instance = match cores {
         0..=2 => Instance::Trn1_2xlarge,
         3..=32 => Instance::Trn1_32xlarge,
         _ => Instance::Trn2_48xlarge,
     };
-    let opts = PlanOptions {
+    Ok(PlanOptions {
         instance,
         // A process running some of the ranks is one of the instances that run them all.
         instances: limits
@@ -360,20 +387,7 @@ pub fn device_plan(
         hbm_utilization: limits.hbm_utilization,
         saved_dtype: saved,
         split_sampler: limits.split_sampler,
-    };
-    let p = plan::Plan::compute(cfg, &opts)?;
-    if p.fits() {
-        return Ok(p);
-    }
-    let fix = plan::suggest(cfg, &opts)?
-        .first()
-        .map(|s| format!("; what would: {}", s.describe()))
-        .unwrap_or_default();
-    Err(Error::InvalidInput(format!(
-        "the model does not fit a {instance} at --tp {}: {}{fix} (see `deepinfer plan`)",
-        limits.tp,
-        p.shortfalls().join("; ")
-    )))
+    })
 }
 
 /// [`open`] with a configuration and weights already in memory (random weights for a

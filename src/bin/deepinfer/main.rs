@@ -15,6 +15,7 @@
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 mod bench;
+mod first_contact;
 mod follow;
 mod generate;
 mod logging;
@@ -65,6 +66,11 @@ enum Command {
     /// Run some ranks of a model split over several instances for a leader elsewhere (which
     /// sends the launch and every step): wait for it, capture, run its steps until it ends.
     Follow(follow::FollowArgs),
+    /// On a fresh trn1 (or with --sim, on nrt-sim): doctor, plan, check, compile, capture,
+    /// parity with the CPU backend and a short bench, stopping at the first failure; writes
+    /// DIR/report.json and DIR/report.md. Exit status 0 when every step passed, 1 when one
+    /// failed, 2 when there is no Neuron here.
+    FirstContact(first_contact::FirstContactArgs),
 }
 
 /// The model and backend arguments every running command takes.
@@ -274,6 +280,10 @@ fn main() -> ExitCode {
         Command::Serve(a) => serve::run(a),
         Command::Follow(a) => follow::run(a),
         Command::Plan(a) => match plan::run(a) {
+            Ok(code) => return code,
+            Err(e) => Err(e),
+        },
+        Command::FirstContact(a) => match first_contact::run(a) {
             Ok(code) => return code,
             Err(e) => Err(e),
         },
