@@ -817,32 +817,20 @@ fn for_each_capture_graph(
     rc.buckets.validate(rc.block_size)?;
     let specs = WeightSpecs::sharded(cfg, &precision, rc.tp)?;
     let layout = rc.cache_layout();
-    for (kind, rows, seqs, ctx) in rc.buckets.graphs() {
-        let spec = GraphSpec {
-            rows,
-            seqs,
-            ctx,
-            logits: kind.device_logits(),
-            moe: cfg.routing.as_ref().map_or(MoeStrategy::Dense, |r| {
-                MoeStrategy::for_tokens(r, rows, specs.ranks())
-            }),
-            sampler: match kind == StepKind::Decode && limits.split_sampler {
-                true => Sampler::Deferred,
-                false => Sampler::Full,
-            },
-        };
+    // A sampling graph is the same for every context of its batch size: built once.
+    let mut seen = std::collections::HashSet::new();
+    for (kind, spec) in rc.buckets.capture_specs(cfg, rc.tp, limits.split_sampler) {
         let g = match kind {
             StepKind::Decode => model::build_decode(cfg, &specs, &layout, &spec)?,
             StepKind::Prefill => model::build_prefill(cfg, &specs, &layout, &spec)?,
-            StepKind::Sample => model::build_sample(cfg, &specs, &layout, rows)?,
+            StepKind::Sample => {
+                if !seen.insert(spec.rows) {
+                    continue;
+                }
+                model::build_sample(cfg, &specs, &layout, spec.rows)?
+            }
         };
         f(&g)?;
-    }
-    // A split capture's sampling graphs: one per batch bucket (the same for every context).
-    if limits.split_sampler {
-        for &rows in &rc.buckets.batch {
-            f(&model::build_sample(cfg, &specs, &layout, rows)?)?;
-        }
     }
     Ok(())
 }

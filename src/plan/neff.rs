@@ -26,8 +26,8 @@ use crate::backend::hlo::emit;
 use crate::backend::neuron::footprint::{self, NeffFootprint, MICROCODE_PER_PHYSICAL_CORE};
 use crate::config::ModelConfig;
 use crate::error::Result;
-use crate::model::{self, GraphSpec, MoeStrategy, Precision, Sampler, WeightSpecs};
-use crate::runner::{Buckets, RunnerConfig, StepKind};
+use crate::model::{self, GraphSpec, Precision, WeightSpecs};
+use crate::runner::{RunnerConfig, StepKind};
 
 use super::instance::Instance;
 
@@ -50,54 +50,6 @@ pub struct NeffEstimate {
     pub scratchpad: u64,
     /// Per graph, in the order a capture builds them.
     pub graphs: Vec<GraphFootprint>,
-}
-
-/// The graphs a capture of `buckets` builds for a rank of `tp`, with their MoE strategy and
-/// sampler: the device runner's rule (`MoeStrategy::for_tokens`), and with `split_sampler` a
-/// forward pass per decode bucket and a sampling graph per batch size.
-fn specs(
-    cfg: &ModelConfig,
-    buckets: &Buckets,
-    tp: usize,
-    split: bool,
-) -> Vec<(StepKind, GraphSpec)> {
-    let moe = |rows: usize| {
-        cfg.routing
-            .as_ref()
-            .map_or(MoeStrategy::Dense, |r| MoeStrategy::for_tokens(r, rows, tp))
-    };
-    let mut out: Vec<(StepKind, GraphSpec)> = buckets
-        .graphs()
-        .into_iter()
-        .map(|(kind, rows, seqs, ctx)| {
-            let spec = GraphSpec {
-                rows,
-                seqs,
-                ctx,
-                logits: kind.device_logits(),
-                moe: moe(rows),
-                sampler: match kind == StepKind::Decode && split {
-                    true => Sampler::Deferred,
-                    false => Sampler::Full,
-                },
-            };
-            (kind, spec)
-        })
-        .collect();
-    if split {
-        for &rows in &buckets.batch {
-            let spec = GraphSpec {
-                rows,
-                seqs: rows,
-                ctx: buckets.max_len(),
-                logits: StepKind::Sample.device_logits(),
-                moe: moe(rows),
-                sampler: Sampler::Full,
-            };
-            out.push((StepKind::Sample, spec));
-        }
-    }
-    out
 }
 
 /// The footprint of one bucket's graph of `cfg` (whole, at whatever layer count it has).
@@ -133,7 +85,7 @@ pub fn estimate(
     let two = one + period;
     let mut graphs = Vec::new();
     let mut seen = std::collections::HashSet::new();
-    for (kind, spec) in specs(cfg, &rc.buckets, rc.tp, split_sampler) {
+    for (kind, spec) in rc.buckets.capture_specs(cfg, rc.tp, split_sampler) {
         let (name, fp) = if cfg.routing.is_none() || layers <= two {
             footprint_of(cfg, precision, rc, kind, &spec)?
         } else {

@@ -161,6 +161,62 @@ impl Buckets {
         self.graphs().len()
     }
 
+    /// The graph of every bucket a device capture of a model of `cfg` builds for a rank of
+    /// `tp`, in [`Buckets::graphs`]'s order: decode with the sampled logits as an output,
+    /// prefill with every position's, each with the MoE strategy a device takes
+    /// ([`MoeStrategy::for_tokens`]); with `split_sampler`, each decode bucket's forward pass
+    /// (`Sampler::Deferred`) followed by the sampling graphs, one per decode bucket (the same
+    /// NEFF for every context of a batch size: callers keep one per name). The device runner,
+    /// the memory plan and `lower --check neuron` all build this list, so what is planned and
+    /// checked is what is captured.
+    pub(crate) fn capture_specs(
+        &self,
+        cfg: &crate::config::ModelConfig,
+        tp: usize,
+        split_sampler: bool,
+    ) -> Vec<(StepKind, crate::model::GraphSpec)> {
+        use crate::model::{GraphSpec, Sampler};
+        let moe = |rows: usize| {
+            cfg.routing
+                .as_ref()
+                .map_or(MoeStrategy::Dense, |r| MoeStrategy::for_tokens(r, rows, tp))
+        };
+        let mut out: Vec<(StepKind, GraphSpec)> = self
+            .graphs()
+            .into_iter()
+            .map(|(kind, rows, seqs, ctx)| {
+                let spec = GraphSpec {
+                    rows,
+                    seqs,
+                    ctx,
+                    logits: kind.device_logits(),
+                    moe: moe(rows),
+                    sampler: match kind == StepKind::Decode && split_sampler {
+                        true => Sampler::Deferred,
+                        false => Sampler::Full,
+                    },
+                };
+                (kind, spec)
+            })
+            .collect();
+        if split_sampler {
+            let samplers: Vec<_> = out
+                .iter()
+                .filter(|(kind, _)| *kind == StepKind::Decode)
+                .map(|(_, spec)| {
+                    let spec = GraphSpec {
+                        logits: StepKind::Sample.device_logits(),
+                        sampler: Sampler::Full,
+                        ..*spec
+                    };
+                    (StepKind::Sample, spec)
+                })
+                .collect();
+            out.extend(samplers);
+        }
+        out
+    }
+
     /// Every graph of [`Buckets::graph_count`] as (kind, rows, sequences, context), context by
     /// context (decode's sequences are its rows).
     pub(crate) fn graphs(&self) -> Vec<(StepKind, usize, usize, usize)> {

@@ -75,7 +75,7 @@ use crate::error::{Error, Result};
 use crate::graph::{Graph, InputRole};
 use crate::model::inputs;
 use crate::model::{
-    self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, Sampler, WeightSpecs,
+    self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, WeightSpecs,
 };
 
 /// How a device runner turns a lowered graph into the bytes `nrt_load` takes: always the compile
@@ -998,58 +998,18 @@ impl DeviceRunner {
             .unwrap_or_default()
     }
 
-    fn moe_for(&self, tokens: usize) -> MoeStrategy {
-        if let Some(m) = self.runner_cfg.moe {
-            return m;
-        }
-        // One rule for nrt-sim and the device: the simulator runs the graphs a trn1 would, so a
-        // Dense-strategy graph is tested wherever a device would capture one (the CPU backend
-        // under the simulator would be faster with the gather, but that is not what ships).
-        match &self.cfg.routing {
-            None => MoeStrategy::Gather,
-            Some(r) => MoeStrategy::for_tokens(r, tokens, self.runner_cfg.tp),
-        }
-    }
-
-    /// The graphs of every bucket ([`Buckets::graphs`]), largest first: decode per (batch,
-    /// ctx) bucket with the sampled logits as an output, prefill per (chunk, sequences, ctx)
-    /// bucket with every position's logits. Smaller buckets bind prefixes of the largest one's
-    /// metadata and output buffers.
+    /// The graphs of every bucket ([`Buckets::capture_specs`], the list the plan and the Neuron
+    /// check build too; `RunnerConfig::moe` forces one MoE strategy), largest first: smaller
+    /// buckets bind prefixes of the largest one's metadata and output buffers. nrt-sim takes
+    /// the same MoE strategies a device would (on the CPU backend the gather would be faster,
+    /// but the simulator runs what ships).
     fn specs_largest_first(&self) -> Vec<(StepKind, GraphSpec)> {
-        let mut out: Vec<(StepKind, GraphSpec)> = self
-            .runner_cfg
+        let rc = &self.runner_cfg;
+        let mut out = rc
             .buckets
-            .graphs()
-            .into_iter()
-            .map(|(kind, rows, seqs, ctx)| {
-                let spec = GraphSpec {
-                    rows,
-                    seqs,
-                    ctx,
-                    logits: kind.device_logits(),
-                    moe: self.moe_for(rows),
-                    sampler: match kind == StepKind::Decode && self.opts.split_sampler {
-                        true => Sampler::Deferred,
-                        false => Sampler::Full,
-                    },
-                };
-                (kind, spec)
-            })
-            .collect();
-        if self.opts.split_sampler {
-            let samplers: Vec<_> = out
-                .iter()
-                .filter(|(kind, _)| *kind == StepKind::Decode)
-                .map(|(_, spec)| {
-                    let spec = GraphSpec {
-                        logits: StepKind::Sample.device_logits(),
-                        sampler: Sampler::Full,
-                        ..*spec
-                    };
-                    (StepKind::Sample, spec)
-                })
-                .collect();
-            out.extend(samplers);
+            .capture_specs(&self.cfg, rc.tp, self.opts.split_sampler);
+        if let Some(forced) = rc.moe {
+            out.iter_mut().for_each(|(_, spec)| spec.moe = forced);
         }
         out.sort_by_key(|(k, s)| {
             (
