@@ -49,13 +49,15 @@
 //! # Host RAM while loading
 //!
 //! With streaming loads (each rank's shards read from the safetensors files and uploaded
-//! tensor by tensor) the host holds at most one checkpoint tensor as read plus one rank's shard
-//! being staged for upload, so the peak is
+//! tensor by tensor) a rank's loader holds at most one checkpoint tensor as read plus one shard
+//! being staged for upload; the ranks of one instance load at once, each on its own thread (the
+//! collectives bootstrap needs them together), so the peak is
 //!
-//! `largest checkpoint tensor (stored dtype) + largest shard of one rank (device dtype)`
+//! `ranks per instance x (largest checkpoint tensor (stored dtype) + largest shard of one rank
+//! (device dtype))`
 //!
-//! plus, with `--quantize experts-int8`, one expert matrix in f32 (the quantizer reads each
-//! expert widened to f32). The checkpoint's tensors are per expert (`experts.E.gate_proj`), so
+//! plus, per rank, with `--quantize experts-int8|int4`, one expert matrix in f32 (the quantizer
+//! reads each expert widened to f32). The checkpoint's tensors are per expert (`experts.E.gate_proj`), so
 //! its largest is usually the embedding. A plan that needs more than the instance's RAM does
 //! not fit.
 
@@ -273,14 +275,17 @@ pub struct HostPeak {
     pub largest_shard: u64,
     /// One expert matrix in f32 when experts are quantized at load, else 0.
     pub quantize_staging: u64,
+    /// Ranks one instance loads at once (each on its own thread).
+    pub ranks_at_once: u64,
     /// The instance's RAM.
     pub ram: u64,
 }
 
 impl HostPeak {
-    /// The peak: the sum of the three.
+    /// The peak: each rank loading at once holds the three.
     pub fn peak(&self) -> u64 {
-        self.largest_checkpoint_tensor + self.largest_shard + self.quantize_staging
+        self.ranks_at_once
+            * (self.largest_checkpoint_tensor + self.largest_shard + self.quantize_staging)
     }
 }
 
@@ -432,6 +437,7 @@ impl Plan {
                 .unwrap_or(0),
             largest_shard,
             quantize_staging,
+            ranks_at_once: tp.div_ceil(opts.instances.max(1)) as u64,
             ram: opts.instance.host_ram(),
         };
         Ok(Plan {

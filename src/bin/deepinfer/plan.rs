@@ -230,6 +230,7 @@ fn to_json(
             "largest_checkpoint_tensor": plan.host.largest_checkpoint_tensor,
             "largest_shard": plan.host.largest_shard,
             "quantize_staging": plan.host.quantize_staging,
+            "ranks_at_once": plan.host.ranks_at_once,
             "ram": plan.host.ram,
             "fits": plan.host.peak() <= plan.host.ram,
         },
@@ -352,8 +353,10 @@ fn print_table(
         ))?;
     }
     emit(&format!(
-        "host RAM while loading: {} peak (largest checkpoint tensor {} + largest shard {}{}) of {}",
+        "host RAM while loading: {} peak ({} ranks at once, each: largest checkpoint tensor {} + \
+         largest shard {}{}) of {}",
         plan::human_bytes(plan.host.peak()),
+        plan.host.ranks_at_once,
         plan::human_bytes(plan.host.largest_checkpoint_tensor),
         plan::human_bytes(plan.host.largest_shard),
         if plan.host.quantize_staging > 0 {
