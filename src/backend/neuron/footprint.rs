@@ -109,11 +109,7 @@ fn reuses_operand(opcode: &str) -> bool {
 
 /// The largest sum of live intermediate buffers over the entry computation, in order.
 fn peak_scratch(module: &HloModuleProto) -> u64 {
-    let Some(entry) = module
-        .computations
-        .iter()
-        .find(|c| c.id == module.entry_computation_id)
-    else {
+    let Some(entry) = estimate::entry_computation(module) else {
         return 0;
     };
     let insts = &entry.instructions;
@@ -177,11 +173,7 @@ fn peak_scratch(module: &HloModuleProto) -> u64 {
 
 /// The largest operand plus result of any collective in the entry computation, in bytes.
 fn largest_collective(module: &HloModuleProto) -> u64 {
-    let Some(entry) = module
-        .computations
-        .iter()
-        .find(|c| c.id == module.entry_computation_id)
-    else {
+    let Some(entry) = estimate::entry_computation(module) else {
         return 0;
     };
     let shapes: HashMap<i64, &ShapeProto> = entry

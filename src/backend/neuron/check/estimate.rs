@@ -48,7 +48,9 @@
 //! (`CompilerConfig::jobs`), so a trn1.2xlarge (8 vCPUs) compiles one at a time.
 
 use super::accepted::{INSTRUCTION_BUDGET, MAX_SORT_WIDTH};
-use crate::backend::hlo::proto::{HloInstructionProto, HloModuleProto, ShapeProto};
+use crate::backend::hlo::proto::{
+    HloComputationProto, HloInstructionProto, HloModuleProto, ShapeProto,
+};
 
 /// Partitions of a NeuronCore-v2 SBUF tile times the free elements one vector instruction
 /// covers in the estimate.
@@ -151,6 +153,14 @@ pub(super) fn sort_width(inst: &HloInstructionProto, keys: &ShapeProto) -> u64 {
         .map_or(0, |&d| d.max(0) as u64)
 }
 
+/// The module's entry computation, if it names one it has.
+pub(crate) fn entry_computation(module: &HloModuleProto) -> Option<&HloComputationProto> {
+    module
+        .computations
+        .iter()
+        .find(|c| c.id == module.entry_computation_id)
+}
+
 /// The estimated engine instructions of `module`'s entry computation (see the module docs).
 pub fn instructions(module: &HloModuleProto) -> u64 {
     instructions_by_opcode(module).iter().map(|(_, n)| n).sum()
@@ -158,11 +168,7 @@ pub fn instructions(module: &HloModuleProto) -> u64 {
 
 /// [`instructions`] per opcode, largest first (ties by name): what the estimate is made of.
 pub fn instructions_by_opcode(module: &HloModuleProto) -> Vec<(String, u64)> {
-    let Some(entry) = module
-        .computations
-        .iter()
-        .find(|c| c.id == module.entry_computation_id)
-    else {
+    let Some(entry) = entry_computation(module) else {
         return Vec::new();
     };
     let shapes: std::collections::HashMap<i64, &ShapeProto> = entry
@@ -221,11 +227,7 @@ pub fn instructions_by_opcode(module: &HloModuleProto) -> Vec<(String, u64)> {
 /// [`MAX_SORT_WIDTH`]: the vocabulary-wide ArgMax that made one decode graph take 22 minutes
 /// (aws-neuron-sdk#1210).
 pub fn has_wide_reduction(module: &HloModuleProto) -> bool {
-    let Some(entry) = module
-        .computations
-        .iter()
-        .find(|c| c.id == module.entry_computation_id)
-    else {
+    let Some(entry) = entry_computation(module) else {
         return false;
     };
     let shapes: std::collections::HashMap<i64, &ShapeProto> = entry
