@@ -2,7 +2,8 @@
 # The whole test suite, from a fresh clone.
 #
 # 1. `cargo test --workspace`: everything in Rust (parity with transformers on the committed
-#    fixtures, the CLI, the graph, the compile driver, ...); then
+#    fixtures, the CLI, the graph, the compile driver, ...); then `scripts/check_links.py`,
+#    every relative link and anchor in README.md, benches/ and docs/; then
 #    `scripts/trn1-first-contact.sh --sim`, the trn1 first-contact command on nrt-sim.
 # 2. XLA conformance: every graph we emit for every fixture (prefill, and decode at batch 1, 2, 4
 #    and 8; tiny-v32's sparse attention included) runs in XLA itself (jaxlib on the CPU) and must match our CPU backend, and the decode
@@ -34,6 +35,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 cargo test --workspace
+
+# Every relative link and #anchor in README.md, benches/ and docs/ resolves (stdlib Python, no venv).
+echo "== document links (scripts/check_links.py)"
+python3 scripts/check_links.py
 
 if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import jax, ml_dtypes, safetensors, openai, pytest, httpx, transformers, jinja2, jsonschema" 2>/dev/null; then
     python3 -m venv .venv
