@@ -41,7 +41,7 @@ use crate::graph::stats::{stats, GraphStats};
 use crate::graph::{Graph, InputRole};
 use crate::model::cost::{decode_floor, DecodeFloor};
 use crate::model::{
-    self, shard, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, PrecisionChoice, Sampler,
+    self, shard, Dots, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, PrecisionChoice, Sampler,
     WeightSpecs,
 };
 use crate::runner::step::{
@@ -65,6 +65,9 @@ pub struct LowerOptions {
     pub inputs_from_token_ids: Option<Vec<u32>>,
     /// `--dtype`, `--kv-dtype`, `--quantize`.
     pub precision: PrecisionChoice,
+    /// `--dots`: in which dtype the graphs multiply; a device's [`Dots::Narrow`] by default
+    /// (the graphs are what a NeuronCore compiles), [`Dots::Widen`] for the CPU's.
+    pub dots: Dots,
     /// `--split-sampler`: each decode batch as the two graphs a split capture compiles (the
     /// forward pass to the logits, then the sampling graph reading them) instead of one.
     pub split_sampler: bool,
@@ -442,7 +445,7 @@ pub fn lower_sharded(
         Some(c) => c.float_dtype(),
         None => cfg.saved_dtype,
     };
-    let precision = opts.precision.resolve(saved, &cfg)?;
+    let precision = opts.precision.resolve(saved, &cfg)?.with_dots(opts.dots);
     if precision.quantize.is_cpu_only() {
         return Err(precision.quantize.cpu_only_error("`deepinfer lower` (HLO)"));
     }
@@ -808,7 +811,10 @@ fn for_each_capture_graph(
     what: &str,
     mut f: impl FnMut(&Graph) -> Result<()>,
 ) -> Result<()> {
-    let precision = limits.precision.resolve(cfg.saved_dtype, cfg)?;
+    let precision = limits
+        .precision
+        .resolve(cfg.saved_dtype, cfg)?
+        .with_dots(Dots::Narrow);
     if precision.quantize.is_cpu_only() {
         return Err(precision.quantize.cpu_only_error(what));
     }

@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use deepinfer::export::{lower, LowerOptions};
-use deepinfer::model::PrecisionChoice;
+use deepinfer::model::{Dots, PrecisionChoice};
 
 #[test]
 fn decode_reads_stay_near_the_floor_on_published_configs() {
@@ -20,6 +20,7 @@ fn decode_reads_stay_near_the_floor_on_published_configs() {
             ctx: 1024,
             inputs_from_token_ids: None,
             precision: PrecisionChoice::default(),
+            dots: Dots::Narrow,
             split_sampler: false,
         };
         let m = lower(&dir, &dir.join("out"), &opts).unwrap();

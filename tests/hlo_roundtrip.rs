@@ -11,7 +11,7 @@ use deepinfer::export::{lower, LowerOptions};
 use deepinfer::graph::{
     BinaryOp, CmpOp, DType, GraphBuilder, InputRole, Op, ReduceOp, Tensor as GTensor, UnaryOp,
 };
-use deepinfer::model::{DTypeChoice, PrecisionChoice, Quantize};
+use deepinfer::model::{DTypeChoice, Dots, PrecisionChoice, Quantize};
 use prost::Message;
 use std::collections::{HashMap, HashSet};
 
@@ -32,6 +32,7 @@ fn emit_import_run_is_bit_identical_for_every_fixture_graph() {
                 dtype,
                 ..Default::default()
             },
+            dots: Dots::Narrow,
             split_sampler: false,
         };
         let manifest = lower(&fixture_dir(name), &out, &opts).unwrap();
@@ -120,6 +121,7 @@ fn no_graph_transposes_an_operand_of_a_dot() {
                 ctx: 64,
                 inputs_from_token_ids: None,
                 precision,
+                dots: Dots::Narrow,
                 split_sampler: false,
             };
             let manifest = lower(&fixture_dir(name), &out, &opts).unwrap();
@@ -175,6 +177,7 @@ fn corrupt_or_foreign_modules_are_errors_not_panics() {
         ctx: 64,
         inputs_from_token_ids: None,
         precision: PrecisionChoice::default(),
+        dots: Dots::Narrow,
         split_sampler: false,
     };
     let manifest = lower(&fixture_dir("tiny-v3"), &out, &opts).unwrap();
@@ -198,6 +201,7 @@ fn emitting_the_same_graph_twice_gives_the_same_bytes() {
         ctx: 64,
         inputs_from_token_ids: None,
         precision: PrecisionChoice::default(),
+        dots: Dots::Narrow,
         split_sampler: false,
     };
     let first = lower(&fixture_dir("tiny-v3"), &out.join("a"), &opts).unwrap();

@@ -9,7 +9,7 @@ use common::{max_abs_diff_rows, reference, reference_file, runner_in, Reference,
 use deepinfer::engine::{self, StopConditions};
 use deepinfer::export::{lower, LowerOptions};
 use deepinfer::graph::DType;
-use deepinfer::model::{MoeStrategy, Precision, PrecisionChoice, Quantize};
+use deepinfer::model::{Dots, MoeStrategy, Precision, PrecisionChoice, Quantize};
 use deepinfer::runner::step::SamplingParams;
 use deepinfer::runner::Runner;
 use serde::Deserialize;
@@ -69,15 +69,21 @@ fn leading_equal(a: &[u32], b: &[u32]) -> usize {
     a.iter().zip(b).take_while(|(x, y)| x == y).count()
 }
 
+/// Both precision policies of a bf16 model: the CPU's (bf16 operands widened, f32 products)
+/// and a device's (activations rounded to bf16 at each dot, f32 results), which the CPU
+/// backend runs as written when it stands in for a NeuronCore.
+const POLICIES: [Dots; 2] = [Dots::Widen, Dots::Narrow];
+
 #[test]
 fn bf16_drifts_from_f32_no_more_than_transformers_bf16() {
     let mut failures = Vec::new();
     // tiny-v32 is measured apart (below): on it both engines' worst position is the same
     // routing flip and its greedy sequence has a 0.017 top-2 gap, under bf16's noise.
-    for name in FIXTURES.iter().filter(|&&n| n != "tiny-v32") {
+    let runs = FIXTURES.iter().filter(|&&n| n != "tiny-v32");
+    for (name, dots) in runs.flat_map(|n| POLICIES.map(|d| (n, d))) {
         let f32_ref = reference(name);
         let peer: PeerBf16 = reference_file(name, "reference-bf16.json");
-        let mut run = runner_in(name, 1, None, BF16);
+        let mut run = runner_in(name, 1, None, BF16.with_dots(dots));
         let ours = engine::score(&mut run, &f32_ref.token_ids).unwrap();
         let drift = max_abs_diff_rows(&ours, &f32_ref.logits);
         let agree = argmax_agreement(&ours, &f32_ref.logits);
@@ -92,6 +98,7 @@ fn bf16_drifts_from_f32_no_more_than_transformers_bf16() {
         assert!((peer_agree - peer.argmax_agreement_vs_f32).abs() < 1e-9);
         let peer_lead = peer.greedy_agreement_vs_f32.leading_tokens_equal;
         let total = f32_ref.greedy.generated_token_ids.len();
+        let name = format!("{name} ({dots})");
         eprintln!(
             "{name}: max |logit - f32| ours {drift:.3e} vs transformers-bf16 {peer_drift:.3e}; \
              argmax agreement {agree:.4} vs {peer_agree:.4}; greedy {lead}/{total} vs \
@@ -309,6 +316,7 @@ fn quantizing_a_model_without_routed_experts_is_refused_before_loading() {
             quantize: Quantize::ExpertsInt8,
             ..Default::default()
         },
+        dots: Dots::Narrow,
         split_sampler: false,
     };
     let err = lower(&dir, &dir.join("out"), &opts)

@@ -16,7 +16,7 @@ use deepinfer::backend::cpu::{self, Group, DEFAULT_COLLECTIVE_TIMEOUT};
 use deepinfer::backend::hlo;
 use deepinfer::export::{lower_sharded, LowerOptions};
 use deepinfer::graph::{Graph, Op};
-use deepinfer::model::PrecisionChoice;
+use deepinfer::model::{Dots, PrecisionChoice};
 use prost::Message;
 
 fn temp(tag: &str) -> PathBuf {
@@ -51,6 +51,7 @@ fn tp_modules_name_the_replica_group_and_import_to_the_same_collectives() {
             ctx: 64,
             inputs_from_token_ids: None,
             precision: PrecisionChoice::default(),
+            dots: Dots::Narrow,
             split_sampler: false,
         };
         let manifest = lower_sharded(&fixture_dir("tiny-v3"), &out, &opts, ranks).unwrap();
@@ -102,6 +103,7 @@ fn tp_inputs_per_rank_reproduce_the_outputs_through_emit_and_import() {
             ctx: 64,
             inputs_from_token_ids: Some(reference(name).token_ids),
             precision: PrecisionChoice::default(),
+            dots: Dots::Narrow,
             split_sampler: false,
         };
         let manifest = lower_sharded(&fixture_dir(name), &out, &opts, ranks).unwrap();

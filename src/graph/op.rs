@@ -328,8 +328,9 @@ pub enum Op {
     },
     /// 4-bit weight codes back to f32: `codes` (u8, `[.., half]`) holds two codes a byte,
     /// biased by 8, the even value in the low nibble; `scales` (f32, `[.., ceil(2 half /
-    /// group)]`, the same leading dims) one scale per `group` values of a row. Output (f32,
-    /// `[.., 2 half]`): `(code - 8) * scale of its group`. The int4 routed experts'
+    /// group)]`, the same leading dims) one scale per `group` values of a row. Output (the
+    /// node's float dtype, `[.., 2 half]`): `(code - 8) * scale of its group`, computed as the
+    /// product in that dtype of the code and the scale rounded to it. The int4 routed experts'
     /// dequantization (`--quantize experts-int4`). HLO: a mask and a shift (bit operations,
     /// exact), an interleave and the group scales' broadcast, tagged as one composite
     /// (`backend::hlo::emit`).

@@ -598,8 +598,17 @@ impl Tensor {
     /// 4-bit codes (`self`: u8 `[.., half]`, two a byte) times their group's scale (`scales`:
     /// f32 `[.., ceil(2 half / group)]`), as f32 `[.., 2 half]`; see [`Op::DequantizeInt4`].
     pub fn dequantize_int4(&self, scales: &Tensor, group: usize) -> Result<Tensor> {
+        self.dequantize_int4_to(scales, group, DType::F32)
+    }
+
+    /// [`Tensor::dequantize_int4`] with the values in `out` (f32, bf16 or f16): each code
+    /// times its scale rounded to `out`, the product rounded to `out` (exactly what the
+    /// multiply in `out` of the two converted operands gives), so a bf16 graph never holds the
+    /// weight in f32.
+    pub fn dequantize_int4_to(&self, scales: &Tensor, group: usize, out: DType) -> Result<Tensor> {
         let r = self.rank();
         let ok = r >= 1
+            && matches!(out, DType::F32 | DType::BF16 | DType::F16)
             && self.dtype == DType::U8
             && scales.dtype == DType::F32
             && group > 0
@@ -610,8 +619,8 @@ impl Tensor {
             return Err(Error::shape(
                 "dequantize_int4",
                 format!(
-                    "codes {} {}, scales {} {}, group {group} (want u8 [.., half] and f32 \
-                     [.., ceil(2 half / group)])",
+                    "codes {} {}, scales {} {}, group {group} -> {out} (want u8 [.., half] and \
+                     f32 [.., ceil(2 half / group)], to a float type)",
                     self.shape, self.dtype, scales.shape, scales.dtype
                 ),
             ));
@@ -625,7 +634,7 @@ impl Tensor {
                 group,
             },
             Shape(dims),
-            DType::F32,
+            out,
         ))
     }
 

@@ -71,18 +71,18 @@ fn queries(
     let heads = w.heads(cfg);
     let (q, latent) = match cfg.q_lora_rank {
         Some(_) => {
-            let qa = linear(x, &w.get(&format!("{p}.q_a_proj.weight"))?)?;
+            let qa = linear(w.dots(), x, &w.get(&format!("{p}.q_a_proj.weight"))?)?;
             let qa = rms_norm(
                 &qa,
                 &w.get(&format!("{p}.q_a_layernorm.weight"))?,
                 cfg.rms_norm_eps,
             )?;
             (
-                linear(&qa, &w.get(&format!("{p}.q_b_proj.weight"))?)?,
+                linear(w.dots(), &qa, &w.get(&format!("{p}.q_b_proj.weight"))?)?,
                 Some(qa),
             )
         }
-        None => (linear(x, &w.get(&format!("{p}.q_proj.weight"))?)?, None),
+        None => (linear(w.dots(), x, &w.get(&format!("{p}.q_proj.weight"))?)?, None),
     };
     let q = q.reshape([n, heads, cfg.qk_head_dim()])?;
     let pe = q.narrow(2, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim)?;
@@ -122,7 +122,7 @@ fn write_cache(
     step: &AttnStep<'_>,
 ) -> Result<Tensor> {
     let n = x.dim(0);
-    let kv = linear(x, &w.get(&format!("{p}.kv_a_proj_with_mqa.weight"))?)?;
+    let kv = linear(w.dots(), x, &w.get(&format!("{p}.kv_a_proj_with_mqa.weight"))?)?;
     let c_kv = rms_norm(
         &kv.narrow(1, 0, cfg.kv_lora_rank)?,
         &w.get(&format!("{p}.kv_a_layernorm.weight"))?,
@@ -216,20 +216,20 @@ pub fn decode(
     let w_uk = kv_b.narrow(1, 0, nope)?;
     let w_uv = kv_b.narrow(1, nope, cfg.v_head_dim)?;
     // q_lat[b, h] = q_nope[b, h] @ w_uk[h]: heads as the batch dimension.
-    let q_lat = matmul(&q_nope.permute(&[1, 0, 2])?, &w_uk)?.permute(&[1, 0, 2])?; // [b, heads, rank]
+    let q_lat = matmul(w.dots(), &q_nope.permute(&[1, 0, 2])?, &w_uk)?.permute(&[1, 0, 2])?; // [b, heads, rank]
     let q = x.builder().cat(&[&q_lat, q_pe], 2)?; // [b, heads, width]
-    let scores = matmul(&q, &kv.t()?)? // [b, heads, ctx or topk]
+    let scores = matmul(w.dots(), &q, &kv.t()?)? // [b, heads, ctx or topk]
         .affine(rope::softmax_scale(cfg), 0.0)?;
     let probs = masked_softmax(&scores, &visible.unsqueeze(1)?)?;
-    let o_lat = matmul(&probs, &kv.narrow(2, 0, rank)?)?; // [b, heads, rank]
-    let o = matmul(&o_lat.permute(&[1, 0, 2])?, &w_uv.t()?)? // [heads, b, v]
+    let o_lat = matmul(w.dots(), &probs, &kv.narrow(2, 0, rank)?)?; // [b, heads, rank]
+    let o = matmul(w.dots(), &o_lat.permute(&[1, 0, 2])?, &w_uv.t()?)? // [heads, b, v]
         .permute(&[1, 0, 2])?
         .reshape([b, heads * cfg.v_head_dim])?;
     let roots = Roots {
         kv: root,
         index: index.map(|(_, r)| r),
     };
-    Ok((linear(&o, &w.get(&format!("{p}.o_proj.weight"))?)?, roots))
+    Ok((linear(w.dots(), &o, &w.get(&format!("{p}.o_proj.weight"))?)?, roots))
 }
 
 /// Prefill attention for `n` tokens of one or more sequences (decompressed MLA; the mask keeps
@@ -267,7 +267,7 @@ pub fn prefill(
         _ => step.visible.clone(),
     };
     let kv = read_cache(cfg, layer, &root, step)?; // [ctx, width]
-    let kv_up = linear(
+    let kv_up = linear(w.dots(), 
         &kv.narrow(1, 0, rank)?,
         &w.get(&format!("{p}.kv_b_proj.weight"))?,
     )?
@@ -279,16 +279,16 @@ pub fn prefill(
 
     let qn = q_nope.permute(&[1, 0, 2])?; // [heads, n, nope]
     let qp = q_pe.permute(&[1, 0, 2])?.reshape([heads * n, rdim])?;
-    let s_nope = matmul(&qn, &k_nope.t()?)?; // [heads, n, ctx]
-    let s_pe = matmul(&qp, &k_pe.t()?)?.reshape([heads, n, ctx])?;
+    let s_nope = matmul(w.dots(), &qn, &k_nope.t()?)?; // [heads, n, ctx]
+    let s_pe = matmul(w.dots(), &qp, &k_pe.t()?)?.reshape([heads, n, ctx])?;
     let scores = s_nope.add(&s_pe)?.affine(rope::softmax_scale(cfg), 0.0)?;
     let probs = masked_softmax(&scores, &visible.unsqueeze(0)?)?;
-    let o = matmul(&probs, &v)? // [heads, n, v]
+    let o = matmul(w.dots(), &probs, &v)? // [heads, n, v]
         .permute(&[1, 0, 2])?
         .reshape([n, heads * vdim])?;
     let roots = Roots {
         kv: root,
         index: index.map(|(_, r)| r),
     };
-    Ok((linear(&o, &w.get(&format!("{p}.o_proj.weight"))?)?, roots))
+    Ok((linear(w.dots(), &o, &w.get(&format!("{p}.o_proj.weight"))?)?, roots))
 }

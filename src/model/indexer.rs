@@ -72,10 +72,10 @@ pub fn scores(
         .ok_or_else(|| Error::shape("indexer", "the model has no sparse-attention indexer"))?;
     let p = format!("model.layers.{layer}.self_attn.indexer");
     let (n, heads, dim, rope_dim) = (x.dim(0), ix.n_heads, ix.head_dim, cfg.qk_rope_head_dim);
-    let q = linear(q_latent, &w.get(&format!("{p}.wq_b.weight"))?)?.reshape([n, heads, dim])?;
+    let q = linear(w.dots(), q_latent, &w.get(&format!("{p}.wq_b.weight"))?)?.reshape([n, heads, dim])?;
     let q = rotate(&q, rope_dim, step)?;
     let k = layer_norm(
-        &linear(x, &w.get(&format!("{p}.wk.weight"))?)?,
+        &linear(w.dots(), x, &w.get(&format!("{p}.wk.weight"))?)?,
         &w.get(&format!("{p}.k_norm.weight"))?,
         &w.get(&format!("{p}.k_norm.bias"))?,
         K_NORM_EPS,
@@ -89,17 +89,17 @@ pub fn scores(
     let cols = step.visible.dim(1);
     let per_head = if keys.dim(0) == cols {
         // Every row against the same positions (prefill, or one decoding sequence).
-        matmul(&q.reshape([n * heads, dim])?, &keys.t()?)?.reshape([n, heads, cols])?
+        matmul(w.dots(), &q.reshape([n * heads, dim])?, &keys.t()?)?.reshape([n, heads, cols])?
     } else {
         // Decode: row i against its own sequence's `cols` positions.
-        matmul(&q, &keys.reshape([n, cols, dim])?.t()?)?
+        matmul(w.dots(), &q, &keys.reshape([n, cols, dim])?.t()?)?
     };
     let per_head = per_head.affine((dim as f64).powf(-0.5), 0.0)?;
     let per_head = per_head.maximum(&per_head.full_like(0.0)?)?; // ReLU
-    let weights = linear(x, &w.get(&format!("{p}.weights_proj.weight"))?)?
+    let weights = linear(w.dots(), x, &w.get(&format!("{p}.weights_proj.weight"))?)?
         .affine((heads as f64).powf(-0.5), 0.0)?
         .reshape([n, 1, heads])?;
-    let total = matmul(&weights, &per_head)?.reshape([n, cols])?;
+    let total = matmul(w.dots(), &weights, &per_head)?.reshape([n, cols])?;
     let hidden = total.full_like(f64::NEG_INFINITY)?;
     Ok((step.visible.where_cond(&total, &hidden)?, root))
 }

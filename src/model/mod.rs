@@ -26,7 +26,8 @@
 //! side by side in one step, so a burst of short prompts costs about one step instead of one
 //! each (the weights are read once for all of them).
 //!
-//! Weights are inputs in their stored dtype; [`precision`] says where the forward widens.
+//! Weights are inputs in their stored dtype; [`precision`] says in which dtype the forward
+//! multiplies them.
 //!
 //! Outputs: `next_tokens` (`[b]` / `[s]` i32), `logits` on request (`[b, vocab]` for decode and
 //! each chunk's last position in prefill, or `[t, vocab]` for every position), and the updated
@@ -60,7 +61,7 @@ use vocab::VocabSlice;
 
 pub use moe::MoeStrategy;
 pub use params::{ModelWeights, WeightSpecs};
-pub use precision::{DTypeChoice, Precision, PrecisionChoice, Quantize};
+pub use precision::{DTypeChoice, Dots, Precision, PrecisionChoice, Quantize};
 
 /// Declares weight inputs on first use, so each graph binds only the weights it reads.
 pub struct Weights<'a> {
@@ -97,6 +98,16 @@ impl<'a> Weights<'a> {
             .borrow_mut()
             .insert(name.to_string(), t.clone());
         Ok(t)
+    }
+
+    /// In which dtype the graph's matmuls multiply (the weights' [`Precision::dots`]).
+    pub fn dots(&self) -> Dots {
+        self.specs.precision().dots
+    }
+
+    /// The weights' precision.
+    pub fn precision(&self) -> &Precision {
+        self.specs.precision()
     }
 
     /// The tensor-parallel degree of the weights (1: the whole model on one rank).
@@ -379,6 +390,7 @@ fn feed_forward(
         _ => {
             let p = format!("model.layers.{layer}.mlp");
             ops::mlp(
+                w.dots(),
                 x,
                 &w.get(&format!("{p}.gate_proj.weight"))?,
                 &w.get(&format!("{p}.up_proj.weight"))?,
@@ -444,7 +456,7 @@ fn embed(w: &Weights, ids: &Tensor) -> Result<Tensor> {
 /// The logits of the hidden states `x` (`[n, hidden]`) over the part of the vocabulary this
 /// rank's LM head holds ([`Weights::vocab_slice`]); never gathered, see the module docs.
 fn lm_logits(cfg: &ModelConfig, w: &Weights, x: &Tensor) -> Result<Tensor> {
-    ops::linear(x, &w.get(ModelWeights::lm_head_name(cfg))?)
+    ops::linear(w.dots(), x, &w.get(ModelWeights::lm_head_name(cfg))?)
 }
 
 /// Declares the per-row sampling inputs, adjusts `logits` (mask, bias, penalties from the rows'

@@ -13,7 +13,7 @@ use crate::error::Result;
 use crate::graph::{DType, Tensor};
 
 use super::ops::{linear, matmul, mlp, softmax};
-use super::precision::INT4_GROUP;
+use super::precision::{Dots, INT4_GROUP};
 use super::Weights;
 
 /// How a graph evaluates the routed experts.
@@ -51,7 +51,7 @@ pub fn route(
     let e = r.n_routed_experts;
     // The router runs in f32 on an f32 weight whatever the policy (see `params`): its scores
     // decide which experts run.
-    let logits = linear(x, &w.get(&format!("{p}.weight"))?)?;
+    let logits = linear(w.dots(), x, &w.get(&format!("{p}.weight"))?)?;
     let scores = match r.scoring_func {
         ScoringFunc::Softmax => softmax(&logits, 1)?,
         ScoringFunc::Sigmoid => logits.sigmoid()?,
@@ -129,14 +129,15 @@ pub fn moe(
     let up = Experts::new(w, &format!("{p}.experts.up_proj"))?;
     let down = Experts::new(w, &format!("{p}.experts.down_proj"))?;
     let routed = match strategy {
-        MoeStrategy::Gather => gathered_experts(x, &ids, &weights, &gate, &up, &down)?,
-        MoeStrategy::Dense => dense_experts(x, &ids, &weights, &gate, &up, &down)?,
+        MoeStrategy::Gather => gathered_experts(w, x, &ids, &weights, &gate, &up, &down)?,
+        MoeStrategy::Dense => dense_experts(w, x, &ids, &weights, &gate, &up, &down)?,
     };
     if cfg.n_shared_experts == 0 {
         return Ok(routed);
     }
     let s = format!("{p}.shared_experts");
     let shared = mlp(
+        w.dots(),
         x,
         &w.get(&format!("{s}.gate_proj.weight"))?,
         &w.get(&format!("{s}.up_proj.weight"))?,
@@ -163,21 +164,36 @@ impl Experts {
         Ok(Experts { w: weight, scale })
     }
 
-    /// The experts `ids` selects (`[n, out, in]`), dequantized if quantized: only the selected
-    /// experts are dequantized, right before their matmul.
-    fn select(&self, ids: &Tensor) -> Result<Tensor> {
-        let w = self.w.index_select(ids, 0)?;
-        match &self.scale {
-            None => Ok(w),
-            Some(s) => dequantize(&w, &s.index_select(ids, 0)?),
-        }
-    }
-
-    /// Every expert, dequantized if quantized.
-    fn all(&self) -> Result<Tensor> {
-        match &self.scale {
-            None => Ok(self.w.clone()),
-            Some(s) => dequantize(&self.w, s),
+    /// `x @ W^T` for the experts `ids` selects (one row block of `x` per selected expert:
+    /// `x` is `[n, rows, in]` for `ids` of `[n]`) or, with `ids` `None`, for every expert (`x`
+    /// is `[experts, rows, in]`): `[.., rows, out]` in f32. Quantized experts are dequantized
+    /// only where selected, right before their matmul, in the form the precision policy asks
+    /// for (module docs of [`super::precision`]):
+    /// - [`Dots::Widen`]: the codes times their scales in f32 ([`dequantize`]), the form the
+    ///   CPU backend fuses into its expert matmul kernels;
+    /// - [`Dots::Narrow`]: int8 codes converted (exactly) to the weights' dtype, multiplied, and
+    ///   the dot's f32 output scaled per output channel; int4 codes dequantized with their group
+    ///   scales straight to the weights' dtype.
+    fn apply(&self, w: &Weights, x: &Tensor, ids: Option<&Tensor>) -> Result<Tensor> {
+        let pick = |t: &Tensor| match ids {
+            Some(ids) => t.index_select(ids, 0),
+            None => Ok(t.clone()),
+        };
+        let codes = pick(&self.w)?;
+        let dots = w.dots();
+        let Some(scale) = &self.scale else {
+            return matmul(dots, x, &codes.t()?);
+        };
+        let scale = pick(scale)?;
+        let dtype = w.precision().expert_dot_dtype();
+        match dots {
+            Dots::Widen => matmul(dots, x, &dequantize(&codes, &scale)?.t()?),
+            Dots::Narrow if codes.dtype() == DType::U8 => {
+                let weight = codes.dequantize_int4_to(&scale, INT4_GROUP, dtype)?;
+                matmul(dots, x, &weight.t()?)
+            }
+            Dots::Narrow => matmul(dots, x, &codes.to_dtype(dtype)?.t()?)?
+                .broadcast_mul(&scale.unsqueeze(1)?),
         }
     }
 
@@ -187,8 +203,8 @@ impl Experts {
 }
 
 /// `q * scale` in f32 for stacked expert codes `q` and their scales `s` (`--quantize
-/// experts-int8|experts-int4`): how the graph turns the selected experts (or all of them)
-/// back into f32 weights right before their matmul.
+/// experts-int8|experts-int4`): how a [`Dots::Widen`] graph turns the selected experts (or all
+/// of them) back into f32 weights right before their matmul.
 ///
 /// - int8 (`q: [n, out, in]`, `s: [n, out]`): `q as f32 * s` (the form the CPU backend fuses
 ///   into its matmul kernel).
@@ -202,6 +218,7 @@ pub fn dequantize(q: &Tensor, s: &Tensor) -> Result<Tensor> {
 }
 
 fn gathered_experts(
+    w: &Weights,
     x: &Tensor,
     ids: &Tensor,
     weights: &Tensor,
@@ -216,15 +233,16 @@ fn gathered_experts(
         .unsqueeze(1)?
         .broadcast_as([t, k, h])?
         .reshape([t * k, 1, h])?;
-    let g = matmul(&xs, &gate.select(&flat)?.t()?)?.silu()?;
-    let u = matmul(&xs, &up.select(&flat)?.t()?)?;
-    let y = matmul(&g.mul(&u)?, &down.select(&flat)?.t()?)?; // [t*k, 1, h]
+    let g = gate.apply(w, &xs, Some(&flat))?.silu()?;
+    let u = up.apply(w, &xs, Some(&flat))?;
+    let y = down.apply(w, &g.mul(&u)?, Some(&flat))?; // [t*k, 1, h]
     y.reshape([t, k, h])?
         .broadcast_mul(&weights.unsqueeze(2)?)?
         .sum(1)
 }
 
 fn dense_experts(
+    w: &Weights,
     x: &Tensor,
     ids: &Tensor,
     weights: &Tensor,
@@ -245,8 +263,8 @@ fn dense_experts(
         )?
         .sum(1)?;
     let xs = x.unsqueeze(0)?.broadcast_as([e, t, h])?;
-    let g = matmul(&xs, &gate.all()?.t()?)?.silu()?;
-    let u = matmul(&xs, &up.all()?.t()?)?;
-    let y = matmul(&g.mul(&u)?, &down.all()?.t()?)?; // [e, t, h]
+    let g = gate.apply(w, &xs, None)?.silu()?;
+    let u = up.apply(w, &xs, None)?;
+    let y = down.apply(w, &g.mul(&u)?, None)?; // [e, t, h]
     y.broadcast_mul(&routing.t()?.unsqueeze(2)?)?.sum(0)
 }

@@ -26,7 +26,7 @@ use crate::error::{Error, Result};
 use crate::graph::DType;
 use crate::weights::{Checkpoint, Conversion};
 
-use super::precision::{Precision, Quantize, INT4_GROUP};
+use super::precision::{Dots, Precision, Quantize, INT4_GROUP};
 use super::shard::{self, Split};
 
 /// Shape and stored dtype of every parameter a graph may reference, by name.
@@ -156,6 +156,15 @@ impl WeightSpecs {
     /// The precision these weights are stored in.
     pub fn precision(&self) -> &Precision {
         &self.precision
+    }
+
+    /// These specs with graphs multiplying in `dots`: the same stored weights, built into a
+    /// device's graphs ([`Dots::Narrow`]) or the CPU's ([`Dots::Widen`]).
+    pub fn with_dots(&self, dots: Dots) -> Self {
+        WeightSpecs {
+            precision: self.precision.with_dots(dots),
+            ..self.clone()
+        }
     }
 
     /// The tensor-parallel degree these shapes are one rank's share of (1: the whole model).
@@ -453,6 +462,15 @@ impl ModelWeights {
     /// What the weights are: every name's shape and stored dtype.
     pub fn specs(&self) -> &WeightSpecs {
         &self.specs
+    }
+
+    /// These weights, their graphs multiplying in `dots` (see [`WeightSpecs::with_dots`]).
+    pub fn with_dots(mut self, dots: Dots) -> Self {
+        self.specs = self.specs.with_dots(dots);
+        if let Some(stream) = &mut self.stream {
+            stream.whole = stream.whole.with_dots(dots);
+        }
+        self
     }
 
     /// The held tensor bound to the graph input `name` (none for streamed weights: see

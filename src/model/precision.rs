@@ -1,27 +1,34 @@
-//! The precision policy: which dtype weights and the KV cache are held in, and where the
-//! forward widens to f32.
+//! The precision policy: which dtype weights and the KV cache are held in, and in which dtype
+//! a matmul multiplies ([`Dots`]).
 //!
 //! Weights are held in one dtype (by default the checkpoint's own: `--dtype auto`), on the
 //! device and on the CPU, and the KV cache in one dtype (`--kv-dtype`, by default the weights').
-//! The router's weights stay f32 (see [`super::params`]).
+//! The router's weights stay f32 (see [`super::params`]). The residual stream, RMSNorm,
+//! softmax, the router's scores, the RoPE tables and sampling are f32 under either policy.
 //!
-//! Activations are never rounded to bf16: the residual stream, RMSNorm, softmax, the router's
-//! scores, the RoPE tables and sampling run in f32, and a matmul with a bf16 operand (a weight,
-//! the cache) widens that operand to f32, exactly, and multiplies in f32
-//! ([`super::ops::matmul`]). So the only rounding is the storage's. Backends read the bf16
-//! operand through the widening: the CPU widens weight tiles inside the matmul; on Neuron the
-//! weights move from HBM as bf16, which is what bounds decode.
+//! Where they part is the matmul with a reduced-precision operand (a bf16 weight, the cache,
+//! quantized experts), [`super::ops::matmul`]:
 //!
-//! Why not bf16 matmul inputs (an HLO `dot` of bf16 operands with an f32 result), as Neuron
-//! practice does for throughput? Measured on the fixtures (`tests/precision.rs`, against
-//! transformers in f32, max |logit difference|): rounding the activations to bf16 before every
-//! matmul gave 5.3e-2, 3.0e-2 and 2.9e-1 on tiny-v3, tiny-v2-lite and tiny-v2-group (the last a
-//! routing decision flipped at one position), against transformers-bf16's own 5.3e-2, 4.6e-2
-//! and 6.0e-2; widening instead gives 4.4e-2, 1.2e-2 and 3.3e-2, ahead of transformers-bf16 on
-//! every fixture. Decode is bound by reading the weights, not by the matmul units' rate, so the
-//! f32 arithmetic costs decode little; for compute-bound prefill on trn1, neuronx-cc's
-//! `--auto-cast matmult --auto-cast-type bf16` turns the f32 matmuls back into bf16 ones, the
-//! trade made explicitly.
+//! - [`Dots::Widen`] (the CPU backend's): the operand is widened to f32, exactly, and the
+//!   product computed in f32, so the only rounding is the storage's. The CPU widens weight
+//!   tiles inside its kernel, so this costs it nothing. Measured on the fixtures
+//!   (`tests/precision.rs`, max |logit difference| against transformers in f32): 4.4e-2,
+//!   1.2e-2 and 3.3e-2 on tiny-v3, tiny-v2-lite and tiny-v2-group, against transformers-bf16's
+//!   own 5.3e-2, 4.6e-2 and 6.0e-2.
+//! - [`Dots::Narrow`] (every graph a NeuronCore runs, and so nrt-sim and `lower`): the f32
+//!   activation is rounded to the operand's dtype at the dot, and the dot multiplies the two
+//!   narrow operands with an f32 result (HLO's `dot` with a wider result type, the form JAX
+//!   emits for `preferred_element_type=float32`). A trn1 NeuronCore multiplies bf16 at four
+//!   times its f32 rate, and no weight is converted to f32 in HBM each step; `lower --check
+//!   neuron` refuses a graph that does (`check::narrow_dots`). Quantized experts multiply in
+//!   the weights' dtype: int8 codes are exact in bf16, so the dot reads them converted and
+//!   their per-output-channel scale multiplies the dot's f32 output; int4 codes dequantize
+//!   with their group scales to bf16 (the group runs along the dot's inputs), never to f32.
+//!   The accuracy this costs is measured against the same yardstick by `tests/precision.rs`.
+//!
+//! One graph builder serves both: the policy is part of [`Precision`], so the device and the
+//! simulator build the same graph, and the CPU backend runs a Narrow graph as written when it
+//! stands in for a device (nrt-sim).
 
 use std::fmt;
 use std::str::FromStr;
@@ -207,6 +214,44 @@ impl PrecisionChoice {
             weights,
             kv_cache,
             quantize: self.quantize,
+            dots: Dots::Widen,
+        })
+    }
+}
+
+/// In which dtype a matmul with a reduced-precision operand multiplies (see the module docs).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Dots {
+    /// Reduced-precision operands widened to f32, the product in f32: the CPU backend's policy,
+    /// free for it (its kernels widen tiles as they read them) and the most accurate.
+    #[default]
+    Widen,
+    /// The f32 operand rounded to the other's reduced dtype, the product of the two narrow
+    /// operands accumulated into an f32 result: what a NeuronCore's matmul units run at full
+    /// rate, and the policy of every graph compiled for one.
+    Narrow,
+}
+
+impl FromStr for Dots {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "widen" => Ok(Dots::Widen),
+            "narrow" => Ok(Dots::Narrow),
+            other => Err(Error::InvalidInput(format!(
+                "dots `{other}`: expected widen (f32 products, the CPU's) or narrow (products \
+                 in the weights' dtype, a NeuronCore's)"
+            ))),
+        }
+    }
+}
+
+impl fmt::Display for Dots {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Dots::Widen => "widen",
+            Dots::Narrow => "narrow",
         })
     }
 }
@@ -220,6 +265,8 @@ pub struct Precision {
     pub kv_cache: DType,
     /// Weight-only quantization.
     pub quantize: Quantize,
+    /// In which dtype matmuls with reduced-precision operands multiply.
+    pub dots: Dots,
 }
 
 impl Precision {
@@ -232,6 +279,21 @@ impl Precision {
             weights: dtype,
             kv_cache: dtype,
             quantize: Quantize::None,
+            dots: Dots::Widen,
+        }
+    }
+
+    /// This precision with matmuls multiplying in `dots`.
+    pub const fn with_dots(self, dots: Dots) -> Self {
+        Precision { dots, ..self }
+    }
+
+    /// The dtype quantized experts' codes are converted to for their matmul: the weights'
+    /// dtype under [`Dots::Narrow`], f32 under [`Dots::Widen`].
+    pub fn expert_dot_dtype(&self) -> DType {
+        match self.dots {
+            Dots::Narrow => self.weights,
+            Dots::Widen => DType::F32,
         }
     }
 }

@@ -72,7 +72,7 @@ use std::str::FromStr;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::graph::DType;
-use crate::model::{DTypeChoice, Precision, Quantize};
+use crate::model::{DTypeChoice, Dots, Precision, Quantize};
 use crate::runner::{Buckets, Limits};
 
 pub use self::bytes::WeightFormat;
@@ -376,8 +376,8 @@ impl Plan {
         let min_kv_blocks = buckets.max_len().div_ceil(block_size) + 1;
 
         let entries = experts_entries(cfg, weights, opts.experts, checkpoint, tp);
-        // The graphs as the runner would build them: fp8 checkpoints are dequantized to bf16
-        // at load, so their graphs are bf16's.
+        // The graphs as a device runner builds them: fp8 checkpoints are dequantized to bf16
+        // at load, so their graphs are bf16's, and they multiply in the weights' dtype.
         let precision = Precision {
             weights: match weights {
                 WeightFormat::Float(d) => d,
@@ -385,6 +385,7 @@ impl Plan {
             },
             kv_cache: kv_dtype,
             quantize: quantize_of(opts.experts),
+            dots: Dots::Narrow,
         };
         let est = neff::estimate(cfg, &precision, &rc, opts.instance, opts.split_sampler)?;
         let (metadata, outputs) = metadata_and_outputs(cfg, &buckets, block_size, tp);

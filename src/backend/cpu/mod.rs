@@ -449,7 +449,18 @@ fn run_planned(
                 codes,
                 scales,
                 group,
-            } => int4::dequantize(get(*codes)?, get(*scales)?, *group)?,
+            } => {
+                // In a reduced float type: the scale rounded to it, the (then exact) f32
+                // product rounded once, as a multiply in that type computes it.
+                let out = candle_dtype(node.dtype);
+                let scales = get(*scales)?;
+                if out == CDType::F32 {
+                    int4::dequantize(get(*codes)?, scales, *group)?
+                } else {
+                    let scales = scales.to_dtype(out)?.to_dtype(CDType::F32)?;
+                    int4::dequantize(get(*codes)?, &scales, *group)?.to_dtype(out)?
+                }
+            }
             Op::IndexSelect { x, ids, dim } => index_select(get(*x)?, get(*ids)?, *dim)?,
             Op::Gather { x, ids, dim } => {
                 let ids = get(*ids)?.to_dtype(CDType::U32)?;
@@ -853,6 +864,10 @@ fn dequantized_operand(graph: &Graph, rhs: NodeId) -> Option<(Dequantized, Vec<N
         group,
     } = graph.node(mul).op
     {
+        // The fused kernel widens to f32; a dequantization into bf16 runs as written.
+        if graph.node(mul).dtype != DType::F32 {
+            return None;
+        }
         let (q, scale, ids) = selected_pair(graph, codes, scales);
         let mut fused = vec![rhs, mul];
         if ids.is_some() {

@@ -11,6 +11,7 @@ use deepinfer::backend::neuron::check::{CheckOptions, Rule};
 use deepinfer::backend::neuron::compile::{compile_all, CompileJob, CompilerConfig};
 use deepinfer::config::ModelConfig;
 use deepinfer::export::{self, LowerOptions};
+use deepinfer::model::Dots;
 use deepinfer::runner::Limits;
 
 use crate::{default_model_dir, emit, PrecisionArgs};
@@ -71,6 +72,12 @@ pub(crate) struct LowerArgs {
     /// (`sample_b*`). With --check, the graphs such a capture compiles.
     #[arg(long)]
     split_sampler: bool,
+    /// In which dtype the graphs multiply: `narrow` (a NeuronCore's: the activation rounded to
+    /// a bf16 weight's or cache's dtype at each dot, f32 results) or `widen` (the CPU
+    /// backend's: bf16 operands widened, f32 products). --check always checks `narrow`, what
+    /// a capture compiles.
+    #[arg(long, default_value = "narrow", value_parser = parse_dots)]
+    dots: Dots,
     /// Decode batch sizes, one graph each.
     #[arg(long, value_delimiter = ',', default_value = "1")]
     batch_sizes: Vec<usize>,
@@ -119,6 +126,10 @@ pub(crate) fn parse_seconds(s: &str) -> Result<Duration, String> {
 }
 
 /// A rule by its column heading.
+fn parse_dots(s: &str) -> Result<Dots, String> {
+    s.parse().map_err(|e: deepinfer::error::Error| e.to_string())
+}
+
 fn parse_rule(s: &str) -> Result<Rule, String> {
     Rule::from_name(s).ok_or_else(|| {
         let names: Vec<&str> = Rule::ALL.iter().map(|r| r.name()).collect();
@@ -198,6 +209,7 @@ pub(crate) fn run(args: LowerArgs) -> Result<()> {
         ctx: args.ctx,
         inputs_from_token_ids: args.inputs_from_token_ids,
         precision: args.precision.choice(),
+        dots: args.dots,
         split_sampler: args.split_sampler,
     };
     let manifest = export::lower_sharded(&dir, &out, &opts, args.tp)?;

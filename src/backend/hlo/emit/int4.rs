@@ -5,9 +5,12 @@
 //! its high nibble with a logical shift right: bit operations, exact on any engine (NeuronCore-v2
 //! computes integer *arithmetic* in fp32; neither op is arithmetic, and nothing is multiplied).
 //! The two are interleaved back into value order (a trailing dim of 1 each, `concatenate`, a
-//! `reshape`), converted to f32, unbiased by 8 and multiplied by their group's scale, expanded
-//! from `[.., groups]` with a `broadcast` and cut to the row's length with a `slice`. Every
-//! float operation is exact but the last product, rounded once as the CPU kernel rounds it.
+//! `reshape`), converted to the output's float type, unbiased by 8 and multiplied by their
+//! group's scale (converted to that type first, a no-op for f32), expanded from `[.., groups]`
+//! with a `broadcast` and cut to the row's length with a `slice`. Every float operation is
+//! exact but the scale's conversion and the last product, each rounded once as the CPU kernel
+//! rounds them. A bf16 output (a `Dots::Narrow` graph's int4 experts) so never holds the
+//! weight in f32.
 //!
 //! Like the mass threshold (`threshold.rs`), the run is tagged so the importer (and so nrt-sim)
 //! reads it back as the one op: every instruction with `COMPOSITE_PART_ATTR`, the last with
@@ -17,15 +20,15 @@
 use super::{array_shape, Emitter};
 use crate::backend::hlo::proto::hlo_instruction_proto::SliceDimensions;
 use crate::backend::hlo::proto::PrimitiveType;
-use crate::backend::hlo::{opcodes, COMPOSITE_GROUP_ATTR};
+use crate::backend::hlo::{opcodes, primitive_type, COMPOSITE_GROUP_ATTR};
 use crate::graph::{BinaryOp, DType};
 
 /// The [`COMPOSITE_ATTR`](crate::backend::hlo::COMPOSITE_ATTR) value of an int4 dequantization.
 pub(crate) const DEQUANTIZE_INT4: &str = "dequantize_int4";
 
 impl Emitter<'_> {
-    /// The f32 values of `codes` (u8 `[.., half]`, `dims`) with `scales` (f32 `[.., groups]`),
-    /// `group` values a scale; returns the instruction holding them.
+    /// The values (of float type `out`) of `codes` (u8 `[.., half]`, `dims`) with `scales`
+    /// (f32 `[.., groups]`), `group` values a scale; returns the instruction holding them.
     pub(super) fn lower_dequantize_int4(
         &mut self,
         codes: i64,
@@ -33,9 +36,10 @@ impl Emitter<'_> {
         dims: &[usize],
         groups: usize,
         group: usize,
+        out: DType,
     ) -> i64 {
         let first = self.entry.len();
-        let root = self.unpack_int4(codes, scales, dims, groups, group);
+        let root = self.unpack_int4(codes, scales, dims, groups, group, out);
         let extra = [(COMPOSITE_GROUP_ATTR, group.to_string())];
         self.tag_composite(first, DEQUANTIZE_INT4, &[codes, scales], &extra);
         root
@@ -48,8 +52,9 @@ impl Emitter<'_> {
         dims: &[usize],
         groups: usize,
         group: usize,
+        out: DType,
     ) -> i64 {
-        let (u32_, f32_) = (PrimitiveType::U32, PrimitiveType::F32);
+        let (u32_, ft) = (PrimitiveType::U32, primitive_type(out));
         let r = dims.len();
         let half = dims[r - 1];
         let with_last = |last: &[usize]| {
@@ -60,7 +65,7 @@ impl Emitter<'_> {
         let packed = array_shape(dims, u32_);
         let splat = |e: &mut Self, dtype: DType, v: f64, shape: &[usize]| {
             let s = e.scalar(dtype, v);
-            let t = if dtype == DType::F32 { f32_ } else { u32_ };
+            let t = if dtype == DType::U32 { u32_ } else { ft };
             e.push(opcodes::BROADCAST, array_shape(shape, t), &[s], |_| {})
         };
         let wide = self.push(opcodes::CONVERT, packed.clone(), &[codes], |_| {});
@@ -91,32 +96,38 @@ impl Emitter<'_> {
         );
         let float = self.push(
             opcodes::CONVERT,
-            array_shape(&values, f32_),
+            array_shape(&values, ft),
             &[interleaved],
             |_| {},
         );
-        let eight = splat(self, DType::F32, 8.0, &values);
+        let eight = splat(self, out, 8.0, &values);
         let centered = self.push(
             BinaryOp::Sub.hlo_opcode(),
-            array_shape(&values, f32_),
+            array_shape(&values, ft),
             &[float, eight],
             |_| {},
         );
         // Each scale repeated over its group: [.., groups] -> [.., groups, 1] ->
         // [.., groups, group] -> [.., groups * group], then cut to the row.
         let one_each = with_last(&[groups, 1]);
+        let scales = if out == DType::F32 {
+            scales
+        } else {
+            let narrow = array_shape(&with_last(&[groups]), ft);
+            self.push(opcodes::CONVERT, narrow, &[scales], |_| {})
+        };
         let column = self.push(
             opcodes::RESHAPE,
-            array_shape(&one_each, f32_),
+            array_shape(&one_each, ft),
             &[scales],
             |_| {},
         );
         let spread = with_last(&[groups, group]);
-        let repeated = self.broadcast(column, &one_each, &spread, f32_);
+        let repeated = self.broadcast(column, &one_each, &spread, ft);
         let flat_len = groups * group;
         let mut per_value = self.push(
             opcodes::RESHAPE,
-            array_shape(&with_last(&[flat_len]), f32_),
+            array_shape(&with_last(&[flat_len]), ft),
             &[repeated],
             |_| {},
         );
@@ -124,7 +135,7 @@ impl Emitter<'_> {
             let full = with_last(&[flat_len]);
             per_value = self.push(
                 opcodes::SLICE,
-                array_shape(&values, f32_),
+                array_shape(&values, ft),
                 &[per_value],
                 |i| {
                     i.slice_dimensions = full
@@ -141,7 +152,7 @@ impl Emitter<'_> {
         }
         self.push(
             BinaryOp::Mul.hlo_opcode(),
-            array_shape(&values, f32_),
+            array_shape(&values, ft),
             &[centered, per_value],
             |_| {},
         )

@@ -140,7 +140,8 @@ impl Emitter<'_> {
                 let dims = self.dims_of(codes.0).to_vec();
                 let groups = *self.dims_of(scales.0).last().unwrap_or(&0);
                 let (codes, scales) = (v(codes), v(scales));
-                self.lower_dequantize_int4(codes, scales, &dims, groups, *group)
+                let out = self.dtype_of(node);
+                self.lower_dequantize_int4(codes, scales, &dims, groups, *group, out)
             }
             Op::IndexSelect { x, ids, dim } => self.lower_index_select(*x, *ids, *dim, shape),
             Op::Gather { x, ids, dim } => self.lower_gather(*x, *ids, *dim, shape),

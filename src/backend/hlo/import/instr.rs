@@ -108,7 +108,12 @@ impl<'m> Importer<'m> {
                             i.name
                         ))
                     })?;
-                self.val(codes)?.dequantize_int4(&self.val(scales)?, group)
+                let shape = i
+                    .shape
+                    .as_ref()
+                    .ok_or_else(|| bad(format!("{}: no shape", i.name)))?;
+                self.val(codes)?
+                    .dequantize_int4_to(&self.val(scales)?, group, elem(shape)?)
             }
             _ => Err(bad(format!("{}: unknown composite `{name}`", i.name))),
         }
