@@ -41,8 +41,8 @@ use crate::graph::stats::{stats, GraphStats};
 use crate::graph::{Graph, InputRole};
 use crate::model::cost::{decode_floor, DecodeFloor};
 use crate::model::{
-    self, shard, Dots, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, PrecisionChoice, Sampler,
-    WeightSpecs,
+    self, shard, Dots, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, PrecisionChoice,
+    Sampler, WeightSpecs,
 };
 use crate::runner::step::{
     self, DecodeRow, HostArray, HostData, LogitControls, PrefillChunk, SamplingParams,
@@ -65,7 +65,7 @@ pub struct LowerOptions {
     pub inputs_from_token_ids: Option<Vec<u32>>,
     /// `--dtype`, `--kv-dtype`, `--quantize`.
     pub precision: PrecisionChoice,
-    /// `--dots`: in which dtype the graphs multiply; a device's [`Dots::Narrow`] by default
+    /// `--dots`: in which dtype the graphs multiply; a device's [`Dots::DEVICE`] by default
     /// (the graphs are what a NeuronCore compiles), [`Dots::Widen`] for the CPU's.
     pub dots: Dots,
     /// `--split-sampler`: each decode batch as the two graphs a split capture compiles (the
@@ -814,7 +814,7 @@ fn for_each_capture_graph(
     let precision = limits
         .precision
         .resolve(cfg.saved_dtype, cfg)?
-        .with_dots(Dots::Narrow);
+        .with_dots(Dots::DEVICE);
     if precision.quantize.is_cpu_only() {
         return Err(precision.quantize.cpu_only_error(what));
     }

@@ -20,7 +20,7 @@ fn decode_reads_stay_near_the_floor_on_published_configs() {
             ctx: 1024,
             inputs_from_token_ids: None,
             precision: PrecisionChoice::default(),
-            dots: Dots::Narrow,
+            dots: Dots::DEVICE,
             split_sampler: false,
         };
         let m = lower(&dir, &dir.join("out"), &opts).unwrap();

@@ -32,7 +32,7 @@ fn emit_import_run_is_bit_identical_for_every_fixture_graph() {
                 dtype,
                 ..Default::default()
             },
-            dots: Dots::Narrow,
+            dots: Dots::DEVICE,
             split_sampler: false,
         };
         let manifest = lower(&fixture_dir(name), &out, &opts).unwrap();
@@ -121,7 +121,7 @@ fn no_graph_transposes_an_operand_of_a_dot() {
                 ctx: 64,
                 inputs_from_token_ids: None,
                 precision,
-                dots: Dots::Narrow,
+                dots: Dots::DEVICE,
                 split_sampler: false,
             };
             let manifest = lower(&fixture_dir(name), &out, &opts).unwrap();
@@ -177,7 +177,7 @@ fn corrupt_or_foreign_modules_are_errors_not_panics() {
         ctx: 64,
         inputs_from_token_ids: None,
         precision: PrecisionChoice::default(),
-        dots: Dots::Narrow,
+        dots: Dots::DEVICE,
         split_sampler: false,
     };
     let manifest = lower(&fixture_dir("tiny-v3"), &out, &opts).unwrap();
@@ -201,7 +201,7 @@ fn emitting_the_same_graph_twice_gives_the_same_bytes() {
         ctx: 64,
         inputs_from_token_ids: None,
         precision: PrecisionChoice::default(),
-        dots: Dots::Narrow,
+        dots: Dots::DEVICE,
         split_sampler: false,
     };
     let first = lower(&fixture_dir("tiny-v3"), &out.join("a"), &opts).unwrap();

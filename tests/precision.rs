@@ -72,7 +72,7 @@ fn leading_equal(a: &[u32], b: &[u32]) -> usize {
 /// Both precision policies of a bf16 model: the CPU's (bf16 operands widened, f32 products)
 /// and a device's (activations rounded to bf16 at each dot, f32 results), which the CPU
 /// backend runs as written when it stands in for a NeuronCore.
-const POLICIES: [Dots; 2] = [Dots::Widen, Dots::Narrow];
+const POLICIES: [Dots; 2] = [Dots::Widen, Dots::DEVICE];
 
 #[test]
 fn bf16_drifts_from_f32_no_more_than_transformers_bf16() {
@@ -80,7 +80,13 @@ fn bf16_drifts_from_f32_no_more_than_transformers_bf16() {
     // tiny-v32 is measured apart (below): on it both engines' worst position is the same
     // routing flip and its greedy sequence has a 0.017 top-2 gap, under bf16's noise.
     let runs = FIXTURES.iter().filter(|&&n| n != "tiny-v32");
-    for (name, dots) in runs.flat_map(|n| POLICIES.map(|d| (n, d))) {
+    // Narrow (one bf16 rounding of the activation) is measured for docs/precision.md, not held
+    // to the yardstick: it misses it on tiny-v3 and tiny-v2-group.
+    let measured = POLICIES.into_iter().chain([Dots::Narrow]);
+    let runs: Vec<(&str, Dots)> = runs
+        .flat_map(|&n| measured.clone().map(move |d| (n, d)))
+        .collect();
+    for (name, dots) in runs {
         let f32_ref = reference(name);
         let peer: PeerBf16 = reference_file(name, "reference-bf16.json");
         let mut run = runner_in(name, 1, None, BF16.with_dots(dots));
@@ -104,6 +110,10 @@ fn bf16_drifts_from_f32_no_more_than_transformers_bf16() {
              argmax agreement {agree:.4} vs {peer_agree:.4}; greedy {lead}/{total} vs \
              {peer_lead}/{total}"
         );
+        if dots == Dots::Narrow {
+            assert!(drift.is_finite(), "{name}: drift {drift}");
+            continue;
+        }
         if drift > peer_drift {
             failures.push(format!("{name}: max drift {drift} > {peer_drift}"));
         }
@@ -133,28 +143,31 @@ fn v32_bf16_drifts_no_more_than_transformers_bf16_on_average() {
     let name = "tiny-v32";
     let f32_ref = reference(name);
     let peer: PeerBf16 = reference_file(name, "reference-bf16.json");
-    let ours = engine::score(&mut runner_in(name, 1, None, BF16), &f32_ref.token_ids).unwrap();
-    let mean = |rows: &[Vec<f32>]| {
-        assert_eq!(rows.len(), f32_ref.logits.len(), "{name}: rows of logits");
-        let per: Vec<f32> = rows
-            .iter()
-            .zip(&f32_ref.logits)
-            .map(|(a, b)| common::max_abs_diff(a, b))
-            .collect();
-        per.iter().sum::<f32>() / per.len() as f32
-    };
-    let (drift, peer_drift) = (mean(&ours), mean(&peer.logits));
-    let agree = argmax_agreement(&ours, &f32_ref.logits);
-    let peer_agree = argmax_agreement(&peer.logits, &f32_ref.logits);
-    eprintln!(
-        "{name}: mean per-position max |logit - f32| ours {drift:.3e} vs transformers-bf16 \
-         {peer_drift:.3e}; argmax agreement {agree:.4} vs {peer_agree:.4}"
-    );
-    assert!(
-        drift <= peer_drift && drift > 1e-5,
-        "{drift} vs {peer_drift}"
-    );
-    assert!(agree >= peer_agree, "{agree} vs {peer_agree}");
+    for dots in POLICIES {
+        let mut run = runner_in(name, 1, None, BF16.with_dots(dots));
+        let ours = engine::score(&mut run, &f32_ref.token_ids).unwrap();
+        let mean = |rows: &[Vec<f32>]| {
+            assert_eq!(rows.len(), f32_ref.logits.len(), "{name}: rows of logits");
+            let per: Vec<f32> = rows
+                .iter()
+                .zip(&f32_ref.logits)
+                .map(|(a, b)| common::max_abs_diff(a, b))
+                .collect();
+            per.iter().sum::<f32>() / per.len() as f32
+        };
+        let (drift, peer_drift) = (mean(&ours), mean(&peer.logits));
+        let agree = argmax_agreement(&ours, &f32_ref.logits);
+        let peer_agree = argmax_agreement(&peer.logits, &f32_ref.logits);
+        eprintln!(
+            "{name} ({dots}): mean per-position max |logit - f32| ours {drift:.3e} vs \
+             transformers-bf16 {peer_drift:.3e}; argmax agreement {agree:.4} vs {peer_agree:.4}"
+        );
+        assert!(
+            drift <= peer_drift && drift > 1e-5,
+            "{dots}: {drift} vs {peer_drift}"
+        );
+        assert!(agree >= peer_agree, "{dots}: {agree} vs {peer_agree}");
+    }
 }
 
 /// DeepSeek's published FP8 layout, V3's and V3.2's (whose indexer `wq_b` and `wk` are fp8
@@ -316,7 +329,7 @@ fn quantizing_a_model_without_routed_experts_is_refused_before_loading() {
             quantize: Quantize::ExpertsInt8,
             ..Default::default()
         },
-        dots: Dots::Narrow,
+        dots: Dots::DEVICE,
         split_sampler: false,
     };
     let err = lower(&dir, &dir.join("out"), &opts)

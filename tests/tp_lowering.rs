@@ -51,7 +51,7 @@ fn tp_modules_name_the_replica_group_and_import_to_the_same_collectives() {
             ctx: 64,
             inputs_from_token_ids: None,
             precision: PrecisionChoice::default(),
-            dots: Dots::Narrow,
+            dots: Dots::DEVICE,
             split_sampler: false,
         };
         let manifest = lower_sharded(&fixture_dir("tiny-v3"), &out, &opts, ranks).unwrap();
@@ -103,7 +103,7 @@ fn tp_inputs_per_rank_reproduce_the_outputs_through_emit_and_import() {
             ctx: 64,
             inputs_from_token_ids: Some(reference(name).token_ids),
             precision: PrecisionChoice::default(),
-            dots: Dots::Narrow,
+            dots: Dots::DEVICE,
             split_sampler: false,
         };
         let manifest = lower_sharded(&fixture_dir(name), &out, &opts, ranks).unwrap();

@@ -82,7 +82,10 @@ fn queries(
                 Some(qa),
             )
         }
-        None => (linear(w.dots(), x, &w.get(&format!("{p}.q_proj.weight"))?)?, None),
+        None => (
+            linear(w.dots(), x, &w.get(&format!("{p}.q_proj.weight"))?)?,
+            None,
+        ),
     };
     let q = q.reshape([n, heads, cfg.qk_head_dim()])?;
     let pe = q.narrow(2, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim)?;
@@ -122,7 +125,11 @@ fn write_cache(
     step: &AttnStep<'_>,
 ) -> Result<Tensor> {
     let n = x.dim(0);
-    let kv = linear(w.dots(), x, &w.get(&format!("{p}.kv_a_proj_with_mqa.weight"))?)?;
+    let kv = linear(
+        w.dots(),
+        x,
+        &w.get(&format!("{p}.kv_a_proj_with_mqa.weight"))?,
+    )?;
     let c_kv = rms_norm(
         &kv.narrow(1, 0, cfg.kv_lora_rank)?,
         &w.get(&format!("{p}.kv_a_layernorm.weight"))?,
@@ -229,7 +236,10 @@ pub fn decode(
         kv: root,
         index: index.map(|(_, r)| r),
     };
-    Ok((linear(w.dots(), &o, &w.get(&format!("{p}.o_proj.weight"))?)?, roots))
+    Ok((
+        linear(w.dots(), &o, &w.get(&format!("{p}.o_proj.weight"))?)?,
+        roots,
+    ))
 }
 
 /// Prefill attention for `n` tokens of one or more sequences (decompressed MLA; the mask keeps
@@ -267,7 +277,8 @@ pub fn prefill(
         _ => step.visible.clone(),
     };
     let kv = read_cache(cfg, layer, &root, step)?; // [ctx, width]
-    let kv_up = linear(w.dots(), 
+    let kv_up = linear(
+        w.dots(),
         &kv.narrow(1, 0, rank)?,
         &w.get(&format!("{p}.kv_b_proj.weight"))?,
     )?
@@ -290,5 +301,8 @@ pub fn prefill(
         kv: root,
         index: index.map(|(_, r)| r),
     };
-    Ok((linear(w.dots(), &o, &w.get(&format!("{p}.o_proj.weight"))?)?, roots))
+    Ok((
+        linear(w.dots(), &o, &w.get(&format!("{p}.o_proj.weight"))?)?,
+        roots,
+    ))
 }

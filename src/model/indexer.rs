@@ -72,7 +72,8 @@ pub fn scores(
         .ok_or_else(|| Error::shape("indexer", "the model has no sparse-attention indexer"))?;
     let p = format!("model.layers.{layer}.self_attn.indexer");
     let (n, heads, dim, rope_dim) = (x.dim(0), ix.n_heads, ix.head_dim, cfg.qk_rope_head_dim);
-    let q = linear(w.dots(), q_latent, &w.get(&format!("{p}.wq_b.weight"))?)?.reshape([n, heads, dim])?;
+    let q = linear(w.dots(), q_latent, &w.get(&format!("{p}.wq_b.weight"))?)?
+        .reshape([n, heads, dim])?;
     let q = rotate(&q, rope_dim, step)?;
     let k = layer_norm(
         &linear(w.dots(), x, &w.get(&format!("{p}.wk.weight"))?)?,

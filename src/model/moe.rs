@@ -171,9 +171,9 @@ impl Experts {
     /// for (module docs of [`super::precision`]):
     /// - [`Dots::Widen`]: the codes times their scales in f32 ([`dequantize`]), the form the
     ///   CPU backend fuses into its expert matmul kernels;
-    /// - [`Dots::Narrow`]: int8 codes converted (exactly) to the weights' dtype, multiplied, and
-    ///   the dot's f32 output scaled per output channel; int4 codes dequantized with their group
-    ///   scales straight to the weights' dtype.
+    /// - [`Dots::Split`] and [`Dots::Narrow`]: int8 codes converted (exactly) to the weights'
+    ///   dtype, multiplied, and the dot's f32 output scaled per output channel; int4 codes
+    ///   dequantized with their group scales straight to the weights' dtype.
     fn apply(&self, w: &Weights, x: &Tensor, ids: Option<&Tensor>) -> Result<Tensor> {
         let pick = |t: &Tensor| match ids {
             Some(ids) => t.index_select(ids, 0),
@@ -188,12 +188,13 @@ impl Experts {
         let dtype = w.precision().expert_dot_dtype();
         match dots {
             Dots::Widen => matmul(dots, x, &dequantize(&codes, &scale)?.t()?),
-            Dots::Narrow if codes.dtype() == DType::U8 => {
+            Dots::Split | Dots::Narrow if codes.dtype() == DType::U8 => {
                 let weight = codes.dequantize_int4_to(&scale, INT4_GROUP, dtype)?;
                 matmul(dots, x, &weight.t()?)
             }
-            Dots::Narrow => matmul(dots, x, &codes.to_dtype(dtype)?.t()?)?
-                .broadcast_mul(&scale.unsqueeze(1)?),
+            Dots::Split | Dots::Narrow => {
+                matmul(dots, x, &codes.to_dtype(dtype)?.t()?)?.broadcast_mul(&scale.unsqueeze(1)?)
+            }
         }
     }
 

@@ -6,13 +6,19 @@ use crate::graph::{DType, Tensor};
 
 /// `a @ b` under the precision policy `dots` ([`super::precision`]), with an f32 result.
 ///
-/// - [`Dots::Widen`]: a reduced-precision operand (a bf16 weight or cache) is widened to f32,
-///   exactly, and the product computed in f32; backends fuse the convert into the matmul (the
-///   CPU widens weight tiles as it reads them) rather than converting a weight whole.
-/// - [`Dots::Narrow`]: when one operand is reduced, the other is rounded to its dtype and the
-///   dot of the two narrow operands accumulates into f32. Two f32 operands, or two reduced
-///   ones of different dtypes (a bf16 weight beside an f16 cache), multiply as under Widen,
-///   and so does an f8 operand.
+/// When exactly one operand is of a reduced float type `d` (bf16 or f16: a weight, the
+/// cache) and the other is f32 (an activation):
+/// - [`Dots::Widen`]: the reduced operand is widened to f32, exactly, and the product computed
+///   in f32; backends fuse the convert into the matmul (the CPU widens weight tiles as it
+///   reads them) rather than converting a weight whole.
+/// - [`Dots::Split`]: the f32 operand is split into its rounding to `d` and the rounding of
+///   the remainder ([`split`]), both multiplied in one dot of `d` operands (stacked along the
+///   rows, so the weight is read once) into f32, and the two halves of the result added.
+/// - [`Dots::Narrow`]: the f32 operand is rounded to `d` and one dot of `d` operands
+///   accumulates into f32.
+///
+/// Two operands of the same reduced type multiply into f32 under Split and Narrow; anything
+/// else (two f32 operands, two reduced types that differ, an f8 operand) as under Widen.
 pub fn matmul(dots: Dots, a: &Tensor, b: &Tensor) -> Result<Tensor> {
     // bf16 and f16 are what a matmul unit multiplies; an f8 operand is never the activation's
     // dtype.
@@ -24,10 +30,38 @@ pub fn matmul(dots: Dots, a: &Tensor, b: &Tensor) -> Result<Tensor> {
         (true, true) if da == db => Some(da),
         _ => None,
     };
-    match (dots, narrow) {
-        (Dots::Narrow, Some(d)) => a.to_dtype(d)?.matmul_to(&b.to_dtype(d)?, DType::F32),
-        _ => a.to_dtype(DType::F32)?.matmul(&b.to_dtype(DType::F32)?),
-    }
+    let Some(d) = narrow.filter(|_| dots != Dots::Widen) else {
+        return a.to_dtype(DType::F32)?.matmul(&b.to_dtype(DType::F32)?);
+    };
+    let split_side = match dots {
+        Dots::Split if da == DType::F32 => Some(a.rank() - 2),
+        Dots::Split if db == DType::F32 => Some(b.rank() - 1),
+        _ => None,
+    };
+    let Some(dim) = split_side else {
+        return a.to_dtype(d)?.matmul_to(&b.to_dtype(d)?, DType::F32);
+    };
+    // The f32 side stacked as [hi; lo] along `dim` (its rows, or a right operand's columns):
+    // one dot, whose result holds the two partial products side by side along `dim`.
+    let (f32_side, narrow_side) = if da == DType::F32 { (a, b) } else { (b, a) };
+    let (hi, lo) = split(f32_side, d)?;
+    let stacked = a.builder().cat(&[&hi, &lo], dim)?;
+    let n = f32_side.dim(dim);
+    let y = if da == DType::F32 {
+        stacked.matmul_to(narrow_side, DType::F32)?
+    } else {
+        narrow_side.matmul_to(&stacked, DType::F32)?
+    };
+    y.narrow(dim, 0, n)?.add(&y.narrow(dim, n, n)?)
+}
+
+/// `x` (f32) as `hi + lo` with `hi` its rounding to `d` and `lo` the rounding of what is left:
+/// together about twice `d`'s significant bits (16 for bf16, against f32's 24), so a dot of
+/// both against a `d` weight loses almost nothing to the activation's rounding.
+pub fn split(x: &Tensor, d: DType) -> Result<(Tensor, Tensor)> {
+    let hi = x.to_dtype(d)?;
+    let lo = x.sub(&hi.to_dtype(DType::F32)?)?.to_dtype(d)?;
+    Ok((hi, lo))
 }
 
 /// `x @ w^T` for a `[rows, in]` input and an HF-layout `[out, in]` weight, under `dots`.

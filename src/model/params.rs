@@ -159,7 +159,7 @@ impl WeightSpecs {
     }
 
     /// These specs with graphs multiplying in `dots`: the same stored weights, built into a
-    /// device's graphs ([`Dots::Narrow`]) or the CPU's ([`Dots::Widen`]).
+    /// device's graphs ([`Dots::DEVICE`]) or the CPU's ([`Dots::Widen`]).
     pub fn with_dots(&self, dots: Dots) -> Self {
         WeightSpecs {
             precision: self.precision.with_dots(dots),

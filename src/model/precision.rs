@@ -7,28 +7,37 @@
 //! softmax, the router's scores, the RoPE tables and sampling are f32 under either policy.
 //!
 //! Where they part is the matmul with a reduced-precision operand (a bf16 weight, the cache,
-//! quantized experts), [`super::ops::matmul`]:
+//! quantized experts), [`super::ops::matmul`]. Measured on the fixtures (`tests/precision.rs`,
+//! max |logit difference| against transformers in f32, bf16 weights and cache; the yardstick
+//! is transformers-bf16's own 5.3e-2, 4.6e-2 and 6.0e-2 on tiny-v3, tiny-v2-lite and
+//! tiny-v2-group):
 //!
 //! - [`Dots::Widen`] (the CPU backend's): the operand is widened to f32, exactly, and the
 //!   product computed in f32, so the only rounding is the storage's. The CPU widens weight
-//!   tiles inside its kernel, so this costs it nothing. Measured on the fixtures
-//!   (`tests/precision.rs`, max |logit difference| against transformers in f32): 4.4e-2,
-//!   1.2e-2 and 3.3e-2 on tiny-v3, tiny-v2-lite and tiny-v2-group, against transformers-bf16's
-//!   own 5.3e-2, 4.6e-2 and 6.0e-2.
-//! - [`Dots::Narrow`] (every graph a NeuronCore runs, and so nrt-sim and `lower`): the f32
-//!   activation is rounded to the operand's dtype at the dot, and the dot multiplies the two
-//!   narrow operands with an f32 result (HLO's `dot` with a wider result type, the form JAX
-//!   emits for `preferred_element_type=float32`). A trn1 NeuronCore multiplies bf16 at four
-//!   times its f32 rate, and no weight is converted to f32 in HBM each step; `lower --check
-//!   neuron` refuses a graph that does (`check::narrow_dots`). Quantized experts multiply in
-//!   the weights' dtype: int8 codes are exact in bf16, so the dot reads them converted and
-//!   their per-output-channel scale multiplies the dot's f32 output; int4 codes dequantize
-//!   with their group scales to bf16 (the group runs along the dot's inputs), never to f32.
-//!   The accuracy this costs is measured against the same yardstick by `tests/precision.rs`.
+//!   tiles inside its kernel, so this costs it nothing. 4.4e-2, 1.2e-2 and 3.3e-2.
+//! - [`Dots::Split`] (a NeuronCore's, so nrt-sim's and `lower`'s by default): the f32
+//!   activation is split into two bf16 parts (its rounding and the rounding of the
+//!   remainder), stacked along the rows and multiplied by the bf16 operand in one dot with an
+//!   f32 result (HLO's `dot` with a wider result type, the form JAX emits for
+//!   `preferred_element_type=float32`), the two halves of the result added. 4.4e-2, 1.2e-2 and
+//!   3.3e-2: the activation keeps about 16 of f32's 24 bits, and nothing measurable is lost.
+//!   No weight is converted to f32 in HBM (`lower --check neuron` refuses a graph that does:
+//!   rule `narrow-dots`), the matmul units run at their bf16 rate (a trn1 chip: 190 TFLOPS
+//!   against 47.5 in f32) on twice the rows, and the weights, which bound decode, are read
+//!   once.
+//! - [`Dots::Narrow`]: the activation rounded once to bf16, one dot. Half Split's arithmetic,
+//!   but 5.3e-2, 3.0e-2 and 2.9e-1: past the yardstick on tiny-v3 and on tiny-v2-group, where
+//!   the rounding flips an expert choice (and a greedy argmax). Only on request (`lower --dots
+//!   narrow`), for measuring it.
 //!
-//! One graph builder serves both: the policy is part of [`Precision`], so the device and the
-//! simulator build the same graph, and the CPU backend runs a Narrow graph as written when it
-//! stands in for a device (nrt-sim).
+//! Under Split and Narrow quantized experts multiply in the weights' dtype: int8 codes are
+//! exact in bf16, so the dot reads them converted and their per-output-channel scale multiplies
+//! the dot's f32 output; int4 codes dequantize with their group scales to bf16 (the group runs
+//! along the dot's inputs), never to f32.
+//!
+//! One graph builder serves every policy: the policy is part of [`Precision`], so the device
+//! and the simulator build the same graph, and the CPU backend runs a Split graph as written
+//! when it stands in for a NeuronCore (nrt-sim).
 
 use std::fmt;
 use std::str::FromStr;
@@ -226,10 +235,18 @@ pub enum Dots {
     /// free for it (its kernels widen tiles as they read them) and the most accurate.
     #[default]
     Widen,
-    /// The f32 operand rounded to the other's reduced dtype, the product of the two narrow
-    /// operands accumulated into an f32 result: what a NeuronCore's matmul units run at full
-    /// rate, and the policy of every graph compiled for one.
+    /// The f32 operand split into two parts of the other's reduced dtype, both multiplied in
+    /// one dot of narrow operands into f32: a NeuronCore's matmul units at their bf16 rate
+    /// with f32's accuracy to within what the fixtures measure; every device graph's policy.
+    Split,
+    /// The f32 operand rounded once to the other's reduced dtype, one dot of narrow operands
+    /// into f32: half Split's arithmetic, at a measured cost in accuracy (module docs).
     Narrow,
+}
+
+impl Dots {
+    /// The policy of every graph a NeuronCore runs (and so nrt-sim's and `lower`'s default).
+    pub const DEVICE: Dots = Dots::Split;
 }
 
 impl FromStr for Dots {
@@ -238,10 +255,11 @@ impl FromStr for Dots {
     fn from_str(s: &str) -> Result<Self> {
         match s {
             "widen" => Ok(Dots::Widen),
+            "split" => Ok(Dots::Split),
             "narrow" => Ok(Dots::Narrow),
             other => Err(Error::InvalidInput(format!(
-                "dots `{other}`: expected widen (f32 products, the CPU's) or narrow (products \
-                 in the weights' dtype, a NeuronCore's)"
+                "dots `{other}`: expected widen (f32 products, the CPU's), split (bf16 products \
+                 of a two-part activation, a NeuronCore's) or narrow (one bf16 product)"
             ))),
         }
     }
@@ -251,6 +269,7 @@ impl fmt::Display for Dots {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             Dots::Widen => "widen",
+            Dots::Split => "split",
             Dots::Narrow => "narrow",
         })
     }
@@ -289,10 +308,10 @@ impl Precision {
     }
 
     /// The dtype quantized experts' codes are converted to for their matmul: the weights'
-    /// dtype under [`Dots::Narrow`], f32 under [`Dots::Widen`].
+    /// dtype under [`Dots::Split`] and [`Dots::Narrow`], f32 under [`Dots::Widen`].
     pub fn expert_dot_dtype(&self) -> DType {
         match self.dots {
-            Dots::Narrow => self.weights,
+            Dots::Split | Dots::Narrow => self.weights,
             Dots::Widen => DType::F32,
         }
     }

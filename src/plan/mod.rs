@@ -385,7 +385,7 @@ impl Plan {
             },
             kv_cache: kv_dtype,
             quantize: quantize_of(opts.experts),
-            dots: Dots::Narrow,
+            dots: Dots::DEVICE,
         };
         let est = neff::estimate(cfg, &precision, &rc, opts.instance, opts.split_sampler)?;
         let (metadata, outputs) = metadata_and_outputs(cfg, &buckets, block_size, tp);

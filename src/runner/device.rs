@@ -837,7 +837,7 @@ impl DeviceRunner {
     /// cores `opts.nc ..` (one per local rank). `weights` are the whole model's; with
     /// `runner_cfg.tp > 1` each local rank takes its shards. Nothing is allocated on the device
     /// until [`Runner::capture`]. Its graphs multiply in the weights' own dtype
-    /// ([`Dots::Narrow`], see `model::precision`), whatever `weights` were loaded for.
+    /// ([`Dots::DEVICE`], see `model::precision`), whatever `weights` were loaded for.
     ///
     /// A tensor-parallel runner needs `NEURON_RT_ROOT_COMM_ID` for libnrt's collectives: when
     /// it is unset and this process runs every rank, it is set to [`DEFAULT_ROOT_COMM_ID`]
@@ -853,7 +853,7 @@ impl DeviceRunner {
         if quantize.is_cpu_only() {
             return Err(quantize.cpu_only_error("a NeuronCore (the device runner)"));
         }
-        let weights = weights.with_dots(Dots::Narrow);
+        let weights = weights.with_dots(Dots::DEVICE);
         runner_cfg.buckets.validate(runner_cfg.block_size)?;
         let tp = runner_cfg.tp;
         let span = opts.ranks.unwrap_or(RankSpan {

@@ -72,11 +72,11 @@ pub(crate) struct LowerArgs {
     /// (`sample_b*`). With --check, the graphs such a capture compiles.
     #[arg(long)]
     split_sampler: bool,
-    /// In which dtype the graphs multiply: `narrow` (a NeuronCore's: the activation rounded to
-    /// a bf16 weight's or cache's dtype at each dot, f32 results) or `widen` (the CPU
-    /// backend's: bf16 operands widened, f32 products). --check always checks `narrow`, what
-    /// a capture compiles.
-    #[arg(long, default_value = "narrow", value_parser = parse_dots)]
+    /// How the graphs multiply a bf16 weight or cache: `split` (a NeuronCore's: the f32
+    /// activation as two bf16 parts, bf16 dots into f32), `narrow` (the activation rounded
+    /// once to bf16) or `widen` (the CPU backend's: the bf16 operand widened, f32 products).
+    /// --check always checks `split`, what a capture compiles. See docs/precision.md.
+    #[arg(long, default_value = "split", value_parser = parse_dots)]
     dots: Dots,
     /// Decode batch sizes, one graph each.
     #[arg(long, value_delimiter = ',', default_value = "1")]
@@ -127,7 +127,8 @@ pub(crate) fn parse_seconds(s: &str) -> Result<Duration, String> {
 
 /// A rule by its column heading.
 fn parse_dots(s: &str) -> Result<Dots, String> {
-    s.parse().map_err(|e: deepinfer::error::Error| e.to_string())
+    s.parse()
+        .map_err(|e: deepinfer::error::Error| e.to_string())
 }
 
 fn parse_rule(s: &str) -> Result<Rule, String> {

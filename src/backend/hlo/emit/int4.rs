@@ -9,7 +9,7 @@
 //! group's scale (converted to that type first, a no-op for f32), expanded from `[.., groups]`
 //! with a `broadcast` and cut to the row's length with a `slice`. Every float operation is
 //! exact but the scale's conversion and the last product, each rounded once as the CPU kernel
-//! rounds them. A bf16 output (a `Dots::Narrow` graph's int4 experts) so never holds the
+//! rounds them. A bf16 output (the int4 experts of a graph that multiplies in bf16) so never holds the
 //! weight in f32.
 //!
 //! Like the mass threshold (`threshold.rs`), the run is tagged so the importer (and so nrt-sim)
