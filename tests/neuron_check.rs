@@ -461,3 +461,87 @@ fn cli_allow_reports_a_rule_without_failing_on_it() {
     assert!(!bogus.status.success());
     assert!(String::from_utf8_lossy(&bogus.stderr).contains("is not a rule"));
 }
+
+/// A narrow weight converted to f32 on its way to a dot fails; a norm's weight widened to
+/// scale an activation, which then meets an f32 router weight, does not.
+#[test]
+fn a_narrow_weight_widened_before_its_dot_fails() {
+    let bf16 = |dims: &[usize]| array_shape(dims, PrimitiveType::Bf16);
+    // dot(x, convert(w)) with w bf16: the weight rewritten in f32.
+    let mut m = Module::new();
+    let x = m.param("x", Some("metadata"), f32s(&[2, 3]));
+    let w = m.param("layers.0.q_proj", Some("weight"), bf16(&[4, 3]));
+    let wc = m.push("convert", f32s(&[4, 3]), &[w]);
+    let d = m.dot(x, wc, f32s(&[2, 4]), 1);
+    let g = check(&m.finish("widened", &[d]));
+    fails_only(&g, Rule::WidenedWeight);
+    assert!(g.findings[0].detail.contains("layers.0.q_proj"), "{g:?}");
+
+    // int8 codes dequantized in f32 (convert, then the scale's product) before the dot.
+    let mut m = Module::new();
+    let x = m.param("x", Some("metadata"), f32s(&[2, 3]));
+    let q = m.param("experts", Some("weight"), array_shape(&[4, 3], PrimitiveType::S8));
+    let s = m.param("experts_scale", Some("weight"), f32s(&[4, 3]));
+    let qc = m.push("convert", f32s(&[4, 3]), &[q]);
+    let deq = m.push("multiply", f32s(&[4, 3]), &[qc, s]);
+    let d = m.dot(x, deq, f32s(&[2, 4]), 1);
+    fails_only(&check(&m.finish("dequantized", &[d])), Rule::WidenedWeight);
+
+    // Narrow operands into an f32 result: clean. So is a bf16 norm weight widened to scale the
+    // activation that meets an f32 router weight.
+    let mut m = Module::new();
+    let x = m.param("x", Some("metadata"), f32s(&[2, 3]));
+    let xb = m.push("convert", bf16(&[2, 3]), &[x]);
+    let w = m.param("layers.0.q_proj", Some("weight"), bf16(&[4, 3]));
+    let d = m.dot(xb, w, f32s(&[2, 4]), 1);
+    let norm = m.param("layers.0.norm", Some("weight"), bf16(&[3]));
+    let nc = m.push("convert", f32s(&[3]), &[norm]);
+    let nb = m.push_with("broadcast", f32s(&[2, 3]), &[nc], |i| i.dimensions = vec![1]);
+    let h = m.push("multiply", f32s(&[2, 3]), &[x, nb]);
+    let router = m.param("layers.0.gate", Some("weight"), f32s(&[4, 3]));
+    let r = m.dot(h, router, f32s(&[2, 4]), 1);
+    let g = check(&m.finish("narrow", &[d, r]));
+    assert!(g.clean(), "{:?}", g.findings);
+}
+
+/// The graphs themselves, bf16 with int8 and with int4 experts: built under the CPU's policy
+/// (`Dots::Widen`) they widen every projection and expert weight, and the rule says so; under
+/// the device's (`Dots::DEVICE`, what a capture compiles) not one weight is widened.
+#[test]
+fn device_graphs_never_widen_a_weight_and_cpu_graphs_do() {
+    use deepinfer::graph::DType;
+    use deepinfer::model::{self, Dots, GraphSpec, LogitsOutput, Precision, Quantize, Sampler};
+    use deepinfer::model::{MoeStrategy, WeightSpecs};
+    let cfg =
+        ModelConfig::from_file(&common::fixture_dir("tiny-v3").join("config.json")).unwrap();
+    let rc = deepinfer::runner::RunnerConfig::for_limits(8, 64);
+    let layout = rc.cache_layout();
+    for quantize in [Quantize::None, Quantize::ExpertsInt8, Quantize::ExpertsInt4] {
+        for moe in [MoeStrategy::Gather, MoeStrategy::Dense] {
+            let spec = GraphSpec {
+                rows: 4,
+                seqs: 1,
+                ctx: 64,
+                logits: LogitsOutput::None,
+                moe,
+                sampler: Sampler::Full,
+            };
+            let widened = |dots: Dots| {
+                let precision = Precision {
+                    quantize,
+                    ..Precision::all(DType::BF16)
+                }
+                .with_dots(dots);
+                let specs = WeightSpecs::new(&cfg, &precision);
+                let g = model::build_decode(&cfg, &specs, &layout, &spec).unwrap();
+                let m = deepinfer::backend::hlo::emit::emit(&g).unwrap();
+                check(&m).count(Rule::WidenedWeight)
+            };
+            let what = format!("{quantize} {moe:?}");
+            assert_eq!(widened(Dots::DEVICE), 0, "{what}");
+            assert_eq!(widened(Dots::Narrow), 0, "{what}");
+            // Every layer's projections and its experts: at least one per layer.
+            assert!(widened(Dots::Widen) >= cfg.num_hidden_layers, "{what}");
+        }
+    }
+}

@@ -46,14 +46,21 @@ pub enum Rule {
     LargeTensor,
     /// More estimated instructions than neuronx-cc's budget ([`INSTRUCTION_BUDGET`]).
     Instructions,
+    /// A narrow weight (bf16, f16, int8, packed int4, fp8) converted to f32 on its way to a
+    /// `dot` (through reshapes, selections, broadcasts and a dequantization's products): the
+    /// whole weight rewritten in f32 every step and multiplied at a quarter of the bf16 rate.
+    /// Device graphs multiply narrow operands into f32 results instead (`model::precision`,
+    /// `Dots::Split`).
+    WidenedWeight,
 }
 
 impl Rule {
     /// Every rule, in table order.
-    pub const ALL: [Rule; 7] = [
+    pub const ALL: [Rule; 8] = [
         Rule::Opcode,
         Rule::WideSort,
         Rule::WeightTranspose,
+        Rule::WidenedWeight,
         Rule::IntMultiply,
         Rule::Wide64,
         Rule::LargeTensor,
@@ -71,6 +78,7 @@ impl Rule {
             Rule::Opcode => "opcode",
             Rule::WideSort => "sort>16384",
             Rule::WeightTranspose => "w-transpose",
+            Rule::WidenedWeight => "w-to-f32",
             Rule::IntMultiply => "int-mul",
             Rule::Wide64 => "64-bit",
             Rule::LargeTensor => ">=4GiB",
@@ -91,6 +99,11 @@ impl Rule {
             }
             Rule::WeightTranspose => {
                 "a transposed copy of a weight every step; use dot's contracting dimensions"
+            }
+            Rule::WidenedWeight => {
+                "a narrow weight converted to f32 before its dot: an f32 copy every step and f32 \
+                 matmuls (a quarter of trn1's bf16 rate); multiply narrow operands into an f32 \
+                 result"
             }
             Rule::IntMultiply => {
                 "vector engines compute arithmetic in fp32 (NKI nki.isa.tensor_tensor): \
@@ -323,6 +336,18 @@ pub fn check_module(module: &HloModuleProto, opts: &CheckOptions) -> GraphCheck 
                     }
                 }
             }
+            // Narrow weights widened to f32 before a dot.
+            if op == "convert" && inst.shape.as_ref().map(|s| s.element_type) == Some(F32) {
+                if let Some((param, from)) = narrow_weight_source(inst, &by_id) {
+                    if reaches_dot_as_weight(inst, &users) {
+                        push(
+                            Rule::WidenedWeight,
+                            inst,
+                            format!("converts parameter `{param}` ({from}) to f32 before a dot"),
+                        );
+                    }
+                }
+            }
             // Weight transposes feeding a dot.
             if op == "transpose" {
                 if let Some(param) = weight_source(inst, &by_id) {
@@ -377,20 +402,7 @@ fn weight_source(
     for _ in 0..64 {
         let inst = by_id.get(&id)?;
         match inst.opcode.as_str() {
-            "parameter" => {
-                let attr = |k: &str| {
-                    inst.frontend_attributes
-                        .as_ref()
-                        .and_then(|a| a.map.get(k))
-                        .cloned()
-                };
-                return match attr(ROLE_ATTR).as_deref() {
-                    None | Some("weight") => {
-                        Some(attr(INPUT_NAMES_ATTR).unwrap_or_else(|| inst.name.clone()))
-                    }
-                    Some(_) => None,
-                };
-            }
+            "parameter" => return weight_source_param(inst),
             o if PASS_THROUGH.contains(&o) || SELECTIONS.contains(&o) => {
                 id = *inst.operand_ids.first()?;
             }
@@ -398,6 +410,89 @@ fn weight_source(
         }
     }
     None
+}
+
+/// HLO's raw element type of f32.
+const F32: i32 = 11;
+
+/// The weight parameter (its name and element type) an f32 `convert` reads, when that weight
+/// is narrow: traced up through pass-through ops, selections and the bit operations of an int4
+/// unpacking (each instruction's first operand, which is the value's own path).
+fn narrow_weight_source(
+    convert: &HloInstructionProto,
+    by_id: &HashMap<i64, &HloInstructionProto>,
+) -> Option<(String, String)> {
+    const UNPACKING: &[&str] = &["and", "shift-right-logical", "concatenate"];
+    let mut id = *convert.operand_ids.first()?;
+    for _ in 0..64 {
+        let inst = by_id.get(&id)?;
+        match inst.opcode.as_str() {
+            "parameter" => {
+                let shape = inst.shape.as_ref()?;
+                let narrow = shape.element_type != F32 && element_bits(shape.element_type) <= 16;
+                let name = weight_source_param(inst)?;
+                return narrow.then(|| (name, describe(shape)));
+            }
+            o if PASS_THROUGH.contains(&o) || SELECTIONS.contains(&o) || UNPACKING.contains(&o) => {
+                id = *inst.operand_ids.first()?;
+            }
+            _ => return None,
+        }
+    }
+    None
+}
+
+/// Whether a widened value reaches a `dot` operand unchanged in content or only scaled:
+/// through reshapes, transposes, selections, and the products and differences of a
+/// dequantization, but not through a `convert` (an activation rounded back to bf16 is not the
+/// weight anymore) nor a `broadcast` (a norm's weight broadcast over the rows scales an
+/// activation, which may then meet an f32 weight such as the router's).
+fn reaches_dot_as_weight(
+    start: &HloInstructionProto,
+    users: &HashMap<i64, Vec<&HloInstructionProto>>,
+) -> bool {
+    const CARRIES: &[&str] = &[
+        "reshape",
+        "copy",
+        "bitcast",
+        "transpose",
+        "slice",
+        "gather",
+        "dynamic-slice",
+        "multiply",
+        "subtract",
+    ];
+    let mut seen = HashSet::new();
+    let mut stack = vec![start.id];
+    while let Some(id) = stack.pop() {
+        if !seen.insert(id) {
+            continue;
+        }
+        for u in users.get(&id).into_iter().flatten() {
+            match u.opcode.as_str() {
+                "dot" => return true,
+                o if CARRIES.contains(&o) => stack.push(u.id),
+                _ => {}
+            }
+        }
+    }
+    false
+}
+
+/// A parameter's name when it is a weight (our emitter marks metadata and cache roots; other
+/// emitters mark nothing, and then every parameter may be a weight).
+fn weight_source_param(param: &HloInstructionProto) -> Option<String> {
+    let attr = |k: &str| {
+        param
+            .frontend_attributes
+            .as_ref()
+            .and_then(|a| a.map.get(k))
+            .cloned()
+    };
+    match attr(ROLE_ATTR).as_deref() {
+        None | Some("weight") => Some(attr(INPUT_NAMES_ATTR).unwrap_or_else(|| param.name.clone())),
+        Some(_) => None,
+    }
 }
 
 /// Whether a value reaches a `dot` operand through pass-through ops and broadcasts only.
