@@ -488,7 +488,11 @@ fn a_narrow_weight_widened_before_its_dot_fails() {
     // int8 codes dequantized in f32 (convert, then the scale's product) before the dot.
     let mut m = Module::new();
     let x = m.param("x", Some("metadata"), f32s(&[2, 3]));
-    let q = m.param("experts", Some("weight"), array_shape(&[4, 3], PrimitiveType::S8));
+    let q = m.param(
+        "experts",
+        Some("weight"),
+        array_shape(&[4, 3], PrimitiveType::S8),
+    );
     let s = m.param("experts_scale", Some("weight"), f32s(&[4, 3]));
     let qc = m.push("convert", f32s(&[4, 3]), &[q]);
     let deq = m.push("multiply", f32s(&[4, 3]), &[qc, s]);
@@ -504,7 +508,9 @@ fn a_narrow_weight_widened_before_its_dot_fails() {
     let d = m.dot(xb, w, f32s(&[2, 4]), 1);
     let norm = m.param("layers.0.norm", Some("weight"), bf16(&[3]));
     let nc = m.push("convert", f32s(&[3]), &[norm]);
-    let nb = m.push_with("broadcast", f32s(&[2, 3]), &[nc], |i| i.dimensions = vec![1]);
+    let nb = m.push_with("broadcast", f32s(&[2, 3]), &[nc], |i| {
+        i.dimensions = vec![1]
+    });
     let h = m.push("multiply", f32s(&[2, 3]), &[x, nb]);
     let router = m.param("layers.0.gate", Some("weight"), f32s(&[4, 3]));
     let r = m.dot(h, router, f32s(&[2, 4]), 1);
@@ -520,8 +526,7 @@ fn device_graphs_never_widen_a_weight_and_cpu_graphs_do() {
     use deepinfer::graph::DType;
     use deepinfer::model::{self, Dots, GraphSpec, LogitsOutput, Precision, Quantize, Sampler};
     use deepinfer::model::{MoeStrategy, WeightSpecs};
-    let cfg =
-        ModelConfig::from_file(&common::fixture_dir("tiny-v3").join("config.json")).unwrap();
+    let cfg = ModelConfig::from_file(&common::fixture_dir("tiny-v3").join("config.json")).unwrap();
     let rc = deepinfer::runner::RunnerConfig::for_limits(8, 64);
     let layout = rc.cache_layout();
     for quantize in [Quantize::None, Quantize::ExpertsInt8, Quantize::ExpertsInt4] {
