@@ -128,12 +128,13 @@ pub enum Error {
     #[error(transparent)]
     Neuron(#[from] neuron_sys::Error),
     /// A libnrt call made for one captured graph failed (load, bind or execute).
-    #[error("graph `{graph}`: {source}")]
+    #[error("graph `{graph}`: {nrt}")]
     Device {
         /// The graph (`decode_b8_c256`, `prefill_t64_c128`, or `capture` for shared buffers).
         graph: String,
-        /// The runtime's error, naming the C call and the NRT status.
-        source: neuron_sys::Error,
+        /// The runtime's error, naming the C call and the NRT status. In the message, not a
+        /// `source` (which a `{:#}` chain would print a second time).
+        nrt: neuron_sys::Error,
     },
 
     // === Engine ===
@@ -180,8 +181,8 @@ impl Error {
     /// Whether this is a collective's failure on a tensor-parallel rank: libnrt's status when
     /// another rank failed or vanished, so the step's real cause is that rank's own error.
     pub fn is_collective_failure(&self) -> bool {
-        matches!(self, Error::Device { source, .. }
-            if source.status_code() == Some(neuron_sys::sys::NRT_EXEC_HW_ERR_COLLECTIVES))
+        matches!(self, Error::Device { nrt, .. }
+            if nrt.status_code() == Some(neuron_sys::sys::NRT_EXEC_HW_ERR_COLLECTIVES))
     }
 
     /// Builds a [`Error::Shape`] error.

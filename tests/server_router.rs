@@ -109,7 +109,7 @@ impl Runner for Wrapped {
             None => self.inner.replay(step),
             Some(ErrorKind::Device) => Err(Error::Device {
                 graph: "decode_b1_c256".into(),
-                source: neuron_sys::Error::status("nrt_execute", 1006),
+                nrt: neuron_sys::Error::status("nrt_execute", 1006),
             }),
             Some(ErrorKind::Internal) => Err(Error::Internal(
                 "SECRET-DETAIL: the step returned 0 sampled tokens for 1 rows".into(),

@@ -496,9 +496,9 @@ impl std::fmt::Debug for DeviceRunner {
 }
 
 fn dev(graph: &str) -> impl FnOnce(neuron_sys::Error) -> Error + '_ {
-    move |source| Error::Device {
+    move |nrt| Error::Device {
         graph: graph.to_string(),
-        source,
+        nrt,
     }
 }
 
@@ -807,9 +807,9 @@ impl RankLoader<'_> {
 /// A device error of rank `rank`'s capture, saying which rank and NeuronCore it came from.
 fn on_rank(e: Error, rank: usize, nc: u32) -> Error {
     match e {
-        Error::Device { graph, source } => Error::Device {
+        Error::Device { graph, nrt } => Error::Device {
             graph: format!("{graph} (rank {rank}, NeuronCore {nc})"),
-            source,
+            nrt,
         },
         e => e,
     }
@@ -1169,8 +1169,8 @@ impl DeviceRunner {
                 .collect()
         });
         let is_timeout = |r: &Result<(RankState, u64)>| match r {
-            Err(Error::Device { source, .. }) => {
-                source.status_code() == Some(neuron_sys::sys::NRT_TIMEOUT)
+            Err(Error::Device { nrt, .. }) => {
+                nrt.status_code() == Some(neuron_sys::sys::NRT_TIMEOUT)
             }
             _ => false,
         };
@@ -1198,7 +1198,7 @@ impl DeviceRunner {
             if let Some(e) = self.rt.take_deferred_errors().into_iter().next() {
                 return Err(Error::Device {
                     graph: "destroy".into(),
-                    source: e,
+                    nrt: e,
                 });
             }
         }

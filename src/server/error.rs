@@ -334,7 +334,7 @@ mod tests {
     fn a_device_fault_is_a_device_error_with_its_message() {
         let e = ApiError::from(Error::Device {
             graph: "decode_b1_c256".into(),
-            source: neuron_sys::Error::status("nrt_execute", 1),
+            nrt: neuron_sys::Error::status("nrt_execute", 1),
         });
         assert_eq!(e.status, StatusCode::INTERNAL_SERVER_ERROR);
         assert_eq!(e.code, Some("device_error"));
