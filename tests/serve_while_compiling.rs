@@ -65,7 +65,10 @@ fn load() -> (ModelConfig, ModelWeights) {
 
 /// A device runner on nrt-sim compiling in the background, its stand-in compiler given
 /// `flags` and a NEFF cache of its own at `cache` (so every graph is really compiled).
-fn background_runner(flags: Vec<String>, cache: PathBuf) -> deepinfer::error::Result<Box<dyn Runner>> {
+fn background_runner(
+    flags: Vec<String>,
+    cache: PathBuf,
+) -> deepinfer::error::Result<Box<dyn Runner>> {
     let (cfg, weights) = load();
     let rc = config();
     let lib = Library::open(sim_path())?;
@@ -214,19 +217,26 @@ fn answers_before_the_largest_bucket_compiles_and_uses_it_once_it_joins() {
     let rt = rt();
     // One request, answered while batch 4 cannot have compiled (its compile is held).
     let first = (prompt(5, 1, vocab), 6);
-    let got = rt.block_on(tokens_of(engine.submit(first.0.clone(), params(first.1)).unwrap()));
+    let got = rt.block_on(tokens_of(
+        engine.submit(first.0.clone(), params(first.1)).unwrap(),
+    ));
     assert_eq!(got, cpu_tokens(std::slice::from_ref(&first))[0]);
     let m = engine.metrics().encode();
     assert_eq!(decode_gauge(&m, "live_buckets", 4, 64), Some(0), "{m}");
 
     // Four at once before it joins: they wait for slots (or run on batch 2 if it joined), and
     // none fails.
-    let four: Vec<(Vec<u32>, usize)> = (0..4).map(|i| (prompt(4 + i, 10 + i as u32, vocab), 5)).collect();
+    let four: Vec<(Vec<u32>, usize)> = (0..4)
+        .map(|i| (prompt(4 + i, 10 + i as u32, vocab), 5))
+        .collect();
     let streams: Vec<RequestStream> = four
         .iter()
         .map(|(p, n)| engine.submit(p.clone(), params(*n)).unwrap())
         .collect();
-    let got: Vec<Vec<u32>> = streams.into_iter().map(|s| rt.block_on(tokens_of(s))).collect();
+    let got: Vec<Vec<u32>> = streams
+        .into_iter()
+        .map(|s| rt.block_on(tokens_of(s)))
+        .collect();
     let want = cpu_tokens(&four);
     assert_eq!(got, want);
     assert_eq!(executions_of_batch(&hooks, 4), 0);
@@ -246,14 +256,19 @@ fn answers_before_the_largest_bucket_compiles_and_uses_it_once_it_joins() {
     let Some(Event::Token(head)) = head else {
         panic!("no first token: {head:?}")
     };
-    let three: Vec<(Vec<u32>, usize)> = (0..3).map(|i| (prompt(3 + i, 30 + i as u32, vocab), 8)).collect();
+    let three: Vec<(Vec<u32>, usize)> = (0..3)
+        .map(|i| (prompt(3 + i, 30 + i as u32, vocab), 8))
+        .collect();
     let streams: Vec<RequestStream> = three
         .iter()
         .map(|(p, n)| engine.submit(p.clone(), params(*n)).unwrap())
         .collect();
     let mut long_got = vec![head.token];
     long_got.extend(rt.block_on(tokens_of(first_stream)));
-    let got: Vec<Vec<u32>> = streams.into_iter().map(|s| rt.block_on(tokens_of(s))).collect();
+    let got: Vec<Vec<u32>> = streams
+        .into_iter()
+        .map(|s| rt.block_on(tokens_of(s)))
+        .collect();
     let mut all = vec![long.clone()];
     all.extend(three);
     let want = cpu_tokens(&all);
@@ -291,7 +306,10 @@ fn a_failed_background_compile_leaves_its_bucket_absent() {
         .map(|(p, n)| engine.submit(p.clone(), params(*n)).unwrap())
         .collect();
     let rt = rt();
-    let got: Vec<Vec<u32>> = streams.into_iter().map(|s| rt.block_on(tokens_of(s))).collect();
+    let got: Vec<Vec<u32>> = streams
+        .into_iter()
+        .map(|s| rt.block_on(tokens_of(s)))
+        .collect();
     assert_eq!(got, cpu_tokens(&two));
     engine.shutdown();
 }

@@ -81,9 +81,9 @@ use neuron_sys::{Library, Model, Runtime, Tensor, TensorSet};
 
 use super::binding::{bind, NeffBinding};
 use super::instances::{Followers, Setup, StepMessage};
+use super::live::{BucketKey, BucketKind, LiveBuckets};
 use super::open::{sim_compiler_config, sim_compiler_config_from_env};
 use super::step::{self, HostArray, HostData};
-use super::live::{BucketKey, BucketKind, LiveBuckets};
 use super::{
     Backend, BucketEvent, Buckets, LateMasks, Runner, RunnerConfig, Step, StepKind, StepOutput,
 };
@@ -626,7 +626,12 @@ impl Background {
     /// Takes the pending buckets whose NEFFs have all arrived, in joining order, each with its
     /// graphs' NEFFs or why one of them is missing.
     #[allow(clippy::type_complexity)]
-    fn take_ready(&mut self) -> Vec<(PendingBucket, std::result::Result<Vec<Arc<Vec<u8>>>, String>)> {
+    fn take_ready(
+        &mut self,
+    ) -> Vec<(
+        PendingBucket,
+        std::result::Result<Vec<Arc<Vec<u8>>>, String>,
+    )> {
         let mut ended = false;
         loop {
             match self.rx.try_recv() {
@@ -671,8 +676,12 @@ impl Background {
             }
         }
         let units = &self.units;
-        self.neffs
-            .retain(|name, _| units.iter().flat_map(|u| &u.graphs).any(|g| g.2.name() == name));
+        self.neffs.retain(|name, _| {
+            units
+                .iter()
+                .flat_map(|u| &u.graphs)
+                .any(|g| g.2.name() == name)
+        });
         out
     }
 }
@@ -947,11 +956,7 @@ impl RankState {
         };
         let kind = &kind;
         let name = g.name();
-        let ctx_index = l
-            .ctx
-            .iter()
-            .position(|&c| c == spec.ctx)
-            .unwrap_or(0);
+        let ctx_index = l.ctx.iter().position(|&c| c == spec.ctx).unwrap_or(0);
         let meta = match kind {
             StepKind::Decode | StepKind::Sample => decode_meta.get(ctx_index),
             StepKind::Prefill => prefill_meta.get(ctx_index),
@@ -1380,7 +1385,9 @@ impl DeviceRunner {
                 .iter()
                 .filter_map(|&(i, n)| {
                     let t = timings.get(i)?;
-                    graphs.get(i).map(|(_, _, g)| (g.name().to_string(), *t, n.len()))
+                    graphs
+                        .get(i)
+                        .map(|(_, _, g)| (g.name().to_string(), *t, n.len()))
                 })
                 .collect(),
             total: t0.elapsed(),

@@ -356,7 +356,10 @@ mod tests {
         };
         live.join(key(4, 2048));
         assert_eq!(live.max_decode_batch(), 4);
-        assert_eq!(live.decode_bucket(&[row(3), row(4)], 10).unwrap(), (4, 2048));
+        assert_eq!(
+            live.decode_bucket(&[row(3), row(4)], 10).unwrap(),
+            (4, 2048)
+        );
         live.join(key(1, 128));
         assert_eq!(live.decode_bucket(&[row(3)], 10).unwrap(), (1, 128));
         assert_eq!(live.pending().len(), 28 - 4);
