@@ -438,6 +438,11 @@ impl Engine {
                         return;
                     }
                 };
+                // Before the engine says it is ready: a scrape right after sees them.
+                let metrics = &thread_shared.metrics;
+                let total = scheduler.runner().runner_config().num_blocks;
+                metrics.kv_blocks_total.set(total.saturating_sub(1) as i64);
+                publish_buckets(scheduler.runner(), metrics);
                 if ready_tx.send(Ok(info)).is_err() {
                     return;
                 }
@@ -611,15 +616,6 @@ fn run_loop(
     let metrics = &shared.metrics;
     let mut stats = StatsLine::new(metrics);
     let mut clients: HashMap<RequestId, Client> = HashMap::new();
-    {
-        let total = scheduler
-            .runner()
-            .runner_config()
-            .num_blocks
-            .saturating_sub(1);
-        metrics.kv_blocks_total.set(total as i64);
-    }
-    publish_buckets(scheduler.runner(), metrics);
     // When the last iteration could run nothing, how long to sleep for a change.
     let mut stuck: Option<Duration> = None;
     loop {
