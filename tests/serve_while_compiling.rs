@@ -68,6 +68,7 @@ fn load() -> (ModelConfig, ModelWeights) {
 fn background_runner(
     flags: Vec<String>,
     cache: PathBuf,
+    split_sampler: bool,
 ) -> deepinfer::error::Result<Box<dyn Runner>> {
     let (cfg, weights) = load();
     let rc = config();
@@ -78,6 +79,7 @@ fn background_runner(
         c.cache_dir = cache;
     }
     opts.background_compile = true;
+    opts.split_sampler = split_sampler;
     let buckets = rc.buckets.clone();
     let mut d = DeviceRunner::new(cfg, weights, rc, lib, opts)?;
     d.capture(&buckets)?;
@@ -86,9 +88,18 @@ fn background_runner(
 
 /// The engine over [`background_runner`].
 fn start(flags: Vec<String>, cache: &Path) -> deepinfer::error::Result<Engine> {
+    start_split(flags, cache, false)
+}
+
+/// [`start`], with the sampler split from each decode graph (`--split-sampler`) or not.
+fn start_split(
+    flags: Vec<String>,
+    cache: &Path,
+    split_sampler: bool,
+) -> deepinfer::error::Result<Engine> {
     let cache = cache.to_path_buf();
     Engine::start(
-        move || background_runner(flags, cache),
+        move || background_runner(flags, cache, split_sampler),
         None,
         EngineOptions {
             max_waiting: 64,
@@ -327,4 +338,43 @@ fn a_failed_first_bucket_fails_the_start() {
     .err()
     .expect("the first buckets must compile");
     assert!(err.to_string().contains("decode_b1_c64"), "{err}");
+}
+
+#[test]
+fn split_decode_buckets_join_with_their_sampling_graphs() {
+    let _g = serial();
+    let tmp = tempfile::tempdir().unwrap();
+    let release = tmp.path().join("release");
+    // The batch-2 sampling graph (one NEFF for both contexts) waits; the forward graphs do
+    // not: a bucket joins with both or not at all.
+    let engine = start_split(
+        vec![format!("--nrt-sim-hold=sample_b2:{}", release.display())],
+        &tmp.path().join("neff"),
+        true,
+    )
+    .unwrap();
+    wait_for(&engine, "batch 4 joins", |m| {
+        decode_gauge(m, "live_buckets", 4, 64) == Some(1)
+            && decode_gauge(m, "live_buckets", 4, 32) == Some(1)
+    });
+    let m = engine.metrics().encode();
+    assert_eq!(decode_gauge(&m, "live_buckets", 2, 64), Some(0), "{m}");
+    std::fs::write(&release, b"").unwrap();
+    wait_for(&engine, "batch 2 joins", |m| {
+        decode_gauge(m, "live_buckets", 2, 64) == Some(1)
+            && decode_gauge(m, "live_buckets", 2, 32) == Some(1)
+    });
+    let vocab = engine.info().vocab_size as u32;
+    let two: Vec<(Vec<u32>, usize)> = (0..2).map(|i| (prompt(7, 50 + i, vocab), 6)).collect();
+    let streams: Vec<RequestStream> = two
+        .iter()
+        .map(|(p, n)| engine.submit(p.clone(), params(*n)).unwrap())
+        .collect();
+    let rt = rt();
+    let got: Vec<Vec<u32>> = streams
+        .into_iter()
+        .map(|s| rt.block_on(tokens_of(s)))
+        .collect();
+    assert_eq!(got, cpu_tokens(&two));
+    engine.shutdown();
 }

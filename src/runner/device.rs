@@ -59,8 +59,8 @@
 //! both at the longest context, which run any request) and returns. A thread of its own
 //! compiles the rest ([`compile_each`]: each result as soon as it is ready); the caller's
 //! [`Runner::join_buckets`], between two steps, loads each bucket whose NEFFs are ready on
-//! every rank at once (the workers load theirs as they execute steps, and
-//! `nrt_load_collectives` needs every rank present) and makes it live. Loading binds the same
+//! every rank at once (each other rank's worker loads it on the thread that executes that
+//! rank's steps, as `nrt_load_collectives` needs every rank present) and makes it live. Loading binds the same
 //! weights, cache roots, metadata buffers and outputs as the graphs already loaded, so a
 //! bucket joins without touching the others. Replays take the smallest live bucket that holds
 //! the step ([`LiveBuckets`]); the scheduler forms only steps some live bucket holds. A
@@ -562,6 +562,13 @@ struct PendingBucket {
 /// A compiled NEFF, or why it could not be compiled.
 type Compiled = std::result::Result<Arc<Vec<u8>>, String>;
 
+/// A pending bucket whose compiles have all finished: its graphs' NEFFs, or why one is
+/// missing.
+type ReadyBucket = (
+    PendingBucket,
+    std::result::Result<Vec<Arc<Vec<u8>>>, String>,
+);
+
 /// What a background capture ([`DeviceOptions::background_compile`]) has not loaded yet, and
 /// the thread compiling it. Dropping it tells the thread to start no new compile (those
 /// running finish, and their NEFFs are cached for the next run); the thread is not waited for,
@@ -625,13 +632,7 @@ impl Background {
 
     /// Takes the pending buckets whose NEFFs have all arrived, in joining order, each with its
     /// graphs' NEFFs or why one of them is missing.
-    #[allow(clippy::type_complexity)]
-    fn take_ready(
-        &mut self,
-    ) -> Vec<(
-        PendingBucket,
-        std::result::Result<Vec<Arc<Vec<u8>>>, String>,
-    )> {
+    fn take_ready(&mut self) -> Vec<ReadyBucket> {
         let mut ended = false;
         loop {
             match self.rx.try_recv() {
