@@ -69,9 +69,10 @@ fn background_runner(
     flags: Vec<String>,
     cache: PathBuf,
     split_sampler: bool,
+    tp: usize,
 ) -> deepinfer::error::Result<Box<dyn Runner>> {
     let (cfg, weights) = load();
-    let rc = config();
+    let rc = RunnerConfig { tp, ..config() };
     let lib = Library::open(sim_path())?;
     let mut opts = DeviceOptions::sim();
     if let NeffSource::Sim(c) = &mut opts.neff {
@@ -97,9 +98,19 @@ fn start_split(
     cache: &Path,
     split_sampler: bool,
 ) -> deepinfer::error::Result<Engine> {
+    start_with(flags, cache, split_sampler, 1)
+}
+
+/// [`start_split`] over `tp` simulated NeuronCores.
+fn start_with(
+    flags: Vec<String>,
+    cache: &Path,
+    split_sampler: bool,
+    tp: usize,
+) -> deepinfer::error::Result<Engine> {
     let cache = cache.to_path_buf();
     Engine::start(
-        move || background_runner(flags, cache, split_sampler),
+        move || background_runner(flags, cache, split_sampler, tp),
         None,
         EngineOptions {
             max_waiting: 64,
@@ -377,5 +388,55 @@ fn split_decode_buckets_join_with_their_sampling_graphs() {
         .map(|s| rt.block_on(tokens_of(s)))
         .collect();
     assert_eq!(got, cpu_tokens(&two));
+    engine.shutdown();
+}
+
+#[test]
+fn every_rank_loads_a_joining_bucket() {
+    let _g = serial();
+    let hooks = SimLibrary::open(sim_path()).unwrap();
+    hooks.reset();
+    let tmp = tempfile::tempdir().unwrap();
+    let release = tmp.path().join("release-b4");
+    // Two ranks: a joining bucket is loaded by the runner's thread and the other rank's worker
+    // at once (`nrt_load_collectives` waits for both).
+    let engine = start_with(
+        vec![format!("--nrt-sim-hold=decode_b4:{}", release.display())],
+        &tmp.path().join("neff"),
+        false,
+        2,
+    )
+    .unwrap();
+    std::fs::write(&release, b"").unwrap();
+    wait_for(&engine, "decode batch 4 joins on both ranks", |m| {
+        decode_gauge(m, "live_buckets", 4, 64) == Some(1)
+            && decode_gauge(m, "live_buckets", 4, 32) == Some(1)
+    });
+    let vocab = engine.info().vocab_size as u32;
+    let rt = rt();
+    let long = (prompt(6, 60, vocab), 40);
+    let mut first = engine.submit(long.0.clone(), params(long.1)).unwrap();
+    let Some(Event::Token(head)) = rt.block_on(first.next()) else {
+        panic!("no first token")
+    };
+    let three: Vec<(Vec<u32>, usize)> = (0..3)
+        .map(|i| (prompt(3 + i, 70 + i as u32, vocab), 8))
+        .collect();
+    let streams: Vec<RequestStream> = three
+        .iter()
+        .map(|(p, n)| engine.submit(p.clone(), params(*n)).unwrap())
+        .collect();
+    let mut long_got = vec![head.token];
+    long_got.extend(rt.block_on(tokens_of(first)));
+    let got: Vec<Vec<u32>> = streams
+        .into_iter()
+        .map(|s| rt.block_on(tokens_of(s)))
+        .collect();
+    let mut all = vec![long];
+    all.extend(three);
+    let want = cpu_tokens(&all);
+    assert_eq!(long_got, want[0]);
+    assert_eq!(got, want[1..]);
+    assert!(executions_of_batch(&hooks, 4) > 0);
     engine.shutdown();
 }
