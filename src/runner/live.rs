@@ -106,8 +106,8 @@ impl LiveBuckets {
         }
     }
 
-    /// Every bucket of `buckets` (one per captured graph but the sampling graphs), in
-    /// [`Buckets::graphs`]'s order.
+    /// Every bucket of `buckets` (one per captured graph but the sampling graphs, as many as
+    /// [`Buckets::graph_count`]), context by context: decode batches, then prefill chunks.
     pub fn keys_of(buckets: &Buckets) -> Vec<BucketKey> {
         buckets
             .graphs()
