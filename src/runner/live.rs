@@ -367,6 +367,49 @@ mod tests {
     }
 
     #[test]
+    fn prefill_takes_the_cheapest_live_bucket_and_failures_stay_absent() {
+        let b = RunnerConfig::for_limits(32, 2048).buckets;
+        let mut live = LiveBuckets::none(&b);
+        for k in LiveBuckets::first(&b) {
+            live.join(k);
+        }
+        let chunk = |tokens: &'static [u32], start| PrefillChunk {
+            tokens,
+            start,
+            blocks: &[],
+            sampling: SamplingParams::GREEDY,
+            controls: LogitControls::NONE,
+        };
+        let one = [chunk(&[1; 10], 0)];
+        // Its own bucket (16 tokens, context 128) is not live: the longest context's chunk.
+        assert_eq!(live.prefill_bucket(&one, 100).unwrap(), (64, 1, 2048));
+        let packed = BucketKey {
+            kind: BucketKind::Prefill,
+            rows: 16,
+            seqs: 8,
+            ctx: 128,
+        };
+        live.join(packed);
+        assert_eq!(live.prefill_bucket(&one, 100).unwrap(), (16, 8, 128));
+        assert!(live.prefill_fits(3, 15, 100));
+        assert!(
+            !live.prefill_fits(3, 15, 200),
+            "no live packing at context 512"
+        );
+        let b1 = BucketKey {
+            kind: BucketKind::Decode,
+            rows: 1,
+            seqs: 1,
+            ctx: 128,
+        };
+        let before = live.pending().len();
+        live.fail(b1, "compiler said no".into());
+        assert_eq!(live.pending().len(), before - 1);
+        assert!(!live.is_live(&b1) && live.has_pending() && !live.is_complete());
+        assert_eq!(live.decode_bucket(&[row(3)], 10).unwrap(), (1, 2048));
+    }
+
+    #[test]
     fn background_order_widens_the_batch_first() {
         let b = RunnerConfig::for_limits(8, 256).buckets;
         let order = LiveBuckets::background_order(&b);
