@@ -12,6 +12,8 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 
+use crate::runner::BucketKey;
+
 /// How a request ended, the label of `deepinfer_requests_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Outcome {
@@ -50,6 +52,19 @@ impl Outcome {
 
 type OutcomeLabel = [(&'static str, &'static str); 1];
 
+/// A bucket's labels: `kind` (decode, prefill), `batch` (sequences a step of it carries),
+/// `tokens` (tokens a step of it carries: the batch again for decode) and `ctx`.
+type BucketLabels = [(&'static str, String); 4];
+
+fn bucket_labels(key: &BucketKey) -> BucketLabels {
+    [
+        ("kind", key.kind.name().to_string()),
+        ("batch", key.seqs.to_string()),
+        ("tokens", key.rows.to_string()),
+        ("ctx", key.ctx.to_string()),
+    ]
+}
+
 /// Every metric the server exports, and the registry that encodes them.
 #[derive(Debug)]
 pub struct Metrics {
@@ -77,6 +92,11 @@ pub struct Metrics {
     pub kv_blocks_in_use: Gauge,
     /// KV-cache blocks sequences can hold.
     pub kv_blocks_total: Gauge,
+    /// Per bucket (captured graph shape): 1 when steps run on it, 0 while it is still
+    /// compiling in the background or after it failed to.
+    live_buckets: Family<BucketLabels, Gauge>,
+    /// Per bucket whose background compile or load failed: 1 (it stays absent).
+    failed_buckets: Family<BucketLabels, Gauge>,
 }
 
 impl Default for Metrics {
@@ -109,6 +129,8 @@ impl Metrics {
             waiting: Gauge::default(),
             kv_blocks_in_use: Gauge::default(),
             kv_blocks_total: Gauge::default(),
+            live_buckets: Family::default(),
+            failed_buckets: Family::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -171,7 +193,37 @@ impl Metrics {
             "KV-cache blocks sequences can hold",
             m.kv_blocks_total.clone(),
         );
+        registry.register(
+            "live_buckets",
+            "Per captured bucket: 1 when steps run on it, 0 while it is compiling (or failed to)",
+            m.live_buckets.clone(),
+        );
+        registry.register(
+            "failed_buckets",
+            "Per bucket whose background compile or load failed: 1 (steps run on the others)",
+            m.failed_buckets.clone(),
+        );
         Metrics { registry, ..m }
+    }
+
+    /// Sets the bucket gauges: each of `live` 1, each of `pending` 0, each of `failed` 0 live
+    /// and 1 failed.
+    pub fn set_buckets<'a>(
+        &self,
+        live: impl IntoIterator<Item = &'a BucketKey>,
+        pending: impl IntoIterator<Item = &'a BucketKey>,
+        failed: impl IntoIterator<Item = &'a BucketKey>,
+    ) {
+        for k in live {
+            self.live_buckets.get_or_create(&bucket_labels(k)).set(1);
+        }
+        for k in pending {
+            self.live_buckets.get_or_create(&bucket_labels(k)).set(0);
+        }
+        for k in failed {
+            self.live_buckets.get_or_create(&bucket_labels(k)).set(0);
+            self.failed_buckets.get_or_create(&bucket_labels(k)).set(1);
+        }
     }
 
     /// Counts one request that ended with `outcome`.

@@ -124,12 +124,13 @@ fn compile_one(cfg: &CompilerConfig, j: &CompileJob) -> Result<CompiledNeff, Com
     Ok(compile_all(cfg, std::slice::from_ref(j))?.remove(0))
 }
 
-/// Every file in the cache outside `work/`, relative to the cache.
+/// Every file in the cache outside `work/`, relative to the cache, but the record of the
+/// compiles' measured peak memory (not an entry; see `compile::jobs`).
 fn cached_files(cache: &Path) -> Vec<String> {
     let mut out = Vec::new();
     for e in std::fs::read_dir(cache).unwrap().flatten() {
         let name = e.file_name().to_string_lossy().into_owned();
-        if name == "work" {
+        if name == "work" || name == deepinfer::backend::neuron::compile::jobs::PEAK_FILE {
             continue;
         }
         if e.path().is_dir() {
@@ -203,6 +204,11 @@ fn command_line_is_exact() {
         "scratch directory removed after a success"
     );
 
+    // The compile's peak memory was measured (the child's max RSS) and kept beside the cache.
+    assert!(
+        deepinfer::backend::neuron::compile::jobs::measured_peak(&fake.cache())
+            .is_some_and(|b| b > 0)
+    );
     // The entry: model.neff + meta.json, nothing else.
     assert_eq!(
         cached_files(&fake.cache()),

@@ -62,6 +62,14 @@
 //! log-probabilities computes its whole prompt (the cached part has no logits), as in vLLM.
 //! A preempted sequence is recomputed from the cache too, so giving its blocks back costs less.
 //!
+//! # Buckets still compiling
+//!
+//! A device runner that compiles its buckets in the background reports which are live
+//! ([`Runner::live_buckets`]). The scheduler then runs at most as many sequences as the
+//! largest live decode batch at the longest context (a running sequence must find a bucket
+//! whatever it grows to), plans prefill chunks against the live prefill buckets only, and
+//! lets the other requests wait in the queue: nothing fails because a bucket has not joined.
+//!
 //! So a burst of short prompts enters a few per step between decode steps, and the running
 //! streams keep flowing. A failed step (a device fault) fails exactly the sequences in it; the
 //! rest go on.
@@ -662,7 +670,10 @@ impl<R: Runner> Scheduler<R> {
     pub fn step_with(&mut self, skip: impl Fn(RequestId) -> bool) -> Vec<Output> {
         let mut out = Vec::new();
         let decoded = self.decode_step(&mut out, &skip);
-        let chunk = self.runner.runner_config().buckets.prefill_chunk;
+        let chunk = match self.runner.live_buckets() {
+            Some(live) => live.max_prefill_tokens(),
+            None => self.runner.runner_config().buckets.prefill_chunk,
+        };
         let budget = self.token_budget.saturating_sub(decoded).min(chunk);
         self.prefill_step(budget, &mut out, &skip);
         self.iterations += 1;
@@ -903,7 +914,7 @@ impl<R: Runner> Scheduler<R> {
         if groups.len() < 2 {
             return (Vec::new(), Vec::new());
         }
-        let share = self.max_running.div_ceil(groups.len());
+        let share = self.slots().max(1).div_ceil(groups.len());
         let mut keep: Vec<usize> = groups.iter().map(|(_, s)| s.len().min(share)).collect();
         self.rows_within_cost(&mut keep);
         let (mut out, mut held) = (Vec::new(), Vec::new());
@@ -952,6 +963,11 @@ impl<R: Runner> Scheduler<R> {
     ) -> Vec<(usize, usize)> {
         while self.admit() {}
         let buckets = &self.runner.runner_config().buckets;
+        let live = self.runner.live_buckets();
+        let fits = |chunks, tokens, end| match live {
+            Some(live) => live.prefill_fits(chunks, tokens, end),
+            None => buckets.prefill_fits(chunks, tokens, end),
+        };
         let held_back = |seq: &Sequence| self.held_back.contains(&group_of(seq));
         let mut order: Vec<usize> = (0..self.running.len())
             .filter(|&i| {
@@ -972,7 +988,7 @@ impl<R: Runner> Scheduler<R> {
                 break;
             }
             let reach = end.max(seq.computed + n);
-            if buckets.prefill_fits(plan.len() + 1, tokens + n, reach) {
+            if fits(plan.len() + 1, tokens + n, reach) {
                 plan.push((i, n));
                 tokens += n;
                 end = reach;
@@ -1129,7 +1145,7 @@ impl<R: Runner> Scheduler<R> {
             }
         }
         let pick = best.1;
-        if self.running.len() >= self.max_running {
+        if self.running.len() >= self.slots() {
             let group = group_of(&self.waiting[pick]);
             if !self.reclaim_slot(group) {
                 return false;
@@ -1188,7 +1204,7 @@ impl<R: Runner> Scheduler<R> {
                 groups += 1;
             }
         }
-        let share = self.max_running.div_ceil(groups.max(1));
+        let share = self.slots().div_ceil(groups.max(1));
         let mine = counts.iter().find(|(g, _)| *g == group).map_or(0, |c| c.1);
         let Some(&(victim, _)) = counts
             .iter()
@@ -1208,6 +1224,17 @@ impl<R: Runner> Scheduler<R> {
         self.waiting.push_back(seq);
         self.preemptions += 1;
         true
+    }
+
+    /// The batch slots sequences may hold now: `--max-batch`, or while a device runner is still
+    /// compiling its larger decode buckets, the largest batch live at the longest context
+    /// (a running sequence must find a bucket whatever it grows to). Requests beyond it wait
+    /// in the queue; the slots only grow as buckets join.
+    fn slots(&self) -> usize {
+        match self.runner.live_buckets() {
+            Some(live) => live.max_decode_batch().min(self.max_running),
+            None => self.max_running,
+        }
     }
 
     /// Drops the sequences whose last event finished them (the last output of each id).

@@ -39,7 +39,7 @@ use tokio::sync::Notify;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::metrics::{Metrics, Outcome};
-use crate::runner::Runner;
+use crate::runner::{BucketKey, LiveBuckets, Runner};
 use crate::tokenizer::Tokenizer;
 
 /// The runner the engine thread drives: whichever backend [`crate::runner::open`] chose.
@@ -87,6 +87,11 @@ pub const DEFAULT_STALL_TIMEOUT: Duration = Duration::from_secs(60);
 /// The longest the thread sleeps when nothing could run and no stall deadline is nearer: a
 /// safety net, as every change that lets work run (a command, a reader's wake-up) wakes it.
 const STUCK_POLL: Duration = Duration::from_millis(100);
+
+/// How often an idle engine thread looks for buckets that finished compiling in the
+/// background (a busy one looks before every iteration), so that they join, and show in the
+/// metrics, while no request is running.
+const JOIN_POLL: Duration = Duration::from_millis(200);
 
 /// Limits of the engine's queue.
 #[derive(Debug, Clone)]
@@ -433,6 +438,11 @@ impl Engine {
                         return;
                     }
                 };
+                // Before the engine says it is ready: a scrape right after sees them.
+                let metrics = &thread_shared.metrics;
+                let total = scheduler.runner().runner_config().num_blocks;
+                metrics.kv_blocks_total.set(total.saturating_sub(1) as i64);
+                publish_buckets(scheduler.runner(), metrics);
                 if ready_tx.send(Ok(info)).is_err() {
                     return;
                 }
@@ -606,20 +616,22 @@ fn run_loop(
     let metrics = &shared.metrics;
     let mut stats = StatsLine::new(metrics);
     let mut clients: HashMap<RequestId, Client> = HashMap::new();
-    {
-        let total = scheduler
-            .runner()
-            .runner_config()
-            .num_blocks
-            .saturating_sub(1);
-        metrics.kv_blocks_total.set(total as i64);
-    }
     // When the last iteration could run nothing, how long to sleep for a change.
     let mut stuck: Option<Duration> = None;
     loop {
         // Sleep while idle (or stuck); otherwise take whatever arrived since the last step.
         let mut pending: Vec<Command> = Vec::new();
-        if scheduler.is_idle() {
+        let compiling = scheduler
+            .runner()
+            .live_buckets()
+            .is_some_and(|l| l.has_pending());
+        if scheduler.is_idle() && compiling {
+            match inbox.recv_timeout(JOIN_POLL) {
+                Ok(c) => pending.push(c),
+                Err(mpsc::RecvTimeoutError::Timeout) => {}
+                Err(mpsc::RecvTimeoutError::Disconnected) => return,
+            }
+        } else if scheduler.is_idle() {
             match inbox.recv() {
                 Ok(c) => pending.push(c),
                 Err(_) => return,
@@ -632,6 +644,9 @@ fn run_loop(
             }
         }
         pending.extend(inbox.try_iter());
+        if compiling && !scheduler.runner_mut().join_buckets().is_empty() {
+            publish_buckets(scheduler.runner(), metrics);
+        }
         let mut outputs = Vec::new();
         for command in pending {
             match command {
@@ -728,6 +743,22 @@ fn run_loop(
         }
         if let Some(every) = log_every {
             stats.maybe_print(metrics, every);
+        }
+    }
+}
+
+/// Sets the bucket gauges from the runner's live buckets (every bucket live for a runner
+/// that captured them all).
+fn publish_buckets(runner: &dyn Runner, metrics: &Metrics) {
+    match runner.live_buckets() {
+        Some(live) => {
+            let pending = live.pending();
+            let failed: Vec<BucketKey> = live.failed().iter().map(|(k, _)| *k).collect();
+            metrics.set_buckets(live.live(), &pending, &failed);
+        }
+        None => {
+            let all = LiveBuckets::keys_of(&runner.runner_config().buckets);
+            metrics.set_buckets(&all, [], []);
         }
     }
 }

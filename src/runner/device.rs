@@ -49,12 +49,31 @@
 //! that bucket's metadata buffers (one NEFF per batch size, compiled once, loaded per context
 //! bucket): the forward pass writes every input both graphs read, and the sampling graph's
 //! step copies only the masks.
+//!
+//! # Background compiling
+//!
+//! neuronx-cc takes minutes to hours per graph. With [`DeviceOptions::background_compile`]
+//! (what `deepinfer serve` does) capture still builds every graph and allocates every
+//! persistent tensor at the largest bucket's size, but compiles and loads only the first two
+//! buckets ([`LiveBuckets::first`]: decode at the smallest batch and the largest prefill chunk,
+//! both at the longest context, which run any request) and returns. A thread of its own
+//! compiles the rest ([`compile_each`]: each result as soon as it is ready); the caller's
+//! [`Runner::join_buckets`], between two steps, loads each bucket whose NEFFs are ready on
+//! every rank at once (each other rank's worker loads it on the thread that executes that
+//! rank's steps, as `nrt_load_collectives` needs every rank present) and makes it live. Loading binds the same
+//! weights, cache roots, metadata buffers and outputs as the graphs already loaded, so a
+//! bucket joins without touching the others. Replays take the smallest live bucket that holds
+//! the step ([`LiveBuckets`]); the scheduler forms only steps some live bucket holds. A
+//! failed background compile or load is logged and the bucket stays absent; a failure of the
+//! first buckets fails the capture. Rejected: loading in the compile thread while steps run,
+//! because a rank's loaded graphs live with its worker (and the first rank's with the
+//! runner), and a collectives load would need every rank's thread at once anyway.
 
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::ops::Range;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use candle_core::Tensor as CTensor;
@@ -62,12 +81,15 @@ use neuron_sys::{Library, Model, Runtime, Tensor, TensorSet};
 
 use super::binding::{bind, NeffBinding};
 use super::instances::{Followers, Setup, StepMessage};
+use super::live::{BucketKey, BucketKind, LiveBuckets};
 use super::open::{sim_compiler_config, sim_compiler_config_from_env};
 use super::step::{self, HostArray, HostData};
-use super::{Backend, Buckets, LateMasks, Runner, RunnerConfig, Step, StepKind, StepOutput};
+use super::{
+    Backend, BucketEvent, Buckets, LateMasks, Runner, RunnerConfig, Step, StepKind, StepOutput,
+};
 use crate::backend::cpu::{tensor_from_bytes, with_tensor_bytes};
 use crate::backend::hlo::emit;
-use crate::backend::neuron::compile::{compile_all, CompileJob, CompilerConfig};
+use crate::backend::neuron::compile::{compile_all, compile_each, CompileJob, CompilerConfig};
 use crate::backend::neuron::progress::Progress;
 use crate::backend::neuron::sim_neff::NeffNames;
 use crate::config::ModelConfig;
@@ -126,6 +148,13 @@ pub struct DeviceOptions {
     /// constrained rows are computed on the host while the forward pass runs. Costs a second
     /// execution per decode step and one small graph per batch bucket.
     pub split_sampler: bool,
+    /// Capture only the first buckets ([`LiveBuckets::first`]) and return; compile the others
+    /// on a thread of their own, each joining (loaded on every rank between two steps,
+    /// [`Runner::join_buckets`]) as soon as its NEFF is ready. What `deepinfer serve` does, so
+    /// that a server answers after two compiles rather than all of them (see "Background
+    /// compiling" in the module docs). Only for a process that runs every rank: followers on
+    /// other instances could not join a bucket at the same step.
+    pub background_compile: bool,
 }
 
 /// The ranks of a tensor-parallel model one process runs: global ranks `first .. first + count`
@@ -188,6 +217,7 @@ impl DeviceOptions {
             metadata: MetadataSource::Host,
             ranks: None,
             split_sampler: false,
+            background_compile: false,
         }
     }
 
@@ -199,6 +229,7 @@ impl DeviceOptions {
             metadata: MetadataSource::Host,
             ranks: None,
             split_sampler: false,
+            background_compile: false,
         }
     }
 
@@ -210,6 +241,7 @@ impl DeviceOptions {
             metadata: MetadataSource::Host,
             ranks: None,
             split_sampler: false,
+            background_compile: false,
         }
     }
 }
@@ -272,6 +304,21 @@ struct RankState {
     /// The cache roots (the KV root, and V3.2's state root) by graph input name.
     roots: Vec<(&'static str, Tensor)>,
     weights: HashMap<String, Tensor>,
+    /// What loading a graph on this rank needs beyond the tensors above.
+    loader: GraphLoader,
+}
+
+/// Where a rank loads its graphs: its runtime, NeuronCore and place in the model.
+struct GraphLoader {
+    rt: Runtime,
+    nc: u32,
+    /// The global rank (for `nrt_load_collectives`).
+    rank: usize,
+    tp: usize,
+    /// The context buckets, ascending (a graph's metadata buffers are its context's).
+    ctx: Vec<usize>,
+    /// This rank's vocabulary slice's width.
+    vocab: usize,
 }
 
 /// Every local rank's capture. The first rank's state is the runner's own (replay executes
@@ -335,13 +382,32 @@ struct Board {
 
 #[derive(Default)]
 struct BoardState {
-    /// Steps posted so far; a worker runs each once.
+    /// Tasks posted so far; a worker runs each once.
     posted: u64,
-    key: Option<GraphKey>,
+    task: Option<Task>,
     /// Workers that have not finished the current step.
     pending: usize,
     errors: Vec<Error>,
     stop: bool,
+}
+
+/// What the workers are told to do on their ranks.
+#[derive(Clone)]
+enum Task {
+    /// Execute this graph (a step).
+    Execute(GraphKey),
+    /// Load these graphs (a bucket that joins; see [`RankState::load_graph`]).
+    Load(Arc<Vec<JoiningGraph>>),
+    /// Unload these graphs (a bucket that failed to load on some rank).
+    Forget(Arc<Vec<GraphKey>>),
+}
+
+/// One graph of a bucket that joins after capture, with its NEFF.
+struct JoiningGraph {
+    kind: StepKind,
+    spec: GraphSpec,
+    graph: Graph,
+    neff: Arc<Vec<u8>>,
 }
 
 fn lock_board(m: &Mutex<BoardState>) -> MutexGuard<'_, BoardState> {
@@ -369,7 +435,7 @@ impl RankWorkers {
             let board = Arc::clone(&board);
             let thread = std::thread::Builder::new()
                 .name(format!("deepinfer-rank-{}", i + 1))
-                .spawn(move || Self::work(&state, &board))
+                .spawn(move || Self::work(state, &board))
                 .map_err(|e| Error::Internal(format!("cannot start a rank's thread: {e}")))?;
             workers.threads.push(thread);
         }
@@ -377,11 +443,11 @@ impl RankWorkers {
         Ok(workers)
     }
 
-    /// A worker: runs each posted step on its rank until told to stop.
-    fn work(state: &RankState, board: &Board) {
+    /// A worker: runs each posted task on its rank until told to stop.
+    fn work(mut state: RankState, board: &Board) {
         let mut seen = 0;
         loop {
-            let key = {
+            let task = {
                 let mut b = lock_board(&board.state);
                 while b.posted == seen && !b.stop {
                     b = board.posted.wait(b).unwrap_or_else(|e| e.into_inner());
@@ -390,11 +456,18 @@ impl RankWorkers {
                     return;
                 }
                 seen = b.posted;
-                b.key
+                b.task.clone()
             };
-            let result = match key {
-                Some(key) => state.execute(&key),
-                None => Err(Error::Internal("a step was posted without a graph".into())),
+            let result = match task {
+                Some(Task::Execute(key)) => state.execute(&key),
+                Some(Task::Load(graphs)) => graphs
+                    .iter()
+                    .try_for_each(|j| state.load_graph(j.kind, &j.spec, &j.graph, &j.neff)),
+                Some(Task::Forget(keys)) => {
+                    keys.iter().for_each(|k| drop(state.graphs.remove(k)));
+                    Ok(())
+                }
+                None => Err(Error::Internal("a task was posted without a graph".into())),
             };
             let mut b = lock_board(&board.state);
             if let Err(e) = result {
@@ -409,12 +482,17 @@ impl RankWorkers {
 
     /// Posts graph `key` to every worker.
     fn post(&self, key: GraphKey) {
+        self.post_task(Task::Execute(key));
+    }
+
+    /// Posts `task` to every worker.
+    fn post_task(&self, task: Task) {
         if self.threads.is_empty() {
             return;
         }
         let mut b = lock_board(&self.board.state);
         b.posted += 1;
-        b.key = Some(key);
+        b.task = Some(task);
         b.pending = self.threads.len();
         b.errors.clear();
         drop(b);
@@ -461,6 +539,160 @@ impl RankState {
     }
 }
 
+/// The bucket a graph belongs to: a sampling graph is its decode bucket's.
+fn bucket_of(kind: StepKind, spec: &GraphSpec) -> BucketKey {
+    BucketKey {
+        kind: match kind {
+            StepKind::Prefill => BucketKind::Prefill,
+            StepKind::Decode | StepKind::Sample => BucketKind::Decode,
+        },
+        rows: spec.rows,
+        seqs: spec.seqs,
+        ctx: spec.ctx,
+    }
+}
+
+/// A bucket a background capture has not loaded yet: its key and its graphs (kind, spec,
+/// graph, build time).
+struct PendingBucket {
+    key: BucketKey,
+    graphs: Vec<(StepKind, GraphSpec, Graph, Duration)>,
+}
+
+/// A compiled NEFF, or why it could not be compiled.
+type Compiled = std::result::Result<Arc<Vec<u8>>, String>;
+
+/// A pending bucket whose compiles have all finished: its graphs' NEFFs, or why one is
+/// missing.
+type ReadyBucket = (
+    PendingBucket,
+    std::result::Result<Vec<Arc<Vec<u8>>>, String>,
+);
+
+/// What a background capture ([`DeviceOptions::background_compile`]) has not loaded yet, and
+/// the thread compiling it. Dropping it tells the thread to start no new compile (those
+/// running finish, and their NEFFs are cached for the next run); the thread is not waited for,
+/// since a neuronx-cc run can take an hour.
+struct Background {
+    /// In joining order.
+    units: Vec<PendingBucket>,
+    /// NEFFs compiled so far by graph name, kept until no pending bucket needs them.
+    neffs: HashMap<String, Compiled>,
+    rx: mpsc::Receiver<(String, std::result::Result<Vec<u8>, String>)>,
+    cancel: Arc<AtomicBool>,
+    /// When the capture began (for the log).
+    started: Instant,
+}
+
+impl Background {
+    /// Starts compiling `jobs` (in order, [`CompilerConfig::jobs`] at a time, no progress bar:
+    /// a server logs instead) for the pending buckets `units`; `ready` holds the NEFFs they
+    /// need that the capture compiled already.
+    fn start(
+        cfg: &CompilerConfig,
+        jobs: Vec<CompileJob>,
+        units: Vec<PendingBucket>,
+        ready: HashMap<String, Compiled>,
+        started: Instant,
+    ) -> Result<Self> {
+        let (tx, rx) = mpsc::channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let mut cfg = cfg.clone();
+        cfg.progress = false;
+        let stop = Arc::clone(&cancel);
+        std::thread::Builder::new()
+            .name("deepinfer-compile".into())
+            .spawn(move || {
+                compile_each(&cfg, &jobs, &stop, &|i, result| {
+                    let Some(job) = jobs.get(i) else { return };
+                    let result = match result {
+                        Ok(c) => {
+                            tracing::info!(
+                                "compiled {}{}",
+                                job.name,
+                                if c.cache_hit { " (cached)" } else { "" }
+                            );
+                            Ok(c.neff)
+                        }
+                        Err(e) => Err(e.to_string()),
+                    };
+                    // The runner may be gone (destroyed meanwhile): nothing to tell then.
+                    let _ = tx.send((job.name.clone(), result));
+                });
+            })
+            .map_err(|e| Error::Internal(format!("cannot start the compile thread: {e}")))?;
+        Ok(Background {
+            units,
+            neffs: ready,
+            rx,
+            cancel,
+            started,
+        })
+    }
+
+    /// Takes the pending buckets whose NEFFs have all arrived, in joining order, each with its
+    /// graphs' NEFFs or why one of them is missing.
+    fn take_ready(&mut self) -> Vec<ReadyBucket> {
+        let mut ended = false;
+        loop {
+            match self.rx.try_recv() {
+                Ok((name, r)) => {
+                    self.neffs.insert(name, r.map(Arc::new));
+                }
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    ended = true;
+                    break;
+                }
+            }
+        }
+        let mut out = Vec::new();
+        let mut i = 0;
+        while i < self.units.len() {
+            let mut neffs = Vec::new();
+            let mut verdict = Some(Ok(()));
+            for (_, _, g, _) in &self.units[i].graphs {
+                match self.neffs.get(g.name()) {
+                    Some(Ok(n)) => neffs.push(Arc::clone(n)),
+                    Some(Err(e)) => {
+                        verdict = Some(Err(e.clone()));
+                        break;
+                    }
+                    None if ended => {
+                        verdict = Some(Err(format!(
+                            "the compile thread ended before compiling {}",
+                            g.name()
+                        )));
+                        break;
+                    }
+                    None => {
+                        verdict = None;
+                        break;
+                    }
+                }
+            }
+            match verdict {
+                Some(v) => out.push((self.units.remove(i), v.map(|()| neffs))),
+                None => i += 1,
+            }
+        }
+        let units = &self.units;
+        self.neffs.retain(|name, _| {
+            units
+                .iter()
+                .flat_map(|u| &u.graphs)
+                .any(|g| g.2.name() == name)
+        });
+        out
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        self.cancel.store(true, Ordering::SeqCst);
+    }
+}
+
 /// The graph runner over libnrt (a NeuronCore, or nrt-sim).
 pub struct DeviceRunner {
     cfg: ModelConfig,
@@ -482,6 +714,11 @@ pub struct DeviceRunner {
     /// The processes running the other ranks, when this one leads a model over several
     /// instances ([`DeviceRunner::attach_followers`]).
     followers: Option<Followers>,
+    /// The buckets steps can run on now (every captured one, unless some are still compiling
+    /// in the background).
+    live: LiveBuckets,
+    /// The buckets still compiling, with [`DeviceOptions::background_compile`].
+    background: Option<Background>,
 }
 
 impl std::fmt::Debug for DeviceRunner {
@@ -520,11 +757,15 @@ impl RankLoader<'_> {
     /// Uploads local rank `local`'s weights to its NeuronCore, allocates its persistent
     /// tensors and loads every graph on it (with `nrt_load_collectives` as global rank
     /// `span.first + local` when the model is split).
+    ///
+    /// Every graph of the capture (`graphs`) sizes the persistent tensors; only those of
+    /// `neffs` (index into `graphs`, NEFF) are loaded now, the others join later
+    /// ([`RankState::load_graph`]).
     fn allocate_and_load(
         &self,
         local: usize,
         graphs: &[(StepKind, GraphSpec, Graph)],
-        neffs: &[&[u8]],
+        neffs: &[(usize, &[u8])],
         progress: &Progress,
     ) -> Result<(RankState, u64)> {
         const CAP: &str = "capture";
@@ -567,16 +808,6 @@ impl RankLoader<'_> {
             root.fill_or_write(0, 0, root_bytes).map_err(dev(CAP))?;
             roots.push((spec.name, root));
         }
-        let root_named = |name: &str, graph: &str| {
-            roots
-                .iter()
-                .find(|(n, _)| *n == name)
-                .map(|(_, t)| t.clone())
-                .ok_or_else(|| Error::Binding {
-                    name: name.to_string(),
-                    msg: format!("graph `{graph}`: the model keeps no cache root of that name"),
-                })
-        };
 
         // Metadata buffers per ctx bucket, at the largest batch (decode) / the largest chunk
         // packing the most sequences (prefill: every smaller prefill graph's inputs are
@@ -667,140 +898,170 @@ impl RankLoader<'_> {
         let prefill_logits =
             Tensor::device(rt, nc, t * vocab * 4, "prefill/logits").map_err(dev(CAP))?;
 
-        let mut loaded = HashMap::new();
-        for (done, ((kind, spec, g), neff)) in graphs.iter().zip(neffs).enumerate() {
-            let name = g.name();
-            progress.update(done, name);
-            let ctx_index = rc
-                .buckets
-                .ctx
+        let mut state = RankState {
+            graphs: HashMap::new(),
+            decode_meta,
+            prefill_meta,
+            decode_next,
+            decode_logits,
+            prefill_next,
+            prefill_logits,
+            roots,
+            weights,
+            loader: GraphLoader {
+                rt: rt.clone(),
+                nc,
+                rank: self.first_rank + local,
+                tp: rc.tp,
+                ctx: rc.buckets.ctx.clone(),
+                vocab,
+            },
+        };
+        for (done, &(i, neff)) in neffs.iter().enumerate() {
+            let (kind, spec, g) = graphs.get(i).ok_or_else(|| {
+                Error::Internal(format!("no graph {i} of {} to load", graphs.len()))
+            })?;
+            progress.update(done, g.name());
+            state.load_graph(*kind, spec, g, neff)?;
+        }
+        Ok((state, uploaded))
+    }
+}
+
+impl RankState {
+    /// Loads graph `g` (bucket `kind`, `spec`) from `neff` on this rank and binds it to the
+    /// rank's persistent tensors: at capture, and when a bucket compiled in the background
+    /// joins.
+    fn load_graph(
+        &mut self,
+        kind: StepKind,
+        spec: &GraphSpec,
+        g: &Graph,
+        neff: &[u8],
+    ) -> Result<()> {
+        let l = &self.loader;
+        let (rt, nc, vocab) = (&l.rt, l.nc, l.vocab);
+        let (weights, roots) = (&self.weights, &self.roots);
+        let (decode_meta, prefill_meta) = (&self.decode_meta, &self.prefill_meta);
+        let (decode_next, decode_logits) = (&self.decode_next, &self.decode_logits);
+        let (prefill_next, prefill_logits) = (&self.prefill_next, &self.prefill_logits);
+        let root_named = |name: &str, graph: &str| {
+            roots
                 .iter()
-                .position(|&c| c == spec.ctx)
-                .unwrap_or(0);
-            let meta = match kind {
-                StepKind::Decode | StepKind::Sample => &decode_meta[ctx_index],
-                StepKind::Prefill => &prefill_meta[ctx_index],
-            };
-            let model = match rc.tp {
-                1 => Model::load(rt, neff, Some(nc), None),
-                tp => Model::load_collectives(
-                    rt,
-                    neff,
-                    Some(nc),
-                    None,
-                    (self.first_rank + local) as u32,
-                    tp as u32,
-                ),
-            }
-            .map_err(dev(name))?;
-            let (names, in_sizes, out_sizes) = reported_io(&model, g)?;
-            let mut inputs = TensorSet::new(rt).map_err(dev(name))?;
-            for (k, decl) in g.inputs().iter().enumerate() {
-                let want = decl.shape.dims().iter().product::<usize>() * decl.dtype.size_in_bytes();
-                let t = match decl.role {
-                    InputRole::Weight => {
-                        weights
-                            .get(&decl.name)
-                            .cloned()
-                            .ok_or_else(|| Error::Binding {
-                                name: decl.name.clone(),
-                                msg: format!("graph `{name}`: weight not uploaded"),
-                            })?
-                    }
-                    InputRole::CacheRoot => root_named(&decl.name, name)?,
-                    // The logits the step's forward graph left (see "Split sampling").
-                    InputRole::Carried if decl.name == model::STEP_LOGITS => {
-                        first_bytes(&decode_logits, spec.rows * vocab * 4, name)?
-                    }
-                    InputRole::Carried => {
-                        return Err(Error::Binding {
+                .find(|(n, _)| *n == name)
+                .map(|(_, t)| t.clone())
+                .ok_or_else(|| Error::Binding {
+                    name: name.to_string(),
+                    msg: format!("graph `{graph}`: the model keeps no cache root of that name"),
+                })
+        };
+        let kind = &kind;
+        let name = g.name();
+        let ctx_index = l.ctx.iter().position(|&c| c == spec.ctx).unwrap_or(0);
+        let meta = match kind {
+            StepKind::Decode | StepKind::Sample => decode_meta.get(ctx_index),
+            StepKind::Prefill => prefill_meta.get(ctx_index),
+        }
+        .ok_or_else(|| Error::Internal(format!("graph `{name}`: no metadata buffers")))?;
+        let model = match l.tp {
+            1 => Model::load(rt, neff, Some(nc), None),
+            tp => Model::load_collectives(rt, neff, Some(nc), None, l.rank as u32, tp as u32),
+        }
+        .map_err(dev(name))?;
+        let (names, in_sizes, out_sizes) = reported_io(&model, g)?;
+        let mut inputs = TensorSet::new(rt).map_err(dev(name))?;
+        for (k, decl) in g.inputs().iter().enumerate() {
+            let want = decl.shape.dims().iter().product::<usize>() * decl.dtype.size_in_bytes();
+            let t = match decl.role {
+                InputRole::Weight => {
+                    weights
+                        .get(&decl.name)
+                        .cloned()
+                        .ok_or_else(|| Error::Binding {
                             name: decl.name.clone(),
-                            msg: format!("graph `{name}`: no graph leaves that input"),
-                        })
-                    }
-                    InputRole::Metadata => {
-                        let buf = meta.iter().find(|b| b.name == decl.name).ok_or_else(|| {
-                            Error::Binding {
-                                name: decl.name.clone(),
-                                msg: format!("graph `{name}`: no metadata buffer"),
-                            }
-                        })?;
-                        first_bytes(&buf.tensor, want, name)?
-                    }
-                };
-                if t.size() != want {
+                            msg: format!("graph `{name}`: weight not uploaded"),
+                        })?
+                }
+                InputRole::CacheRoot => root_named(&decl.name, name)?,
+                // The logits the step's forward graph left (see "Split sampling").
+                InputRole::Carried if decl.name == model::STEP_LOGITS => {
+                    first_bytes(decode_logits, spec.rows * vocab * 4, name)?
+                }
+                InputRole::Carried => {
                     return Err(Error::Binding {
                         name: decl.name.clone(),
-                        msg: format!(
-                            "graph `{name}` needs {want} bytes, the device tensor has {}",
-                            t.size()
-                        ),
-                    });
+                        msg: format!("graph `{name}`: no graph leaves that input"),
+                    })
                 }
-                check_size(
-                    name,
-                    "input",
-                    &names.inputs[k],
-                    in_sizes.get(&names.inputs[k]),
-                    &t,
-                )?;
-                inputs.add(&names.inputs[k], &t).map_err(dev(name))?;
+                InputRole::Metadata => {
+                    let buf = meta.iter().find(|b| b.name == decl.name).ok_or_else(|| {
+                        Error::Binding {
+                            name: decl.name.clone(),
+                            msg: format!("graph `{name}`: no metadata buffer"),
+                        }
+                    })?;
+                    first_bytes(&buf.tensor, want, name)?
+                }
+            };
+            if t.size() != want {
+                return Err(Error::Binding {
+                    name: decl.name.clone(),
+                    msg: format!(
+                        "graph `{name}` needs {want} bytes, the device tensor has {}",
+                        t.size()
+                    ),
+                });
             }
-            let mut outputs = TensorSet::new(rt).map_err(dev(name))?;
-            for (k, decl) in g.outputs().iter().enumerate() {
-                let t = match (kind, decl.name.as_str()) {
-                    // An updated cache root: the same tensor as the input it aliases.
-                    _ if decl.aliases.is_some() => root_named(&decl.name, name)?,
-                    (StepKind::Decode | StepKind::Sample, "next_tokens") => {
-                        first_bytes(&decode_next, spec.rows * 4, name)?
-                    }
-                    (StepKind::Decode, "logits") => {
-                        first_bytes(&decode_logits, spec.rows * vocab * 4, name)?
-                    }
-                    (StepKind::Prefill, "next_tokens") => {
-                        first_bytes(&prefill_next, spec.seqs * 4, name)?
-                    }
-                    (StepKind::Prefill, "logits") => {
-                        first_bytes(&prefill_logits, spec.rows * vocab * 4, name)?
-                    }
-                    (_, other) => {
-                        return Err(Error::Binding {
-                            name: other.to_string(),
-                            msg: format!("graph `{name}`: unexpected output"),
-                        })
-                    }
-                };
-                let neff_name = &names.outputs[k];
-                check_size(name, "output", neff_name, out_sizes.get(neff_name), &t)?;
-                outputs.add(neff_name, &t).map_err(dev(name))?;
-            }
-            loaded.insert(
-                (*kind, spec.rows, spec.seqs, spec.ctx),
-                Loaded {
-                    name: name.to_string(),
-                    moe: spec.moe,
-                    model,
-                    names,
-                    inputs,
-                    outputs,
-                    ctx_index,
-                },
-            );
+            check_size(
+                name,
+                "input",
+                &names.inputs[k],
+                in_sizes.get(&names.inputs[k]),
+                &t,
+            )?;
+            inputs.add(&names.inputs[k], &t).map_err(dev(name))?;
         }
-        Ok((
-            RankState {
-                graphs: loaded,
-                decode_meta,
-                prefill_meta,
-                decode_next,
-                decode_logits,
-                prefill_next,
-                prefill_logits,
-                roots,
-                weights,
+        let mut outputs = TensorSet::new(rt).map_err(dev(name))?;
+        for (k, decl) in g.outputs().iter().enumerate() {
+            let t = match (kind, decl.name.as_str()) {
+                // An updated cache root: the same tensor as the input it aliases.
+                _ if decl.aliases.is_some() => root_named(&decl.name, name)?,
+                (StepKind::Decode | StepKind::Sample, "next_tokens") => {
+                    first_bytes(decode_next, spec.rows * 4, name)?
+                }
+                (StepKind::Decode, "logits") => {
+                    first_bytes(decode_logits, spec.rows * vocab * 4, name)?
+                }
+                (StepKind::Prefill, "next_tokens") => {
+                    first_bytes(prefill_next, spec.seqs * 4, name)?
+                }
+                (StepKind::Prefill, "logits") => {
+                    first_bytes(prefill_logits, spec.rows * vocab * 4, name)?
+                }
+                (_, other) => {
+                    return Err(Error::Binding {
+                        name: other.to_string(),
+                        msg: format!("graph `{name}`: unexpected output"),
+                    })
+                }
+            };
+            let neff_name = &names.outputs[k];
+            check_size(name, "output", neff_name, out_sizes.get(neff_name), &t)?;
+            outputs.add(neff_name, &t).map_err(dev(name))?;
+        }
+        self.graphs.insert(
+            (*kind, spec.rows, spec.seqs, spec.ctx),
+            Loaded {
+                name: name.to_string(),
+                moe: spec.moe,
+                model,
+                names,
+                inputs,
+                outputs,
+                ctx_index,
             },
-            uploaded,
-        ))
+        );
+        Ok(())
     }
 }
 
@@ -899,6 +1160,7 @@ impl DeviceRunner {
                 .collect::<Result<Vec<_>>>()?,
         };
         let layout = runner_cfg.cache_layout();
+        let live = LiveBuckets::none(&runner_cfg.buckets);
         Ok(DeviceRunner {
             specs: weights[0].specs().clone(),
             cfg,
@@ -913,6 +1175,8 @@ impl DeviceRunner {
             staging: step::StepArrays::default(),
             mask_scratch: Vec::new(),
             followers: None,
+            live,
+            background: None,
         })
     }
 
@@ -1024,8 +1288,10 @@ impl DeviceRunner {
         out
     }
 
-    /// Builds, lowers, compiles and loads every bucket's graph, uploads the weights and
-    /// allocates every persistent tensor.
+    /// Builds and lowers every bucket's graph, uploads the weights, allocates every persistent
+    /// tensor, and compiles and loads the buckets: all of them, or with
+    /// [`DeviceOptions::background_compile`] the first ones, leaving the rest to a compile
+    /// thread ([`Background`]).
     fn capture_buckets(&mut self) -> Result<()> {
         let t0 = Instant::now();
         let specs = self.specs_largest_first();
@@ -1061,41 +1327,227 @@ impl DeviceRunner {
             timings.push(t.elapsed());
             graphs.push((*kind, *spec, g));
         }
-        let compiled = compile_all(self.opts.neff.compiler(), &jobs)?;
-        // Each graph's NEFF, borrowed: a sampling graph's is shared by its context buckets.
-        let neffs: Vec<&[u8]> = graphs
+        // Which graphs load now: all, or the first buckets' (a decode bucket's sampling graph
+        // joins with it).
+        let buckets = self.runner_cfg.buckets.clone();
+        let first = LiveBuckets::first(&buckets);
+        let now: Vec<bool> = graphs
             .iter()
-            .map(|(_, _, g)| {
-                let at = jobs.iter().position(|j| j.name == g.name());
-                at.map(|i| compiled[i].neff.as_slice())
+            .map(|(kind, spec, _)| {
+                !self.opts.background_compile || first.contains(&bucket_of(*kind, spec))
+            })
+            .collect();
+        let now_jobs: Vec<CompileJob> = jobs
+            .iter()
+            .filter(|j| {
+                graphs
+                    .iter()
+                    .zip(&now)
+                    .any(|((_, _, g), &n)| n && g.name() == j.name)
+            })
+            .cloned()
+            .collect();
+        let compiled = compile_all(self.opts.neff.compiler(), &now_jobs)?;
+        // Each graph's NEFF, borrowed: a sampling graph's is shared by its context buckets.
+        let neff_of = |name: &str| {
+            now_jobs
+                .iter()
+                .position(|j| j.name == name)
+                .and_then(|i| compiled.get(i))
+                .map(|c| c.neff.as_slice())
+        };
+        let neffs: Vec<(usize, &[u8])> = graphs
+            .iter()
+            .enumerate()
+            .filter(|(i, _)| now[*i])
+            .map(|(i, (_, _, g))| {
+                neff_of(g.name())
+                    .map(|n| (i, n))
                     .ok_or_else(|| Error::Internal(format!("no NEFF for `{}`", g.name())))
             })
             .collect::<Result<_>>()?;
         progress.update(
             graphs.len(),
-            &format!("loading {} models, uploading weights", graphs.len()),
+            &format!("loading {} models, uploading weights", neffs.len()),
         );
         let loaded = self.load_every_rank(&graphs, &neffs);
         drop(progress);
         let loaded = loaded?;
         let uploaded = loaded.iter().map(|(_, n)| n).sum();
         let mut states = loaded.into_iter().map(|(r, _)| r);
-        let first = states
+        let first_rank = states
             .next()
             .ok_or_else(|| Error::Internal("a capture with no rank".into()))?;
         let others = RankWorkers::start(states.collect())?;
-        self.state = Some(Captured { first, others });
+        self.state = Some(Captured {
+            first: first_rank,
+            others,
+        });
         self.stats = Some(CaptureStats {
-            graphs: graphs
+            graphs: neffs
                 .iter()
-                .zip(&timings)
-                .zip(&neffs)
-                .map(|(((_, _, g), t), n)| (g.name().to_string(), *t, n.len()))
+                .filter_map(|&(i, n)| {
+                    let t = timings.get(i)?;
+                    graphs
+                        .get(i)
+                        .map(|(_, _, g)| (g.name().to_string(), *t, n.len()))
+                })
                 .collect(),
             total: t0.elapsed(),
             bytes_uploaded: uploaded,
         });
+        if !self.opts.background_compile {
+            self.live = LiveBuckets::complete(&buckets);
+            return Ok(());
+        }
+        let mut live = LiveBuckets::none(&buckets);
+        first.iter().for_each(|k| live.join(*k));
+        self.live = live;
+        // The rest, bucket by bucket in the order they are to join, each with its graphs.
+        let mut units: Vec<PendingBucket> = LiveBuckets::background_order(&buckets)
+            .into_iter()
+            .map(|key| PendingBucket {
+                key,
+                graphs: Vec::new(),
+            })
+            .collect();
+        for ((kind, spec, g), t) in graphs.into_iter().zip(timings) {
+            let key = bucket_of(kind, &spec);
+            if let Some(u) = units.iter_mut().find(|u| u.key == key) {
+                u.graphs.push((kind, spec, g, t));
+            }
+        }
+        // The NEFFs the pending buckets need that were compiled already (a sampling graph's),
+        // and the jobs left, in joining order.
+        let mut ready = HashMap::new();
+        let mut rest: Vec<CompileJob> = Vec::new();
+        for (_, _, g, _) in units.iter().flat_map(|u| &u.graphs) {
+            let name = g.name();
+            if let Some(n) = neff_of(name) {
+                ready
+                    .entry(name.to_string())
+                    .or_insert_with(|| Ok(Arc::new(n.to_vec())));
+            } else if !rest.iter().any(|j| j.name == name) {
+                if let Some(j) = jobs.iter().find(|j| j.name == name) {
+                    rest.push(j.clone());
+                }
+            }
+        }
+        tracing::info!(
+            "serving on {} and {} after {:.1} s; {} more buckets ({} graphs to compile) join \
+             as they are compiled",
+            first[0],
+            first[1],
+            t0.elapsed().as_secs_f64(),
+            units.len(),
+            rest.len()
+        );
+        self.background = Some(Background::start(
+            self.opts.neff.compiler(),
+            rest,
+            units,
+            ready,
+            t0,
+        )?);
         Ok(())
+    }
+
+    /// Loads the pending buckets whose NEFFs are ready on every local rank (between steps: the
+    /// caller owns the runner), marks them live, and drops what the compile thread is done
+    /// with. A bucket whose compile or load failed is recorded as failed and stays absent.
+    fn join_ready(&mut self) -> Vec<BucketEvent> {
+        let Some(bg) = self.background.as_mut() else {
+            return Vec::new();
+        };
+        let ready = bg.take_ready();
+        let started = bg.started;
+        let finished = bg.units.is_empty();
+        let mut events = Vec::new();
+        for (unit, neffs) in ready {
+            let key = unit.key;
+            let loaded = neffs.and_then(|neffs| {
+                let names: Vec<String> = unit.graphs.iter().map(|g| g.2.name().into()).collect();
+                let sizes: Vec<usize> = neffs.iter().map(|n| n.len()).collect();
+                let joining: Vec<JoiningGraph> = unit
+                    .graphs
+                    .iter()
+                    .zip(neffs)
+                    .map(|((kind, spec, graph, _), neff)| JoiningGraph {
+                        kind: *kind,
+                        spec: *spec,
+                        graph: graph.clone(),
+                        neff,
+                    })
+                    .collect();
+                self.load_joining(joining).map_err(|e| e.to_string())?;
+                Ok(names.into_iter().zip(sizes).collect::<Vec<_>>())
+            });
+            match loaded {
+                Ok(names) => {
+                    self.live.join(key);
+                    if let Some(stats) = self.stats.as_mut() {
+                        for ((name, size), (_, _, _, t)) in names.into_iter().zip(&unit.graphs) {
+                            stats.graphs.push((name, *t, size));
+                        }
+                    }
+                    tracing::info!(
+                        "bucket {key} joined, {:.1} s after capture began ({} still to join)",
+                        started.elapsed().as_secs_f64(),
+                        self.live.pending().len()
+                    );
+                    events.push(BucketEvent::Joined(key));
+                }
+                Err(why) => {
+                    tracing::error!(
+                        "bucket {key} failed to compile or load and stays absent (the server \
+                         goes on without it): {why}"
+                    );
+                    self.live.fail(key, why.clone());
+                    events.push(BucketEvent::Failed(key, why));
+                }
+            }
+        }
+        if finished {
+            if let Some(bg) = self.background.take() {
+                tracing::info!(
+                    "every bucket compiled {:.1} s after capture began ({} failed)",
+                    bg.started.elapsed().as_secs_f64(),
+                    self.live.failed().len()
+                );
+            }
+        }
+        events
+    }
+
+    /// Loads a joining bucket's graphs on every local rank at once (the others on their
+    /// workers, as `nrt_load_collectives` needs); on any rank's failure unloads them from
+    /// every rank, so no rank runs a bucket another lacks.
+    fn load_joining(&mut self, graphs: Vec<JoiningGraph>) -> Result<()> {
+        let st = self.state.as_mut().ok_or_else(not_captured)?;
+        let graphs = Arc::new(graphs);
+        st.others.post_task(Task::Load(Arc::clone(&graphs)));
+        let mine = graphs.iter().try_for_each(|j| {
+            st.first
+                .load_graph(j.kind, &j.spec, &j.graph, &j.neff)
+                .map_err(|e| on_rank(e, self.span.first, self.opts.nc))
+        });
+        let theirs = st.others.wait();
+        if mine.is_ok() && theirs.is_empty() {
+            return Ok(());
+        }
+        let keys: Vec<GraphKey> = graphs
+            .iter()
+            .map(|j| (j.kind, j.spec.rows, j.spec.seqs, j.spec.ctx))
+            .collect();
+        keys.iter().for_each(|k| drop(st.first.graphs.remove(k)));
+        st.others.post_task(Task::Forget(Arc::new(keys)));
+        st.others.wait();
+        match mine {
+            Err(e) => Err(e),
+            Ok(()) => Err(theirs.into_iter().next().unwrap_or_else(|| {
+                Error::Internal("a rank failed to load a bucket without an error".into())
+            })),
+        }
     }
 
     /// Runs [`Self::allocate_and_load`] for every local rank at once, each on its own thread.
@@ -1111,7 +1563,7 @@ impl DeviceRunner {
     fn load_every_rank(
         &self,
         graphs: &[(StepKind, GraphSpec, Graph)],
-        neffs: &[&[u8]],
+        neffs: &[(usize, &[u8])],
     ) -> Result<Vec<(RankState, u64)>> {
         // What the loading threads share: the runner's configuration, not the runner (whose
         // captured state is not `Sync`).
@@ -1137,7 +1589,7 @@ impl DeviceRunner {
                             // A bar per rank: weights uploaded, then each model loaded.
                             let progress = Progress::start(
                                 &format!("rank {rank} (NeuronCore {nc}): loading"),
-                                graphs.len(),
+                                neffs.len(),
                             );
                             progress.update(0, "uploading weights");
                             let r = loader
@@ -1147,7 +1599,7 @@ impl DeviceRunner {
                                 tracing::debug!(
                                     "rank {rank} (NeuronCore {nc}): {} models loaded, {:.2} GB \
                                      uploaded in {:.1} s",
-                                    graphs.len(),
+                                    neffs.len(),
                                     *bytes as f64 / 1e9,
                                     t.elapsed().as_secs_f64()
                                 );
@@ -1193,6 +1645,8 @@ impl DeviceRunner {
     fn release(&mut self) -> Result<()> {
         // The followers end with the leader's capture (dropping them says goodbye).
         self.followers = None;
+        self.background = None;
+        self.live = LiveBuckets::none(&self.runner_cfg.buckets);
         if let Some(state) = self.state.take() {
             drop(state);
             if let Some(e) = self.rt.take_deferred_errors().into_iter().next() {
@@ -1437,10 +1891,7 @@ impl DeviceRunner {
         logits: LogitsOutput,
     ) -> Result<StepOutput> {
         self.captured()?;
-        let (t, seqs, ctx) = self
-            .runner_cfg
-            .buckets
-            .prefill_bucket(chunks, self.cfg.vocab_size)?;
+        let (t, seqs, ctx) = self.live.prefill_bucket(chunks, self.cfg.vocab_size)?;
         if self.opts.metadata == MetadataSource::Host {
             self.staging.fill_prefill(
                 chunks,
@@ -1476,10 +1927,7 @@ impl DeviceRunner {
         logits: LogitsOutput,
     ) -> Result<StepOutput> {
         self.captured()?;
-        let (batch, ctx) = self
-            .runner_cfg
-            .buckets
-            .decode_bucket(rows, self.cfg.vocab_size)?;
+        let (batch, ctx) = self.live.decode_bucket(rows, self.cfg.vocab_size)?;
         if self.opts.metadata == MetadataSource::Host {
             self.staging.fill_decode(
                 rows,
@@ -1516,7 +1964,7 @@ impl DeviceRunner {
     ) -> Result<StepOutput> {
         self.captured()?;
         let vocab = self.cfg.vocab_size;
-        let (batch, ctx) = self.runner_cfg.buckets.decode_bucket(rows, vocab)?;
+        let (batch, ctx) = self.live.decode_bucket(rows, vocab)?;
         if let Some(&i) = masks.rows.iter().find(|&&i| i >= rows.len()) {
             return Err(Error::InvalidInput(format!(
                 "a late mask for row {i} of a step of {} rows",
@@ -1627,6 +2075,13 @@ impl DeviceRunner {
     /// metadata ([`MetadataSource::Host`]: the followers receive it from here).
     pub fn attach_followers(&mut self, followers: Followers) -> Result<()> {
         self.captured()?;
+        if self.background.is_some() {
+            return Err(Error::InvalidInput(
+                "a leader compiles every bucket before serving: its followers cannot join a \
+                 bucket between two steps (turn background compiling off)"
+                    .into(),
+            ));
+        }
         if self.opts.metadata != MetadataSource::Host {
             return Err(Error::InvalidInput(
                 "followers need the step metadata on the host (MetadataSource::Host)".into(),
@@ -1786,6 +2241,14 @@ impl Runner for DeviceRunner {
 
     fn destroy(&mut self) -> Result<()> {
         self.release()
+    }
+
+    fn live_buckets(&self) -> Option<&LiveBuckets> {
+        Some(&self.live)
+    }
+
+    fn join_buckets(&mut self) -> Vec<BucketEvent> {
+        self.join_ready()
     }
 }
 

@@ -45,6 +45,7 @@ mod cpu;
 mod decode_costs;
 pub mod device;
 pub mod instances;
+mod live;
 mod open;
 pub mod step;
 
@@ -56,6 +57,7 @@ pub use buckets::{Buckets, RunnerConfig, CTX_BUCKET_RATIO, DEFAULT_PREFILL_SEQS,
 pub use cpu::CpuRunner;
 pub use decode_costs::DecodeCosts;
 pub use device::{CaptureStats, DeviceOptions, DeviceRunner, MetadataSource, NeffSource};
+pub use live::{BucketKey, BucketKind, LiveBuckets};
 pub use open::{
     choose_backend, device_plan, device_plan_options, find_sim_library, open, open_with_weights,
     sim_compiler, sim_compiler_config, sim_compiler_config_from_env, sim_library_beside_exe,
@@ -203,6 +205,15 @@ pub fn replay_after_masks<R: Runner + ?Sized>(
     })
 }
 
+/// What changed in a runner's live buckets ([`Runner::join_buckets`]).
+#[derive(Debug, Clone, PartialEq)]
+pub enum BucketEvent {
+    /// The bucket was compiled and loaded: steps run on it from now on.
+    Joined(BucketKey),
+    /// The bucket's compile or load failed (why): it stays absent, steps run on the others.
+    Failed(BucketKey, String),
+}
+
 /// The graph runner contract (see the module docs). The engine drives it; every backend
 /// implements it.
 pub trait Runner {
@@ -239,6 +250,19 @@ pub trait Runner {
     ) -> Result<StepOutput> {
         replay_after_masks(self, rows, logits, masks)
     }
+    /// Which buckets steps can run on now, for a runner that captures some of them after it
+    /// starts serving (a device runner compiling in the background,
+    /// [`DeviceOptions::background_compile`]); `None` when every bucket of
+    /// [`Runner::runner_config`] always is. The scheduler forms only steps these hold.
+    fn live_buckets(&self) -> Option<&LiveBuckets> {
+        None
+    }
+    /// Loads the buckets compiled since the last call, between two steps (the engine calls it
+    /// before each iteration, and while idle), and says which joined or failed; nothing for a
+    /// runner that captured every bucket.
+    fn join_buckets(&mut self) -> Vec<BucketEvent> {
+        Vec::new()
+    }
 }
 
 impl<R: Runner + ?Sized> Runner for Box<R> {
@@ -270,5 +294,11 @@ impl<R: Runner + ?Sized> Runner for Box<R> {
         masks: LateMasks<'_>,
     ) -> Result<StepOutput> {
         (**self).replay_with_masks(rows, logits, masks)
+    }
+    fn live_buckets(&self) -> Option<&LiveBuckets> {
+        (**self).live_buckets()
+    }
+    fn join_buckets(&mut self) -> Vec<BucketEvent> {
+        (**self).join_buckets()
     }
 }

@@ -82,6 +82,11 @@ pub struct Limits {
     /// graphs, so constrained rows' masks are computed while the forward pass runs
     /// ([`DeviceOptions::split_sampler`]). The CPU backend ignores it.
     pub split_sampler: bool,
+    /// Capture returns once the first buckets are loaded and the rest compile in the
+    /// background ([`DeviceOptions::background_compile`]; `deepinfer serve`'s default). Only
+    /// where this process runs every rank with no followers; otherwise, and on the CPU, every
+    /// bucket is captured first.
+    pub background_compile: bool,
 }
 
 impl Limits {
@@ -102,6 +107,7 @@ impl Limits {
             followers: Vec::new(),
             instance_secret: None,
             split_sampler: false,
+            background_compile: false,
         }
     }
 
@@ -275,6 +281,8 @@ pub(crate) fn prepare_device(
     let mut opts = device_options(backend, limits.compiler_config())?;
     opts.ranks = limits.ranks;
     opts.split_sampler = limits.split_sampler;
+    opts.background_compile =
+        limits.background_compile && limits.ranks.is_none() && limits.followers.is_empty();
     let lib = device_library(backend)?;
     DeviceRunner::new(cfg, weights, runner_cfg, lib, opts)
 }

@@ -101,7 +101,8 @@ pub(crate) struct LowerArgs {
     /// neuronx-cc's `--target`.
     #[arg(long, default_value = "trn1")]
     neuron_target: String,
-    /// Compiler processes run at once (default: one per 8 CPUs). With --check, the jobs the
+    /// Compiler processes run at once (default: one per 8 CPUs, as many as the free memory
+    /// holds at one compile's measured or guessed peak). With --check, the jobs the
     /// compile-time estimate assumes (default 1: a trn1.2xlarge has 8 vCPUs).
     #[arg(long)]
     compile_jobs: Option<usize>,

@@ -255,6 +255,16 @@ fn announce_capture(backend: Backend, dir: &Path, limits: &Limits) -> Result<()>
         list(&b.ctx),
         b.prefill_seqs,
     );
+    if limits.background_compile && limits.ranks.is_none() && limits.followers.is_empty() {
+        eprintln!(
+            "deepinfer: serving starts once 2 buckets are loaded (decode batch {} and prefill \
+             chunk {} at context {}); the rest compile in the background and join as they \
+             load (--compile-all-first to wait for all)",
+            b.batch.first().copied().unwrap_or(1),
+            b.prefill_chunk,
+            b.max_len()
+        );
+    }
     Ok(())
 }
 

@@ -127,6 +127,13 @@ pub(crate) struct ServeArgs {
     #[arg(long, default_value_t = deepinfer::engine::DEFAULT_STALL_TIMEOUT.as_secs(),
           value_parser = clap::value_parser!(u64).range(1..))]
     stall_timeout_secs: u64,
+    /// On a device, compile and load every bucket before serving. By default the server
+    /// answers once the smallest decode batch and the largest prefill chunk (at the longest
+    /// context) are loaded, and the other buckets join as they are compiled in the background
+    /// (`/metrics`' `deepinfer_live_buckets` and the log say which are live; requests wait for
+    /// a batch slot meanwhile). Always on with --followers or --ranks.
+    #[arg(long)]
+    compile_all_first: bool,
 }
 
 /// `--fair-decode-slowdown`: a finite number of at least 1.
@@ -187,6 +194,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         hbm_utilization: args.hbm_utilization,
         prefill_chunk: Some(args.prefill_chunk),
         prefill_seqs: Some(args.max_prefill_seqs),
+        background_compile: !args.compile_all_first,
         ..Limits::new(args.max_batch, args.max_len.unwrap_or(2048))
     })?;
     // Checked here, so a bad flag fails before the model loads.

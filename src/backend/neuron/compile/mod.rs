@@ -56,6 +56,7 @@
 //! compiler's path or mtime: the version says what matters and survives reinstalls to new paths.
 
 mod cache;
+pub mod jobs;
 mod process;
 
 use std::collections::{BTreeMap, HashMap};
@@ -115,7 +116,8 @@ pub struct CompilerConfig {
     /// part of the cache key, in order.
     pub flags: Vec<String>,
     /// At most this many compiler processes run at once (0 is treated as 1). The default is one
-    /// per 8 CPUs: each neuronx-cc is itself multi-threaded and needs several GB of memory.
+    /// per 8 CPUs (each neuronx-cc is itself multi-threaded), and no more than the available
+    /// memory holds at the measured (else guessed) peak of one compile ([`jobs::default_jobs`]).
     pub jobs: usize,
     /// Each compiler process is killed after this long (default [`DEFAULT_TIMEOUT`]).
     pub timeout: Duration,
@@ -128,14 +130,14 @@ pub struct CompilerConfig {
 
 impl Default for CompilerConfig {
     fn default() -> Self {
-        let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let cache_dir = Self::default_cache_dir();
         Self {
             program: PathBuf::from("neuronx-cc"),
             target: "trn1".to_string(),
             flags: DEFAULT_FLAGS.iter().map(|f| f.to_string()).collect(),
-            jobs: (cpus / 8).max(1),
+            jobs: jobs::default_jobs(&cache_dir),
             timeout: DEFAULT_TIMEOUT,
-            cache_dir: Self::default_cache_dir(),
+            cache_dir,
             progress: true,
         }
     }
@@ -316,6 +318,60 @@ pub fn compile_all(
     if jobs.is_empty() {
         return Ok(Vec::new());
     }
+    let results: Mutex<Vec<Option<Result<CompiledNeff, CompileError>>>> =
+        Mutex::new((0..jobs.len()).map(|_| None).collect());
+    let failed = AtomicBool::new(false);
+    run_jobs(cfg, jobs, &failed, true, &|i, result| {
+        lock(&results)[i] = Some(result);
+    })?;
+    let results = results.into_inner().unwrap_or_else(PoisonError::into_inner);
+    // Jobs are taken in index order, so every job before the first failure has a result.
+    results
+        .into_iter()
+        .map_while(|r| r)
+        .collect::<Result<Vec<_>, _>>()
+}
+
+/// Compiles every job (or takes it from the cache), handing each result to `done` (with the
+/// job's index) as soon as it is ready, in whatever order they finish: what a background
+/// capture needs, where each bucket joins as soon as its own NEFF is there. Unlike
+/// [`compile_all`], a failure does not stop the other jobs; `cancel` does (set it and no new
+/// compile starts; those running finish). When the compiler cannot even be set up (no
+/// version, no cache directory), every job gets that error.
+pub fn compile_each(
+    cfg: &CompilerConfig,
+    jobs: &[CompileJob],
+    cancel: &AtomicBool,
+    done: &(dyn Fn(usize, Result<CompiledNeff, CompileError>) + Sync),
+) {
+    if let Err(e) = run_jobs(cfg, jobs, cancel, false, done) {
+        let msg = e.to_string();
+        for (i, job) in jobs.iter().enumerate() {
+            done(
+                i,
+                Err(CompileError::InvalidConfig {
+                    graphs: job.name.clone(),
+                    msg: msg.clone(),
+                }),
+            );
+        }
+    }
+}
+
+/// The workers of [`compile_all`] and [`compile_each`]: checks the configuration, finds the
+/// compiler's version and the cache, then runs at most `cfg.jobs` compiles at once, handing each
+/// result to `done`, until the jobs run out or `stop` is set (by the caller, or with
+/// `stop_on_failure` by the first failure). An error only when nothing could start.
+fn run_jobs(
+    cfg: &CompilerConfig,
+    jobs: &[CompileJob],
+    stop: &AtomicBool,
+    stop_on_failure: bool,
+    done: &(dyn Fn(usize, Result<CompiledNeff, CompileError>) + Sync),
+) -> Result<(), CompileError> {
+    if jobs.is_empty() {
+        return Ok(());
+    }
     let graphs = graph_list(jobs);
     cfg.check(&graphs)?;
     let version = version_for(cfg, &graphs)?;
@@ -343,35 +399,26 @@ pub fn compile_all(
         done: AtomicUsize::new(0),
     };
     let next = AtomicUsize::new(0);
-    let failed = AtomicBool::new(false);
-    let results: Mutex<Vec<Option<Result<CompiledNeff, CompileError>>>> =
-        Mutex::new((0..jobs.len()).map(|_| None).collect());
     let workers = cfg.jobs.max(1).min(jobs.len());
     std::thread::scope(|s| {
         for _ in 0..workers {
             s.spawn(|| {
-                while !failed.load(Ordering::SeqCst) {
+                while !stop.load(Ordering::SeqCst) {
                     let i = next.fetch_add(1, Ordering::SeqCst);
                     let Some(job) = jobs.get(i) else { break };
                     ctx.started(i, &job.name);
                     let result = ctx.compile_one(job);
-                    if result.is_err() {
-                        failed.store(true, Ordering::SeqCst);
+                    if result.is_err() && stop_on_failure {
+                        stop.store(true, Ordering::SeqCst);
                     }
-                    lock(&results)[i] = Some(result);
+                    done(i, result);
                     ctx.finished(i);
                 }
             });
         }
     });
     drop(ctx); // ends the progress span
-
-    let results = results.into_inner().unwrap_or_else(PoisonError::into_inner);
-    // Jobs are taken in index order, so every job before the first failure has a result.
-    results
-        .into_iter()
-        .map_while(|r| r)
-        .collect::<Result<Vec<_>, _>>()
+    Ok(())
 }
 
 /// What the workers share.

@@ -151,6 +151,8 @@ pub(super) fn run_compiler(
     drop(cmd); // closes our copies of the log file handles
     let status = wait_or_kill(&mut child, cfg.timeout)
         .map_err(|e| io("wait for the compiler of", &workdir, e))?;
+    // What this compile (or an earlier, larger one) took, for how many run at once next time.
+    super::jobs::record_peak(&cfg.cache_dir);
     let tail = || output_tail(&log, &workdir.join("log-neuron-cc.txt"));
     let Some(status) = status else {
         return Err(CompileError::Timeout {
