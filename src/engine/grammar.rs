@@ -41,8 +41,9 @@
 //! # JSON defaults: no extra properties, compact whitespace
 //!
 //! Where a schema leaves something open, the output is held to less than JSON Schema allows,
-//! as OpenAI's strict mode and xgrammar (vLLM's default engine) hold it; the server's flags
-//! restore JSON Schema's reading ([`JsonOptions`], `docs/structured-outputs-defaults.md`):
+//! as OpenAI's strict mode holds it (and, for properties, xgrammar, vLLM's default engine, and
+//! outlines); the server's flags restore JSON Schema's reading ([`JsonOptions`],
+//! `docs/structured-outputs-defaults.md`):
 //!
 //! - An object schema that lists `properties` (or `patternProperties`) and says nothing of
 //!   `additionalProperties` admits no other keys ([`JsonOptions::additional_properties`]
