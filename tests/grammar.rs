@@ -16,7 +16,8 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 use deepinfer::engine::grammar::{
-    Constraint, GrammarCacheStats, GrammarCompiler, GrammarError, ResponseFormat,
+    Constraint, GrammarCacheStats, GrammarCompiler, GrammarError, JsonOptions, JsonWhitespace,
+    ResponseFormat,
 };
 use deepinfer::error::ErrorKind;
 use deepinfer::tokenizer::Tokenizer;
@@ -204,6 +205,15 @@ const CASES: &str = r##"[
   }
 ]"##;
 
+/// JSON Schema's own reading, which Python's `jsonschema` checks the walks' documents against:
+/// objects open to other keys where the schema does not close them, and whitespace allowed
+/// (bounded) so pretty-printed documents walk too. The server's defaults (closed objects,
+/// compact JSON) are checked by the unit tests in `src/engine/grammar.rs`.
+const JSON_SCHEMA_READING: JsonOptions = JsonOptions {
+    additional_properties: true,
+    whitespace: JsonWhitespace::Flexible,
+};
+
 /// Why a walk stopped early: the step and the disallowed token (EOS at the end counts).
 #[derive(Debug)]
 struct Refused {
@@ -220,7 +230,10 @@ fn walk(
     text: &str,
 ) -> Result<(), Refused> {
     let eos = compiler.eos_token_id();
-    let mut constraint = compiler.matcher(format).unwrap().unwrap();
+    let mut constraint = compiler
+        .matcher_with(format, &JSON_SCHEMA_READING)
+        .unwrap()
+        .unwrap();
     let mut words = vec![0u32; compiler.mask_words()];
     let tokens = tokenizer.encode(text, false).unwrap();
     for (step, &token) in tokens.iter().enumerate() {
@@ -514,7 +527,11 @@ fn walk_schemas() -> Vec<WalkSchema> {
                 (1..=4).contains(&a.len())
                     && a.iter().all(|o| {
                         let o = o.as_object().unwrap();
-                        o.len() == 2 && o["id"].is_i64() && o["ok"].is_boolean()
+                        // An unbounded integer may pass i64 (serde_json reads it as an f64).
+                        let integer = |v: &Value| {
+                            v.is_i64() || v.is_u64() || v.as_f64().is_some_and(|f| f.fract() == 0.0)
+                        };
+                        o.len() == 2 && integer(&o["id"]) && o["ok"].is_boolean()
                     })
             },
         ),
@@ -616,8 +633,11 @@ fn schema_errors_name_the_problem() {
             json!({"oneOf": [{"type": "integer"}, {"type": "number"}]}),
             "oneOf",
         ),
+        // Open to other keys (explicitly: by default an object is closed, and llguidance
+        // supports minProperties 1 over optional keys of a closed object).
         (
-            json!({"type": "object", "properties": {"a": {}}, "minProperties": 1}),
+            json!({"type": "object", "properties": {"a": {}}, "minProperties": 1,
+                   "additionalProperties": true}),
             "maxProperties",
         ),
     ];

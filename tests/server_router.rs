@@ -163,6 +163,7 @@ fn start(limits: Limits, max_waiting: usize, api_key: Option<&str>) -> Server {
         max_body_bytes: MAX_BODY,
         drain_timeout: Duration::from_secs(1),
         tool_call_format: None,
+        json: Default::default(),
     };
     let state = Arc::new(AppState::new(config, engine.clone(), Some(tokenizer)));
     Server {

@@ -38,13 +38,26 @@
 //! string calls for it. Token ids the tokenizer does not know (a model whose embedding is wider
 //! than its tokenizer) are never allowed.
 //!
-//! # JSON whitespace
+//! # JSON defaults: no extra properties, compact whitespace
 //!
-//! llguidance allows any run of JSON whitespace between tokens by default; a small model can
-//! loop on newlines until `max_tokens`. Unless the schema sets llguidance's own options (a
-//! top-level `"x-guidance"` object, honoured as given), each run is bounded by
-//! [`DEFAULT_WHITESPACE_PATTERN`]. No whitespace is allowed before the first `{` or after the
-//! last `}`. Object properties are generated in the order the schema lists them.
+//! Where a schema leaves something open, the output is held to less than JSON Schema allows,
+//! as OpenAI's strict mode holds it (and, for properties, xgrammar, vLLM's default engine, and
+//! outlines); the server's flags restore JSON Schema's reading ([`JsonOptions`],
+//! `docs/structured-outputs-defaults.md`):
+//!
+//! - An object schema that lists `properties` (or `patternProperties`) and says nothing of
+//!   `additionalProperties` admits no other keys ([`JsonOptions::additional_properties`]
+//!   false): otherwise a model may add keys until `max_tokens`, as the default model did.
+//!   Properties come in the order the schema lists them, the required ones always, the
+//!   optional ones or not (llguidance's order; xgrammar's too).
+//! - No whitespace between JSON tokens ([`JsonWhitespace::Compact`]: `{"a":1,"b":[2,3]}`, the
+//!   way OpenAI's structured outputs and tool arguments come), or, flexible, a bounded run
+//!   at each place JSON allows one ([`FLEXIBLE_WHITESPACE_PATTERN`]): llguidance's own default,
+//!   any run, let a small model loop on newlines until `max_tokens`. None before the first
+//!   token or after the last either way.
+//!
+//! A schema that sets llguidance's options itself (a top-level `"x-guidance"` object) keeps
+//! them as given, whitespace included.
 //!
 //! # What callers must know
 //!
@@ -96,12 +109,124 @@ use serde_json::{json, Map, Value};
 use crate::error::ErrorKind;
 use crate::tokenizer::Tokenizer;
 
-/// The whitespace llguidance allows at each place JSON allows whitespace, unless the schema
-/// says otherwise (`"x-guidance"`): at most one line break and 12 spaces or tabs after it,
-/// enough for documents pretty-printed three levels deep, and bounded so a model cannot loop
-/// on blank lines until `max_tokens` (a run of 32 newlines per place, the first bound tried,
-/// let the default model fill 200 tokens with a three-key object).
-pub const DEFAULT_WHITESPACE_PATTERN: &str = r"[\x20\x09]{1,12}|\x0A[\x20\x09]{0,12}";
+/// The whitespace flexible JSON ([`JsonWhitespace::Flexible`]) allows at each place JSON
+/// allows whitespace: at most one line break and 12 spaces or tabs after it, enough for
+/// documents pretty-printed three levels deep, and bounded so a model cannot loop on blank
+/// lines until `max_tokens` (a run of 32 newlines per place, the first bound tried, let the
+/// default model fill 200 tokens with a three-key object).
+pub const FLEXIBLE_WHITESPACE_PATTERN: &str = r"[\x20\x09]{1,12}|\x0A[\x20\x09]{0,12}";
+
+/// Whitespace between JSON tokens (`--json-whitespace`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum JsonWhitespace {
+    /// None at all: `{"a":1,"b":[2,3]}`, as OpenAI writes structured outputs and tool
+    /// arguments. The default: whitespace is what an untrained model spends tokens on, and
+    /// programs read these documents.
+    #[default]
+    Compact,
+    /// A bounded run ([`FLEXIBLE_WHITESPACE_PATTERN`]) wherever JSON allows whitespace, for
+    /// a model that writes pretty-printed JSON and does worse when kept from it.
+    Flexible,
+}
+
+/// How JSON schemas are read where they leave the output open (see "JSON defaults" in the
+/// module docs): the server's `--schema-allow-additional-properties` and `--json-whitespace`.
+/// The default is OpenAI strict mode's reading.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct JsonOptions {
+    /// Whether an object schema listing `properties` but not `additionalProperties` admits
+    /// other keys, as JSON Schema reads it (`true`), or not (`false`, the default, as
+    /// xgrammar, outlines and OpenAI's strict mode read it).
+    pub additional_properties: bool,
+    /// Whitespace between JSON tokens.
+    pub whitespace: JsonWhitespace,
+}
+
+impl JsonOptions {
+    /// `schema` as the grammar compiles it under these options: closed objects (unless
+    /// [`JsonOptions::additional_properties`]) and llguidance's whitespace options (unless
+    /// the schema sets its own `"x-guidance"`).
+    ///
+    /// Closing an object adds `"additionalProperties": false` where the schema has
+    /// `properties` or `patternProperties`, no `additionalProperties` or
+    /// `unevaluatedProperties`, and stands alone: not a branch of `allOf` (whose branches'
+    /// properties add up, so closing each would forbid the others'), not itself combined
+    /// with `allOf`, `anyOf`, `oneOf` or `$ref`, and not a branch of an `anyOf` or `oneOf`
+    /// whose owner lists properties of its own. Those keep JSON Schema's reading; every
+    /// subschema below them is still closed. Nothing under `not`, `if`, `then`, `else`,
+    /// `const`, `enum` or annotations is touched.
+    pub fn apply(&self, mut schema: Value) -> Value {
+        if !self.additional_properties {
+            close_objects(&mut schema, true);
+        }
+        if let Value::Object(object) = &mut schema {
+            if !object.contains_key("x-guidance") {
+                let options = match self.whitespace {
+                    // llguidance's separators are `,` and `:` by default.
+                    JsonWhitespace::Compact => json!({"whitespace_flexible": false}),
+                    JsonWhitespace::Flexible => {
+                        json!({"whitespace_pattern": FLEXIBLE_WHITESPACE_PATTERN})
+                    }
+                };
+                object.insert("x-guidance".into(), options);
+            }
+        }
+        schema
+    }
+}
+
+/// Adds `"additionalProperties": false` to the object schemas of `schema` that stand alone
+/// (see [`JsonOptions::apply`]); `closable` is false for a branch whose owner combines it
+/// with other properties.
+fn close_objects(schema: &mut Value, closable: bool) {
+    let Value::Object(object) = schema else {
+        return;
+    };
+    let lists = object.contains_key("properties") || object.contains_key("patternProperties");
+    let open = !object.contains_key("additionalProperties")
+        && !object.contains_key("unevaluatedProperties");
+    let combined = ["allOf", "anyOf", "oneOf", "$ref"]
+        .iter()
+        .any(|k| object.contains_key(*k));
+    // Whether this schema says something of its own keys, which its anyOf/oneOf branches'
+    // keys combine with.
+    let owns_keys = lists || !open;
+    for (key, value) in object.iter_mut() {
+        match key.as_str() {
+            // Maps of subschemas.
+            "properties" | "patternProperties" | "$defs" | "definitions" => {
+                if let Value::Object(map) = value {
+                    map.values_mut().for_each(|s| close_objects(s, true));
+                }
+            }
+            // One subschema, or (`items` before draft 2020-12) a list of them.
+            "additionalProperties"
+            | "unevaluatedProperties"
+            | "items"
+            | "additionalItems"
+            | "unevaluatedItems"
+            | "contains"
+            | "prefixItems" => match value {
+                Value::Array(list) => list.iter_mut().for_each(|s| close_objects(s, true)),
+                other => close_objects(other, true),
+            },
+            "anyOf" | "oneOf" => {
+                if let Value::Array(list) = value {
+                    list.iter_mut().for_each(|s| close_objects(s, !owns_keys));
+                }
+            }
+            "allOf" => {
+                if let Value::Array(list) = value {
+                    list.iter_mut().for_each(|s| close_objects(s, false));
+                }
+            }
+            _ => {}
+        }
+    }
+    if closable && lists && open && !combined {
+        object.insert("additionalProperties".into(), Value::Bool(false));
+    }
+}
 
 /// How many compiled grammars a [`GrammarCompiler`] keeps: clients of structured outputs tend
 /// to send the same few schemas over and over, and a compiled grammar (with its lexer cache)
@@ -235,14 +360,22 @@ impl ResponseFormat {
 }
 
 impl ResponseFormat {
-    /// The grammar the format's outputs follow, or `None` for free text.
+    /// The grammar the format's outputs follow under the default [`JsonOptions`], or `None`
+    /// for free text.
     pub fn grammar(&self) -> Option<OutputGrammar> {
+        self.grammar_with(&JsonOptions::default())
+    }
+
+    /// The grammar the format's outputs follow under `options` (the server's flags), or
+    /// `None` for free text. `json_object` is the schema `{"type": "object"}`: any object,
+    /// whitespace as `options` say.
+    pub fn grammar_with(&self, options: &JsonOptions) -> Option<OutputGrammar> {
         let schema = match self {
             ResponseFormat::Text => return None,
             ResponseFormat::JsonObject => json!({"type": "object"}),
             ResponseFormat::JsonSchema { schema, .. } => schema.clone(),
         };
-        Some(OutputGrammar::JsonSchema(with_default_options(schema)))
+        Some(OutputGrammar::JsonSchema(options.apply(schema)))
     }
 }
 
@@ -638,8 +771,18 @@ impl GrammarCompiler {
     /// each sequence gets its own copy). An invalid schema, or one using a feature llguidance
     /// does not support, is a [`GrammarError::Schema`] in llguidance's words.
     pub fn matcher(&self, format: &ResponseFormat) -> Result<Option<Constraint>, GrammarError> {
+        self.matcher_with(format, &JsonOptions::default())
+    }
+
+    /// [`GrammarCompiler::matcher`] under `options` instead of the default [`JsonOptions`]
+    /// (the server's flags).
+    pub fn matcher_with(
+        &self,
+        format: &ResponseFormat,
+        options: &JsonOptions,
+    ) -> Result<Option<Constraint>, GrammarError> {
         format
-            .grammar()
+            .grammar_with(options)
             .map(|g| self.grammar_matcher(&g))
             .transpose()
     }
@@ -728,25 +871,11 @@ impl GrammarCompiler {
 #[derive(Debug, Clone, PartialEq)]
 pub enum OutputGrammar {
     /// A JSON document valid against this schema (llguidance's JSON schema options included:
-    /// see [`with_default_options`]).
+    /// see [`JsonOptions::apply`]).
     JsonSchema(Value),
     /// Text in llguidance's Lark dialect, which can embed JSON schemas (`%json {...}`) and
     /// name single tokens (`<[id]>`): how tool calls are constrained.
     Lark(String),
-}
-
-/// The schema with llguidance's options set to this module's defaults (the bounded JSON
-/// whitespace), unless it sets them.
-pub fn with_default_options(mut schema: Value) -> Value {
-    if let Value::Object(object) = &mut schema {
-        if !object.contains_key("x-guidance") {
-            object.insert(
-                "x-guidance".into(),
-                json!({"whitespace_pattern": DEFAULT_WHITESPACE_PATTERN}),
-            );
-        }
-    }
-    schema
 }
 
 /// Rows from which [`fill_masks`] spreads the work over threads: below it, handing the rows
@@ -1035,15 +1164,178 @@ mod tests {
         }
     }
 
+    const FLEXIBLE_OPEN: JsonOptions = JsonOptions {
+        additional_properties: true,
+        whitespace: JsonWhitespace::Flexible,
+    };
+
     #[test]
-    fn default_options_only_when_the_schema_sets_none() {
-        let schema = with_default_options(json!({"type": "object"}));
+    fn whitespace_options_only_when_the_schema_sets_none() {
+        let compact = JsonOptions::default().apply(json!({"type": "object"}));
+        assert_eq!(compact["x-guidance"], json!({"whitespace_flexible": false}));
+        let flexible = FLEXIBLE_OPEN.apply(json!({"type": "object"}));
         assert_eq!(
-            schema["x-guidance"]["whitespace_pattern"],
-            DEFAULT_WHITESPACE_PATTERN
+            flexible["x-guidance"]["whitespace_pattern"],
+            FLEXIBLE_WHITESPACE_PATTERN
         );
-        let own = json!({"type": "object", "x-guidance": {"whitespace_flexible": false}});
-        assert_eq!(with_default_options(own.clone()), own);
+        let own = json!({"type": "object", "x-guidance": {"whitespace_flexible": true}});
+        assert_eq!(FLEXIBLE_OPEN.apply(own.clone()), own);
+        assert_eq!(JsonOptions::default().apply(own.clone()), own);
+    }
+
+    /// Where `additionalProperties: false` goes by default, and where it does not.
+    #[test]
+    fn objects_that_stand_alone_are_closed() {
+        let item = json!({"type": "object", "properties": {"id": {"type": "integer"}}});
+        let schema = json!({
+            "type": "object",
+            "properties": {
+                "items": {"type": "array", "items": item},
+                "pair": {"type": "array", "prefixItems": [item, item]},
+                "either": {"anyOf": [item, {"type": "null"}]},
+                "open": {"type": "object", "properties": {"a": {}}, "additionalProperties": true},
+                "typed": {"type": "object", "properties": {"a": {}}, "additionalProperties": {"type": "integer"}},
+                "mixed": {"type": "object", "properties": {"kind": {}}, "oneOf": [item, item]},
+                "merged": {"allOf": [item, {"properties": {"b": {"type": "string"}}}]},
+                "ref": {"$ref": "#/$defs/thing"},
+                "literal": {"const": {"properties": {"x": 1}}},
+                "negated": {"not": item},
+            },
+            "$defs": {"thing": item},
+        });
+        let closed = JsonOptions::default().apply(schema.clone());
+        let p = &closed["properties"];
+        let shut = json!(false);
+        assert_eq!(closed["additionalProperties"], shut);
+        assert_eq!(p["items"]["items"]["additionalProperties"], shut);
+        assert_eq!(p["pair"]["prefixItems"][1]["additionalProperties"], shut);
+        assert_eq!(p["either"]["anyOf"][0]["additionalProperties"], shut);
+        assert_eq!(
+            p["open"]["additionalProperties"],
+            json!(true),
+            "kept as given"
+        );
+        assert_eq!(
+            p["typed"]["additionalProperties"],
+            json!({"type": "integer"})
+        );
+        assert_eq!(closed["$defs"]["thing"]["additionalProperties"], shut);
+        // Combined with other properties: JSON Schema's reading kept.
+        assert!(p["mixed"].get("additionalProperties").is_none());
+        assert!(p["mixed"]["oneOf"][0].get("additionalProperties").is_none());
+        assert!(p["merged"]["allOf"][0]
+            .get("additionalProperties")
+            .is_none());
+        assert!(p["merged"]["allOf"][1]
+            .get("additionalProperties")
+            .is_none());
+        assert!(p["ref"].get("additionalProperties").is_none());
+        // Values and negations are not schemas to close.
+        assert_eq!(p["literal"], schema["properties"]["literal"]);
+        assert_eq!(p["negated"], schema["properties"]["negated"]);
+        // The flag leaves every object as JSON Schema reads it.
+        let mut open = FLEXIBLE_OPEN.apply(schema.clone());
+        open.as_object_mut().and_then(|o| o.remove("x-guidance"));
+        assert_eq!(open, schema);
+    }
+
+    /// Walks `text`'s tokens (as the tokenizer splits it) through a fresh constraint of
+    /// `grammar`: `Ok(complete)` when every token was allowed (`complete`: end-of-sequence
+    /// allowed after the last), `Err(prefix)` with the text accepted before the refused token.
+    fn walk(
+        compiler: &GrammarCompiler,
+        tokenizer: &Tokenizer,
+        grammar: &OutputGrammar,
+        text: &str,
+    ) -> Result<bool, String> {
+        let mut constraint = compiler.grammar_matcher(grammar).unwrap();
+        let mut words = vec![0u32; compiler.mask_words()];
+        let allowed = |words: &[u32], t: u32| words[t as usize / 32] >> (t % 32) & 1 == 1;
+        let tokens = tokenizer.encode(text, false).unwrap();
+        for (i, &token) in tokens.iter().enumerate() {
+            constraint.fill_mask(&mut words);
+            if !allowed(&words, token) {
+                return Err(tokenizer.decode(&tokens[..i], false).unwrap());
+            }
+            constraint.accept(token).unwrap();
+        }
+        constraint.fill_mask(&mut words);
+        Ok(allowed(&words, compiler.eos_token_id()))
+    }
+
+    fn default_model() -> (Tokenizer, GrammarCompiler) {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/default-model");
+        let tokenizer = Tokenizer::from_dir(&dir).unwrap();
+        let compiler = GrammarCompiler::new(&tokenizer).unwrap();
+        (tokenizer, compiler)
+    }
+
+    /// Issue 46: `{"ok": bool, "tags": [...]}` without `additionalProperties` let the default
+    /// model write a third key until `max_tokens`. By default the object ends after its
+    /// listed keys; `--schema-allow-additional-properties` restores JSON Schema's reading.
+    #[test]
+    fn a_schema_without_additional_properties_refuses_a_third_key() {
+        let (tokenizer, compiler) = default_model();
+        let format = ResponseFormat::JsonSchema {
+            name: "answer".into(),
+            schema: json!({"type": "object", "properties": {
+                "ok": {"type": "boolean"},
+                "tags": {"type": "array", "items": {"type": "string"}}},
+                "required": ["ok", "tags"]}),
+            strict: None,
+        };
+        let strict = format.grammar().unwrap();
+        let listed = r#"{"ok":true,"tags":["a"]}"#;
+        let extra = r#"{"ok":true,"tags":["a"],"more":"and more"}"#;
+        assert_eq!(walk(&compiler, &tokenizer, &strict, listed), Ok(true));
+        let refused = walk(&compiler, &tokenizer, &strict, extra).unwrap_err();
+        assert!(listed.starts_with(&refused), "refused after {refused:?}");
+
+        let options = JsonOptions {
+            additional_properties: true,
+            ..JsonOptions::default()
+        };
+        let open = format.grammar_with(&options).unwrap();
+        assert_eq!(walk(&compiler, &tokenizer, &open, listed), Ok(true));
+        assert_eq!(walk(&compiler, &tokenizer, &open, extra), Ok(true));
+    }
+
+    /// Compact by default: no whitespace anywhere; flexible: a bounded run at each place.
+    #[test]
+    fn whitespace_is_compact_or_bounded() {
+        let (tokenizer, compiler) = default_model();
+        let format = ResponseFormat::JsonSchema {
+            name: "answer".into(),
+            schema: json!({"type": "object", "properties": {
+                "ok": {"type": "boolean"}, "n": {"type": "integer"}}, "required": ["ok", "n"]}),
+            strict: None,
+        };
+        let compact = format.grammar().unwrap();
+        assert_eq!(
+            walk(&compiler, &tokenizer, &compact, r#"{"ok":true,"n":1}"#),
+            Ok(true)
+        );
+        for spaced in [r#"{"ok": true, "n": 1}"#, "{\"ok\":true,\n\"n\":1}", " {}"] {
+            assert!(
+                walk(&compiler, &tokenizer, &compact, spaced).is_err(),
+                "{spaced:?}"
+            );
+        }
+        let flexible = format
+            .grammar_with(&JsonOptions {
+                whitespace: JsonWhitespace::Flexible,
+                ..JsonOptions::default()
+            })
+            .unwrap();
+        let pretty = "{\n  \"ok\": true,\n  \"n\": 1\n}";
+        assert_eq!(walk(&compiler, &tokenizer, &flexible, pretty), Ok(true));
+        let indented = format!("{{\n{}\"ok\":true,\"n\":1}}", " ".repeat(12));
+        assert_eq!(walk(&compiler, &tokenizer, &flexible, &indented), Ok(true));
+        // A thirteenth space, a second newline: past the bound.
+        let deeper = format!("{{\n{}\"ok\":true,\"n\":1}}", " ".repeat(13));
+        assert!(walk(&compiler, &tokenizer, &flexible, &deeper).is_err());
+        let blank = "{\n\n\"ok\":true,\"n\":1}";
+        assert!(walk(&compiler, &tokenizer, &flexible, blank).is_err());
     }
 
     /// Sequences take the families in turn; a mask's lexer work is counted against its family,

@@ -21,6 +21,7 @@ use super::protocol::{ChatRequest, CompletionRequest, Prompt, SamplingFields};
 use super::request::{chat_prompt, check_model, encode, from_json, off_runtime, read_json};
 use super::response::{respond, ChoiceSpec, Flavor, Prepared};
 use super::state::AppState;
+use super::tools::reply::ToolReply;
 use super::tools::{ToolChoice, ToolRequest};
 
 /// The most choices (prompts times `n`) one request may ask for.
@@ -184,7 +185,7 @@ fn prepare_completion(state: &AppState, body: &Value) -> Result<Prepared, ApiErr
             })
         })
         .collect::<Result<Vec<_>, ApiError>>()?;
-    prepared(Flavor::Completion, &sampling, choices)
+    prepared(state, Flavor::Completion, &sampling, choices)
 }
 
 /// A completion prompt's tokens (bos prepended as the tokenizer is configured to).
@@ -198,6 +199,7 @@ fn encode_prompt(state: &AppState, text: &str) -> Result<Vec<u32>, ApiError> {
 /// The request's choices: each (prompt, parameters) `n` times, the k-th copy sampling with
 /// the seed plus k so that copies differ (and a seed still reproduces them all).
 fn prepared(
+    state: &AppState,
     flavor: Flavor,
     sampling: &SamplingFields,
     per_prompt: Vec<ChoiceSpec>,
@@ -225,7 +227,7 @@ fn prepared(
         None | Some(Value::Null) => None,
         Some(v) => ResponseFormat::from_openai(v)
             .map_err(|e| ApiError::invalid_field("response_format", e.to_string()))?
-            .grammar()
+            .grammar_with(&state.config.json)
             .map(|g| (g, "response_format")),
     };
     Ok(Prepared {
@@ -235,7 +237,7 @@ fn prepared(
         stream: sampling.stream,
         include_usage: sampling.include_usage(),
         grammar,
-        tool_format: None,
+        tool_reply: None,
     })
 }
 
@@ -259,6 +261,7 @@ fn prepare_chat(state: &AppState, body: &Value) -> Result<Prepared, ApiError> {
     let logprobs = sampling.logprobs(true)?;
     let params = generation_params(state, &sampling, max_tokens, None, prompt.len(), logprobs)?;
     let mut p = prepared(
+        state,
         Flavor::Chat,
         &sampling,
         vec![ChoiceSpec {
@@ -275,40 +278,56 @@ fn prepare_chat(state: &AppState, body: &Value) -> Result<Prepared, ApiError> {
 
 /// Sets up a chat request that offers tools the model may call: its replies are parsed for
 /// calls in the model's format, and for `required` or a named function constrained to be
-/// calls. Every function's `parameters` schema is compiled here, so a schema the grammar
+/// calls. A model without a known format is served `required` and a named function as vLLM
+/// serves them, its reply constrained to JSON (see [`ToolRequest::json_schema`]); only `auto`
+/// is refused. Every function's `parameters` schema is compiled here, so a schema the grammar
 /// engine refuses is a 400 naming that tool whatever the choice.
 fn use_tools(state: &AppState, tools: &ToolRequest, p: &mut Prepared) -> Result<(), ApiError> {
-    let format = state.tool_format().ok_or_else(|| {
-        ApiError::invalid_field(
+    let options = &state.config.json;
+    let format = state.tool_format();
+    if format.is_none() && tools.choice == ToolChoice::Auto {
+        return Err(ApiError::invalid_field(
             "tools",
-            "this model's chat template writes no tool calls in a known format; serve it \
-             with --chat-template (a template in DeepSeek-V3's tool format) or \
-             --tool-call-parser",
-        )
-    })?;
+            "this model's chat template writes no tool calls in a known format, so tool_choice \
+             \"auto\" cannot be served: serve it with --chat-template (a template in \
+             DeepSeek-V3's tool format) or --tool-call-parser, or ask for tool_choice \
+             \"required\" or a named function (constrained to JSON, no format needed)",
+        ));
+    }
     let compiler = state.grammar("tools")?;
     for (i, tool) in tools.tools.iter().enumerate() {
         compiler
-            .grammar_matcher(&OutputGrammar::JsonSchema(tool.arguments_schema()))
+            .grammar_matcher(&OutputGrammar::JsonSchema(tool.arguments_schema(options)))
             .map_err(|e| {
                 ApiError::invalid_field(&format!("tools[{i}].function.parameters"), e.to_string())
             })?;
     }
+    if tools.constrained() && p.grammar.is_some() {
+        return Err(ApiError::invalid_field(
+            "response_format",
+            "response_format cannot be combined with tool_choice \"required\" or a named \
+             function (the reply is the calls)",
+        ));
+    }
+    let Some(format) = format else {
+        p.grammar = tools
+            .json_schema(options)?
+            .map(|schema| (OutputGrammar::JsonSchema(schema), "tools"));
+        p.tool_reply = match &tools.choice {
+            ToolChoice::Function(name) => Some(ToolReply::Named(name.clone())),
+            ToolChoice::Required => Some(ToolReply::Required),
+            ToolChoice::Auto | ToolChoice::None => None,
+        };
+        return Ok(());
+    };
     if tools.constrained() {
-        if p.grammar.is_some() {
-            return Err(ApiError::invalid_field(
-                "response_format",
-                "response_format cannot be combined with tool_choice \"required\" or a named \
-                 function (the reply is the calls)",
-            ));
-        }
         let tokenizer = state.tokenizer.as_ref();
         let token_id = |piece: &str| tokenizer.and_then(|t| t.inner().token_to_id(piece));
         p.grammar = tools
-            .grammar(format, &token_id)
+            .grammar(format, options, &token_id)
             .map(|lark| (OutputGrammar::Lark(lark), "tools"));
     }
-    p.tool_format = Some(format);
+    p.tool_reply = Some(ToolReply::Format(format));
     Ok(())
 }
 

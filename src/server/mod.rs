@@ -26,7 +26,7 @@
 //! | `generate`, `tokenize`, `info` | the handlers |
 //! | `response` | a submitted request's answer: one JSON body, or SSE chunks |
 //! | `logprobs` | log-probabilities in OpenAI's two shapes |
-//! | [`tools`] | tool definitions and choices, tool-call formats, parsing calls out of text |
+//! | [`tools`] | tool definitions and choices, tool-call formats, reading calls out of text (a format's, or constrained JSON) |
 //! | `request` | reading a body: JSON, typed fields, the model check, prompts as tokens |
 //! | [`protocol`] | the request types and their field checks |
 //! | `state` | what handlers share; a refused request is answered and counted there |

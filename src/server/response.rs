@@ -24,8 +24,8 @@ use crate::tokenizer::Tokenizer;
 use super::error::ApiError;
 use super::logprobs::LogprobsBuilder;
 use super::state::AppState;
-use super::tools::format::ToolCallFormat;
-use super::tools::parser::{Parsed, ToolCallParser};
+use super::tools::parser::Parsed;
+use super::tools::reply::{ReplyParser, ToolReply};
 
 /// Which endpoint a response is for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -80,8 +80,8 @@ pub struct Prepared {
     /// Structured outputs: the grammar every choice's text must follow (`None`: free text),
     /// and the request field that asked for it (named by its errors).
     pub grammar: Option<(OutputGrammar, &'static str)>,
-    /// Chat with tools: the format the model writes calls in, which replies are parsed for.
-    pub tool_format: Option<&'static ToolCallFormat>,
+    /// Chat with tools: how the model's replies write calls, which they are parsed for.
+    pub tool_reply: Option<ToolReply>,
 }
 
 /// The fields every response and chunk starts with, and how tokens are reported.
@@ -149,7 +149,7 @@ struct Choice {
     finish: Option<FinishReason>,
     /// Chat with tools: the parser of the reply's text (fed as it streams, or whole at the
     /// end).
-    tool_parser: Option<ToolCallParser>,
+    tool_parser: Option<ReplyParser>,
 }
 
 impl Choice {
@@ -157,10 +157,10 @@ impl Choice {
         index: usize,
         spec: &ChoiceSpec,
         header: &Header,
-        tool_format: Option<&'static ToolCallFormat>,
+        tool_reply: Option<&ToolReply>,
     ) -> Self {
         Choice {
-            tool_parser: tool_format.map(ToolCallParser::new),
+            tool_parser: tool_reply.map(ReplyParser::new),
             index,
             tokens: 0,
             text: String::new(),
@@ -283,9 +283,14 @@ impl Choice {
     }
 
     /// The finish reason to report: `tool_calls` for a reply that called tools and ended by
-    /// itself (as OpenAI's), otherwise the engine's.
+    /// itself (as OpenAI's; a named function's forced call is `stop`, see
+    /// [`ReplyParser::stops_as_tool_calls`]), otherwise the engine's (`length` for a reply cut
+    /// by `max_tokens`, calls or not).
     fn finish_reason(&self) -> Option<&'static str> {
-        let called = self.tool_parser.as_ref().is_some_and(|p| p.calls() > 0);
+        let called = self
+            .tool_parser
+            .as_ref()
+            .is_some_and(ReplyParser::stops_as_tool_calls);
         match self.finish {
             Some(FinishReason::Stop) if called => Some("tool_calls"),
             other => other.map(FinishReason::as_str),
@@ -379,7 +384,7 @@ pub async fn respond(state: &AppState, p: Prepared, streams: Vec<RequestStream>)
         .choices
         .iter()
         .enumerate()
-        .map(|(i, c)| Choice::new(i, c, &header, p.tool_format))
+        .map(|(i, c)| Choice::new(i, c, &header, p.tool_reply.as_ref()))
         .collect();
     let events = merged(streams);
     if p.stream {

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use axum::response::{IntoResponse, Response};
 
-use crate::engine::grammar::GrammarCompiler;
+use crate::engine::grammar::{GrammarCompiler, JsonOptions};
 use crate::engine::Engine;
 use crate::metrics::Outcome;
 use crate::tokenizer::Tokenizer;
@@ -28,6 +28,9 @@ pub struct ServerConfig {
     /// The tool-call format (`--tool-call-parser`); `None`: the one the chat template
     /// renders, if any.
     pub tool_call_format: Option<&'static ToolCallFormat>,
+    /// How JSON schemas (`response_format`, tool arguments) are read where they leave the
+    /// output open: `--schema-allow-additional-properties` and `--json-whitespace`.
+    pub json: JsonOptions,
 }
 
 /// What every handler sees.

@@ -85,6 +85,78 @@ def test_thirty_schemas_sampled_at_temperature_one_all_validate(client):
         jsonschema.validate(doc, schema)
 
 
+def outside_strings(text):
+    """`text` with each JSON string in it as `""` (what is left is structure and whitespace)."""
+    out, in_string, escaped = [], False, False
+    for c in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif c == "\\":
+                escaped = True
+            elif c == '"':
+                in_string = False
+                out.append(c)
+        elif c == '"':
+            in_string = True
+            out.append(c)
+        else:
+            out.append(c)
+    return "".join(out)
+
+
+# Issue 46, item 1: the example of the issue, without `additionalProperties`. JSON Schema
+# admits more keys; the default model, given that freedom, wrote a third key's string until
+# max_tokens. By default (as OpenAI's strict mode, xgrammar and outlines read a schema) only
+# the listed keys are admitted, and the JSON is compact (OpenAI's: no whitespace between
+# tokens). The flags restoring JSON Schema's reading are checked in test_the_flags_restore_...
+OPEN_SCHEMA = {"type": "object", "properties": {
+    "ok": {"type": "boolean"},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 3}},
+    "required": ["ok", "tags"]}
+OPEN_FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": OPEN_SCHEMA}}
+
+
+def ask_open(client, seed, max_tokens=200):
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=[{"role": "user", "content": "Is it ok? Tag it."}],
+        max_tokens=max_tokens, temperature=1.0, seed=seed, response_format=OPEN_FORMAT)
+    return r.choices[0].message.content, r.choices[0].finish_reason
+
+
+def test_a_schema_without_additional_properties_gets_only_its_keys(client):
+    for seed in range(8):
+        text, finish = ask_open(client, seed)
+        assert finish == "stop", (seed, text)
+        doc = json.loads(text)
+        assert set(doc) == {"ok", "tags"}, (seed, text)
+        jsonschema.validate(doc, OPEN_SCHEMA)
+        assert not any(c.isspace() for c in outside_strings(text)), (seed, text)
+
+
+def test_the_flags_restore_json_schemas_reading(server_factory):
+    # --schema-allow-additional-properties --json-whitespace flexible: extra keys allowed
+    # again, and whitespace (bounded: at most a line break and 12 spaces at each place).
+    srv = server_factory("--schema-allow-additional-properties", "--json-whitespace", "flexible")
+    c = srv.client()
+    extra = spaced = 0
+    for seed in range(8):
+        text, finish = ask_open(c, seed)
+        assert text.startswith("{"), text
+        structure = outside_strings(text)
+        # Never more than one newline, nor more than 12 spaces in a run.
+        assert "\n\n" not in structure and " " * 13 not in structure, text
+        spaced += any(ch.isspace() for ch in structure)
+        if finish == "length":
+            extra += 1
+            continue
+        doc = json.loads(text)
+        jsonschema.validate(doc, OPEN_SCHEMA)
+        extra += set(doc) != {"ok", "tags"}
+    # The default model does use the freedom (as the issue saw): extra keys, whitespace.
+    assert extra and spaced, (extra, spaced)
+
+
 def test_json_object_gives_a_json_object(client):
     # json_object bounds nothing: the default model, trained on plays, often writes prose in a
     # key until max_tokens. Every document it finishes must be an object.
@@ -96,6 +168,7 @@ def test_json_object_gives_a_json_object(client):
             response_format={"type": "json_object"})
         text = r.choices[0].message.content
         assert text.startswith("{"), text
+        assert not any(c.isspace() for c in outside_strings(text)), text
         if r.choices[0].finish_reason == "stop":
             assert isinstance(json.loads(text), dict), text
             finished += 1

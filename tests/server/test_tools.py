@@ -1,6 +1,8 @@
 """Tool calling (`tools`, `tool_choice`, `parallel_tool_calls`) through the official `openai`
 client, on the default model served with a chat template in DeepSeek-V3's tool format
-(`fixtures/chat-templates/deepseek-v3-tools.jinja`, via `--chat-template`).
+(`fixtures/chat-templates/deepseek-v3-tools.jinja`, via `--chat-template`), and on the session
+server, whose template writes no tool calls: there a named function and `required` are served
+as vLLM serves them, the reply constrained to JSON (docs/structured-outputs-defaults.md).
 
 The prompt the server renders (tools, past calls, tool outputs) is checked against
 transformers' `apply_chat_template` with the same template. The default model was never trained
@@ -112,9 +114,9 @@ def test_prompt_with_tools_calls_and_outputs_matches_transformers(tool_server):
     assert r.json()["tokens"] == ref
 
 
-# TOOLS with `get_time` taking no arguments at all: an omitted `parameters` admits any object
-# (JSON Schema's `{"type": "object"}`), which a model can extend until max_tokens (the default
-# model does at seed 6, in a get_time call of free-form strings); every argument here is bounded.
+# TOOLS with `get_time`'s empty parameter list written out (an omitted `parameters` is the
+# same since issue 46: OpenAI reads it as no arguments; before, it admitted any object, which
+# the default model extended until max_tokens at seed 6); every argument here is bounded.
 BOUNDED_TOOLS = TOOLS[:2] + [{"type": "function", "function": {
     "name": "get_time", "parameters": {
         "type": "object", "properties": {}, "additionalProperties": False}}}]
@@ -248,7 +250,120 @@ def test_bad_tool_messages_are_400s(tc):
     assert e.value.body["param"] == "messages[2].tool_calls[0].function.name"
 
 
-def test_a_template_without_a_tool_format_refuses_tools(client):
-    # The session server uses the default model's own template, which has no tool format.
+def test_a_template_without_a_tool_format_refuses_auto(client):
+    # The session server uses the default model's own template, which has no tool format:
+    # only the model could say whether it calls a tool, so `auto` needs the format.
     msg = bad(client, "tools", tools=TOOLS)
     assert "--chat-template" in msg
+    assert "required" in msg
+
+
+# ---------------------------------------------------------------------------------------------
+# Without a tool-call format (issue 46, item 2): the session server, the default model's own
+# template. vLLM serves a named function and `required` without a parser by constraining the
+# reply to JSON, and so do we: a named function's reply is its arguments object; `required`'s
+# a JSON array of {"name", "parameters"} calls. Before, both were 400s asking for a parser.
+#
+# Finish reasons as vLLM's (vllm/entrypoints/openai/serving_chat.py, non-streaming and
+# streaming alike): a named function's call reports the engine's reason, "stop" (OpenAI also
+# reports "stop" for a call forced by tool_choice); `required`'s "tool_calls".
+
+NAMED_ADD = {"type": "function", "function": {"name": "add"}}
+NAMED_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_named_function_without_a_format_is_a_call_of_it(client):
+    for seed in (31, 32, 33):
+        for choice in (NAMED_ADD, NAMED_WEATHER):
+            name = choice["function"]["name"]
+            kw = dict(model=MODEL_NAME, messages=QUESTION, tools=TOOLS, tool_choice=choice,
+                      temperature=1.0, seed=seed, max_tokens=MAX_TOKENS)
+            whole = client.chat.completions.create(**kw).choices[0]
+            assert whole.finish_reason == "stop", whole
+            assert not whole.message.content
+            check_calls(whole.message.tool_calls)
+            assert [c.function.name for c in whole.message.tool_calls] == [name]
+            # Compact JSON, as OpenAI writes arguments.
+            args = whole.message.tool_calls[0].function.arguments
+            assert args == json.dumps(json.loads(args), separators=(",", ":"), ensure_ascii=False)
+            content, calls, finish = streamed(client, **kw)
+            assert (content, finish) == ("", "stop")
+            assert [(c["name"], c["arguments"]) for c in calls] == [(name, args)]
+
+
+def test_named_function_without_parameters_takes_no_arguments(client):
+    r = client.chat.completions.create(
+        model=MODEL_NAME, messages=QUESTION, tools=TOOLS, temperature=1.0, seed=5,
+        tool_choice={"type": "function", "function": {"name": "get_time"}}, max_tokens=16)
+    assert r.choices[0].finish_reason == "stop"
+    assert [(c.function.name, c.function.arguments) for c in r.choices[0].message.tool_calls] \
+        == [("get_time", "{}")]
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_required_without_a_format_gives_calls_of_offered_tools(client, parallel):
+    for seed in (41, 42, 43):
+        kw = dict(model=MODEL_NAME, messages=QUESTION, tools=BOUNDED_TOOLS,
+                  tool_choice="required", parallel_tool_calls=parallel, temperature=1.0,
+                  seed=seed, max_tokens=MAX_TOKENS)
+        whole = client.chat.completions.create(**kw).choices[0]
+        calls = whole.message.tool_calls
+        if not parallel:
+            assert whole.finish_reason == "tool_calls", whole
+            assert len(calls) == 1
+        assert whole.finish_reason in ("tool_calls", "length")
+        check_calls(calls if whole.finish_reason == "tool_calls" else calls[:-1],
+                    allow_empty=whole.finish_reason == "length")
+        assert not whole.message.content
+        content, streamed_calls, finish = streamed(client, **kw)
+        assert (content, finish) == ("", whole.finish_reason)
+        assert [(c["name"], c["arguments"]) for c in streamed_calls] == [
+            (c.function.name, c.function.arguments) for c in calls]
+
+
+def test_a_call_cut_by_max_tokens_comes_back_partial(client):
+    # Issue 46: a call cut by max_tokens came back as empty content and no tool_calls. It
+    # comes back as the call it was cut in, arguments as far as they got, finish_reason
+    # "length" (vLLM's answer), streamed and not; the same seed uncut writes the same start.
+    for choice, tools in ((NAMED_WEATHER, TOOLS), ("required", BOUNDED_TOOLS)):
+        kw = dict(model=MODEL_NAME, messages=QUESTION, tools=tools, tool_choice=choice,
+                  parallel_tool_calls=False, temperature=1.0, seed=51)
+        full = client.chat.completions.create(max_tokens=MAX_TOKENS, **kw).choices[0]
+        assert full.finish_reason in ("stop", "tool_calls")
+        (whole_call,) = full.message.tool_calls
+        cuts = 0
+        for max_tokens in (3, 6, 9):
+            r = client.chat.completions.create(max_tokens=max_tokens, **kw)
+            cut = r.choices[0]
+            if cut.finish_reason != "length":
+                continue  # the call was that short
+            cuts += 1
+            assert r.usage.completion_tokens == max_tokens
+            assert cut.message.tool_calls or cut.message.content, cut
+            if cut.message.tool_calls:
+                (call,) = cut.message.tool_calls
+                assert whole_call.function.name.startswith(call.function.name), call
+                assert whole_call.function.arguments.startswith(call.function.arguments), call
+            content, calls, finish = streamed(client, max_tokens=max_tokens, **kw)
+            assert finish == "length"
+            assert content == (cut.message.content or "")
+            assert [(c["name"], c["arguments"]) for c in calls] == [
+                (c.function.name, c.function.arguments) for c in cut.message.tool_calls or []]
+        assert cuts, f"no cut reply for {choice}"
+
+
+def test_a_call_cut_in_the_format_is_never_dropped(tc):
+    # Cut anywhere (in the markers, the name, the arguments), a reply in the model's own
+    # format gives back what it holds: a partial call, or its text as content.
+    for max_tokens in range(1, 12):
+        for stream in (False, True):
+            kw = dict(model=MODEL_NAME, messages=QUESTION, tools=TOOLS,
+                      tool_choice=NAMED_ADD, temperature=1.0, seed=61, max_tokens=max_tokens)
+            if stream:
+                content, calls, finish = streamed(tc, **kw)
+            else:
+                cut = tc.chat.completions.create(**kw).choices[0]
+                content, finish = cut.message.content, cut.finish_reason
+                calls = cut.message.tool_calls or []
+            if finish == "length":
+                assert content or calls, (max_tokens, stream)

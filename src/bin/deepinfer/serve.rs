@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use deepinfer::engine::grammar::{JsonOptions, JsonWhitespace};
 use deepinfer::engine::{Engine, EngineOptions};
 use deepinfer::metrics::Metrics;
 use deepinfer::plan::KvBlocks;
@@ -39,6 +40,19 @@ pub(crate) struct ServeArgs {
     /// (default: the one the chat template renders; without one, `tools` are refused).
     #[arg(long, value_parser = tool_call_parser)]
     tool_call_parser: Option<&'static ToolCallFormat>,
+    /// Let an object schema (in `response_format` or a tool's parameters) that lists
+    /// `properties` but says nothing of `additionalProperties` admit other keys too, as JSON
+    /// Schema reads it. By default it admits only its listed keys, as OpenAI's strict mode,
+    /// xgrammar and outlines read it: a model left free to add keys may add them until
+    /// max_tokens. See docs/structured-outputs-defaults.md.
+    #[arg(long)]
+    schema_allow_additional_properties: bool,
+    /// Whitespace between the tokens of constrained JSON (`response_format`, tool
+    /// arguments): `compact`, none at all (`{"a":1,"b":[2]}`, as OpenAI writes it), or
+    /// `flexible`, at most a line break and 12 spaces at each place JSON allows whitespace
+    /// (a bound, so a model cannot fill its answer with blank lines).
+    #[arg(long, value_enum, default_value_t = Whitespace::Compact)]
+    json_whitespace: Whitespace,
     /// Sequences decoded together at most (the largest batch bucket).
     #[arg(long, default_value_t = 32)]
     max_batch: usize,
@@ -155,6 +169,15 @@ enum FairDecode {
     Off,
 }
 
+/// `--json-whitespace`'s values.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Whitespace {
+    /// No whitespace between JSON tokens.
+    Compact,
+    /// A bounded run of whitespace wherever JSON allows one.
+    Flexible,
+}
+
 /// `--tool-call-parser`'s value: a format by name.
 fn tool_call_parser(name: &str) -> std::result::Result<&'static ToolCallFormat, String> {
     ToolCallFormat::by_name(name).ok_or_else(|| {
@@ -253,6 +276,13 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         max_body_bytes: args.max_body_bytes,
         drain_timeout: Duration::from_secs(args.drain_timeout_secs),
         tool_call_format: args.tool_call_parser,
+        json: JsonOptions {
+            additional_properties: args.schema_allow_additional_properties,
+            whitespace: match args.json_whitespace {
+                Whitespace::Compact => JsonWhitespace::Compact,
+                Whitespace::Flexible => JsonWhitespace::Flexible,
+            },
+        },
     };
     let limits = ConnectionLimits {
         max_connections: args.max_connections,

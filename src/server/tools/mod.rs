@@ -7,11 +7,21 @@
 //! constrain the reply with a grammar (`engine::grammar`) that admits only calls in the
 //! template's format, with arguments valid for each function's `parameters` schema; `none`
 //! leaves the text alone. A model's reply is parsed for calls whatever the choice but `none`.
+//!
+//! A model without a known call format (no `--tool-call-parser`, a template that writes no
+//! calls) is still served `required` and a named function, as vLLM serves them: the reply is
+//! constrained to JSON, the named function's arguments object or an array of
+//! `{"name", "parameters"}` calls ([`ToolRequest::json_schema`]), and read back as calls
+//! ([`reply`]). Only `auto`, where the model must be able to write prose or calls, needs the
+//! format.
 
 pub mod format;
 pub mod parser;
+pub mod reply;
 
-use serde_json::{json, Value};
+use serde_json::{json, Map, Value};
+
+use crate::engine::grammar::JsonOptions;
 
 use super::error::ApiError;
 use format::ToolCallFormat;
@@ -21,24 +31,20 @@ use format::ToolCallFormat;
 pub struct FunctionTool {
     /// `function.name`.
     pub name: String,
-    /// `function.parameters` (a JSON schema of the arguments object; `{"type": "object"}`
-    /// when absent, as OpenAI reads it).
+    /// `function.parameters` (a JSON schema of the arguments object). When absent, a
+    /// function of no arguments, as OpenAI reads it ("omitting parameters defines a function
+    /// with an empty parameter list"): `{"type": "object", "properties": {}}`, which admits
+    /// only `{}` unless the server allows additional properties.
     pub parameters: Value,
 }
 
 impl FunctionTool {
-    /// The schema a constrained call's arguments follow: `parameters`, written as Python's
-    /// `json.dumps` writes JSON (`{"a": 1, "b": 2}`, no other whitespace) unless the schema
-    /// sets llguidance's options itself. Arguments are read by programs, not people, and an
-    /// untrained model left free whitespace spends its tokens on it.
-    pub fn arguments_schema(&self) -> Value {
-        let mut schema = self.parameters.clone();
-        if let Value::Object(object) = &mut schema {
-            object.entry("x-guidance").or_insert_with(|| {
-                json!({"whitespace_flexible": false, "item_separator": ", ", "key_separator": ": "})
-            });
-        }
-        schema
+    /// The schema a constrained call's arguments follow: `parameters` under the server's JSON
+    /// options (no properties beyond the listed ones, compact whitespace, by default: see
+    /// [`JsonOptions`]). Arguments are read by programs, not people, and an untrained model
+    /// left free keys or whitespace spends its tokens on them.
+    pub fn arguments_schema(&self, options: &JsonOptions) -> Value {
+        options.apply(self.parameters.clone())
     }
 }
 
@@ -125,17 +131,18 @@ impl ToolRequest {
         matches!(self.choice, ToolChoice::Required | ToolChoice::Function(_))
     }
 
-    /// The Lark grammar a constrained reply follows (see [`ToolChoice`]), or `None` when the
-    /// reply is free.
+    /// The Lark grammar a constrained reply follows in the model's call `format` (see
+    /// [`ToolChoice`]), or `None` when the reply is free.
     pub fn grammar(
         &self,
         format: &ToolCallFormat,
+        options: &JsonOptions,
         token_id: &dyn Fn(&str) -> Option<u32>,
     ) -> Option<String> {
         let schemas: Vec<Value> = self
             .tools
             .iter()
-            .map(FunctionTool::arguments_schema)
+            .map(|t| t.arguments_schema(options))
             .collect();
         let functions: Vec<(&str, &Value)> = self
             .tools
@@ -149,6 +156,78 @@ impl ToolRequest {
             ToolChoice::Function(name) => {
                 let one: Vec<_> = functions.into_iter().filter(|(n, _)| n == name).collect();
                 Some(format.lark_grammar(&one, false, token_id))
+            }
+        }
+    }
+
+    /// For a model without a call format: the JSON schema a constrained reply follows (vLLM's
+    /// forms), or `None` when the reply is free (`auto`, `none`).
+    ///
+    /// - A named function: its arguments schema ([`FunctionTool::arguments_schema`]); the
+    ///   reply is the call's arguments.
+    /// - `required`: an array of one or more calls (exactly one without
+    ///   `parallel_tool_calls`), each `{"name": <an offered name>, "parameters": <its
+    ///   arguments>}` in that order. Every function's `$defs` and `definitions` move to the
+    ///   array's schema, where its `#/$defs/...` references then point; two functions
+    ///   defining one name differently are a 400 naming the second.
+    pub fn json_schema(&self, options: &JsonOptions) -> Result<Option<Value>, ApiError> {
+        match &self.choice {
+            ToolChoice::None | ToolChoice::Auto => Ok(None),
+            ToolChoice::Function(name) => Ok(self
+                .tools
+                .iter()
+                .find(|t| &t.name == name)
+                .map(|t| t.arguments_schema(options))),
+            ToolChoice::Required => {
+                let mut lifted: Map<String, Value> = Map::new();
+                let mut calls = Vec::with_capacity(self.tools.len());
+                for (i, tool) in self.tools.iter().enumerate() {
+                    let mut parameters = tool.parameters.clone();
+                    if let Value::Object(object) = &mut parameters {
+                        // Read only at the top of a schema: the array's are the server's.
+                        object.remove("x-guidance");
+                        for key in ["$defs", "definitions"] {
+                            let Some(Value::Object(defs)) = object.remove(key) else {
+                                continue;
+                            };
+                            let into = lifted
+                                .entry(key)
+                                .or_insert_with(|| Value::Object(Map::new()));
+                            let Value::Object(into) = into else { continue };
+                            for (name, def) in defs {
+                                match into.get(&name) {
+                                    Some(other) if *other != def => {
+                                        return Err(ApiError::invalid_field(
+                                            &format!("tools[{i}].function.parameters"),
+                                            format!(
+                                                "{key}/{name} differs from another tool's \
+                                                 {key}/{name}; with tool_choice \"required\" \
+                                                 the tools' definitions share one namespace"
+                                            ),
+                                        ))
+                                    }
+                                    _ => {
+                                        into.insert(name, def);
+                                    }
+                                }
+                            }
+                        }
+                    }
+                    calls.push(json!({
+                        "type": "object",
+                        "properties": {"name": {"const": tool.name}, "parameters": parameters},
+                        "required": ["name", "parameters"],
+                        "additionalProperties": false,
+                    }));
+                }
+                let mut schema = json!({"type": "array", "minItems": 1, "items": {"anyOf": calls}});
+                if !self.parallel {
+                    schema["maxItems"] = json!(1);
+                }
+                if let Value::Object(object) = &mut schema {
+                    object.extend(lifted);
+                }
+                Ok(Some(options.apply(schema)))
             }
         }
     }
@@ -210,7 +289,7 @@ fn function_tool(i: usize, tool: &Value) -> Result<FunctionTool, ApiError> {
         );
     }
     let parameters = match function.get("parameters") {
-        None | Some(Value::Null) => json!({"type": "object"}),
+        None | Some(Value::Null) => json!({"type": "object", "properties": {}}),
         Some(p @ Value::Object(_)) => p.clone(),
         Some(other) => {
             return bad(
@@ -330,5 +409,70 @@ mod tests {
             "tool_choice"
         );
         assert_eq!(refused(json!([]), Some(json!("required"))), "tool_choice");
+    }
+
+    /// Without a call format, a constrained reply is JSON: a named function's arguments, or
+    /// `required`'s array of calls (vLLM's forms), under the server's JSON options.
+    #[test]
+    fn json_schemas_of_constrained_choices() {
+        let defs = json!({"type": "object", "properties": {"p": {"$ref": "#/$defs/P"}},
+            "$defs": {"P": {"type": "object", "properties": {"x": {"type": "integer"}}}}});
+        let tools = json!([weather(), {"type": "function", "function": {"name": "get_time"}},
+            {"type": "function", "function": {"name": "d", "parameters": defs}}]);
+        let options = JsonOptions::default();
+        let named = json!({"type": "function", "function": {"name": "get_weather"}});
+        let r = ToolRequest::from_request(Some(&tools), Some(&named), None)
+            .unwrap()
+            .unwrap();
+        let schema = r.json_schema(&options).unwrap().unwrap();
+        assert_eq!(schema["properties"], json!({"city": {"type": "string"}}));
+        assert_eq!(schema["additionalProperties"], json!(false));
+        assert_eq!(schema["x-guidance"], json!({"whitespace_flexible": false}));
+
+        let r = ToolRequest::from_request(Some(&tools), Some(&json!("required")), Some(false))
+            .unwrap()
+            .unwrap();
+        let schema = r.json_schema(&options).unwrap().unwrap();
+        assert_eq!(schema["type"], "array");
+        assert_eq!(
+            (schema["minItems"].clone(), schema["maxItems"].clone()),
+            (json!(1), json!(1))
+        );
+        let calls = schema["items"]["anyOf"].as_array().unwrap();
+        assert_eq!(calls.len(), 3);
+        assert_eq!(
+            calls[0]["properties"]["name"],
+            json!({"const": "get_weather"})
+        );
+        assert_eq!(calls[0]["required"], json!(["name", "parameters"]));
+        // Omitted parameters: no arguments, `{}` only.
+        assert_eq!(
+            calls[1]["properties"]["parameters"],
+            json!({"type": "object", "properties": {}, "additionalProperties": false})
+        );
+        // Definitions move to the array's schema, where `#/$defs/P` points; closed there.
+        assert!(calls[2]["properties"]["parameters"].get("$defs").is_none());
+        assert_eq!(schema["$defs"]["P"]["additionalProperties"], json!(false));
+        assert!(ToolRequest::from_request(Some(&tools), None, None)
+            .unwrap()
+            .unwrap()
+            .json_schema(&options)
+            .unwrap()
+            .is_none());
+    }
+
+    #[test]
+    fn required_refuses_two_tools_defining_one_name_differently() {
+        let with = |x: &str| {
+            json!({"type": "function", "function": {"name": x, "parameters": {
+                "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}},
+                "$defs": {"P": {"const": x}}}}})
+        };
+        let tools = json!([with("a"), with("b")]);
+        let r = ToolRequest::from_request(Some(&tools), Some(&json!("required")), None)
+            .unwrap()
+            .unwrap();
+        let e = r.json_schema(&JsonOptions::default()).unwrap_err();
+        assert_eq!(e.body()["error"]["param"], "tools[1].function.parameters");
     }
 }

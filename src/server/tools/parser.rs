@@ -58,6 +58,10 @@ pub struct ToolCallParser {
     held: String,
     /// Calls begun so far.
     calls: usize,
+    /// Every piece of text received (a reply cut before its first call is given back from it).
+    pushed: String,
+    /// Where in `pushed` the calls began.
+    calls_start: Option<usize>,
 }
 
 impl ToolCallParser {
@@ -68,6 +72,8 @@ impl ToolCallParser {
             state: State::Content,
             held: String::new(),
             calls: 0,
+            pushed: String::new(),
+            calls_start: None,
         }
     }
 
@@ -79,13 +85,17 @@ impl ToolCallParser {
     /// Takes the next piece of text; returns what it (with text held back before) completes.
     pub fn push(&mut self, text: &str) -> Vec<Parsed> {
         self.held.push_str(text);
+        self.pushed.push_str(text);
         let mut out = Vec::new();
         while self.step(&mut out) {}
         out
     }
 
     /// Ends the text: passes on what was held back (content, or the arguments of a call the
-    /// reply was cut in, as a length limit does).
+    /// reply was cut in, as a length limit does). A reply cut inside a call's name gives that
+    /// call with the partial name; one cut after the calls began but before the first call's
+    /// name gives its text from the calls' beginning on as content: what the model wrote is
+    /// never dropped.
     pub fn finish(&mut self) -> Vec<Parsed> {
         let mut out = Vec::new();
         while self.step(&mut out) {}
@@ -93,8 +103,25 @@ impl ToolCallParser {
         match self.state {
             State::Content | State::Broken => push_content(&mut out, held),
             State::Arguments => push_arguments(&mut out, self.calls - 1, held),
-            // A name never finished, or markers between calls: nothing a client can use.
-            State::Name | State::BetweenCalls | State::Done => {}
+            State::Name => {
+                // Less a character the reply was cut inside, and the separator's beginning.
+                let held = held.trim_end_matches('\u{FFFD}');
+                let name =
+                    held[..held.len() - partial_marker_len(held, self.format.name_end)].trim();
+                if !name.is_empty() {
+                    out.push(Parsed::CallStart {
+                        index: self.calls,
+                        name: name.to_owned(),
+                    });
+                    self.calls += 1;
+                }
+            }
+            State::BetweenCalls | State::Done => {}
+        }
+        if let (0, Some(start), State::BetweenCalls | State::Name | State::Done) =
+            (self.calls, self.calls_start, self.state)
+        {
+            push_content(&mut out, self.pushed[start..].to_owned());
         }
         out
     }
@@ -114,6 +141,8 @@ impl ToolCallParser {
         match self.state {
             State::Content => {
                 if let Some(at) = self.held.find(f.calls_begin) {
+                    // `held` is the end of `pushed` not yet passed on.
+                    self.calls_start = Some(self.pushed.len() - self.held.len() + at);
                     let content = self.take(at);
                     push_content(out, content);
                     self.skip(f.calls_begin.len());
@@ -236,7 +265,7 @@ fn partial_marker_len(text: &str, marker: &str) -> usize {
 }
 
 /// The content and the calls (name, arguments) that parsed pieces add up to.
-fn assemble(parsed: Vec<Parsed>) -> (String, Vec<(String, String)>) {
+pub(super) fn assemble(parsed: Vec<Parsed>) -> (String, Vec<(String, String)>) {
     let mut content = String::new();
     let mut calls: Vec<(String, String)> = Vec::new();
     for p in parsed {
@@ -369,6 +398,35 @@ mod tests {
             let (content, calls) = streamed(&DEEPSEEK_V3, text, size);
             assert_eq!(content, "", "pieces of {size}");
             assert_eq!(calls, vec![("f".into(), "{}".into())]);
+        }
+    }
+
+    /// Issue 46: a reply cut by `max_tokens` inside a call's name came back with no content
+    /// and no call.
+    #[test]
+    fn a_reply_cut_in_a_name_gives_the_partial_call() {
+        let text = "<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_wea";
+        for cut in [text.to_owned(), format!("{text}ther\n``")] {
+            let want = if cut == text {
+                "get_wea"
+            } else {
+                "get_weather"
+            };
+            for size in [1, 3, 1000] {
+                let (content, calls) = streamed(&DEEPSEEK_V3, &cut, size);
+                assert_eq!(content, "", "pieces of {size}");
+                assert_eq!(calls, vec![(want.into(), String::new())]);
+            }
+        }
+    }
+
+    #[test]
+    fn a_reply_cut_before_its_first_name_is_content() {
+        let text = "Sure.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>func";
+        for size in [1, 3, 1000] {
+            let (content, calls) = streamed(&DEEPSEEK_V3, text, size);
+            assert_eq!(content, text, "pieces of {size}");
+            assert!(calls.is_empty());
         }
     }
 
