@@ -326,12 +326,7 @@ impl Buckets {
             return Err(Error::Internal("a prefill step with no chunk".into()));
         }
         check_tokens(chunks.iter().flat_map(|c| c.tokens.iter().copied()), vocab)?;
-        let tokens = chunks.iter().map(|c| c.tokens.len()).sum();
-        let end = chunks
-            .iter()
-            .map(|c| c.start + c.tokens.len())
-            .max()
-            .unwrap_or(1);
+        let (tokens, end) = chunk_extent(chunks);
         self.prefill_shape(chunks.len(), tokens, end)
     }
 
@@ -363,6 +358,18 @@ fn smallest_fitting(buckets: &[usize], need: usize, what: &str) -> Result<usize>
             buckets.last().copied().unwrap_or(0)
         ))
     })
+}
+
+/// A prefill step's tokens in all and the furthest position one of its chunks reaches (1 for
+/// none): what picks its bucket.
+pub(crate) fn chunk_extent(chunks: &[PrefillChunk<'_>]) -> (usize, usize) {
+    let tokens = chunks.iter().map(|c| c.tokens.len()).sum();
+    let end = chunks
+        .iter()
+        .map(|c| c.start + c.tokens.len())
+        .max()
+        .unwrap_or(1);
+    (tokens, end)
 }
 
 #[cfg(test)]

@@ -277,12 +277,7 @@ impl LiveBuckets {
         if self.live.contains(&want) {
             return Ok((t, seqs, ctx));
         }
-        let tokens = chunks.iter().map(|c| c.tokens.len()).sum();
-        let end = chunks
-            .iter()
-            .map(|c| c.start + c.tokens.len())
-            .max()
-            .unwrap_or(1);
+        let (tokens, end) = super::buckets::chunk_extent(chunks);
         self.live_prefill(chunks.len(), tokens, end)
             .map(|k| (k.rows, k.seqs, k.ctx))
             .ok_or_else(|| not_live(&want, tokens, end))

@@ -442,26 +442,37 @@ fn narrow_weight_source(
     None
 }
 
-/// Whether a widened value reaches a `dot` operand unchanged in content or only scaled:
-/// through reshapes, transposes, selections, and the products and differences of a
-/// dequantization, but not through a `convert` (an activation rounded back to bf16 is not the
-/// weight anymore) nor a `broadcast` (a norm's weight broadcast over the rows scales an
-/// activation, which may then meet an f32 weight such as the router's).
+/// Ops through which a widened weight still reaches a `dot` as that weight, unchanged in
+/// content or only scaled: reshapes, transposes, selections, and the products and differences
+/// of a dequantization. Not a `convert` (an activation rounded back to bf16 is not the weight
+/// anymore) nor a `broadcast` (a norm's weight broadcast over the rows scales an activation,
+/// which may then meet an f32 weight such as the router's).
+const CARRIES_WEIGHT: &[&str] = &[
+    "reshape",
+    "copy",
+    "bitcast",
+    "transpose",
+    "slice",
+    "gather",
+    "dynamic-slice",
+    "multiply",
+    "subtract",
+];
+
+/// Whether a widened value reaches a `dot` operand as the weight it was ([`CARRIES_WEIGHT`]).
 fn reaches_dot_as_weight(
     start: &HloInstructionProto,
     users: &HashMap<i64, Vec<&HloInstructionProto>>,
 ) -> bool {
-    const CARRIES: &[&str] = &[
-        "reshape",
-        "copy",
-        "bitcast",
-        "transpose",
-        "slice",
-        "gather",
-        "dynamic-slice",
-        "multiply",
-        "subtract",
-    ];
+    reaches_dot(start, users, |o| CARRIES_WEIGHT.contains(&o))
+}
+
+/// Whether a value reaches a `dot` operand through ops that `carries` says pass it on.
+fn reaches_dot(
+    start: &HloInstructionProto,
+    users: &HashMap<i64, Vec<&HloInstructionProto>>,
+    carries: impl Fn(&str) -> bool,
+) -> bool {
     let mut seen = HashSet::new();
     let mut stack = vec![start.id];
     while let Some(id) = stack.pop() {
@@ -471,7 +482,7 @@ fn reaches_dot_as_weight(
         for u in users.get(&id).into_iter().flatten() {
             match u.opcode.as_str() {
                 "dot" => return true,
-                o if CARRIES.contains(&o) => stack.push(u.id),
+                o if carries(o) => stack.push(u.id),
                 _ => {}
             }
         }
@@ -497,21 +508,9 @@ fn weight_source_param(param: &HloInstructionProto) -> Option<String> {
 
 /// Whether a value reaches a `dot` operand through pass-through ops and broadcasts only.
 fn feeds_dot(start: &HloInstructionProto, users: &HashMap<i64, Vec<&HloInstructionProto>>) -> bool {
-    let mut seen = HashSet::new();
-    let mut stack = vec![start.id];
-    while let Some(id) = stack.pop() {
-        if !seen.insert(id) {
-            continue;
-        }
-        for u in users.get(&id).into_iter().flatten() {
-            match u.opcode.as_str() {
-                "dot" => return true,
-                o if PASS_THROUGH.contains(&o) || o == "broadcast" => stack.push(u.id),
-                _ => {}
-            }
-        }
-    }
-    false
+    reaches_dot(start, users, |o| {
+        PASS_THROUGH.contains(&o) || o == "broadcast"
+    })
 }
 
 /// The check of every graph a capture would compile, with the compile-time estimate.
