@@ -1069,3 +1069,79 @@ fn fair_decoding_bounds_a_step_by_its_cost_and_holds_back_prefill() {
         finish_beside_request_100(&mut s, &mut results, 16, want, &format!("{cost:?}"));
     }
 }
+
+/// A CPU runner whose every step hands back, for the rows whose sequence's token ids start
+/// with `poisoned`'s first token, an id past the vocabulary: what a device's argmax over a row
+/// it could not read returns.
+struct OutOfVocabulary {
+    inner: Box<dyn Runner>,
+    /// The first input token of the rows to corrupt (each step's row order differs).
+    poisoned: u32,
+}
+
+impl Runner for OutOfVocabulary {
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+    fn runner_config(&self) -> &RunnerConfig {
+        self.inner.runner_config()
+    }
+    fn backend(&self) -> Backend {
+        self.inner.backend()
+    }
+    fn capture(&mut self, buckets: &Buckets) -> deepinfer::Result<()> {
+        self.inner.capture(buckets)
+    }
+    fn replay(&mut self, step: &Step<'_>) -> deepinfer::Result<StepOutput> {
+        let poisoned: Vec<bool> = match step {
+            Step::Prefill { chunks, .. } => chunks
+                .iter()
+                .map(|c| c.start == 0 && c.tokens.first() == Some(&self.poisoned))
+                .collect(),
+            // Decode rows are not told apart here: prefill alone is poisoned.
+            Step::Decode { rows, .. } => vec![false; rows.len()],
+        };
+        let mut out = self.inner.replay(step)?;
+        let vocab = self.inner.config().vocab_size as u32;
+        for (t, bad) in out.next_tokens.iter_mut().zip(poisoned) {
+            if bad {
+                *t = vocab + 7;
+            }
+        }
+        Ok(out)
+    }
+    fn destroy(&mut self) -> deepinfer::Result<()> {
+        self.inner.destroy()
+    }
+}
+
+/// A token outside the vocabulary from the backend fails that request alone, as an internal
+/// fault naming the token; the requests batched with it finish with the tokens they give alone.
+#[test]
+fn an_out_of_vocabulary_token_fails_only_its_request() {
+    let alone = {
+        let (cfg, weights) = load("tiny-v3");
+        let inner = runner::open_with_weights(Backend::Cpu, cfg, weights, tiny_config()).unwrap();
+        let mut s = Scheduler::new(inner, None, Vec::new()).unwrap();
+        let mut r = HashMap::new();
+        s.add(1, vec![5, 6, 7], greedy(4)).unwrap();
+        run_to_end(&mut s, &mut r);
+        r[&1].tokens.clone()
+    };
+    assert_eq!(alone.len(), 4);
+    let (cfg, weights) = load("tiny-v3");
+    let inner = runner::open_with_weights(Backend::Cpu, cfg, weights, tiny_config()).unwrap();
+    let runner = OutOfVocabulary { inner, poisoned: 9 };
+    let mut s = Scheduler::new(runner, None, Vec::new()).unwrap();
+    let mut r = HashMap::new();
+    s.add(0, vec![9, 9, 9], greedy(4)).unwrap();
+    s.add(1, vec![5, 6, 7], greedy(4)).unwrap();
+    run_to_end(&mut s, &mut r);
+    let failed = r[&0].failed.as_deref().expect("the poisoned request fails");
+    assert!(failed.contains("outside the vocabulary"), "{failed}");
+    assert!(r[&0].tokens.is_empty(), "{:?}", r[&0].tokens);
+    assert_eq!(r[&1].failed, None);
+    assert_eq!(r[&1].tokens, alone);
+    assert!(s.failing().is_none(), "one bad row is not a failing device");
+    assert_eq!(s.blocks_in_use(), 0);
+}

@@ -749,6 +749,7 @@ impl<R: Runner> Scheduler<R> {
         if !rows.iter().any(|&i| self.running[i].constraint.is_some()) {
             return Vec::new();
         }
+        let vocab = self.runner.config().vocab_size;
         let mut constrained = Vec::new();
         let mut has = Vec::with_capacity(rows.len());
         let mut next = rows.iter().zip(tokens).peekable();
@@ -757,8 +758,11 @@ impl<R: Runner> Scheduler<R> {
                 continue;
             };
             next.next();
-            has.push(seq.constraint.is_some());
-            constrained.extend(seq.constraint.as_mut().map(|c| (c, token)));
+            // A token outside the vocabulary fails its sequence (`accept`); the grammar never
+            // sees it.
+            let constraint = seq.constraint.as_mut().filter(|_| (token as usize) < vocab);
+            has.push(constraint.is_some());
+            constrained.extend(constraint.map(|c| (c, token)));
         }
         let mut advanced = advance_all(&mut constrained).into_iter();
         has.into_iter()
@@ -858,6 +862,7 @@ impl<R: Runner> Scheduler<R> {
                 logits,
             }) => {
                 let mut advances = self.advance_constraints(&batch, &tokens).into_iter();
+                let vocab = self.runner.config().vocab_size;
                 for (k, (&i, token)) in batch.iter().zip(tokens).enumerate() {
                     let advance = advances.next().flatten();
                     let seq = &mut self.running[i];
@@ -868,7 +873,9 @@ impl<R: Runner> Scheduler<R> {
                         .register(&seq.blocks, written, &mut seq.block_hashes);
                     let row = logits.as_ref().and_then(|l| l.get(k));
                     let lp = logprobs_of(seq, row, token);
-                    out.push(accept(seq, token, lp, &self.eos_token_ids, advance));
+                    out.push(accept(seq, token, lp, &self.eos_token_ids, vocab, |_| {
+                        advance
+                    }));
                 }
             }
             Err(failure) => {
@@ -1068,6 +1075,7 @@ impl<R: Runner> Scheduler<R> {
                 next_tokens: tokens,
                 logits,
             }) => {
+                let vocab = self.runner.config().vocab_size;
                 // Each chunk's first logits row (AllPositions: one row per token).
                 let mut row = 0;
                 for (k, &(i, n)) in plan.iter().enumerate() {
@@ -1103,8 +1111,10 @@ impl<R: Runner> Scheduler<R> {
                         });
                     } else {
                         let lp = logprobs_of(seq, sampled_row, tokens[k]);
-                        let advance = seq.constraint.as_mut().map(|c| c.advance(tokens[k]));
-                        out.push(accept(seq, tokens[k], lp, &self.eos_token_ids, advance));
+                        let token = tokens[k];
+                        let advance =
+                            |seq: &mut Sequence| seq.constraint.as_mut().map(|c| c.advance(token));
+                        out.push(accept(seq, token, lp, &self.eos_token_ids, vocab, advance));
                     }
                 }
                 self.remove_finished(out);
@@ -1301,13 +1311,30 @@ fn logprobs_of(seq: &Sequence, row: Option<&Vec<f32>>, token: u32) -> Option<Tok
 
 /// Appends a sampled token to `seq` and decides whether it ends the sequence; `advance` is
 /// what the sequence's constraint made of the token (`None` without one).
+///
+/// A token outside the vocabulary (`vocab` ids) is a backend's fault (a device's argmax over a
+/// row it could not read, a corrupted output): it fails this sequence alone, as an internal
+/// error, and is never appended, decoded or handed to its constraint's grammar.
 fn accept(
     seq: &mut Sequence,
     token: u32,
     logprobs: Option<TokenLogprobs>,
     eos: &[u32],
-    advance: Option<Advance>,
+    vocab: usize,
+    advance: impl FnOnce(&mut Sequence) -> Option<Advance>,
 ) -> Output {
+    if token as usize >= vocab {
+        return Output {
+            id: seq.id,
+            event: Event::Failed {
+                kind: ErrorKind::Internal,
+                message: format!(
+                    "the backend sampled token {token}, outside the vocabulary (size {vocab})"
+                ),
+            },
+        };
+    }
+    let advance = advance(seq);
     seq.tokens.push(token);
     // Under a constraint, the end of the document is the end (ignore_eos or not).
     let constrained_end = match advance {
