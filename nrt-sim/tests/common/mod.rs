@@ -371,6 +371,7 @@ pub fn lowered_tiny_v3() -> &'static (PathBuf, Manifest) {
                 ctx: 64,
                 inputs_from_token_ids: Some(tokens),
                 precision: Default::default(),
+                dots: deepinfer::model::Dots::DEVICE,
                 split_sampler: false,
             },
         )
