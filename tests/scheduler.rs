@@ -650,10 +650,13 @@ fn prompt_logprobs_cover_every_position_once_across_chunks_and_preemption() {
     }
 }
 
-/// A CPU runner whose steps can be made to fail, as a device that stopped executing.
+/// A CPU runner whose steps can be made to fail, as a device that stopped executing, or hand
+/// back an id past the vocabulary (what a device's argmax over a row it could not read
+/// returns) for the prefill rows of prompts starting with `poisoned`.
 struct Flaky {
     inner: Box<dyn Runner>,
     fail: bool,
+    poisoned: Option<u32>,
 }
 
 impl Runner for Flaky {
@@ -673,7 +676,16 @@ impl Runner for Flaky {
         if self.fail {
             return Err(deepinfer::Error::Internal("injected".into()));
         }
-        self.inner.replay(step)
+        let mut out = self.inner.replay(step)?;
+        if let (Some(first), Step::Prefill { chunks, .. }) = (self.poisoned, step) {
+            let vocab = self.inner.config().vocab_size as u32;
+            for (t, c) in out.next_tokens.iter_mut().zip(chunks.iter()) {
+                if c.start == 0 && c.tokens.first() == Some(&first) {
+                    *t = vocab + 7;
+                }
+            }
+        }
+        Ok(out)
     }
     fn destroy(&mut self) -> deepinfer::Result<()> {
         self.inner.destroy()
@@ -684,7 +696,12 @@ impl Runner for Flaky {
 fn consecutive_failed_steps_are_reported_until_a_step_succeeds() {
     let (cfg, weights) = load("tiny-v3");
     let inner = runner::open_with_weights(Backend::Cpu, cfg, weights, tiny_config()).unwrap();
-    let mut s = Scheduler::new(Flaky { inner, fail: true }, None, Vec::new()).unwrap();
+    let flaky = Flaky {
+        inner,
+        fail: true,
+        poisoned: None,
+    };
+    let mut s = Scheduler::new(flaky, None, Vec::new()).unwrap();
     let mut r = HashMap::new();
     for id in 0..3 {
         s.add(id, vec![5, 6, 7], greedy(2)).unwrap();
@@ -1070,51 +1087,6 @@ fn fair_decoding_bounds_a_step_by_its_cost_and_holds_back_prefill() {
     }
 }
 
-/// A CPU runner whose every step hands back, for the rows whose sequence's token ids start
-/// with `poisoned`'s first token, an id past the vocabulary: what a device's argmax over a row
-/// it could not read returns.
-struct OutOfVocabulary {
-    inner: Box<dyn Runner>,
-    /// The first input token of the rows to corrupt (each step's row order differs).
-    poisoned: u32,
-}
-
-impl Runner for OutOfVocabulary {
-    fn config(&self) -> &ModelConfig {
-        self.inner.config()
-    }
-    fn runner_config(&self) -> &RunnerConfig {
-        self.inner.runner_config()
-    }
-    fn backend(&self) -> Backend {
-        self.inner.backend()
-    }
-    fn capture(&mut self, buckets: &Buckets) -> deepinfer::Result<()> {
-        self.inner.capture(buckets)
-    }
-    fn replay(&mut self, step: &Step<'_>) -> deepinfer::Result<StepOutput> {
-        let poisoned: Vec<bool> = match step {
-            Step::Prefill { chunks, .. } => chunks
-                .iter()
-                .map(|c| c.start == 0 && c.tokens.first() == Some(&self.poisoned))
-                .collect(),
-            // Decode rows are not told apart here: prefill alone is poisoned.
-            Step::Decode { rows, .. } => vec![false; rows.len()],
-        };
-        let mut out = self.inner.replay(step)?;
-        let vocab = self.inner.config().vocab_size as u32;
-        for (t, bad) in out.next_tokens.iter_mut().zip(poisoned) {
-            if bad {
-                *t = vocab + 7;
-            }
-        }
-        Ok(out)
-    }
-    fn destroy(&mut self) -> deepinfer::Result<()> {
-        self.inner.destroy()
-    }
-}
-
 /// A token outside the vocabulary from the backend fails that request alone, as an internal
 /// fault naming the token; the requests batched with it finish with the tokens they give alone.
 #[test]
@@ -1131,7 +1103,11 @@ fn an_out_of_vocabulary_token_fails_only_its_request() {
     assert_eq!(alone.len(), 4);
     let (cfg, weights) = load("tiny-v3");
     let inner = runner::open_with_weights(Backend::Cpu, cfg, weights, tiny_config()).unwrap();
-    let runner = OutOfVocabulary { inner, poisoned: 9 };
+    let runner = Flaky {
+        inner,
+        fail: false,
+        poisoned: Some(9),
+    };
     let mut s = Scheduler::new(runner, None, Vec::new()).unwrap();
     let mut r = HashMap::new();
     s.add(0, vec![9, 9, 9], greedy(4)).unwrap();
