@@ -124,6 +124,16 @@ for tp in 1 2; do
     echo "== XLA conformance: $fixture (--split-sampler --tp $tp)"
     .venv/bin/python scripts/xla_check.py "$out/$fixture-split-tp$tp" --reference "fixtures/$fixture/reference.json" || status=1
 done
+# A vocabulary --tp does not divide is padded (src/model/shard.rs): tiny-v3 cut to 501 tokens
+# (scripts/cut_vocab.py; its logits are the reference's first 501) at --tp 4, split sampling,
+# so that the forward graphs return padded slices and the sampling graphs read them; the
+# padding must be -inf on every rank and in the CPU backend's, and the real columns match.
+.venv/bin/python scripts/cut_vocab.py fixtures/tiny-v3 501 "$out/tiny-v3-vocab501"
+ids=$(.venv/bin/python -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['token_ids'])))" fixtures/tiny-v3/reference.json)
+target/release/deepinfer lower --model "$out/tiny-v3-vocab501" --out "$out/tiny-v3-vocab501-tp4" --dtype f32 \
+    --tp 4 --batch-sizes 1,4 --ctx 64 --inputs-from-token-ids "$ids" --split-sampler > /dev/null
+echo "== XLA conformance: tiny-v3 cut to 501 tokens (--tp 4 --split-sampler, padded vocabulary)"
+.venv/bin/python scripts/xla_check.py "$out/tiny-v3-vocab501-tp4" --reference fixtures/tiny-v3/reference.json || status=1
 echo "== XLA conformance: tests/conformance"
 .venv/bin/python scripts/make_conformance.py --check > /dev/null || status=1
 DEEPINFER_CONFORMANCE_OUT="$out/conformance" cargo test --quiet --test conformance || status=1

@@ -155,7 +155,7 @@ def graph_inputs(g: dict, tp: int) -> list[str]:
     return [g["inputs"]] if g.get("inputs") else []
 
 
-def check_graph(out_dir: Path, g: dict, tol: float, reference, reference_tol, tp: int = 1) -> list[str]:
+def check_graph(out_dir: Path, g: dict, tol: float, reference, reference_tol, tp: int, vocab: int) -> list[str]:
     """Returns a list of failures (empty when the graph matches). With tp > 1, every rank's
     outputs are checked (labelled `@rank{r}`)."""
     from safetensors.numpy import load_file
@@ -175,24 +175,52 @@ def check_graph(out_dir: Path, g: dict, tol: float, reference, reference_tol, tp
     want = load_file(str(out_dir / g["cpu_outputs"]))
     per_rank = [{o["name"]: got[f"r{r}_{o['index']}"] for o in g["outputs"]} for r in range(tp)]
     failures = []
+    if tp > 1 and "logits" in want:
+        failures += check_padding(g["name"], per_rank, want["logits"], vocab)
     for r, outs in enumerate(per_rank):
         label = g["name"] if tp == 1 else f"{g['name']}@rank{r}"
-        failures += check_outputs(label, outs, rank_view(want, r, tp), tol)
+        failures += check_outputs(label, real_view(outs, r, tp, vocab), rank_view(want, r, tp, vocab), tol)
     if reference is not None and g.get("reference_positions") is not None:
         # Each rank's logits are its vocabulary slice; transformers' rows are whole.
-        logits = np.concatenate([outs["logits"] for outs in per_rank], axis=1)
+        logits = np.concatenate([outs["logits"] for outs in per_rank], axis=1)[:, :vocab]
         failures += check_reference(g["name"], logits, g["reference_positions"], reference, reference_tol)
     return failures
 
 
-def rank_view(want: dict, rank: int, tp: int) -> dict:
+def check_padding(label: str, per_rank: list, want, vocab: int) -> list[str]:
+    """When the ranks' slices together are wider than the vocabulary (`--tp` does not divide
+    it), the last columns are padding: every rank's and the CPU backend's logits there must be
+    -inf (never sampled), and only the real columns are compared after this."""
+    joined = np.concatenate([outs["logits"] for outs in per_rank], axis=1)
+    if joined.shape != want.shape:
+        return [f"{label}.logits: joined shape {joined.shape} vs {want.shape}"]
+    if joined.shape[1] == vocab:
+        return []
+    pad = joined.shape[1] - vocab
+    if not (np.all(np.isneginf(joined[:, vocab:])) and np.all(np.isneginf(want[:, vocab:]))):
+        return [f"{label}.logits: the {pad} padding columns past the vocabulary are not all -inf"]
+    print(f"  {label}.logits: {pad} padding columns past the vocabulary ({vocab}), all -inf")
+    return []
+
+
+def real_view(outs: dict, rank: int, tp: int, vocab: int) -> dict:
+    """Rank `rank`'s outputs with its logits cut to the columns inside the vocabulary."""
+    if tp == 1 or "logits" not in outs:
+        return outs
+    width = outs["logits"].shape[1]
+    real = max(0, min(width, vocab - rank * width))
+    return {**outs, "logits": outs["logits"][:, :real]}
+
+
+def rank_view(want: dict, rank: int, tp: int, vocab: int) -> dict:
     """What rank `rank` of `tp` must output: the CPU backend's outputs, whose logits are whole
-    rows, with the logits cut to the rank's vocabulary slice (columns `rank * vocab / tp`
-    onwards)."""
+    rows (padding included), with the logits cut to the rank's vocabulary slice (columns
+    `rank * width` onwards, `width` the rows a rank holds), inside the vocabulary."""
     if tp == 1 or "logits" not in want:
         return want
     width = want["logits"].shape[1] // tp
-    return {**want, "logits": want["logits"][:, rank * width:(rank + 1) * width]}
+    end = min((rank + 1) * width, vocab)
+    return {**want, "logits": want["logits"][:, rank * width:max(end, rank * width)]}
 
 
 def check_outputs(label: str, got: dict, want: dict, tol: float) -> list[str]:
@@ -234,7 +262,9 @@ def check_reference(label: str, logits, positions, reference, reference_tol) -> 
     for row, pos in enumerate(positions):
         if pos is None:
             continue
-        ref = np.asarray(reference["logits"][pos], dtype=np.float64)
+        # A model cut to a smaller vocabulary than the reference's (the padded-vocabulary
+        # check): its logits are the reference's first columns.
+        ref = np.asarray(reference["logits"][pos], dtype=np.float64)[: logits.shape[1]]
         diff = float(np.max(np.abs(logits[row].astype(np.float64) - ref)))
         worst = max(worst, diff)
         worst_excess = max(worst_excess, diff - reference_tol(pos))
@@ -274,12 +304,13 @@ def main() -> int:
             return float(np.max(np.abs(a - np.asarray(reference["logits"][pos], dtype=np.float64))))
 
     tp = int(manifest.get("tp", 1))
+    vocab = int(manifest["vocab_size"])
     failures, checked = [], 0
     for g in manifest["graphs"]:
         if not graph_inputs(g, tp):
             continue
         print(f"{g['name']}:" if tp == 1 else f"{g['name']} ({tp} replicas):")
-        failures += check_graph(args.out_dir, g, args.tol, reference, reference_tol, tp)
+        failures += check_graph(args.out_dir, g, args.tol, reference, reference_tol, tp, vocab)
         checked += 1
     for f in failures:
         print("FAIL", f)

@@ -153,6 +153,9 @@ pub struct ManifestGraph {
 pub struct Manifest {
     /// The tensor-parallel degree: how many ranks (replicas) run each graph.
     pub tp: usize,
+    /// The model's vocabulary. The ranks' logits joined are wider when `tp` does not divide it:
+    /// the last rank's slice ends in padding whose logits are `-inf` (see `model::shard`).
+    pub vocab_size: usize,
     /// Every lowered graph.
     pub graphs: Vec<ManifestGraph>,
     /// Each graph's static cost, in the same order (printed by `--stats`, not written).
@@ -520,6 +523,7 @@ pub fn lower_sharded(
 
     let mut manifest = Manifest {
         tp: ranks,
+        vocab_size: cfg.vocab_size,
         graphs: Vec::new(),
         costs: Vec::new(),
     };

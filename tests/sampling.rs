@@ -536,6 +536,7 @@ fn split_sampler_graph(inputs: &[Input], ranks: usize) -> Graph {
         let vocab = VocabSlice::Shard {
             ranks,
             first: t[6].clone(),
+            vocab: t[0].dim(1) * ranks,
         };
         vec![("next".into(), sampling::sample(&t[0], &p, &vocab).unwrap())]
     })
@@ -724,6 +725,7 @@ fn the_split_mass_threshold_is_the_definitions() {
             let vocab = VocabSlice::Shard {
                 ranks,
                 first: t[3].clone(),
+                vocab: t[0].dim(1) * ranks,
             };
             vec![(
                 "t".into(),

@@ -6,6 +6,8 @@
 
 mod common;
 
+use std::path::Path;
+
 use common::{fixture_dir, max_abs_diff, max_abs_diff_rows, reference, FIXTURES};
 use deepinfer::config::ModelConfig;
 use deepinfer::engine::{self, StopConditions};
@@ -17,9 +19,17 @@ use deepinfer::weights::Checkpoint;
 const TOL: f32 = 1e-4;
 
 fn tp_runner(name: &str, tp: usize, max_batch: usize, moe: Option<MoeStrategy>) -> Box<dyn Runner> {
-    let dir = fixture_dir(name);
+    tp_runner_at(&fixture_dir(name), tp, max_batch, moe)
+}
+
+fn tp_runner_at(
+    dir: &Path,
+    tp: usize,
+    max_batch: usize,
+    moe: Option<MoeStrategy>,
+) -> Box<dyn Runner> {
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    let ckpt = Checkpoint::open(&dir).unwrap();
+    let ckpt = Checkpoint::open(dir).unwrap();
     let weights = ModelWeights::load(&cfg, &ckpt, &Precision::F32).unwrap();
     let mut rc = RunnerConfig::for_limits(max_batch, 128);
     rc.moe = moe;
@@ -138,6 +148,63 @@ fn split_models_draw_the_unsplit_models_sampled_tokens() {
                     engine::generate(&mut run, &r.greedy.prompt_token_ids, *p, &stop).unwrap();
                 assert_eq!(&got, want, "{name} tp {tp} {p:?}");
             }
+        }
+    }
+}
+
+/// A vocabulary size no degree above 1 divides: each fixture cut to it (see
+/// [`common::fixture_with_vocab`]) pads its last rank's slice at `--tp 2` (1 padding row) and
+/// `--tp 4` (3).
+const ODD_VOCAB: usize = 501;
+
+/// vLLM pads a vocabulary the degree does not divide; so do we (`model::shard`). The padding
+/// is never returned (every logits row is `vocab` wide and transformers' at every position,
+/// through prefill and batched decode) and never drawn: a hot sampler, where a padding
+/// column's zero logit would be among the likeliest, draws the unsplit model's tokens, every
+/// one in the vocabulary.
+#[test]
+fn a_vocabulary_the_degree_does_not_divide_is_padded_never_returned_or_drawn() {
+    let hot = SamplingParams {
+        temperature: 4.0,
+        seed: 21,
+        ..SamplingParams::GREEDY
+    };
+    let stop = StopConditions {
+        max_tokens: 32,
+        stop_token_ids: vec![],
+    };
+    // An untied LM head and a tied one (tiny-v2-group's is the embedding).
+    for name in ["tiny-v3", "tiny-v2-group"] {
+        let dir = common::fixture_with_vocab(name, ODD_VOCAB);
+        let r = reference(name);
+        assert!(r.token_ids.iter().all(|&t| (t as usize) < ODD_VOCAB));
+        let want: Vec<Vec<f32>> = r
+            .logits
+            .iter()
+            .map(|row| row[..ODD_VOCAB].to_vec())
+            .collect();
+        let mut one = tp_runner_at(&dir, 1, 4, None);
+        let drawn = engine::generate(&mut one, &r.token_ids, hot, &stop).unwrap();
+        for tp in [2, 4] {
+            let mut run = tp_runner_at(&dir, tp, 4, None);
+            let logits = engine::score(&mut run, &r.token_ids).unwrap();
+            assert!(
+                logits.iter().all(|row| row.len() == ODD_VOCAB),
+                "{name} tp {tp}"
+            );
+            let prefill = max_abs_diff_rows(&logits, &want);
+            let decode = common::decode_staggered(run.as_mut(), &r.token_ids, 4, &want);
+            eprintln!("{name} tp {tp} vocab {ODD_VOCAB}: prefill {prefill:e}, decode {decode:e}");
+            assert!(
+                prefill < TOL && decode < TOL,
+                "{name} tp {tp}: {prefill} / {decode}"
+            );
+            let got = engine::generate(&mut run, &r.token_ids, hot, &stop).unwrap();
+            assert!(
+                got.iter().all(|&t| (t as usize) < ODD_VOCAB),
+                "{name} tp {tp}: {got:?}"
+            );
+            assert_eq!(got, drawn, "{name} tp {tp}");
         }
     }
 }

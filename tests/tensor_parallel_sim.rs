@@ -9,6 +9,7 @@
 
 mod common;
 
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use common::{fixture_dir, max_abs_diff_rows, reference, RunnerExt, FIXTURES};
@@ -27,10 +28,13 @@ const TOL: f32 = 1e-4;
 const CORES: (&str, &str) = (nrt_sim::ENV_NC_COUNT, "4");
 
 fn load(name: &str) -> (ModelConfig, ModelWeights) {
-    let dir = fixture_dir(name);
+    load_dir(&fixture_dir(name))
+}
+
+fn load_dir(dir: &Path) -> (ModelConfig, ModelWeights) {
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let weights =
-        ModelWeights::load(&cfg, &Checkpoint::open(&dir).unwrap(), &Precision::F32).unwrap();
+        ModelWeights::load(&cfg, &Checkpoint::open(dir).unwrap(), &Precision::F32).unwrap();
     (cfg, weights)
 }
 
@@ -46,7 +50,11 @@ fn sim(name: &str, tp: usize) -> DeviceRunner {
 }
 
 fn sim_with(name: &str, tp: usize, opts: DeviceOptions) -> DeviceRunner {
-    let (cfg, weights) = load(name);
+    sim_at(&fixture_dir(name), tp, opts)
+}
+
+fn sim_at(dir: &Path, tp: usize, opts: DeviceOptions) -> DeviceRunner {
+    let (cfg, weights) = load_dir(dir);
     let lib = Library::open(nrt_sim::library_next_to_current_exe().expect("libnrt_sim.so"))
         .expect("load nrt-sim");
     let rc = config(tp);
@@ -116,6 +124,61 @@ fn child_split_models() {
             got, r.greedy.generated_token_ids,
             "{name} tp 2, split sampling"
         );
+    }
+}
+
+/// A vocabulary `--tp` does not divide (tiny-v3 cut to 501 tokens, see
+/// [`common::fixture_with_vocab`]) is padded on the device too: each rank's logits buffer is
+/// its padded slice, the host joins them into rows `vocab` wide, and neither the fused
+/// sampler nor the split one (whose sampling graph reads the padded slice its forward graph
+/// left) draws the padding. Transformers' logits cut to the same vocabulary are the reference.
+#[test]
+fn a_padded_vocabulary_on_nrt_sim_is_never_returned_or_drawn() {
+    run_child("child_padded_vocabulary", &[CORES]);
+}
+
+#[test]
+#[ignore = "runs in a child process started by its parent test"]
+fn child_padded_vocabulary() {
+    if !is_child() {
+        return a_padded_vocabulary_on_nrt_sim_is_never_returned_or_drawn();
+    }
+    const VOCAB: usize = 501;
+    let dir = common::fixture_with_vocab("tiny-v3", VOCAB);
+    let r = reference("tiny-v3");
+    let want: Vec<Vec<f32>> = r.logits.iter().map(|row| row[..VOCAB].to_vec()).collect();
+    let hot = SamplingParams {
+        temperature: 4.0,
+        seed: 21,
+        ..SamplingParams::GREEDY
+    };
+    let stop = StopConditions {
+        max_tokens: 24,
+        stop_token_ids: vec![],
+    };
+    let (cfg, weights) = load_dir(&dir);
+    let mut cpu = runner::open_with_weights(Backend::Cpu, cfg, weights, config(1)).unwrap();
+    let drawn = engine::generate(&mut cpu, &r.token_ids, hot, &stop).unwrap();
+    let split = DeviceOptions {
+        split_sampler: true,
+        ..DeviceOptions::sim()
+    };
+    for (tp, opts) in [
+        (2, DeviceOptions::sim()),
+        (4, DeviceOptions::sim()),
+        (4, split),
+    ] {
+        let what = format!("tp {tp}, split sampler {}", opts.split_sampler);
+        let mut d = sim_at(&dir, tp, opts);
+        let logits = engine::score(&mut d, &r.token_ids).unwrap();
+        assert!(logits.iter().all(|row| row.len() == VOCAB), "{what}");
+        let worst = max_abs_diff_rows(&logits, &want);
+        eprintln!("tiny-v3 vocab {VOCAB} sim {what}: vs transformers {worst:e}");
+        assert!(worst < TOL, "{what}: {worst}");
+        let got = engine::generate(&mut d, &r.token_ids, hot, &stop).unwrap();
+        assert!(got.iter().all(|&t| (t as usize) < VOCAB), "{what}: {got:?}");
+        assert_eq!(got, drawn, "{what}");
+        d.destroy().unwrap();
     }
 }
 

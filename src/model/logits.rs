@@ -81,7 +81,7 @@ pub fn adjust(
     vocab: &VocabSlice,
 ) -> Result<Tensor> {
     let rows = logits.dim(0);
-    let ids = vocab.token_ids(logits)?;
+    let ids = vocab.lookup_ids(logits)?;
     let allowed = allowed_tokens(p.allowed, &ids)?;
     let l = allowed.where_cond(logits, &logits.full_like(f64::NEG_INFINITY)?)?;
     let bias = dense_bias(p.bias_index, p.bias_values, rows, counts.dim(1))?;

@@ -127,6 +127,7 @@ impl<'a> Weights<'a> {
             ranks => VocabSlice::Shard {
                 ranks,
                 first: self.get(shard::SHARD_OFFSETS)?.narrow(0, 0, 1)?,
+                vocab: self.specs.vocab_size(),
             },
         })
     }
@@ -456,7 +457,8 @@ fn embed(w: &Weights, ids: &Tensor) -> Result<Tensor> {
 /// The logits of the hidden states `x` (`[n, hidden]`) over the part of the vocabulary this
 /// rank's LM head holds ([`Weights::vocab_slice`]); never gathered, see the module docs.
 fn lm_logits(cfg: &ModelConfig, w: &Weights, x: &Tensor) -> Result<Tensor> {
-    ops::linear(w.dots(), x, &w.get(ModelWeights::lm_head_name(cfg))?)
+    let logits = ops::linear(w.dots(), x, &w.get(ModelWeights::lm_head_name(cfg))?)?;
+    w.vocab_slice()?.mask_padding(&logits)
 }
 
 /// Declares the per-row sampling inputs, adjusts `logits` (mask, bias, penalties from the rows'

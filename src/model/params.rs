@@ -35,6 +35,7 @@ pub struct WeightSpecs {
     shapes: HashMap<String, Vec<usize>>,
     precision: Precision,
     ranks: usize,
+    vocab_size: usize,
 }
 
 impl WeightSpecs {
@@ -132,6 +133,7 @@ impl WeightSpecs {
             shapes: m,
             precision: *precision,
             ranks: 1,
+            vocab_size: cfg.vocab_size,
         }
     }
 
@@ -170,6 +172,12 @@ impl WeightSpecs {
     /// The tensor-parallel degree these shapes are one rank's share of (1: the whole model).
     pub fn ranks(&self) -> usize {
         self.ranks
+    }
+
+    /// The model's whole vocabulary: the embedding's rows split over the ranks may be more
+    /// (padded, see [`shard`]).
+    pub fn vocab_size(&self) -> usize {
+        self.vocab_size
     }
 
     /// The shape of a parameter, if the model has it.
@@ -433,17 +441,11 @@ impl ModelWeights {
         }
         let mut tensors = HashMap::with_capacity(self.tensors.len() + 1);
         for (name, t) in &self.tensors {
-            let split = shard::split_of(name);
-            let dim = match split {
-                Split::Replicated => {
-                    tensors.insert(name.clone(), t.clone());
-                    continue;
-                }
-                Split::Rows => 0,
-                Split::Cols => t.rank() - 1,
+            let shard = match shard::split_of(name) {
+                Split::Replicated => t.clone(),
+                split => take_shard(t, split, rank, ranks)?.contiguous()?,
             };
-            let len = t.dim(dim)? / ranks;
-            tensors.insert(name.clone(), t.narrow(dim, rank * len, len)?.contiguous()?);
+            tensors.insert(name.clone(), shard);
         }
         if ranks > 1 {
             tensors.insert(
@@ -508,7 +510,7 @@ impl ModelWeights {
 fn shard_offsets(cfg: &ModelConfig, rank: usize, ranks: usize) -> Result<CTensor> {
     let experts = cfg.routing.as_ref().map_or(0, |r| r.n_routed_experts);
     let offsets = [
-        (rank * cfg.vocab_size / ranks) as i32,
+        (rank * shard::rows_per_rank(cfg.vocab_size, ranks)) as i32,
         (rank * experts / ranks) as i32,
     ];
     Ok(CTensor::new(&offsets, &Device::Cpu)?)
@@ -582,18 +584,36 @@ fn read_param(
     let whole = ckpt.tensor(name, shape, &conv(dt))?;
     let t = match (shard::split_of(name), ranks) {
         (_, 1) | (Split::Replicated, _) => whole,
-        (split, _) => {
-            let dim = if split == Split::Rows {
-                0
-            } else {
-                whole.rank() - 1
-            };
-            let len = whole.dim(dim)? / ranks;
-            // A copy, so the whole tensor is freed once the shard is taken.
-            whole.narrow(dim, rank * len, len)?.copy()?
-        }
+        // A copy, so the whole tensor is freed once the shard is taken.
+        (split, _) => take_shard(&whole, split, rank, ranks)?.copy()?,
     };
     Ok(vec![(name.to_string(), t)])
+}
+
+/// Rank `rank`'s shard of `t` split `split` over `ranks` (not [`Split::Replicated`]): a view of
+/// its rows or last-dimension columns, except for the last rank's rows of a vocabulary the
+/// degree does not divide, which end in zero rows up to [`shard::rows_per_rank`] (the padding
+/// the graph masks, see [`shard`]).
+fn take_shard(t: &CTensor, split: Split, rank: usize, ranks: usize) -> Result<CTensor> {
+    let dim = match split {
+        Split::Cols => t.rank() - 1,
+        _ => 0,
+    };
+    let n = t.dim(dim)?;
+    let (len, start) = match split {
+        Split::Rows => {
+            let per = shard::rows_per_rank(n, ranks);
+            (per, (rank * per).min(n))
+        }
+        _ => (n / ranks, rank * (n / ranks)),
+    };
+    let held = len.min(n - start);
+    let part = t.narrow(dim, start, held)?;
+    Ok(if held == len {
+        part
+    } else {
+        part.pad_with_zeros(dim, 0, len - held)?
+    })
 }
 
 /// Reads each expert (`names`, each of `shape` `[out, in]`) as f32 and quantizes it, stacked:

@@ -23,11 +23,14 @@
 //!   carries token assignments; a rank evaluates only its experts and contributes zero for the
 //!   others. Splitting inside each expert instead would make every rank read a slice of every
 //!   selected expert: the same bytes, but `ranks` times more, smaller matmuls.
-//! - **Embedding and LM head, by vocabulary.** A rank holds `vocab / ranks` rows: the
+//! - **Embedding and LM head, by vocabulary.** A rank holds `ceil(vocab / ranks)` rows: the
 //!   embedding looks up the ids in its range and an all-reduce fills the others; each rank
 //!   adjusts and samples its own slice of the logits, and only per-row figures cross ranks
 //!   (`super::vocab`). A graph that returns logits returns the rank's slice; the runner joins
-//!   the ranks' slices on the host.
+//!   the ranks' slices on the host. A vocabulary the degree does not divide is padded, as
+//!   vLLM pads its vocabulary shards: the last rank's slice ends in zero rows whose logits the
+//!   graph sets to `-inf` (never sampled), and the runner drops their columns (never
+//!   returned). Heads and experts are not padded: a degree must divide them.
 //!
 //! A rank finds its vocabulary rows and experts from one small per-rank input,
 //! [`SHARD_OFFSETS`], so that every rank runs one and the same HLO (one NEFF per bucket).
@@ -46,7 +49,9 @@ pub const TP_DEGREES: &[usize] = &[1, 2, 4, 8, 16, 32, 64];
 pub enum Split {
     /// Every rank holds all of it.
     Replicated,
-    /// Each rank holds `1 / ranks` of dimension 0 (rows, experts or vocabulary).
+    /// Each rank holds `1 / ranks` of dimension 0 (rows, experts or vocabulary), rounded up:
+    /// the last rank's shard of a vocabulary the degree does not divide ends in zero rows
+    /// ([`rows_per_rank`]).
     Rows,
     /// Each rank holds `1 / ranks` of the last dimension (the input columns of a row-parallel
     /// projection).
@@ -86,13 +91,17 @@ pub fn split_of(name: &str) -> Split {
     }
 }
 
+/// The rows of a [`Split::Rows`] dimension of `n` each of `ranks` ranks holds: `n / ranks`, or
+/// one more when `ranks` does not divide `n` (only the vocabulary, padded; every other split
+/// size is checked by [`validate`]).
+pub fn rows_per_rank(n: usize, ranks: usize) -> usize {
+    n.div_ceil(ranks.max(1))
+}
+
 /// The sizes tensor parallelism divides among the ranks, by their config.json names: the
-/// degree must divide each.
+/// degree must divide each. The vocabulary is not among them: it is padded instead.
 pub fn split_sizes(cfg: &ModelConfig) -> Vec<(&'static str, usize)> {
-    let mut sizes = vec![
-        ("num_attention_heads", cfg.num_attention_heads),
-        ("vocab_size", cfg.vocab_size),
-    ];
+    let mut sizes = vec![("num_attention_heads", cfg.num_attention_heads)];
     if (0..cfg.num_hidden_layers).any(|l| !cfg.is_moe_layer(l)) {
         sizes.push(("intermediate_size", cfg.intermediate_size));
     }
@@ -137,7 +146,7 @@ pub fn shard_shape(full: &[usize], split: Split, ranks: usize) -> Vec<usize> {
     let mut s = full.to_vec();
     match split {
         Split::Replicated => {}
-        Split::Rows => s[0] /= ranks,
+        Split::Rows => s[0] = rows_per_rank(s[0], ranks),
         Split::Cols => {
             let last = s.len() - 1;
             s[last] /= ranks;

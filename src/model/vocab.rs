@@ -41,11 +41,15 @@ pub enum VocabSlice {
     /// All of it: every reduction is local.
     Whole,
     /// One of `ranks` equal consecutive slices; `first` (`[1]` i32) is its first token id.
+    /// When `ranks` does not divide `vocab`, the slices together are wider than the vocabulary
+    /// and the last one ends in padding columns (see [`crate::model::shard`]).
     Shard {
         /// The ranks the vocabulary is split over.
         ranks: usize,
         /// The slice's first token id.
         first: Tensor,
+        /// The whole vocabulary's size (the model's `vocab_size`).
+        vocab: usize,
     },
 }
 
@@ -54,11 +58,17 @@ impl VocabSlice {
     pub fn vocab(&self, n: usize) -> usize {
         match self {
             VocabSlice::Whole => n,
-            VocabSlice::Shard { ranks, .. } => n * ranks,
+            VocabSlice::Shard { vocab, .. } => *vocab,
         }
     }
 
-    /// The token id of each column of `[rows, n]` logits, as `[rows, n]` i32.
+    /// Whether slices `n` columns wide hold padding past the vocabulary's last token.
+    fn padded(&self, n: usize) -> bool {
+        matches!(self, VocabSlice::Shard { ranks, vocab, .. } if n * ranks > *vocab)
+    }
+
+    /// The token id of each column of `[rows, n]` logits, as `[rows, n]` i32 (a padding
+    /// column's id is past the vocabulary).
     pub fn token_ids(&self, like: &Tensor) -> Result<Tensor> {
         let ids = like.builder().iota(like.shape().clone(), DType::I32, 1)?;
         match self {
@@ -67,11 +77,35 @@ impl VocabSlice {
         }
     }
 
-    /// This slice's columns of `whole` (`[rows, vocab]`), as `[rows, n]` like `like`.
+    /// [`Self::token_ids`] with a padding column's id replaced by the last token's, for looking
+    /// up per-token inputs `vocab` wide (the padding's logits are `-inf` whatever it finds).
+    pub fn lookup_ids(&self, like: &Tensor) -> Result<Tensor> {
+        let ids = self.token_ids(like)?;
+        if !self.padded(like.dim(1)) {
+            return Ok(ids);
+        }
+        let last = ids.full_like((self.vocab(like.dim(1)) - 1) as f64)?;
+        ids.minimum(&last)
+    }
+
+    /// `logits` (`[rows, n]`, this slice's) with a padding column's logit set to `-inf`, so that
+    /// no sampler, argmax or mass ever counts it; unchanged when there is no padding.
+    pub fn mask_padding(&self, logits: &Tensor) -> Result<Tensor> {
+        let n = logits.dim(1);
+        if !self.padded(n) {
+            return Ok(logits.clone());
+        }
+        let ids = self.token_ids(logits)?;
+        let real = ids.lt(&ids.full_like(self.vocab(n) as f64)?)?;
+        real.where_cond(logits, &logits.full_like(f64::NEG_INFINITY)?)
+    }
+
+    /// This slice's columns of `whole` (`[rows, vocab]`), as `[rows, n]` like `like` (a padding
+    /// column takes the last token's value).
     pub fn columns(&self, whole: &Tensor, like: &Tensor) -> Result<Tensor> {
         match self {
             VocabSlice::Whole => Ok(whole.clone()),
-            VocabSlice::Shard { .. } => whole.gather(&self.token_ids(like)?, 1),
+            VocabSlice::Shard { .. } => whole.gather(&self.lookup_ids(like)?, 1),
         }
     }
 
@@ -158,7 +192,7 @@ impl VocabSlice {
     /// a slice; the sampler asks only for positive targets.
     pub fn draw(&self, kept: &Tensor, target: &Tensor) -> Result<Tensor> {
         let neg_id = self.token_ids(kept)?.to_dtype(DType::F32)?.neg()?;
-        let VocabSlice::Shard { ranks, first } = self else {
+        let VocabSlice::Shard { ranks, first, .. } = self else {
             // The largest -id whose mass at or above (the tokens up to it) reaches the target.
             return neg_id.mass_threshold(kept, target);
         };

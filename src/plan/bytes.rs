@@ -101,11 +101,12 @@ pub struct Entry {
 
 impl Entry {
     /// The shape of rank `rank`'s shard of N = `tp` (every rank's is the same: `tp` divides
-    /// every split dimension, checked by the plan).
+    /// every split dimension, checked by the plan, but the vocabulary, whose last shard is
+    /// padded to the others' size: see [`shard`]).
     pub fn shard_shape(&self, tp: usize, _rank: usize) -> Vec<usize> {
         let mut s = self.shape.clone();
         if let Split::Dim(d) = self.split {
-            s[d] /= tp.max(1);
+            s[d] = shard::rows_per_rank(s[d], tp);
         }
         s
     }
@@ -313,6 +314,25 @@ mod tests {
                 assert_eq!(specs.dtype(&entry.name), entry.dtype, "{}", entry.name);
             }
             assert_eq!(total_bytes(&e), specs.bytes(), "{file}");
+        }
+    }
+
+    /// What the plan charges a rank is what the runner's sharded specs hold, a padded
+    /// vocabulary included (V2-Lite's 102,400 tokens cut to 102,401: at N = 4 each rank holds
+    /// 25,601 rows of the embedding and of the LM head, the last one padding).
+    #[test]
+    fn a_rank_holds_what_the_sharded_specs_hold_with_a_padded_vocabulary() {
+        use crate::model::{Precision, WeightSpecs};
+        let mut c = cfg("deepseek-v2-lite.json");
+        c.vocab_size = 102_401;
+        let precision = Precision::all(DType::BF16);
+        let f = WeightFormat::Float(DType::BF16);
+        for tp in [1, 2, 4] {
+            let specs = WeightSpecs::sharded(&c, &precision, tp).unwrap();
+            let e = entries(&c, f, Quantize::None, f, tp);
+            assert_eq!(rank_bytes(&e, tp, tp - 1), specs.bytes(), "tp {tp}");
+            let rows = specs.shape("model.embed_tokens.weight").unwrap()[0];
+            assert_eq!(rows, 102_401usize.div_ceil(tp), "tp {tp}");
         }
     }
 

@@ -559,7 +559,7 @@ fn metadata_and_outputs(
     tp: usize,
 ) -> (u64, u64) {
     let (b, t) = (buckets.max_batch(), buckets.prefill_chunk);
-    let vocab = cfg.vocab_size / tp.max(1);
+    let vocab = crate::model::shard::rows_per_rank(cfg.vocab_size, tp);
     let metadata: usize = buckets
         .ctx
         .iter()

@@ -319,6 +319,10 @@ impl CpuRunner {
             Some(t) => {
                 let mut rows = t.to_vec2::<f32>()?;
                 rows.truncate(real_logits);
+                // Joined from the ranks' slices, which may end in padding past the vocabulary.
+                for row in &mut rows {
+                    row.truncate(self.cfg.vocab_size);
+                }
                 Some(rows)
             }
             None => None,

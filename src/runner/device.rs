@@ -95,10 +95,10 @@ use crate::backend::neuron::sim_neff::NeffNames;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::graph::{Graph, InputRole};
-use crate::model::inputs;
 use crate::model::{
     self, CacheLayout, Dots, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, WeightSpecs,
 };
+use crate::model::{inputs, shard};
 
 /// How a device runner turns a lowered graph into the bytes `nrt_load` takes: always the compile
 /// driver ([`compile_all`]) and its NEFF cache, with one compiler or the other.
@@ -880,7 +880,7 @@ impl RankLoader<'_> {
         }
 
         // Persistent outputs; the logits are this rank's vocabulary slice's columns.
-        let vocab = self.cfg.vocab_size / rc.tp;
+        let vocab = shard::rows_per_rank(self.cfg.vocab_size, rc.tp);
         let t = rc.buckets.prefill_chunk;
         let decode_next =
             Tensor::device(rt, nc, max_batch * 4, "decode/next_tokens").map_err(dev(CAP))?;
@@ -1719,10 +1719,11 @@ impl DeviceRunner {
     }
 
     /// The logits rows `rows` of the step just run on this process's ranks: each rank's
-    /// vocabulary slice (`vocab / tp` columns), rank after rank, the rows of each in order.
+    /// vocabulary slice (`vocab / tp` columns, rounded up), rank after rank, the rows of each
+    /// in order.
     fn local_logits(&self, kind: StepKind, rows: &[Range<usize>]) -> Result<Vec<f32>> {
         let st = self.captured()?;
-        let width = self.cfg.vocab_size / self.runner_cfg.tp;
+        let width = shard::rows_per_rank(self.cfg.vocab_size, self.runner_cfg.tp);
         let n: usize = rows.iter().map(|r| r.len()).sum();
         let mut out = vec![0f32; self.span.count * n * width];
         let slices = std::iter::once((&st.first.decode_logits, &st.first.prefill_logits))
@@ -1859,7 +1860,7 @@ impl DeviceRunner {
     /// [`Self::run_step`] returns them.
     fn join_logits(&self, parts: Vec<(usize, Vec<f32>)>, rows: usize) -> Result<Vec<Vec<f32>>> {
         let (vocab, tp) = (self.cfg.vocab_size, self.runner_cfg.tp);
-        let width = vocab / tp;
+        let width = shard::rows_per_rank(vocab, tp);
         let mut out = vec![vec![0f32; vocab]; rows];
         let mut seen = 0;
         for (first, data) in parts {
@@ -1871,9 +1872,11 @@ impl DeviceRunner {
                 )));
             }
             for (k, rank_rows) in data.chunks(per_rank).enumerate() {
-                let cols = (first + k) * width..(first + k + 1) * width;
+                // The last rank's slice may end in padding past the vocabulary: dropped.
+                let start = ((first + k) * width).min(vocab);
+                let cols = start..((first + k + 1) * width).min(vocab);
                 for (row, part) in out.iter_mut().zip(rank_rows.chunks(width)) {
-                    row[cols.clone()].copy_from_slice(part);
+                    row[cols.clone()].copy_from_slice(&part[..cols.len()]);
                 }
                 seen += 1;
             }

@@ -31,6 +31,51 @@ pub struct Greedy {
     pub generated_token_ids: Vec<u32>,
 }
 
+/// Fixture `name` cut to its first `vocab` tokens, written once under the tests' scratch
+/// directory: `config.json`'s `vocab_size` and the embedding's and LM head's rows, the rest
+/// as it is. Its logits at a position are the fixture's first `vocab` logits there as long
+/// as the tokens fed are below `vocab` (each LM-head row is its own token's, and the tokens
+/// fed read the same embedding rows), so transformers' reference cut the same way is its
+/// reference.
+pub fn fixture_with_vocab(name: &str, vocab: usize) -> PathBuf {
+    let dir = PathBuf::from(env!("CARGO_TARGET_TMPDIR")).join(format!("{name}-vocab{vocab}"));
+    if dir.join("model.safetensors").exists() {
+        return dir;
+    }
+    let src = fixture_dir(name);
+    let staging = dir.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::create_dir_all(&staging).unwrap();
+    let mut cfg: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    assert!(
+        cfg["vocab_size"].as_u64().unwrap() as usize > vocab,
+        "{name}: a larger vocab"
+    );
+    cfg["vocab_size"] = vocab.into();
+    std::fs::write(staging.join("config.json"), cfg.to_string()).unwrap();
+    // Every shard of the checkpoint, written back as one file.
+    let mut tensors = std::collections::HashMap::new();
+    for entry in std::fs::read_dir(&src).unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_some_and(|e| e == "safetensors") {
+            let shard = candle_core::safetensors::load(&path, &candle_core::Device::Cpu).unwrap();
+            tensors.extend(shard);
+        }
+    }
+    for key in ["model.embed_tokens.weight", "lm_head.weight"] {
+        if let Some(t) = tensors.get(key) {
+            let cut = t.narrow(0, 0, vocab).unwrap().contiguous().unwrap();
+            tensors.insert(key.to_string(), cut);
+        }
+    }
+    candle_core::safetensors::save(&tensors, staging.join("model.safetensors")).unwrap();
+    // Concurrent test binaries may race here: the first rename wins, the others' are dropped.
+    if std::fs::rename(&staging, &dir).is_err() {
+        std::fs::remove_dir_all(&staging).unwrap();
+    }
+    dir
+}
+
 /// `reference.json`: transformers' float32 logits and greedy continuation.
 #[derive(Deserialize)]
 pub struct Reference {
