@@ -1091,6 +1091,51 @@ fn neff_code_and_scratch_are_charged_against_the_core() {
     }
 }
 
+/// `--kv-blocks auto` sizes the cache by what the runtime says each core holds
+/// (`nrt_get_vnc_memory_stats`), not by the instance's 16 GiB: on a simulated core of 256 MiB
+/// the capture fits, and what nrt-sim then holds on the core (weights, cache, buffers, the
+/// NEFFs' code and scratchpad) with the runtime's micro-code is the budget (HBM x
+/// --hbm-utilization) to within one block plus 1% (the plan's estimate of the NEFFs). Sized by 16 GiB, the cache alone would not
+/// fit.
+#[test]
+fn kv_blocks_auto_fills_what_the_runtime_says_the_core_holds() {
+    const HBM: &str = "268435456"; // 256 MiB
+    run_child("child_kv_blocks_auto", &[(nrt_sim::ENV_HBM_BYTES, HBM)]);
+}
+
+#[test]
+#[ignore = "runs in a child process started by its parent test"]
+fn child_kv_blocks_auto() {
+    if !is_child() {
+        return kv_blocks_auto_fills_what_the_runtime_says_the_core_holds();
+    }
+    let mut limits = runner::Limits::new(2, 64);
+    limits.kv_blocks_auto = true;
+    let dir = common::fixture_dir("tiny-v3");
+    let runner = runner::open(Backend::Sim, &dir, &limits).unwrap();
+    let rc = runner.runner_config();
+    let c = hooks().counters().unwrap();
+    let core = &c.hbm[0];
+    let cfg = runner.config();
+    let block = (rc.block_size * cfg.num_hidden_layers * cfg.kv_cache_width() * 4) as u64;
+    let budget = (core.capacity as f64 * limits.hbm_utilization) as u64;
+    eprintln!(
+        "{} blocks; {} of {} bytes held, budget {budget}, block {block}",
+        rc.num_blocks, core.used, core.capacity
+    );
+    // The plan also counts the runtime's micro-code (96 MiB a physical core), which nrt-sim
+    // does not charge (see tensor_parallel_sim's peak test).
+    let held = core.used + deepinfer::backend::neuron::footprint::MICROCODE_PER_PHYSICAL_CORE;
+    assert!(held <= core.capacity, "{core:?}");
+    assert!(
+        held.abs_diff(budget) < block + budget / 100,
+        "{held} bytes held against a budget of {budget}: {core:?}"
+    );
+    // The instance's 16 GiB would have asked for far more than the core holds.
+    let instance = runner::device_plan(cfg, &limits, Some(DType::F32), 2).unwrap();
+    assert!(instance.kv_blocks * block as usize > core.capacity as usize);
+}
+
 #[test]
 #[ignore = "runs in a child process started by its parent test"]
 fn child_hbm_exact() {

@@ -190,6 +190,15 @@ typedef struct nrt_version {
     char git_hash[GIT_HASH_LEN];
 } nrt_version_t;
 
+/** A NeuronCore's device memory (nrt_get_vnc_memory_stats, libnrt 2.27.23 and later). 16 bytes,
+    append-only: the call takes and returns the size it filled. */
+typedef struct nrt_vnc_memory_stats {
+    /** @0: bytes allocated on the core now. */
+    size_t bytes_used;
+    /** @8: bytes the core can hold. */
+    size_t bytes_limit;
+} nrt_vnc_memory_stats_t;
+
 /* ------------------------------------------------------------------------ */
 /* Functions                                                                */
 /* ------------------------------------------------------------------------ */
@@ -211,6 +220,11 @@ NRT_STATUS nrt_get_total_nc_count(uint32_t *vnc_count);
 NRT_STATUS nrt_get_visible_nc_count(uint32_t *vnc_count);
 NRT_STATUS nrt_get_total_vnc_count(uint32_t *vnc_count);
 NRT_STATUS nrt_get_visible_vnc_count(uint32_t *vnc_count);
+
+/* Device memory of NeuronCore vnc (local to the instance), after nrt_init. stats_size_in is
+   sizeof(nrt_vnc_memory_stats_t) as the caller knows it; *stats_size_out the size filled. */
+NRT_STATUS nrt_get_vnc_memory_stats(uint32_t vnc, nrt_vnc_memory_stats_t *stats, size_t stats_size_in,
+                                    size_t *stats_size_out);
 
 /* Tensor sets. Destroying a set does not free its tensors; adding under an existing name replaces. */
 NRT_STATUS nrt_allocate_tensor_set(nrt_tensor_set_t **result);
@@ -280,5 +294,6 @@ typedef __typeof__(nrt_get_model_tensor_info) *nrt_get_model_tensor_info_fn;
 typedef __typeof__(nrt_free_model_tensor_info) *nrt_free_model_tensor_info_fn;
 typedef __typeof__(nrt_get_version) *nrt_get_version_fn;
 typedef __typeof__(nrt_get_status_as_str) *nrt_get_status_as_str_fn;
+typedef __typeof__(nrt_get_vnc_memory_stats) *nrt_get_vnc_memory_stats_fn;
 
 #endif /* NRT_DEEPINFER_H */

@@ -198,6 +198,26 @@ const _: () = {
 };
 #[doc = " The runtime library's version. 224 bytes, 8-aligned."]
 pub type nrt_version_t = nrt_version;
+#[doc = " A NeuronCore's device memory (nrt_get_vnc_memory_stats, libnrt 2.27.23 and later). 16 bytes,\nappend-only: the call takes and returns the size it filled."]
+#[repr(C)]
+#[derive(Debug, Copy, Clone)]
+pub struct nrt_vnc_memory_stats {
+    #[doc = " @0: bytes allocated on the core now."]
+    pub bytes_used: usize,
+    #[doc = " @8: bytes the core can hold."]
+    pub bytes_limit: usize,
+}
+#[allow(clippy::unnecessary_operation, clippy::identity_op)]
+const _: () = {
+    ["Size of nrt_vnc_memory_stats"][::std::mem::size_of::<nrt_vnc_memory_stats>() - 16usize];
+    ["Alignment of nrt_vnc_memory_stats"][::std::mem::align_of::<nrt_vnc_memory_stats>() - 8usize];
+    ["Offset of field: nrt_vnc_memory_stats::bytes_used"]
+        [::std::mem::offset_of!(nrt_vnc_memory_stats, bytes_used) - 0usize];
+    ["Offset of field: nrt_vnc_memory_stats::bytes_limit"]
+        [::std::mem::offset_of!(nrt_vnc_memory_stats, bytes_limit) - 8usize];
+};
+#[doc = " A NeuronCore's device memory (nrt_get_vnc_memory_stats, libnrt 2.27.23 and later). 16 bytes,\nappend-only: the call takes and returns the size it filled."]
+pub type nrt_vnc_memory_stats_t = nrt_vnc_memory_stats;
 pub type nrt_init_fn = ::std::option::Option<
     unsafe extern "C" fn(
         arg1: nrt_framework_type_t,
@@ -320,3 +340,11 @@ pub type nrt_get_version_fn = ::std::option::Option<
 >;
 pub type nrt_get_status_as_str_fn =
     ::std::option::Option<unsafe extern "C" fn(arg1: NRT_STATUS) -> *const ::std::os::raw::c_char>;
+pub type nrt_get_vnc_memory_stats_fn = ::std::option::Option<
+    unsafe extern "C" fn(
+        arg1: u32,
+        arg2: *mut nrt_vnc_memory_stats_t,
+        arg3: usize,
+        arg4: *mut usize,
+    ) -> NRT_STATUS,
+>;

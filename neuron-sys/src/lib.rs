@@ -73,6 +73,7 @@ pub use library::{
     OPTIONAL_SYMBOLS, REQUIRED_SYMBOLS,
 };
 pub use safe::{
-    execute, Model, ModelIo, Placement, Runtime, Tensor, TensorInfo, TensorSet, TensorUsage,
+    execute, MemoryStats, Model, ModelIo, Placement, Runtime, Tensor, TensorInfo, TensorSet,
+    TensorUsage,
 };
 pub use sys::status_name;

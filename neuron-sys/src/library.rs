@@ -158,6 +158,7 @@ api_table! {
         nrt_get_total_vnc_count: nrt_get_total_vnc_count_fn,
         nrt_get_visible_vnc_count: nrt_get_visible_vnc_count_fn,
         nrt_get_status_as_str: nrt_get_status_as_str_fn,
+        nrt_get_vnc_memory_stats: nrt_get_vnc_memory_stats_fn,
     }
 }
 

@@ -22,13 +22,14 @@ pub use crate::bindings::{
     nrt_destroy_tensor_set_fn, nrt_dtype_t, nrt_execute_fn, nrt_framework_type_t,
     nrt_free_model_tensor_info_fn, nrt_get_model_tensor_info_fn, nrt_get_status_as_str_fn,
     nrt_get_tensor_from_tensor_set_fn, nrt_get_total_nc_count_fn, nrt_get_total_vnc_count_fn,
-    nrt_get_version_fn, nrt_get_visible_nc_count_fn, nrt_get_visible_vnc_count_fn, nrt_init_fn,
-    nrt_load_collectives_fn, nrt_load_fn, nrt_model, nrt_model_t, nrt_tensor,
-    nrt_tensor_allocate_fn, nrt_tensor_allocate_slice_fn, nrt_tensor_free_fn,
-    nrt_tensor_get_size_fn, nrt_tensor_info, nrt_tensor_info_array, nrt_tensor_info_array_t,
-    nrt_tensor_info_t, nrt_tensor_memset_fn, nrt_tensor_placement_t, nrt_tensor_read_fn,
-    nrt_tensor_set_t, nrt_tensor_t, nrt_tensor_usage_t, nrt_tensor_write_fn, nrt_unload_fn,
-    nrt_version, nrt_version_t, NRT_STATUS,
+    nrt_get_version_fn, nrt_get_visible_nc_count_fn, nrt_get_visible_vnc_count_fn,
+    nrt_get_vnc_memory_stats_fn, nrt_init_fn, nrt_load_collectives_fn, nrt_load_fn, nrt_model,
+    nrt_model_t, nrt_tensor, nrt_tensor_allocate_fn, nrt_tensor_allocate_slice_fn,
+    nrt_tensor_free_fn, nrt_tensor_get_size_fn, nrt_tensor_info, nrt_tensor_info_array,
+    nrt_tensor_info_array_t, nrt_tensor_info_t, nrt_tensor_memset_fn, nrt_tensor_placement_t,
+    nrt_tensor_read_fn, nrt_tensor_set_t, nrt_tensor_t, nrt_tensor_usage_t, nrt_tensor_write_fn,
+    nrt_unload_fn, nrt_version, nrt_version_t, nrt_vnc_memory_stats, nrt_vnc_memory_stats_t,
+    NRT_STATUS,
 };
 
 /// Declares the status codes once: the constants, [`status_name`], [`STATUS_CODES`], and
@@ -368,4 +369,8 @@ const _: () = {
     assert!(offset_of!(nrt_version_t, rt_maintenance) == 24);
     assert!(offset_of!(nrt_version_t, rt_detail) == 32);
     assert!(offset_of!(nrt_version_t, git_hash) == 160);
+
+    assert!(size_of::<nrt_vnc_memory_stats_t>() == 16);
+    assert!(offset_of!(nrt_vnc_memory_stats_t, bytes_used) == 0);
+    assert!(offset_of!(nrt_vnc_memory_stats_t, bytes_limit) == 8);
 };

@@ -114,6 +114,45 @@ pub unsafe extern "C" fn nrt_get_visible_vnc_count(vnc_count: *mut u32) -> NRT_S
     unsafe { nrt_get_visible_nc_count(vnc_count) }
 }
 
+/// NeuronCore `vnc`'s device memory ([`runtime::memory_stats`]): `bytes_used` and
+/// `bytes_limit`. `stats_size_in` must hold the 16-byte struct; `*stats_size_out` is set to
+/// the bytes written. Before `nrt_init`, or for a core that does not exist, `NRT_INVALID`.
+///
+/// # Safety
+///
+/// `stats` and `stats_size_out` are null (then `NRT_INVALID`) or valid for writing
+/// `stats_size_in` bytes and one `size_t`.
+#[no_mangle]
+pub unsafe extern "C" fn nrt_get_vnc_memory_stats(
+    vnc: u32,
+    stats: *mut sys::nrt_vnc_memory_stats_t,
+    stats_size_in: usize,
+    stats_size_out: *mut usize,
+) -> NRT_STATUS {
+    guard("nrt_get_vnc_memory_stats", || {
+        non_null(stats, "stats")?;
+        non_null(stats_size_out, "stats_size_out")?;
+        let size = std::mem::size_of::<sys::nrt_vnc_memory_stats_t>();
+        if stats_size_in < size {
+            return Err(Fail::invalid(format!(
+                "stats_size_in {stats_size_in} is smaller than nrt_vnc_memory_stats_t ({size} bytes)"
+            )));
+        }
+        let (used, limit) = runtime::memory_stats(vnc)?;
+        let to_size = |b: u64| usize::try_from(b).unwrap_or(usize::MAX);
+        // SAFETY: both non-null and writable for what is written (the caller's contract;
+        // stats_size_in covers the struct).
+        unsafe {
+            stats.write(sys::nrt_vnc_memory_stats_t {
+                bytes_used: to_size(used),
+                bytes_limit: to_size(limit),
+            });
+            stats_size_out.write(size);
+        }
+        Ok(())
+    })
+}
+
 /// Writes [`crate::VERSION`] (which selects the hardware-code dtype table in neuron-sys;
 /// see [`crate::dtype_code`]). Callable before `nrt_init`. `size` must be at least
 /// `sizeof(nrt_version_t)` (224); only that many bytes are written.
@@ -653,6 +692,7 @@ const _: () = {
     let _: sys::nrt_free_model_tensor_info_fn = Some(nrt_free_model_tensor_info);
     let _: sys::nrt_get_version_fn = Some(nrt_get_version);
     let _: sys::nrt_get_status_as_str_fn = Some(nrt_get_status_as_str);
+    let _: sys::nrt_get_vnc_memory_stats_fn = Some(nrt_get_vnc_memory_stats);
 };
 
 #[cfg(test)]

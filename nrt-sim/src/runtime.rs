@@ -9,8 +9,8 @@ use neuron_sys::sys::{self, nrt_framework_type_t, nrt_version_t, NRT_STATUS};
 use crate::c_text::copy_c_chars;
 use crate::config::Config;
 use crate::fail::{Fail, Res};
-use crate::identity::{VERSION, VERSION_DETAIL, VERSION_GIT_HASH};
-use crate::state::{state, Phase};
+use crate::identity::{nc_count, VERSION, VERSION_DETAIL, VERSION_GIT_HASH};
+use crate::state::{hbm_used, state, Phase};
 
 /// Starts the runtime with the fault configuration read from the environment. A second
 /// `init` without [`close`] is `NRT_INVALID`, as is a malformed `NRT_SIM_*` value.
@@ -47,6 +47,22 @@ pub(crate) fn close() -> Res<()> {
     drop(st);
     drop((tensors, sets, models));
     Ok(())
+}
+
+/// NeuronCore `vnc`'s device memory as `(used, limit)`: every byte charged to it (tensors,
+/// loaded models' code and the scratchpad, as counted in [`crate::counters::CoreMemory`]) and
+/// its capacity (`NRT_SIM_HBM_BYTES`), what libnrt's `nrt_get_vnc_memory_stats` reports. Needs
+/// a running runtime; a core past [`nc_count`] is `NRT_INVALID`.
+pub(crate) fn memory_stats(vnc: u32) -> Res<(u64, u64)> {
+    let st = state();
+    st.require_running("nrt_get_vnc_memory_stats")?;
+    if vnc >= nc_count() {
+        return Err(Fail::invalid(format!(
+            "NeuronCore {vnc} does not exist ({} are simulated)",
+            nc_count()
+        )));
+    }
+    Ok((hbm_used(vnc), st.config.hbm_bytes))
 }
 
 /// The version struct for a caller's buffer of `size` bytes, which must hold a whole

@@ -49,6 +49,11 @@ pub(crate) fn reserve_hbm(core: u32, size: u64, capacity: u64) -> Result<(), u64
     Ok(())
 }
 
+/// Bytes of `core`'s device memory in use now.
+pub(crate) fn hbm_used(core: u32) -> u64 {
+    HBM_USED[core as usize].load(Ordering::SeqCst)
+}
+
 /// Returns `size` bytes of `core`'s device memory.
 pub(crate) fn release_hbm(core: u32, size: u64) {
     HBM_USED[core as usize].fetch_sub(size, Ordering::SeqCst);
@@ -337,7 +342,7 @@ impl State {
             hbm: (0..nc_count())
                 .map(|core| CoreMemory {
                     core,
-                    used: HBM_USED[core as usize].load(Ordering::SeqCst),
+                    used: hbm_used(core),
                     peak: HBM_PEAK[core as usize].load(Ordering::SeqCst),
                     capacity: self.config.hbm_bytes,
                     scratch: self.scratch_held[core as usize],

@@ -153,6 +153,38 @@ fn memset_sets_bytes_on_the_device_and_sends_none_over_the_bus() {
     assert_eq!(c.bytes_written("zeroed[32..48]"), 0);
 }
 
+/// `nrt_get_vnc_memory_stats` reports each core's bytes in use, tensors included, and its
+/// capacity (16 GiB, trn1's, by default), as libnrt 2.27.23 and later do.
+#[test]
+fn memory_stats_count_each_cores_bytes_and_capacity() {
+    let _g = serial();
+    let sim = Sim::open();
+    let rt = sim.runtime();
+    let before = rt
+        .memory_stats(1)
+        .unwrap()
+        .expect("nrt_get_vnc_memory_stats");
+    assert_eq!(before.limit, nrt_sim::DEFAULT_HBM_BYTES);
+    let t = Tensor::device(&rt, 1, 4096, "counted").unwrap();
+    let after = rt.memory_stats(1).unwrap().expect("stats");
+    assert_eq!(after.used, before.used + 4096);
+    assert_eq!(rt.memory_stats(0).unwrap().expect("stats").used, 0);
+    drop(t);
+    assert_eq!(rt.memory_stats(1).unwrap().expect("stats"), before);
+    let stats = sim.api().nrt_get_vnc_memory_stats.expect("symbol");
+    let mut raw = sys::nrt_vnc_memory_stats_t {
+        bytes_used: 0,
+        bytes_limit: 0,
+    };
+    let mut filled = 0usize;
+    // SAFETY: valid out-pointers; nrt-sim checks the core and the size, not dereferencing more.
+    let status = unsafe { stats(7, &mut raw, 16, &mut filled) };
+    assert_eq!(status, sys::NRT_INVALID, "no such core");
+    // SAFETY: as above; a size smaller than the struct is refused before anything is written.
+    let status = unsafe { stats(0, &mut raw, 8, &mut filled) };
+    assert_eq!(status, sys::NRT_INVALID, "too small a struct");
+}
+
 #[test]
 fn misuse_is_a_status_never_a_crash() {
     let _g = serial();

@@ -200,6 +200,11 @@ pub struct PlanOptions {
     pub kv_blocks: KvBlocks,
     /// Share of each core's HBM the plan may fill, in (0, 1].
     pub hbm_utilization: f64,
+    /// What each core can still hold by the runtime's own count (`nrt_get_vnc_memory_stats`,
+    /// before anything of this model is loaded), when a runner asked it; `None` (the `plan`
+    /// command, a runtime without the call): the instance's HBM per core. The plan takes the
+    /// smaller of the two.
+    pub hbm_per_core: Option<u64>,
     /// The checkpoint's float dtype when known (what `--dtype auto` means); `None` falls back
     /// to config.json's `torch_dtype`, then f32, as the runner does.
     pub saved_dtype: Option<DType>,
@@ -224,6 +229,7 @@ impl Default for PlanOptions {
             prefill_seqs: None,
             kv_blocks: KvBlocks::Default,
             hbm_utilization: DEFAULT_HBM_UTILIZATION,
+            hbm_per_core: None,
             saved_dtype: None,
             split_sampler: false,
         }
@@ -320,6 +326,11 @@ pub struct Plan {
     pub weights_bytes_total: u64,
     /// Bytes every rank holds whole.
     pub replicated_bytes: u64,
+    /// HBM per core: the instance's, or less when the runtime said so
+    /// ([`PlanOptions::hbm_per_core`]).
+    pub hbm_per_core: u64,
+    /// Whether [`Self::hbm_per_core`] is the runtime's count rather than the instance's.
+    pub hbm_measured: bool,
     /// HBM per core x utilization.
     pub budget_per_core: u64,
     /// The host while loading.
@@ -394,8 +405,11 @@ impl Plan {
             * cfg.num_hidden_layers
             * (cfg.kv_cache_width() + cfg.index_cache_width())) as u64
             * kv_dtype.size_in_bytes() as u64;
-        let budget_per_core =
-            (opts.instance.hbm_per_core() as f64 * opts.hbm_utilization).floor() as u64;
+        let instance_hbm = opts.instance.hbm_per_core();
+        let hbm_per_core = opts
+            .hbm_per_core
+            .map_or(instance_hbm, |m| m.min(instance_hbm));
+        let budget_per_core = (hbm_per_core as f64 * opts.hbm_utilization).floor() as u64;
 
         let mut per_core: Vec<CoreBytes> = (0..tp)
             .map(|rank| CoreBytes {
@@ -456,6 +470,8 @@ impl Plan {
             params: bytes::param_count(&entries),
             weights_bytes_total: bytes::total_bytes(&entries),
             replicated_bytes: bytes::replicated_bytes(&entries),
+            hbm_per_core,
+            hbm_measured: opts.hbm_per_core.is_some(),
             budget_per_core,
             host,
             neffs: est.graphs,
@@ -485,7 +501,7 @@ impl Plan {
                     c.rank,
                     gib(c.total()),
                     gib(self.budget_per_core),
-                    gib(self.instance.hbm_per_core()),
+                    gib(self.hbm_per_core),
                 ));
             }
         }

@@ -1206,6 +1206,34 @@ impl DeviceRunner {
         self.layout
     }
 
+    /// The device memory each local rank's NeuronCore can still take, by the runtime's own
+    /// count (`nrt_get_vnc_memory_stats`: its limit less what is in use), the least over the
+    /// cores; `None` when the runtime cannot say (libnrt before 2.27.23).
+    pub fn free_hbm(&self) -> Result<Option<u64>> {
+        let mut least: Option<u64> = None;
+        for nc in self.opts.nc..self.opts.nc + self.span.count as u32 {
+            let Some(stats) = self.rt.memory_stats(nc)? else {
+                return Ok(None);
+            };
+            let free = stats.limit.saturating_sub(stats.used);
+            least = Some(least.map_or(free, |l| l.min(free)));
+        }
+        Ok(least)
+    }
+
+    /// Sizes the KV cache to `blocks` blocks before the first capture (`--kv-blocks auto` by
+    /// the runtime's count, see [`Self::free_hbm`]); a captured runner keeps its cache.
+    pub fn set_kv_blocks(&mut self, blocks: usize) -> Result<()> {
+        if self.state.is_some() {
+            return Err(Error::Internal(
+                "the KV cache is resized only before the first capture".into(),
+            ));
+        }
+        self.runner_cfg.num_blocks = blocks;
+        self.layout = self.runner_cfg.cache_layout();
+        Ok(())
+    }
+
     /// The runtime the models are loaded in.
     pub fn runtime(&self) -> &Runtime {
         &self.rt

@@ -284,7 +284,20 @@ pub(crate) fn prepare_device(
     opts.background_compile =
         limits.background_compile && limits.ranks.is_none() && limits.followers.is_empty();
     let lib = device_library(backend)?;
-    DeviceRunner::new(cfg, weights, runner_cfg, lib, opts)
+    let cores = lib.visible_nc_count()?.unwrap_or(1) as usize;
+    let mut runner = DeviceRunner::new(cfg, weights, runner_cfg, lib, opts)?;
+    if limits.kv_blocks_auto {
+        // The plan sized the cache by the instance's HBM per core; the runtime, now started,
+        // may say its cores hold less (what it reserves for itself; nrt-sim's
+        // NRT_SIM_HBM_BYTES): then the cache is sized by what it says, before anything is
+        // allocated.
+        if let Some(free) = runner.free_hbm()? {
+            let cfg = runner.config().clone();
+            let plan = device_plan_with(&cfg, limits, cfg.saved_dtype, cores, Some(free))?;
+            runner.set_kv_blocks(plan.kv_blocks)?;
+        }
+    }
+    Ok(runner)
 }
 
 /// The libnrt of `backend`: nrt-sim's for sim, else the installed one.
@@ -317,6 +330,18 @@ pub fn device_plan(
     saved: Option<crate::graph::DType>,
     cores: usize,
 ) -> Result<crate::plan::Plan> {
+    device_plan_with(cfg, limits, saved, cores, None)
+}
+
+/// [`device_plan`] with each core holding at most `hbm_per_core` bytes, as the runtime counts
+/// them ([`crate::plan::PlanOptions::hbm_per_core`]).
+fn device_plan_with(
+    cfg: &ModelConfig,
+    limits: &Limits,
+    saved: Option<crate::graph::DType>,
+    cores: usize,
+    hbm_per_core: Option<u64>,
+) -> Result<crate::plan::Plan> {
     use crate::plan;
     // More ranks than this process sees: said in what a runner's user can change (the plan's
     // own message would suggest `--instance`, a flag only `deepinfer plan` takes).
@@ -338,7 +363,10 @@ pub fn device_plan(
             limits.tp
         )));
     }
-    let opts = device_plan_options(limits, saved, cores)?;
+    let opts = plan::PlanOptions {
+        hbm_per_core,
+        ..device_plan_options(limits, saved, cores)?
+    };
     let instance = opts.instance;
     let p = plan::Plan::compute(cfg, &opts)?;
     if p.fits() {
@@ -393,6 +421,7 @@ pub fn device_plan_options(
             (false, None) => KvBlocks::Default,
         },
         hbm_utilization: limits.hbm_utilization,
+        hbm_per_core: None,
         saved_dtype: saved,
         split_sampler: limits.split_sampler,
     })

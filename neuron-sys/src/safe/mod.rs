@@ -15,5 +15,5 @@ mod runtime;
 mod tensor;
 
 pub use model::{execute, Model, ModelIo, TensorInfo, TensorUsage};
-pub use runtime::Runtime;
+pub use runtime::{MemoryStats, Runtime};
 pub use tensor::{Placement, Tensor, TensorSet};

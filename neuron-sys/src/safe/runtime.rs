@@ -73,6 +73,15 @@ impl std::fmt::Debug for Runtime {
     }
 }
 
+/// A NeuronCore's device memory, as [`Runtime::memory_stats`] reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MemoryStats {
+    /// Bytes allocated on the core now (tensors, loaded models, scratchpad).
+    pub used: u64,
+    /// Bytes the core can hold.
+    pub limit: u64,
+}
+
 impl Runtime {
     /// Calls `nrt_init(NRT_FRAMEWORK_TYPE_NO_FW, "", "")` and owns the runtime over the
     /// NeuronCores `start_nc .. start_nc + nc_count` (relative to the visible set).
@@ -166,6 +175,39 @@ impl Runtime {
     /// How many NeuronCores this runtime uses.
     pub fn nc_count(&self) -> u32 {
         self.inner.nc_count
+    }
+
+    /// NeuronCore `nc`'s device memory as the runtime counts it (`nrt_get_vnc_memory_stats`):
+    /// what is allocated on it and what it can hold. `Ok(None)` when the runtime predates the
+    /// call (libnrt before 2.27.23).
+    pub fn memory_stats(&self, nc: u32) -> Result<Option<MemoryStats>> {
+        const CALL: &str = "nrt_get_vnc_memory_stats";
+        self.check_nc(CALL, nc)?;
+        let lib = &self.inner.lib;
+        let Some(f) = lib.api().nrt_get_vnc_memory_stats else {
+            return Ok(None);
+        };
+        let mut raw = sys::nrt_vnc_memory_stats_t {
+            bytes_used: 0,
+            bytes_limit: 0,
+        };
+        let mut filled = 0usize;
+        let size = std::mem::size_of::<sys::nrt_vnc_memory_stats_t>();
+        // SAFETY: `raw` is a valid nrt_vnc_memory_stats_t of `size` bytes and `filled` a valid
+        // size_t, both live for the call, which only writes them; the runtime is initialised
+        // (self holds it).
+        let status = unsafe { f(nc, &mut raw, size, &mut filled) };
+        lib.check(CALL, status)?;
+        if filled < size {
+            return Err(Error::invalid(
+                CALL,
+                format!("the runtime filled {filled} of the {size} bytes of its memory stats"),
+            ));
+        }
+        Ok(Some(MemoryStats {
+            used: raw.bytes_used as u64,
+            limit: raw.bytes_limit as u64,
+        }))
     }
 
     /// Whether `other` is this same runtime.

@@ -115,6 +115,8 @@ pub(crate) fn run(args: PlanArgs) -> Result<ExitCode> {
         prefill_seqs: args.max_prefill_seqs,
         kv_blocks: args.kv_blocks.unwrap_or_default(),
         hbm_utilization: args.hbm_utilization,
+        // An offline plan: the instance's HBM (a runner asks the runtime).
+        hbm_per_core: None,
         saved_dtype,
         split_sampler: false,
     };
@@ -214,7 +216,7 @@ fn to_json(
         "params": plan.params,
         "weights_bytes_total": plan.weights_bytes_total,
         "replicated_bytes": plan.replicated_bytes,
-        "hbm_per_core": plan.instance.hbm_per_core(),
+        "hbm_per_core": plan.hbm_per_core,
         "hbm_utilization": opts.hbm_utilization,
         "budget_per_core": plan.budget_per_core,
         "per_core": plan.per_core().iter().map(|c| core_json(c, plan.budget_per_core)).collect::<Vec<_>>(),
@@ -340,7 +342,7 @@ fn print_table(
          core plus, per NEFF, {} B per estimated instruction and twice the largest collective \
          (guesses; not yet measured on a trn1)\nbudget = {} HBM per core x {}",
         deepinfer::backend::neuron::footprint::BYTES_PER_INSTRUCTION,
-        gib(plan.instance.hbm_per_core()),
+        gib(plan.hbm_per_core),
         opts.hbm_utilization
     ))?;
     if let Some(big) = plan.neffs.iter().max_by_key(|g| g.footprint.private()) {
