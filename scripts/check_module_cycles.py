@@ -8,7 +8,8 @@ strongly connected components of more than one node: each is an import circle.
 
     scripts/check_module_cycles.py [--group DIR ...] [--only PATH ...]
 
-`--group src/runner/instances` counts a directory's files as one node. `--only` prints only
+`--group src/runner/instances` counts a directory's files (and `src/runner/instances.rs`,
+when that declares them) as one node. `--only` prints only
 the circles that touch one of the given files or directories. A parent `mod.rs` and the
 children it declares are not a circle by themselves: a child's `super::` import of its parent
 is counted, the parent's `mod child;`, `pub use child::..` and uses of its children are not.
@@ -190,7 +191,8 @@ def main():
 
     def node(p):
         for g in groups:
-            if p == g or p.startswith(g + os.sep):
+            # `src/a.rs` declaring `src/a/*` is the same module as its directory.
+            if p in (g, g + ".rs") or p.startswith(g + os.sep):
                 return g + "/"
         return p
 

@@ -2,7 +2,7 @@
 //!
 //! The model's weights ([`crate::model::params`]) are held here before any backend sees them;
 //! the CPU backend ([`crate::backend::cpu`]) runs graphs on these values directly, the device
-//! runner uploads them as bytes ([`bytes`]). So the model names no backend, and both backends
+//! runner uploads them as bytes ([`with_tensor_bytes`]). So the model names no backend, and both backends
 //! read one definition of a host value.
 
 mod bytes;

@@ -30,7 +30,7 @@
 //!
 //! - **Who may lead.** A follower answers only a leader that proves it holds the secret both
 //!   were given ([`ENV_SECRET`](crate::deployment::ENV_SECRET)): a challenge-response at the handshake
-//!   ([`crate::deployment::secret`]); any other connection is refused before it can send a step
+//!   (`deployment::secret`); any other connection is refused before it can send a step
 //!   or read an output, and the follower goes on waiting (the follower's side is
 //!   [`crate::runner::follow`]).
 //!
