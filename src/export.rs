@@ -36,6 +36,7 @@ use crate::backend::hlo;
 use crate::backend::neuron::check::{check_module, CheckOptions, CheckReport};
 use crate::backend::neuron::compile::CompileJob;
 use crate::config::ModelConfig;
+use crate::deployment::{Limits, RunnerConfig, StepKind};
 use crate::error::{Error, Result};
 use crate::graph::stats::{stats, GraphStats};
 use crate::graph::{Graph, InputRole};
@@ -47,7 +48,7 @@ use crate::model::{
 use crate::runner::step::{
     self, DecodeRow, HostArray, HostData, LogitControls, PrefillChunk, SamplingParams,
 };
-use crate::runner::{CpuRunner, Limits, Runner, RunnerConfig, Step, StepKind};
+use crate::runner::{CpuRunner, Runner, Step};
 use crate::weights::Checkpoint;
 
 /// The sequences of the packed prefill graph `lower` writes besides the unpacked one.

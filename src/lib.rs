@@ -5,8 +5,11 @@
 //! to XLA HLO for neuronx-cc and replay it on Trainium through libnrt.
 //!
 //! Arrows point one way: `server -> engine -> runner -> backend -> graph`, `model -> graph`;
-//! [`error`] sits below them all. Nothing below imports anything above. [`plan`] sizes a
-//! deployment from the config and the runner's buckets (`plan -> runner`); nothing imports it.
+//! [`error`] sits below them all. Nothing below imports anything above. Host tensors
+//! ([`host`]: the model's weights, the CPU backend's values) sit below both `model` and
+//! `backend`, so the model names no backend. [`plan`] sizes a deployment before any runner
+//! exists, from the config and [`deployment`] (buckets, limits), which the runner reads too:
+//! `runner -> plan -> deployment`, `runner -> deployment` (a device capture checks its plan).
 //!
 //! The default `server` feature adds what serving needs (the engine, the HTTP server, the
 //! tokenizer, metrics, and the `deepinfer` binary). Without it the library is the graph, the
@@ -19,12 +22,14 @@
 
 pub mod backend;
 pub mod config;
+pub mod deployment;
 #[cfg(feature = "server")]
 pub mod engine;
 pub mod error;
 pub mod export;
 pub mod gguf;
 pub mod graph;
+pub mod host;
 #[cfg(feature = "server")]
 pub mod metrics;
 pub mod model;

@@ -1,6 +1,6 @@
 //! A model over two "instances": a leader running ranks 0..2 of `--tp 4` and a follower running
 //! 2..4, joined over TCP on localhost exactly as two trn1 hosts would be (`runner::open` with
-//! `--ranks`/`--followers` on one side, `instances::follow` on the other). nrt-sim runs in one
+//! `--ranks`/`--followers` on one side, `runner::follow` on the other). nrt-sim runs in one
 //! process, so the two share its simulated cores and its collectives meet the four ranks.
 //!
 //! Checked: transformers' logits (within 1e-4, the follower's vocabulary slices crossing the
@@ -18,12 +18,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{fixture_dir, max_abs_diff_rows, reference};
+use deepinfer::deployment::{InstanceSecret, Limits, RankSpan};
 use deepinfer::engine::{self, StopConditions};
 use deepinfer::graph::DType;
 use deepinfer::model::DTypeChoice;
-use deepinfer::runner::device::RankSpan;
 use deepinfer::runner::step::SamplingParams;
-use deepinfer::runner::{self, instances, Backend, Limits};
+use deepinfer::runner::{self, instances, Backend};
 use nrt_sim::{is_fault_child as is_child, run_test_in_child as run_child};
 
 /// Two simulated cores (a trn1.2xlarge), shared by the two instances; the root communicator
@@ -36,8 +36,8 @@ const ENV: [(&str, &str); 2] = [
 /// `--tp 4 --ranks RANKS --followers FOLLOWERS --dtype f32` (transformers' reference is f32;
 /// some fixtures say bf16 in config.json).
 /// The secret the leader and followers of these tests share.
-fn secret() -> instances::InstanceSecret {
-    instances::InstanceSecret::new("instances-sim-test-secret").unwrap()
+fn secret() -> InstanceSecret {
+    InstanceSecret::new("instances-sim-test-secret").unwrap()
 }
 
 fn limits(ranks: RankSpan, followers: Vec<String>) -> Limits {
@@ -62,7 +62,7 @@ fn start_follower(
     let addr = listener.local_addr().unwrap().to_string();
     let span = RankSpan { first, count: 2 };
     let t = std::thread::spawn(move || {
-        instances::follow(Backend::Sim, &model, span, listener, &secret(), |_| {})
+        runner::follow(Backend::Sim, &model, span, listener, &secret(), |_| {})
     });
     (addr, t)
 }
@@ -339,7 +339,7 @@ fn child_auth() {
     drop(s);
     // A leader with another secret is refused the same way, and says which follower.
     let wrong = Limits {
-        instance_secret: Some(instances::InstanceSecret::new("some-other-secret-value").unwrap()),
+        instance_secret: Some(InstanceSecret::new("some-other-secret-value").unwrap()),
         ..limits(RankSpan { first: 0, count: 2 }, vec![addr.clone()])
     };
     let err = open_err(Backend::Sim, &fixture_dir("tiny-v3"), &wrong);

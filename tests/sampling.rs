@@ -20,6 +20,7 @@ use deepinfer::backend::neuron::compile::{compile_all, CompileJob, CompilerConfi
 use deepinfer::backend::neuron::sim_neff::NeffNames;
 use deepinfer::backend::{cpu, hlo};
 use deepinfer::graph::{DType, Graph, GraphBuilder, InputRole};
+use deepinfer::host;
 use deepinfer::model::sampling::{self, SamplingInputs};
 use deepinfer::model::vocab::VocabSlice;
 use deepinfer::runner::{self, binding};
@@ -108,7 +109,7 @@ fn sampler_graph(inputs: &[Input]) -> Graph {
 fn run_cpu(g: &Graph, inputs: &[Input]) -> Vec<Vec<u8>> {
     let args: Vec<CTensor> = inputs
         .iter()
-        .map(|i| cpu::tensor_from_bytes(i.dtype, &i.shape, &i.bytes).unwrap())
+        .map(|i| host::tensor_from_bytes(i.dtype, &i.shape, &i.bytes).unwrap())
         .collect();
     let outs = cpu::run(g, &args).unwrap();
     assert_eq!(
@@ -118,7 +119,7 @@ fn run_cpu(g: &Graph, inputs: &[Input]) -> Vec<Vec<u8>> {
     );
     outs.iter()
         .zip(g.outputs())
-        .map(|(t, o)| cpu::with_tensor_bytes(t, g.node(o.node).dtype, |b| b.to_vec()).unwrap())
+        .map(|(t, o)| host::with_tensor_bytes(t, g.node(o.node).dtype, |b| b.to_vec()).unwrap())
         .collect()
 }
 
@@ -548,7 +549,7 @@ fn rank_inputs(inputs: &[Input], split: &[&str], r: usize, ranks: usize) -> Vec<
     let mut out: Vec<CTensor> = inputs
         .iter()
         .map(|i| {
-            let t = cpu::tensor_from_bytes(i.dtype, &i.shape, &i.bytes).unwrap();
+            let t = host::tensor_from_bytes(i.dtype, &i.shape, &i.bytes).unwrap();
             if split.contains(&i.name) {
                 let n = i.shape[1] / ranks;
                 t.narrow(1, r * n, n).unwrap().contiguous().unwrap()
@@ -577,7 +578,7 @@ fn run_split(g: &Graph, inputs: &[Input], split: &[&str], ranks: usize) -> Vec<V
             o.iter()
                 .zip(g.outputs())
                 .map(|(t, out)| {
-                    cpu::with_tensor_bytes(t, g.node(out.node).dtype, |b| b.to_vec()).unwrap()
+                    host::with_tensor_bytes(t, g.node(out.node).dtype, |b| b.to_vec()).unwrap()
                 })
                 .collect()
         })

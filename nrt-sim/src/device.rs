@@ -12,6 +12,7 @@ use std::sync::Arc;
 use candle_core::Tensor as CTensor;
 use deepinfer::backend::cpu;
 use deepinfer::graph::Graph;
+use deepinfer::host;
 use neuron_sys::sys;
 
 use crate::fail::{Fail, Res};
@@ -49,7 +50,7 @@ impl Bound {
 /// length the caller checked against `desc.size`).
 fn to_candle(desc: &IoDesc, bytes: &[u8]) -> Res<CTensor> {
     let dims: Vec<usize> = desc.shape.iter().map(|&d| d as usize).collect();
-    cpu::tensor_from_bytes(desc.dtype, &dims, bytes).map_err(|e| {
+    host::tensor_from_bytes(desc.dtype, &dims, bytes).map_err(|e| {
         Fail::new(
             sys::NRT_FAILURE,
             format!("input `{}`: cannot build a tensor: {e}", desc.name),
@@ -61,7 +62,7 @@ fn to_candle(desc: &IoDesc, bytes: &[u8]) -> Res<CTensor> {
 /// its declared dtype and size.
 fn write_output(desc: &IoDesc, t: &CTensor, to: &Bound) -> Res<()> {
     let fail = |msg: String| Fail::new(sys::NRT_FAILURE, format!("output `{}`: {msg}", desc.name));
-    cpu::with_tensor_bytes(t, desc.dtype, |bytes| {
+    host::with_tensor_bytes(t, desc.dtype, |bytes| {
         if bytes.len() != desc.size || bytes.len() != to.size {
             return Err(fail(format!(
                 "the CPU backend produced {} bytes, the model declares {}",

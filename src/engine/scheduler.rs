@@ -74,7 +74,7 @@
 //! streams keep flowing. A failed step (a device fault) fails exactly the sequences in it; the
 //! rest go on.
 //!
-//! [`Buckets::prefill_seqs`]: crate::runner::Buckets::prefill_seqs
+//! [`Buckets::prefill_seqs`]: crate::deployment::Buckets::prefill_seqs
 
 use std::collections::VecDeque;
 use std::sync::Arc;

@@ -20,6 +20,7 @@ use crate::config::ModelConfig;
 use crate::error::Result;
 use crate::graph::Tensor;
 
+use super::attn_step::AttnStep;
 use super::ops::{linear, matmul, rms_norm, softmax};
 use super::{indexer, rope, Weights};
 
@@ -31,24 +32,6 @@ pub struct Roots {
     pub kv: Tensor,
     /// `[slots, layers * index_head_dim]` (V3.2 only).
     pub index: Option<Tensor>,
-}
-
-/// What one layer's attention needs from the step.
-pub struct AttnStep<'a> {
-    /// cos/sin of the new tokens' positions, `[n, rope_dim / 2]` each.
-    pub cos: &'a Tensor,
-    /// See `cos`.
-    pub sin: &'a Tensor,
-    /// Cache slots of the new tokens, `[n]`.
-    pub slots: &'a Tensor,
-    /// Cache slots of every context position, `[seqs * ctx]`, row-major by sequence.
-    pub ctx_slots: &'a Tensor,
-    /// Which (query, context position) pairs may attend: `[n, seqs * ctx]` bool for prefill
-    /// (every token against every packed sequence's context), `[seqs, ctx]` for decode (one
-    /// query per sequence).
-    pub visible: &'a Tensor,
-    /// Context positions of one sequence (the bucket's `ctx`): what a query can see at most.
-    pub seq_ctx: usize,
 }
 
 /// This layer's queries: the non-rotated part `[n, heads, nope]`, the rotated part

@@ -27,8 +27,9 @@ use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::graph::{DType, Tensor};
 
+use super::attn_step::AttnStep;
 use super::ops::{layer_norm, linear, matmul};
-use super::{attention::AttnStep, rope, Weights};
+use super::{rope, Weights};
 
 /// The widest `sort` neuronx-cc compiles (its `AwsNeuronTopK` rewrite takes k <= 16,384; see
 /// `backend::neuron::check::accepted::MAX_SORT_WIDTH`, which the Neuron check enforces).

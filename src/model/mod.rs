@@ -36,6 +36,7 @@
 //! collective gathers them, the runner joins the ranks' slices on the host when asked.
 
 pub mod attention;
+pub mod attn_step;
 pub mod cost;
 pub mod indexer;
 pub mod inputs;
@@ -57,6 +58,7 @@ use crate::error::{Error, Result};
 use crate::graph::{DType, Graph, GraphBuilder, InputRole, ReduceOp, Tensor};
 
 use attention::Roots;
+use attn_step::AttnStep;
 use vocab::VocabSlice;
 
 pub use moe::MoeStrategy;
@@ -401,14 +403,8 @@ fn feed_forward(
     }
 }
 
-type AttnFn = fn(
-    &ModelConfig,
-    &Weights,
-    usize,
-    &Tensor,
-    &Roots,
-    &attention::AttnStep<'_>,
-) -> Result<(Tensor, Roots)>;
+type AttnFn =
+    fn(&ModelConfig, &Weights, usize, &Tensor, &Roots, &AttnStep<'_>) -> Result<(Tensor, Roots)>;
 
 /// Runs every decoder layer; returns the final normalized hidden states and the updated roots.
 fn decoder(
@@ -416,7 +412,7 @@ fn decoder(
     w: &Weights,
     mut x: Tensor,
     mut root: Roots,
-    step: &attention::AttnStep<'_>,
+    step: &AttnStep<'_>,
     attn: AttnFn,
     strategy: MoeStrategy,
 ) -> Result<(Tensor, Roots)> {
@@ -577,7 +573,7 @@ impl StepInputs {
         attn: AttnFn,
         strategy: MoeStrategy,
     ) -> Result<(Tensor, Roots)> {
-        let step = attention::AttnStep {
+        let step = AttnStep {
             cos: &self.cos,
             sin: &self.sin,
             slots: &self.slots,
@@ -704,7 +700,7 @@ pub fn build_sample(
 /// (`[s * ctx]`, in block-table row order): a token sees the positions of its own sequence up
 /// to its own, nothing of the others'. Attention then costs `t x s * ctx` scores where `s`
 /// separate steps would cost `s` times `t_i x ctx`; the buckets only pack where `s * ctx` is at
-/// most the longest context (see `runner::Buckets::packed_seqs`), so a packed step never
+/// most the longest context (see `deployment::Buckets::packed_seqs`), so a packed step never
 /// attends wider than one full-context prefill does.
 pub fn build_prefill(
     cfg: &ModelConfig,

@@ -20,10 +20,10 @@ use std::sync::Arc;
 
 use candle_core::{Device, Tensor as CTensor};
 
-use crate::backend::cpu::{candle_dtype, QuantizedWeight, Value};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::graph::DType;
+use crate::host::{candle_dtype, QuantizedWeight, Value};
 use crate::weights::{Checkpoint, Conversion};
 
 use super::precision::{Dots, Precision, Quantize, INT4_GROUP};

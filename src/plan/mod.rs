@@ -70,10 +70,10 @@ use std::fmt;
 use std::str::FromStr;
 
 use crate::config::ModelConfig;
+use crate::deployment::{Buckets, Limits, DEFAULT_HBM_UTILIZATION};
 use crate::error::{Error, Result};
 use crate::graph::DType;
 use crate::model::{DTypeChoice, Dots, Precision, Quantize};
-use crate::runner::{Buckets, Limits};
 
 pub use self::bytes::WeightFormat;
 pub use self::instance::Instance;
@@ -81,9 +81,6 @@ pub use self::suggest::{suggest, Suggestion};
 
 /// The tensor-parallel degrees a plan considers: the runner's.
 pub const TP_CHOICES: &[usize] = crate::model::shard::TP_DEGREES;
-
-/// The default share of each core's HBM a plan may use.
-pub const DEFAULT_HBM_UTILIZATION: f64 = 0.9;
 
 /// `--dtype` for a plan: the runner's choices plus `fp8`, the published V3 storage, which the
 /// runner does not serve yet (it dequantizes fp8 checkpoints to bf16) but a deployment must be

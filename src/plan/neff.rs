@@ -25,9 +25,9 @@
 use crate::backend::hlo::emit;
 use crate::backend::neuron::footprint::{self, NeffFootprint, MICROCODE_PER_PHYSICAL_CORE};
 use crate::config::ModelConfig;
+use crate::deployment::{RunnerConfig, StepKind};
 use crate::error::Result;
 use crate::model::{self, GraphSpec, Precision, WeightSpecs};
-use crate::runner::{RunnerConfig, StepKind};
 
 use super::instance::Instance;
 

@@ -25,16 +25,18 @@ use std::time::{Duration, Instant};
 
 use candle_core::{Device, Tensor as CTensor};
 
-use crate::backend::cpu::{self, Group, Value, DEFAULT_COLLECTIVE_TIMEOUT};
+use crate::backend::cpu::{self, Group, DEFAULT_COLLECTIVE_TIMEOUT};
 use crate::config::ModelConfig;
+use crate::deployment::{Buckets, RunnerConfig, StepKind};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, InputRole};
+use crate::host::{self, Value};
 use crate::model::{
     self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, Sampler, WeightSpecs,
 };
 
 use super::step::{self, HostArray, HostData};
-use super::{Backend, Buckets, DecodeCosts, Runner, RunnerConfig, Step, StepKind, StepOutput};
+use super::{Backend, DecodeCosts, Runner, Step, StepOutput};
 
 /// The CPU graph runner for one model.
 pub struct CpuRunner {
@@ -155,7 +157,7 @@ impl CpuRunner {
                     .map(|r| {
                         let t = CTensor::zeros(
                             (r.rows, r.cols),
-                            cpu::candle_dtype(r.dtype),
+                            host::candle_dtype(r.dtype),
                             &Device::Cpu,
                         );
                         Ok((r.name, t?))

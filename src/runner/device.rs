@@ -82,19 +82,18 @@ use neuron_sys::{Library, Model, Runtime, Tensor, TensorSet};
 use super::binding::{bind, NeffBinding};
 use super::instances::{Followers, Setup, StepMessage};
 use super::live::{BucketKey, BucketKind, LiveBuckets};
-use super::open::{sim_compiler_config, sim_compiler_config_from_env};
+use super::sim::{sim_compiler_config, sim_compiler_config_from_env};
 use super::step::{self, HostArray, HostData};
-use super::{
-    Backend, BucketEvent, Buckets, LateMasks, Runner, RunnerConfig, Step, StepKind, StepOutput,
-};
-use crate::backend::cpu::{tensor_from_bytes, with_tensor_bytes};
+use super::{Backend, BucketEvent, LateMasks, Runner, Step, StepOutput};
 use crate::backend::hlo::emit;
 use crate::backend::neuron::compile::{compile_all, compile_each, CompileJob, CompilerConfig};
 use crate::backend::neuron::progress::Progress;
 use crate::backend::neuron::sim_neff::NeffNames;
 use crate::config::ModelConfig;
+use crate::deployment::{Buckets, RankSpan, RunnerConfig, StepKind};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, InputRole};
+use crate::host::{tensor_from_bytes, with_tensor_bytes};
 use crate::model::{
     self, CacheLayout, Dots, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, WeightSpecs,
 };
@@ -155,49 +154,6 @@ pub struct DeviceOptions {
     /// compiling" in the module docs). Only for a process that runs every rank: followers on
     /// other instances could not join a bucket at the same step.
     pub background_compile: bool,
-}
-
-/// The ranks of a tensor-parallel model one process runs: global ranks `first .. first + count`
-/// of the model's `tp`. One instance runs them all; several instances (a model too large for
-/// one trn1.32xlarge) each run their share, and libnrt's collectives join them over EFA
-/// (bootstrapped from `NEURON_RT_ROOT_COMM_ID`, rank 0's `host:port`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct RankSpan {
-    /// The global rank of this process's first NeuronCore.
-    pub first: usize,
-    /// How many ranks (NeuronCores) this process runs.
-    pub count: usize,
-}
-
-impl std::str::FromStr for RankSpan {
-    type Err = Error;
-
-    /// `FIRST..END` (`--ranks 32..64`): ranks `FIRST` up to, not including, `END`.
-    fn from_str(s: &str) -> Result<Self> {
-        let bad = || {
-            Error::InvalidInput(format!(
-                "ranks `{s}`: expected FIRST..END with FIRST below END, such as 32..64"
-            ))
-        };
-        let (a, b) = s.split_once("..").ok_or_else(bad)?;
-        let (first, end): (usize, usize) = (
-            a.trim().parse().map_err(|_| bad())?,
-            b.trim().parse().map_err(|_| bad())?,
-        );
-        if first >= end {
-            return Err(bad());
-        }
-        Ok(RankSpan {
-            first,
-            count: end - first,
-        })
-    }
-}
-
-impl std::fmt::Display for RankSpan {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}..{}", self.first, self.first + self.count)
-    }
 }
 
 /// `NEURON_RT_ROOT_COMM_ID`: where libnrt bootstraps its collectives (`host:port` of rank 0).

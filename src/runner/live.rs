@@ -21,10 +21,10 @@
 
 use std::collections::BTreeSet;
 
+use crate::deployment::{Buckets, StepKind};
 use crate::error::{Error, Result};
 
 use super::step::{DecodeRow, PrefillChunk};
-use super::Buckets;
 
 /// The two families of captured graphs, as a bucket's label says them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -114,7 +114,7 @@ impl LiveBuckets {
             .into_iter()
             .map(|(kind, rows, seqs, ctx)| BucketKey {
                 kind: match kind {
-                    super::StepKind::Prefill => BucketKind::Prefill,
+                    StepKind::Prefill => BucketKind::Prefill,
                     _ => BucketKind::Decode,
                 },
                 rows,
@@ -315,8 +315,8 @@ fn not_live(want: &BucketKey, rows: usize, reach: usize) -> Error {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::deployment::RunnerConfig;
     use crate::runner::step::{LogitControls, SamplingParams};
-    use crate::runner::RunnerConfig;
 
     fn row(position: usize) -> DecodeRow<'static> {
         DecodeRow {

@@ -44,24 +44,32 @@ mod buckets;
 mod cpu;
 mod decode_costs;
 pub mod device;
+mod follow;
 pub mod instances;
 mod live;
 mod open;
+mod sim;
 pub mod step;
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::model::LogitsOutput;
 
-pub use buckets::{Buckets, RunnerConfig, CTX_BUCKET_RATIO, DEFAULT_PREFILL_SEQS, MIN_CTX_BUCKET};
+// The deployment's sizes at the paths the crate's users (tests, benches, nrt-sim) name them by;
+// the crate itself reads them from `crate::deployment`.
+pub use crate::deployment::{
+    Buckets, Limits, RunnerConfig, CTX_BUCKET_RATIO, DEFAULT_PREFILL_SEQS, MIN_CTX_BUCKET,
+};
 pub use cpu::CpuRunner;
 pub use decode_costs::DecodeCosts;
 pub use device::{CaptureStats, DeviceOptions, DeviceRunner, MetadataSource, NeffSource};
+pub use follow::follow;
 pub use live::{BucketKey, BucketKind, LiveBuckets};
-pub use open::{
-    choose_backend, device_plan, device_plan_options, find_sim_library, open, open_with_weights,
-    sim_compiler, sim_compiler_config, sim_compiler_config_from_env, sim_library_beside_exe,
-    sim_library_candidates, Limits, SIM_COMPILER_FILE, SIM_GIT_HASH, SIM_LIBRARY_FILE,
+pub use open::{choose_backend, device_plan, device_plan_options, open, open_with_weights};
+pub use sim::{
+    find_sim_library, sim_compiler, sim_compiler_config, sim_compiler_config_from_env,
+    sim_library_beside_exe, sim_library_candidates, SIM_COMPILER_FILE, SIM_GIT_HASH,
+    SIM_LIBRARY_FILE,
 };
 use step::{DecodeRow, PrefillChunk};
 
@@ -129,32 +137,6 @@ pub enum Step<'a> {
         /// the same as [`LogitsOutput::Sampled`] here: a decode row has one position).
         logits: LogitsOutput,
     },
-}
-
-/// The two graph families; with a bucket's sizes (rows, sequences, context), the key of a
-/// captured graph.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub(crate) enum StepKind {
-    Decode,
-    Prefill,
-    /// The sampling graph of a split decode step (device runners with
-    /// [`DeviceOptions::split_sampler`]), which samples from the logits its `Decode` graph
-    /// left on the device.
-    Sample,
-}
-
-impl StepKind {
-    /// The logits a device graph of this kind returns (and so binds an output buffer for):
-    /// decode the sampled rows', prefill every position's, so one captured graph serves
-    /// every request. The cost model counts these outputs too.
-    pub(crate) fn device_logits(self) -> LogitsOutput {
-        match self {
-            StepKind::Decode => LogitsOutput::Sampled,
-            StepKind::Prefill => LogitsOutput::AllPositions,
-            // It reads its forward graph's logits, which stay where they are.
-            StepKind::Sample => LogitsOutput::None,
-        }
-    }
 }
 
 /// What one executed step returns.

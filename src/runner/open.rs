@@ -1,29 +1,20 @@
 //! Choosing a backend and opening a captured runner on it: the one constructor the CLI, the
 //! server and the tests share.
 
-use std::path::{Path, PathBuf};
-use std::time::Duration;
+use std::path::Path;
 
 use crate::backend::neuron::compile::CompilerConfig;
-use crate::backend::neuron::sim_neff::{NeffNames, ENV_NEFF_NAMES, NAMES_FLAG};
+use crate::backend::neuron::sim_neff::NeffNames;
 use crate::config::ModelConfig;
+use crate::deployment::{InstanceSecret, Limits, RunnerConfig};
 use crate::error::{Error, Result};
-use crate::model::{ModelWeights, PrecisionChoice};
+use crate::model::ModelWeights;
 use crate::source::ModelSource;
 
-use super::device::RankSpan;
-use super::instances::{Followers, InstanceSecret, Launch, Timeouts};
-use super::{Backend, CpuRunner, DeviceOptions, DeviceRunner, Runner, RunnerConfig};
-
-/// The file name of nrt-sim's shared library.
-pub const SIM_LIBRARY_FILE: &str = "libnrt_sim.so";
-
-/// The file name of nrt-sim's stand-in compiler (`src/bin/nrt-sim-neuronx-cc.rs`).
-pub const SIM_COMPILER_FILE: &str = "nrt-sim-neuronx-cc";
-
-/// The `git_hash` nrt-sim reports from `nrt_get_version`: how a loaded libnrt is recognised
-/// as the simulator (whose NEFFs its stand-in compiler writes, see [`sim_compiler`]).
-pub const SIM_GIT_HASH: &str = "nrt-sim";
+use super::device::{DeviceOptions, DeviceRunner};
+use super::instances::{Followers, Launch, Timeouts};
+use super::sim::{find_sim_library, SIM_GIT_HASH};
+use super::{Backend, CpuRunner, Runner};
 
 /// The backend to use: the one asked for, else `sim` when `NEURON_RT_LIB` points at nrt-sim,
 /// else `neuron` when libnrt loads and sees a NeuronCore, else `cpu`.
@@ -37,131 +28,6 @@ pub fn choose_backend(asked: Option<Backend>) -> Backend {
         }
         Ok(lib) if matches!(lib.visible_nc_count(), Ok(Some(n)) if n > 0) => Backend::Neuron,
         _ => Backend::Cpu,
-    }
-}
-
-/// What a user sizes and types a runner by: [`Limits::runner_config`] turns it into buckets and
-/// a cache; its `precision` resolves into the dtypes weights and cache are held in.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Limits {
-    /// Sequences decoded together at most (the largest batch bucket).
-    pub max_batch: usize,
-    /// Longest sequence, prompt plus completion; capped at the model's
-    /// `max_position_embeddings`.
-    pub max_len: usize,
-    /// KV-cache blocks, scratch included (default: every sequence at full length).
-    pub kv_blocks: Option<usize>,
-    /// `--kv-blocks auto`: on a device, as many blocks as fit each NeuronCore's HBM after the
-    /// weights, metadata, outputs and NEFF (the memory plan's [`crate::plan::auto_kv_blocks`]);
-    /// overrides `kv_blocks`. On the CPU, the default.
-    pub kv_blocks_auto: bool,
-    /// `--hbm-utilization`: the share of each NeuronCore's HBM the memory plan may fill.
-    pub hbm_utilization: f64,
-    /// Most prompt tokens per prefill step (default: 64, at most `max_len`).
-    pub prefill_chunk: Option<usize>,
-    /// Most sequences one prefill step packs (default
-    /// [`super::buckets::DEFAULT_PREFILL_SEQS`], at most `max_batch`; 1 turns packing off).
-    pub prefill_seqs: Option<usize>,
-    /// `--dtype`, `--kv-dtype`, `--quantize`.
-    pub precision: PrecisionChoice,
-    /// `--compile-timeout`: how long one neuronx-cc process may run (default
-    /// [`crate::backend::neuron::compile::DEFAULT_TIMEOUT`]).
-    pub compile_timeout: Option<Duration>,
-    /// `--tp`: the tensor-parallel degree (default 1).
-    pub tp: usize,
-    /// `--ranks`: the global ranks this process runs (default: all of them); fewer when the
-    /// model spans several instances (see [`super::instances`]).
-    pub ranks: Option<RankSpan>,
-    /// `--followers`: the addresses of the processes running the other ranks, in rank order,
-    /// for the leader of a model over several instances; empty for one instance.
-    pub followers: Vec<String>,
-    /// The secret the leader proves to its followers ([`super::instances::ENV_SECRET`]);
-    /// required with `followers`.
-    pub instance_secret: Option<super::instances::InstanceSecret>,
-    /// `--split-sampler`: device decode steps run the forward pass and the sampler as two
-    /// graphs, so constrained rows' masks are computed while the forward pass runs
-    /// ([`DeviceOptions::split_sampler`]). The CPU backend ignores it.
-    pub split_sampler: bool,
-    /// Capture returns once the first buckets are loaded and the rest compile in the
-    /// background ([`DeviceOptions::background_compile`]; `deepinfer serve`'s default). Only
-    /// where this process runs every rank with no followers; otherwise, and on the CPU, every
-    /// bucket is captured first.
-    pub background_compile: bool,
-}
-
-impl Limits {
-    /// `max_batch` sequences of up to `max_len` tokens, default cache and chunk.
-    pub fn new(max_batch: usize, max_len: usize) -> Self {
-        Limits {
-            max_batch,
-            max_len,
-            kv_blocks: None,
-            kv_blocks_auto: false,
-            hbm_utilization: crate::plan::DEFAULT_HBM_UTILIZATION,
-            prefill_chunk: None,
-            prefill_seqs: None,
-            precision: PrecisionChoice::default(),
-            compile_timeout: None,
-            tp: 1,
-            ranks: None,
-            followers: Vec::new(),
-            instance_secret: None,
-            split_sampler: false,
-            background_compile: false,
-        }
-    }
-
-    /// The compiler configuration a Neuron capture within these limits uses: the defaults
-    /// ([`CompilerConfig::default`]) with `compile_timeout` applied.
-    pub fn compiler_config(&self) -> CompilerConfig {
-        let mut cc = CompilerConfig::default();
-        if let Some(t) = self.compile_timeout {
-            cc.timeout = t;
-        }
-        cc
-    }
-
-    /// The runner configuration for `cfg` within these limits, or an error naming the limit
-    /// that cannot work.
-    pub fn runner_config(&self, cfg: &ModelConfig) -> Result<RunnerConfig> {
-        if self.max_batch == 0 {
-            return Err(Error::InvalidInput("--max-batch must be at least 1".into()));
-        }
-        if self.max_len == 0 {
-            return Err(Error::InvalidInput("--max-len must be at least 1".into()));
-        }
-        crate::model::shard::validate(cfg, self.tp)?;
-        let max_len = self.max_len.min(cfg.max_position_embeddings);
-        let mut rc = RunnerConfig::for_limits(self.max_batch, max_len);
-        rc.tp = self.tp;
-        let longest = rc.buckets.max_len();
-        if let Some(blocks) = self.kv_blocks {
-            let one_sequence = longest.div_ceil(rc.block_size) + 1;
-            if blocks < one_sequence {
-                return Err(Error::InvalidInput(format!(
-                    "--kv-blocks {blocks} cannot hold even one sequence of {longest} tokens: at \
-                     least {one_sequence} blocks are needed (or lower --max-len)"
-                )));
-            }
-            rc.num_blocks = blocks;
-        }
-        if let Some(chunk) = self.prefill_chunk {
-            if chunk == 0 {
-                return Err(Error::InvalidInput(
-                    "--prefill-chunk must be at least 1".into(),
-                ));
-            }
-            rc.buckets.prefill_chunk = chunk.min(longest);
-        }
-        if let Some(seqs) = self.prefill_seqs {
-            if seqs == 0 {
-                return Err(Error::InvalidInput(
-                    "--max-prefill-seqs must be at least 1".into(),
-                ));
-            }
-            rc.buckets.prefill_seqs = seqs.min(self.max_batch);
-        }
-        Ok(rc)
     }
 }
 
@@ -457,105 +323,4 @@ fn open_captured(
     };
     runner.capture(&buckets)?;
     Ok(runner)
-}
-
-/// The stand-in compiler `--backend sim` runs: the first of [`sim_library_beside_exe`]'s
-/// directories holding [`SIM_COMPILER_FILE`] (cargo writes it to `target/<profile>/`, beside the
-/// CLI and one level above a test binary), else the bare name, looked up on `PATH` by the
-/// compile driver (which reports a clear error when it is nowhere).
-pub fn sim_compiler() -> PathBuf {
-    sim_library_beside_exe()
-        .into_iter()
-        .filter_map(|lib| lib.parent().map(|d| d.join(SIM_COMPILER_FILE)))
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| PathBuf::from(SIM_COMPILER_FILE))
-}
-
-/// The compile driver's configuration for nrt-sim: the stand-in compiler ([`sim_compiler`]), the
-/// default flags plus the naming convention (`names`, part of the cache key), and a cache of its
-/// own (`$DEEPINFER_NEFF_CACHE` when set, else `<tmp>/deepinfer-nrt-sim-neff`: sim NEFFs are
-/// cheap to remake and do not belong in the user's NEFF cache). One compiler process per CPU,
-/// since the stand-in is quick and single-threaded.
-pub fn sim_compiler_config(names: NeffNames) -> CompilerConfig {
-    sim_compiler_config_flag(names.flag())
-}
-
-/// [`sim_compiler_config`] with the convention `NRT_SIM_NEFF_NAMES` names, else the default,
-/// passed to the stand-in as given: a value naming no convention fails the compile with the
-/// stand-in's message (at capture, where a `Result` is returned), never silently the default.
-/// How `NRT_SIM_NEFF_NAMES=positional cargo test --workspace` runs every sim test under that
-/// convention.
-pub fn sim_compiler_config_from_env() -> CompilerConfig {
-    let value = std::env::var(ENV_NEFF_NAMES)
-        .ok()
-        .map(|v| v.trim().to_string())
-        .filter(|v| !v.is_empty())
-        .unwrap_or_else(|| NeffNames::default().as_str().to_string());
-    sim_compiler_config_flag(format!("{NAMES_FLAG}={value}"))
-}
-
-fn sim_compiler_config_flag(names_flag: String) -> CompilerConfig {
-    let base = CompilerConfig::default();
-    let cache_dir = if std::env::var_os("DEEPINFER_NEFF_CACHE").is_none_or(|v| v.is_empty()) {
-        std::env::temp_dir().join("deepinfer-nrt-sim-neff")
-    } else {
-        base.cache_dir.clone()
-    };
-    let mut flags = base.flags.clone();
-    flags.push(names_flag);
-    CompilerConfig {
-        program: sim_compiler(),
-        flags,
-        jobs: std::thread::available_parallelism().map_or(1, |n| n.get()),
-        cache_dir,
-        progress: false,
-        ..base
-    }
-}
-
-/// Where `--backend sim` looks for nrt-sim, in order: `NEURON_RT_LIB` when set, then
-/// [`sim_library_beside_exe`].
-pub fn sim_library_candidates() -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    if let Some(p) = std::env::var_os(neuron_sys::NEURON_RT_LIB).filter(|v| !v.is_empty()) {
-        out.push(PathBuf::from(p));
-    }
-    out.extend(sim_library_beside_exe());
-    out
-}
-
-/// Where cargo puts nrt-sim's library relative to the running executable, in order: beside
-/// it, in its `deps/` directory, then in its parent directory. A binary lives in
-/// `target/<profile>/` beside the library; a test or bench lives in `target/<profile>/deps/`,
-/// where `cargo test` also writes the library; an example lives one level below the library.
-/// nrt-sim's own test helpers look here too, so the rule is written once.
-pub fn sim_library_beside_exe() -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    if let Ok(exe) = std::env::current_exe() {
-        if let Some(dir) = exe.parent() {
-            out.push(dir.join(SIM_LIBRARY_FILE));
-            out.push(dir.join("deps").join(SIM_LIBRARY_FILE));
-            if let Some(up) = dir.parent() {
-                out.push(up.join(SIM_LIBRARY_FILE));
-            }
-        }
-    }
-    out
-}
-
-/// The first of [`sim_library_candidates`] that exists, or an error listing where it looked.
-pub fn find_sim_library() -> Result<PathBuf> {
-    let candidates = sim_library_candidates();
-    candidates
-        .iter()
-        .find(|p| p.is_file())
-        .cloned()
-        .ok_or_else(|| {
-            let places: Vec<String> = candidates.iter().map(|p| p.display().to_string()).collect();
-            Error::Unavailable(format!(
-                "nrt-sim ({SIM_LIBRARY_FILE}) not found; looked in {}. Build it with \
-                 `cargo build -p nrt-sim`, or set NEURON_RT_LIB to its path, or use `--backend cpu`",
-                places.join(", ")
-            ))
-        })
 }

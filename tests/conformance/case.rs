@@ -9,8 +9,8 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType as CDType, Device, Tensor as CTensor};
-use deepinfer::backend::cpu::{candle_dtype, tensor_from_bytes};
 use deepinfer::graph::{DType, Graph, GraphBuilder, InputRole, Literal, Tensor};
+use deepinfer::host::{candle_dtype, tensor_from_bytes};
 use float8::F8E4M3;
 use half::{bf16, f16};
 use serde::Deserialize;

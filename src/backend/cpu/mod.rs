@@ -11,7 +11,6 @@
 //! value's last use, writes into the caller's buffer instead of copying it, so the aliased output
 //! *is* the input tensor and the cache is never copied per step.
 
-mod bytes;
 mod collective;
 mod int4;
 mod kernels;
@@ -22,10 +21,8 @@ pub mod profile;
 mod quantized;
 mod threshold;
 
-pub use bytes::{tensor_from_bytes, with_tensor_bytes};
 pub use collective::{Group, RankComm, DEFAULT_COLLECTIVE_TIMEOUT};
 pub use pool::pin_thread_count;
-pub use quantized::QuantizedWeight;
 
 use candle_core::{DType as CDType, Device, Tensor as CTensor};
 use matmul::Experts;
@@ -35,31 +32,7 @@ use crate::error::{Error, Result};
 use crate::graph::{
     BinaryOp, CmpOp, DType, Graph, InputRole, Literal, NodeId, Op, ReduceOp, UnaryOp,
 };
-
-/// The candle dtype that holds values of a graph dtype.
-pub fn candle_dtype(dtype: DType) -> CDType {
-    match dtype {
-        DType::F32 => CDType::F32,
-        DType::BF16 => CDType::BF16,
-        DType::F16 => CDType::F16,
-        DType::F8E4M3 => CDType::F8E4M3,
-        DType::I32 => CDType::I32,
-        DType::U32 => CDType::U32,
-        // candle has no i8: the bytes are held as u8 and read as i8 where it matters (casts).
-        DType::I8 | DType::U8 | DType::Bool => CDType::U8,
-    }
-}
-
-/// A graph input's value on the CPU.
-#[derive(Debug, Clone)]
-pub enum Value {
-    /// A tensor of the declared shape and dtype.
-    Tensor(CTensor),
-    /// A weight held in a GGML block format (`--quantize q8_0|q4_k`) in place of the declared
-    /// tensor: only matmuls read it (fused, see `Plan`), so the graph is the one every other
-    /// precision runs.
-    Quantized(QuantizedWeight),
-}
+use crate::host::{candle_dtype, QuantizedWeight, Value};
 
 /// Runs `graph` on `inputs` (one tensor per declared input, in order) and returns one tensor per
 /// declared output. Cache-root inputs are updated in place; their aliased outputs are the same

@@ -7,10 +7,11 @@ use anyhow::{bail, Result};
 use clap::Args;
 use deepinfer::backend::cpu::profile::{self, OpTime};
 use deepinfer::config::ModelConfig;
+use deepinfer::deployment::RunnerConfig;
 use deepinfer::engine::BlockAllocator;
 use deepinfer::model::{LogitsOutput, ModelWeights};
 use deepinfer::runner::step::{DecodeRow, LogitControls, PrefillChunk, SamplingParams};
-use deepinfer::runner::{self, Backend, RunnerConfig, Step};
+use deepinfer::runner::{self, Backend, Step};
 use deepinfer::source::ModelSource;
 
 use crate::{emit, PrecisionArgs};

@@ -26,13 +26,14 @@ use deepinfer::backend::neuron::compile::{compile_all, compiler_version, Compile
 use deepinfer::backend::neuron::doctor::doctor_report;
 use deepinfer::backend::neuron::minimums::parse_version_triple;
 use deepinfer::config::ModelConfig;
+use deepinfer::deployment::Limits;
 use deepinfer::engine::{self, BlockAllocator, StopConditions};
 use deepinfer::export;
 use deepinfer::graph::DType;
 use deepinfer::model::LogitsOutput;
 use deepinfer::plan::{self, Plan};
 use deepinfer::runner::step::{DecodeRow, LogitControls, PrefillChunk, SamplingParams};
-use deepinfer::runner::{self, Backend, Limits, Runner, Step};
+use deepinfer::runner::{self, Backend, Runner, Step};
 use deepinfer::source::ModelSource;
 use serde_json::{json, Value};
 

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 
 use anyhow::{Context, Result};
 use clap::Args;
-use deepinfer::runner::device::RankSpan;
+use deepinfer::deployment::{InstanceSecret, RankSpan};
 use deepinfer::runner::{self, Backend};
 
 #[derive(Args)]
@@ -39,14 +39,14 @@ pub(crate) fn run(args: FollowArgs) -> Result<()> {
     }
     let listener = TcpListener::bind(&args.listen)
         .with_context(|| format!("cannot listen on {}", args.listen))?;
-    let secret = runner::instances::InstanceSecret::from_env()?
-        .ok_or_else(|| runner::instances::InstanceSecret::missing("deepinfer follow"))?;
+    let secret =
+        InstanceSecret::from_env()?.ok_or_else(|| InstanceSecret::missing("deepinfer follow"))?;
     let addr = listener.local_addr()?;
     eprintln!(
         "deepinfer: follower for ranks {} waiting for its leader on {addr}",
         args.ranks
     );
-    runner::instances::follow(
+    runner::follow(
         args.backend,
         &args.model,
         args.ranks,

@@ -2,9 +2,9 @@
 
 use anyhow::{bail, Result};
 use clap::Args;
+use deepinfer::deployment::Limits;
 use deepinfer::engine::{self, StopConditions};
 use deepinfer::runner::step::SamplingParams;
-use deepinfer::runner::Limits;
 use deepinfer::tokenizer::ChatMessage;
 
 use crate::{emit, ModelArgs};

@@ -10,9 +10,9 @@ use clap::{Args, ValueEnum};
 use deepinfer::backend::neuron::check::{CheckOptions, Rule};
 use deepinfer::backend::neuron::compile::{compile_all, CompileJob, CompilerConfig};
 use deepinfer::config::ModelConfig;
+use deepinfer::deployment::Limits;
 use deepinfer::export::{self, LowerOptions};
 use deepinfer::model::Dots;
-use deepinfer::runner::Limits;
 
 use crate::{default_model_dir, emit, PrecisionArgs};
 

@@ -29,9 +29,9 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use clap::{Args, Parser, Subcommand};
+use deepinfer::deployment::{InstanceSecret, Limits, RankSpan};
 use deepinfer::model::{DTypeChoice, PrecisionChoice, Quantize};
-use deepinfer::runner::device::RankSpan;
-use deepinfer::runner::{self, Backend, Limits, Runner};
+use deepinfer::runner::{self, Backend, Runner};
 use deepinfer::source::ModelSource;
 use deepinfer::tokenizer::Tokenizer;
 
@@ -165,7 +165,7 @@ impl ModelArgs {
     fn limits(&self, limits: &Limits) -> Result<Limits> {
         let instance_secret = match self.followers.is_empty() {
             true => None,
-            false => runner::instances::InstanceSecret::from_env()?,
+            false => InstanceSecret::from_env()?,
         };
         Ok(Limits {
             compile_timeout: self.compile_timeout,

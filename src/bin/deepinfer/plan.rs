@@ -65,7 +65,7 @@ pub(crate) struct PlanArgs {
     #[arg(long)]
     kv_blocks: Option<KvBlocks>,
     /// Share of each core's HBM the plan may fill.
-    #[arg(long, default_value_t = plan::DEFAULT_HBM_UTILIZATION)]
+    #[arg(long, default_value_t = deepinfer::deployment::DEFAULT_HBM_UTILIZATION)]
     hbm_utilization: f64,
     /// Print the plan as one JSON object.
     #[arg(long)]

@@ -2,8 +2,8 @@
 
 use anyhow::Result;
 use clap::Args;
+use deepinfer::deployment::Limits;
 use deepinfer::engine;
-use deepinfer::runner::Limits;
 
 use crate::{emit, ModelArgs};
 

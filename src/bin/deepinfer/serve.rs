@@ -5,11 +5,12 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::Args;
+use deepinfer::deployment::Limits;
 use deepinfer::engine::grammar::{JsonOptions, JsonWhitespace};
 use deepinfer::engine::{Engine, EngineOptions};
 use deepinfer::metrics::Metrics;
 use deepinfer::plan::KvBlocks;
-use deepinfer::runner::{self, Limits};
+use deepinfer::runner;
 use deepinfer::server::tools::format::{ToolCallFormat, FORMATS};
 use deepinfer::server::{AppState, ConnectionLimits, ServerConfig};
 use deepinfer::source::ModelSource;
@@ -66,7 +67,7 @@ pub(crate) struct ServeArgs {
     kv_blocks: Option<KvBlocks>,
     /// With `--kv-blocks auto`, and when checking that the model fits before capture: the
     /// share of each NeuronCore's HBM the memory plan may fill.
-    #[arg(long, default_value_t = deepinfer::plan::DEFAULT_HBM_UTILIZATION)]
+    #[arg(long, default_value_t = deepinfer::deployment::DEFAULT_HBM_UTILIZATION)]
     hbm_utilization: f64,
     /// Most prompt tokens per prefill step. Prefill graphs are built for 16, 64, ... up to this
     /// size, and a chunk runs on the smallest that holds it; larger chunks take long prompts in

@@ -11,9 +11,9 @@ use std::borrow::Cow;
 use std::io::{Read, Write};
 use std::ops::Range;
 
+use crate::deployment::StepKind;
 use crate::error::{Error, Result};
 use crate::runner::step::{HostArray, HostData};
-use crate::runner::StepKind;
 
 /// Sent first by every frame's reader to bound what a broken or hostile peer can make it
 /// allocate: a step's largest array is `rows x vocab / 32` words (1 MB at batch 64), and
@@ -23,7 +23,7 @@ const MAX_FRAME: usize = 1 << 30;
 /// What a frame carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[repr(u8)]
-pub(super) enum Tag {
+pub(crate) enum Tag {
     /// Leader to follower: the proof of the shared secret (hex), a newline, and the launch
     /// (JSON, [`super::Launch`]).
     Hello = 1,
@@ -173,7 +173,7 @@ fn write_frame(w: &mut impl Write, tag: Tag, body: &[u8]) -> std::io::Result<()>
 
 /// Reads one frame; an I/O error (a closed or timed-out stream) is returned as such, for the
 /// caller to name the peer.
-pub(super) fn read_frame(r: &mut impl Read) -> std::io::Result<Result<(Tag, Vec<u8>)>> {
+pub(crate) fn read_frame(r: &mut impl Read) -> std::io::Result<Result<(Tag, Vec<u8>)>> {
     let mut len = [0u8; 4];
     r.read_exact(&mut len)?;
     let len = u32::from_le_bytes(len) as usize;
@@ -186,12 +186,12 @@ pub(super) fn read_frame(r: &mut impl Read) -> std::io::Result<Result<(Tag, Vec<
 }
 
 /// Writes a message whose body is text (the handshake's JSON, a failure's reason).
-pub(super) fn write_text(w: &mut impl Write, tag: Tag, text: &str) -> std::io::Result<()> {
+pub(crate) fn write_text(w: &mut impl Write, tag: Tag, text: &str) -> std::io::Result<()> {
     write_frame(w, tag, text.as_bytes())
 }
 
 /// The text of a [`write_text`] frame.
-pub(super) fn text(body: Vec<u8>) -> Result<String> {
+pub(crate) fn text(body: Vec<u8>) -> Result<String> {
     String::from_utf8(body).map_err(|_| malformed("text that is not UTF-8"))
 }
 

@@ -96,7 +96,7 @@ pub const DEFAULT_FLAGS: &[&str] = &[
 ];
 
 /// How long one compiler process may run before it is killed (one hour), unless
-/// `--compile-timeout` (`crate::runner::Limits::compile_timeout`) says otherwise.
+/// `--compile-timeout` (`crate::deployment::Limits::compile_timeout`) says otherwise.
 ///
 /// A hang guard, not a performance budget: a large MoE decode graph can legitimately take tens of
 /// minutes at `-O1` (`lower --check neuron` prints an estimate per graph).

@@ -1,4 +1,5 @@
-//! The handshake that keeps anything but the leader off a follower's port.
+//! The secret a model's instances share ([`InstanceSecret`]), and the handshake proof that
+//! keeps anything but the leader off a follower's port.
 //!
 //! A follower runs whatever steps its leader sends and answers with logits: a stranger that
 //! could connect first would drive its NeuronCores and read outputs. So the leader proves it
@@ -20,7 +21,7 @@ use crate::error::{Error, Result};
 pub const ENV_SECRET: &str = "DEEPINFER_INSTANCE_SECRET";
 
 /// Bytes of a challenge.
-pub(super) const CHALLENGE_BYTES: usize = 32;
+pub(crate) const CHALLENGE_BYTES: usize = 32;
 
 /// The fewest characters a secret may have: short ones can be guessed offline from one
 /// recorded handshake.
@@ -79,14 +80,14 @@ impl InstanceSecret {
     }
 
     /// The leader's proof for `challenge` and the launch it sends (`launch`, its JSON): hex.
-    pub(super) fn prove(&self, challenge: &[u8], launch: &str) -> Result<String> {
+    pub(crate) fn prove(&self, challenge: &[u8], launch: &str) -> Result<String> {
         let tag = self.mac(challenge, launch)?.finalize().into_bytes();
         Ok(tag.iter().map(|b| format!("{b:02x}")).collect())
     }
 
     /// Whether `proof` (hex) is the leader's for `challenge` and `launch`, compared in
     /// constant time.
-    pub(super) fn verify(&self, challenge: &[u8], launch: &str, proof: &str) -> bool {
+    pub(crate) fn verify(&self, challenge: &[u8], launch: &str, proof: &str) -> bool {
         let Some(bytes) = from_hex(proof) else {
             return false;
         };
@@ -96,7 +97,7 @@ impl InstanceSecret {
 }
 
 /// A fresh random challenge, from the operating system's generator.
-pub(super) fn challenge() -> Result<[u8; CHALLENGE_BYTES]> {
+pub(crate) fn challenge() -> Result<[u8; CHALLENGE_BYTES]> {
     let mut c = [0u8; CHALLENGE_BYTES];
     getrandom::fill(&mut c)
         .map_err(|e| Error::Unavailable(format!("no random bytes for a challenge: {e}")))?;
@@ -104,7 +105,7 @@ pub(super) fn challenge() -> Result<[u8; CHALLENGE_BYTES]> {
 }
 
 /// Bytes of a hex string, `None` if it is not one.
-pub(super) fn from_hex(s: &str) -> Option<Vec<u8>> {
+pub(crate) fn from_hex(s: &str) -> Option<Vec<u8>> {
     if !s.len().is_multiple_of(2) {
         return None;
     }
@@ -115,7 +116,7 @@ pub(super) fn from_hex(s: &str) -> Option<Vec<u8>> {
 }
 
 /// Hex of `bytes`.
-pub(super) fn to_hex(bytes: &[u8]) -> String {
+pub(crate) fn to_hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
 
