@@ -114,7 +114,7 @@ pub unsafe extern "C" fn nrt_get_visible_vnc_count(vnc_count: *mut u32) -> NRT_S
     unsafe { nrt_get_visible_nc_count(vnc_count) }
 }
 
-/// NeuronCore `vnc`'s device memory ([`runtime::memory_stats`]): `bytes_used` and
+/// NeuronCore `vnc`'s device memory (`runtime::memory_stats`): `bytes_used` and
 /// `bytes_limit`. `stats_size_in` must hold the 16-byte struct; `*stats_size_out` is set to
 /// the bytes written. Before `nrt_init`, or for a core that does not exist, `NRT_INVALID`.
 ///

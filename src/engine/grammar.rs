@@ -4,7 +4,7 @@
 //! `32 * w + j`) before greedy and sampling; this module computes it on the host, with
 //! [llguidance](https://github.com/guidance-ai/llguidance) (the grammar engine vLLM and
 //! mistral.rs use): a JSON schema compiles to a grammar, and for each step llguidance walks the
-//! tokenizer's token trie ([`toktrie`]) against the grammar's lexer to find every token that
+//! tokenizer's token trie (`toktrie`) against the grammar's lexer to find every token that
 //! keeps the output a prefix of some valid document.
 //!
 //! - [`ResponseFormat::from_openai`] parses the request's `response_format`.

@@ -561,7 +561,7 @@ impl Engine {
     }
 
     /// Why the engine is unhealthy, if it is: its thread has stopped, or its last
-    /// [`UNHEALTHY_AFTER`] or more steps all failed (a device that no longer executes).
+    /// `UNHEALTHY_AFTER` or more steps all failed (a device that no longer executes).
     pub fn unhealthy(&self) -> Option<String> {
         if !self.is_alive() {
             return Some("the engine thread has stopped".into());

@@ -8,7 +8,7 @@
 //! metadata buffers, the persistent outputs and an estimate of NEFF code and scratchpad
 //! ([`neff`]), compares them with HBM x `--hbm-utilization` (vLLM's
 //! `gpu_memory_utilization`: the rest is left to the runtime and to error in the estimates),
-//! and [`suggest`] searches for the smallest change that fits.
+//! and [`suggest()`] searches for the smallest change that fits.
 //!
 //! ```no_run
 //! # use deepinfer::config::ModelConfig;

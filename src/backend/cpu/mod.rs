@@ -1,8 +1,8 @@
 //! The CPU backend: runs a [`Graph`] on real tensors with candle-core.
 //!
 //! Nodes run in creation order (a topological order). Each op is one candle-core call where
-//! candle has it; [`kernels`] covers what candle lacks (wrapping integer arithmetic, top-k, the
-//! strided row gather and the in-place row scatter of the KV cache) and [`matmul`] the
+//! candle has it; `kernels` covers what candle lacks (wrapping integer arithmetic, top-k, the
+//! strided row gather and the in-place row scatter of the KV cache) and `matmul` the
 //! reduced-precision matmul (bf16 operands, f32 accumulation), which widens weights tile by
 //! tile instead of converting them whole on every call.
 //!

@@ -34,7 +34,7 @@
 //!   or read an output, and the follower goes on waiting (the follower's side is
 //!   [`crate::runner::follow`]).
 //!
-//! The wire format is in [`wire`]. Only the handshake is authenticated (the steps are not
+//! The wire format is in `wire`. Only the handshake is authenticated (the steps are not
 //! encrypted): run followers on the cluster's private network, as libnrt's collectives are.
 
 pub(crate) mod wire;

@@ -1,5 +1,5 @@
 //! Tool calling: OpenAI's `tools`, `tool_choice` and `parallel_tool_calls` read and checked,
-//! the tool-call [`format`] a model's chat template writes, and the [`parser`] that turns the
+//! the tool-call [`format`](mod@format) a model's chat template writes, and the [`parser`] that turns the
 //! model's text into `tool_calls`.
 //!
 //! The tools reach the model through its chat template (as transformers passes them, the

@@ -154,9 +154,9 @@ pub const LARGE_TENSOR_BYTES: u64 = 1 << 32;
 /// [`LARGE_TENSOR_BYTES`] or more: 2.30.50.0, released with Neuron SDK 2.28.0 (2026-02-26).
 pub const LARGE_TENSOR_RUNTIME: (u64, u64, u64) = (2, 30, 50);
 
-/// The most instructions neuronx-cc generates for one graph before it refuses it: "[XTP002]
+/// The most instructions neuronx-cc generates for one graph before it refuses it: "\[XTP002\]
 /// Number of instructions (8658944) is over the threshold (5000000)" (aws-neuron-sdk#987,
-/// #819), "[XTP003] ... Operators are too large ... use tensor parallelism" (#1003).
+/// #819), "\[XTP003\] ... Operators are too large ... use tensor parallelism" (#1003).
 pub const INSTRUCTION_BUDGET: u64 = 5_000_000;
 
 /// The evidence for `opcode`, when neuronx-cc is known to accept it.

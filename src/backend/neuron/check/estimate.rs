@@ -4,7 +4,7 @@
 //! # Instructions
 //!
 //! neuronx-cc refuses a graph whose generated instruction stream exceeds
-//! [`INSTRUCTION_BUDGET`](super::accepted::INSTRUCTION_BUDGET) after it has tiled and unrolled
+//! [`super::accepted::INSTRUCTION_BUDGET`] after it has tiled and unrolled
 //! every operator. The count it means is of NeuronCore engine instructions, which depend on its
 //! tiling, fusion and scheduling, none of which is public. The estimate counts, per HLO
 //! instruction of the entry computation, the tiles one NeuronCore-v2 instruction can cover:
@@ -41,7 +41,7 @@
 //!   sorts over a dimension wider than 16,384;
 //! - a compile that reaches the instruction budget is the "may take up to one hour for large
 //!   models" case that libneuronxla warns about on a cache miss (optimum-neuron#698): so
-//!   [`BUDGET_MINUTES`] at [`INSTRUCTION_BUDGET`](super::accepted::INSTRUCTION_BUDGET),
+//!   [`BUDGET_MINUTES`] at [`super::accepted::INSTRUCTION_BUDGET`],
 //!   linearly in the instruction estimate.
 //!
 //! One NEFF compiles per neuronx-cc process; the driver runs one process per 8 CPUs
