@@ -90,15 +90,25 @@ fn sim_run_passes_every_step_and_writes_both_reports() {
     }
     assert!(parity["tolerance"].as_f64().is_some(), "{parity:#}");
     let compile = &steps(&r)[3]["figures"]["neffs"];
-    assert!(
-        !compile.as_array().expect("neffs").is_empty(),
-        "{compile:#}"
-    );
+    let neffs = compile.as_array().expect("neffs");
+    assert!(!neffs.is_empty(), "{compile:#}");
+    // The stand-in compiler is a child process like neuronx-cc: its peak RSS is measured.
+    for n in neffs
+        .iter()
+        .filter(|n| n["cache_hit"] == Value::Bool(false))
+    {
+        let rss = n["compiler_peak_rss_so_far"].as_u64().unwrap_or(0);
+        assert!(rss > 0, "{n:#}");
+    }
     let bench = &steps(&r)[6]["figures"];
-    assert!(
-        !bench["decode"].as_array().expect("decode").is_empty(),
-        "{bench:#}"
-    );
+    let decode = bench["decode"].as_array().expect("decode");
+    assert!(!decode.is_empty(), "{bench:#}");
+    // The host's own time per replay: measured, and a part of the step.
+    for d in decode {
+        let host_us = d["host_us_per_replay"].as_f64().expect("host µs");
+        let step_us = d["ms_per_step"].as_f64().expect("ms") * 1e3;
+        assert!(host_us > 0.0 && host_us < step_us, "{d:#}");
+    }
     let md = std::fs::read_to_string(out.join("report.md")).expect("report.md written");
     assert!(md.starts_with("PASS"), "{md}");
     let _ = std::fs::remove_dir_all(&out);

@@ -675,6 +675,30 @@ pub struct DeviceRunner {
     live: LiveBuckets,
     /// The buckets still compiling, with [`DeviceOptions::background_compile`].
     background: Option<Background>,
+    /// Where the replays so far spent their time.
+    timing: ReplayTiming,
+}
+
+/// Where a device runner's replays spent their time: in all, and waiting for the NeuronCores
+/// (from the executions' start until every rank's ended). The rest is the host's own work per
+/// step (staging the metadata, writing it, reading the outputs), which a device cannot hide:
+/// the first-contact report gives it per replay.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReplayTiming {
+    /// Replays timed.
+    pub replays: u64,
+    /// Their wall time.
+    pub total: Duration,
+    /// The part of it spent waiting for the executions.
+    pub waiting: Duration,
+}
+
+impl ReplayTiming {
+    /// The host's own time per replay (`(total - waiting) / replays`); `None` before any.
+    pub fn host_per_replay(&self) -> Option<Duration> {
+        let replays = u32::try_from(self.replays).ok().filter(|&n| n > 0)?;
+        Some(self.total.saturating_sub(self.waiting) / replays)
+    }
 }
 
 impl std::fmt::Debug for DeviceRunner {
@@ -1133,7 +1157,17 @@ impl DeviceRunner {
             followers: None,
             live,
             background: None,
+            timing: ReplayTiming::default(),
         })
+    }
+
+    /// Runs one replay, adding its wall time to [`Self::replay_timing`].
+    fn timed<T>(&mut self, replay: impl FnOnce(&mut Self) -> Result<T>) -> Result<T> {
+        let t = Instant::now();
+        let out = replay(self);
+        self.timing.replays += 1;
+        self.timing.total += t.elapsed();
+        out
     }
 
     /// Sets where replays find the step metadata (see [`MetadataSource`]).
@@ -1801,6 +1835,7 @@ impl DeviceRunner {
                 logits_rows: Cow::Borrowed(logits_rows),
             })?;
         }
+        let started = Instant::now();
         st.others.post(key);
         let first = st.first.execute(&key);
         let mut errors: Vec<(Error, bool)> = st
@@ -1828,6 +1863,7 @@ impl DeviceRunner {
                 Err(e) => errors.push(e),
             }
         }
+        self.timing.waiting += started.elapsed();
         if let Some(i) = errors.iter().position(|(_, collective)| !collective) {
             return Err(errors.swap_remove(i).0);
         }
@@ -2214,16 +2250,16 @@ impl Runner for DeviceRunner {
         masks: LateMasks<'_>,
     ) -> Result<StepOutput> {
         match self.opts.split_sampler && self.opts.metadata == MetadataSource::Host {
-            true => self.replay_split_with_masks(rows, logits, masks),
+            true => self.timed(|r| r.replay_split_with_masks(rows, logits, masks)),
             false => super::replay_after_masks(self, rows, logits, masks),
         }
     }
 
     fn replay(&mut self, step: &Step<'_>) -> Result<StepOutput> {
-        match *step {
-            Step::Prefill { chunks, logits } => self.replay_prefill(chunks, logits),
-            Step::Decode { rows, logits } => self.replay_decode(rows, logits),
-        }
+        self.timed(|r| match *step {
+            Step::Prefill { chunks, logits } => r.replay_prefill(chunks, logits),
+            Step::Decode { rows, logits } => r.replay_decode(rows, logits),
+        })
     }
 
     fn destroy(&mut self) -> Result<()> {
@@ -2236,6 +2272,14 @@ impl Runner for DeviceRunner {
 
     fn join_buckets(&mut self) -> Vec<BucketEvent> {
         self.join_ready()
+    }
+
+    fn replay_timing(&self) -> Option<ReplayTiming> {
+        Some(self.timing)
+    }
+
+    fn reset_replay_timing(&mut self) {
+        self.timing = ReplayTiming::default();
     }
 }
 

@@ -62,7 +62,9 @@ pub use crate::deployment::{
 };
 pub use cpu::CpuRunner;
 pub use decode_costs::DecodeCosts;
-pub use device::{CaptureStats, DeviceOptions, DeviceRunner, MetadataSource, NeffSource};
+pub use device::{
+    CaptureStats, DeviceOptions, DeviceRunner, MetadataSource, NeffSource, ReplayTiming,
+};
 pub use follow::follow;
 pub use live::{BucketKey, BucketKind, LiveBuckets};
 pub use open::{choose_backend, device_plan, device_plan_options, open, open_with_weights};
@@ -245,6 +247,14 @@ pub trait Runner {
     fn join_buckets(&mut self) -> Vec<BucketEvent> {
         Vec::new()
     }
+    /// Where the replays since the last [`Runner::reset_replay_timing`] spent their time, for
+    /// a runner that waits on a device (the first-contact report's host time per replay);
+    /// `None` for the CPU, whose whole step is host time.
+    fn replay_timing(&self) -> Option<ReplayTiming> {
+        None
+    }
+    /// Starts [`Runner::replay_timing`] afresh.
+    fn reset_replay_timing(&mut self) {}
 }
 
 impl<R: Runner + ?Sized> Runner for Box<R> {
@@ -282,5 +292,11 @@ impl<R: Runner + ?Sized> Runner for Box<R> {
     }
     fn join_buckets(&mut self) -> Vec<BucketEvent> {
         (**self).join_buckets()
+    }
+    fn replay_timing(&self) -> Option<ReplayTiming> {
+        (**self).replay_timing()
+    }
+    fn reset_replay_timing(&mut self) {
+        (**self).reset_replay_timing()
     }
 }

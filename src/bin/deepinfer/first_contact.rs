@@ -22,7 +22,7 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use deepinfer::backend::neuron::check::CheckOptions;
-use deepinfer::backend::neuron::compile::{compile_all, compiler_version, CompilerConfig};
+use deepinfer::backend::neuron::compile::{compile_all, compiler_version, jobs, CompilerConfig};
 use deepinfer::backend::neuron::doctor::doctor_report;
 use deepinfer::backend::neuron::minimums::parse_version_triple;
 use deepinfer::config::ModelConfig;
@@ -472,14 +472,20 @@ fn compile(ctx: &Ctx) -> Result<Outcome> {
             let compiled = compile_all(&cc, std::slice::from_ref(&job))?;
             let seconds = t.elapsed().as_secs_f64();
             total += seconds;
+            // The largest compiler process so far: this NEFF's own peak when it grew.
+            let peak = jobs::children_peak_rss();
             for n in compiled {
                 hits += usize::from(n.cache_hit);
                 writeln!(
                     output,
-                    "tp {tp} {}: {} bytes in {seconds:.2} s{}",
+                    "tp {tp} {}: {} bytes in {seconds:.2} s{}{}",
                     n.name,
                     n.neff.len(),
-                    if n.cache_hit { " (cache hit)" } else { "" }
+                    if n.cache_hit { " (cache hit)" } else { "" },
+                    peak.map_or(String::new(), |b| format!(
+                        ", compiler peak RSS so far {:.1} MiB",
+                        b as f64 / (1 << 20) as f64
+                    ))
                 )?;
                 neffs.push(json!({
                     "tp": tp,
@@ -487,6 +493,7 @@ fn compile(ctx: &Ctx) -> Result<Outcome> {
                     "seconds": seconds,
                     "neff_bytes": n.neff.len(),
                     "cache_hit": n.cache_hit,
+                    "compiler_peak_rss_so_far": peak,
                 }));
             }
         }
@@ -500,9 +507,10 @@ fn compile(ctx: &Ctx) -> Result<Outcome> {
         figures: json!({
             "compiler": cc.program.display().to_string(),
             "neffs": neffs,
-            "compiler_peak_rss": Value::Null,
-            "compiler_peak_rss_note": "not measured: reading the compiler's peak RSS \
-                (getrusage(RUSAGE_CHILDREN)) needs unsafe code or a new dependency in the binary",
+            "compiler_peak_rss": jobs::children_peak_rss(),
+            "compiler_peak_rss_note": "bytes, the largest resident set of any compiler process \
+                this run waited for (getrusage RUSAGE_CHILDREN); per NEFF, the largest so far: \
+                a NEFF's own peak where the figure grows, else at most it",
         }),
         output,
     })
@@ -721,15 +729,28 @@ fn bench(ctx: &mut Ctx) -> Result<Outcome> {
             // The first step is not timed: it may page in what capture left cold.
             if step > 0 {
                 timed += t.elapsed().as_secs_f64();
+            } else {
+                runner.reset_replay_timing();
             }
         }
         let ms = timed * 1e3 / BENCH_STEPS as f64;
         let tps = (batch * BENCH_STEPS) as f64 / timed.max(f64::MIN_POSITIVE);
+        // The host's own share of a step: what a faster device cannot take away.
+        let host_us = runner
+            .replay_timing()
+            .and_then(|t| t.host_per_replay())
+            .map(|d| d.as_secs_f64() * 1e6);
         writeln!(
             output,
-            "decode batch {batch}: {tps:.1} tokens/s, {ms:.2} ms/step"
+            "decode batch {batch}: {tps:.1} tokens/s, {ms:.2} ms/step{}",
+            host_us.map_or(String::new(), |us| format!(", host {us:.0} µs a replay"))
         )?;
-        decode.push(json!({ "batch": batch, "tokens_per_s": tps, "ms_per_step": ms }));
+        decode.push(json!({
+            "batch": batch,
+            "tokens_per_s": tps,
+            "ms_per_step": ms,
+            "host_us_per_replay": host_us,
+        }));
     }
     let mut alloc = BlockAllocator::new(rc.num_blocks, rc.block_size)?;
     let mut table = Vec::new();
@@ -766,8 +787,6 @@ fn bench(ctx: &mut Ctx) -> Result<Outcome> {
             "decode_steps_timed": BENCH_STEPS,
             "ttft_ms": ttft_ms,
             "ttft_prompt_tokens": TTFT_PROMPT,
-            "host_us_per_replay": Value::Null,
-            "host_us_per_replay_note": "not reported: the runner does not expose its host time per replay",
         }),
         output,
     })
