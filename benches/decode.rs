@@ -2,8 +2,13 @@
 //! (`fixtures/configs/medium-bench.json`: 64 experts, top-6, noaux_tc routing) at batch 1, 8
 //! and 32, with random weights held in f32, in bf16 (bf16 cache too), in bf16 with int8
 //! routed experts, and with every linear layer in GGML's q8_0 and q4_k (bf16 for the rest).
-//! Each iteration re-runs one decode step at a fixed position (context 17), so every sample
-//! does the same work. Rows are greedy, so the CPU runner's argmax-only decode graph runs.
+//! Each iteration runs one decode step at a fixed position (context 17), so every sample does
+//! the same amount of work, but with its own tokens: each row's token is drawn at random
+//! (seeded) from the vocabulary, a fresh draw per iteration (cycling through [`TOKEN_SETS`]
+//! sets), so a batch's rows route to different experts and consecutive steps to different
+//! ones, as real decoding's do (a token repeated over the rows and steps would read one set of
+//! experts, kept warm in the caches). Rows are greedy, so the CPU runner's argmax-only decode
+//! graph runs.
 //!
 //! Run with `cargo bench --bench decode`. `scripts/bench_vs_transformers.py` compares the same
 //! config against transformers' eager CPU decode.
@@ -25,6 +30,11 @@ use deepinfer::runner::{self, Backend, RunnerConfig, Step};
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 const PROMPT: usize = 16;
+/// Distinct token sets an iteration cycles through (a step's rows take one set).
+const TOKEN_SETS: usize = 64;
+
+#[path = "common/rng.rs"]
+mod rng;
 
 fn decode_step(c: &mut Criterion) {
     // As the binary does (see its docs).
@@ -74,23 +84,36 @@ fn decode_step(c: &mut Criterion) {
                     })
                     .expect("prefill");
             }
-            let rows: Vec<DecodeRow> = tables
-                .iter()
-                .map(|t| DecodeRow {
-                    token: 5,
-                    position: PROMPT,
-                    blocks: t,
-                    sampling: SamplingParams::GREEDY,
-                    controls: LogitControls::NONE,
+            let mut rng = rng::Rng::new(batch as u64);
+            let vocab = cfg.vocab_size as u32;
+            let sets: Vec<Vec<DecodeRow>> = (0..TOKEN_SETS)
+                .map(|_| {
+                    tables
+                        .iter()
+                        .map(|t| DecodeRow {
+                            token: rng.below(vocab),
+                            position: PROMPT,
+                            blocks: t,
+                            sampling: SamplingParams::GREEDY,
+                            controls: LogitControls::NONE,
+                        })
+                        .collect()
                 })
                 .collect();
-            let step = Step::Decode {
-                rows: &rows,
-                logits: LogitsOutput::None,
-            };
+            let steps: Vec<Step> = sets
+                .iter()
+                .map(|rows| Step::Decode {
+                    rows,
+                    logits: LogitsOutput::None,
+                })
+                .collect();
             group.throughput(Throughput::Elements(batch as u64));
             group.bench_with_input(BenchmarkId::new(tag, batch), &batch, |b, _| {
-                b.iter(|| runner.replay(&step).expect("decode"))
+                let mut next = steps.iter().cycle();
+                b.iter(|| {
+                    let step = next.next().expect("a cycle never ends");
+                    runner.replay(step).expect("decode")
+                })
             });
         }
     }

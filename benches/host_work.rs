@@ -19,12 +19,17 @@
 //!   does it (`fill_masks`: `grammar::fill_masks` and `grammar::advance_all`, on rayon's
 //!   threads; `one_thread`: the same work one row after the other), with the default model's
 //!   tokenizer (4,096 tokens) and with a synthetic byte-level vocabulary of DeepSeek V3's
-//!   129,280 (`tests/common/synthetic_vocab.rs`). Each row walks whole documents by always
-//!   taking the lowest allowed token, starting over (off the clock) when one is done; row `i`
-//!   starts `3i` tokens ahead, and the rows live across criterion's samples, so a step's rows
-//!   are at different places and the mean covers every kind of grammar state. A new document
-//!   is a new sequence from the compiler's cache, as a server's next request is: its lexer
-//!   family (see `grammar`'s "Shared lexers") has already built most of the DFA it needs.
+//!   129,280 (`tests/common/synthetic_vocab.rs`). Each row walks whole documents by taking a
+//!   seeded random token among those its mask allows (end-of-sequence only once the document
+//!   is complete), as sampling from a model under the schema would, starting over when one is
+//!   done; row `i` starts `3i` tokens ahead, and the rows live across criterion's samples, so a
+//!   step's rows are at different places and the mean covers the grammar's states: inside and
+//!   outside the string, the integer, the enum, the array. (Always taking the lowest allowed
+//!   token, as this bench once did, never leaves an unbounded string: its lowest token is a
+//!   space, forever.) Choosing the tokens and starting a document over are off the clock (on a
+//!   server the device samples, and a new request's constraint is made at admission). A new
+//!   document is a new sequence from the compiler's cache, as a server's next request is: its
+//!   lexer family (see `grammar`'s "Shared lexers") has already built most of the DFA it needs.
 //!
 //! - `json_schema_device_step_64_rows/device_{3,10}ms/{fused,split}`: the same 64 rows
 //!   (129,280 tokens, `maxLength` 16) through a whole decode step of the device runner on
@@ -51,6 +56,8 @@ use criterion::{criterion_group, criterion_main, Criterion, Throughput};
 use deepinfer::engine::detokenize::StopStrings;
 use deepinfer::engine::TokenLogprobs;
 
+#[path = "common/rng.rs"]
+mod rng;
 #[path = "../tests/common/synthetic_vocab.rs"]
 mod synthetic_vocab;
 
@@ -308,6 +315,8 @@ struct SchemaRows {
     format: deepinfer::engine::grammar::ResponseFormat,
     rows: Vec<deepinfer::engine::grammar::Constraint>,
     masks: Vec<Vec<u32>>,
+    /// The rows' token choices (seeded, so every run walks the same documents).
+    rng: rng::Rng,
 }
 
 impl SchemaRows {
@@ -327,6 +336,7 @@ impl SchemaRows {
             masks: vec![vec![0u32; words]; Self::ROWS],
             compiler,
             format,
+            rng: rng::Rng::new(SCHEMA_ROWS_SEED),
         };
         rows.rows = (0..Self::ROWS).map(|_| rows.fresh()).collect();
         // Row i starts 3i tokens into its documents, so the rows are at different places in
@@ -352,16 +362,17 @@ impl SchemaRows {
             .expect("a constraint")
     }
 
-    /// Row `i`'s next token: the lowest its mask allows, or end-of-sequence once the document
-    /// is complete.
-    fn token(&self, i: usize) -> u32 {
+    /// Row `i`'s next token: one of those its mask allows other than end-of-sequence, at
+    /// random, or end-of-sequence once the document is complete.
+    fn token(&mut self, i: usize) -> u32 {
         let eos = self.compiler.eos_token_id();
-        lowest_allowed_but(&self.masks[i], eos).unwrap_or(eos)
+        random_allowed_but(&self.masks[i], eos, &mut self.rng).unwrap_or(eos)
     }
 
     /// One decode step's grammar work, timed: every mask filled, every constraint advanced by
     /// its row's token (as the scheduler does it with `parallel`, else one row after the
-    /// other). A row whose document is done starts over, off the clock.
+    /// other). Choosing the tokens, and starting over a row whose document is done, are off
+    /// the clock.
     fn step(&mut self, parallel: bool) -> std::time::Duration {
         use deepinfer::engine::grammar::{advance_all, fill_masks, Advance};
         let start = std::time::Instant::now();
@@ -378,14 +389,16 @@ impl SchemaRows {
                 row.fill_mask(mask);
             }
         }
+        let masks_time = start.elapsed();
         let tokens: Vec<u32> = (0..Self::ROWS).map(|i| self.token(i)).collect();
+        let start = std::time::Instant::now();
         let mut step: Vec<_> = self.rows.iter_mut().zip(tokens).collect();
         let advanced = if parallel {
             advance_all(&mut step)
         } else {
             step.iter_mut().map(|(row, t)| row.advance(*t)).collect()
         };
-        let timed = start.elapsed();
+        let timed = masks_time + start.elapsed();
         black_box(&self.masks);
         for (i, advance) in advanced.into_iter().enumerate() {
             if advance != Advance::Accepted {
@@ -399,7 +412,8 @@ impl SchemaRows {
 impl SchemaRows {
     /// One decode step of the rows on `runner` (their block tables `tables`), timed: the
     /// masks through [`Runner::replay_with_masks`] (each also kept for choosing the row's
-    /// token), then every constraint advanced, as the scheduler runs a step.
+    /// token), then every constraint advanced, as the scheduler runs a step; choosing the
+    /// tokens is off the clock.
     fn device_step(
         &mut self,
         runner: &mut impl deepinfer::runner::Runner,
@@ -431,10 +445,13 @@ impl SchemaRows {
                 },
             )
             .expect("a step on nrt-sim");
+        let step_time = start.elapsed();
+        // The device sampled the tokens; here the host draws them, off the clock.
         let tokens: Vec<u32> = (0..Self::ROWS).map(|i| self.token(i)).collect();
+        let start = std::time::Instant::now();
         let mut step: Vec<_> = self.rows.iter_mut().zip(tokens).collect();
         let advanced = advance_all(&mut step);
-        let timed = start.elapsed();
+        let timed = step_time + start.elapsed();
         for (i, advance) in advanced.into_iter().enumerate() {
             if advance != Advance::Accepted {
                 self.rows[i] = self.fresh();
@@ -459,16 +476,40 @@ fn decode_rows(tables: &[Vec<u32>]) -> Vec<deepinfer::runner::step::DecodeRow<'_
         .collect()
 }
 
-/// The lowest token the mask allows other than `eos` (a word at a time).
-fn lowest_allowed_but(mask: &[u32], eos: u32) -> Option<u32> {
-    mask.iter().enumerate().find_map(|(w, &word)| {
-        let word = if eos / 32 == w as u32 {
+/// The seed of [`SchemaRows`]' token choices.
+const SCHEMA_ROWS_SEED: u64 = 46;
+
+/// A token the mask allows other than `eos`, uniformly at random, or `None` if it allows
+/// only `eos` (or nothing).
+fn random_allowed_but(mask: &[u32], eos: u32, rng: &mut rng::Rng) -> Option<u32> {
+    let without_eos = |w: usize, word: u32| {
+        if eos / 32 == w as u32 {
             word & !(1 << (eos % 32))
         } else {
             word
-        };
-        (word != 0).then(|| w as u32 * 32 + word.trailing_zeros())
-    })
+        }
+    };
+    let allowed: u32 = mask
+        .iter()
+        .enumerate()
+        .map(|(w, &word)| without_eos(w, word).count_ones())
+        .sum();
+    if allowed == 0 {
+        return None;
+    }
+    let mut k = rng.below(allowed);
+    for (w, &word) in mask.iter().enumerate() {
+        let mut word = without_eos(w, word);
+        let n = word.count_ones();
+        if k < n {
+            for _ in 0..k {
+                word &= word - 1;
+            }
+            return Some(w as u32 * 32 + word.trailing_zeros());
+        }
+        k -= n;
+    }
+    None
 }
 
 criterion_group!(

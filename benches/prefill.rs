@@ -4,6 +4,15 @@
 //! bf16 (bf16 cache too). Prefill is compute-bound where decode is bandwidth-bound, so this is
 //! where the matmul kernel's arithmetic rate shows; throughput is in prompt tokens.
 //!
+//! `prefill_step/BACKEND/MODEL/tpN/DTYPE[/QUANTIZE]/tokens_T` (on a trn1 by default, elsewhere
+//! with `DEEPINFER_BENCH_BACKEND=cpu|sim|neuron`): one real prefill step per prefill bucket
+//! (16, 64, ... up to `--prefill-chunk`) of the deployment the `DEEPINFER_BENCH_*` variables
+//! describe (`benches/common/deployment.rs`; default the tiny-v3 fixture in f32), opened as
+//! `deepinfer serve` opens it: a deployment the memory plan refuses is printed with the plan's
+//! message and not measured. Each row is one prompt of T seeded random tokens from position 0,
+//! so its time is the prompt's time to first token less the server's own overhead, and its
+//! throughput prompt tokens per second.
+//!
 //! Run with `cargo bench --bench prefill`.
 
 use std::path::Path;
@@ -15,6 +24,11 @@ use deepinfer::graph::DType;
 use deepinfer::model::{LogitsOutput, ModelWeights, Precision};
 use deepinfer::runner::step::{LogitControls, PrefillChunk, SamplingParams};
 use deepinfer::runner::{self, Backend, RunnerConfig, Step};
+
+#[path = "common/deployment.rs"]
+mod deployment;
+#[path = "common/rng.rs"]
+mod rng;
 
 /// The binary's allocator (jemalloc with transparent huge pages, see `src/bin/deepinfer`), so
 /// this bench measures what `deepinfer` runs.
@@ -84,5 +98,65 @@ fn prefill_step(c: &mut Criterion) {
     group.finish();
 }
 
-criterion_group!(benches, prefill_step);
+/// The deployment rows' defaults: the tiny-v3 fixture in f32, one sequence at a time, 128
+/// tokens (prefill buckets 16 and 64).
+fn deployment_defaults() -> deployment::Defaults {
+    deployment::Defaults {
+        model: Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-v3"),
+        model_dtype: Some(DType::F32),
+        model_is_embedded: false,
+        max_batch: 1,
+        max_len: Some(128),
+    }
+}
+
+/// One prefill step per prefill bucket of the `DEEPINFER_BENCH_*` deployment (see the module
+/// docs): a prompt filling the bucket, tokens seeded at random over the vocabulary.
+fn deployment_prefill(c: &mut Criterion) {
+    let backend = match deployment::backend(None) {
+        Ok(Some(b)) => b,
+        Ok(None) => {
+            eprintln!("prefill_step: no libnrt with a NeuronCore here; set DEEPINFER_BENCH_BACKEND=cpu|sim|neuron to run it");
+            return;
+        }
+        Err(e) => panic!("prefill_step: {e}"),
+    };
+    let deployment = deployment::from_env(backend, &deployment_defaults())
+        .unwrap_or_else(|e| panic!("prefill_step: {e}"));
+    let mut runner = match runner::open(backend, &deployment.model, &deployment.limits) {
+        Ok(r) => r,
+        Err(e) => return eprintln!("prefill_step: {} not measured: {e}", deployment.label()),
+    };
+    let rc = runner.runner_config().clone();
+    let vocab = runner.config().vocab_size as u32;
+    let mut blocks = BlockAllocator::new(rc.num_blocks, rc.block_size).expect("blocks");
+    let mut table = Vec::new();
+    blocks
+        .grow(&mut table, rc.buckets.prefill_chunk)
+        .expect("blocks for the largest prefill bucket");
+    let mut rng = rng::Rng::new(42);
+    let mut group = c.benchmark_group(format!("prefill_step/{}", deployment.label()));
+    group.sample_size(10);
+    for t in rc.buckets.prefill_sizes() {
+        let tokens: Vec<u32> = (0..t).map(|_| rng.below(vocab)).collect();
+        let chunk = PrefillChunk {
+            tokens: &tokens,
+            start: 0,
+            blocks: &table,
+            sampling: SamplingParams::GREEDY,
+            controls: LogitControls::NONE,
+        };
+        let step = Step::Prefill {
+            chunks: &[chunk],
+            logits: LogitsOutput::None,
+        };
+        group.throughput(Throughput::Elements(t as u64));
+        group.bench_function(format!("tokens_{t}"), |b| {
+            b.iter(|| runner.replay(&step).expect("prefill"))
+        });
+    }
+    group.finish();
+}
+
+criterion_group!(benches, prefill_step, deployment_prefill);
 criterion_main!(benches);

@@ -12,7 +12,8 @@
 //! - `decode_step/…` (on a trn1 by default, elsewhere with `DEEPINFER_BENCH_BACKEND=cpu|sim|
 //!   neuron`): one real decode step per batch bucket of the deployment the `DEEPINFER_BENCH_*`
 //!   variables describe (model, dtype, quantization, tp, batch, length; see
-//!   `bench_deployment`), opened as `serve` opens it, with each bucket's NeuronCore floor.
+//!   `benches/common/deployment.rs`), opened as `serve` opens it, with each bucket's NeuronCore
+//!   floor.
 //!
 //! Needs `libnrt_sim.so` beside the bench binary: `cargo build -p nrt-sim` (or `cargo test
 //! --workspace`) first.
@@ -28,12 +29,12 @@ use deepinfer::model::{
     self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, Precision, Sampler,
     WeightSpecs,
 };
-use deepinfer::model::{DTypeChoice, Quantize};
 use deepinfer::runner::step::{DecodeRow, LogitControls, SamplingParams};
-use deepinfer::runner::{
-    self, Backend, Buckets, DeviceOptions, DeviceRunner, Limits, Runner, RunnerConfig, Step,
-};
+use deepinfer::runner::{self, Buckets, DeviceOptions, DeviceRunner, Runner, RunnerConfig, Step};
 use deepinfer::weights::Checkpoint;
+
+#[path = "common/deployment.rs"]
+mod deployment;
 
 fn root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
@@ -227,55 +228,24 @@ fn capture(c: &mut Criterion) {
     group.finish();
 }
 
-/// The deployment the decode-step bench measures, from the environment: the checkpoint
-/// `DEEPINFER_BENCH_MODEL` (default the tiny-v3 fixture), `DEEPINFER_BENCH_DTYPE` (default
-/// `auto`: the checkpoint's; f32 for the fixture), `DEEPINFER_BENCH_QUANTIZE` (default none),
-/// `DEEPINFER_BENCH_TP` (default 1), `DEEPINFER_BENCH_MAX_BATCH` (default 8) and
-/// `DEEPINFER_BENCH_MAX_LEN` (default 128). A malformed value is a message, not a default.
-fn bench_deployment() -> Result<(PathBuf, Limits), String> {
-    let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
-    let number = |name: &str, default: usize| -> Result<usize, String> {
-        var(name).map_or(Ok(default), |v| {
-            v.trim()
-                .parse()
-                .map_err(|_| format!("{name}={v:?} is not a number"))
-        })
-    };
-    let fixture = var("DEEPINFER_BENCH_MODEL").is_none();
-    let dir = var("DEEPINFER_BENCH_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| root().join("fixtures/tiny-v3"));
-    let dtype = match var("DEEPINFER_BENCH_DTYPE") {
-        Some(d) => d
-            .parse()
-            .map_err(|e| format!("DEEPINFER_BENCH_DTYPE: {e}"))?,
-        None if fixture => DTypeChoice::Exactly(DType::F32),
-        None => DTypeChoice::Auto,
-    };
-    let quantize: Quantize = match var("DEEPINFER_BENCH_QUANTIZE") {
-        Some(q) => q
-            .parse()
-            .map_err(|e| format!("DEEPINFER_BENCH_QUANTIZE: {e}"))?,
-        None => Quantize::None,
-    };
-    let mut limits = Limits {
-        tp: number("DEEPINFER_BENCH_TP", 1)?,
-        ..Limits::new(
-            number("DEEPINFER_BENCH_MAX_BATCH", 8)?,
-            number("DEEPINFER_BENCH_MAX_LEN", 128)?,
-        )
-    };
-    limits.precision.dtype = dtype;
-    limits.precision.quantize = quantize;
-    Ok((dir, limits))
+/// The decode-step rows' deployment without `DEEPINFER_BENCH_*` variables: the tiny-v3
+/// fixture in f32, batches up to 8, 128 tokens.
+fn decode_defaults() -> deployment::Defaults {
+    deployment::Defaults {
+        model: root().join("fixtures/tiny-v3"),
+        model_dtype: Some(DType::F32),
+        model_is_embedded: false,
+        max_batch: 8,
+        max_len: Some(128),
+    }
 }
 
 /// One NeuronCore-v2's share of a trn1 chip's HBM bandwidth (820 GiB/s for the chip's two
 /// cores, AWS's trn1 architecture page): the floor's denominator.
 const CORE_BANDWIDTH: f64 = 410.0 * (1u64 << 30) as f64;
 
-/// One real decode step per captured batch bucket of the deployment [`bench_deployment`]
-/// describes, on the backend `DEEPINFER_BENCH_BACKEND` names, or by default on the Neuron
+/// One real decode step per captured batch bucket of the deployment the `DEEPINFER_BENCH_*`
+/// variables describe (`deployment::from_env`, defaults [`decode_defaults`]), on the backend `DEEPINFER_BENCH_BACKEND` names, or by default on the Neuron
 /// backend when libnrt loads and sees a NeuronCore (on a trn1 instance, `cargo bench` thus
 /// measures the device). The runner is opened as `serve` opens it: the memory plan refuses a
 /// deployment that does not fit (the message is printed and the bench skipped), and weights
@@ -283,35 +253,25 @@ const CORE_BANDWIDTH: f64 = 410.0 * (1u64 << 30) as f64;
 /// line also prints the step's memory-bandwidth floor on a NeuronCore (the unavoidable bytes,
 /// `model::cost::decode_floor`, spread over the ranks, at 410 GiB/s a core).
 fn decode_step(c: &mut Criterion) {
-    let backend = match std::env::var("DEEPINFER_BENCH_BACKEND") {
-        Ok(b) => b,
-        Err(_) => match neuron_sys::Library::load().and_then(|lib| lib.visible_nc_count()) {
-            Ok(Some(n)) if n > 0 => "neuron".to_string(),
-            _ => {
-                eprintln!("decode_step: no libnrt with a NeuronCore here; set DEEPINFER_BENCH_BACKEND=cpu|sim|neuron to run it");
-                return;
-            }
-        },
+    let backend = match deployment::backend(None) {
+        Ok(Some(b)) => b,
+        Ok(None) => {
+            eprintln!("decode_step: no libnrt with a NeuronCore here; set DEEPINFER_BENCH_BACKEND=cpu|sim|neuron to run it");
+            return;
+        }
+        Err(e) => panic!("decode_step: {e}"),
     };
-    let backend: Backend = match backend.parse() {
-        Ok(b) => b,
-        Err(e) => return eprintln!("decode_step: DEEPINFER_BENCH_BACKEND: {e}"),
-    };
-    let (dir, limits) = match bench_deployment() {
-        Ok(d) => d,
-        Err(e) => return eprintln!("decode_step: {e}"),
-    };
-    let mut runner = match runner::open(backend, &dir, &limits) {
+    let deployment = deployment::from_env(backend, &decode_defaults())
+        .unwrap_or_else(|e| panic!("decode_step: {e}"));
+    let (dir, limits) = (&deployment.model, &deployment.limits);
+    let mut runner = match runner::open(backend, dir, limits) {
         Ok(r) => r,
-        Err(e) => return eprintln!("decode_step: {} not measured: {e}", dir.display()),
+        Err(e) => return eprintln!("decode_step: {} not measured: {e}", deployment.label()),
     };
-    let model = dir
-        .file_name()
-        .map_or("model".into(), |n| n.to_string_lossy().into_owned());
     let rc = runner.runner_config().clone();
     let cfg = runner.config().clone();
     let floor_of = |batch: usize, ctx: usize| -> Option<f64> {
-        let saved = Checkpoint::open(&dir).ok()?.float_dtype();
+        let saved = Checkpoint::open(dir).ok()?.float_dtype();
         let precision = limits.precision.resolve(saved, &cfg).ok()?;
         let specs = WeightSpecs::new(&cfg, &precision);
         let f = deepinfer::model::cost::decode_floor(&cfg, &specs, rc.kv_dtype, batch, ctx);
@@ -325,10 +285,7 @@ fn decode_step(c: &mut Criterion) {
     for t in tables.iter_mut() {
         blocks.grow(t, ctx + 1).expect("blocks");
     }
-    let mut group = c.benchmark_group(format!(
-        "decode_step/{backend}/{model}/tp{}/{}",
-        rc.tp, limits.precision.dtype
-    ));
+    let mut group = c.benchmark_group(format!("decode_step/{}", deployment.label()));
     for &batch in &rc.buckets.batch {
         let rows: Vec<DecodeRow> = tables
             .iter()

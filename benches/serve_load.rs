@@ -26,15 +26,22 @@
 //!   1,024) and end in a distinct question, after one warm-up request with the system prompt.
 //!   Reports TTFT p50 / p99 and the round time with and without, and their ratio.
 //!
-//! By default it starts `deepinfer serve --port 0 --backend cpu --max-batch 32 --max-waiting 256`
+//! By default it starts `deepinfer serve --port 0 --max-waiting 256 --backend cpu --max-batch 32`
 //! (the binary cargo built alongside this bench: the release one under `cargo bench`) with the
 //! embedded default model and stops it at the end. An idle server admits `--max-batch` +
 //! `--max-waiting` choices at once, so the 64-choice request and the short ones queued behind it
 //! fit; 256 is the server's default, given explicitly so the mixed case does not depend on it.
+//! The spawned server's deployment comes from the `DEEPINFER_BENCH_*` variables the other
+//! benches read (`benches/common/deployment.rs`: `_BACKEND`, default `neuron` where libnrt sees
+//! a NeuronCore, else `cpu`; `_MODEL=DIR`, `_DTYPE`, `_QUANTIZE`, `_TP`, `_MAX_BATCH` (default
+//! 32), `_MAX_LEN`, `_PREFILL_CHUNK`), each passed as the `serve` flag of that name; on a device
+//! backend the memory plan is checked first and a deployment it refuses is printed with the
+//! plan's message and not measured (on the CPU the server's own refusal is printed).
 //! With `DEEPINFER_BENCH_URL=http://host:port` it drives that server instead and spawns nothing
-//! (optional `DEEPINFER_BENCH_MODEL`, else the first id of `GET /v1/models`; optional
-//! `DEEPINFER_BENCH_API_KEY`, sent as a bearer token); its admission limits must then admit 64
-//! choices plus the short requests.
+//! (optional `DEEPINFER_BENCH_SERVED_MODEL`, the model name to send, else the first id of
+//! `GET /v1/models`; optional `DEEPINFER_BENCH_API_KEY`, sent as a bearer token); its admission
+//! limits must then admit 64 choices plus the short requests, and the deployment variables,
+//! which describe a spawned server, are refused.
 //!
 //! `DEEPINFER_BENCH_CASES=levels,burst,mixed,prefix` picks the cases (default all, run in that
 //! order; `prefix` always spawns its own two servers).
@@ -63,20 +70,13 @@ use hyper_util::client::legacy::{connect::HttpConnector, Client};
 use hyper_util::rt::TokioExecutor;
 use serde_json::{json, Value};
 
-/// How the spawned server runs: a free port, the CPU backend, room to batch every client of
-/// the largest level, and a queue that admits the mixed case's 64 choices plus its short
-/// requests (an idle server takes `--max-batch` + `--max-waiting` choices at once).
-const SERVE_ARGS: [&str; 9] = [
-    "serve",
-    "--port",
-    "0",
-    "--backend",
-    "cpu",
-    "--max-batch",
-    "32",
-    "--max-waiting",
-    "256",
-];
+/// How the spawned server runs: a free port and a queue that admits the mixed case's 64
+/// choices plus its short requests (an idle server takes `--max-batch` + `--max-waiting`
+/// choices at once). The deployment's flags follow ([`deployment_defaults`]).
+const SERVE_ARGS: [&str; 5] = ["serve", "--port", "0", "--max-waiting", "256"];
+/// The spawned server's `--max-batch` unless `DEEPINFER_BENCH_MAX_BATCH` says otherwise: room
+/// to batch every client of the largest level.
+const SERVE_MAX_BATCH: usize = 32;
 /// Tokens generated per request of the levels and the burst. With `ignore_eos` every request
 /// produces exactly this many.
 const MAX_TOKENS: u64 = 32;
@@ -149,6 +149,21 @@ const LOG_TAIL: usize = 40;
 
 type HttpClient = Client<HttpConnector, Full<Bytes>>;
 
+#[path = "common/deployment.rs"]
+mod deployment;
+
+/// The spawned server's deployment without `DEEPINFER_BENCH_*` variables: the embedded
+/// default model in its own dtype, [`SERVE_MAX_BATCH`], the server's default length.
+fn deployment_defaults() -> deployment::Defaults {
+    deployment::Defaults {
+        model: std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("fixtures/default-model"),
+        model_dtype: None,
+        model_is_embedded: true,
+        max_batch: SERVE_MAX_BATCH,
+        max_len: None,
+    }
+}
+
 /// The server under test. When spawned here, dropping it kills the process (also when the
 /// bench panics), and its last stderr lines are printed if the bench failed.
 struct Target {
@@ -161,16 +176,17 @@ struct Target {
 }
 
 impl Target {
-    /// Spawns `deepinfer serve` on a free port and waits for its ready line.
-    fn spawn() -> Result<Self> {
-        Self::spawn_with(&[])
+    /// Spawns `deepinfer serve` of `deployment` on a free port and waits for its ready line.
+    fn spawn(deployment: &deployment::Deployment) -> Result<Self> {
+        Self::spawn_with(deployment, &[])
     }
 
-    /// [`Target::spawn`] with `extra` flags after [`SERVE_ARGS`].
-    fn spawn_with(extra: &[&str]) -> Result<Self> {
+    /// [`Target::spawn`] with `extra` flags after [`SERVE_ARGS`] and the deployment's.
+    fn spawn_with(deployment: &deployment::Deployment, extra: &[&str]) -> Result<Self> {
         let exe = env!("CARGO_BIN_EXE_deepinfer");
         let mut cmd = Command::new(exe);
         cmd.args(SERVE_ARGS)
+            .args(&deployment.serve_flags)
             .args(extra)
             // The server reads its key from this variable too; the bench sends none.
             .env_remove("DEEPINFER_API_KEY")
@@ -237,7 +253,7 @@ impl Target {
             child: Mutex::new(None),
             log_tail: Arc::default(),
         };
-        target.model = match std::env::var("DEEPINFER_BENCH_MODEL") {
+        target.model = match std::env::var("DEEPINFER_BENCH_SERVED_MODEL") {
             Ok(model) => model,
             Err(_) => {
                 let (status, body) = target.get(client, "/v1/models").await?;
@@ -294,10 +310,6 @@ impl Target {
         let status = resp.status();
         let body = resp.into_body().collect().await?.to_bytes();
         Ok((status, String::from_utf8_lossy(&body).into_owned()))
-    }
-
-    fn spawned(&self) -> bool {
-        self.child.lock().is_ok_and(|c| c.is_some())
     }
 
     /// The spawned server's exit status, if it has exited.
@@ -923,16 +935,22 @@ fn tag(mut row: Value, target: &Target, backend: &str) -> Value {
     row
 }
 
+/// The cases against `target`; `deployment` is the spawned server's (`None`: an external
+/// one), which the prefix case's own servers also run.
 async fn run(
     target: Arc<Target>,
+    deployment: Option<&deployment::Deployment>,
     client: HttpClient,
     cases: Cases,
     levels: &[(usize, usize)],
 ) -> Result<()> {
-    let backend = if target.spawned() { "cpu" } else { "external" };
+    let backend = deployment.map_or("external".to_string(), |d| d.backend.to_string());
+    let backend = backend.as_str();
     println!(
-        "serve_load: model \"{}\" at {} (backend {backend})",
-        target.model, target.base
+        "serve_load: model \"{}\" at {} (backend {backend}{})",
+        target.model,
+        target.base,
+        deployment.map_or(String::new(), |d| format!(", {}", d.label()))
     );
     let mut rows = Vec::new();
     if cases.levels {
@@ -978,7 +996,10 @@ async fn run(
         print_header(&PREFIX_COLUMNS);
         let mut pair = Vec::new();
         for (caching, extra) in [(true, &[][..]), (false, &["--no-prefix-caching"][..])] {
-            let server = Arc::new(Target::spawn_with(extra)?);
+            let Some(deployment) = deployment else {
+                bail!("the prefix case spawns its own servers: it does not run with DEEPINFER_BENCH_URL");
+            };
+            let server = Arc::new(Target::spawn_with(deployment, extra)?);
             let row = run_prefix(&client, &server, caching)
                 .await
                 .with_context(|| format!("prefix case, caching {caching}"));
@@ -1141,12 +1162,43 @@ fn main() -> Result<()> {
         let client: HttpClient = Client::builder(TokioExecutor::new())
             .pool_max_idle_per_host(64)
             .build_http();
-        let target = match std::env::var("DEEPINFER_BENCH_URL") {
-            Ok(url) => Target::external(url, &client).await?,
-            Err(_) => Target::spawn()?,
+        let (target, deployment) = match std::env::var("DEEPINFER_BENCH_URL") {
+            Ok(url) => {
+                let set: Vec<&str> = deployment::VARIABLES
+                    .into_iter()
+                    .filter(|v| std::env::var_os(v).is_some())
+                    .collect();
+                ensure!(
+                    set.is_empty(),
+                    "set: {}; these variables describe the server this bench spawns, not \
+                     the one at DEEPINFER_BENCH_URL (name its model with \
+                     DEEPINFER_BENCH_SERVED_MODEL)",
+                    set.join(", ")
+                );
+                (Target::external(url, &client).await?, None)
+            }
+            Err(_) => {
+                let backend = deployment::backend(Some(deepinfer::runner::Backend::Cpu))
+                    .map_err(|e| anyhow!(e))?
+                    .context("a default backend")?;
+                let deployment = deployment::from_env(backend, &deployment_defaults())
+                    .map_err(|e| anyhow!(e))?;
+                if let Err(refusal) = deployment.check_fits() {
+                    eprintln!("serve_load: {} not measured: {refusal}", deployment.label());
+                    return Ok(());
+                }
+                (Target::spawn(&deployment)?, Some(deployment))
+            }
         };
         let target = Arc::new(target);
-        let result = run(Arc::clone(&target), client, cases, &levels).await;
+        let result = run(
+            Arc::clone(&target),
+            deployment.as_ref(),
+            client,
+            cases,
+            &levels,
+        )
+        .await;
         if result.is_err() {
             target.print_log_tail();
             if let Some(status) = target.child_status() {

@@ -32,7 +32,10 @@
 #      llama.cpp batch B:  llama-batched-bench -npp PROMPT_LEN -ntg STEPS -npl B -t 2 (S_TG:
 #                          B*STEPS / time of the STEPS batched decode steps, B distinct prompts);
 #      deepinfer:          deepinfer bench --batch B --prompt-len PROMPT_LEN --steps STEPS
-#                          with RAYON_NUM_THREADS=2;
+#                          --tokens T with RAYON_NUM_THREADS=2, T the kind of token stream the
+#                          llama.cpp tool of that batch size feeds, read from its source before
+#                          timing (TOKEN STREAMS below): which routed experts a MoE step reads
+#                          depends on its tokens, so both engines get the same kind;
 #    and prints a markdown table (round x precision x batch: tok/s of both, ours / llama.cpp)
 #    with /proc/loadavg at the start and end of each round. Results: WORK/results-*.{jsonl,md}.
 #
@@ -209,6 +212,32 @@ else
     echo "$STAMP" > "$BUILD/.bench-stamp"
 fi
 
+# TOKEN STREAMS. llama-bench's generation feeds `std::rand() % n_vocab` each step (one
+# sequence): deepinfer gets `--tokens random` at batch 1. llama-batched-bench, in the sources
+# read when this was written, feeds token 0 at every prompt and generated position of every
+# sequence, so its B sequences are one sequence repeated and a step's rows route to the same
+# experts: deepinfer then gets `--tokens zeros` at batch B; a source that draws random tokens
+# instead gets `--tokens random`. Anything else stops the script rather than compare unlike
+# streams.
+token_stream() {  # tool source file -> greedy|random|zeros for deepinfer bench --tokens
+    local src=$1
+    [ -f "$src" ] || die "no $src: cannot tell which tokens its tool feeds"
+    if grep -q 'common_batch_add(batch, 0, pp + i' "$src"; then echo zeros
+    elif grep -Eq 'token = std::rand\(\) % n_vocab|get_token_rand\(\), pp \+ i' "$src"; then echo random
+    else die "cannot tell which tokens $src feeds (read it and extend token_stream)"
+    fi
+}
+tool_source() {  # tool directory name -> its .cpp in the sources built here
+    local d
+    for d in tools examples; do
+        [ -f "$SRC/$d/$1/$1.cpp" ] && { echo "$SRC/$d/$1/$1.cpp"; return; }
+    done
+    die "no $1.cpp under $SRC/tools or $SRC/examples"
+}
+TOKENS_B1=$(token_stream "$(tool_source llama-bench)")
+TOKENS_BN=$(token_stream "$(tool_source batched-bench)")
+say "token streams: batch 1 (llama-bench) $TOKENS_B1, batch > 1 (llama-batched-bench) $TOKENS_BN"
+
 # --- 3. checkpoint ----------------------------------------------------------------------------
 CKPT=$WORK/medium-bench
 if [ ! -f "$CKPT/.complete" ]; then
@@ -290,7 +319,8 @@ bench_deepinfer() {  # precision batch output
     local flags
     read -r -a flags <<< "${DEEPINFER_FLAGS[$1]}"
     RAYON_NUM_THREADS=$THREADS "$DEEPINFER" bench --model "$CKPT" --batch "$2" \
-        --prompt-len "$PROMPT_LEN" --steps "$STEPS" --json "${flags[@]}" > "$3" 2> "$3.err"
+        --prompt-len "$PROMPT_LEN" --steps "$STEPS" --json "${flags[@]}" \
+        --tokens "$([ "$2" = 1 ] && echo "$TOKENS_B1" || echo "$TOKENS_BN")" > "$3" 2> "$3.err"
 }
 
 say "benchmark: $ROUNDS rounds, precisions ${PRECISION_LIST[*]}, batches ${BATCH_LIST[*]}, $THREADS threads, prompt $PROMPT_LEN, $STEPS decode steps"
@@ -344,6 +374,7 @@ for p in "${PRECISION_LIST[@]}"; do labels+=(--label "$p=${LABEL[$p]}"); done
 {
     echo "llama.cpp $LLAMA_COMMIT (llama-cpp-python $LLAMA_CPP_PYTHON sdist), deepinfer $DEEPINFER"
     echo "$(nproc) cores, $THREADS threads, prompt $PROMPT_LEN tokens per sequence, $STEPS decode steps, $(date -u '+%Y-%m-%d %H:%M UTC')"
+    echo "token streams (both engines): batch 1 $TOKENS_B1, batch > 1 $TOKENS_BN"
     echo
     "$PY" scripts/llamacpp_bench.py report --results "$RESULTS" --precisions "$PRECISIONS" "${labels[@]}"
 } > "$REPORT"

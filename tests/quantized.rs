@@ -48,25 +48,66 @@ fn heldout_perplexity(quantize: Quantize) -> (f64, f64) {
 }
 
 /// The bounds are llama.cpp's usual costs of these formats on small models with margin
-/// (Q8_0 about 0.1%, Q4_K a few percent; measured here: see benches/README.md), so a broken
-/// kernel or a weight bound to the wrong matmul, which costs far more, fails.
+/// (Q8_0 about 0.1%, Q4_K a few percent), so a broken kernel or a weight bound to the wrong
+/// matmul, which costs far more, fails. The costs the documentation states ([`STATED_COSTS`])
+/// must also be what this measures, so a claim the code no longer backs fails here.
 #[test]
 fn q8_0_and_q4_k_cost_what_llama_cpp_formats_cost_in_perplexity() {
-    assert_perplexity_within(&[(Quantize::Q8_0, 0.01), (Quantize::Q4K, 0.06)]);
+    let measured = assert_perplexity_within(&[(Quantize::Q8_0, 0.01), (Quantize::Q4K, 0.06)]);
+    for ((quantize, stated), (_, rel)) in STATED_COSTS.iter().zip(&measured) {
+        let pct = rel * 100.0;
+        assert!(
+            (pct - stated).abs() <= STATED_MARGIN,
+            "{quantize}: measured {pct:+.3}% held-out perplexity, the docs state {stated:+.2}% \
+             (README.md, docs/precision.md): correct them and STATED_COSTS"
+        );
+    }
+    let quoted = |file: &str, text: &str| {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(file);
+        let doc = std::fs::read_to_string(&path).unwrap();
+        let doc = doc.split_whitespace().collect::<Vec<_>>().join(" ");
+        assert!(
+            doc.contains(text),
+            "{file} no longer quotes {text:?}: the test's STATED_COSTS and the docs must agree"
+        );
+    };
+    let [(_, q8), (_, q4k)] = STATED_COSTS;
+    quoted(
+        "README.md",
+        &format!("`q8_0` / `q4_k` by held-out perplexity ({q8:+.2}% / {q4k:+.2}%)"),
+    );
+    quoted(
+        "docs/precision.md",
+        &format!("They cost the default model {q8:+.2}% (`q8_0`) and {q4k:+.2}% (`q4_k`) held-out perplexity"),
+    );
 }
 
-/// Each format's held-out perplexity within `bound` (relative) of transformers' f32 figure.
-fn assert_perplexity_within(formats: &[(Quantize, f64)]) {
-    for &(quantize, bound) in formats {
-        let (ppl, reference) = heldout_perplexity(quantize);
-        let rel = (ppl - reference) / reference;
-        eprintln!(
-            "{quantize}: held-out perplexity {ppl:.4}, transformers f32 {reference:.4}, \
-             {:+.3}%",
-            rel * 100.0
-        );
-        assert!(rel.abs() < bound, "{quantize}: {ppl} vs {reference}");
-    }
+/// The held-out perplexity costs, in percent, that README.md's status table and
+/// docs/precision.md state for the embedded default model (the test checks both quote them).
+const STATED_COSTS: [(Quantize, f64); 2] = [(Quantize::Q8_0, 0.10), (Quantize::Q4K, 0.49)];
+
+/// How far (percentage points) the measured cost may be from the stated one: the stated
+/// figures have two decimals (rounding alone spans 0.005), and the rest covers a CPU whose
+/// SIMD width sums the f32 parts in another order.
+const STATED_MARGIN: f64 = 0.01;
+
+/// Each format's held-out perplexity within `bound` (relative) of transformers' f32 figure;
+/// returns each format's relative cost.
+fn assert_perplexity_within(formats: &[(Quantize, f64)]) -> Vec<(Quantize, f64)> {
+    formats
+        .iter()
+        .map(|&(quantize, bound)| {
+            let (ppl, reference) = heldout_perplexity(quantize);
+            let rel = (ppl - reference) / reference;
+            eprintln!(
+                "{quantize}: held-out perplexity {ppl:.4}, transformers f32 {reference:.4}, \
+                 {:+.3}%",
+                rel * 100.0
+            );
+            assert!(rel.abs() < bound, "{quantize}: {ppl} vs {reference}");
+            (quantize, rel)
+        })
+        .collect()
 }
 
 /// The routed experts' weight-only formats for NeuronCores (`--quantize experts-int8|
@@ -87,16 +128,32 @@ fn quantized_experts_cost_little_perplexity() {
 /// which reach the quantized experts through different fused paths (rows grouped by expert;
 /// every expert on every row), agree with each other.
 ///
-/// Judged per position, relative to the largest reference logit: the median must stay under
-/// 4% (measured 2.0-2.8%) and three quarters of the positions under 5%. The tiny fixtures'
-/// routers (and V3.2's token selection) have near ties, and a ~1% perturbation anywhere
-/// (quantizing one attention projection alone does it) flips an expert or token choice at a
-/// position, which moves that position's logits by up to half their range (measured: one
-/// position of tiny-v3, two of tiny-v32). That is the format's real behaviour, not a fault; a
-/// wrong kernel or a weight bound to the wrong matmul moves every position. tiny-v32's
+/// Judged per position, relative to the largest reference logit, over the whole distribution:
+/// the median must stay under 4% and three quarters of the positions under 5% (measured: median
+/// 2.0-2.6%, third quartile 2.3-3.0%), the 90th percentile under [`P90_BOUND`], at most
+/// [`MAX_FLIPPED`] positions at 5% or more, and the worst under [`WORST_BOUND`]. The tiny
+/// fixtures' routers (and V3.2's token selection) have near ties, and a ~1% perturbation
+/// anywhere (quantizing one attention projection alone does it) flips an expert or token
+/// choice at a position, which moves that position's logits far more (measured 2026-12-06, 16
+/// positions each: one position of tiny-v3 at 30.8%, of tiny-v2-lite at 5.8%, of tiny-v2-group
+/// at 7.8%; none of tiny-v32's 6 dense positions, worst 2.9%). That is the format's real
+/// behaviour, not a fault; a wrong kernel or a weight bound to the wrong matmul moves every
+/// position. tiny-v32's
 /// sparse attention selects 6 of its tokens by near-tied index scores from its seventh
 /// position on, and quantization reorders them at many positions (as bf16 does, see
 /// `tests/precision.rs`), so it is compared where its attention is dense.
+/// The 90th percentile of the per-position error (the second worst of 16 positions): measured
+/// at most 3.58% (tiny-v2-lite), bound with a quarter more.
+const P90_BOUND: f32 = 0.045;
+
+/// Positions whose error reaches 5% (a flipped expert or token choice): measured at most one
+/// per fixture; one more allowed.
+const MAX_FLIPPED: usize = 2;
+
+/// The worst position's error: measured at most 30.8% (tiny-v3's flipped position), bound
+/// with a quarter more (about 0.385, rounded up).
+const WORST_BOUND: f32 = 0.4;
+
 #[test]
 fn quantized_fixtures_stay_near_transformers_under_both_moe_strategies() {
     for fixture in common::FIXTURES {
@@ -129,18 +186,32 @@ fn quantized_fixtures_stay_near_transformers_under_both_moe_strategies() {
                 .take(dense)
                 .map(|(a, b)| common::max_abs_diff(a, b) / scale)
                 .collect();
+            assert!(
+                per_position.iter().all(|e| e.is_finite()),
+                "{fixture} {moe:?}: a non-finite logit error: {per_position:?}"
+            );
             per_position.sort_by(f32::total_cmp);
             let n = per_position.len();
+            let over = per_position.iter().filter(|&&e| e >= 0.05).count();
             eprintln!(
-                "{fixture} {moe:?}: |logit - transformers f32| / max |logit| per position: \
-                 median {:.2e}, third quartile {:.2e}, worst {:.2e}",
+                "{fixture} {moe:?}: |logit - transformers f32| / max |logit| per position \
+                 ({n}): median {:.2e}, third quartile {:.2e}, 90th percentile {:.2e}, worst \
+                 {:.2e}, {over} at 5% or more",
                 per_position[n / 2],
                 per_position[3 * n / 4],
+                per_position[9 * n / 10],
                 per_position[n - 1]
             );
             assert!(
                 per_position[n / 2] < 0.04 && per_position[3 * n / 4] < 0.05,
                 "{fixture} {moe:?}: {per_position:?}"
+            );
+            assert!(
+                per_position[9 * n / 10] < P90_BOUND
+                    && over <= MAX_FLIPPED
+                    && per_position[n - 1] < WORST_BOUND,
+                "{fixture} {moe:?}: 90th percentile, positions at 5% or more, or worst out of \
+                 bounds: {per_position:?}"
             );
             per_strategy.push(logits);
         }

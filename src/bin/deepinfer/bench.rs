@@ -16,6 +16,14 @@ use deepinfer::source::ModelSource;
 
 use crate::{emit, PrecisionArgs};
 
+/// `--tokens`: what the benchmark feeds its rows.
+#[derive(Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+enum Tokens {
+    Greedy,
+    Random,
+    Zeros,
+}
+
 #[derive(Args)]
 pub(crate) struct BenchArgs {
     /// Checkpoint directory or GGUF file to benchmark.
@@ -33,6 +41,17 @@ pub(crate) struct BenchArgs {
     /// Decode steps timed.
     #[arg(long, default_value_t = 32)]
     steps: usize,
+    /// The tokens fed: `greedy`, distinct arithmetic prompts and then each row's own greedy
+    /// token; `random`, prompts and every step's tokens drawn uniformly from the vocabulary
+    /// (seeded by --seed; llama-bench's generation stream); `zeros`, token 0 at every position
+    /// of every row, so the rows are one sequence repeated (llama-batched-bench's stream in the
+    /// sources `scripts/bench_vs_llamacpp.sh` checks for). Which experts a MoE step reads
+    /// depends on the tokens, so a comparison feeds both engines the same kind.
+    #[arg(long, value_enum, default_value_t = Tokens::Greedy)]
+    tokens: Tokens,
+    /// The seed of `--tokens random`.
+    #[arg(long, default_value_t = 1)]
+    seed: u64,
     /// Print one JSON line.
     #[arg(long)]
     json: bool,
@@ -68,9 +87,15 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
     let mut runner = runner::open_with_weights(Backend::Cpu, cfg, weights, rc)?;
     let mut tables = vec![Vec::new(); args.batch];
     let mut tokens = Vec::with_capacity(args.batch);
+    let mut random = SplitMix64(args.seed);
+    let mut feed = move |fallback: u32| match args.tokens {
+        Tokens::Greedy => fallback,
+        Tokens::Random => random.below(vocab),
+        Tokens::Zeros => 0,
+    };
     for (i, table) in tables.iter_mut().enumerate() {
         let prompt: Vec<u32> = (0..args.prompt_len as u32)
-            .map(|j| (j * 7 + i as u32 * 13 + 1) % vocab)
+            .map(|j| feed((j * 7 + i as u32 * 13 + 1) % vocab))
             .collect();
         alloc.grow(table, args.prompt_len)?;
         let chunk = PrefillChunk {
@@ -84,7 +109,7 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
             chunks: &[chunk],
             logits: LogitsOutput::None,
         })?;
-        tokens.extend(out.next_tokens.first().copied());
+        tokens.extend(out.next_tokens.first().copied().map(&mut feed));
     }
     let mut run_step = |step: usize, tokens: &mut Vec<u32>| -> Result<()> {
         let position = args.prompt_len + step;
@@ -106,7 +131,12 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
             rows: &rows,
             logits: LogitsOutput::None,
         };
-        *tokens = runner.replay(&step)?.next_tokens;
+        *tokens = runner
+            .replay(&step)?
+            .next_tokens
+            .into_iter()
+            .map(&mut feed)
+            .collect();
         Ok(())
     };
     run_step(0, &mut tokens)?; // builds the decode graph
@@ -152,4 +182,20 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `--tokens random`'s generator: SplitMix64 (Steele, Lea and Flood, 2014), seeded, so a run's
+/// token stream is the same on every machine.
+struct SplitMix64(u64);
+
+impl SplitMix64 {
+    /// Uniform in `0..n` (`n` > 0): the next value's top 32 bits scaled by `n`.
+    fn below(&mut self, n: u32) -> u32 {
+        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+        z ^= z >> 31;
+        (((z >> 32) * n as u64) >> 32) as u32
+    }
 }
