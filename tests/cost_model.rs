@@ -178,3 +178,108 @@ fn weight_bytes_agree_with_an_independent_count() {
         );
     }
 }
+
+/// A measurement for issue 42, item 5 (a cheaper path for all-greedy decode steps on the
+/// device), not a check of a target: per decode bucket of `serve`'s defaults (`--max-batch
+/// 32 --max-len 2048`), the instructions (the Neuron instruction estimate) the in-graph sampler
+/// adds to the plain-argmax graph ([`Sampler::Greedy`], what the CPU runs for such steps), its
+/// share of the whole graph, and the estimated compile minutes of one more NEFF without it.
+/// Run with `cargo test --release --test cost_model -- --ignored --nocapture`; the figures are
+/// in benches/README.md. It fails only if the greedy graph is not the smaller.
+#[test]
+#[ignore = "a measurement: run with --ignored --nocapture"]
+fn the_samplers_share_of_each_decode_graph() {
+    use deepinfer::backend::hlo::emit;
+    use deepinfer::backend::neuron::{check::estimate, footprint};
+    use deepinfer::config::ModelConfig;
+    use deepinfer::graph::DType;
+    use deepinfer::model::{
+        self, GraphSpec, LogitsOutput, MoeStrategy, Precision, Quantize, Sampler, WeightSpecs,
+    };
+    use deepinfer::plan::{neff, Instance};
+    use deepinfer::runner::Limits;
+
+    let deployments = [
+        (
+            "deepseek-v2-lite",
+            1,
+            Quantize::ExpertsInt4,
+            Instance::Trn1_2xlarge,
+        ),
+        (
+            "deepseek-v2-lite",
+            2,
+            Quantize::ExpertsInt8,
+            Instance::Trn1_2xlarge,
+        ),
+        (
+            "deepseek-v2",
+            32,
+            Quantize::ExpertsInt8,
+            Instance::Trn1_32xlarge,
+        ),
+    ];
+    for (name, tp, quantize, instance) in deployments {
+        let path =
+            PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(format!("fixtures/configs/{name}.json"));
+        let cfg = ModelConfig::from_file(&path).unwrap();
+        let mut limits = Limits::new(32, 2048);
+        limits.tp = tp;
+        let rc = limits.runner_config(&cfg).unwrap();
+        let precision = Precision {
+            quantize,
+            dots: Dots::DEVICE,
+            ..Precision::all(DType::BF16)
+        };
+        let est = neff::estimate(&cfg, &precision, &rc, instance, false).unwrap();
+        // The sampler does not depend on the layers: measured on one dense and one MoE layer.
+        let mut short = cfg.clone();
+        short.num_hidden_layers = cfg.first_k_dense_replace + cfg.moe_layer_freq.max(1);
+        let specs = WeightSpecs::sharded(&short, &precision, tp).unwrap();
+        let layout = rc.cache_layout();
+        let (mut all, mut greedy_neffs) = (0.0, 0.0);
+        for g in &est.graphs {
+            let total = g.footprint.instructions;
+            all += estimate::compile_minutes(total, false);
+            let Some((b, c)) = g
+                .name
+                .strip_prefix("decode_b")
+                .and_then(|r| r.split_once("_c"))
+            else {
+                continue;
+            };
+            let (rows, ctx): (usize, usize) = (b.parse().unwrap(), c.parse().unwrap());
+            let routing = cfg.routing.as_ref().unwrap();
+            let instructions = |sampler| {
+                let spec = GraphSpec {
+                    rows,
+                    seqs: rows,
+                    ctx,
+                    logits: LogitsOutput::None,
+                    moe: MoeStrategy::for_tokens(routing, rows, tp),
+                    sampler,
+                };
+                let g = model::build_decode(&short, &specs, &layout, &spec).unwrap();
+                footprint::of_module(&emit::emit(&g).unwrap()).instructions
+            };
+            let (full, greedy) = (instructions(Sampler::Full), instructions(Sampler::Greedy));
+            assert!(
+                greedy < full,
+                "{name} tp {tp} {}: {greedy} vs {full}",
+                g.name
+            );
+            let sampler = full - greedy;
+            let minutes = estimate::compile_minutes(total - sampler, false);
+            greedy_neffs += minutes;
+            eprintln!(
+                "{name} tp {tp} {}: {total} instructions, the sampler {sampler} ({:.1}%); a \
+                 greedy NEFF ~{minutes:.0} min",
+                g.name,
+                100.0 * sampler as f64 / total as f64
+            );
+        }
+        eprintln!(
+            "{name} tp {tp}: every NEFF ~{all:.0} min; greedy decode NEFFs ~{greedy_neffs:.0} min more"
+        );
+    }
+}
