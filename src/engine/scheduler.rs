@@ -93,7 +93,7 @@ use super::params::{FinishReason, GenerationParams};
 /// The default of [`Scheduler::set_fair_decode_slowdown`]: while other requests run, a step
 /// may cost twice a step of one row per request. On the default model a short request beside
 /// a 64-choice one then takes about 2 to 3 times its idle latency at the median
-/// (benches/README.md, "Fair decoding by cost").
+/// (benches/LOG.md, "Fair decoding by cost").
 pub const DEFAULT_FAIR_DECODE_SLOWDOWN: f64 = 2.0;
 
 /// Identifies a request inside the engine.

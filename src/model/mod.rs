@@ -622,7 +622,7 @@ pub fn build_decode(
         // are ever read: the state root goes out as it came in. A penalised request that later
         // takes the row starts it afresh (its prompt is prefilled from position 0: penalised
         // sequences are never prefix-cached). Updating it cost a few vocabulary-wide ops a
-        // step (benches/README.md, "Step overhead outside the matmuls").
+        // step (benches/LOG.md, "Step overhead outside the matmuls").
         Sampler::Greedy => (vocab.argmax(&logits)?, s.state.clone()),
         Sampler::Deferred => {
             b.output(STEP_LOGITS, &logits)?;

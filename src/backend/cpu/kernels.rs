@@ -46,7 +46,7 @@ fn ids_as_usize(
 /// Values from which [`RowGather`] copies its rows on the thread pool. A decode step's cache
 /// gather (every context row of every sequence, per layer: 17 sequences of 192 positions of
 /// the default model are 313 K values) is scattered reads of short rows, bound by the memory
-/// latency one core hides; on two cores the gather took about a quarter less (benches/README.md,
+/// latency one core hides; on two cores the gather took about a quarter less (benches/LOG.md,
 /// "Step overhead outside the matmuls"). Small gathers (an embedding lookup) stay on the caller.
 const PARALLEL_GATHER: usize = 1 << 15;
 
@@ -254,7 +254,7 @@ impl CustomOp1 for RowArgMax {
 ///
 /// The graph's MoE adds each token's weighted experts this way (`[tokens, top_k, hidden]` over
 /// `top_k`). candle reduces a middle dim through its generic strided loop: 0.19 ms a node for
-/// `[8, 6, 1024]`, 0.95 ms of a batch-8 step on the medium model (benches/README.md, "Step
+/// `[8, 6, 1024]`, 0.95 ms of a batch-8 step on the medium model (benches/LOG.md, "Step
 /// overhead outside the matmuls"); adding whole rows is a few microseconds.
 pub(crate) struct AxisSum {
     /// The dim summed over (not the last).

@@ -29,7 +29,7 @@ use pulp::{Arch, Simd, WithSimd};
 /// The most output columns (weight rows) a parallel task takes ([`column_tile`]). A task reads
 /// its weight rows as one stream, and each costs the pool a hand-off (and a gathered-expert
 /// task its result buffer): 128 made decode steps 4-8% faster than 32 on the medium checkpoint
-/// (f32 and bf16, batch 1 and 8; 256 was no faster, benches/README.md, "Wider matmul tasks").
+/// (f32 and bf16, batch 1 and 8; 256 was no faster, benches/LOG.md, "Wider matmul tasks").
 const TILE: usize = 128;
 
 /// Output columns per task of [`run`] for `columns` columns on `threads` threads: at most
@@ -37,7 +37,7 @@ const TILE: usize = 128;
 /// product of 384 columns (the medium model's `q_a_proj`) made three tasks, so one thread read
 /// two thirds of its weights while the other waited, and a router of 64 columns one task on one
 /// thread: four tasks of 96 and two of 32 took about 60 us off each of their 425 and 115 us a
-/// batch-1 f32 step (benches/README.md, "Tasks the threads share evenly"). Every column runs
+/// batch-1 f32 step (benches/LOG.md, "Tasks the threads share evenly"). Every column runs
 /// the same kernel whatever its task, so the bits do not change.
 fn column_tile(columns: usize, threads: usize) -> usize {
     let tasks = columns.div_ceil(TILE).next_multiple_of(threads.max(1));
@@ -57,7 +57,7 @@ const EXPERT_TASK_VALUES: usize = 256 * 1024;
 /// new weight stream at another expert's address and costs a result buffer and a hand-off;
 /// the medium model's down projections (`k` 256) made tasks of 64 KB at 128 rows, and whole
 /// experts a task took the gathered experts from 12.0-12.3 to 11.1-11.5 ms a batch-8 bf16
-/// step, and 2.2-2.3 to 1.9-2.1 ms at batch 1 (benches/README.md, "Whole experts a task").
+/// step, and 2.2-2.3 to 1.9-2.1 ms at batch 1 (benches/LOG.md, "Whole experts a task").
 /// Larger models' experts (`k` 2,048 and up) keep 128-row tasks.
 fn expert_tile(k: usize, out_n: usize) -> usize {
     (EXPERT_TASK_VALUES / k.max(1)).clamp(TILE, out_n.max(TILE))
@@ -142,7 +142,7 @@ impl Widen for i8 {
     /// With AVX-512: sixteen codes at a time sign-extended and converted in registers, each
     /// vector feeding every left row's FMA, the scale applied once to each sum. Widening the
     /// row into a buffer first stored and reloaded every value: the int8 experts took 10.7
-    /// ms a batch-8 step that way and 8.6 ms this way (benches/README.md, "Two weight rows at
+    /// ms a batch-8 step that way and 8.6 ms this way (benches/LOG.md, "Two weight rows at
     /// a time, prefetched").
     #[inline(always)]
     fn fused_dots(row: &[Self], scale: f32, left: &[&[f32]], out: &mut [f32]) -> bool {
@@ -166,7 +166,7 @@ impl Widen for i8 {
     /// AVX-512, sixteen codes at a time by the CPU's own sign extension and convert, the scale
     /// applied in the same pass, the weight stream prefetched: the portable `Simd` trait has no
     /// byte-to-float convert, and the generic loop (widen, then scale in a second pass) took
-    /// 15.1 ms of a batch-8 step where this took 12.5 (benches/README.md, "Two weight rows at a
+    /// 15.1 ms of a batch-8 step where this took 12.5 (benches/LOG.md, "Two weight rows at a
     /// time, prefetched").
     #[inline(always)]
     fn widen_row(row: &[Self], scale: Option<f32>, out: &mut Vec<f32>) {
@@ -616,7 +616,7 @@ const ROW_TILE: usize = 64;
 /// of vectors that fit the registers (a full 64-column tile), the outputs stay in registers
 /// for the whole sum, two rows at a time with AVX-512 ([`row_tile_sums`]): the same FMAs in
 /// the same order as the loop over memory kept for other tiles, which reloads and stores every
-/// output vector for every `kk` (2.0-2.9x slower on MLA's attention values, benches/README.md,
+/// output vector for every `kk` (2.0-2.9x slower on MLA's attention values, benches/LOG.md,
 /// "Attention values in registers").
 struct RowTile<'a, T> {
     a: &'a [f32],

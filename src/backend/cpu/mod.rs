@@ -157,7 +157,7 @@ fn is_quantized(v: &Value) -> bool {
 
 /// A graph that keeps its execution plan between runs, for a caller that runs one graph many
 /// times (a runner's step of a given shape): making the plan walks every node, 80 us of a
-/// 12 ms batch-1 f32 step of the medium checkpoint (benches/README.md, "Tasks the threads
+/// 12 ms batch-1 f32 step of the medium checkpoint (benches/LOG.md, "Tasks the threads
 /// share evenly"). The plan is remade when the inputs' kinds (tensor or quantized weight)
 /// differ from the last run's, so it never goes stale. Clones share the plan.
 #[derive(Clone)]

@@ -32,7 +32,7 @@ pub(super) trait Packed: Copy + Sized {
     /// Whether the one-row dot asks for this type's rows ahead of use ([`Prefetch`]). f32
     /// rows, one FMA a vector, are consumed at the memory's pace and go faster with the
     /// hardware prefetcher alone: the software prefetch made a batch-1 f32 step about 5%
-    /// slower, where bf16 was up to 20% slower without it (benches/README.md, "Whole experts a
+    /// slower, where bf16 was up to 20% slower without it (benches/LOG.md, "Whole experts a
     /// task").
     const PREFETCH: bool = true;
 
@@ -221,7 +221,7 @@ pub(super) const PANEL: usize = 8;
 /// Why not [`SplitRows`] for many rows: there each row's groups lie `k` floats apart, so eight
 /// bf16 rows are sixteen streams, one pointer each; the kernel ran out of general registers and
 /// reloaded about a dozen pointers from the stack for every weight vector (perf), and took
-/// 1.6 to 3.9 times as long at eight rows (benches/README.md, "Left rows in panels"). Here one
+/// 1.6 to 3.9 times as long at eight rows (benches/LOG.md, "Left rows in panels"). Here one
 /// pointer walks the panel from start to end. Rows past the last one are zeros.
 pub(super) struct Panels {
     data: Vec<f32>,
@@ -313,7 +313,7 @@ pub(super) fn panel_dots<S: Simd, T: Packed, const C: usize>(
 ///
 /// Why several weight rows: with one, every FMA needed its own load of a left vector (sixteen
 /// loads for sixteen FMAs a weight vector), and the batch-8 LM head took 4.7 ms where one
-/// row took 2.1 (benches/README.md, "Two weight rows at a time, prefetched").
+/// row took 2.1 (benches/LOG.md, "Two weight rows at a time, prefetched").
 #[inline(always)]
 fn panel_block<S: Simd, T: Packed, const R: usize, const C: usize>(
     simd: S,
@@ -353,7 +353,7 @@ fn panel_block<S: Simd, T: Packed, const R: usize, const C: usize>(
 /// How far ahead of the weight vector being multiplied the kernels ask for memory
 /// ([`Prefetch::ahead`]), in bytes: the one-row dot (a decode step of one row, the gathered
 /// experts) and the panel kernel (several rows; it consumes the stream more slowly). Tuned on
-/// the medium model's decode steps (benches/README.md, "Two weight rows at a time,
+/// the medium model's decode steps (benches/LOG.md, "Two weight rows at a time,
 /// prefetched"): further ahead made batch 1 slower, nearer made the batch-8 LM head slower.
 pub(super) const PREFETCH_ONE_ROW: usize = 1024;
 pub(super) const PREFETCH_PANEL: usize = 4096;
