@@ -113,19 +113,9 @@ fn deployment_defaults() -> deployment::Defaults {
 /// One prefill step per prefill bucket of the `DEEPINFER_BENCH_*` deployment (see the module
 /// docs): a prompt filling the bucket, tokens seeded at random over the vocabulary.
 fn deployment_prefill(c: &mut Criterion) {
-    let backend = match deployment::backend(None) {
-        Ok(Some(b)) => b,
-        Ok(None) => {
-            eprintln!("prefill_step: no libnrt with a NeuronCore here; set DEEPINFER_BENCH_BACKEND=cpu|sim|neuron to run it");
-            return;
-        }
-        Err(e) => panic!("prefill_step: {e}"),
-    };
-    let deployment = deployment::from_env(backend, &deployment_defaults())
-        .unwrap_or_else(|e| panic!("prefill_step: {e}"));
-    let mut runner = match runner::open(backend, &deployment.model, &deployment.limits) {
-        Ok(r) => r,
-        Err(e) => return eprintln!("prefill_step: {} not measured: {e}", deployment.label()),
+    let Some((deployment, mut runner)) = deployment::open("prefill_step", &deployment_defaults())
+    else {
+        return;
     };
     let rc = runner.runner_config().clone();
     let vocab = runner.config().vocab_size as u32;

@@ -30,7 +30,7 @@ use deepinfer::model::{
     WeightSpecs,
 };
 use deepinfer::runner::step::{DecodeRow, LogitControls, SamplingParams};
-use deepinfer::runner::{self, Buckets, DeviceOptions, DeviceRunner, Runner, RunnerConfig, Step};
+use deepinfer::runner::{Buckets, DeviceOptions, DeviceRunner, Runner, RunnerConfig, Step};
 use deepinfer::weights::Checkpoint;
 
 #[path = "common/deployment.rs"]
@@ -253,21 +253,10 @@ const CORE_BANDWIDTH: f64 = 410.0 * (1u64 << 30) as f64;
 /// line also prints the step's memory-bandwidth floor on a NeuronCore (the unavoidable bytes,
 /// `model::cost::decode_floor`, spread over the ranks, at 410 GiB/s a core).
 fn decode_step(c: &mut Criterion) {
-    let backend = match deployment::backend(None) {
-        Ok(Some(b)) => b,
-        Ok(None) => {
-            eprintln!("decode_step: no libnrt with a NeuronCore here; set DEEPINFER_BENCH_BACKEND=cpu|sim|neuron to run it");
-            return;
-        }
-        Err(e) => panic!("decode_step: {e}"),
+    let Some((deployment, mut runner)) = deployment::open("decode_step", &decode_defaults()) else {
+        return;
     };
-    let deployment = deployment::from_env(backend, &decode_defaults())
-        .unwrap_or_else(|e| panic!("decode_step: {e}"));
     let (dir, limits) = (&deployment.model, &deployment.limits);
-    let mut runner = match runner::open(backend, dir, limits) {
-        Ok(r) => r,
-        Err(e) => return eprintln!("decode_step: {} not measured: {e}", deployment.label()),
-    };
     let rc = runner.runner_config().clone();
     let cfg = runner.config().clone();
     let floor_of = |batch: usize, ctx: usize| -> Option<f64> {

@@ -220,3 +220,28 @@ impl Deployment {
             .map_err(|e| e.to_string())
     }
 }
+
+/// The deployment the environment describes for bench `name` (defaults `defaults`), opened as
+/// `serve` opens it; `None`, with the reason printed, when no backend is named and none is
+/// found, or when the memory plan (or anything else `runner::open` checks) refuses it. A
+/// malformed variable panics with its message: a bench must not measure a default instead.
+pub fn open(name: &str, defaults: &Defaults) -> Option<(Deployment, Box<dyn runner::Runner>)> {
+    let backend = match backend(None) {
+        Ok(Some(b)) => b,
+        Ok(None) => {
+            eprintln!(
+                "{name}: no libnrt with a NeuronCore here; set DEEPINFER_BENCH_BACKEND=cpu|sim|neuron to run it"
+            );
+            return None;
+        }
+        Err(e) => panic!("{name}: {e}"),
+    };
+    let deployment = from_env(backend, defaults).unwrap_or_else(|e| panic!("{name}: {e}"));
+    match runner::open(backend, &deployment.model, &deployment.limits) {
+        Ok(r) => Some((deployment, r)),
+        Err(e) => {
+            eprintln!("{name}: {} not measured: {e}", deployment.label());
+            None
+        }
+    }
+}
