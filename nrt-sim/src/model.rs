@@ -121,19 +121,21 @@ pub(crate) fn load(
                 ),
             )
         })?;
-    let h = st
-        .models
-        .insert(ModelEntry {
-            graph,
-            name,
-            core,
-            inputs,
-            outputs,
-            executions: 0,
-            rank,
-            charge,
-        })
-        .ok_or_else(|| Fail::new(sys::NRT_RESOURCE, "too many models"))?;
+    let Some(h) = st.models.insert(ModelEntry {
+        graph,
+        name,
+        core,
+        inputs,
+        outputs,
+        executions: 0,
+        rank,
+        charge,
+    }) else {
+        // The entry (and its private bytes, released on drop) is gone; the scratchpad may
+        // have grown for it: back to the largest of the models still loaded.
+        st.settle_scratch();
+        return Err(Fail::new(sys::NRT_RESOURCE, "too many models"));
+    };
     st.stats.loads += 1;
     Ok(h)
 }
