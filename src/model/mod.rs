@@ -32,8 +32,9 @@
 //! Outputs: `next_tokens` (`[b]` / `[s]` i32), `logits` on request (`[b, vocab]` for decode and
 //! each chunk's last position in prefill, or `[t, vocab]` for every position), and the updated
 //! cache roots under their input names (see [`cache_roots`]). Split by vocabulary (`--tp N`),
-//! each rank's `logits` are its slice's columns (`vocab / N` of them, see [`vocab`]): no
-//! collective gathers them, the runner joins the ranks' slices on the host when asked.
+//! each rank's `logits` are its slice's columns (`vocab / N` of them, rounded up, see
+//! [`vocab`]): no collective gathers them, the runner joins the ranks' slices on the host when
+//! asked.
 
 pub mod attention;
 pub mod attn_step;

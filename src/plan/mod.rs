@@ -40,8 +40,8 @@
 //!   [batch, ctx/block]`) and the prefill chunk packing the most sequences `s` at that
 //!   context (three `[chunk]` vectors, `seq_ids [chunk]` when `s > 1`, `s` block-table rows,
 //!   `last_index [s]` and four `[s]` sampling vectors);
-//! - outputs: `next_tokens` and f32 logits `[max_batch, vocab / N]` (decode) and
-//!   `[chunk, vocab / N]` (prefill; its `next_tokens` at the widest packing): each rank's
+//! - outputs: `next_tokens` and f32 logits `[max_batch, ceil(vocab / N)]` (decode) and
+//!   `[chunk, ceil(vocab / N)]` (prefill; its `next_tokens` at the widest packing): each rank's
 //!   logits are its vocabulary slice's (`model::vocab`);
 //! - NEFF code and scratchpad: from each bucket's graph, partly computed and partly guessed,
 //!   see [`neff`].
