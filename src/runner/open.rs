@@ -152,16 +152,18 @@ pub(crate) fn prepare_device(
     let lib = device_library(backend)?;
     let cores = lib.visible_nc_count()?.unwrap_or(1) as usize;
     let mut runner = DeviceRunner::new(cfg, weights, runner_cfg, lib, opts)?;
-    if limits.kv_blocks_auto {
-        // The plan sized the cache by the instance's HBM per core; the runtime, now started,
-        // may say its cores hold less (what it reserves for itself; nrt-sim's
-        // NRT_SIM_HBM_BYTES): then the cache is sized by what it says, before anything is
-        // allocated.
-        if let Some(free) = runner.free_hbm()? {
-            let cfg = runner.config().clone();
-            let plan = device_plan_with(&cfg, limits, cfg.saved_dtype, cores, Some(free))?;
-            runner.set_kv_blocks(plan.kv_blocks)?;
-        }
+    if !limits.kv_blocks_auto {
+        return Ok(runner);
+    }
+    // The plan sized the cache by the instance's HBM per core; the runtime, now started, may
+    // say its cores hold less (what it reserves for itself; nrt-sim's NRT_SIM_HBM_BYTES): then
+    // the cache is sized by what it says, before anything is allocated. Not less: the plan
+    // already made stands.
+    let cfg = runner.config().clone();
+    let instance = device_plan_options(limits, cfg.saved_dtype, cores)?.instance;
+    if let Some(free) = runner.free_hbm()?.filter(|&f| f < instance.hbm_per_core()) {
+        let plan = device_plan_with(&cfg, limits, cfg.saved_dtype, cores, Some(free))?;
+        runner.set_kv_blocks(plan.kv_blocks)?;
     }
     Ok(runner)
 }
