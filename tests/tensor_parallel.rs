@@ -8,7 +8,7 @@ mod common;
 
 use std::path::Path;
 
-use common::{fixture_dir, max_abs_diff, max_abs_diff_rows, reference, FIXTURES};
+use common::{fixture_dir, max_abs_diff, max_abs_diff_rows, reference, FIXTURES, ODD_VOCAB};
 use deepinfer::config::ModelConfig;
 use deepinfer::engine::{self, StopConditions};
 use deepinfer::model::{ModelWeights, MoeStrategy, Precision};
@@ -152,11 +152,6 @@ fn split_models_draw_the_unsplit_models_sampled_tokens() {
     }
 }
 
-/// A vocabulary size no degree above 1 divides: each fixture cut to it (see
-/// [`common::fixture_with_vocab`]) pads its last rank's slice at `--tp 2` (1 padding row) and
-/// `--tp 4` (3).
-const ODD_VOCAB: usize = 501;
-
 /// vLLM pads a vocabulary the degree does not divide; so do we (`model::shard`). The padding
 /// is never returned (every logits row is `vocab` wide and transformers' at every position,
 /// through prefill and batched decode) and never drawn: a hot sampler, where a padding
@@ -164,11 +159,7 @@ const ODD_VOCAB: usize = 501;
 /// one in the vocabulary.
 #[test]
 fn a_vocabulary_the_degree_does_not_divide_is_padded_never_returned_or_drawn() {
-    let hot = SamplingParams {
-        temperature: 4.0,
-        seed: 21,
-        ..SamplingParams::GREEDY
-    };
+    let hot = common::HOT;
     let stop = StopConditions {
         max_tokens: 32,
         stop_token_ids: vec![],

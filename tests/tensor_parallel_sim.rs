@@ -143,15 +143,11 @@ fn child_padded_vocabulary() {
     if !is_child() {
         return a_padded_vocabulary_on_nrt_sim_is_never_returned_or_drawn();
     }
-    const VOCAB: usize = 501;
+    const VOCAB: usize = common::ODD_VOCAB;
     let dir = common::fixture_with_vocab("tiny-v3", VOCAB);
     let r = reference("tiny-v3");
     let want: Vec<Vec<f32>> = r.logits.iter().map(|row| row[..VOCAB].to_vec()).collect();
-    let hot = SamplingParams {
-        temperature: 4.0,
-        seed: 21,
-        ..SamplingParams::GREEDY
-    };
+    let hot = common::HOT;
     let stop = StopConditions {
         max_tokens: 24,
         stop_token_ids: vec![],

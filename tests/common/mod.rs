@@ -31,6 +31,18 @@ pub struct Greedy {
     pub generated_token_ids: Vec<u32>,
 }
 
+/// A vocabulary size no tensor-parallel degree above 1 divides: a fixture cut to it
+/// ([`fixture_with_vocab`]) pads its last rank's slice at `--tp 2` (1 row) and `--tp 4` (3).
+pub const ODD_VOCAB: usize = 501;
+
+/// A sampler hot enough that a padding column's logit, were it not masked, would be drawn
+/// among the likeliest tokens (the padded-vocabulary tests).
+pub const HOT: SamplingParams = SamplingParams {
+    temperature: 4.0,
+    seed: 21,
+    ..SamplingParams::GREEDY
+};
+
 /// Fixture `name` cut to its first `vocab` tokens, written once under the tests' scratch
 /// directory: `config.json`'s `vocab_size` and the embedding's and LM head's rows, the rest
 /// as it is. Its logits at a position are the fixture's first `vocab` logits there as long
