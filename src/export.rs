@@ -828,19 +828,36 @@ fn for_each_capture_graph(
     rc.buckets.validate(rc.block_size)?;
     let specs = WeightSpecs::sharded(cfg, &precision, rc.tp)?;
     let layout = rc.cache_layout();
-    // A sampling graph is the same for every context of its batch size: built once.
+    // A sampling graph is the same for every context of its batch size: built once. Each
+    // decode graph's instruction estimate is kept for its greedy variant's rule, which comes
+    // after it in the list.
     let mut seen = std::collections::HashSet::new();
+    let mut decode_instructions = std::collections::HashMap::new();
     for (kind, spec) in rc.buckets.capture_specs(cfg, rc.tp, limits.split_sampler) {
-        let g = match kind {
-            StepKind::Decode => model::build_decode(cfg, &specs, &layout, &spec)?,
-            StepKind::Prefill => model::build_prefill(cfg, &specs, &layout, &spec)?,
-            StepKind::Sample => {
-                if !seen.insert(spec.rows) {
+        if matches!(kind, StepKind::Sample | StepKind::Argmax) && !seen.insert((kind, spec.rows)) {
+            continue;
+        }
+        let g = kind.build(cfg, &specs, &layout, &spec)?;
+        let instructions = || -> Result<u64> {
+            Ok(crate::backend::neuron::check::estimate::instructions(
+                &hlo::emit::emit(&g)?,
+            ))
+        };
+        match kind {
+            StepKind::Decode => {
+                decode_instructions.insert((spec.rows, spec.ctx), instructions()?);
+            }
+            StepKind::Greedy => {
+                let full = decode_instructions
+                    .get(&(spec.rows, spec.ctx))
+                    .copied()
+                    .unwrap_or(0);
+                if !crate::deployment::greedy_graph_pays(full, instructions()?) {
                     continue;
                 }
-                model::build_sample(cfg, &specs, &layout, spec.rows)?
             }
-        };
+            _ => {}
+        }
         f(&g)?;
     }
     Ok(())

@@ -13,7 +13,9 @@ use deepinfer::backend::hlo::proto::{
     DotDimensionNumbers, FrontendAttributes, HloComputationProto, HloInstructionProto,
     HloModuleProto, PrimitiveType, ShapeProto,
 };
-use deepinfer::backend::neuron::check::{check_module, CheckOptions, GraphCheck, Rule};
+use deepinfer::backend::neuron::check::{
+    check_module, CheckOptions, CheckReport, GraphCheck, Rule,
+};
 use deepinfer::config::ModelConfig;
 use deepinfer::runner::Limits;
 
@@ -372,7 +374,8 @@ fn a_graph_over_the_instruction_budget_fails() {
 
 /// Every graph we emit for the tiny fixtures, at a small bucket set: the rules no other change
 /// is expected to break (every opcode on the accepted list, no 64-bit type, no 4 GiB tensor,
-/// within the instruction budget) hold, and the capture's NEFF count is the bucket count.
+/// within the instruction budget) hold, and the capture's NEFFs are the buckets' and the
+/// greedy graphs that pay.
 #[test]
 fn emitted_fixture_graphs_use_only_accepted_opcodes() {
     for name in common::FIXTURES {
@@ -381,7 +384,12 @@ fn emitted_fixture_graphs_use_only_accepted_opcodes() {
         let report =
             deepinfer::export::check_neuron(&cfg, &limits, &CheckOptions::default(), 1).unwrap();
         let rc = limits.runner_config(&cfg).unwrap();
-        assert_eq!(report.graphs.len(), rc.buckets.graph_count(), "{name}");
+        let greedy = greedy_graphs_by_the_rule(&report);
+        assert_eq!(
+            report.graphs.len(),
+            rc.buckets.graph_count() + greedy,
+            "{name}"
+        );
         for g in &report.graphs {
             for rule in [
                 Rule::Opcode,
@@ -394,13 +402,52 @@ fn emitted_fixture_graphs_use_only_accepted_opcodes() {
         }
         let text = report.to_string();
         assert!(
-            text.contains(&format!("{} NEFFs to compile", rc.buckets.graph_count())),
+            text.contains(&format!(
+                "{} NEFFs to compile",
+                rc.buckets.graph_count() + greedy
+            )),
             "{text}"
         );
     }
 }
 
-/// The CLI on the published V2-Lite config at the serve defaults: one row per NEFF (24), a
+/// Checks that every decode bucket's greedy graph in `report` saves at least 10% of the
+/// bucket's decode graph (its estimate at most 90% of the decode graph's; the buckets where it
+/// would not are dropped, `deployment::keep_paying_greedy`'s unit tests), and returns how many
+/// there are.
+fn greedy_graphs_by_the_rule(report: &CheckReport) -> usize {
+    let estimate = |name: &str| {
+        report
+            .graphs
+            .iter()
+            .find(|g| g.name == name)
+            .map(|g| g.estimated_instructions)
+    };
+    let mut greedy = 0;
+    for g in report
+        .graphs
+        .iter()
+        .filter(|g| g.name.starts_with("decode_b"))
+    {
+        let cheap = estimate(&g.name.replace("decode_b", "decode_greedy_b"));
+        let full = g.estimated_instructions;
+        if let Some(cheap) = cheap {
+            assert!(10 * cheap <= 9 * full, "{}: {cheap} of {full}", g.name);
+            greedy += 1;
+        }
+    }
+    assert_eq!(
+        greedy,
+        report
+            .graphs
+            .iter()
+            .filter(|g| g.name.starts_with("decode_greedy_b"))
+            .count()
+    );
+    greedy
+}
+
+/// The CLI on the published V2-Lite config at the serve defaults: one row per NEFF (42), a
 /// column per rule, and an exit status that agrees with the verdict line.
 #[test]
 fn cli_prints_one_table_and_exits_by_the_verdict() {
@@ -426,7 +473,16 @@ fn cli_prints_one_table_and_exits_by_the_verdict() {
         .count();
     // 6 x 3 decode, 2 x 3 prefill, packed prefill at contexts 128 and 512.
     assert_eq!(rows, 28, "{text}");
-    assert!(text.contains("28 NEFFs to compile"), "{text}");
+    // The greedy graphs where the sampler is at least 10% of the decode graph: from batch 2
+    // at contexts 128 and 512, from batch 4 at 2,048; never at batch 1.
+    let greedy: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.split_whitespace().next())
+        .filter(|n| n.starts_with("decode_greedy_b"))
+        .collect();
+    assert_eq!(greedy.len(), 14, "{text}");
+    assert!(!greedy.iter().any(|n| n.starts_with("decode_greedy_b1_")));
+    assert!(text.contains("42 NEFFs to compile"), "{text}");
     assert!(text.contains("estimate"), "{text}");
     // No vocabulary-wide sort, weight transpose or integer multiply is left: V2-Lite is clean.
     assert!(text.contains("neuron check: clean"), "{text}");

@@ -589,7 +589,9 @@ fn counters_of(name: &str) {
     let live_after_capture = c.live.clone();
     let loads = c.loads;
     assert_eq!(loads as usize, d.graph_names().len());
-    assert_eq!(d.graph_names().len(), 3 * 2 + 2);
+    // Three batches at two contexts, each decode bucket with its greedy graph (the sampler is
+    // most of a tiny model's decode graph), and two prefill graphs.
+    assert_eq!(d.graph_names().len(), 3 * 2 * 2 + 2);
     // Loaded largest first: rows × context never grows along the list.
     let size = |n: &str| -> usize {
         let nums: Vec<usize> = n
@@ -684,7 +686,12 @@ fn counters_of(name: &str) {
         // Reads: the real rows' tokens and logits, nothing else.
         let read: u64 = c.tensor_bytes_read.values().sum();
         assert_eq!(read, (n * 4 + n * vocab as usize * 4) as u64);
-        assert_eq!(c.executions_of(&format!("decode_b{bucket}_c{ctx}")), 1);
+        // Greedy rows with no logit controls run the bucket's greedy graph alone.
+        assert_eq!(
+            c.executions_of(&format!("decode_greedy_b{bucket}_c{ctx}")),
+            1
+        );
+        assert_eq!(c.executions_of(&format!("decode_b{bucket}_c{ctx}")), 0);
         assert_eq!(c.tensors_allocated, 0, "replay allocates no device tensor");
         assert_eq!(c.live, live_after_capture);
         // Without logits nothing but the tokens is read.
@@ -706,7 +713,87 @@ fn counters_of(name: &str) {
     d.decode(&rows, false).unwrap();
     let c = sim.counters().unwrap();
     assert_eq!(c.tensor_bytes_written.values().sum::<u64>(), 0);
-    assert_eq!(c.executions_of("decode_b1_c64"), 1);
+    assert_eq!(c.executions_of("decode_greedy_b1_c64"), 1);
+}
+
+/// A step whose rows are all greedy with no logit controls runs its bucket's greedy graph
+/// (fused: `decode_greedy_*`; split: the forward graph then `argmax_*`), and draws
+/// transformers' argmax; a step with one sampled row runs the full sampler instead, and its
+/// greedy row still draws the argmax. Counted per NEFF by nrt-sim.
+#[test]
+fn greedy_steps_run_the_greedy_graphs_and_sampled_steps_the_full_sampler() {
+    let _g = serial();
+    let sim = hooks();
+    let reference = common::reference("tiny-v3");
+    let (prompt, last) = reference.token_ids.split_at(reference.token_ids.len() - 1);
+    let want = &reference.logits[prompt.len()];
+    let best = (0..want.len())
+        .max_by(|&a, &b| want[a].total_cmp(&want[b]))
+        .unwrap() as u32;
+    let sampled = SamplingParams {
+        temperature: 0.9,
+        seed: 7,
+        ..SamplingParams::GREEDY
+    };
+    for split_sampler in [false, true] {
+        let opts = DeviceOptions {
+            split_sampler,
+            ..DeviceOptions::sim()
+        };
+        let mut d = device_with("tiny-v3", small_config(), &Precision::F32, opts);
+        let (greedy_graph, full_graph) = match split_sampler {
+            false => ("decode_greedy_b2_c32", "decode_b2_c32"),
+            true => ("argmax_b2", "sample_b2"),
+        };
+        let graphs = d.graph_names();
+        assert!(graphs.iter().any(|g| g == greedy_graph), "{graphs:?}");
+        let mut alloc = common::allocator(&d);
+        let mut tables = [Vec::new(), Vec::new()];
+        for t in &mut tables {
+            alloc.grow(t, prompt.len() + 1).unwrap();
+            d.prefill(
+                &PrefillChunk {
+                    tokens: prompt,
+                    start: 0,
+                    blocks: t,
+                    sampling: SamplingParams::GREEDY,
+                    controls: LogitControls::NONE,
+                },
+                LogitsOutput::None,
+            )
+            .unwrap();
+        }
+        for (second, greedy) in [(SamplingParams::GREEDY, true), (sampled, false)] {
+            sim.reset();
+            let rows: Vec<DecodeRow> = [SamplingParams::GREEDY, second]
+                .into_iter()
+                .zip(&tables)
+                .map(|(sampling, t)| DecodeRow {
+                    token: last[0],
+                    position: prompt.len(),
+                    blocks: t,
+                    sampling,
+                    controls: LogitControls::NONE,
+                })
+                .collect();
+            let out = d.decode(&rows, true).unwrap();
+            let c = sim.counters().unwrap();
+            let what = format!("split {split_sampler}, all greedy {greedy}");
+            assert_eq!(c.executions_of(greedy_graph), greedy as u64, "{what}");
+            assert_eq!(c.executions_of(full_graph), !greedy as u64, "{what}");
+            if split_sampler {
+                assert_eq!(c.executions_of("decode_logits_b2_c32"), 1, "{what}");
+            }
+            assert_eq!(out.next_tokens[0], best, "{what}");
+            if greedy {
+                assert_eq!(out.next_tokens[1], best, "{what}");
+            }
+            for (i, row) in out.logits.unwrap().iter().enumerate() {
+                let diff = common::max_abs_diff(row, want);
+                assert!(diff <= 1e-4, "{what}: row {i} differs by {diff}");
+            }
+        }
+    }
 }
 
 /// The allowed-token mask (the one large metadata array) is copied only when it changes: a
@@ -998,7 +1085,7 @@ fn child_execute_fault() {
     // Execution 2 is the injected failure.
     let err = d.decode(&rows, true).unwrap_err();
     let msg = err.to_string();
-    assert!(msg.contains("decode_b1_c32"), "{msg}");
+    assert!(msg.contains("decode_greedy_b1_c32"), "{msg}");
     assert!(msg.contains("NRT_EXEC_COMPLETED_WITH_ERR"), "{msg}");
     assert!(matches!(err, Error::Device { .. }), "{err:?}");
     // The next replay works and matches the CPU twin.

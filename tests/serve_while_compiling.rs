@@ -204,11 +204,14 @@ fn wait_for(engine: &Engine, what: &str, done: impl Fn(&str) -> bool) {
     }
 }
 
+/// The decode steps run on batch bucket `batch`: on its decode graph, or its greedy graph once
+/// that has joined too.
 fn executions_of_batch(hooks: &SimLibrary, batch: usize) -> u64 {
     let c = hooks.counters().unwrap();
     [32, 64]
         .iter()
-        .map(|ctx| c.executions_of(&format!("decode_b{batch}_c{ctx}")))
+        .flat_map(|ctx| ["decode", "decode_greedy"].map(|g| format!("{g}_b{batch}_c{ctx}")))
+        .map(|name| c.executions_of(&name))
         .sum()
 }
 

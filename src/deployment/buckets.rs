@@ -166,8 +166,10 @@ impl Buckets {
     /// prefill with every position's, each with the MoE strategy a device takes
     /// ([`MoeStrategy::for_tokens`]); with `split_sampler`, each decode bucket's forward pass
     /// (`Sampler::Deferred`) followed by the sampling graphs, one per decode bucket (the same
-    /// NEFF for every context of a batch size: callers keep one per name). The device runner,
-    /// the memory plan and `lower --check neuron` all build this list, so what is planned and
+    /// NEFF for every context of a batch size: callers keep one per name). Then each decode
+    /// bucket's greedy variant ([`StepKind::Greedy`] or, split, [`StepKind::Argmax`]), which
+    /// callers keep only where [`keep_paying_greedy`] says it pays. The device runner, the
+    /// memory plan and `lower --check neuron` all build this list, so what is planned and
     /// checked is what is captured.
     pub(crate) fn capture_specs(
         &self,
@@ -199,20 +201,29 @@ impl Buckets {
                 (kind, spec)
             })
             .collect();
-        if split_sampler {
-            let samplers: Vec<_> = out
-                .iter()
-                .filter(|(kind, _)| *kind == StepKind::Decode)
-                .map(|(_, spec)| {
-                    let spec = GraphSpec {
-                        logits: StepKind::Sample.device_logits(),
-                        sampler: Sampler::Full,
+        let decode: Vec<GraphSpec> = out
+            .iter()
+            .filter(|(kind, _)| *kind == StepKind::Decode)
+            .map(|(_, spec)| *spec)
+            .collect();
+        let variant = |kind: StepKind, sampler| {
+            decode.iter().map(move |spec| {
+                let logits = kind.device_logits();
+                (
+                    kind,
+                    GraphSpec {
+                        logits,
+                        sampler,
                         ..*spec
-                    };
-                    (StepKind::Sample, spec)
-                })
-                .collect();
-            out.extend(samplers);
+                    },
+                )
+            })
+        };
+        if split_sampler {
+            out.extend(variant(StepKind::Sample, Sampler::Full));
+            out.extend(variant(StepKind::Argmax, Sampler::Greedy));
+        } else {
+            out.extend(variant(StepKind::Greedy, Sampler::Greedy));
         }
         out
     }
@@ -326,7 +337,7 @@ pub(crate) fn smallest_fitting(buckets: &[usize], need: usize, what: &str) -> Re
     })
 }
 
-/// The two graph families; with a bucket's sizes (rows, sequences, context), the key of a
+/// The graph families; with a bucket's sizes (rows, sequences, context), the key of a
 /// captured graph.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum StepKind {
@@ -336,6 +347,13 @@ pub(crate) enum StepKind {
     /// [`crate::runner::DeviceOptions::split_sampler`]), which samples from the logits its `Decode` graph
     /// left on the device.
     Sample,
+    /// A decode bucket's graph for steps whose rows are all greedy with no logit controls
+    /// (`Sampler::Greedy`: a plain argmax in place of the sampler), captured beside its
+    /// `Decode` graph where that pays ([`keep_paying_greedy`]).
+    Greedy,
+    /// [`StepKind::Greedy`] of a split decode step: an argmax of the logits its `Decode` graph
+    /// left, in place of its `Sample` graph.
+    Argmax,
 }
 
 impl StepKind {
@@ -344,12 +362,93 @@ impl StepKind {
     /// every request. The cost model counts these outputs too.
     pub(crate) fn device_logits(self) -> LogitsOutput {
         match self {
-            StepKind::Decode => LogitsOutput::Sampled,
+            StepKind::Decode | StepKind::Greedy => LogitsOutput::Sampled,
             StepKind::Prefill => LogitsOutput::AllPositions,
-            // It reads its forward graph's logits, which stay where they are.
-            StepKind::Sample => LogitsOutput::None,
+            // They read their forward graph's logits, which stay where they are.
+            StepKind::Sample | StepKind::Argmax => LogitsOutput::None,
         }
     }
+
+    /// Whether a graph of this kind belongs to a decode bucket (and reads its buffers).
+    pub(crate) fn is_decode(self) -> bool {
+        !matches!(self, StepKind::Prefill)
+    }
+
+    /// Whether this is a decode bucket's greedy variant ([`StepKind::Greedy`],
+    /// [`StepKind::Argmax`]): an optional graph that replay takes when it is loaded.
+    pub(crate) fn is_greedy(self) -> bool {
+        matches!(self, StepKind::Greedy | StepKind::Argmax)
+    }
+
+    /// Builds this kind's graph of `spec` (a capture's, the plan's or the Neuron check's).
+    pub(crate) fn build(
+        self,
+        cfg: &crate::config::ModelConfig,
+        specs: &crate::model::WeightSpecs,
+        layout: &crate::model::CacheLayout,
+        spec: &crate::model::GraphSpec,
+    ) -> Result<crate::graph::Graph> {
+        use crate::model;
+        match self {
+            StepKind::Decode | StepKind::Greedy => model::build_decode(cfg, specs, layout, spec),
+            StepKind::Prefill => model::build_prefill(cfg, specs, layout, spec),
+            StepKind::Sample => model::build_sample(cfg, specs, layout, spec.rows),
+            StepKind::Argmax => model::build_argmax(cfg, specs, spec.rows),
+        }
+    }
+}
+
+/// The least share of a fused decode graph's instructions its sampler must take for the
+/// bucket's [`StepKind::Greedy`] graph to be captured: below it, what greedy steps would save
+/// is not worth a second NEFF of the whole model per bucket (neuronx-cc's time, and the
+/// NEFF's device memory). At serve's defaults the share is 1.3-4.4% for V2-Lite at tp 1 and V2
+/// at tp 32 at small batches and 8-32% at tp 2 from batch 8 (benches/README.md, "The
+/// sampler's share").
+pub(crate) const GREEDY_GRAPH_MIN_SHARE: f64 = 0.10;
+
+/// Whether a [`StepKind::Greedy`] graph of `greedy` instructions is worth capturing beside its
+/// bucket's `Decode` graph of `full` (see [`GREEDY_GRAPH_MIN_SHARE`]).
+pub(crate) fn greedy_graph_pays(full: u64, greedy: u64) -> bool {
+    full > 0 && full.saturating_sub(greedy) as f64 >= GREEDY_GRAPH_MIN_SHARE * full as f64
+}
+
+/// Keeps of a capture's graphs (`graphs`, [`Buckets::capture_specs`]' list, each with what the
+/// caller built of it) the greedy variants that pay, and drops the others:
+///
+/// - an [`StepKind::Argmax`] graph always (it is a few vocabulary-wide ops, compiled in
+///   moments, and it spares a greedy step the whole sampling graph);
+/// - a [`StepKind::Greedy`] graph when the instructions it saves against its bucket's `Decode`
+///   graph (`instructions` of each) are at least [`GREEDY_GRAPH_MIN_SHARE`] of that graph's.
+///
+/// One rule for the capture, the plan and the Neuron check, so each counts the same NEFFs.
+pub(crate) fn keep_paying_greedy<G>(
+    graphs: &mut Vec<(StepKind, crate::model::GraphSpec, G)>,
+    instructions: impl Fn(&G) -> Result<u64>,
+) -> Result<()> {
+    let mut keep = Vec::with_capacity(graphs.len());
+    for (kind, spec, g) in graphs.iter() {
+        let pays = match kind {
+            StepKind::Greedy => {
+                let full = graphs
+                    .iter()
+                    .find(|(k, s, _)| {
+                        *k == StepKind::Decode && s.rows == spec.rows && s.ctx == spec.ctx
+                    })
+                    .ok_or_else(|| {
+                        Error::Internal(format!(
+                            "a greedy graph of {} rows at context {} without its decode graph",
+                            spec.rows, spec.ctx
+                        ))
+                    })?;
+                greedy_graph_pays(instructions(&full.2)?, instructions(g)?)
+            }
+            _ => true,
+        };
+        keep.push(pays);
+    }
+    let mut pays = keep.into_iter();
+    graphs.retain(|_| pays.next().unwrap_or(true));
+    Ok(())
 }
 
 #[cfg(test)]
@@ -406,5 +505,44 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// A greedy graph is kept where it saves at least 10% of its decode graph's instructions
+    /// and dropped where it saves less (or its decode graph is unknown); every other graph is
+    /// kept.
+    #[test]
+    fn greedy_graphs_are_kept_where_the_sampler_is_a_tenth_of_the_decode_graph() {
+        use crate::model::{GraphSpec, MoeStrategy, Sampler};
+        let spec = |rows, ctx| GraphSpec {
+            rows,
+            seqs: rows,
+            ctx,
+            logits: LogitsOutput::Sampled,
+            moe: MoeStrategy::Dense,
+            sampler: Sampler::Full,
+        };
+        let mut graphs = vec![
+            (StepKind::Decode, spec(1, 64), 1000u64),
+            (StepKind::Decode, spec(8, 64), 1000),
+            (StepKind::Prefill, spec(16, 64), 5),
+            (StepKind::Greedy, spec(1, 64), 901),
+            (StepKind::Greedy, spec(8, 64), 900),
+            (StepKind::Argmax, spec(1, 64), 999),
+        ];
+        keep_paying_greedy(&mut graphs, |&n| Ok(n)).unwrap();
+        let kept: Vec<(StepKind, usize)> = graphs.iter().map(|(k, s, _)| (*k, s.rows)).collect();
+        assert_eq!(
+            kept,
+            [
+                (StepKind::Decode, 1),
+                (StepKind::Decode, 8),
+                (StepKind::Prefill, 16),
+                (StepKind::Greedy, 8),
+                (StepKind::Argmax, 1),
+            ]
+        );
+        let mut orphan = vec![(StepKind::Greedy, spec(2, 64), 1u64)];
+        assert!(keep_paying_greedy(&mut orphan, |&n| Ok(n)).is_err());
+        assert!(!greedy_graph_pays(0, 0));
     }
 }

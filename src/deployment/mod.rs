@@ -10,7 +10,7 @@ mod limits;
 mod ranks;
 pub(crate) mod secret;
 
-pub(crate) use buckets::{smallest_fitting, StepKind};
+pub(crate) use buckets::{greedy_graph_pays, keep_paying_greedy, smallest_fitting, StepKind};
 pub use buckets::{Buckets, RunnerConfig, CTX_BUCKET_RATIO, DEFAULT_PREFILL_SEQS, MIN_CTX_BUCKET};
 pub use limits::{Limits, DEFAULT_HBM_UTILIZATION};
 pub use ranks::RankSpan;

@@ -598,8 +598,9 @@ pub fn build_decode(
     check_spec(spec, cache)?;
     let (rows, ctx) = (spec.rows, spec.ctx);
     let name = match spec.sampler {
+        Sampler::Full => format!("decode_b{rows}_c{ctx}"),
+        Sampler::Greedy => format!("decode_greedy_b{rows}_c{ctx}"),
         Sampler::Deferred => format!("decode_logits_b{rows}_c{ctx}"),
-        _ => format!("decode_b{rows}_c{ctx}"),
     };
     let b = GraphBuilder::new(name);
     let w = Weights::new(&b, specs);
@@ -650,16 +651,7 @@ pub fn build_sample(
     cache: &CacheLayout,
     rows: usize,
 ) -> Result<Graph> {
-    let head = ModelWeights::lm_head_name(cfg);
-    let width = match specs.shape(head) {
-        Some(&[width, _]) => width,
-        other => {
-            return Err(Error::shape(
-                "weight",
-                format!("the LM head `{head}` is {other:?}, not a matrix"),
-            ))
-        }
-    };
+    let width = lm_head_width(cfg, specs)?;
     if rows == 0 {
         return Err(Error::shape("bucket", "a sampling graph of no rows"));
     }
@@ -690,6 +682,40 @@ pub fn build_sample(
     b.output("next_tokens", &next)?;
     b.output_aliased(logits::STATE_ROOT, &new_state, &state)?;
     b.finish()
+}
+
+/// The greedy half of a split decode step of `rows` rows: each row's argmax of the logits the
+/// step's forward graph left on the device, which is what [`build_sample`] draws for rows that
+/// are greedy with no logit controls (the case [`Sampler::Greedy`] covers in a fused graph),
+/// without its vocabulary-wide filters and draw and without touching the token counts.
+pub fn build_argmax(cfg: &ModelConfig, specs: &WeightSpecs, rows: usize) -> Result<Graph> {
+    let width = lm_head_width(cfg, specs)?;
+    if rows == 0 {
+        return Err(Error::shape("bucket", "an argmax graph of no rows"));
+    }
+    let b = GraphBuilder::new(format!("argmax_b{rows}"));
+    let w = Weights::new(&b, specs);
+    let logits = b.input(
+        STEP_LOGITS,
+        InputRole::Carried,
+        vec![rows, width],
+        DType::F32,
+    )?;
+    let next = w.vocab_slice()?.argmax(&logits)?;
+    b.output("next_tokens", &next)?;
+    b.finish()
+}
+
+/// The columns of this rank's LM head: the width of the logits a forward graph leaves.
+fn lm_head_width(cfg: &ModelConfig, specs: &WeightSpecs) -> Result<usize> {
+    let head = ModelWeights::lm_head_name(cfg);
+    match specs.shape(head) {
+        Some(&[width, _]) => Ok(width),
+        other => Err(Error::shape(
+            "weight",
+            format!("the LM head `{head}` is {other:?}, not a matrix"),
+        )),
+    }
 }
 
 /// The prefill graph for chunks of up to `spec.seqs` sequences, `spec.rows` tokens in all,

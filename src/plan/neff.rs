@@ -25,9 +25,9 @@
 use crate::backend::hlo::emit;
 use crate::backend::neuron::footprint::{self, NeffFootprint, MICROCODE_PER_PHYSICAL_CORE};
 use crate::config::ModelConfig;
-use crate::deployment::{RunnerConfig, StepKind};
+use crate::deployment::{self, RunnerConfig, StepKind};
 use crate::error::Result;
-use crate::model::{self, GraphSpec, Precision, WeightSpecs};
+use crate::model::{GraphSpec, Precision, WeightSpecs};
 
 use super::instance::Instance;
 
@@ -62,11 +62,7 @@ fn footprint_of(
 ) -> Result<(String, NeffFootprint)> {
     let specs = WeightSpecs::sharded(cfg, precision, rc.tp)?;
     let layout = rc.cache_layout();
-    let g = match kind {
-        StepKind::Decode => model::build_decode(cfg, &specs, &layout, spec)?,
-        StepKind::Prefill => model::build_prefill(cfg, &specs, &layout, spec)?,
-        StepKind::Sample => model::build_sample(cfg, &specs, &layout, spec.rows)?,
-    };
+    let g = kind.build(cfg, &specs, &layout, spec)?;
     Ok((g.name().to_string(), footprint::of_module(&emit::emit(&g)?)))
 }
 
@@ -83,9 +79,13 @@ pub fn estimate(
     let period = cfg.moe_layer_freq.max(1);
     let one = cfg.first_k_dense_replace + period;
     let two = one + period;
-    let mut graphs = Vec::new();
+    let mut built = Vec::new();
     let mut seen = std::collections::HashSet::new();
     for (kind, spec) in rc.buckets.capture_specs(cfg, rc.tp, split_sampler) {
+        // A sampling graph is one NEFF shared by every context bucket.
+        if matches!(kind, StepKind::Sample | StepKind::Argmax) && !seen.insert((kind, spec.rows)) {
+            continue;
+        }
         let (name, fp) = if cfg.routing.is_none() || layers <= two {
             footprint_of(cfg, precision, rc, kind, &spec)?
         } else {
@@ -107,14 +107,17 @@ pub fn estimate(
             };
             (name, fp)
         };
-        // A sampling graph is one NEFF shared by every context bucket.
-        if seen.insert(name.clone()) {
-            graphs.push(GraphFootprint {
+        built.push((
+            kind,
+            spec,
+            GraphFootprint {
                 name,
                 footprint: fp,
-            });
-        }
+            },
+        ));
     }
+    deployment::keep_paying_greedy(&mut built, |g| Ok(g.footprint.instructions))?;
+    let graphs: Vec<GraphFootprint> = built.into_iter().map(|(_, _, g)| g).collect();
     let code = MICROCODE_PER_PHYSICAL_CORE * instance.physical_per_core()
         + graphs.iter().map(|g| g.footprint.private()).sum::<u64>();
     let scratchpad = graphs

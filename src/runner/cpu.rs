@@ -223,13 +223,8 @@ impl CpuRunner {
             moe,
             sampler,
         };
-        self.graphs.get_or_build(key, || match kind {
-            StepKind::Decode => model::build_decode(cfg, specs, layout, &spec),
-            StepKind::Prefill => model::build_prefill(cfg, specs, layout, &spec),
-            StepKind::Sample => Err(Error::Internal(
-                "the CPU runner does not split its decode steps".into(),
-            )),
-        })
+        self.graphs
+            .get_or_build(key, || kind.build(cfg, specs, layout, &spec))
     }
 
     /// Rank `rank`'s inputs for `graph`, its metadata inputs from `metadata` (the step's
@@ -406,10 +401,7 @@ impl Runner for CpuRunner {
                     _ => LogitsOutput::Sampled,
                 };
                 // A step of greedy rows without logit controls needs only the argmax.
-                let sampler = match rows
-                    .iter()
-                    .all(|r| r.sampling.is_plain_greedy() && r.controls.is_identity())
-                {
+                let sampler = match rows.iter().all(step::DecodeRow::is_plain_greedy) {
                     true => Sampler::Greedy,
                     false => Sampler::Full,
                 };

@@ -86,11 +86,12 @@ use super::sim::{sim_compiler_config, sim_compiler_config_from_env};
 use super::step::{self, HostArray, HostData};
 use super::{Backend, BucketEvent, LateMasks, Runner, Step, StepOutput};
 use crate::backend::hlo::emit;
+use crate::backend::neuron::check::estimate;
 use crate::backend::neuron::compile::{compile_all, compile_each, CompileJob, CompilerConfig};
 use crate::backend::neuron::progress::Progress;
 use crate::backend::neuron::sim_neff::NeffNames;
 use crate::config::ModelConfig;
-use crate::deployment::{Buckets, RankSpan, RunnerConfig, StepKind};
+use crate::deployment::{self, Buckets, RankSpan, RunnerConfig, StepKind};
 use crate::error::{Error, Result};
 use crate::graph::{Graph, InputRole};
 use crate::host::{tensor_from_bytes, with_tensor_bytes};
@@ -495,12 +496,12 @@ impl RankState {
     }
 }
 
-/// The bucket a graph belongs to: a sampling graph is its decode bucket's.
+/// The bucket a graph belongs to: a sampling or greedy graph is its decode bucket's.
 fn bucket_of(kind: StepKind, spec: &GraphSpec) -> BucketKey {
     BucketKey {
-        kind: match kind {
-            StepKind::Prefill => BucketKind::Prefill,
-            StepKind::Decode | StepKind::Sample => BucketKind::Decode,
+        kind: match kind.is_decode() {
+            true => BucketKind::Decode,
+            false => BucketKind::Prefill,
         },
         rows: spec.rows,
         seqs: spec.seqs,
@@ -512,6 +513,9 @@ fn bucket_of(kind: StepKind, spec: &GraphSpec) -> BucketKey {
 /// graph, build time).
 struct PendingBucket {
     key: BucketKey,
+    /// The bucket's greedy graphs ([`StepKind::is_greedy`]), which join a bucket already live
+    /// (or absent): failing them costs greedy steps their shortcut, not the bucket.
+    greedy: bool,
     graphs: Vec<(StepKind, GraphSpec, Graph, Duration)>,
 }
 
@@ -826,9 +830,9 @@ impl RankLoader<'_> {
                             && s.ctx == ctx
                     })
                     .map(|(_, _, g)| g);
-                let prefix = match kind {
-                    StepKind::Decode | StepKind::Sample => "decode",
-                    StepKind::Prefill => "prefill",
+                let prefix = match kind.is_decode() {
+                    true => "decode",
+                    false => "prefill",
                 };
                 let mut bufs: Vec<MetaBuf> = Vec::new();
                 let decls = g
@@ -938,9 +942,9 @@ impl RankState {
         let kind = &kind;
         let name = g.name();
         let ctx_index = l.ctx.iter().position(|&c| c == spec.ctx).unwrap_or(0);
-        let meta = match kind {
-            StepKind::Decode | StepKind::Sample => decode_meta.get(ctx_index),
-            StepKind::Prefill => prefill_meta.get(ctx_index),
+        let meta = match kind.is_decode() {
+            true => decode_meta.get(ctx_index),
+            false => prefill_meta.get(ctx_index),
         }
         .ok_or_else(|| Error::Internal(format!("graph `{name}`: no metadata buffers")))?;
         let model = match l.tp {
@@ -1006,10 +1010,10 @@ impl RankState {
             let t = match (kind, decl.name.as_str()) {
                 // An updated cache root: the same tensor as the input it aliases.
                 _ if decl.aliases.is_some() => root_named(&decl.name, name)?,
-                (StepKind::Decode | StepKind::Sample, "next_tokens") => {
+                (k, "next_tokens") if k.is_decode() => {
                     first_bytes(decode_next, spec.rows * 4, name)?
                 }
-                (StepKind::Decode, "logits") => {
+                (StepKind::Decode | StepKind::Greedy, "logits") => {
                     first_bytes(decode_logits, spec.rows * vocab * 4, name)?
                 }
                 (StepKind::Prefill, "next_tokens") => {
@@ -1313,9 +1317,7 @@ impl DeviceRunner {
     fn capture_buckets(&mut self) -> Result<()> {
         let t0 = Instant::now();
         let specs = self.specs_largest_first();
-        let mut graphs = Vec::with_capacity(specs.len());
-        let mut jobs = Vec::with_capacity(specs.len());
-        let mut timings = Vec::with_capacity(specs.len());
+        let mut built = Vec::with_capacity(specs.len());
         // A span the binary draws as a bar (see `backend::neuron::progress`); ends when dropped.
         let progress = Progress::start(&format!("capturing {} graphs", specs.len()), specs.len());
         for (i, (kind, spec)) in specs.iter().enumerate() {
@@ -1324,26 +1326,24 @@ impl DeviceRunner {
                 &format!("{kind:?} rows {} ctx {}", spec.rows, spec.ctx),
             );
             let t = Instant::now();
-            let g = match kind {
-                StepKind::Decode => {
-                    model::build_decode(&self.cfg, &self.specs, &self.layout, spec)?
-                }
-                StepKind::Prefill => {
-                    model::build_prefill(&self.cfg, &self.specs, &self.layout, spec)?
-                }
-                StepKind::Sample => {
-                    model::build_sample(&self.cfg, &self.specs, &self.layout, spec.rows)?
-                }
-            };
+            let g = kind.build(&self.cfg, &self.specs, &self.layout, spec)?;
+            let hlo = emit::emit(&g)?;
+            built.push((*kind, *spec, (g, hlo, t.elapsed())));
+        }
+        deployment::keep_paying_greedy(&mut built, |(_, hlo, _)| Ok(estimate::instructions(hlo)))?;
+        let mut graphs = Vec::with_capacity(built.len());
+        let mut jobs: Vec<CompileJob> = Vec::with_capacity(built.len());
+        let mut timings = Vec::with_capacity(built.len());
+        for (kind, spec, (g, hlo, t)) in built {
             // A sampling graph is the same for every context bucket: compiled once.
-            if !jobs.iter().any(|j: &CompileJob| j.name == g.name()) {
+            if !jobs.iter().any(|j| j.name == g.name()) {
                 jobs.push(CompileJob {
                     name: g.name().to_string(),
-                    hlo: emit::to_bytes(&emit::emit(&g)?),
+                    hlo: emit::to_bytes(&hlo),
                 });
             }
-            timings.push(t.elapsed());
-            graphs.push((*kind, *spec, g));
+            timings.push(t);
+            graphs.push((kind, spec, g));
         }
         // Which graphs load now: all, or the first buckets' (a decode bucket's sampling graph
         // joins with it).
@@ -1352,7 +1352,8 @@ impl DeviceRunner {
         let now: Vec<bool> = graphs
             .iter()
             .map(|(kind, spec, _)| {
-                !self.opts.background_compile || first.contains(&bucket_of(*kind, spec))
+                !self.opts.background_compile
+                    || (first.contains(&bucket_of(*kind, spec)) && !kind.is_greedy())
             })
             .collect();
         let now_jobs: Vec<CompileJob> = jobs
@@ -1421,20 +1422,30 @@ impl DeviceRunner {
         let mut live = LiveBuckets::none(&buckets);
         first.iter().for_each(|k| live.join(*k));
         self.live = live;
-        // The rest, bucket by bucket in the order they are to join, each with its graphs.
-        let mut units: Vec<PendingBucket> = LiveBuckets::background_order(&buckets)
-            .into_iter()
-            .map(|key| PendingBucket {
+        // The rest, bucket by bucket in the order they are to join, each with its graphs; then
+        // every decode bucket's greedy graph, which only makes greedy steps cheaper and so
+        // delays no bucket's joining.
+        let order = LiveBuckets::background_order(&buckets);
+        let mut units: Vec<PendingBucket> = order
+            .iter()
+            .map(|&key| (key, false))
+            .chain(first.iter().chain(&order).map(|&key| (key, true)))
+            .map(|(key, greedy)| PendingBucket {
                 key,
+                greedy,
                 graphs: Vec::new(),
             })
             .collect();
-        for ((kind, spec, g), t) in graphs.into_iter().zip(timings) {
+        for (((kind, spec, g), t), loaded) in graphs.into_iter().zip(timings).zip(now) {
             let key = bucket_of(kind, &spec);
-            if let Some(u) = units.iter_mut().find(|u| u.key == key) {
+            let unit = units
+                .iter_mut()
+                .find(|u| u.key == key && u.greedy == kind.is_greedy());
+            if let (Some(u), false) = (unit, loaded) {
                 u.graphs.push((kind, spec, g, t));
             }
         }
+        units.retain(|u| !u.graphs.is_empty());
         // The NEFFs the pending buckets need that were compiled already (a sampling graph's),
         // and the jobs left, in joining order.
         let mut ready = HashMap::new();
@@ -1502,12 +1513,16 @@ impl DeviceRunner {
             });
             match loaded {
                 Ok(names) => {
-                    self.live.join(key);
                     if let Some(stats) = self.stats.as_mut() {
                         for ((name, size), (_, _, _, t)) in names.into_iter().zip(&unit.graphs) {
                             stats.graphs.push((name, *t, size));
                         }
                     }
+                    if unit.greedy {
+                        tracing::info!("bucket {key}'s greedy graph joined");
+                        continue;
+                    }
+                    self.live.join(key);
                     tracing::info!(
                         "bucket {key} joined, {:.1} s after capture began ({} still to join)",
                         started.elapsed().as_secs_f64(),
@@ -1515,6 +1530,10 @@ impl DeviceRunner {
                     );
                     events.push(BucketEvent::Joined(key));
                 }
+                Err(why) if unit.greedy => tracing::warn!(
+                    "bucket {key}'s greedy graph failed to compile or load; its greedy steps \
+                     run the full sampler: {why}"
+                ),
                 Err(why) => {
                     tracing::error!(
                         "bucket {key} failed to compile or load and stays absent (the server \
@@ -1677,6 +1696,13 @@ impl DeviceRunner {
         Ok(())
     }
 
+    /// Whether graph `key` is loaded (on every local rank: they load together).
+    fn has_graph(&self, key: &GraphKey) -> bool {
+        self.state
+            .as_ref()
+            .is_some_and(|st| st.first.graphs.contains_key(key))
+    }
+
     fn captured(&self) -> Result<&Captured> {
         self.state.as_ref().ok_or_else(not_captured)
     }
@@ -1726,9 +1752,9 @@ impl DeviceRunner {
     /// output.
     fn read_tokens(&self, kind: StepKind, real_rows: usize) -> Result<Vec<u32>> {
         let first = &self.captured()?.first;
-        let (next, graph) = match kind {
-            StepKind::Decode | StepKind::Sample => (&first.decode_next, "decode"),
-            StepKind::Prefill => (&first.prefill_next, "prefill"),
+        let (next, graph) = match kind.is_decode() {
+            true => (&first.decode_next, "decode"),
+            false => (&first.prefill_next, "prefill"),
         };
         let mut tokens = vec![0u32; real_rows];
         next.read(0, bytemuck::cast_slice_mut(&mut tokens))
@@ -1748,9 +1774,9 @@ impl DeviceRunner {
             .chain(st.others.logits.iter().map(|(d, p)| (d, p)));
         let mut at = 0;
         for (decode, prefill) in slices {
-            let (t, graph) = match kind {
-                StepKind::Decode | StepKind::Sample => (decode, "decode"),
-                StepKind::Prefill => (prefill, "prefill"),
+            let (t, graph) = match kind.is_decode() {
+                true => (decode, "decode"),
+                false => (prefill, "prefill"),
             };
             for r in rows {
                 let part = &mut out[at..at + r.len() * width];
@@ -1812,9 +1838,9 @@ impl DeviceRunner {
         };
         if copy {
             for (decode, prefill) in self.all_metadata() {
-                let meta = match key.0 {
-                    StepKind::Decode | StepKind::Sample => &decode[g.ctx_index],
-                    StepKind::Prefill => &prefill[g.ctx_index],
+                let meta = match key.0.is_decode() {
+                    true => &decode[g.ctx_index],
+                    false => &prefill[g.ctx_index],
                 };
                 Self::write_meta(meta, arrays.iter().filter(written), unmasked, &g.name)?;
             }
@@ -1961,10 +1987,20 @@ impl DeviceRunner {
             )?;
         }
         let wanted = decode_logits_rows(rows.len(), logits);
-        let key = (StepKind::Decode, batch, batch, ctx);
+        // A step of plain greedy rows takes its bucket's greedy graph where one is loaded.
+        let greedy = rows.iter().all(step::DecodeRow::is_plain_greedy);
+        let pick = |this: &Self, full: StepKind, cheap: StepKind| {
+            let key = (cheap, batch, batch, ctx);
+            match greedy && this.has_graph(&key) {
+                true => key,
+                false => (full, batch, batch, ctx),
+            }
+        };
         if !self.opts.split_sampler {
+            let key = pick(self, StepKind::Decode, StepKind::Greedy);
             return self.finish_step(key, wanted.as_slice(), rows.len(), MetaWrites::All);
         }
+        let key = (StepKind::Decode, batch, batch, ctx);
         // Checked before the forward pass, not after it (in `finish_step`): a step that cannot
         // return its logits must not have written the cache.
         if wanted.is_some() {
@@ -1972,7 +2008,7 @@ impl DeviceRunner {
         }
         self.run_step(key, &[], MetaWrites::All)?;
         // The forward pass wrote the sampling graph's inputs too (the same buffers).
-        let sample = (StepKind::Sample, batch, batch, ctx);
+        let sample = pick(self, StepKind::Sample, StepKind::Argmax);
         self.finish_step(sample, wanted.as_slice(), rows.len(), MetaWrites::None)
     }
 

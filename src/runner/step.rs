@@ -143,6 +143,14 @@ pub struct DecodeRow<'a> {
     pub controls: LogitControls<'a>,
 }
 
+impl DecodeRow<'_> {
+    /// Whether a step of such rows only needs each row's argmax (`Sampler::Greedy`): greedy,
+    /// with no logit controls.
+    pub fn is_plain_greedy(&self) -> bool {
+        self.sampling.is_plain_greedy() && self.controls.is_identity()
+    }
+}
+
 /// One chunk of a sequence's prompt.
 #[derive(Debug, Clone)]
 pub struct PrefillChunk<'a> {

@@ -238,16 +238,25 @@ fn announce_capture(backend: Backend, dir: &Path, limits: &Limits) -> Result<()>
     let b = limits.runner_config(&cfg)?.buckets;
     let list = |v: &[usize]| v.iter().map(usize::to_string).collect::<Vec<_>>().join(",");
     let packed = b.graph_count() - (b.batch.len() + b.prefill_sizes().len()) * b.ctx.len();
-    let samplers = match limits.split_sampler {
-        true => b.batch.len(),
-        false => 0,
+    let decode = b.batch.len() * b.ctx.len();
+    // Split: a sampling and an argmax graph per batch size. Fused: a greedy graph per decode
+    // bucket where it pays (`deployment::keep_paying_greedy`), which only the graphs tell.
+    let (samplers, greedy) = match limits.split_sampler {
+        true => (b.batch.len(), String::new()),
+        false => (
+            0,
+            format!(
+                ", and up to {decode} greedy decode graphs (where the sampler is at least a \
+                 tenth of the step)"
+            ),
+        ),
     };
     eprintln!(
-        "deepinfer: capture compiles {} NEFFs ({} decode: batch {} x context {}; {} prefill: \
-         chunk {} x context {}; {packed} packed prefill of up to {} sequences; {samplers} \
-         sampling graphs); NEFFs already in the cache are reused",
-        b.graph_count() + samplers,
-        b.batch.len() * b.ctx.len(),
+        "deepinfer: capture compiles {} NEFFs ({decode} decode: batch {} x context {}; {} \
+         prefill: chunk {} x context {}; {packed} packed prefill of up to {} sequences; \
+         {samplers} sampling and {samplers} argmax graphs){greedy}; NEFFs already in the \
+         cache are reused",
+        b.graph_count() + 2 * samplers,
         list(&b.batch),
         list(&b.ctx),
         b.prefill_sizes().len() * b.ctx.len(),

@@ -207,7 +207,7 @@ fn to_json(
         "quantize": quantize_name(plan.experts),
         "max_batch": plan.buckets.max_batch(),
         "max_len": plan.buckets.max_len(),
-        "graphs": plan.buckets.graph_count(),
+        "graphs": plan.neffs.len(),
         "block_size": plan.block_size,
         "kv_blocks": plan.kv_blocks,
         "kv_blocks_auto": plan.kv_blocks_auto,
@@ -269,7 +269,7 @@ fn print_table(
         plan.kv_blocks,
         plan.block_size,
         if plan.kv_blocks_auto { " (auto)" } else { "" },
-        plan.buckets.graph_count(),
+        plan.neffs.len(),
         plan.buckets.max_batch(),
         plan.buckets.max_len(),
     ))?;

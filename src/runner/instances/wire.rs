@@ -203,6 +203,8 @@ impl StepMessage<'_> {
             StepKind::Decode => 0,
             StepKind::Prefill => 1,
             StepKind::Sample => 2,
+            StepKind::Greedy => 3,
+            StepKind::Argmax => 4,
         });
         o.u32(self.rows)?;
         o.u32(self.seqs)?;
@@ -245,6 +247,8 @@ impl StepMessage<'_> {
             0 => StepKind::Decode,
             1 => StepKind::Prefill,
             2 => StepKind::Sample,
+            3 => StepKind::Greedy,
+            4 => StepKind::Argmax,
             k => return Err(malformed(format!("step kind {k}"))),
         };
         let (rows, seqs, ctx) = (i.u32()?, i.u32()?, i.u32()?);
