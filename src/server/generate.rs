@@ -327,7 +327,10 @@ fn use_tools(state: &AppState, tools: &ToolRequest, p: &mut Prepared) -> Result<
             .grammar(format, options, &token_id)
             .map(|lark| (OutputGrammar::Lark(lark), "tools"));
     }
-    p.tool_reply = Some(ToolReply::Format(format));
+    p.tool_reply = Some(ToolReply::Format {
+        format,
+        named: matches!(tools.choice, ToolChoice::Function(_)),
+    });
     Ok(())
 }
 

@@ -171,14 +171,21 @@ def test_streamed_deltas_rebuild_the_same_calls(tc, seed):
 
 
 def test_named_function_gets_exactly_one_call_of_it(tc):
+    # Written in the model's format, a call forced by a named tool_choice still finishes
+    # with "stop", as OpenAI and vLLM report a forced call (issue 46); streamed the same.
     for seed in (11, 12, 13):
-        r = tc.chat.completions.create(
-            model=MODEL_NAME, messages=QUESTION, tools=TOOLS, temperature=1.0, seed=seed,
-            tool_choice={"type": "function", "function": {"name": "add"}},
-            max_tokens=MAX_TOKENS)
+        kw = dict(model=MODEL_NAME, messages=QUESTION, tools=TOOLS, temperature=1.0,
+                  seed=seed, tool_choice={"type": "function", "function": {"name": "add"}},
+                  max_tokens=MAX_TOKENS)
+        r = tc.chat.completions.create(**kw)
         calls = r.choices[0].message.tool_calls
         check_calls(calls)
         assert [c.function.name for c in calls] == ["add"]
+        assert r.choices[0].finish_reason == "stop", r.choices[0]
+        content, streamed_calls, finish = streamed(tc, **kw)
+        assert finish == "stop"
+        assert [(c["name"], c["arguments"]) for c in streamed_calls] == [
+            (c.function.name, c.function.arguments) for c in calls]
 
 
 def test_parallel_calls(tc):

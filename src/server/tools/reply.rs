@@ -17,7 +17,13 @@ use super::parser::{assemble, Parsed, ToolCallParser};
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum ToolReply {
     /// In the model's own tool-call format (`--tool-call-parser`, or the chat template's).
-    Format(&'static ToolCallFormat),
+    Format {
+        /// The format.
+        format: &'static ToolCallFormat,
+        /// A named `tool_choice` forces the call (reported as `"stop"`, see
+        /// [`ReplyParser::stops_as_tool_calls`]).
+        named: bool,
+    },
     /// The arguments object of this function (a named `tool_choice`, no format).
     Named(String),
     /// A JSON array of `{"name", "parameters"}` calls (`tool_choice: "required"`, no format).
@@ -28,7 +34,12 @@ pub enum ToolReply {
 #[derive(Debug)]
 pub enum ReplyParser {
     /// Calls in the model's format.
-    Format(ToolCallParser),
+    Format {
+        /// Reads the format.
+        parser: ToolCallParser,
+        /// As in [`ToolReply::Format`].
+        named: bool,
+    },
     /// The whole reply is one call's arguments.
     Named(NamedCallParser),
     /// The reply is a JSON array of calls.
@@ -39,7 +50,10 @@ impl ReplyParser {
     /// A parser for replies written as `reply` says.
     pub fn new(reply: &ToolReply) -> Self {
         match reply {
-            ToolReply::Format(format) => ReplyParser::Format(ToolCallParser::new(format)),
+            ToolReply::Format { format, named } => ReplyParser::Format {
+                parser: ToolCallParser::new(format),
+                named: *named,
+            },
             ToolReply::Named(name) => ReplyParser::Named(NamedCallParser::new(name.clone())),
             ToolReply::Required => ReplyParser::Required(CallListParser::default()),
         }
@@ -48,7 +62,7 @@ impl ReplyParser {
     /// The number of calls begun so far.
     pub fn calls(&self) -> usize {
         match self {
-            ReplyParser::Format(p) => p.calls(),
+            ReplyParser::Format { parser, .. } => parser.calls(),
             ReplyParser::Named(p) => usize::from(p.started),
             ReplyParser::Required(p) => p.calls,
         }
@@ -56,16 +70,20 @@ impl ReplyParser {
 
     /// Whether a reply that ended by itself after calls reports `finish_reason: "tool_calls"`
     /// (otherwise `"stop"`). A named function's call is reported as `"stop"`, as OpenAI and
-    /// vLLM report a forced call; calls the model chose to make (its format, or `required`)
-    /// as `"tool_calls"`.
+    /// vLLM report a forced call, whether it is written as bare arguments or in the model's
+    /// format; calls the model chose to make (`auto`, or `required`) as `"tool_calls"`.
     pub fn stops_as_tool_calls(&self) -> bool {
-        !matches!(self, ReplyParser::Named(_)) && self.calls() > 0
+        let named = match self {
+            ReplyParser::Named(_) | ReplyParser::Format { named: true, .. } => true,
+            ReplyParser::Format { named: false, .. } | ReplyParser::Required(_) => false,
+        };
+        !named && self.calls() > 0
     }
 
     /// Takes the next piece of text; returns what it (with text held back before) completes.
     pub fn push(&mut self, text: &str) -> Vec<Parsed> {
         match self {
-            ReplyParser::Format(p) => p.push(text),
+            ReplyParser::Format { parser, .. } => parser.push(text),
             ReplyParser::Named(p) => p.push(text),
             ReplyParser::Required(p) => p.push(text),
         }
@@ -74,7 +92,7 @@ impl ReplyParser {
     /// Ends the text: passes on what was held back (see the module docs for a cut reply).
     pub fn finish(&mut self) -> Vec<Parsed> {
         match self {
-            ReplyParser::Format(p) => p.finish(),
+            ReplyParser::Format { parser, .. } => parser.finish(),
             ReplyParser::Named(p) => p.finish(),
             ReplyParser::Required(p) => p.finish(),
         }
