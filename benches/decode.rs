@@ -17,11 +17,12 @@ use std::path::Path;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use deepinfer::config::ModelConfig;
+use deepinfer::deployment::RunnerConfig;
 use deepinfer::engine::BlockAllocator;
 use deepinfer::graph::DType;
 use deepinfer::model::{LogitsOutput, ModelWeights, Precision, Quantize};
 use deepinfer::runner::step::{DecodeRow, LogitControls, PrefillChunk, SamplingParams};
-use deepinfer::runner::{self, Backend, RunnerConfig, Step};
+use deepinfer::runner::{self, Backend, Step};
 
 /// The binary's allocator (jemalloc with transparent huge pages, see `src/bin/deepinfer`), so
 /// this bench measures what `deepinfer` runs.

@@ -235,10 +235,10 @@ fn json_schema_device_step(c: &mut Criterion) {
     std::fs::write(dir.join("model/config.json"), raw.to_string()).expect("config");
     let cfg = deepinfer::config::ModelConfig::from_file(&dir.join("model/config.json"))
         .expect("widened config");
-    let rc = deepinfer::runner::RunnerConfig {
+    let rc = deepinfer::deployment::RunnerConfig {
         block_size: 16,
         num_blocks: 64 * 3 + 1,
-        buckets: deepinfer::runner::Buckets {
+        buckets: deepinfer::deployment::Buckets {
             batch: vec![64],
             ctx: vec![64],
             prefill_chunk: 16,

@@ -19,11 +19,12 @@ use std::path::Path;
 
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
 use deepinfer::config::ModelConfig;
+use deepinfer::deployment::RunnerConfig;
 use deepinfer::engine::BlockAllocator;
 use deepinfer::graph::DType;
 use deepinfer::model::{LogitsOutput, ModelWeights, Precision};
 use deepinfer::runner::step::{LogitControls, PrefillChunk, SamplingParams};
-use deepinfer::runner::{self, Backend, RunnerConfig, Step};
+use deepinfer::runner::{self, Backend, Step};
 
 #[path = "common/deployment.rs"]
 mod deployment;

@@ -23,6 +23,7 @@ use std::path::{Path, PathBuf};
 use criterion::{criterion_group, criterion_main, Criterion};
 use deepinfer::backend::hlo::emit;
 use deepinfer::config::ModelConfig;
+use deepinfer::deployment::{Buckets, RunnerConfig};
 use deepinfer::engine::BlockAllocator;
 use deepinfer::graph::DType;
 use deepinfer::model::{
@@ -30,7 +31,7 @@ use deepinfer::model::{
     WeightSpecs,
 };
 use deepinfer::runner::step::{DecodeRow, LogitControls, SamplingParams};
-use deepinfer::runner::{Buckets, DeviceOptions, DeviceRunner, Runner, RunnerConfig, Step};
+use deepinfer::runner::{DeviceOptions, DeviceRunner, Runner, Step};
 use deepinfer::weights::Checkpoint;
 
 #[path = "common/deployment.rs"]

@@ -192,12 +192,12 @@ fn the_samplers_share_of_each_decode_graph() {
     use deepinfer::backend::hlo::emit;
     use deepinfer::backend::neuron::{check::estimate, footprint};
     use deepinfer::config::ModelConfig;
+    use deepinfer::deployment::Limits;
     use deepinfer::graph::DType;
     use deepinfer::model::{
         self, GraphSpec, LogitsOutput, MoeStrategy, Precision, Quantize, Sampler, WeightSpecs,
     };
     use deepinfer::plan::{neff, Instance};
-    use deepinfer::runner::Limits;
 
     let deployments = [
         (

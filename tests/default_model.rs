@@ -5,8 +5,9 @@
 mod common;
 
 use common::fixture_dir;
+use deepinfer::deployment::Limits;
 use deepinfer::engine;
-use deepinfer::runner::{self, Backend, Limits};
+use deepinfer::runner::{self, Backend};
 use serde::Deserialize;
 
 #[derive(Deserialize)]

@@ -11,11 +11,12 @@ use std::path::{Path, PathBuf};
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
 use candle_core::{Device, Tensor};
 use common::{fixture_dir, max_abs, max_abs_diff, max_abs_diff_rows, reference};
+use deepinfer::deployment::Limits;
 use deepinfer::engine::{self, StopConditions};
 use deepinfer::host::{QuantizedWeight, Value};
 use deepinfer::model::{ModelWeights, Precision, PrecisionChoice};
 use deepinfer::runner::step::SamplingParams;
-use deepinfer::runner::{self, Backend, Limits, Runner};
+use deepinfer::runner::{self, Backend, Runner};
 use deepinfer::source::ModelSource;
 use deepinfer::tokenizer::{ChatMessage, Tokenizer};
 use deepinfer::weights::Checkpoint;
@@ -222,7 +223,7 @@ fn q8_0_gguf_runs_its_own_blocks_and_stays_near_transformers() {
         Backend::Cpu,
         cfg,
         weights,
-        deepinfer::runner::RunnerConfig::for_limits(1, 128),
+        deepinfer::deployment::RunnerConfig::for_limits(1, 128),
     )
     .unwrap();
     let logits = engine::score(&mut run, &r.token_ids).unwrap();

@@ -17,7 +17,7 @@ use deepinfer::backend::neuron::check::{
     check_module, CheckOptions, CheckReport, GraphCheck, Rule,
 };
 use deepinfer::config::ModelConfig;
-use deepinfer::runner::Limits;
+use deepinfer::deployment::Limits;
 
 /// An entry computation being written: instructions in order, ids from 1.
 struct Module {
@@ -583,7 +583,7 @@ fn device_graphs_never_widen_a_weight_and_cpu_graphs_do() {
     use deepinfer::model::{self, Dots, GraphSpec, LogitsOutput, Precision, Quantize, Sampler};
     use deepinfer::model::{MoeStrategy, WeightSpecs};
     let cfg = ModelConfig::from_file(&common::fixture_dir("tiny-v3").join("config.json")).unwrap();
-    let rc = deepinfer::runner::RunnerConfig::for_limits(8, 64);
+    let rc = deepinfer::deployment::RunnerConfig::for_limits(8, 64);
     let layout = rc.cache_layout();
     for quantize in [Quantize::None, Quantize::ExpertsInt8, Quantize::ExpertsInt4] {
         for moe in [MoeStrategy::Gather, MoeStrategy::Dense] {

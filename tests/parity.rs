@@ -114,9 +114,10 @@ fn same_seed_reproduces_and_different_seeds_differ() {
 #[test]
 fn packed_prefill_matches_transformers_at_every_position() {
     use deepinfer::config::ModelConfig;
+    use deepinfer::deployment::RunnerConfig;
     use deepinfer::model::{ModelWeights, Precision};
     use deepinfer::runner::step::PrefillChunk;
-    use deepinfer::runner::{self, Backend, RunnerConfig};
+    use deepinfer::runner::{self, Backend};
     use deepinfer::weights::Checkpoint;
 
     for name in FIXTURES {

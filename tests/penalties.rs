@@ -12,6 +12,7 @@ use candle_core::{Device, Tensor as CTensor};
 use common::RunnerExt;
 use deepinfer::backend::cpu;
 use deepinfer::config::ModelConfig;
+use deepinfer::deployment::RunnerConfig;
 use deepinfer::engine::{self, Event, GenerationParams, Scheduler};
 use deepinfer::graph::{DType, GraphBuilder, InputRole};
 use deepinfer::model::logits::{self, LogitInputs, LOGIT_BIAS_SLOTS};
@@ -19,7 +20,7 @@ use deepinfer::model::vocab::VocabSlice;
 use deepinfer::model::LogitsOutput;
 use deepinfer::model::{ModelWeights, Precision};
 use deepinfer::runner::step::{DecodeRow, LogitControls, PrefillChunk, SamplingParams};
-use deepinfer::runner::{self, Backend, RunnerConfig};
+use deepinfer::runner::{self, Backend};
 use deepinfer::weights::Checkpoint;
 
 const V: usize = 40;

@@ -7,10 +7,11 @@ mod common;
 
 use common::fixture_dir;
 use deepinfer::config::ModelConfig;
+use deepinfer::deployment::{Limits, RunnerConfig};
 use deepinfer::engine;
 use deepinfer::graph::DType;
 use deepinfer::model::{ModelWeights, MoeStrategy, Precision, PrecisionChoice, Quantize};
-use deepinfer::runner::{self, Backend, Limits, RunnerConfig};
+use deepinfer::runner::{self, Backend};
 use deepinfer::weights::Checkpoint;
 use serde::Deserialize;
 

@@ -15,6 +15,7 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use common::RunnerExt;
 use deepinfer::backend::neuron::sim_neff::NeffNames;
 use deepinfer::config::ModelConfig;
+use deepinfer::deployment::{Buckets, Limits, RunnerConfig};
 use deepinfer::engine::grammar::{GrammarCompiler, ResponseFormat};
 use deepinfer::engine::{Event, FinishReason, GenerationParams, Scheduler};
 use deepinfer::error::Error;
@@ -22,8 +23,8 @@ use deepinfer::graph::DType;
 use deepinfer::model::{LogitsOutput, ModelWeights, MoeStrategy, Precision};
 use deepinfer::runner::step::{DecodeRow, LogitControls, PrefillChunk, SamplingParams};
 use deepinfer::runner::{
-    self, Backend, Buckets, DeviceOptions, DeviceRunner, LateMasks, MetadataSource, NeffSource,
-    Runner, RunnerConfig, Step, StepOutput,
+    self, Backend, DeviceOptions, DeviceRunner, LateMasks, MetadataSource, NeffSource, Runner,
+    Step, StepOutput,
 };
 use deepinfer::tokenizer::Tokenizer;
 use deepinfer::weights::Checkpoint;
@@ -1196,7 +1197,7 @@ fn child_kv_blocks_auto() {
     if !is_child() {
         return kv_blocks_auto_fills_what_the_runtime_says_the_core_holds();
     }
-    let mut limits = runner::Limits::new(2, 64);
+    let mut limits = Limits::new(2, 64);
     limits.kv_blocks_auto = true;
     let dir = common::fixture_dir("tiny-v3");
     let runner = runner::open(Backend::Sim, &dir, &limits).unwrap();

@@ -10,12 +10,13 @@ use std::time::Duration;
 
 use common::fixture_dir;
 use deepinfer::config::ModelConfig;
+use deepinfer::deployment::{Buckets, RunnerConfig};
 use deepinfer::engine::{
     self, Event, FinishReason, GenerationParams, Output, RequestId, Scheduler, StopConditions,
 };
 use deepinfer::model::{ModelWeights, Precision};
 use deepinfer::runner::step::SamplingParams;
-use deepinfer::runner::{self, Backend, Buckets, Runner, RunnerConfig, Step, StepOutput};
+use deepinfer::runner::{self, Backend, Runner, Step, StepOutput};
 use deepinfer::tokenizer::Tokenizer;
 use deepinfer::weights::Checkpoint;
 

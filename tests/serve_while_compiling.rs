@@ -14,13 +14,12 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::{Duration, Instant};
 
 use deepinfer::config::ModelConfig;
+use deepinfer::deployment::{Buckets, RunnerConfig};
 use deepinfer::engine::{Engine, EngineOptions, Event, GenerationParams, RequestStream, Scheduler};
 use deepinfer::graph::DType;
 use deepinfer::metrics::Metrics;
 use deepinfer::model::{ModelWeights, Precision};
-use deepinfer::runner::{
-    self, Backend, Buckets, DeviceOptions, DeviceRunner, NeffSource, Runner, RunnerConfig,
-};
+use deepinfer::runner::{self, Backend, DeviceOptions, DeviceRunner, NeffSource, Runner};
 use deepinfer::weights::Checkpoint;
 use neuron_sys::Library;
 use nrt_sim::SimLibrary;

@@ -11,9 +11,10 @@ use std::path::Path;
 
 use common::{fixture_dir, max_abs_diff_rows, reference_file};
 use deepinfer::config::ModelConfig;
+use deepinfer::deployment::{Buckets, RunnerConfig};
 use deepinfer::engine;
 use deepinfer::model::{ModelWeights, Precision};
-use deepinfer::runner::{self, Backend, Buckets, Runner, RunnerConfig};
+use deepinfer::runner::{self, Backend, Runner};
 use deepinfer::weights::Checkpoint;
 use serde::Deserialize;
 

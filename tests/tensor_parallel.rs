@@ -10,10 +10,11 @@ use std::path::Path;
 
 use common::{fixture_dir, max_abs_diff, max_abs_diff_rows, reference, FIXTURES, ODD_VOCAB};
 use deepinfer::config::ModelConfig;
+use deepinfer::deployment::{Limits, RunnerConfig};
 use deepinfer::engine::{self, StopConditions};
 use deepinfer::model::{ModelWeights, MoeStrategy, Precision};
 use deepinfer::runner::step::SamplingParams;
-use deepinfer::runner::{self, Backend, Runner, RunnerConfig};
+use deepinfer::runner::{self, Backend, Runner};
 use deepinfer::weights::Checkpoint;
 
 const TOL: f32 = 1e-4;
@@ -204,7 +205,7 @@ fn a_vocabulary_the_degree_does_not_divide_is_padded_never_returned_or_drawn() {
 fn a_degree_that_does_not_divide_the_model_is_refused_with_the_degrees_that_do() {
     let dir = fixture_dir("tiny-v3");
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    let mut limits = runner::Limits::new(1, 64);
+    let mut limits = Limits::new(1, 64);
     for (tp, want) in [(8, "num_attention_heads (4)"), (3, "must be one of")] {
         limits.tp = tp;
         let err = limits.runner_config(&cfg).unwrap_err().to_string();

@@ -14,10 +14,11 @@ use std::time::{Duration, Instant};
 
 use common::{fixture_dir, max_abs_diff_rows, reference, RunnerExt, FIXTURES};
 use deepinfer::config::ModelConfig;
+use deepinfer::deployment::{Limits, RunnerConfig};
 use deepinfer::engine::{self, StopConditions};
 use deepinfer::model::{LogitsOutput, ModelWeights, Precision};
 use deepinfer::runner::step::{LogitControls, PrefillChunk, SamplingParams};
-use deepinfer::runner::{self, Backend, DeviceOptions, DeviceRunner, Runner, RunnerConfig};
+use deepinfer::runner::{self, Backend, DeviceOptions, DeviceRunner, Runner};
 use deepinfer::weights::Checkpoint;
 use neuron_sys::Library;
 use nrt_sim::{is_fault_child as is_child, run_test_in_child as run_child};
@@ -274,9 +275,9 @@ fn child_peak_hbm() {
             let d = sim(name, tp);
             let counters = hooks.counters().expect("counters");
             let (cfg, _) = load(name);
-            let limits = runner::Limits {
+            let limits = Limits {
                 tp,
-                ..runner::Limits::new(2, 128)
+                ..Limits::new(2, 128)
             };
             let plan = runner::device_plan(&cfg, &limits, Some(deepinfer::graph::DType::F32), 4)
                 .expect("plan");

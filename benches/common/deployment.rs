@@ -23,9 +23,10 @@
 
 use std::path::PathBuf;
 
+use deepinfer::deployment::Limits;
 use deepinfer::graph::DType;
 use deepinfer::model::{DTypeChoice, Quantize};
-use deepinfer::runner::{self, Backend, Limits};
+use deepinfer::runner::{self, Backend};
 
 /// Every variable [`from_env`] and [`backend`] read.
 pub const VARIABLES: [&str; 8] = [

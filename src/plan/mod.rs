@@ -191,7 +191,7 @@ pub struct PlanOptions {
     /// Most prompt tokens per prefill step (default 64).
     pub prefill_chunk: Option<usize>,
     /// Most sequences one prefill step packs (default
-    /// [`crate::runner::DEFAULT_PREFILL_SEQS`]).
+    /// [`crate::deployment::DEFAULT_PREFILL_SEQS`]).
     pub prefill_seqs: Option<usize>,
     /// KV-cache blocks.
     pub kv_blocks: KvBlocks,

@@ -52,14 +52,10 @@ mod sim;
 pub mod step;
 
 use crate::config::ModelConfig;
+use crate::deployment::{Buckets, RunnerConfig};
 use crate::error::{Error, Result};
 use crate::model::LogitsOutput;
 
-// The deployment's sizes at the paths the crate's users (tests, benches, nrt-sim) name them by;
-// the crate itself reads them from `crate::deployment`.
-pub use crate::deployment::{
-    Buckets, Limits, RunnerConfig, CTX_BUCKET_RATIO, DEFAULT_PREFILL_SEQS, MIN_CTX_BUCKET,
-};
 pub use cpu::CpuRunner;
 pub use decode_costs::DecodeCosts;
 pub use device::{

@@ -4,11 +4,12 @@
 use std::path::PathBuf;
 
 use deepinfer::config::ModelConfig;
+use deepinfer::deployment::RunnerConfig;
 use deepinfer::engine::BlockAllocator;
 use deepinfer::model::LogitsOutput;
 use deepinfer::model::{ModelWeights, MoeStrategy, Precision};
 use deepinfer::runner::step::{DecodeRow, LogitControls, PrefillChunk, SamplingParams};
-use deepinfer::runner::{self, Backend, Runner, RunnerConfig, Step, StepOutput};
+use deepinfer::runner::{self, Backend, Runner, Step, StepOutput};
 use deepinfer::weights::Checkpoint;
 use serde::Deserialize;
 

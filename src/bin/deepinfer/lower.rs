@@ -48,7 +48,7 @@ pub(crate) struct LowerArgs {
     #[arg(long, default_value_t = 64, requires = "check")]
     prefill_chunk: usize,
     /// With --check: most sequences one prefill step packs, as serve.
-    #[arg(long, default_value_t = deepinfer::runner::DEFAULT_PREFILL_SEQS, requires = "check")]
+    #[arg(long, default_value_t = deepinfer::deployment::DEFAULT_PREFILL_SEQS, requires = "check")]
     max_prefill_seqs: usize,
     /// With --check: the Neuron runtime library version the graphs will run on (as `deepinfer
     /// doctor` reports it, e.g. 2.30.50). Tensors of 4 GiB or more are accepted from 2.30.50

@@ -77,7 +77,7 @@ pub(crate) struct ServeArgs {
     /// Most sequences one prefill step packs together, so a burst of short prompts enters in
     /// a few steps instead of one step each (at most --max-batch; 1 turns packing off). Each
     /// packing adds a prefill graph per chunk size at the context buckets it fits.
-    #[arg(long, default_value_t = deepinfer::runner::DEFAULT_PREFILL_SEQS)]
+    #[arg(long, default_value_t = deepinfer::deployment::DEFAULT_PREFILL_SEQS)]
     max_prefill_seqs: usize,
     /// Most tokens one engine step feeds, decode rows and prefill tokens together (vLLM's
     /// --max-num-batched-tokens): lower it to keep decode steps short while prompts arrive.
