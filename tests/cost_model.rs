@@ -237,10 +237,16 @@ fn the_samplers_share_of_each_decode_graph() {
         short.num_hidden_layers = cfg.first_k_dense_replace + cfg.moe_layer_freq.max(1);
         let specs = WeightSpecs::sharded(&short, &precision, tp).unwrap();
         let layout = rc.cache_layout();
-        let (mut all, mut greedy_neffs) = (0.0, 0.0);
+        let (mut all, mut greedy_neffs, mut kept) = (0.0, 0.0, Vec::new());
         for g in &est.graphs {
             let total = g.footprint.instructions;
-            all += estimate::compile_minutes(total, false);
+            let minutes = estimate::compile_minutes(total, false);
+            if g.name.starts_with("decode_greedy_b") {
+                // A greedy NEFF the capture keeps (`deployment::keep_paying_greedy`).
+                kept.push((g.name.clone(), minutes));
+                continue;
+            }
+            all += minutes;
             let Some((b, c)) = g
                 .name
                 .strip_prefix("decode_b")
@@ -280,6 +286,13 @@ fn the_samplers_share_of_each_decode_graph() {
         }
         eprintln!(
             "{name} tp {tp}: every NEFF ~{all:.0} min; greedy decode NEFFs ~{greedy_neffs:.0} min more"
+        );
+        let kept_minutes = kept.iter().fold(0.0, |sum, (_, m)| sum + m);
+        let names: Vec<&str> = kept.iter().map(|(n, _)| n.as_str()).collect();
+        eprintln!(
+            "{name} tp {tp}: the capture keeps {} greedy NEFFs (the sampler at least 10%), \
+             ~{kept_minutes:.0} min more: {names:?}",
+            kept.len()
         );
     }
 }
