@@ -100,6 +100,27 @@ fn sim_run_passes_every_step_and_writes_both_reports() {
         let rss = n["compiler_peak_rss_so_far"].as_u64().unwrap_or(0);
         assert!(rss > 0, "{n:#}");
     }
+    // Each capture loads every NEFF compiled for its tp (the buckets' and the greedy graphs
+    // the default model's sampler pays for).
+    let captures = steps(&r)[4]["figures"]["captures"]
+        .as_array()
+        .expect("captures")
+        .clone();
+    for c in &captures {
+        let compiled = neffs.iter().filter(|n| n["tp"] == c["tp"]).count();
+        let greedy = neffs
+            .iter()
+            .filter(|n| n["tp"] == c["tp"])
+            .filter(|n| {
+                n["name"]
+                    .as_str()
+                    .unwrap_or("")
+                    .starts_with("decode_greedy_b")
+            })
+            .count();
+        assert!(greedy > 0, "{neffs:#?}");
+        assert_eq!(c["graphs_loaded"].as_u64(), Some(compiled as u64), "{c:#}");
+    }
     let bench = &steps(&r)[6]["figures"];
     let decode = bench["decode"].as_array().expect("decode");
     assert!(!decode.is_empty(), "{bench:#}");

@@ -2317,6 +2317,10 @@ impl Runner for DeviceRunner {
     fn reset_replay_timing(&mut self) {
         self.timing = ReplayTiming::default();
     }
+
+    fn loaded_graphs(&self) -> Option<Vec<String>> {
+        Some(self.graph_names())
+    }
 }
 
 impl Drop for DeviceRunner {

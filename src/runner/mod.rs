@@ -251,6 +251,12 @@ pub trait Runner {
     }
     /// Starts [`Runner::replay_timing`] afresh.
     fn reset_replay_timing(&mut self) {}
+    /// The compiled graphs loaded so far, for a runner that loads them (a device's: its
+    /// buckets' and the greedy graphs that pay); `None` for the CPU, which builds graphs as
+    /// steps need them.
+    fn loaded_graphs(&self) -> Option<Vec<String>> {
+        None
+    }
 }
 
 impl<R: Runner + ?Sized> Runner for Box<R> {
@@ -294,5 +300,8 @@ impl<R: Runner + ?Sized> Runner for Box<R> {
     }
     fn reset_replay_timing(&mut self) {
         (**self).reset_replay_timing()
+    }
+    fn loaded_graphs(&self) -> Option<Vec<String>> {
+        (**self).loaded_graphs()
     }
 }

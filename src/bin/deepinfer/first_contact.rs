@@ -530,7 +530,9 @@ fn capture(ctx: &mut Ctx) -> Result<Outcome> {
         let runner = runner::open(ctx.backend, &ctx.dir, &ctx.limits_at(tp))
             .with_context(|| format!("capture at --tp {tp} on backend {}", ctx.backend.name()))?;
         let seconds = t.elapsed().as_secs_f64();
-        let graphs = runner.runner_config().buckets.graph_count();
+        let graphs = runner
+            .loaded_graphs()
+            .map_or(runner.runner_config().buckets.graph_count(), |g| g.len());
         runs.push(json!({ "tp": tp, "seconds": seconds, "graphs_loaded": graphs }));
         ctx.device = Some(runner);
         ctx.device_tp = tp;
