@@ -98,6 +98,7 @@ mod rope;
 mod routing;
 #[cfg(test)]
 mod tests;
+pub mod v4;
 mod value;
 
 /// Which DeepSeek generation the checkpoint declares (`model_type`).
@@ -283,6 +284,12 @@ impl ModelConfig {
                 value::kind(&json)
             )));
         };
+        // DeepSeek-V4 has a config of its own: read and checked, so a broken file is named,
+        // then refused until its forward pass exists.
+        if object.get("model_type").and_then(Value::as_str) == Some("deepseek_v4") {
+            let v4 = v4::V4Config::from_object(object)?;
+            return Err(v4::not_served_yet(&v4));
+        }
         let keys: RawConfig = raw::read(object, "")?;
         resolve::model_config(&keys)
     }

@@ -24,7 +24,7 @@ pub(super) fn model_config(raw: &RawConfig) -> Result<ModelConfig> {
         Some(other) => {
             return Err(Error::Config(format!(
                 "unsupported model_type {other:?} (deepinfer serves deepseek_v2, deepseek_v3 \
-                 and deepseek_v32)"
+                 and deepseek_v32, and reads deepseek_v4)"
             )))
         }
     };
@@ -192,7 +192,7 @@ fn reject_unsupported_flags(raw: &RawConfig) -> Result<()> {
 }
 
 /// A size that must be present and not `null` (`size` as [`RawConfig`] holds it).
-fn required(key: &str, size: Option<Option<usize>>) -> Result<usize> {
+pub(super) fn required(key: &str, size: Option<Option<usize>>) -> Result<usize> {
     match size {
         None => Err(missing(key)),
         Some(None) => Err(wrong_type(key, value::SIZE, &Value::Null)),
@@ -201,7 +201,7 @@ fn required(key: &str, size: Option<Option<usize>>) -> Result<usize> {
 }
 
 /// A [`required`] size that must also be at least 1.
-fn required_positive(key: &str, size: Option<Option<usize>>) -> Result<usize> {
+pub(super) fn required_positive(key: &str, size: Option<Option<usize>>) -> Result<usize> {
     let n = required(key, size)?;
     if n == 0 {
         return Err(invalid(key, n, "must be at least 1"));

@@ -22,7 +22,7 @@ fn unsupported_model_type() {
     assert_eq!(
         msg,
         "config.json: unsupported model_type \"llama\" (deepinfer serves deepseek_v2, deepseek_v3 \
-         and deepseek_v32)"
+         and deepseek_v32, and reads deepseek_v4)"
     );
     let msg = error(V2_LITE, &[("model_type", None)]);
     assert_mentions(&msg, &["missing required key model_type"]);
