@@ -77,6 +77,55 @@ fn generate_json_prints_generated_ids_and_text() {
     assert!(v["text"].is_string());
 }
 
+/// `bench` prefills a prompt longer than the prefill chunk (64) in chunks, as `serve` does
+/// (before, a 100-token prompt was refused as one over-long chunk), and reports the prefill's
+/// throughput beside decode's; a prompt of no tokens is one clear error.
+#[test]
+fn bench_prefills_a_long_prompt_in_chunks_and_reports_both_rates() {
+    let model = fixture("tiny-v3");
+    let out = deepinfer(&[
+        "bench",
+        "--model",
+        &model,
+        "--batch",
+        "2",
+        "--prompt-len",
+        "100",
+        "--steps",
+        "2",
+        "--json",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_str(stdout.trim()).expect("one JSON line");
+    assert_eq!(v["batch"], 2, "{v}");
+    assert_eq!(v["prompt_len"], 100, "{v}");
+    for key in ["tokens_per_s", "prefill_tokens_per_s", "ms_per_step"] {
+        let x = v[key].as_f64().unwrap_or(f64::NAN);
+        assert!(x.is_finite() && x > 0.0, "{key}: {v}");
+    }
+    let out = deepinfer(&["bench", "--model", &model, "--prompt-len", "0"]);
+    assert_clean_error(&out, "--prompt-len must be at least 1");
+}
+
+/// A DeepSeek-V4 checkpoint (fixtures/tiny-v4) is read, then refused in one line that says so,
+/// by every command that opens a model.
+#[test]
+fn a_deepseek_v4_checkpoint_is_refused_in_one_clear_line() {
+    let model = fixture("tiny-v4");
+    for args in [
+        vec!["generate", "--model", &model, "--token-ids", "1,2,3"],
+        vec!["score", "--model", &model, "--token-ids", "1,2,3"],
+    ] {
+        let out = deepinfer(&args);
+        assert_clean_error(&out, "\"deepseek_v4\" (DeepSeek-V4, 5 layers: 2 CSA, 2 HCA, 1 sliding) is read but not served yet");
+    }
+}
+
 #[test]
 fn score_prints_one_logit_row_per_position() {
     let out = deepinfer(&[

@@ -35,7 +35,8 @@ pub(crate) struct BenchArgs {
     /// Sequences decoded together.
     #[arg(long, default_value_t = 1)]
     batch: usize,
-    /// Prompt tokens prefilled per sequence before timing.
+    /// Prompt tokens prefilled per sequence before timing (in chunks of the prefill chunk, 64,
+    /// as `serve` prefills; their throughput is reported too).
     #[arg(long, default_value_t = 16)]
     prompt_len: usize,
     /// Decode steps timed.
@@ -79,6 +80,11 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         }
         (None, None) => bail!("pass --model or --config"),
     };
+    if args.prompt_len == 0 {
+        bail!(
+            "--prompt-len must be at least 1 (each sequence's first token comes from its prefill)"
+        );
+    }
     let vocab = cfg.vocab_size as u32;
     let max_len = args.prompt_len + args.steps + 1;
     let mut rc = RunnerConfig::for_limits(args.batch, max_len);
@@ -93,24 +99,34 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         Tokens::Random => random.below(vocab),
         Tokens::Zeros => 0,
     };
+    // Each prompt is prefilled in chunks of the runner's prefill chunk, as `serve` does, so a
+    // long context (`--prompt-len 4096`) is a series of steps rather than one refused graph.
+    let chunk_len = runner.runner_config().buckets.prefill_chunk.max(1);
+    let prefill_started = Instant::now();
     for (i, table) in tables.iter_mut().enumerate() {
         let prompt: Vec<u32> = (0..args.prompt_len as u32)
             .map(|j| feed((j * 7 + i as u32 * 13 + 1) % vocab))
             .collect();
         alloc.grow(table, args.prompt_len)?;
-        let chunk = PrefillChunk {
-            tokens: &prompt,
-            start: 0,
-            blocks: table,
-            sampling: SamplingParams::GREEDY,
-            controls: LogitControls::NONE,
-        };
-        let out = runner.replay(&Step::Prefill {
-            chunks: &[chunk],
-            logits: LogitsOutput::None,
-        })?;
-        tokens.extend(out.next_tokens.first().copied().map(&mut feed));
+        let mut next = None;
+        for (c, piece) in prompt.chunks(chunk_len).enumerate() {
+            let chunk = PrefillChunk {
+                tokens: piece,
+                start: c * chunk_len,
+                blocks: table,
+                sampling: SamplingParams::GREEDY,
+                controls: LogitControls::NONE,
+            };
+            let out = runner.replay(&Step::Prefill {
+                chunks: &[chunk],
+                logits: LogitsOutput::None,
+            })?;
+            next = out.next_tokens.first().copied();
+        }
+        tokens.extend(next.map(&mut feed));
     }
+    let prefill_secs = prefill_started.elapsed().as_secs_f64();
+    let prefill_tps = (args.batch * args.prompt_len) as f64 / prefill_secs;
     let mut run_step = |step: usize, tokens: &mut Vec<u32>| -> Result<()> {
         let position = args.prompt_len + step;
         for t in tables.iter_mut() {
@@ -161,16 +177,23 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
             .iter()
             .map(|(op, t)| serde_json::json!({ "op": op, "ms_per_step": per_step(t), "nodes_per_step": t.count / args.steps as u64 }))
             .collect();
-        let mut v =
-            serde_json::json!({ "batch": args.batch, "tokens_per_s": tps, "ms_per_step": ms });
+        let mut v = serde_json::json!({
+            "batch": args.batch,
+            "tokens_per_s": tps,
+            "ms_per_step": ms,
+            "prompt_len": args.prompt_len,
+            "prefill_tokens_per_s": prefill_tps,
+        });
         if args.profile {
             v["profile"] = serde_json::Value::Array(ops);
         }
         emit(&v.to_string())?;
     } else {
         emit(&format!(
-            "batch {}: {tps:.1} tokens/s, {ms:.2} ms/step",
-            args.batch
+            "batch {}: {tps:.1} tokens/s, {ms:.2} ms/step (after a prefill of {} tokens a \
+             sequence at {prefill_tps:.1} tokens/s, in chunks of {chunk_len}, graphs built on \
+             first use included)",
+            args.batch, args.prompt_len
         ))?;
         for (op, t) in &ops {
             emit(&format!(

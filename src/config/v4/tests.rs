@@ -229,3 +229,66 @@ fn a_v4_checkpoint_is_read_then_refused_by_name() {
         .to_string();
     assert!(msg.contains("o_groups 7"), "{msg}");
 }
+
+/// fixtures/tiny-v4's config.json, as transformers 5.25's `save_pretrained` wrote it
+/// (scripts/make_v4_fixture.py): every mechanism at a tiny size, YaRN on the compressed layers.
+#[test]
+fn the_tiny_v4_fixture_reads_as_written() {
+    let path =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-v4/config.json");
+    let text = std::fs::read_to_string(path).unwrap();
+    let cfg = V4Config::from_json_str(&text).unwrap();
+    use V4Attention::{CompressedSparse as Csa, HeavilyCompressed as Hca, Sliding};
+    assert_eq!(cfg.attention, [Hca, Csa, Sliding, Csa, Hca]);
+    assert_eq!(
+        cfg.routing,
+        [
+            V4Routing::Hash,
+            V4Routing::Hash,
+            V4Routing::TopK,
+            V4Routing::TopK,
+            V4Routing::TopK
+        ]
+    );
+    assert_eq!((cfg.csa_rate, cfg.hca_rate, cfg.sliding_window), (4, 8, 8));
+    assert_eq!(
+        (cfg.head_dim, cfg.rope_dim, cfg.num_attention_heads),
+        (32, 8, 4)
+    );
+    assert_eq!(
+        (cfg.o_groups, cfg.o_lora_rank, cfg.q_lora_rank),
+        (2, 16, 32)
+    );
+    assert_eq!(
+        cfg.indexer,
+        Some(V4Indexer {
+            heads: 4,
+            head_dim: 16,
+            topk: 4
+        })
+    );
+    assert_eq!(
+        (
+            cfg.n_routed_experts,
+            cfg.num_experts_per_tok,
+            cfg.moe_intermediate_size
+        ),
+        (8, 2, 32)
+    );
+    assert_eq!((cfg.swiglu_limit, cfg.routed_scaling_factor), (3.0, 1.5));
+    assert_eq!(
+        cfg.main_rope,
+        RopeConfig {
+            theta: 10000.0,
+            yarn: None
+        }
+    );
+    let yarn = cfg.compress_rope.yarn.clone().unwrap();
+    assert_eq!(cfg.compress_rope.theta, 160000.0);
+    assert_eq!(
+        (yarn.factor, yarn.original_max_position_embeddings),
+        (4.0, 256)
+    );
+    assert_eq!((yarn.beta_fast, yarn.beta_slow), (32.0, 1.0));
+    assert_eq!(cfg.num_nextn_predict_layers, 0);
+}
