@@ -4,6 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
+use crate::config::v4::{self, V4Config};
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gguf::{self, GgufFile};
@@ -46,10 +47,19 @@ impl ModelSource {
         }
     }
 
-    /// The model's configuration: `config.json`, or the GGUF's metadata.
+    /// The model's configuration: `config.json`, or the GGUF's metadata. A DeepSeek-V4
+    /// checkpoint is refused after its config and its tensors are checked, so what is broken in
+    /// it is named first (see [`crate::model::v4`]).
     pub fn config(&self) -> Result<ModelConfig> {
         match self {
-            ModelSource::Dir(dir) => ModelConfig::from_file(&dir.join("config.json")),
+            ModelSource::Dir(dir) => {
+                let path = dir.join("config.json");
+                if let Some(v4) = V4Config::from_file_if_v4(&path)? {
+                    let tensors = crate::model::v4::tensors::check(&v4, &Checkpoint::open(dir)?)?;
+                    return Err(v4::not_served_yet(&v4, Some(tensors)));
+                }
+                ModelConfig::from_file(&path)
+            }
             ModelSource::Gguf(file) => GgufFile::open(file)?.model_config(),
         }
     }

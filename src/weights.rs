@@ -216,6 +216,12 @@ impl Checkpoint {
         self.tensors.keys().cloned().collect()
     }
 
+    /// How tensor `name` is stored, as safetensors names its dtype (`F32`, `BF16`, `I64`,
+    /// `F8_E4M3`, ...) or a GGUF's block type; `None` when there is no such tensor.
+    pub fn dtype_name(&self, name: &str) -> Option<String> {
+        self.entry(name).map(|e| e.encoding.to_string())
+    }
+
     /// The shape of tensor `name`, as stored.
     pub fn shape(&self, name: &str) -> Result<Vec<usize>> {
         self.entry(name)

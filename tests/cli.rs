@@ -112,8 +112,8 @@ fn bench_prefills_a_long_prompt_in_chunks_and_reports_both_rates() {
     assert_clean_error(&out, "--prompt-len must be at least 1");
 }
 
-/// A DeepSeek-V4 checkpoint (fixtures/tiny-v4) is read, then refused in one line that says so,
-/// by every command that opens a model.
+/// A DeepSeek-V4 checkpoint (fixtures/tiny-v4) is read and its tensors checked, then refused
+/// in one line that says so, by every command that opens a model.
 #[test]
 fn a_deepseek_v4_checkpoint_is_refused_in_one_clear_line() {
     let model = fixture("tiny-v4");
@@ -122,7 +122,11 @@ fn a_deepseek_v4_checkpoint_is_refused_in_one_clear_line() {
         vec!["score", "--model", &model, "--token-ids", "1,2,3"],
     ] {
         let out = deepinfer(&args);
-        assert_clean_error(&out, "\"deepseek_v4\" (DeepSeek-V4, 5 layers: 2 CSA, 2 HCA, 1 sliding) is read but not served yet");
+        assert_clean_error(
+            &out,
+            "\"deepseek_v4\" (DeepSeek-V4, 5 layers: 2 CSA, 2 HCA, 1 sliding) is read (its 259 \
+             tensors are as config.json says) but not served yet",
+        );
     }
 }
 

@@ -288,7 +288,7 @@ impl ModelConfig {
         // then refused until its forward pass exists.
         if object.get("model_type").and_then(Value::as_str) == Some("deepseek_v4") {
             let v4 = v4::V4Config::from_object(object)?;
-            return Err(v4::not_served_yet(&v4));
+            return Err(v4::not_served_yet(&v4, None));
         }
         let keys: RawConfig = raw::read(object, "")?;
         resolve::model_config(&keys)

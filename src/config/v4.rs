@@ -127,8 +127,6 @@ pub struct V4Config {
     pub n_routed_experts: usize,
     /// `num_experts_per_tok`.
     pub num_experts_per_tok: usize,
-    /// `n_shared_experts`.
-    pub n_shared_experts: usize,
     /// `moe_intermediate_size`: one expert's width (the shared expert's too).
     pub moe_intermediate_size: usize,
     /// `scoring_func`.
@@ -274,6 +272,21 @@ impl V4Config {
         Self::from_object(object)
     }
 
+    /// Reads `path` when it is a DeepSeek-V4 `config.json` (`model_type: deepseek_v4`);
+    /// `None` for any other model (whose errors [`super::ModelConfig::from_file`] reports).
+    pub fn from_file_if_v4(path: &std::path::Path) -> Result<Option<Self>> {
+        let Ok(text) = std::fs::read_to_string(path) else {
+            return Ok(None);
+        };
+        let Ok(Value::Object(object)) = serde_json::from_str::<Value>(&text) else {
+            return Ok(None);
+        };
+        match object.get("model_type").and_then(Value::as_str) {
+            Some("deepseek_v4") => Self::from_object(&object).map(Some),
+            _ => Ok(None),
+        }
+    }
+
     /// Reads a V4 `config.json` already parsed (its `model_type` is the caller's business).
     pub(super) fn from_object(object: &Map<String, Value>) -> Result<Self> {
         let raw: RawV4 = raw::read(object, "")?;
@@ -349,6 +362,15 @@ fn resolve(raw: &RawV4) -> Result<V4Config> {
     }
     let moe_intermediate_size =
         required_positive("moe_intermediate_size", raw.moe_intermediate_size)?;
+    let n_shared_experts = raw.n_shared_experts.unwrap_or(1);
+    if n_shared_experts != 1 {
+        return Err(unsupported(
+            "n_shared_experts",
+            n_shared_experts,
+            "DeepSeek-V4 has one shared expert as wide as a routed one (transformers builds one \
+             whatever this says)",
+        ));
+    }
     let scoring = match raw.scoring_func.as_deref().unwrap_or("sqrtsoftplus") {
         "sqrtsoftplus" => V4Scoring::SqrtSoftplus,
         "sigmoid" => V4Scoring::Sigmoid,
@@ -392,7 +414,6 @@ fn resolve(raw: &RawV4) -> Result<V4Config> {
         indexer,
         n_routed_experts,
         num_experts_per_tok,
-        n_shared_experts: raw.n_shared_experts.unwrap_or(1),
         moe_intermediate_size,
         scoring,
         routed_scaling_factor,
@@ -737,11 +758,15 @@ fn non_negative(key: &str, v: Option<f64>, default: f64) -> Result<f64> {
     Ok(x)
 }
 
-/// Refuses a V4 checkpoint after reading its config, so a broken file is named first.
-pub(super) fn not_served_yet(cfg: &V4Config) -> Error {
+/// Refuses a V4 checkpoint after reading its config (and, given `tensors`, checking that many
+/// tensors of its checkpoint), so a broken file is named first.
+pub fn not_served_yet(cfg: &V4Config, tensors: Option<usize>) -> Error {
+    let checked = tensors.map_or(String::new(), |n| {
+        format!(" (its {n} tensors are as config.json says)")
+    });
     Error::Config(format!(
         "model_type \"deepseek_v4\" (DeepSeek-V4, {} layers: {} CSA, {} HCA, {} sliding) is \
-         read but not served yet: its forward pass is being built (issue 43; \
+         read{checked} but not served yet: its forward pass is being built (issue 43; \
          docs/deepseek-v4.md says what it computes and how deepinfer will run it)",
         cfg.num_hidden_layers,
         cfg.layers_of(V4Attention::CompressedSparse).count(),

@@ -49,6 +49,7 @@ pub mod precision;
 pub mod rope;
 pub mod sampling;
 pub mod shard;
+pub mod v4;
 pub mod vocab;
 
 use std::cell::RefCell;

@@ -1,0 +1,316 @@
+//! Every tensor a DeepSeek-V4 checkpoint holds, in the published naming (`embed.weight`,
+//! `layers.N.attn.wq_a.weight`, `layers.N.ffn.experts.E.w1.weight`, `layers.N.hc_attn_fn`, ...),
+//! with the shape its [`V4Config`] gives it, and the check of a checkpoint against that list.
+//!
+//! The names are those of DeepSeek's releases, which transformers 5.25 maps onto its modules
+//! (`conversion_mapping.py`, `"deepseek_v4"`); the shapes follow `modeling_deepseek_v4.py`. One
+//! name has two spellings: the attention's key/value norm is `attn.kv_norm.weight` in DeepSeek's
+//! inference code and `attn.norm.weight` where transformers writes it back; either is accepted.
+//! The multi-token-prediction layers (`mtp.*`) belong to issue 44 and are not checked here.
+
+use crate::config::v4::{V4Attention, V4Config, V4Routing};
+use crate::error::{Error, Result};
+use crate::weights::Checkpoint;
+
+/// What a tensor holds, which decides the stored dtypes it may have.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum V4TensorKind {
+    /// Weights and parameters: f32, bf16 or f16.
+    Float,
+    /// A hash layer's `tid2eid` table: expert ids, an integer dtype.
+    ExpertIds,
+}
+
+/// One tensor of a V4 checkpoint.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct V4Tensor {
+    /// Its published name, and the other accepted spelling where there is one.
+    pub names: Vec<String>,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// What it holds.
+    pub kind: V4TensorKind,
+}
+
+impl V4Tensor {
+    fn float(name: String, shape: Vec<usize>) -> Self {
+        V4Tensor {
+            names: vec![name],
+            shape,
+            kind: V4TensorKind::Float,
+        }
+    }
+}
+
+/// Every tensor of a V4 model of `cfg` (MTP layers aside), in a fixed order.
+pub fn expected(cfg: &V4Config) -> Vec<V4Tensor> {
+    let (h, v, n) = (cfg.hidden_size, cfg.vocab_size, cfg.hc_mult);
+    let (heads, d) = (cfg.num_attention_heads, cfg.head_dim);
+    let mix = (2 + n) * n;
+    let mut out = vec![
+        V4Tensor::float("embed.weight".into(), vec![v, h]),
+        V4Tensor::float("norm.weight".into(), vec![h]),
+        V4Tensor::float("hc_head_fn".into(), vec![n, n * h]),
+        V4Tensor::float("hc_head_base".into(), vec![n]),
+        V4Tensor::float("hc_head_scale".into(), vec![1]),
+    ];
+    if !cfg.tie_word_embeddings {
+        out.push(V4Tensor::float("head.weight".into(), vec![v, h]));
+    }
+    for l in 0..cfg.num_hidden_layers {
+        let p = format!("layers.{l}");
+        let mut t = |name: String, shape: Vec<usize>| out.push(V4Tensor::float(name, shape));
+        t(format!("{p}.attn_norm.weight"), vec![h]);
+        t(format!("{p}.ffn_norm.weight"), vec![h]);
+        for hc in ["hc_attn", "hc_ffn"] {
+            t(format!("{p}.{hc}_fn"), vec![mix, n * h]);
+            t(format!("{p}.{hc}_base"), vec![mix]);
+            t(format!("{p}.{hc}_scale"), vec![3]);
+        }
+        // Attention: q through its latent, the one K=V head, the grouped output projection.
+        let a = format!("{p}.attn");
+        let q = cfg.q_lora_rank;
+        t(format!("{a}.wq_a.weight"), vec![q, h]);
+        t(format!("{a}.q_norm.weight"), vec![q]);
+        t(format!("{a}.wq_b.weight"), vec![heads * d, q]);
+        t(format!("{a}.wkv.weight"), vec![d, h]);
+        t(
+            format!("{a}.wo_a.weight"),
+            vec![cfg.o_groups * cfg.o_lora_rank, heads * d / cfg.o_groups],
+        );
+        t(
+            format!("{a}.wo_b.weight"),
+            vec![h, cfg.o_groups * cfg.o_lora_rank],
+        );
+        t(format!("{a}.attn_sink"), vec![heads]);
+        // The compressors: CSA's project to two series (2d), HCA's to one; CSA's indexer has
+        // its own, at index_head_dim.
+        let compressor = |prefix: &str, width: usize, rate: usize, series: usize| {
+            vec![
+                (format!("{prefix}.wkv.weight"), vec![series * width, h]),
+                (format!("{prefix}.wgate.weight"), vec![series * width, h]),
+                (format!("{prefix}.ape"), vec![rate, series * width]),
+                (format!("{prefix}.norm.weight"), vec![width]),
+            ]
+        };
+        let mut extra = Vec::new();
+        match cfg.attention[l] {
+            V4Attention::Sliding => {}
+            V4Attention::HeavilyCompressed => {
+                extra.extend(compressor(&format!("{a}.compressor"), d, cfg.hca_rate, 1));
+            }
+            V4Attention::CompressedSparse => {
+                extra.extend(compressor(&format!("{a}.compressor"), d, cfg.csa_rate, 2));
+                if let Some(ix) = cfg.indexer {
+                    let i = format!("{a}.indexer");
+                    extra.extend(compressor(
+                        &format!("{i}.compressor"),
+                        ix.head_dim,
+                        cfg.csa_rate,
+                        2,
+                    ));
+                    extra.push((format!("{i}.wq_b.weight"), vec![ix.heads * ix.head_dim, q]));
+                    extra.push((format!("{i}.weights_proj.weight"), vec![ix.heads, h]));
+                }
+            }
+        }
+        for (name, shape) in extra {
+            t(name, shape);
+        }
+        // MoE: the router (its correction bias, or a hash layer's table), the experts, the
+        // shared expert.
+        let f = format!("{p}.ffn");
+        let (e, k, m) = (
+            cfg.n_routed_experts,
+            cfg.num_experts_per_tok,
+            cfg.moe_intermediate_size,
+        );
+        t(format!("{f}.gate.weight"), vec![e, h]);
+        if cfg.routing[l] == V4Routing::TopK {
+            t(format!("{f}.gate.bias"), vec![e]);
+        }
+        for x in 0..e {
+            t(format!("{f}.experts.{x}.w1.weight"), vec![m, h]);
+            t(format!("{f}.experts.{x}.w2.weight"), vec![h, m]);
+            t(format!("{f}.experts.{x}.w3.weight"), vec![m, h]);
+        }
+        // One shared expert as wide as a routed one (transformers' `DeepseekV4MLP` reads
+        // `moe_intermediate_size`).
+        t(format!("{f}.shared_experts.w1.weight"), vec![m, h]);
+        t(format!("{f}.shared_experts.w2.weight"), vec![h, m]);
+        t(format!("{f}.shared_experts.w3.weight"), vec![m, h]);
+        if cfg.routing[l] == V4Routing::Hash {
+            out.push(V4Tensor {
+                names: vec![format!("{f}.gate.tid2eid")],
+                shape: vec![v, k],
+                kind: V4TensorKind::ExpertIds,
+            });
+        }
+        out.push(V4Tensor {
+            names: vec![format!("{a}.kv_norm.weight"), format!("{a}.norm.weight")],
+            shape: vec![d],
+            kind: V4TensorKind::Float,
+        });
+    }
+    out
+}
+
+/// Checks `ckpt` against [`expected`]: every tensor present under one of its names, with its
+/// shape and a dtype its kind allows, and no other tensor (MTP layers aside). Returns how many
+/// tensors were checked. The error names the tensor, and for a tensor the config does not
+/// explain, what in the config to look at.
+pub fn check(cfg: &V4Config, ckpt: &Checkpoint) -> Result<usize> {
+    let tensors = expected(cfg);
+    let mut seen = std::collections::HashSet::new();
+    for t in &tensors {
+        let Some(name) = t.names.iter().find(|n| ckpt.contains(n)) else {
+            return Err(Error::Weights(format!(
+                "tensor `{}` is missing (expected shape {:?})",
+                t.names.join("` or `"),
+                t.shape
+            )));
+        };
+        ckpt.check(name, &t.shape)?;
+        let dtype = ckpt.dtype_name(name).unwrap_or_default();
+        let allowed: &[&str] = match t.kind {
+            V4TensorKind::Float => &["F32", "BF16", "F16"],
+            V4TensorKind::ExpertIds => &["I64", "I32", "U8", "I16", "U16", "U32", "U64", "I8"],
+        };
+        if !allowed.contains(&dtype.as_str()) {
+            let why = match t.kind {
+                V4TensorKind::Float => {
+                    "deepinfer reads DeepSeek-V4's weights in f32, bf16 or f16 so far (the \
+                     published FP8 and FP4 forms come with the forward pass, issue 43)"
+                }
+                V4TensorKind::ExpertIds => "a hash layer's expert table holds integers",
+            };
+            return Err(Error::Weights(format!(
+                "tensor `{name}` is stored as {dtype}: {why}"
+            )));
+        }
+        seen.insert(name.clone());
+    }
+    if let Some(other) = ckpt
+        .names()
+        .into_iter()
+        .find(|n| !seen.contains(n) && !n.starts_with("mtp."))
+    {
+        return Err(Error::Weights(format!(
+            "tensor `{other}` is not a parameter of the model config.json describes (check \
+             layer_types, mlp_layer_types, n_routed_experts and num_hidden_layers against the \
+             checkpoint)"
+        )));
+    }
+    Ok(tensors.len())
+}
+
+#[cfg(test)]
+mod tests {
+    // The V4 tensor table against fixtures/tiny-v4, whose names scripts/make_v4_fixture.py wrote
+    // from its own table (derived from config.json alone) and checked by reloading the directory
+    // in transformers 5.25; and a broken checkpoint named for what is broken.
+
+    use std::path::{Path, PathBuf};
+
+    use super::*;
+
+    fn fixture() -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-v4")
+    }
+
+    fn config() -> V4Config {
+        let text = std::fs::read_to_string(fixture().join("config.json")).unwrap();
+        V4Config::from_json_str(&text).unwrap()
+    }
+
+    #[test]
+    fn the_tiny_v4_fixture_holds_exactly_the_expected_tensors() {
+        let cfg = config();
+        let ckpt = Checkpoint::open(&fixture()).unwrap();
+        assert_eq!(check(&cfg, &ckpt).unwrap(), 259);
+        assert_eq!(ckpt.names().len(), 259);
+        assert_eq!(
+            ckpt.dtype_name("layers.0.ffn.gate.tid2eid").as_deref(),
+            Some("I64")
+        );
+    }
+
+    /// Copies the fixture with its safetensors rewritten by `edit` (name -> (shape, dtype, bytes)).
+    fn broken(
+        edit: impl Fn(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>),
+    ) -> tempfile::TempDir {
+        use safetensors::tensor::TensorView;
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::copy(
+            fixture().join("config.json"),
+            dir.path().join("config.json"),
+        )
+        .unwrap();
+        let bytes = std::fs::read(fixture().join("model.safetensors")).unwrap();
+        let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+        let mut tensors: Vec<_> = st
+            .tensors()
+            .into_iter()
+            .map(|(n, t)| (n, t.dtype(), t.shape().to_vec(), t.data().to_vec()))
+            .collect();
+        edit(&mut tensors);
+        let views: Vec<(String, TensorView)> = tensors
+            .iter()
+            .map(|(n, d, s, b)| (n.clone(), TensorView::new(*d, s.clone(), b).unwrap()))
+            .collect();
+        safetensors::serialize_to_file(views, None, &dir.path().join("model.safetensors")).unwrap();
+        dir
+    }
+
+    fn error_of(dir: &tempfile::TempDir) -> String {
+        let ckpt = Checkpoint::open(dir.path()).unwrap();
+        check(&config(), &ckpt).unwrap_err().to_string()
+    }
+
+    #[test]
+    fn a_broken_v4_checkpoint_names_the_tensor() {
+        let missing = broken(|t| t.retain(|(n, ..)| n != "layers.3.attn.indexer.compressor.ape"));
+        let e = error_of(&missing);
+        assert!(
+            e.contains(
+                "tensor `layers.3.attn.indexer.compressor.ape` is missing (expected shape [4, 32])"
+            ),
+            "{e}"
+        );
+
+        let misshapen = broken(|t| {
+            for (n, _, shape, _) in t.iter_mut() {
+                if n == "layers.1.attn.wo_a.weight" {
+                    shape.reverse();
+                }
+            }
+        });
+        let e = error_of(&misshapen);
+        assert!(
+            e.contains("tensor `layers.1.attn.wo_a.weight` has shape [64, 32], expected [32, 64]"),
+            "{e}"
+        );
+
+        let extra = broken(|t| {
+            let (_, d, s, b) = t[0].clone();
+            t.push(("layers.9.attn.wq_a.weight".into(), d, s, b));
+        });
+        let e = error_of(&extra);
+        assert!(
+            e.contains("tensor `layers.9.attn.wq_a.weight` is not a parameter"),
+            "{e}"
+        );
+
+        let renamed = broken(|t| {
+            for (n, ..) in t.iter_mut() {
+                if n == "layers.2.attn.kv_norm.weight" {
+                    *n = "layers.2.attn.norm.weight".into();
+                }
+            }
+        });
+        assert_eq!(
+            check(&config(), &Checkpoint::open(renamed.path()).unwrap()).unwrap(),
+            259
+        );
+    }
+}
