@@ -10,7 +10,7 @@
 //! DeepSeek-V3.2's indexer is the exception: it rotates the first and second halves of its rope
 //! dims as pairs ([`apply_half_split`]), with the same angles.
 
-use crate::config::{ModelConfig, YarnConfig};
+use crate::config::{ModelConfig, RopeConfig, YarnConfig};
 use crate::error::Result;
 use crate::graph::{Literal, Tensor};
 
@@ -43,19 +43,22 @@ pub fn softmax_scale(cfg: &ModelConfig) -> f64 {
 /// The inverse frequencies (`rope_dim / 2` of them) and the cos/sin magnitude factor, computed
 /// in f32 as transformers does so that the angles match bit for bit where possible.
 pub fn rope_tables(cfg: &ModelConfig) -> (Vec<f32>, f32) {
-    let dim = cfg.qk_rope_head_dim;
-    let base = cfg.rope.theta as f32;
+    let factor = cfg.rope.yarn.as_ref().map_or(1.0, yarn_attention_factor);
+    (inv_freq(cfg.qk_rope_head_dim, &cfg.rope), factor)
+}
+
+/// The inverse frequencies of a `dim`-channel rotation under `rope` (YaRN's interpolated ones
+/// when set), in f32 as transformers computes them. DeepSeek-V4 uses them without a magnitude
+/// factor (its YaRN's `attention_factor` is 1).
+pub fn inv_freq(dim: usize, rope: &RopeConfig) -> Vec<f32> {
+    let base = rope.theta as f32;
     let pos_freqs: Vec<f32> = (0..dim / 2)
         .map(|i| base.powf((2 * i) as f32 / dim as f32))
         .collect();
-    let extrapolation: Vec<f32> = pos_freqs.iter().map(|p| 1.0 / p).collect();
-    let Some(y) = &cfg.rope.yarn else {
-        return (extrapolation, 1.0);
-    };
-    (
-        yarn_inv_freq(y, dim, cfg.rope.theta, &pos_freqs),
-        yarn_attention_factor(y),
-    )
+    match &rope.yarn {
+        None => pos_freqs.iter().map(|p| 1.0 / p).collect(),
+        Some(y) => yarn_inv_freq(y, dim, rope.theta, &pos_freqs),
+    }
 }
 
 fn yarn_attention_factor(y: &YarnConfig) -> f32 {

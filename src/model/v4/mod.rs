@@ -2,4 +2,5 @@
 //! builders of its forward pass come next (issue 43); until they exist a V4 checkpoint is read,
 //! checked, and refused.
 
+pub mod forward;
 pub mod tensors;
