@@ -41,6 +41,44 @@ What: one checkpoint directory in the layout of the other fixtures (see scripts/
       min_gaps                     the robustness margins below, measured
       checks                       other measured facts (yarn effect, swiglu clamp counts, activation ranges)
       seed, transformers_version, torch_version, notes
+  reference-layers.json    per-stage float32 values of ONE more cache-free forward over `token_ids` (the
+                           reloaded checkpoint, eager, one thread), captured with forward hooks (`layer_reference`),
+                           for debugging a forward pass layer by layer; batch dimension dropped, S = PROMPT_LEN = 48,
+                           N = hc_mult = 4, D = hidden_size = 64; floats written as in reference.json (each float32
+                           value exactly, as the JSON repr of its double):
+      token_ids                    the prompt (= reference.json's token_ids)
+      embed                        [S, D] the embedding (copied into the N streams)
+      layers                       5 entries, each {layer_type, mlp_layer_type, then:}
+        attn_pre, attn_post        [S, N] the attention hyper-connection's weights: pre = sigmoid(..) + hc_eps
+                                   (recomputed: DeepseekV4HyperConnection consumes it without returning it; its
+                                   post, comb and collapsed input must match the recomputation bit for bit),
+                                   post = 2 sigmoid(..)
+        attn_comb                  [S, N, N] after Sinkhorn; comb[j][k] takes input stream j to output stream k:
+                                   x'_k = post_k y + sum_j comb[j][k] x_j. LAYER 0 ONLY (also ffn_comb): with every
+                                   layer's the file would be 3.05 MB, without 2.9 MB (COMB_LAYERS)
+        attn_in                    [S, D] the collapsed block input after input_layernorm
+        attn_out                   [S, D] self_attn's output (after o_b_proj)
+        compressed                 CSA/HCA only, [S / rate, head_dim]: the compressor's return value (no cache in
+                                   a cache-free forward), the entries the attention concatenated after the S window
+                                   keys, after kv_norm and the compress RoPE at position w x rate
+        indexer_keys               CSA only, [S / rate, index_head_dim]: the indexer's compressed keys (RoPE'd)
+        indexer_scores             CSA only, [S, S / rate]: the scorer's index scores, before the causal -inf mask
+        indexer_topk               CSA only, [S, min(index_topk, S / rate)]: the indexer's output (torch.topk order,
+                                   descending score), -1 for picks at or past (p + 1) // rate
+        ffn_pre, ffn_post, ffn_comb, ffn_in
+                                   the same for the MoE block (ffn_in after post_attention_layernorm)
+        router_indices, router_weights
+                                   [S, k] the gate's experts and final weights (renormalised, x routed_scaling_factor)
+                                   in the gate's order (torch.topk sorted=False for `moe`, tid2eid for `hash_moe`)
+        ffn_out                    [S, D] the MoE block's output, routed + shared
+        streams_out                [S, N, D] the layer's output streams
+      head_collapsed               [S, D] hc_head's output, before the final norm
+      final_norm                   [S, D] after the final RMSNorm (the LM head's input)
+      logits_max_abs_diff_vs_reference_json
+                                   that forward's logits vs reference.json's `logits` (asserted < 1e-6; it is 0)
+      seed, transformers_version, torch_version, notes
+                           The recorded values are checked to recombine (streams after the attention, then
+                           streams_out, from pre/post/comb and the block outputs) within 1e-6.
 
 Every weight and persistent buffer comes from a seeded torch.Generator, none left at transformers' init
 (sinks, position_bias/ape, hc base/scale, e_score_correction_bias and tid2eid included). Seeds are tried in
@@ -165,6 +203,8 @@ DECODE_TOLERANCE = 1e-4
 DENSE_INDEX_TOPK = 1000
 MIN_SPARSE_EFFECT = 1e-2
 MIN_YARN_EFFECT = 1e-2
+COMB_LAYERS = 1  # reference-layers.json keeps attn_comb / ffn_comb for layers below this only (size)
+MAX_LAYERS_JSON_BYTES = 3_000_000
 
 
 class NotRobust(RuntimeError):
@@ -628,6 +668,184 @@ def no_yarn_logits(model, token_ids):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Per-stage values (reference-layers.json)
+
+
+def hyper_connection_weights(hc, streams):
+    """DeepseekV4HyperConnection.forward step for step, also returning `pre` (which the module consumes).
+
+    Returns (pre, post, comb, collapsed); the caller checks post, comb and collapsed against the module's own
+    outputs bit for bit, so `pre` is the one transformers used.
+    """
+    batch_size, seq_len = streams.shape[:2]
+    n = hc.hc_mult
+    mixes = F.linear(hc.input_norm(streams.view(batch_size, seq_len, -1).float()), hc.fn.float())
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = hc.base.split([n, n, n * n])
+    pre_scale, post_scale, comb_scale = hc.scale.unbind(0)
+    comb_w = comb_w.view(*comb_w.shape[:-1], n, n)
+    comb_b = comb_b.view(n, n)
+    pre = torch.sigmoid(pre_w * pre_scale + pre_b) + hc.hc_eps
+    post = 2 * torch.sigmoid(post_w * post_scale + post_b)
+    comb = torch.softmax(comb_w * comb_scale + comb_b, dim=-1) + hc.hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc.hc_eps)
+    for _ in range(hc.hc_sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc.hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc.hc_eps)
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+    return pre, post, comb, collapsed
+
+
+def mix_streams(post, comb, block_out, streams):
+    """DeepseekV4DecoderLayer's expansion: x'_k = post_k y + sum_j comb[j, k] x_j (float32 throughout)."""
+    return post.unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), streams)
+
+
+LAYER_KEYS = ("attn_pre", "attn_post", "attn_comb", "attn_in", "attn_out", "compressed", "indexer_keys",
+              "indexer_scores", "indexer_topk", "ffn_pre", "ffn_post", "ffn_comb", "ffn_in", "router_indices",
+              "router_weights", "ffn_out", "streams_out")
+
+
+def layer_reference(model, token_ids):
+    """Per-stage values of ONE cache-free forward over token_ids, captured by forward hooks.
+
+    Returns {embed, layers: [{key: tensor}], head_collapsed, final_norm, logits} (batch dimension dropped). Each
+    hooked module must run exactly once; the hyper-connections' `pre` is recomputed (hyper_connection_weights)
+    and the module's post/comb/collapsed must match it bit for bit; the recorded values must recombine into
+    the next stage (streams after the attention = the ffn hyper-connection's input, streams_out) within 1e-6.
+    """
+    cfg = model.config
+    top = model.model
+    seen, handles = {}, []
+
+    def on(module, key, pick=lambda module, args, output: output):
+        def hook(module, args, output):
+            assert key not in seen, f"{key} ran twice"
+            seen[key] = pick(module, args, output)
+        handles.append(module.register_forward_hook(hook))
+
+    def hc_pick(module, args, output):
+        return hyper_connection_weights(module, args[0]), output, args[0]
+
+    on(top.embed_tokens, "embed")
+    for i, layer in enumerate(top.layers):
+        on(layer.attn_hc, (i, "attn_hc"), hc_pick)
+        on(layer.input_layernorm, (i, "attn_in"))
+        on(layer.self_attn, (i, "attn_out"), lambda m, a, o: o[0])
+        on(layer.ffn_hc, (i, "ffn_hc"), hc_pick)
+        on(layer.post_attention_layernorm, (i, "ffn_in"))
+        on(layer.mlp.gate, (i, "router"), lambda m, a, o: (o[2], o[1]))  # (indices, weights)
+        on(layer.mlp, (i, "ffn_out"))
+        on(layer, (i, "streams"), lambda m, a, o: (a[0], o))
+        compressor = layer.self_attn.compressor
+        if compressor is not None:
+            on(compressor, (i, "compressed"), lambda m, a, o: o[0])
+        if cfg.layer_types[i] == CSA:
+            on(compressor.indexer.scorer, (i, "indexer_scores"), lambda m, a, o: (a[1], o))  # (keys, scores)
+            on(compressor.indexer, (i, "indexer_topk"))
+    on(top.hc_head, "head_collapsed")
+    on(top.norm, "final_norm")
+    try:
+        logits = forward_logits(model, token_ids)
+    finally:
+        for h in handles:
+            h.remove()
+
+    n_tokens = len(token_ids)
+    positions = torch.arange(n_tokens)
+    out = {"embed": seen["embed"][0], "layers": []}
+    streams = out["embed"].unsqueeze(1).expand(-1, cfg.hc_mult, -1)
+    for i, layer_type in enumerate(cfg.layer_types):
+        entry = {}
+        layer_in, layer_out = (t[0] for t in seen[i, "streams"])
+        assert torch.equal(layer_in, streams), f"layer {i}: input streams are not the previous output"
+        for group in ("attn", "ffn"):
+            (pre, post, comb, collapsed), (hf_post, hf_comb, hf_collapsed), hc_in = seen[i, f"{group}_hc"]
+            assert torch.equal(post, hf_post) and torch.equal(comb, hf_comb), f"layer {i} {group}: post/comb"
+            assert torch.equal(collapsed, hf_collapsed), f"layer {i} {group}: collapsed input"
+            if group == "ffn":  # the streams after the attention block, rebuilt from the recorded values
+                diff = (mix_streams(entry["attn_post"], entry["attn_comb"], entry["attn_out"], streams)
+                        - hc_in[0]).abs().max().item()
+                assert diff < 1e-6, f"layer {i}: attention streams recombine to within {diff:.1e} only"
+            entry.update({f"{group}_pre": pre[0], f"{group}_post": post[0], f"{group}_comb": comb[0]})
+            entry[f"{group}_in"] = seen[i, f"{group}_in"][0]
+            if group == "attn":
+                entry["attn_out"] = seen[i, "attn_out"][0]
+                if layer_type != SLIDING:
+                    entry["compressed"] = seen[i, "compressed"][0, 0]  # [B, 1, entries, head_dim]
+                    assert entry["compressed"].shape == (n_tokens // cfg.compress_rates[layer_type], cfg.head_dim)
+                if layer_type == CSA:
+                    keys, scores = seen[i, "indexer_scores"]
+                    entry["indexer_keys"], entry["indexer_scores"] = keys[0], scores[0]
+                    topk = seen[i, "indexer_topk"][0]
+                    visible = (positions + 1) // cfg.compress_rates[CSA]
+                    assert topk.shape == (n_tokens, min(cfg.index_topk, keys.shape[1])), topk.shape
+                    assert ((topk == -1) | ((topk >= 0) & (topk < visible[:, None]))).all()
+                    assert ((topk >= 0).sum(-1) == visible.clamp(max=topk.shape[1])).all()
+                    entry["indexer_topk"] = topk
+        indices, weights = seen[i, "router"]
+        entry["router_indices"], entry["router_weights"] = indices, weights
+        entry["ffn_out"] = seen[i, "ffn_out"][0]
+        diff = (mix_streams(entry["ffn_post"], entry["ffn_comb"], entry["ffn_out"], seen[i, "ffn_hc"][2][0])
+                - layer_out).abs().max().item()
+        assert diff < 1e-6, f"layer {i}: output streams recombine to within {diff:.1e} only"
+        entry["streams_out"] = streams = layer_out
+        out["layers"].append({key: entry[key] for key in LAYER_KEYS if key in entry})
+    out["head_collapsed"] = seen["head_collapsed"][0]
+    out["final_norm"] = seen["final_norm"][0]
+    out["logits"] = logits
+    return out
+
+
+def layers_json(stages, token_ids, logits_diff, seed, cfg):
+    """reference-layers.json: tensors as nested lists of their float32 values (as reference.json stores them)."""
+
+    def values(t):
+        assert t.dtype in (torch.float32, torch.int64), t.dtype
+        assert t.dtype == torch.int64 or torch.isfinite(t).all()
+        return t.tolist()
+
+    layers = []
+    for i, entry in enumerate(stages["layers"]):
+        row = {"layer_type": cfg.layer_types[i], "mlp_layer_type": cfg.mlp_layer_types[i]}
+        row.update({k: values(v) for k, v in entry.items() if not (k.endswith("_comb") and i >= COMB_LAYERS)})
+        layers.append(row)
+    return {
+        "token_ids": token_ids,
+        "embed": values(stages["embed"]),
+        "layers": layers,
+        "head_collapsed": values(stages["head_collapsed"]),
+        "final_norm": values(stages["final_norm"]),
+        "logits_max_abs_diff_vs_reference_json": logits_diff,
+        "seed": seed,
+        "transformers_version": transformers.__version__,
+        "torch_version": torch.__version__,
+        "notes": layers_notes(cfg),
+    }
+
+
+def layers_notes(cfg):
+    return (
+        "Per-stage values of ONE cache-free float32 forward of DeepseekV4ForCausalLM (transformers 5.25, eager) "
+        "over token_ids (the prompt of reference.json), captured with forward hooks; the batch dimension is "
+        "dropped. *_pre / *_post / *_comb: the hyper-connection weights (pre = sigmoid(..) + hc_eps, post = "
+        "2 sigmoid(..), comb after Sinkhorn, comb[j][k] mixes input stream j into output stream k: x'_k = post_k y "
+        "+ sum_j comb[j][k] x_j); *_in: the collapsed block input after input_layernorm / post_attention_layernorm; "
+        "attn_out: self_attn's output (after o_b_proj); compressed: the compressor's entries (after kv_norm and "
+        "the compress RoPE at position w x rate) that the attention concatenated after the 48 window keys; "
+        "indexer_keys / indexer_scores: the indexer's compressed keys and the scorer's scores [query, entry] "
+        "before the causal -inf mask; indexer_topk: the indexer's output, in torch.topk order (descending score), "
+        "-1 for a pick at or past (p + 1) // rate; router_indices / router_weights: the gate's chosen experts and "
+        f"weights (renormalised, x routed_scaling_factor {cfg.routed_scaling_factor}) in the gate's order "
+        "(torch.topk sorted=False for moe layers, tid2eid order for hash_moe layers); ffn_out: routed + shared; "
+        "streams_out: the layer's output streams; head_collapsed: hc_head's output; final_norm: after the final "
+        f"RMSNorm (the LM head's input). attn_comb / ffn_comb are kept for layers < {COMB_LAYERS} only (file "
+        "size). The forward's logits equal reference.json's logits (max |diff| in "
+        "logits_max_abs_diff_vs_reference_json)."
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------
 # The fixture
 
 
@@ -781,6 +999,9 @@ def make_fixture(out_root, seed, tokenizer_dir):
         gen = reloaded.generate(torch.tensor([prompt_ids]), do_sample=False, max_new_tokens=GREEDY_NEW_TOKENS,
                                 eos_token_id=None, pad_token_id=TINY_V4["eos_token_id"])
     assert gen[0, PROMPT_LEN:].tolist() == ref["generated"], gen[0, PROMPT_LEN:].tolist()
+    stages = layer_reference(reloaded, prompt_ids)  # per-stage values, one more cache-free forward
+    logits_diff = (stages.pop("logits") - ref["logits"]).abs().max().item()
+    assert logits_diff < 1e-6, f"hooked forward's logits differ from reference.json's by {logits_diff:.1e}"
 
     consistent = ref["decode_diff"] <= DECODE_TOLERANCE
     stats = ref["stats"]
@@ -819,6 +1040,10 @@ def make_fixture(out_root, seed, tokenizer_dir):
         notes=notes(model.config),
     )
     write_json(out / "reference.json", reference, indent=None)
+    write_json(out / "reference-layers.json", layers_json(stages, prompt_ids, logits_diff, seed, model.config),
+               indent=None)
+    layers_size = (out / "reference-layers.json").stat().st_size
+    assert layers_size < MAX_LAYERS_JSON_BYTES, f"reference-layers.json is {layers_size} bytes"
 
     size = sum(f.stat().st_size for f in out.iterdir())
     print(f"{NAME}: seed {seed}, {len(found)} tensors, {size / 1024:.0f} KiB "
@@ -839,6 +1064,8 @@ def make_fixture(out_root, seed, tokenizer_dir):
           f"(limit {TINY_V4['swiglu_limit']})")
     print("  reload: no missing/unexpected keys, bit-identical logits (prompt, short prompt, cached greedy), "
           "generate() agrees")
+    print(f"  reference-layers.json: {layers_size} bytes; hooked forward's logits vs reference.json: max |diff| "
+          f"{logits_diff:.3e}")
     print(f"  save_pretrained (5.25) would have written {len(hf_names)} tensors, e.g. "
           f"{[n for n in hf_names if 'layers' not in n]}")
     print("  published tensors:")
