@@ -652,18 +652,7 @@ pub fn build_sample(
     cache: &CacheLayout,
     rows: usize,
 ) -> Result<Graph> {
-    let width = lm_head_width(cfg, specs)?;
-    if rows == 0 {
-        return Err(Error::shape("bucket", "a sampling graph of no rows"));
-    }
-    let b = GraphBuilder::new(format!("sample_b{rows}"));
-    let w = Weights::new(&b, specs);
-    let logits = b.input(
-        STEP_LOGITS,
-        InputRole::Carried,
-        vec![rows, width],
-        DType::F32,
-    )?;
+    let (b, w, logits) = carried_logits(cfg, specs, "sample", rows)?;
     let input_ids = metadata(&b, inputs::INPUT_IDS, vec![rows], DType::I32)?;
     let positions = metadata(&b, inputs::POSITIONS, vec![rows], DType::I32)?;
     let state_rows = metadata(&b, inputs::STATE_ROWS, vec![rows], DType::I32)?;
@@ -690,11 +679,25 @@ pub fn build_sample(
 /// are greedy with no logit controls (the case [`Sampler::Greedy`] covers in a fused graph),
 /// without its vocabulary-wide filters and draw and without touching the token counts.
 pub fn build_argmax(cfg: &ModelConfig, specs: &WeightSpecs, rows: usize) -> Result<Graph> {
+    let (b, w, logits) = carried_logits(cfg, specs, "argmax", rows)?;
+    let next = w.vocab_slice()?.argmax(&logits)?;
+    b.output("next_tokens", &next)?;
+    b.finish()
+}
+
+/// The start of a graph `{kind}_b{rows}` over a split step's carried logits (`[rows, this
+/// rank's vocabulary slice]`, see [`STEP_LOGITS`]): its builder, weights and the logits input.
+fn carried_logits<'a>(
+    cfg: &ModelConfig,
+    specs: &'a WeightSpecs,
+    kind: &str,
+    rows: usize,
+) -> Result<(GraphBuilder, Weights<'a>, Tensor)> {
     let width = lm_head_width(cfg, specs)?;
     if rows == 0 {
-        return Err(Error::shape("bucket", "an argmax graph of no rows"));
+        return Err(Error::shape("bucket", format!("a {kind} graph of no rows")));
     }
-    let b = GraphBuilder::new(format!("argmax_b{rows}"));
+    let b = GraphBuilder::new(format!("{kind}_b{rows}"));
     let w = Weights::new(&b, specs);
     let logits = b.input(
         STEP_LOGITS,
@@ -702,9 +705,7 @@ pub fn build_argmax(cfg: &ModelConfig, specs: &WeightSpecs, rows: usize) -> Resu
         vec![rows, width],
         DType::F32,
     )?;
-    let next = w.vocab_slice()?.argmax(&logits)?;
-    b.output("next_tokens", &next)?;
-    b.finish()
+    Ok((b, w, logits))
 }
 
 /// The columns of this rank's LM head: the width of the logits a forward graph leaves.
