@@ -116,3 +116,15 @@ fn the_greedy_continuation_is_transformers() {
         .collect();
     assert_eq!(&argmax, gen);
 }
+
+/// The cache-free graph lowers to XLA HLO that breaks none of the rules `lower --check
+/// neuron` applies to every graph a capture compiles (accepted opcodes, no 64-bit type, no
+/// integer multiply, no vocabulary-wide sort, no tensor over 4 GiB, ...).
+#[test]
+fn the_cache_free_graph_lowers_within_neurons_rules() {
+    use deepinfer::backend::hlo::emit;
+    use deepinfer::backend::neuron::check::{check_module, CheckOptions};
+    let g = build_stateless(&config(), 48).unwrap();
+    let report = check_module(&emit::emit(&g).unwrap(), &CheckOptions::default());
+    assert!(report.clean(), "{:?}", report.findings);
+}

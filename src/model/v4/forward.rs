@@ -426,9 +426,8 @@ fn pool(
         cfg.rms_norm_eps,
     )?;
     // Rotated at position w x rate: the rows of the sequence's tables at those positions.
-    let at =
-        b.iota([windows], DType::I32, 0)?
-            .mul(&b.full(rate as f64, [windows], DType::I32)?)?;
+    let starts: Vec<i32> = (0..windows).map(|w| (w * rate) as i32).collect();
+    let at = b.constant(Literal::I32(starts), [windows])?;
     let cos = rope.cos.index_select(&at, 0)?;
     let sin = rope.sin.index_select(&at, 0)?;
     rotate_tail(&pooled.reshape([windows, 1, width])?, &cos, &sin, false)?.reshape([windows, width])
