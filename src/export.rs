@@ -33,6 +33,7 @@ use serde::Serialize;
 
 use crate::backend::cpu::{self, Group, DEFAULT_COLLECTIVE_TIMEOUT};
 use crate::backend::hlo;
+use crate::backend::hlo::proto::HloModuleProto;
 use crate::backend::neuron::check::{check_module, CheckOptions, CheckReport};
 use crate::backend::neuron::compile::CompileJob;
 use crate::config::ModelConfig;
@@ -780,10 +781,15 @@ pub fn check_neuron(
     jobs: usize,
 ) -> Result<CheckReport> {
     let mut graphs = Vec::new();
-    for_each_capture_graph(cfg, limits, "`deepinfer lower --check neuron`", |g| {
-        graphs.push(check_module(&hlo::emit::emit(g)?, opts));
-        Ok(())
-    })?;
+    for_each_capture_graph(
+        cfg,
+        limits,
+        "`deepinfer lower --check neuron`",
+        |_, module| {
+            graphs.push(check_module(module, opts));
+            Ok(())
+        },
+    )?;
     Ok(CheckReport { graphs, jobs })
 }
 
@@ -795,11 +801,11 @@ pub fn check_neuron(
 /// saved dtype, as a capture's plan does.
 pub fn capture_compile_jobs(cfg: &ModelConfig, limits: &Limits) -> Result<Vec<CompileJob>> {
     let mut jobs: Vec<CompileJob> = Vec::new();
-    for_each_capture_graph(cfg, limits, "a device capture", |g| {
+    for_each_capture_graph(cfg, limits, "a device capture", |g, module| {
         if !jobs.iter().any(|j| j.name == g.name()) {
             jobs.push(CompileJob {
                 name: g.name().to_string(),
-                hlo: hlo::emit::to_bytes(&hlo::emit::emit(g)?),
+                hlo: hlo::emit::to_bytes(module),
             });
         }
         Ok(())
@@ -807,14 +813,14 @@ pub fn capture_compile_jobs(cfg: &ModelConfig, limits: &Limits) -> Result<Vec<Co
     Ok(jobs)
 }
 
-/// Builds every graph a device capture within `limits` compiles, one at a time (so memory stays
-/// at one graph), and hands each to `f`; `what` names the caller in a CPU-only quantization's
-/// error.
+/// Builds and emits every graph a device capture within `limits` compiles, one at a time (so
+/// memory stays at one graph), and hands each with its HLO module to `f`; `what` names the
+/// caller in a CPU-only quantization's error.
 fn for_each_capture_graph(
     cfg: &ModelConfig,
     limits: &Limits,
     what: &str,
-    mut f: impl FnMut(&Graph) -> Result<()>,
+    mut f: impl FnMut(&Graph, &HloModuleProto) -> Result<()>,
 ) -> Result<()> {
     let precision = limits
         .precision
@@ -838,27 +844,24 @@ fn for_each_capture_graph(
             continue;
         }
         let g = kind.build(cfg, &specs, &layout, &spec)?;
-        let instructions = || -> Result<u64> {
-            Ok(crate::backend::neuron::check::estimate::instructions(
-                &hlo::emit::emit(&g)?,
-            ))
-        };
+        let module = hlo::emit::emit(&g)?;
+        let instructions = || crate::backend::neuron::check::estimate::instructions(&module);
         match kind {
             StepKind::Decode => {
-                decode_instructions.insert((spec.rows, spec.ctx), instructions()?);
+                decode_instructions.insert((spec.rows, spec.ctx), instructions());
             }
             StepKind::Greedy => {
                 let full = decode_instructions
                     .get(&(spec.rows, spec.ctx))
                     .copied()
                     .unwrap_or(0);
-                if !crate::deployment::greedy_graph_pays(full, instructions()?) {
+                if !crate::deployment::greedy_graph_pays(full, instructions()) {
                     continue;
                 }
             }
             _ => {}
         }
-        f(&g)?;
+        f(&g, &module)?;
     }
     Ok(())
 }
