@@ -71,11 +71,16 @@ pub fn linear(dots: Dots, x: &Tensor, w: &Tensor) -> Result<Tensor> {
 
 /// RMSNorm over the last dim, in f32: `x * rsqrt(mean(x^2) + eps) * w`.
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    rms_norm_unweighted(x, eps)?.broadcast_mul(&w.to_dtype(DType::F32)?)
+}
+
+/// RMSNorm over the last dim with no weight: `x * rsqrt(mean(x^2) + eps)` (DeepSeek-V4's
+/// query heads and hyper-connection inputs).
+pub fn rms_norm_unweighted(x: &Tensor, eps: f64) -> Result<Tensor> {
     let last = x.rank() - 1;
     let n = x.dim(last) as f64;
     let var = x.mul(x)?.sum_keepdim(last)?.affine(1.0 / n, eps)?;
-    x.broadcast_mul(&var.rsqrt()?)?
-        .broadcast_mul(&w.to_dtype(DType::F32)?)
+    x.broadcast_mul(&var.rsqrt()?)
 }
 
 /// LayerNorm over the last dim, in f32: `(x - mean) * rsqrt(var + eps) * w + b`, with the

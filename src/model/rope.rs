@@ -97,6 +97,16 @@ fn yarn_inv_freq(y: &YarnConfig, dim: usize, base: f64, pos_freqs: &[f32]) -> Ve
 /// cos and sin of `positions * inv_freq`, each `[n, rope_dim / 2]`, times the magnitude factor.
 pub fn cos_sin(cfg: &ModelConfig, positions: &Tensor) -> Result<(Tensor, Tensor)> {
     let (inv_freq, factor) = rope_tables(cfg);
+    let (mut cos, mut sin) = cos_sin_of(inv_freq, positions)?;
+    if factor != 1.0 {
+        cos = cos.affine(factor as f64, 0.0)?;
+        sin = sin.affine(factor as f64, 0.0)?;
+    }
+    Ok((cos, sin))
+}
+
+/// cos and sin of `positions * inv_freq` (`[n, inv_freq.len()]`), with no magnitude factor.
+pub fn cos_sin_of(inv_freq: Vec<f32>, positions: &Tensor) -> Result<(Tensor, Tensor)> {
     let b = positions.builder();
     let half = inv_freq.len();
     let n = positions.dim(0);
@@ -105,12 +115,7 @@ pub fn cos_sin(cfg: &ModelConfig, positions: &Tensor) -> Result<(Tensor, Tensor)
         .to_dtype(crate::graph::DType::F32)?
         .reshape([n, 1])?
         .broadcast_mul(&inv)?;
-    let (mut cos, mut sin) = (angles.cos()?, angles.sin()?);
-    if factor != 1.0 {
-        cos = cos.affine(factor as f64, 0.0)?;
-        sin = sin.affine(factor as f64, 0.0)?;
-    }
-    Ok((cos, sin))
+    Ok((angles.cos()?, angles.sin()?))
 }
 
 /// Rotates `x` (`[n, heads, rope_dim]`) by the per-row `cos`/`sin` (`[n, rope_dim / 2]`),

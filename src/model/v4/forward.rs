@@ -11,6 +11,7 @@ use crate::config::v4::{V4Attention, V4Config, V4Routing, V4Scoring};
 use crate::config::RopeConfig;
 use crate::error::Result;
 use crate::graph::{DType, Graph, GraphBuilder, InputRole, Literal, Tensor};
+use crate::model::precision::Dots;
 use crate::model::{ops, rope};
 
 use super::tensors::{self, V4TensorKind};
@@ -21,8 +22,8 @@ pub fn build_stateless(cfg: &V4Config, t: usize) -> Result<Graph> {
     let w = Weights::declare(&b, cfg)?;
     let ids = b.input("input_ids", InputRole::Metadata, [t], DType::I32)?;
     let positions = b.iota([t], DType::I32, 0)?;
-    let main = Rope::new(&b, cfg.rope_dim, &cfg.main_rope, &positions)?;
-    let compress = Rope::new(&b, cfg.rope_dim, &cfg.compress_rope, &positions)?;
+    let main = Rope::new(cfg.rope_dim, &cfg.main_rope, &positions)?;
+    let compress = Rope::new(cfg.rope_dim, &cfg.compress_rope, &positions)?;
     let n = cfg.hc_mult;
     let h = cfg.hidden_size;
     let x = w.get("embed.weight")?.index_select(&ids, 0)?;
@@ -91,8 +92,8 @@ struct Rope {
 }
 
 impl Rope {
-    fn new(b: &GraphBuilder, dim: usize, cfg: &RopeConfig, positions: &Tensor) -> Result<Self> {
-        let (cos, sin) = angles(b, dim, cfg, positions)?;
+    fn new(dim: usize, cfg: &RopeConfig, positions: &Tensor) -> Result<Self> {
+        let (cos, sin) = rope::cos_sin_of(rope::inv_freq(dim, cfg), positions)?;
         Ok(Rope { cos, sin })
     }
 
@@ -101,23 +102,6 @@ impl Rope {
     fn apply(&self, x: &Tensor, inverse: bool) -> Result<Tensor> {
         rotate_tail(x, &self.cos, &self.sin, inverse)
     }
-}
-
-fn angles(
-    b: &GraphBuilder,
-    dim: usize,
-    cfg: &RopeConfig,
-    positions: &Tensor,
-) -> Result<(Tensor, Tensor)> {
-    let inv = rope::inv_freq(dim, cfg);
-    let half = inv.len();
-    let n = positions.dim(0);
-    let inv = b.constant(Literal::F32(inv), [1, half])?;
-    let a = positions
-        .to_dtype(DType::F32)?
-        .reshape([n, 1])?
-        .broadcast_mul(&inv)?;
-    Ok((a.cos()?, a.sin()?))
 }
 
 /// Interleaved RoPE on the trailing `2 x cos.dim(1)` channels of `x` (`[n, heads, width]`).
@@ -137,14 +121,6 @@ fn rotate_tail(x: &Tensor, cos: &Tensor, sin: &Tensor, inverse: bool) -> Result<
         .and_then(|y| y.reshape([n, heads, width]))
 }
 
-/// RMSNorm without a weight over the last dim.
-fn unweighted_rms(x: &Tensor, eps: f64) -> Result<Tensor> {
-    let last = x.rank() - 1;
-    let n = x.dim(last) as f64;
-    let var = x.mul(x)?.sum_keepdim(last)?.affine(1.0 / n, eps)?;
-    x.broadcast_mul(&var.rsqrt()?)
-}
-
 /// A hyper-connection (`{prefix}_fn`, `_base`, `_scale`) over `streams` (`[t, n, h]`): its
 /// `post` (`[t, n]`) and Sinkhorn-projected `comb` (`[t, n, n]`) weights, and the block input
 /// the `pre` weights collapse the streams to (`[t, h]`).
@@ -156,7 +132,7 @@ fn hyper_connection(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let (t, n, h) = (streams.dim(0), cfg.hc_mult, cfg.hidden_size);
     let eps = cfg.hc_eps;
-    let flat = unweighted_rms(&streams.reshape([t, n * h])?, cfg.rms_norm_eps)?;
+    let flat = ops::rms_norm_unweighted(&streams.reshape([t, n * h])?, cfg.rms_norm_eps)?;
     let mixes = flat.matmul(&w.get(&format!("{prefix}_fn"))?.t()?)?;
     let base = w.get(&format!("{prefix}_base"))?;
     let scale = w.get(&format!("{prefix}_scale"))?;
@@ -192,7 +168,7 @@ fn expand(post: &Tensor, comb: &Tensor, y: &Tensor, streams: &Tensor) -> Result<
 /// The final collapse of the streams (`hc_head_*`: a `pre` only).
 fn hyper_head(cfg: &V4Config, w: &Weights, streams: &Tensor) -> Result<Tensor> {
     let (t, n, h) = (streams.dim(0), cfg.hc_mult, cfg.hidden_size);
-    let flat = unweighted_rms(&streams.reshape([t, n * h])?, cfg.rms_norm_eps)?;
+    let flat = ops::rms_norm_unweighted(&streams.reshape([t, n * h])?, cfg.rms_norm_eps)?;
     let mixes = flat.matmul(&w.get("hc_head_fn")?.t()?)?;
     let pre = mixes
         .broadcast_mul(&w.get("hc_head_scale")?.reshape([1, 1])?)?
@@ -202,9 +178,9 @@ fn hyper_head(cfg: &V4Config, w: &Weights, streams: &Tensor) -> Result<Tensor> {
     pre.unsqueeze(2)?.broadcast_mul(streams)?.sum(1)
 }
 
-/// `x @ w^T`.
+/// `x @ w^T` ([`ops::linear`]); the weights are f32 so far, so every product is an f32 one.
 fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    x.matmul(&w.t()?)
+    ops::linear(Dots::Widen, x, w)
 }
 
 /// One layer's attention over the whole sequence (`x`: `[t, h]`, normalised).
@@ -225,7 +201,7 @@ fn attention(
         w.get(&format!("{a}.q_norm.weight"))?,
         eps,
     )?;
-    let q = unweighted_rms(
+    let q = ops::rms_norm_unweighted(
         &linear(&q_res, w.get(&format!("{a}.wq_b.weight"))?)?.reshape([t, heads, d])?,
         eps,
     )?;
