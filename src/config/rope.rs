@@ -105,30 +105,45 @@ pub(super) fn rope(raw: &RawConfig, max_position_embeddings: usize) -> Result<Ro
 
 /// YaRN's parameters, with `_compute_yarn_parameters`' defaults.
 fn yarn(raw: &RawConfig, p: &RopeObject, max_position_embeddings: usize) -> Result<YarnConfig> {
-    let keys = &p.keys;
-    if let Some(v) = &keys.attention_factor {
+    if let Some(v) = &p.keys.attention_factor {
         return Err(unsupported(
             &p.path("attention_factor"),
             v,
             "deepinfer derives YaRN's attention scaling from mscale and mscale_all_dim",
         ));
     }
+    // standardize_rope_params: a top-level original_max_position_embeddings wins over the
+    // object's.
+    yarn_keys(
+        &p.keys,
+        &|key| p.path(key),
+        raw.original_max_position_embeddings,
+        max_position_embeddings,
+    )
+}
+
+/// YaRN's parameters from one RoPE object's `keys` (`path` names a key in errors), with
+/// `_compute_yarn_parameters`' defaults: `original_max_position_embeddings` is `top_original`,
+/// else the object's, else `max_position_embeddings`; `attention_factor` is the caller's.
+pub(super) fn yarn_keys(
+    keys: &RawRope,
+    path: &dyn Fn(&str) -> String,
+    top_original: Option<usize>,
+    max_position_embeddings: usize,
+) -> Result<YarnConfig> {
     if keys.truncate == Some(false) {
         return Err(unsupported(
-            &p.path("truncate"),
+            &path("truncate"),
             false,
             "deepinfer rounds YaRN's correction range like DeepSeek",
         ));
     }
-    // standardize_rope_params: a top-level original_max_position_embeddings wins, else the one in
-    // the rope object, else max_position_embeddings.
-    let original = raw
-        .original_max_position_embeddings
+    let original = top_original
         .or(keys.original_max_position_embeddings)
         .unwrap_or(max_position_embeddings);
     if original == 0 {
         return Err(invalid(
-            &p.path("original_max_position_embeddings"),
+            &path("original_max_position_embeddings"),
             0,
             "must be at least 1",
         ));
@@ -138,7 +153,7 @@ fn yarn(raw: &RawConfig, p: &RopeObject, max_position_embeddings: usize) -> Resu
         .factor
         .unwrap_or(max_position_embeddings as f64 / original as f64);
     if factor < 1.0 {
-        return Err(invalid(&p.path("factor"), factor, "must be at least 1"));
+        return Err(invalid(&path("factor"), factor, "must be at least 1"));
     }
     // _compute_yarn_parameters: `get("beta_fast") or 32`, `get("beta_slow") or 1`.
     let beta_fast = keys.beta_fast.filter(|&b| b != 0.0).unwrap_or(32.0);

@@ -692,43 +692,15 @@ fn rope_object(
                     "DeepSeek-V4 does not scale its RoPE (transformers forces 1.0)",
                 ));
             }
-            if keys.truncate == Some(false) {
-                return Err(unsupported(
-                    &format!("{name}.truncate"),
-                    false,
-                    "deepinfer rounds YaRN's correction range like DeepSeek",
-                ));
-            }
-            let original = keys
-                .original_max_position_embeddings
-                .unwrap_or(max_position_embeddings);
-            if original == 0 {
-                return Err(invalid(
-                    &format!("{name}.original_max_position_embeddings"),
-                    0,
-                    "must be at least 1",
-                ));
-            }
-            let factor = keys
-                .factor
-                .unwrap_or(max_position_embeddings as f64 / original as f64);
-            if factor < 1.0 {
-                return Err(invalid(
-                    &format!("{name}.factor"),
-                    factor,
-                    "must be at least 1",
-                ));
-            }
+            let path = |key: &str| format!("{name}.{key}");
+            let yarn = super::rope::yarn_keys(&keys, &path, None, max_position_embeddings)?;
             Ok(RopeConfig {
                 theta,
+                // attention_factor 1: cos and sin are not scaled, whatever mscale says.
                 yarn: Some(YarnConfig {
-                    factor,
-                    original_max_position_embeddings: original,
-                    beta_fast: keys.beta_fast.filter(|&b| b != 0.0).unwrap_or(32.0),
-                    beta_slow: keys.beta_slow.filter(|&b| b != 0.0).unwrap_or(1.0),
-                    // attention_factor 1: cos and sin are not scaled.
                     mscale: None,
                     mscale_all_dim: None,
+                    ..yarn
                 }),
             })
         }
