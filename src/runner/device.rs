@@ -1318,6 +1318,7 @@ impl DeviceRunner {
         let t0 = Instant::now();
         let specs = self.specs_largest_first();
         let mut built = Vec::with_capacity(specs.len());
+        let mut emitted = std::collections::HashSet::new();
         // A span the binary draws as a bar (see `backend::neuron::progress`); ends when dropped.
         let progress = Progress::start(&format!("capturing {} graphs", specs.len()), specs.len());
         for (i, (kind, spec)) in specs.iter().enumerate() {
@@ -1327,16 +1328,24 @@ impl DeviceRunner {
             );
             let t = Instant::now();
             let g = kind.build(&self.cfg, &self.specs, &self.layout, spec)?;
-            let hlo = emit::emit(&g)?;
+            // A sampling or argmax graph is the same for every context bucket: emitted (and
+            // compiled) once.
+            let hlo = match emitted.insert(g.name().to_string()) {
+                true => Some(emit::emit(&g)?),
+                false => None,
+            };
             built.push((*kind, *spec, (g, hlo, t.elapsed())));
         }
-        deployment::keep_paying_greedy(&mut built, |(_, hlo, _)| Ok(estimate::instructions(hlo)))?;
+        deployment::keep_paying_greedy(&mut built, |(g, hlo, _)| {
+            hlo.as_ref()
+                .map(estimate::instructions)
+                .ok_or_else(|| Error::Internal(format!("`{}` was not emitted", g.name())))
+        })?;
         let mut graphs = Vec::with_capacity(built.len());
         let mut jobs: Vec<CompileJob> = Vec::with_capacity(built.len());
         let mut timings = Vec::with_capacity(built.len());
         for (kind, spec, (g, hlo, t)) in built {
-            // A sampling graph is the same for every context bucket: compiled once.
-            if !jobs.iter().any(|j| j.name == g.name()) {
+            if let Some(hlo) = hlo {
                 jobs.push(CompileJob {
                     name: g.name().to_string(),
                     hlo: emit::to_bytes(&hlo),
