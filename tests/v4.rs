@@ -1,15 +1,22 @@
-//! DeepSeek-V4's cache-free forward (`model::v4::forward`) on the CPU backend against
-//! transformers 5.25 on `fixtures/tiny-v4` (scripts/make_v4_fixture.py): every position's
-//! logits of a 48-token prompt (a multiple of both compress rates) and of a 23-token one (of
-//! neither), and the greedy continuation's tokens from one forward over prompt + continuation.
+//! DeepSeek-V4 on the CPU backend against transformers 5.25 on `fixtures/tiny-v4`
+//! (scripts/make_v4_fixture.py): the cache-free forward (`model::v4::forward`) on every
+//! position of a 48-token prompt (a multiple of both compress rates) and of a 23-token one (of
+//! neither), and the greedy continuation; then the step graphs over the cache roots
+//! (`model::v4::step`), fed as the runner feeds MLA's: prompts in chunks split at and off the
+//! compression blocks, packed several to a step, decoded token by token and in batches of
+//! different lengths, each fed token's logits against transformers' at its position.
 
 mod common;
+
+use std::collections::HashMap;
 
 use candle_core::{Device, Tensor as CTensor};
 use deepinfer::backend::cpu;
 use deepinfer::config::v4::V4Config;
-use deepinfer::graph::{DType, Graph};
+use deepinfer::graph::{DType, Graph, InputRole};
 use deepinfer::model::v4::forward::build_stateless;
+use deepinfer::model::v4::step::{build_step, cache_roots, V4Step};
+use deepinfer::model::CacheLayout;
 
 #[derive(serde::Deserialize)]
 struct V4Reference {
@@ -26,45 +33,65 @@ fn config() -> V4Config {
     V4Config::from_json_str(&text).unwrap()
 }
 
-/// The graph's inputs from the fixture's safetensors (by the declared names; `kv_norm` under
-/// either spelling) and `ids`.
+/// The graph's inputs: `ids`, and the fixture's weights.
 fn inputs(graph: &Graph, ids: &[u32]) -> Vec<CTensor> {
+    let mut w = weights(graph);
+    graph
+        .inputs()
+        .iter()
+        .map(|d| match d.name.as_str() {
+            "input_ids" => i32s(ids.iter().map(|&i| i as i32).collect(), &[ids.len()]),
+            name => w.remove(name).expect("a weight"),
+        })
+        .collect()
+}
+
+fn i32s(v: Vec<i32>, dims: &[usize]) -> CTensor {
+    CTensor::from_vec(v, dims, &Device::Cpu).unwrap()
+}
+
+/// Tensor `name` of the fixture's safetensors as `dtype`.
+fn weight(st: &safetensors::SafeTensors<'_>, name: &str, dims: &[usize], dtype: DType) -> CTensor {
+    let view = st
+        .tensor(name)
+        .or_else(|_| st.tensor(&name.replace(".kv_norm.", ".norm.")))
+        .unwrap_or_else(|e| panic!("{name}: {e}"));
+    let data = view.data();
+    match (view.dtype(), dtype) {
+        (safetensors::Dtype::F32, DType::F32) => {
+            let v: Vec<f32> = data
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            CTensor::from_vec(v, dims, &Device::Cpu).unwrap()
+        }
+        (safetensors::Dtype::I64, DType::I32) => {
+            let v: Vec<i32> = data
+                .chunks_exact(8)
+                .map(|c| {
+                    let id = i64::from_le_bytes(c.try_into().expect("8 bytes"));
+                    i32::try_from(id).expect("an expert id")
+                })
+                .collect();
+            i32s(v, dims)
+        }
+        other => panic!("{name}: {other:?}"),
+    }
+}
+
+/// The fixture's weights by declared name (`kv_norm` under either spelling), `tid2eid` as i32.
+fn weights(graph: &Graph) -> HashMap<String, CTensor> {
     let bytes = std::fs::read(common::fixture_dir("tiny-v4").join("model.safetensors")).unwrap();
     let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
     graph
         .inputs()
         .iter()
+        .filter(|d| d.role == InputRole::Weight)
         .map(|d| {
-            if d.name == "input_ids" {
-                let v: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
-                return CTensor::from_vec(v, ids.len(), &Device::Cpu).unwrap();
-            }
-            let view = st
-                .tensor(&d.name)
-                .or_else(|_| st.tensor(&d.name.replace(".kv_norm.", ".norm.")))
-                .unwrap_or_else(|e| panic!("{}: {e}", d.name));
-            let dims = d.shape.dims().to_vec();
-            let data = view.data();
-            match (view.dtype(), d.dtype) {
-                (safetensors::Dtype::F32, DType::F32) => {
-                    let v: Vec<f32> = data
-                        .chunks_exact(4)
-                        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                        .collect();
-                    CTensor::from_vec(v, dims, &Device::Cpu).unwrap()
-                }
-                (safetensors::Dtype::I64, DType::I32) => {
-                    let v: Vec<i32> = data
-                        .chunks_exact(8)
-                        .map(|c| {
-                            let id = i64::from_le_bytes(c.try_into().expect("8 bytes"));
-                            i32::try_from(id).expect("an expert id")
-                        })
-                        .collect();
-                    CTensor::from_vec(v, dims, &Device::Cpu).unwrap()
-                }
-                other => panic!("{}: {other:?}", d.name),
-            }
+            (
+                d.name.clone(),
+                weight(&st, &d.name, d.shape.dims(), d.dtype),
+            )
         })
         .collect()
 }
@@ -117,14 +144,317 @@ fn the_greedy_continuation_is_transformers() {
     assert_eq!(&argmax, gen);
 }
 
-/// The cache-free graph lowers to XLA HLO that breaks none of the rules `lower --check
-/// neuron` applies to every graph a capture compiles (accepted opcodes, no 64-bit type, no
-/// integer multiply, no vocabulary-wide sort, no tensor over 4 GiB, ...).
+/// The cache-free graph and the step graphs (a packed prefill and a decode) lower to XLA HLO
+/// that breaks none of the rules `lower --check neuron` applies to every graph a capture
+/// compiles (accepted opcodes, no 64-bit type, no integer multiply, no vocabulary-wide sort, no
+/// tensor over 4 GiB, ...).
 #[test]
-fn the_cache_free_graph_lowers_within_neurons_rules() {
+fn the_graphs_lower_within_neurons_rules() {
     use deepinfer::backend::hlo::emit;
     use deepinfer::backend::neuron::check::{check_module, CheckOptions};
-    let g = build_stateless(&config(), 48).unwrap();
-    let report = check_module(&emit::emit(&g).unwrap(), &CheckOptions::default());
-    assert!(report.clean(), "{:?}", report.findings);
+    let cfg = config();
+    let layout = CacheLayout::new(BLOCK, 4 * CTX / BLOCK + 1, DType::F32, 4);
+    let graphs = [
+        build_stateless(&cfg, 48).unwrap(),
+        build_step(&cfg, &layout, &prefill(32, 4)).unwrap(),
+        build_step(&cfg, &layout, &decode(4)).unwrap(),
+    ];
+    for g in &graphs {
+        let report = check_module(&emit::emit(g).unwrap(), &CheckOptions::default());
+        assert!(report.clean(), "{}: {:?}", g.name(), report.findings);
+    }
+}
+
+/// Token slots per cache block in the step tests: a divisor of both compress rates (4 and 8),
+/// so a window's entry row is one of the window's own blocks' (`model::v4::step`).
+const BLOCK: usize = 4;
+/// The context bucket of the step tests: the 48-token prompt and its 16-token continuation.
+const CTX: usize = 64;
+
+/// A V4 model's cache roots on the CPU backend, fed step by step as the runner feeds MLA's:
+/// sequences own blocks of the paged roots (handed out out of order, so a sequence's blocks
+/// are never contiguous), block 0 is the scratch block that padding writes to.
+struct Cache {
+    cfg: V4Config,
+    layout: CacheLayout,
+    weights: HashMap<String, CTensor>,
+    roots: HashMap<String, CTensor>,
+    graphs: HashMap<V4Step, Graph>,
+    free: Vec<u32>,
+    seqs: Vec<Vec<u32>>,
+}
+
+/// Tokens fed to one sequence in a step: `tokens` at positions `start..`.
+struct Feed<'a> {
+    seq: usize,
+    start: usize,
+    tokens: &'a [u32],
+}
+
+impl Cache {
+    fn new() -> Self {
+        let cfg = config();
+        let blocks = 8 * CTX / BLOCK + 1;
+        let layout = CacheLayout::new(BLOCK, blocks, DType::F32, 8);
+        let roots = cache_roots(&cfg, &layout)
+            .unwrap()
+            .into_iter()
+            .map(|r| {
+                let zeros =
+                    CTensor::zeros(r.shape().to_vec(), candle_core::DType::F32, &Device::Cpu);
+                (r.name.to_string(), zeros.unwrap())
+            })
+            .collect();
+        let any = build_stateless(&cfg, 1).unwrap();
+        // Out of order: 1, 1 + 37, 1 + 74, ... (mod the usable blocks), never 0.
+        let usable = (blocks - 1) as u32;
+        let free = (0..usable).map(|i| 1 + (i * 37) % usable).rev().collect();
+        Cache {
+            weights: weights(&any),
+            cfg,
+            layout,
+            roots,
+            graphs: HashMap::new(),
+            free,
+            seqs: Vec::new(),
+        }
+    }
+
+    /// A new sequence's index.
+    fn open(&mut self) -> usize {
+        self.seqs.push(Vec::new());
+        self.seqs.len() - 1
+    }
+
+    fn slot(&mut self, seq: usize, pos: usize) -> i32 {
+        while self.seqs[seq].len() <= pos / BLOCK {
+            let b = self.free.pop().expect("a free block");
+            self.seqs[seq].push(b);
+        }
+        (self.seqs[seq][pos / BLOCK] as usize * BLOCK + pos % BLOCK) as i32
+    }
+
+    /// Runs one step of `spec` over `feeds` (padded to its rows with scratch tokens); returns
+    /// each fed token's logits, in feed order.
+    fn step(&mut self, spec: V4Step, feeds: &[Feed<'_>]) -> Vec<Vec<f32>> {
+        let (mut ids, mut pos, mut slots, mut owner) = (vec![], vec![], vec![], vec![]);
+        for (i, f) in feeds.iter().enumerate() {
+            for (k, &t) in f.tokens.iter().enumerate() {
+                ids.push(t as i32);
+                pos.push((f.start + k) as i32);
+                slots.push(self.slot(f.seq, f.start + k));
+                owner.push(i as i32);
+            }
+        }
+        let fed = ids.len();
+        assert!(fed <= spec.rows && feeds.len() <= spec.seqs);
+        ids.resize(spec.rows, 0);
+        pos.resize(spec.rows, 0);
+        slots.resize(spec.rows, 0);
+        owner.resize(spec.rows, 0);
+        let width = CTX / BLOCK;
+        let mut tables = vec![0; spec.seqs * width];
+        for (i, f) in feeds.iter().enumerate() {
+            for (j, &b) in self.seqs[f.seq].iter().enumerate() {
+                tables[i * width + j] = b as i32;
+            }
+        }
+        let cfg = &self.cfg;
+        let layout = &self.layout;
+        let graph = self
+            .graphs
+            .entry(spec)
+            .or_insert_with(|| build_step(cfg, layout, &spec).unwrap());
+        let n = [spec.rows];
+        let inputs: Vec<CTensor> = graph
+            .inputs()
+            .iter()
+            .map(|d| match d.name.as_str() {
+                "input_ids" => i32s(ids.clone(), &n),
+                "positions" => i32s(pos.clone(), &n),
+                "slot_mapping" => i32s(slots.clone(), &n),
+                "seq_ids" => i32s(owner.clone(), &n),
+                "block_tables" => i32s(tables.clone(), &[spec.seqs, width]),
+                name if d.role == InputRole::CacheRoot => self.roots[name].clone(),
+                name => self.weights[name].clone(),
+            })
+            .collect();
+        let out = cpu::run(graph, &inputs).unwrap();
+        for (o, t) in graph.outputs().iter().zip(&out).skip(1) {
+            self.roots.insert(o.name.clone(), t.clone());
+        }
+        let logits = out[0].to_vec2::<f32>().unwrap();
+        logits[..fed].to_vec()
+    }
+
+    /// Prefills `tokens` into a new sequence in chunks of `splits` tokens, one step each
+    /// (`rows` tokens a graph); returns every position's logits.
+    fn prefill(&mut self, tokens: &[u32], splits: &[usize], rows: usize) -> (usize, Vec<Vec<f32>>) {
+        let seq = self.open();
+        let mut logits = Vec::new();
+        let mut start = 0;
+        for &len in splits {
+            let feed = Feed {
+                seq,
+                start,
+                tokens: &tokens[start..start + len],
+            };
+            logits.extend(self.step(prefill(rows, 1), &[feed]));
+            start += len;
+        }
+        assert_eq!(start, tokens.len());
+        (seq, logits)
+    }
+}
+
+fn prefill(rows: usize, seqs: usize) -> V4Step {
+    V4Step {
+        rows,
+        seqs,
+        ctx: CTX,
+        decode: false,
+    }
+}
+
+fn decode(rows: usize) -> V4Step {
+    V4Step {
+        rows,
+        seqs: rows,
+        ctx: CTX,
+        decode: true,
+    }
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    (0..row.len())
+        .max_by(|&a, &b| row[a].total_cmp(&row[b]))
+        .unwrap() as u32
+}
+
+/// A 48-token prompt prefilled in chunks that end on and off both compress rates' blocks
+/// (5, 8, 16, 27, 28, 48) and the window (8), then its greedy continuation decoded one token a
+/// step: every position's logits within 1e-4 of transformers' and the same greedy tokens.
+#[test]
+fn chunked_prefill_then_decode_matches_transformers() {
+    let r: V4Reference = common::reference_file("tiny-v4", "reference.json");
+    let mut cache = Cache::new();
+    let (seq, logits) = cache.prefill(&r.token_ids, &[5, 3, 8, 11, 1, 20], 32);
+    let prefill = worst(&logits, &r.logits);
+    let gen = &r.greedy.generated_token_ids;
+    let mut steps = vec![logits[r.token_ids.len() - 1].clone()];
+    for (i, &t) in gen[..gen.len() - 1].iter().enumerate() {
+        let feed = Feed {
+            seq,
+            start: r.token_ids.len() + i,
+            tokens: &[t],
+        };
+        steps.extend(cache.step(decode(1), &[feed]));
+    }
+    let decoded = worst(&steps, &r.logits_decode);
+    eprintln!("tiny-v4 steps: chunked prefill {prefill:.2e}, decode {decoded:.2e}");
+    assert!(prefill <= 1e-4, "chunked prefill: {prefill}");
+    assert!(decoded <= 1e-4, "decode: {decoded}");
+    let tokens: Vec<u32> = steps.iter().map(|row| argmax(row)).collect();
+    assert_eq!(&tokens, gen);
+}
+
+/// Prefix consistency: the prompt fed one token a decode step gives every position the logits
+/// transformers' one forward over it gives, through every layer kind (the fixture has all
+/// three) and past both rates' block boundaries and the window.
+#[test]
+fn token_by_token_decode_equals_the_prompts_forward() {
+    let r: V4Reference = common::reference_file("tiny-v4", "reference.json");
+    let mut cache = Cache::new();
+    let seq = cache.open();
+    let mut logits = Vec::new();
+    for (p, t) in r.token_ids.iter().enumerate() {
+        let feed = Feed {
+            seq,
+            start: p,
+            tokens: std::slice::from_ref(t),
+        };
+        logits.extend(cache.step(decode(1), &[feed]));
+    }
+    let d = worst(&logits, &r.logits);
+    assert!(d <= 1e-4, "{d}");
+}
+
+/// Seven sequences of different lengths (prefixes of the two prompts) prefilled several to a
+/// packed step, then decoded together in a batch of 8 (one padding row), each row at its own
+/// position: every fed token's logits against transformers' at its position.
+#[test]
+fn packed_prefill_and_batched_decode_of_different_lengths() {
+    let r: V4Reference = common::reference_file("tiny-v4", "reference.json");
+    let mut cache = Cache::new();
+    // (prompt, prefilled length) per sequence; each then decodes 9 more of its prompt.
+    let plan: [(bool, usize); 7] = [
+        (true, 13),
+        (false, 11),
+        (true, 6),
+        (false, 4),
+        (true, 29),
+        (true, 1),
+        (false, 8),
+    ];
+    let prompt = |long: bool| {
+        if long {
+            &r.token_ids
+        } else {
+            &r.token_ids_short
+        }
+    };
+    let want = |long: bool| if long { &r.logits } else { &r.logits_short };
+    let seqs: Vec<usize> = plan.iter().map(|_| cache.open()).collect();
+    let mut worst_seen = 0f32;
+    // Packed prefill: up to 4 sequences and 32 tokens a step, in chunks of at most 12.
+    let mut done = vec![0usize; plan.len()];
+    loop {
+        let mut feeds = Vec::new();
+        let mut room = 32;
+        for (i, &(long, len)) in plan.iter().enumerate() {
+            let take = (len - done[i]).min(12).min(room);
+            if take == 0 || feeds.len() == 4 {
+                continue;
+            }
+            feeds.push(Feed {
+                seq: seqs[i],
+                start: done[i],
+                tokens: &prompt(long)[done[i]..done[i] + take],
+            });
+            room -= take;
+        }
+        if feeds.is_empty() {
+            break;
+        }
+        let expected: Vec<Vec<f32>> = feeds
+            .iter()
+            .flat_map(|f| {
+                let long = plan[seqs.iter().position(|&s| s == f.seq).unwrap()].0;
+                want(long)[f.start..f.start + f.tokens.len()].to_vec()
+            })
+            .collect();
+        let got = cache.step(prefill(32, 4), &feeds);
+        worst_seen = worst_seen.max(worst(&got, &expected));
+        for f in &feeds {
+            let i = seqs.iter().position(|&s| s == f.seq).unwrap();
+            done[i] += f.tokens.len();
+        }
+    }
+    for k in 0..9 {
+        let feeds: Vec<Feed> = plan
+            .iter()
+            .enumerate()
+            .map(|(i, &(long, len))| Feed {
+                seq: seqs[i],
+                start: len + k,
+                tokens: &prompt(long)[len + k..len + k + 1],
+            })
+            .collect();
+        let expected: Vec<Vec<f32>> = plan
+            .iter()
+            .map(|&(long, len)| want(long)[len + k].clone())
+            .collect();
+        worst_seen = worst_seen.max(worst(&cache.step(decode(8), &feeds), &expected));
+    }
+    assert!(worst_seen <= 1e-4, "{worst_seen}");
 }

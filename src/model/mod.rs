@@ -251,24 +251,29 @@ fn metadata(b: &GraphBuilder, name: &str, shape: Vec<usize>, dtype: DType) -> Re
 
 /// Cache slot of every context position: `block_tables[s, j / block] * block + j % block`,
 /// flattened to `[seqs * ctx]`.
+fn context_slots(block_tables: &Tensor, ctx: usize, block: usize) -> Result<Tensor> {
+    let seqs = block_tables.dim(0);
+    let j = block_tables.builder().iota([seqs, ctx], DType::I32, 1)?;
+    slots_at(block_tables, &j, block)?.reshape([seqs * ctx])
+}
+
+/// The cache slots of positions `pos` (`[r, k]` i32, each below the tables' reach) of the
+/// sequences whose block tables are `tables` (`[r, blocks]`): `tables[i, p / block] * block
+/// + p % block`.
 ///
 /// For a power-of-two block (every block size the runner uses) the product is a left shift:
 /// NeuronCore vector engines compute integer arithmetic in fp32, so an integer multiply is
 /// exact only below 2^24, while a shift is a bit operation (see
 /// `backend::neuron::check`, which flags integer multiplies).
-fn context_slots(block_tables: &Tensor, ctx: usize, block: usize) -> Result<Tensor> {
-    let b = block_tables.builder();
-    let seqs = block_tables.dim(0);
-    let j = b.iota([seqs, ctx], DType::I32, 1)?;
-    let blk = j.full_like(block as f64)?;
-    let which = j.div(&blk)?;
-    let blocks = block_tables.gather(&which, 1)?;
+pub(crate) fn slots_at(tables: &Tensor, pos: &Tensor, block: usize) -> Result<Tensor> {
+    let blk = pos.full_like(block as f64)?;
+    let blocks = tables.gather(&pos.div(&blk)?, 1)?;
     let first = if block.is_power_of_two() {
-        blocks.shl(&j.full_like(f64::from(block.trailing_zeros()))?)?
+        blocks.shl(&pos.full_like(f64::from(block.trailing_zeros()))?)?
     } else {
         blocks.mul(&blk)?
     };
-    first.add(&j.rem(&blk)?)?.reshape([seqs * ctx])
+    first.add(&pos.rem(&blk)?)
 }
 
 fn check_spec(spec: &GraphSpec, cache: &CacheLayout) -> Result<()> {

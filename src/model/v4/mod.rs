@@ -1,6 +1,53 @@
-//! DeepSeek-V4 (`docs/deepseek-v4.md`): its checkpoint's tensors ([`tensors`]). The graph
-//! builders of its forward pass come next (issue 43); until they exist a V4 checkpoint is read,
-//! checked, and refused.
+//! DeepSeek-V4 (`docs/deepseek-v4.md`): its checkpoint's tensors ([`tensors`]), its forward
+//! pass over a whole sequence without a cache ([`forward`], the reference), and its step graph
+//! over typed cache roots ([`step`]: chunked, packed prefill and decode). The runner does not
+//! drive them yet (issue 43): a V4 checkpoint is read, checked, and refused.
 
+mod attention;
 pub mod forward;
+mod hyper;
+mod moe;
+pub mod step;
 pub mod tensors;
+mod weights;
+
+use crate::config::v4::V4Config;
+use crate::error::Result;
+use crate::graph::Tensor;
+use crate::model::ops;
+
+use weights::Weights;
+
+/// The logits (`[n, vocab]`) of tokens `ids` (`[n]` i32): the embedding copied into the
+/// `hc_mult` streams, every layer's attention (`attention(layer, x)`, on the normalised block
+/// input) and MoE inside their hyper-connections, the hyper-head, the final norm, the LM head.
+fn logits(
+    cfg: &V4Config,
+    w: &Weights,
+    ids: &Tensor,
+    mut attention: impl FnMut(usize, &Tensor) -> Result<Tensor>,
+) -> Result<Tensor> {
+    let (n, streams, h) = (ids.dim(0), cfg.hc_mult, cfg.hidden_size);
+    let x = w.get("embed.weight")?.index_select(ids, 0)?;
+    let mut s = x.unsqueeze(1)?.broadcast_as([n, streams, h])?;
+    for l in 0..cfg.num_hidden_layers {
+        let p = format!("layers.{l}");
+        let (post, comb, x) = hyper::hyper_connection(cfg, w, &format!("{p}.hc_attn"), &s)?;
+        let x = ops::rms_norm(
+            &x,
+            w.get(&format!("{p}.attn_norm.weight"))?,
+            cfg.rms_norm_eps,
+        )?;
+        s = hyper::expand(&post, &comb, &attention(l, &x)?, &s)?;
+        let (post, comb, x) = hyper::hyper_connection(cfg, w, &format!("{p}.hc_ffn"), &s)?;
+        let x = ops::rms_norm(
+            &x,
+            w.get(&format!("{p}.ffn_norm.weight"))?,
+            cfg.rms_norm_eps,
+        )?;
+        s = hyper::expand(&post, &comb, &moe::moe(cfg, w, l, &x, ids)?, &s)?;
+    }
+    let x = hyper::hyper_head(cfg, w, &s)?;
+    let x = ops::rms_norm(&x, w.get("norm.weight")?, cfg.rms_norm_eps)?;
+    x.matmul(&w.get("head.weight")?.t()?)
+}
