@@ -36,6 +36,7 @@ use crate::backend::hlo;
 use crate::backend::hlo::proto::HloModuleProto;
 use crate::backend::neuron::check::{check_module, CheckOptions, CheckReport};
 use crate::backend::neuron::compile::CompileJob;
+use crate::config::v4::V4Config;
 use crate::config::ModelConfig;
 use crate::deployment::{Limits, RunnerConfig, StepKind};
 use crate::error::{Error, Result};
@@ -51,6 +52,8 @@ use crate::runner::step::{
 };
 use crate::runner::{CpuRunner, Runner, Step};
 use crate::weights::Checkpoint;
+
+mod v4;
 
 /// The sequences of the packed prefill graph `lower` writes besides the unpacked one.
 pub const PACKED_SEQS: usize = 2;
@@ -331,22 +334,83 @@ fn snapshot(roots: &[(&'static str, CTensor)]) -> Result<Vec<(&'static str, CTen
 /// safetensors. Every rank must compute the same outputs; a difference is an internal error.
 /// A carried input (a split step's logits) is taken from `metadata` as whole rows, each rank
 /// its vocabulary slice. Returns rank 0's outputs by name, the logits as whole rows.
-fn write_step(
+/// Writes graph `g`'s HLO (`NAME.hlo.pb` and `NAME.hlo.txt`) into `out`, and its entry and
+/// static cost into `manifest`.
+#[allow(clippy::too_many_arguments)]
+fn write_graph(
+    g: &Graph,
+    kind: &'static str,
+    rows: usize,
+    seqs: usize,
+    ctx: usize,
+    floor: Option<DecodeFloor>,
+    out: &Path,
+    manifest: &mut Manifest,
+) -> Result<()> {
+    let module = hlo::emit::emit(g)?;
+    let metadata_bytes = g
+        .inputs()
+        .iter()
+        .filter(|d| d.role == InputRole::Metadata)
+        .map(|d| (d.shape.elem_count() * d.dtype.size_in_bytes()) as u64)
+        .sum();
+    manifest.costs.push(GraphCost {
+        name: g.name().to_string(),
+        instructions: module
+            .computations
+            .iter()
+            .map(|c| c.instructions.len())
+            .sum(),
+        stats: stats(g),
+        metadata_bytes,
+        floor,
+    });
+    let pb = out.join(format!("{}.hlo.pb", g.name()));
+    std::fs::write(&pb, hlo::emit::to_bytes(&module)).map_err(io_err(&pb))?;
+    let txt = out.join(format!("{}.hlo.txt", g.name()));
+    std::fs::write(&txt, hlo::text::render(&module)).map_err(io_err(&txt))?;
+    manifest.graphs.push(describe(g, kind, rows, seqs, ctx));
+    Ok(())
+}
+
+/// Where [`write_step`] finds a graph's weight inputs by name: a runner's loaded weights (one
+/// per rank), or DeepSeek-V4's f32 tensors by published name.
+trait WeightSource {
+    fn weight(&self, name: &str) -> Result<&CTensor>;
+}
+
+impl WeightSource for ModelWeights {
+    fn weight(&self, name: &str) -> Result<&CTensor> {
+        self.get(name)
+    }
+}
+
+impl WeightSource for HashMap<String, CTensor> {
+    fn weight(&self, name: &str) -> Result<&CTensor> {
+        self.get(name).ok_or_else(|| Error::Binding {
+            name: name.to_string(),
+            msg: "no such weight".into(),
+        })
+    }
+}
+
+/// Rank `r`'s (of `ranks`) inputs of `graph`, in its input order and by name: its weights,
+/// copies of the cache roots, and the step's metadata (a carried input cut to the rank's
+/// vocabulary slice).
+fn bind(
     graph: &Graph,
-    weights: &[ModelWeights],
+    weights: &impl WeightSource,
     metadata: &[HostArray],
     roots: &[(&'static str, CTensor)],
-    out: &Path,
-    entry: &mut ManifestGraph,
-) -> Result<HashMap<String, CTensor>> {
-    let ranks = weights.len();
-    let mut rank_inputs = Vec::with_capacity(ranks);
-    for (r, weights) in weights.iter().enumerate() {
-        let mut inputs = Vec::new();
-        let mut named = HashMap::new();
-        for d in graph.inputs() {
-            let t = match d.role {
-                InputRole::Weight => weights.get(&d.name)?.clone(),
+    r: usize,
+    ranks: usize,
+) -> Result<(Vec<CTensor>, HashMap<String, CTensor>)> {
+    let mut inputs = Vec::new();
+    let mut named = HashMap::new();
+    for d in graph.inputs() {
+        let t =
+            match d.role {
+                InputRole::Weight => weights.weight(&d.name)?.clone(),
                 InputRole::CacheRoot => roots
                     .iter()
                     .find(|(name, _)| *name == d.name)
@@ -373,9 +437,24 @@ fn write_step(
                     }
                 }
             };
-            named.insert(d.name.clone(), t.clone());
-            inputs.push(t);
-        }
+        named.insert(d.name.clone(), t.clone());
+        inputs.push(t);
+    }
+    Ok((inputs, named))
+}
+
+fn write_step(
+    graph: &Graph,
+    weights: &[impl WeightSource],
+    metadata: &[HostArray],
+    roots: &[(&'static str, CTensor)],
+    out: &Path,
+    entry: &mut ManifestGraph,
+) -> Result<HashMap<String, CTensor>> {
+    let ranks = weights.len();
+    let mut rank_inputs = Vec::with_capacity(ranks);
+    for (r, weights) in weights.iter().enumerate() {
+        let (inputs, named) = bind(graph, weights, metadata, roots, r, ranks)?;
         // Saved before the run: the run updates the cache root in place.
         let inputs_file = match ranks {
             1 => format!("{}.inputs.safetensors", graph.name()),
@@ -438,6 +517,9 @@ pub fn lower_sharded(
     opts: &LowerOptions,
     ranks: usize,
 ) -> Result<Manifest> {
+    if let Some(cfg) = V4Config::from_file_if_v4(&model_dir.join("config.json"))? {
+        return v4::lower(&cfg, model_dir, out, opts, ranks);
+    }
     let cfg = ModelConfig::from_file(&model_dir.join("config.json"))?;
     shard::validate(&cfg, ranks)?;
     let max_batch = opts.batch_sizes.iter().copied().max().unwrap_or(1);
@@ -530,32 +612,9 @@ pub fn lower_sharded(
         costs: Vec::new(),
     };
     for (g, kind, rows, seqs) in &graphs {
-        let module = hlo::emit::emit(g)?;
-        let metadata_bytes = g
-            .inputs()
-            .iter()
-            .filter(|d| d.role == InputRole::Metadata)
-            .map(|d| (d.shape.elem_count() * d.dtype.size_in_bytes()) as u64)
-            .sum();
-        manifest.costs.push(GraphCost {
-            name: g.name().to_string(),
-            instructions: module
-                .computations
-                .iter()
-                .map(|c| c.instructions.len())
-                .sum(),
-            stats: stats(g),
-            metadata_bytes,
-            floor: (*kind == "decode")
-                .then(|| decode_floor(&cfg, &specs, rc.kv_dtype, *rows, opts.ctx)),
-        });
-        let pb = out.join(format!("{}.hlo.pb", g.name()));
-        std::fs::write(&pb, hlo::emit::to_bytes(&module)).map_err(io_err(&pb))?;
-        let txt = out.join(format!("{}.hlo.txt", g.name()));
-        std::fs::write(&txt, hlo::text::render(&module)).map_err(io_err(&txt))?;
-        manifest
-            .graphs
-            .push(describe(g, kind, *rows, *seqs, opts.ctx));
+        let floor =
+            (*kind == "decode").then(|| decode_floor(&cfg, &specs, rc.kv_dtype, *rows, opts.ctx));
+        write_graph(g, kind, *rows, *seqs, opts.ctx, floor, out, &mut manifest)?;
     }
 
     if let (Some(tokens), Some(checkpoint)) = (&opts.inputs_from_token_ids, &checkpoint) {
@@ -713,6 +772,11 @@ pub fn lower_sharded(
             }
         }
     }
+    write_manifest(out, manifest)
+}
+
+/// Writes `out/manifest.json`.
+fn write_manifest(out: &Path, manifest: Manifest) -> Result<Manifest> {
     let path = out.join("manifest.json");
     let json =
         serde_json::to_string_pretty(&manifest).map_err(|e| Error::Internal(e.to_string()))?;

@@ -274,6 +274,56 @@ impl Checkpoint {
         out.into_tensor(expected_shape)
     }
 
+    /// Reads an integer tensor `name` (any safetensors integer dtype, such as DeepSeek-V4's
+    /// `tid2eid` table stored as I64) as an i32 `[..expected_shape]` tensor, checking its shape
+    /// and that every value fits an i32. Errors name the tensor.
+    pub fn tensor_i32(&self, name: &str, expected_shape: &[usize]) -> Result<Tensor> {
+        let entry = self.checked_entry(name, expected_shape)?;
+        let Encoding::Plain(dtype) = entry.encoding else {
+            return Err(Error::Weights(format!(
+                "tensor `{name}` is {}, not an integer tensor",
+                entry.encoding
+            )));
+        };
+        let width = dtype.bitsize() / 8;
+        let signed = matches!(dtype, Dtype::I8 | Dtype::I16 | Dtype::I32 | Dtype::I64);
+        if !signed && !matches!(dtype, Dtype::U8 | Dtype::U16 | Dtype::U32 | Dtype::U64) {
+            return Err(Error::Weights(format!(
+                "tensor `{name}` is {dtype}, not an integer tensor"
+            )));
+        }
+        let mut values = Vec::with_capacity(expected_shape.iter().product());
+        self.read_raw(name, entry, READ_CHUNK_BYTES / width * width, |chunk| {
+            for bytes in chunk.chunks_exact(width) {
+                let mut le = [0u8; 8];
+                le[..width].copy_from_slice(bytes);
+                // Sign-extend a negative signed value from its width.
+                if signed && bytes[width - 1] & 0x80 != 0 {
+                    le[width..].fill(0xff);
+                }
+                let v = i64::from_le_bytes(le);
+                let v = match (signed, i32::try_from(v)) {
+                    (true, Ok(v)) => v,
+                    (false, Ok(v)) if u64::from_le_bytes(le) <= i32::MAX as u64 => v,
+                    _ => {
+                        return Err(Error::Weights(format!(
+                            "tensor `{name}` holds {}, beyond what an i32 holds",
+                            if signed {
+                                v.to_string()
+                            } else {
+                                u64::from_le_bytes(le).to_string()
+                            }
+                        )))
+                    }
+                };
+                values.push(v);
+            }
+            Ok(())
+        })?;
+        Tensor::from_vec(values, expected_shape, &candle_core::Device::Cpu)
+            .map_err(|e| Error::Weights(format!("tensor `{name}`: {e}")))
+    }
+
     /// Reads tensors `names`, each of `shape`, stacked into one `[names.len(), ..shape]` tensor
     /// in `conv.dtype`, converting each straight into its place (no per-tensor copies).
     pub fn stacked(&self, names: &[String], shape: &[usize], conv: &Conversion) -> Result<Tensor> {

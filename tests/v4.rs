@@ -16,7 +16,12 @@ use deepinfer::config::v4::V4Config;
 use deepinfer::graph::{DType, Graph, InputRole};
 use deepinfer::model::v4::forward::build_stateless;
 use deepinfer::model::v4::step::{build_step, cache_roots, V4Step};
+use deepinfer::model::v4::tensors;
 use deepinfer::model::CacheLayout;
+use deepinfer::runner::step::{
+    self, DecodeRow, HostData, LogitControls, PrefillChunk, SamplingParams,
+};
+use deepinfer::weights::Checkpoint;
 
 #[derive(serde::Deserialize)]
 struct V4Reference {
@@ -33,65 +38,24 @@ fn config() -> V4Config {
     V4Config::from_json_str(&text).unwrap()
 }
 
+/// The fixture's weights by published name (`tid2eid` as i32), as `deepinfer lower` reads them.
+fn weights() -> HashMap<String, CTensor> {
+    let ckpt = Checkpoint::open(&common::fixture_dir("tiny-v4")).unwrap();
+    tensors::load_f32(&config(), &ckpt).unwrap()
+}
+
 /// The graph's inputs: `ids`, and the fixture's weights.
 fn inputs(graph: &Graph, ids: &[u32]) -> Vec<CTensor> {
-    let mut w = weights(graph);
+    let mut w = weights();
     graph
         .inputs()
         .iter()
         .map(|d| match d.name.as_str() {
-            "input_ids" => i32s(ids.iter().map(|&i| i as i32).collect(), &[ids.len()]),
+            "input_ids" => {
+                let v: Vec<i32> = ids.iter().map(|&i| i as i32).collect();
+                CTensor::from_vec(v, ids.len(), &Device::Cpu).unwrap()
+            }
             name => w.remove(name).expect("a weight"),
-        })
-        .collect()
-}
-
-fn i32s(v: Vec<i32>, dims: &[usize]) -> CTensor {
-    CTensor::from_vec(v, dims, &Device::Cpu).unwrap()
-}
-
-/// Tensor `name` of the fixture's safetensors as `dtype`.
-fn weight(st: &safetensors::SafeTensors<'_>, name: &str, dims: &[usize], dtype: DType) -> CTensor {
-    let view = st
-        .tensor(name)
-        .or_else(|_| st.tensor(&name.replace(".kv_norm.", ".norm.")))
-        .unwrap_or_else(|e| panic!("{name}: {e}"));
-    let data = view.data();
-    match (view.dtype(), dtype) {
-        (safetensors::Dtype::F32, DType::F32) => {
-            let v: Vec<f32> = data
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
-            CTensor::from_vec(v, dims, &Device::Cpu).unwrap()
-        }
-        (safetensors::Dtype::I64, DType::I32) => {
-            let v: Vec<i32> = data
-                .chunks_exact(8)
-                .map(|c| {
-                    let id = i64::from_le_bytes(c.try_into().expect("8 bytes"));
-                    i32::try_from(id).expect("an expert id")
-                })
-                .collect();
-            i32s(v, dims)
-        }
-        other => panic!("{name}: {other:?}"),
-    }
-}
-
-/// The fixture's weights by declared name (`kv_norm` under either spelling), `tid2eid` as i32.
-fn weights(graph: &Graph) -> HashMap<String, CTensor> {
-    let bytes = std::fs::read(common::fixture_dir("tiny-v4").join("model.safetensors")).unwrap();
-    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
-    graph
-        .inputs()
-        .iter()
-        .filter(|d| d.role == InputRole::Weight)
-        .map(|d| {
-            (
-                d.name.clone(),
-                weight(&st, &d.name, d.shape.dims(), d.dtype),
-            )
         })
         .collect()
 }
@@ -205,12 +169,11 @@ impl Cache {
                 (r.name.to_string(), zeros.unwrap())
             })
             .collect();
-        let any = build_stateless(&cfg, 1).unwrap();
         // Out of order: 1, 1 + 37, 1 + 74, ... (mod the usable blocks), never 0.
         let usable = (blocks - 1) as u32;
         let free = (0..usable).map(|i| 1 + (i * 37) % usable).rev().collect();
         Cache {
-            weights: weights(&any),
+            weights: weights(),
             cfg,
             layout,
             roots,
@@ -226,57 +189,71 @@ impl Cache {
         self.seqs.len() - 1
     }
 
-    fn slot(&mut self, seq: usize, pos: usize) -> i32 {
-        while self.seqs[seq].len() <= pos / BLOCK {
+    /// Gives sequence `seq` blocks for its first `len` positions.
+    fn reserve(&mut self, seq: usize, len: usize) {
+        while self.seqs[seq].len() * BLOCK < len {
             let b = self.free.pop().expect("a free block");
             self.seqs[seq].push(b);
         }
-        (self.seqs[seq][pos / BLOCK] as usize * BLOCK + pos % BLOCK) as i32
     }
 
-    /// Runs one step of `spec` over `feeds` (padded to its rows with scratch tokens); returns
-    /// each fed token's logits, in feed order.
+    /// Runs one step of `spec` over `feeds` (padded to its rows with scratch tokens, the
+    /// metadata filled by the runner's own `prefill_step` / `decode_step`); returns each fed
+    /// token's logits, in feed order.
     fn step(&mut self, spec: V4Step, feeds: &[Feed<'_>]) -> Vec<Vec<f32>> {
-        let (mut ids, mut pos, mut slots, mut owner) = (vec![], vec![], vec![], vec![]);
-        for (i, f) in feeds.iter().enumerate() {
-            for (k, &t) in f.tokens.iter().enumerate() {
-                ids.push(t as i32);
-                pos.push((f.start + k) as i32);
-                slots.push(self.slot(f.seq, f.start + k));
-                owner.push(i as i32);
+        for f in feeds {
+            self.reserve(f.seq, f.start + f.tokens.len());
+        }
+        let fed: usize = feeds.iter().map(|f| f.tokens.len()).sum();
+        let vocab = self.cfg.vocab_size;
+        let meta = match spec.decode {
+            true => {
+                let rows: Vec<DecodeRow> = feeds
+                    .iter()
+                    .map(|f| DecodeRow {
+                        token: f.tokens[0],
+                        position: f.start,
+                        blocks: &self.seqs[f.seq],
+                        sampling: SamplingParams::GREEDY,
+                        controls: LogitControls::NONE,
+                    })
+                    .collect();
+                step::decode_step(&rows, spec.rows, CTX, BLOCK, vocab)
+            }
+            false => {
+                let chunks: Vec<PrefillChunk> = feeds
+                    .iter()
+                    .map(|f| PrefillChunk {
+                        tokens: f.tokens,
+                        start: f.start,
+                        blocks: &self.seqs[f.seq],
+                        sampling: SamplingParams::GREEDY,
+                        controls: LogitControls::NONE,
+                    })
+                    .collect();
+                step::prefill_step(&chunks, spec.rows, spec.seqs, CTX, BLOCK, vocab)
             }
         }
-        let fed = ids.len();
-        assert!(fed <= spec.rows && feeds.len() <= spec.seqs);
-        ids.resize(spec.rows, 0);
-        pos.resize(spec.rows, 0);
-        slots.resize(spec.rows, 0);
-        owner.resize(spec.rows, 0);
-        let width = CTX / BLOCK;
-        let mut tables = vec![0; spec.seqs * width];
-        for (i, f) in feeds.iter().enumerate() {
-            for (j, &b) in self.seqs[f.seq].iter().enumerate() {
-                tables[i * width + j] = b as i32;
-            }
-        }
+        .unwrap();
         let cfg = &self.cfg;
         let layout = &self.layout;
         let graph = self
             .graphs
             .entry(spec)
             .or_insert_with(|| build_step(cfg, layout, &spec).unwrap());
-        let n = [spec.rows];
         let inputs: Vec<CTensor> = graph
             .inputs()
             .iter()
-            .map(|d| match d.name.as_str() {
-                "input_ids" => i32s(ids.clone(), &n),
-                "positions" => i32s(pos.clone(), &n),
-                "slot_mapping" => i32s(slots.clone(), &n),
-                "seq_ids" => i32s(owner.clone(), &n),
-                "block_tables" => i32s(tables.clone(), &[spec.seqs, width]),
-                name if d.role == InputRole::CacheRoot => self.roots[name].clone(),
-                name => self.weights[name].clone(),
+            .map(|d| match d.role {
+                InputRole::CacheRoot => self.roots[&d.name].clone(),
+                InputRole::Weight => self.weights[&d.name].clone(),
+                _ => {
+                    let a = meta.iter().find(|a| a.name == d.name).expect("metadata");
+                    let HostData::I32(v) = &a.data else {
+                        panic!("{}: not i32", d.name)
+                    };
+                    CTensor::from_vec(v.clone(), a.shape.clone(), &Device::Cpu).unwrap()
+                }
             })
             .collect();
         let out = cpu::run(graph, &inputs).unwrap();

@@ -8,6 +8,10 @@
 //! inference code and `attn.norm.weight` where transformers writes it back; either is accepted.
 //! The multi-token-prediction layers (`mtp.*`) belong to issue 44 and are not checked here.
 
+use std::collections::HashMap;
+
+use candle_core::Tensor;
+
 use crate::config::v4::{V4Attention, V4Config, V4Routing};
 use crate::error::{Error, Result};
 use crate::weights::Checkpoint;
@@ -202,6 +206,26 @@ pub fn check(cfg: &V4Config, ckpt: &Checkpoint) -> Result<usize> {
         )));
     }
     Ok(tensors.len())
+}
+
+/// Reads every tensor of [`expected`] from `ckpt` (after [`check`]), keyed by its published
+/// name, the name the graphs' weight inputs take: floats as f32, `tid2eid` as i32.
+pub fn load_f32(cfg: &V4Config, ckpt: &Checkpoint) -> Result<HashMap<String, Tensor>> {
+    check(cfg, ckpt)?;
+    let mut out = HashMap::new();
+    for t in expected(cfg) {
+        let stored = t
+            .names
+            .iter()
+            .find(|n| ckpt.contains(n))
+            .unwrap_or(&t.names[0]);
+        let value = match t.kind {
+            V4TensorKind::Float => ckpt.tensor_f32(stored, &t.shape)?,
+            V4TensorKind::ExpertIds => ckpt.tensor_i32(stored, &t.shape)?,
+        };
+        out.insert(t.names[0].clone(), value);
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

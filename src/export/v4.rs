@@ -1,0 +1,194 @@
+//! `deepinfer lower` for a DeepSeek-V4 model: its step graphs ([`crate::model::v4::step`]) in
+//! the layout MLA models lower to (see [`super`]): the unpacked prefill chunk, a packed prefill
+//! of two sequences, and a decode graph per batch size, each with the inputs and CPU-backend
+//! outputs of one real step when token ids are given, so that `scripts/xla_check.py` runs them
+//! in XLA and checks their logits against transformers'. V4 graphs are f32, unsharded, and end
+//! at the logits (the sampler joins them with the runner, issue 43).
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use candle_core::{Device, Tensor as CTensor};
+
+use crate::backend::cpu;
+use crate::config::v4::V4Config;
+use crate::deployment::RunnerConfig;
+use crate::error::{Error, Result};
+use crate::graph::DType;
+use crate::model::v4::step::{build_step, cache_roots, V4Step};
+use crate::model::v4::tensors;
+use crate::model::CacheLayout;
+use crate::runner::step::{self, DecodeRow, LogitControls, PrefillChunk, SamplingParams};
+use crate::weights::Checkpoint;
+
+use super::{
+    bind, io_err, write_graph, write_manifest, write_step, LowerOptions, Manifest, PACKED_SEQS,
+};
+
+/// Lowers V4 model `cfg` (from `model_dir`) into `out`.
+pub(super) fn lower(
+    cfg: &V4Config,
+    model_dir: &Path,
+    out: &Path,
+    opts: &LowerOptions,
+    ranks: usize,
+) -> Result<Manifest> {
+    if ranks != 1 || opts.split_sampler {
+        return Err(Error::InvalidInput(
+            "DeepSeek-V4's step graphs lower unsharded and end at the logits so far: --tp and \
+             --split-sampler come with its device path (issue 43)"
+                .into(),
+        ));
+    }
+    let max_batch = opts.batch_sizes.iter().copied().max().unwrap_or(1);
+    let rc = RunnerConfig::for_limits(max_batch, opts.ctx);
+    let block = rc.block_size;
+    if rc.buckets.max_len() != opts.ctx {
+        return Err(Error::InvalidInput(format!(
+            "--ctx {} must be a multiple of the block size {block}",
+            opts.ctx
+        )));
+    }
+    // The scratch block and two sequences at full length (the packed prefill's inputs).
+    let blocks = 2 * (opts.ctx / block) + 1;
+    let layout = CacheLayout::new(block, blocks, DType::F32, max_batch);
+    std::fs::create_dir_all(out).map_err(io_err(out))?;
+    let t = rc.buckets.prefill_chunk;
+    let mut graphs = Vec::new();
+    for seqs in [1, PACKED_SEQS] {
+        let spec = V4Step {
+            rows: t,
+            seqs,
+            ctx: opts.ctx,
+            decode: false,
+        };
+        graphs.push((build_step(cfg, &layout, &spec)?, "prefill", t, seqs));
+    }
+    for &b in &opts.batch_sizes {
+        let spec = V4Step {
+            rows: b,
+            seqs: b,
+            ctx: opts.ctx,
+            decode: true,
+        };
+        graphs.push((build_step(cfg, &layout, &spec)?, "decode", b, b));
+    }
+    let mut manifest = Manifest {
+        tp: 1,
+        vocab_size: cfg.vocab_size,
+        graphs: Vec::new(),
+        costs: Vec::new(),
+    };
+    for (g, kind, rows, seqs) in &graphs {
+        write_graph(g, kind, *rows, *seqs, opts.ctx, None, out, &mut manifest)?;
+    }
+    let Some(tokens) = &opts.inputs_from_token_ids else {
+        return write_manifest(out, manifest);
+    };
+    if tokens.len() < 2 || tokens.len() > opts.ctx.min(t + 1) {
+        return Err(Error::InvalidInput(format!(
+            "--inputs-from-token-ids needs 2 to {} tokens (one prefill chunk, then one decode step)",
+            opts.ctx.min(t + 1)
+        )));
+    }
+    let weights = [tensors::load_f32(cfg, &Checkpoint::open(model_dir)?)?];
+    let empty = cache_roots(cfg, &layout)?
+        .into_iter()
+        .map(|r| {
+            let zeros = CTensor::zeros(r.shape().to_vec(), candle_core::DType::F32, &Device::Cpu);
+            Ok((r.name, zeros?))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let (prompt, last) = tokens.split_at(tokens.len() - 1);
+    // Sequence A (the unpacked prefill, then decode) in the blocks after the scratch block,
+    // sequence B (the packed prefill's second chunk) in the ones after those.
+    let per_seq = (opts.ctx / block) as u32;
+    let first = step::SCRATCH_BLOCK + 1;
+    let a: Vec<u32> = (first..first + per_seq).collect();
+    let b: Vec<u32> = (first + per_seq..first + 2 * per_seq).collect();
+    let chunk = |tokens, start, blocks| PrefillChunk {
+        tokens,
+        start,
+        blocks,
+        sampling: SamplingParams::GREEDY,
+        controls: LogitControls::NONE,
+    };
+    let vocab = cfg.vocab_size;
+    let meta = |chunks: &[PrefillChunk<'_>], seqs| {
+        step::prefill_step(chunks, t, seqs, opts.ctx, block, vocab)
+    };
+    // The packed step continues B, whose first half an unwritten step cached, beside A's
+    // first half from scratch: both chunks' rows predict known positions of the prompt.
+    let half = prompt.len().div_ceil(2);
+    let (unpacked, _, _, _) = &graphs[0];
+    let prep = meta(&[chunk(&prompt[..half], 0, &b)], 1)?;
+    let (inputs, _) = bind(unpacked, &weights[0], &prep, &empty, 0, 1)?;
+    let outs: HashMap<String, CTensor> = unpacked
+        .outputs()
+        .iter()
+        .map(|o| o.name.clone())
+        .zip(cpu::run(unpacked, &inputs)?)
+        .collect();
+    let half_root = named_roots(&empty, &outs)?;
+    let mut after_prompt = None;
+    for ((g, kind, rows, seqs), entry) in graphs.iter().zip(manifest.graphs.iter_mut()) {
+        let pad = |real: Vec<Option<usize>>| {
+            let n = real.len();
+            real.into_iter()
+                .chain(std::iter::repeat_n(None, rows - n))
+                .collect()
+        };
+        match (*kind, *seqs) {
+            ("prefill", 1) => {
+                entry.reference_positions = Some(pad((0..prompt.len()).map(Some).collect()));
+                let m = meta(&[chunk(prompt, 0, &a)], 1)?;
+                let outs = write_step(g, &weights, &m, &empty, out, entry)?;
+                after_prompt = Some(named_roots(&empty, &outs)?);
+            }
+            ("prefill", _) => {
+                entry.reference_positions = Some(pad((0..prompt.len()).map(Some).collect()));
+                let chunks = [
+                    chunk(&prompt[..half], 0, &a),
+                    chunk(&prompt[half..], half, &b),
+                ];
+                write_step(g, &weights, &meta(&chunks, *seqs)?, &half_root, out, entry)?;
+            }
+            _ => {
+                // Every row feeds the prompt's next token to sequence A: the same values to
+                // the same slots, so each row's logits are transformers' at that position.
+                let root = after_prompt.as_ref().ok_or_else(|| {
+                    Error::Internal("the decode graphs come after the prefill".into())
+                })?;
+                let rows_in: Vec<DecodeRow> = (0..*rows)
+                    .map(|_| DecodeRow {
+                        token: last[0],
+                        position: prompt.len(),
+                        blocks: &a,
+                        sampling: SamplingParams::GREEDY,
+                        controls: LogitControls::NONE,
+                    })
+                    .collect();
+                entry.reference_positions = Some(vec![Some(prompt.len()); *rows]);
+                let m = step::decode_step(&rows_in, *rows, opts.ctx, block, vocab)?;
+                write_step(g, &weights, &m, root, out, entry)?;
+            }
+        }
+    }
+    write_manifest(out, manifest)
+}
+
+/// The roots named in `template` with their values in `outputs` (a step's outputs by name).
+fn named_roots(
+    template: &[(&'static str, CTensor)],
+    outputs: &HashMap<String, CTensor>,
+) -> Result<Vec<(&'static str, CTensor)>> {
+    template
+        .iter()
+        .map(|(name, _)| {
+            let t = outputs
+                .get(*name)
+                .ok_or_else(|| Error::Internal(format!("a V4 step returned no `{name}` root")))?;
+            Ok((*name, t.clone()))
+        })
+        .collect()
+}
