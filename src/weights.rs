@@ -301,21 +301,15 @@ impl Checkpoint {
                 if signed && bytes[width - 1] & 0x80 != 0 {
                     le[width..].fill(0xff);
                 }
-                let v = i64::from_le_bytes(le);
-                let v = match (signed, i32::try_from(v)) {
-                    (true, Ok(v)) => v,
-                    (false, Ok(v)) if u64::from_le_bytes(le) <= i32::MAX as u64 => v,
-                    _ => {
-                        return Err(Error::Weights(format!(
-                            "tensor `{name}` holds {}, beyond what an i32 holds",
-                            if signed {
-                                v.to_string()
-                            } else {
-                                u64::from_le_bytes(le).to_string()
-                            }
-                        )))
-                    }
+                let wide = match signed {
+                    true => i128::from(i64::from_le_bytes(le)),
+                    false => i128::from(u64::from_le_bytes(le)),
                 };
+                let v = i32::try_from(wide).map_err(|_| {
+                    Error::Weights(format!(
+                        "tensor `{name}` holds {wide}, beyond what an i32 holds"
+                    ))
+                })?;
                 values.push(v);
             }
             Ok(())
@@ -682,6 +676,11 @@ mod tests {
                 .iter()
                 .flat_map(|v| (*v as i32).to_le_bytes())
                 .collect(),
+            Dtype::I64 => values
+                .iter()
+                .flat_map(|v| (*v as i64).to_le_bytes())
+                .collect(),
+            Dtype::U8 => values.iter().map(|v| *v as u8).collect(),
             other => panic!("test helper does not encode {other}"),
         }
     }
@@ -744,6 +743,38 @@ mod tests {
 
         let msg = err(ckpt.tensor_f32("d.i32", &[2]));
         assert!(msg.contains("`d.i32`") && msg.contains("I32"), "{msg}");
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn integer_tensors_read_as_i32_and_values_beyond_it_are_named() {
+        let dir = temp_dir("ints");
+        write(
+            &dir.join(SINGLE_FILE),
+            &[
+                ("ids", Dtype::I64, vec![2, 2], vec![0.0, 7.0, -3.0, 2.0]),
+                ("small", Dtype::U8, vec![3], vec![0.0, 200.0, 5.0]),
+                ("huge", Dtype::I64, vec![1], vec![4e9]),
+                ("f", Dtype::F32, vec![1], vec![1.0]),
+            ],
+        );
+        let ckpt = Checkpoint::open(&dir).unwrap();
+        let ids = ckpt.tensor_i32("ids", &[2, 2]).unwrap();
+        assert_eq!(ids.to_vec2::<i32>().unwrap(), vec![vec![0, 7], vec![-3, 2]]);
+        let small = ckpt.tensor_i32("small", &[3]).unwrap();
+        assert_eq!(small.to_vec1::<i32>().unwrap(), vec![0, 200, 5]);
+        let msg = err(ckpt.tensor_i32("huge", &[1]));
+        assert!(
+            msg.contains("`huge`") && msg.contains("4000000000"),
+            "{msg}"
+        );
+        let msg = err(ckpt.tensor_i32("f", &[1]));
+        assert!(
+            msg.contains("`f`") && msg.contains("not an integer"),
+            "{msg}"
+        );
+        let msg = err(ckpt.tensor_i32("ids", &[4]));
+        assert!(msg.contains("`ids`") && msg.contains("[4]"), "{msg}");
         std::fs::remove_dir_all(&dir).unwrap();
     }
 
