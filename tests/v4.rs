@@ -137,7 +137,8 @@ const CTX: usize = 64;
 
 /// A V4 model's cache roots on the CPU backend, fed step by step as the runner feeds MLA's:
 /// sequences own blocks of the paged roots (handed out out of order, so a sequence's blocks
-/// are never contiguous), block 0 is the scratch block that padding writes to.
+/// are never contiguous) and a state row of the rings (sequence `i` row `i + 1`); block 0 and
+/// state row 0 are the scratch that padding writes to.
 struct Cache {
     cfg: V4Config,
     layout: CacheLayout,
@@ -215,7 +216,10 @@ impl Cache {
                         position: f.start,
                         blocks: &self.seqs[f.seq],
                         sampling: SamplingParams::GREEDY,
-                        controls: LogitControls::NONE,
+                        controls: LogitControls {
+                            state_row: f.seq as u32 + 1,
+                            ..LogitControls::NONE
+                        },
                     })
                     .collect();
                 step::decode_step(&rows, spec.rows, CTX, BLOCK, vocab)
@@ -228,7 +232,10 @@ impl Cache {
                         start: f.start,
                         blocks: &self.seqs[f.seq],
                         sampling: SamplingParams::GREEDY,
-                        controls: LogitControls::NONE,
+                        controls: LogitControls {
+                            state_row: f.seq as u32 + 1,
+                            ..LogitControls::NONE
+                        },
                     })
                     .collect();
                 step::prefill_step(&chunks, spec.rows, spec.seqs, CTX, BLOCK, vocab)

@@ -106,13 +106,6 @@ pub(super) fn lower(
     let first = step::SCRATCH_BLOCK + 1;
     let a: Vec<u32> = (first..first + per_seq).collect();
     let b: Vec<u32> = (first + per_seq..first + 2 * per_seq).collect();
-    let chunk = |tokens, start, blocks| PrefillChunk {
-        tokens,
-        start,
-        blocks,
-        sampling: SamplingParams::GREEDY,
-        controls: LogitControls::NONE,
-    };
     let vocab = cfg.vocab_size;
     let meta = |chunks: &[PrefillChunk<'_>], seqs| {
         step::prefill_step(chunks, t, seqs, opts.ctx, block, vocab)
@@ -121,7 +114,7 @@ pub(super) fn lower(
     // first half from scratch: both chunks' rows predict known positions of the prompt.
     let half = prompt.len().div_ceil(2);
     let (unpacked, _, _, _) = &graphs[0];
-    let prep = meta(&[chunk(&prompt[..half], 0, &b)], 1)?;
+    let prep = meta(&[chunk(&prompt[..half], 0, &b, B_STATE)], 1)?;
     let (inputs, _) = bind(unpacked, &weights[0], &prep, &empty, 0, 1)?;
     let outs: HashMap<String, CTensor> = unpacked
         .outputs()
@@ -141,15 +134,15 @@ pub(super) fn lower(
         match (*kind, *seqs) {
             ("prefill", 1) => {
                 entry.reference_positions = Some(pad((0..prompt.len()).map(Some).collect()));
-                let m = meta(&[chunk(prompt, 0, &a)], 1)?;
+                let m = meta(&[chunk(prompt, 0, &a, A_STATE)], 1)?;
                 let outs = write_step(g, &weights, &m, &empty, out, entry)?;
                 after_prompt = Some(named_roots(&empty, &outs)?);
             }
             ("prefill", _) => {
                 entry.reference_positions = Some(pad((0..prompt.len()).map(Some).collect()));
                 let chunks = [
-                    chunk(&prompt[..half], 0, &a),
-                    chunk(&prompt[half..], half, &b),
+                    chunk(&prompt[..half], 0, &a, A_STATE),
+                    chunk(&prompt[half..], half, &b, B_STATE),
                 ];
                 write_step(g, &weights, &meta(&chunks, *seqs)?, &half_root, out, entry)?;
             }
@@ -165,7 +158,10 @@ pub(super) fn lower(
                         position: prompt.len(),
                         blocks: &a,
                         sampling: SamplingParams::GREEDY,
-                        controls: LogitControls::NONE,
+                        controls: LogitControls {
+                            state_row: A_STATE,
+                            ..LogitControls::NONE
+                        },
                     })
                     .collect();
                 entry.reference_positions = Some(vec![Some(prompt.len()); *rows]);
@@ -175,6 +171,25 @@ pub(super) fn lower(
         }
     }
     write_manifest(out, manifest)
+}
+
+/// The state rows (of the rings) of sequence A, which the unpacked prefill and the decode
+/// steps feed, and of sequence B, the packed prefill's second chunk.
+const A_STATE: u32 = 1;
+const B_STATE: u32 = 2;
+
+/// A greedy prefill chunk of `tokens` from position `start`, in `blocks` and state row `state`.
+fn chunk<'a>(tokens: &'a [u32], start: usize, blocks: &'a [u32], state: u32) -> PrefillChunk<'a> {
+    PrefillChunk {
+        tokens,
+        start,
+        blocks,
+        sampling: SamplingParams::GREEDY,
+        controls: LogitControls {
+            state_row: state,
+            ..LogitControls::NONE
+        },
+    }
 }
 
 /// The roots named in `template` with their values in `outputs` (a step's outputs by name).

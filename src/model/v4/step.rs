@@ -1,28 +1,33 @@
 //! DeepSeek-V4's step graph over typed cache roots: a chunked, packed prefill or a decode step,
-//! the same contract as MLA's steps (`input_ids`, `positions`, `slot_mapping`, `block_tables`,
-//! and `seq_ids` for a packed prefill). Every state a later step needs lives in a root, so any
-//! split of a prompt into chunks computes what one forward over the whole sequence computes
-//! ([`super::forward`]); `docs/deepseek-v4.md` has the design.
+//! with MLA's step contract (`input_ids`, `positions`, `slot_mapping`, `block_tables`,
+//! `state_rows`; `last_index` and, packed, `seq_ids` for a prefill). Every state a later step
+//! needs lives in a root, so any split of a prompt into chunks computes what one forward over
+//! the whole sequence computes ([`super::forward`]); `docs/deepseek-v4.md` has the design.
 //!
 //! | root | rows | per row, for each layer that has it |
 //! |---|---|---|
-//! | [`SWA_ROOT`] | token slots | the token's shared K=V (`head_dim`), every layer |
-//! | [`SOURCE_ROOT`] | token slots | compressed layers: the compressor's value and gate (`ape` added) per token, CSA's indexer's too |
-//! | [`CSA_ROOT`] / [`HCA_ROOT`] | entry rows, one per `min(rate, block)` slots, plus a dump row | the pooled entry (`head_dim`) and, for CSA, the indexer's key |
+//! | [`SWA_RING`] | `sliding_window` per sequence state row | a position's shared K=V (`head_dim`), every layer |
+//! | [`CSA_RING`] / [`HCA_RING`] | `2 x rate` (CSA) or `rate` (HCA) per sequence state row | a position's compressor value and gate (`ape` added), CSA's indexer's too |
+//! | [`CSA_ROOT`] / [`HCA_ROOT`] | entry rows, one per `min(rate, block)` token slots, plus a dump row | a window's pooled entry (`head_dim`) and, CSA, its index key |
+//!
+//! **Rings.** What a token reads of its sequence's recent positions (the window's keys, a
+//! window's compressor inputs) is per sequence and bounded, so it lives in rings indexed by the
+//! sequence's state row (the row the scheduler gives every running sequence, row 0 being
+//! scratch): position `q` at ring row `state x len + q % len`. A position fed in this step is
+//! read from the step's own values (a chunk may be longer than a ring), an earlier one from
+//! the ring as the step found it; each chunk then writes its last `len` positions (the others,
+//! and padding, write the scratch row's). A ring holds exactly the positions a later read can
+//! reach, so the cache a token costs is its compressed entries alone.
 //!
 //! **Entries.** Window `w` of a sequence (positions `[w m, (w + 1) m)`, `m` the layer's rate)
-//! is pooled by the step that feeds its last token, from the source rows of its tokens (CSA: of
-//! the window before it too), whichever steps wrote them. Its entry goes to the entry row
-//! `slot / min(m, block)` of that last token's slot: one row per window, within the blocks the
-//! sequence owns (the rate and the block size must divide one another). Every token pools the
-//! latest window (the graph is the same every step); a token that completes none writes its
-//! pool to the dump row, the root's last, which nothing reads.
-//!
-//! **Reads.** A query at position `p` attends to the window's `sliding_window` positions up to
-//! its own (gathered per query through its block table), and to the entries `w < (p + 1) / m`
-//! of its sequence (HCA: all; CSA: those the lightning indexer picks). A decode row gathers its
-//! own sequence's `ctx / m` entries; a packed prefill scores its tokens against every chunk's
-//! entries side by side and masks the other sequences', as MLA's prefill does.
+//! is pooled by the step that feeds its last token, and goes to the entry row `slot / min(m,
+//! block)` of that token's slot: one row per window, in the blocks the sequence owns (the rate
+//! and the block size must divide one another). Every token pools the latest window (the graph
+//! is the same every step); a token that completes none writes its pool to the dump row, the
+//! root's last, which nothing reads. A query at position `p` sees the entries `w < (p + 1) /
+//! m` of its sequence (HCA: all; CSA: those the lightning indexer picks): a decode row gathers
+//! its own sequence's `ctx / m` entries, a packed prefill scores its tokens against every
+//! chunk's entries side by side and masks the other sequences', as MLA's prefill does.
 //!
 //! Outputs: `logits` (`[n, vocab]`, every fed token's) and the updated roots under their
 //! input names, aliased. Weights are f32 inputs by published name, as in [`super::forward`].
@@ -35,13 +40,15 @@ use crate::model::{inputs, slots_at, CacheLayout, RootSpec};
 use super::attention::{self as attn, and, Keys};
 use super::weights::{linear, Rope, Weights};
 
-/// Every layer's shared K=V per token slot.
-pub const SWA_ROOT: &str = "swa_kv";
-/// The compressed layers' compressor inputs per token slot.
-pub const SOURCE_ROOT: &str = "compressor_src";
-/// The CSA layers' pooled entries and index keys.
+/// Every layer's window of shared K=V, per sequence.
+pub const SWA_RING: &str = "swa_ring";
+/// The CSA layers' compressor (and indexer compressor) inputs, per sequence.
+pub const CSA_RING: &str = "csa_ring";
+/// The HCA layers' compressor inputs, per sequence.
+pub const HCA_RING: &str = "hca_ring";
+/// The CSA layers' pooled entries and index keys, paged.
 pub const CSA_ROOT: &str = "csa_entries";
-/// The HCA layers' pooled entries.
+/// The HCA layers' pooled entries, paged.
 pub const HCA_ROOT: &str = "hca_entries";
 
 /// One step graph's static sizes.
@@ -57,21 +64,15 @@ pub struct V4Step {
     pub decode: bool,
 }
 
-/// Where one layer keeps its cache: first columns in the roots.
+/// Where one layer keeps its cache: its first column in each root it uses.
 #[derive(Debug, Clone, Copy)]
 struct LayerCache {
-    /// Its K=V in [`SWA_ROOT`] (`head_dim` wide).
+    /// Its K=V in [`SWA_RING`] (`head_dim` wide).
     swa: usize,
-    /// Compressed layers: its compressor inputs in [`SOURCE_ROOT`].
+    /// Compressed layers: its compressor inputs in its rate's ring.
     source: usize,
     /// Compressed layers: its entries in its rate's entry root.
     entries: usize,
-}
-
-/// The roots' columns per layer, and their specs.
-struct Layout {
-    layers: Vec<LayerCache>,
-    roots: Vec<RootSpec>,
 }
 
 /// Columns of a compressed layer's compressor inputs: value and gate, each `series x width`,
@@ -96,11 +97,12 @@ fn entry_width(cfg: &V4Config, kind: V4Attention) -> usize {
     }
 }
 
-/// The rate of a compressed layer kind.
-fn rate(cfg: &V4Config, kind: V4Attention) -> usize {
+/// The rate of a compressed layer kind, and how many positions its compressor reads: the
+/// window (HCA), or the window and the one before it (CSA).
+fn rate_and_span(cfg: &V4Config, kind: V4Attention) -> (usize, usize) {
     match kind {
-        V4Attention::CompressedSparse => cfg.csa_rate,
-        _ => cfg.hca_rate,
+        V4Attention::CompressedSparse => (cfg.csa_rate, 2 * cfg.csa_rate),
+        _ => (cfg.hca_rate, cfg.hca_rate),
     }
 }
 
@@ -119,52 +121,76 @@ fn entry_stride(rate: usize, block: usize) -> Result<usize> {
     Ok(lo)
 }
 
+/// Every layer's columns, and the roots' specs.
+struct Layout {
+    layers: Vec<LayerCache>,
+    roots: Vec<RootSpec>,
+}
+
 impl Layout {
     fn new(cfg: &V4Config, cache: &CacheLayout) -> Result<Self> {
         let mut layers = Vec::with_capacity(cfg.num_hidden_layers);
-        let (mut source, mut csa, mut hca) = (0, 0, 0);
+        // Columns so far: (CSA ring, HCA ring, CSA entries, HCA entries).
+        let (mut csa_src, mut hca_src, mut csa, mut hca) = (0, 0, 0, 0);
         for (l, &kind) in cfg.attention.iter().enumerate() {
-            let entries = match kind {
-                V4Attention::Sliding => 0,
-                V4Attention::CompressedSparse => csa,
-                V4Attention::HeavilyCompressed => hca,
+            let (source, entries) = match kind {
+                V4Attention::Sliding => (0, 0),
+                V4Attention::CompressedSparse => (csa_src, csa),
+                V4Attention::HeavilyCompressed => (hca_src, hca),
             };
             layers.push(LayerCache {
                 swa: l * cfg.head_dim,
                 source,
                 entries,
             });
-            source += source_width(cfg, kind);
+            let (src, entry) = (source_width(cfg, kind), entry_width(cfg, kind));
             match kind {
                 V4Attention::Sliding => {}
-                V4Attention::CompressedSparse => csa += entry_width(cfg, kind),
-                V4Attention::HeavilyCompressed => hca += entry_width(cfg, kind),
+                V4Attention::CompressedSparse => (csa_src, csa) = (csa_src + src, csa + entry),
+                V4Attention::HeavilyCompressed => (hca_src, hca) = (hca_src + src, hca + entry),
             }
         }
-        let slots = cache.num_slots;
+        let states = cache.state_rows.max(1);
+        let dtype = cache.dtype;
         let mut roots = vec![RootSpec {
-            name: SWA_ROOT,
-            rows: slots,
+            name: SWA_RING,
+            rows: states * cfg.sliding_window,
             cols: cfg.num_hidden_layers * cfg.head_dim,
-            dtype: cache.dtype,
+            dtype,
         }];
-        if source > 0 {
-            roots.push(RootSpec {
-                name: SOURCE_ROOT,
-                rows: slots,
-                cols: source,
-                dtype: cache.dtype,
-            });
-        }
-        for (name, cols, rate) in [(CSA_ROOT, csa, cfg.csa_rate), (HCA_ROOT, hca, cfg.hca_rate)] {
-            if cols > 0 {
-                roots.push(RootSpec {
-                    name,
-                    rows: slots / entry_stride(rate, cache.block_size)? + 1,
-                    cols,
-                    dtype: cache.dtype,
-                });
+        let kinds = [
+            (
+                V4Attention::CompressedSparse,
+                CSA_RING,
+                CSA_ROOT,
+                csa_src,
+                csa,
+            ),
+            (
+                V4Attention::HeavilyCompressed,
+                HCA_RING,
+                HCA_ROOT,
+                hca_src,
+                hca,
+            ),
+        ];
+        for (kind, ring, pool, ring_cols, pool_cols) in kinds {
+            if ring_cols == 0 {
+                continue;
             }
+            let (rate, span) = rate_and_span(cfg, kind);
+            roots.push(RootSpec {
+                name: ring,
+                rows: states * span,
+                cols: ring_cols,
+                dtype,
+            });
+            roots.push(RootSpec {
+                name: pool,
+                rows: cache.num_slots / entry_stride(rate, cache.block_size)? + 1,
+                cols: pool_cols,
+                dtype,
+            });
         }
         Ok(Layout { layers, roots })
     }
@@ -175,36 +201,45 @@ pub fn cache_roots(cfg: &V4Config, cache: &CacheLayout) -> Result<Vec<RootSpec>>
     Ok(Layout::new(cfg, cache)?.roots)
 }
 
-/// The roots as a step sees them, updated as its layers write.
-struct Roots {
-    swa: Tensor,
-    source: Option<Tensor>,
-    csa: Option<Tensor>,
-    hca: Option<Tensor>,
-}
+/// The roots as a step sees them, by name, updated as its layers write.
+struct Roots(Vec<(&'static str, Tensor)>);
 
 impl Roots {
-    fn root(&mut self, name: &'static str) -> Result<&mut Tensor> {
-        let root = match name {
-            SOURCE_ROOT => self.source.as_mut(),
-            CSA_ROOT => self.csa.as_mut(),
-            HCA_ROOT => self.hca.as_mut(),
-            _ => Some(&mut self.swa),
-        };
-        root.ok_or_else(|| Error::shape("cache", format!("no `{name}` root")))
+    fn get(&self, name: &str) -> Result<&Tensor> {
+        self.0
+            .iter()
+            .find(|(n, _)| *n == name)
+            .map(|(_, t)| t)
+            .ok_or_else(|| Error::shape("cache", format!("no `{name}` root")))
+    }
+
+    fn set(&mut self, name: &str, value: Tensor) -> Result<()> {
+        let slot = self
+            .0
+            .iter_mut()
+            .find(|(n, _)| *n == name)
+            .ok_or_else(|| Error::shape("cache", format!("no `{name}` root")))?;
+        slot.1 = value;
+        Ok(())
     }
 }
 
-/// What every layer reads from the step's metadata.
+/// What every layer reads from the step's metadata, per fed token.
 struct Step {
     positions: Tensor,
     slots: Tensor,
-    /// Each fed token's sequence's block table, `[n, ctx / block]`.
+    /// Its sequence's block table, `[n, ctx / block]`.
     tables: Tensor,
     /// The sequences' block tables, `[seqs, ctx / block]`.
     seq_tables: Tensor,
-    /// Each fed token's sequence (its row of `seq_tables`), `[n]`.
+    /// Its sequence (row of `seq_tables`), `[n]`.
     seq_ids: Tensor,
+    /// Its sequence's state row, `[n]`.
+    state: Tensor,
+    /// The position of its chunk's first token, `[n]`.
+    chunk_start: Tensor,
+    /// Its chunk's last row, `[n]` (a padding token's is before it).
+    last_row: Tensor,
     block: usize,
     ctx: usize,
     decode: bool,
@@ -244,29 +279,53 @@ pub fn build_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<
     let positions = meta(inputs::POSITIONS, vec![n])?;
     let slots = meta(inputs::SLOT_MAPPING, vec![n])?;
     let seq_tables = meta(inputs::BLOCK_TABLES, vec![seqs, ctx / block])?;
+    let seq_states = meta(inputs::STATE_ROWS, vec![seqs])?;
+    let (seq_ids, chunk_start, last_row) = match decode {
+        // Every row is a chunk of one token.
+        true => {
+            let rows = b.iota([n], DType::I32, 0)?;
+            (rows.clone(), positions.clone(), rows)
+        }
+        false => {
+            let last_index = meta(inputs::LAST_INDEX, vec![seqs])?;
+            let seq_ids = match seqs {
+                1 => b.full(0.0, [n], DType::I32)?,
+                _ => meta(inputs::SEQ_IDS, vec![n])?,
+            };
+            // Chunks are packed in order: chunk c starts after chunk c - 1's last row.
+            let first = match seqs {
+                1 => b.full(0.0, [1], DType::I32)?,
+                _ => b.cat(
+                    &[
+                        &b.full(0.0, [1], DType::I32)?,
+                        &last_index.narrow(0, 0, seqs - 1)?.affine(1.0, 1.0)?,
+                    ],
+                    0,
+                )?,
+            };
+            let row = b.iota([n], DType::I32, 0)?;
+            let first_row = first.index_select(&seq_ids, 0)?;
+            let chunk_start = positions.sub(&row.sub(&first_row)?)?;
+            (
+                seq_ids.clone(),
+                chunk_start,
+                last_index.index_select(&seq_ids, 0)?,
+            )
+        }
+    };
     let mut old = Vec::with_capacity(layout.roots.len());
     for r in &layout.roots {
-        old.push((
-            r.name,
-            b.input(r.name, InputRole::CacheRoot, r.shape().to_vec(), r.dtype)?,
-        ));
+        let t = b.input(r.name, InputRole::CacheRoot, r.shape().to_vec(), r.dtype)?;
+        old.push((r.name, t));
     }
-    let find = |name: &str| old.iter().find(|(n, _)| *n == name).map(|(_, t)| t.clone());
-    let mut roots = Roots {
-        swa: find(SWA_ROOT).ok_or_else(|| Error::shape("cache", "no window root"))?,
-        source: find(SOURCE_ROOT),
-        csa: find(CSA_ROOT),
-        hca: find(HCA_ROOT),
-    };
-    let seq_ids = match (decode, seqs) {
-        (true, _) => b.iota([n], DType::I32, 0)?,
-        (false, 1) => b.full(0.0, [n], DType::I32)?,
-        (false, _) => meta(inputs::SEQ_IDS, vec![n])?,
-    };
+    let mut roots = Roots(old.clone());
     let step = Step {
         tables: seq_tables.index_select(&seq_ids, 0)?,
         seq_tables,
+        state: seq_states.index_select(&seq_ids, 0)?,
         seq_ids,
+        chunk_start,
+        last_row,
         block,
         ctx,
         decode,
@@ -280,8 +339,7 @@ pub fn build_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<
     })?;
     b.output("logits", &logits)?;
     for (name, input) in &old {
-        let new = roots.root(name)?.clone();
-        b.output_aliased(*name, &new, input)?;
+        b.output_aliased(*name, roots.get(name)?, input)?;
     }
     b.finish()
 }
@@ -295,23 +353,99 @@ fn div_const(x: &Tensor, k: usize) -> Result<Tensor> {
     }
 }
 
-/// Reads rows `slots` (`[r, k]`) of `width` columns from `col` of `root`, as f32 `[r, k,
+/// `x * k` for a constant `k`, a shift when `k` is a power of two (see [`div_const`]).
+fn mul_const(x: &Tensor, k: usize) -> Result<Tensor> {
+    match k.is_power_of_two() {
+        true => x.shl(&x.full_like(f64::from(k.trailing_zeros()))?),
+        false => x.mul(&x.full_like(k as f64)?),
+    }
+}
+
+/// `max(x, 0)`.
+fn non_negative(x: &Tensor) -> Result<Tensor> {
+    x.maximum(&x.full_like(0.0)?)
+}
+
+/// Reads rows `rows` (`[r, k]`) of `width` columns from `col` of `root`, as f32 `[r, k,
 /// width]`.
-fn read_rows(root: &Tensor, col: usize, width: usize, slots: &Tensor) -> Result<Tensor> {
-    let (r, k) = (slots.dim(0), slots.dim(1));
+fn read_rows(root: &Tensor, col: usize, width: usize, rows: &Tensor) -> Result<Tensor> {
+    let (r, k) = (rows.dim(0), rows.dim(1));
     root.narrow(1, col, width)?
-        .index_select(&slots.reshape([r * k])?, 0)?
+        .index_select(&rows.reshape([r * k])?, 0)?
         .reshape([r, k, width])?
         .to_dtype(DType::F32)
 }
 
-/// Writes `rows` (`[n, width]`, f32) at `slots` from column `col` of `root`.
-fn write_rows(root: &Tensor, slots: &Tensor, col: usize, rows: &Tensor) -> Result<Tensor> {
-    root.scatter_rows(slots, col, &rows.to_dtype(root.dtype())?)
+/// Writes `values` (`[n, width]`, f32) at rows `rows` from column `col` of `root`.
+fn write_rows(root: &Tensor, rows: &Tensor, col: usize, values: &Tensor) -> Result<Tensor> {
+    root.scatter_rows(rows, col, &values.to_dtype(root.dtype())?)
 }
 
-/// Layer `l`'s attention for the step's tokens (`x`: `[n, hidden]`, normalised), writing its
-/// cache rows into `roots` first.
+/// A per-sequence ring of `len` positions, at columns `col..col + width` of its root.
+struct Ring {
+    name: &'static str,
+    len: usize,
+    col: usize,
+}
+
+impl Ring {
+    /// Each token's values at positions `pos` (`[n, k]`, of its sequence, at most its own):
+    /// from `fresh` (`[n, width]`, the step's own rows) where the position was fed in this
+    /// step, else from the ring as the step found it. Positions below 0 read position 0.
+    fn read(&self, roots: &Roots, step: &Step, pos: &Tensor, fresh: &Tensor) -> Result<Tensor> {
+        let (n, k, width) = (pos.dim(0), pos.dim(1), fresh.dim(1));
+        let pos = non_negative(pos)?;
+        let ring = read_rows(
+            roots.get(self.name)?,
+            self.col,
+            width,
+            &self.rows(step, &pos)?,
+        )?;
+        // Row of position q in this step: i - (p_i - q), clamped for positions never used.
+        let row = pos.builder().iota([n, k], DType::I32, 0)?;
+        let back = step
+            .positions
+            .unsqueeze(1)?
+            .broadcast_as([n, k])?
+            .sub(&pos)?;
+        let fresh_row = non_negative(&row.sub(&back)?)?.minimum(&row.full_like((n - 1) as f64)?)?;
+        let own = fresh
+            .index_select(&fresh_row.reshape([n * k])?, 0)?
+            .reshape([n, k, width])?;
+        let is_fresh = pos
+            .ge(&step.chunk_start.unsqueeze(1)?.broadcast_as([n, k])?)?
+            .unsqueeze(2)?
+            .broadcast_as([n, k, width])?;
+        is_fresh.where_cond(&own, &ring)
+    }
+
+    /// The ring after the step: each chunk's last `len` positions written from `fresh`; the
+    /// other tokens (and padding) write the scratch row's ring.
+    fn write(&self, roots: &mut Roots, step: &Step, fresh: &Tensor) -> Result<()> {
+        let n = fresh.dim(0);
+        let p = &step.positions;
+        let target = self.rows(step, &p.unsqueeze(1)?)?.reshape([n])?;
+        let row = p.builder().iota([n], DType::I32, 0)?;
+        let recent = and(
+            &row.gt(&step.last_row.affine(1.0, -(self.len as f64))?)?,
+            &row.le(&step.last_row)?,
+        )?;
+        let target = recent.where_cond(&target, &target.full_like(0.0)?)?;
+        let root = write_rows(roots.get(self.name)?, &target, self.col, fresh)?;
+        roots.set(self.name, root)
+    }
+
+    /// Ring rows of positions `pos` (`[n, k]`, non-negative) of each token's sequence.
+    fn rows(&self, step: &Step, pos: &Tensor) -> Result<Tensor> {
+        let (n, k) = (pos.dim(0), pos.dim(1));
+        let base = mul_const(&step.state, self.len)?;
+        let at = pos.rem(&pos.full_like(self.len as f64)?)?;
+        base.unsqueeze(1)?.broadcast_as([n, k])?.add(&at)
+    }
+}
+
+/// Layer `l`'s attention for the step's tokens (`x`: `[n, hidden]`, normalised), updating its
+/// cache in `roots`.
 fn attention(
     cfg: &V4Config,
     w: &Weights,
@@ -328,8 +462,16 @@ fn attention(
     };
     let (q_res, q) = attn::queries(cfg, w, l, x, rope)?;
     let kv = attn::key_value(cfg, w, l, x, rope)?;
-    roots.swa = write_rows(&roots.swa, &step.slots, at.swa, &kv)?;
-    let mut sets = vec![window(cfg, step, &roots.swa, at.swa)?];
+    // The window: the sequence's last `sliding_window` positions up to the query's own.
+    let ring = Ring {
+        name: SWA_RING,
+        len: cfg.sliding_window,
+        col: at.swa,
+    };
+    let pos = positions_before(&step.positions, cfg.sliding_window)?;
+    let keys = ring.read(roots, step, &pos, &kv)?;
+    ring.write(roots, step, &kv)?;
+    let mut sets = vec![(Keys::PerRow(keys), pos.ge(&pos.full_like(0.0)?)?)];
     if kind != V4Attention::Sliding {
         if let Some(set) = compressed(cfg, w, l, at, x, &q_res, step, roots)? {
             sets.push(set);
@@ -337,19 +479,6 @@ fn attention(
     }
     let out = attn::attend(cfg, w, l, &q, &sets)?;
     attn::output(cfg, w, l, &out, rope)
-}
-
-/// The sliding window of each query: its sequence's last `sliding_window` positions up to its
-/// own (`[n, W, head_dim]`), and which of them exist (`[n, W]`).
-fn window(cfg: &V4Config, step: &Step, swa: &Tensor, col: usize) -> Result<(Keys, Tensor)> {
-    let (n, span) = (step.positions.dim(0), cfg.sliding_window);
-    let pos = positions_before(&step.positions, span)?;
-    let exists = pos.ge(&pos.full_like(0.0)?)?;
-    let pos = pos.maximum(&pos.full_like(0.0)?)?;
-    let slots = slots_at(&step.tables, &pos, step.block)?;
-    let keys = read_rows(swa, col, cfg.head_dim, &slots)?;
-    debug_assert_eq!(keys.dims(), [n, span, cfg.head_dim]);
-    Ok((Keys::PerRow(keys), exists))
 }
 
 /// `[n, span]`: for each `end` (`[n]`), the positions `end - span + 1 ..= end`.
@@ -379,7 +508,7 @@ fn compressed(
     let b = x.builder();
     let kind = cfg.attention[l];
     let csa = kind == V4Attention::CompressedSparse;
-    let m = rate(cfg, kind);
+    let (m, span) = rate_and_span(cfg, kind);
     let stride = entry_stride(m, step.block)?;
     let (d, ci) = (
         cfg.head_dim,
@@ -392,7 +521,7 @@ fn compressed(
     if csa {
         compressors.push((index_compressor.as_str(), ci));
     }
-    let series = if csa { 2 } else { 1 };
+    let series = span / m;
 
     // Each token's compressor inputs: value and gate (+ ape at its place in its window).
     let p = &step.positions;
@@ -403,35 +532,25 @@ fn compressed(
         let ape = w.get(&format!("{prefix}.ape"))?.index_select(&place, 0)?;
         source.push(linear(x, w.get(&format!("{prefix}.wgate.weight"))?)?.add(&ape)?);
     }
-    let src = roots.root(SOURCE_ROOT)?;
-    *src = write_rows(
-        src,
-        &step.slots,
-        at.source,
-        &b.cat(&source.iter().collect::<Vec<_>>(), 1)?,
-    )?;
+    let fresh = b.cat(&source.iter().collect::<Vec<_>>(), 1)?;
 
     // Each token pools the latest window that has begun to complete: the one it completes, or
     // an earlier one (written to the dump row). Its first position is `start`.
     let next = p.affine(1.0, 1.0)?;
-    let start = next
-        .sub(&next.rem(&next.full_like(m as f64)?)?)?
-        .affine(1.0, -(m as f64))?;
-    let start = start.maximum(&start.full_like(0.0)?)?;
-    let span = series * m;
+    let start = non_negative(
+        &next
+            .sub(&next.rem(&next.full_like(m as f64)?)?)?
+            .affine(1.0, -(m as f64))?,
+    )?;
     let pos = positions_before(&start.affine(1.0, (m - 1) as f64)?, span)?;
     let exists = pos.ge(&pos.full_like(0.0)?)?;
-    let width = source_width(cfg, kind);
-    let rows = read_rows(
-        src,
-        at.source,
-        width,
-        &slots_at(
-            &step.tables,
-            &pos.maximum(&pos.full_like(0.0)?)?,
-            step.block,
-        )?,
-    )?;
+    let ring = Ring {
+        name: if csa { CSA_RING } else { HCA_RING },
+        len: span,
+        col: at.source,
+    };
+    let rows = ring.read(roots, step, &pos, &fresh)?;
+    ring.write(roots, step, &fresh)?;
     let at_start = Rope::new(cfg.rope_dim, &cfg.compress_rope, &start)?;
     let mut entry = Vec::new();
     let mut col = 0;
@@ -445,7 +564,7 @@ fn compressed(
         entry.push(attn::pool(cfg, w, prefix, &value, &gate, &at_start)?);
     }
     let name = if csa { CSA_ROOT } else { HCA_ROOT };
-    let root = roots.root(name)?;
+    let root = roots.get(name)?;
     let dump = root.dim(0) - 1;
     let completes = next
         .rem(&next.full_like(m as f64)?)?
@@ -454,12 +573,13 @@ fn compressed(
         &div_const(&step.slots, stride)?,
         &step.slots.full_like(dump as f64)?,
     )?;
-    *root = write_rows(
+    let root = write_rows(
         root,
         &target,
         at.entries,
         &b.cat(&entry.iter().collect::<Vec<_>>(), 1)?,
     )?;
+    roots.set(name, root.clone())?;
 
     // The entries each query may read: window e's row is its last slot's.
     let entries = step.ctx / m;
@@ -478,7 +598,7 @@ fn compressed(
         &slots_at(tables, &last.broadcast_as([r, entries])?, step.block)?,
         stride,
     )?;
-    let read = read_rows(root, at.entries, entry_width(cfg, kind), &rows)?;
+    let read = read_rows(&root, at.entries, entry_width(cfg, kind), &rows)?;
     let kv = read.narrow(2, 0, d)?;
     let ready = div_const(&next, m)?;
     let n = p.dim(0);
@@ -488,14 +608,13 @@ fn compressed(
             (Keys::PerRow(kv), e.lt(&ready.unsqueeze(1)?)?)
         }
         false => {
-            let seqs = r;
-            let e = b.iota([n, seqs, entries], DType::I32, 2)?;
-            let owner = b.iota([n, seqs, entries], DType::I32, 1)?;
+            let e = b.iota([n, r, entries], DType::I32, 2)?;
+            let owner = b.iota([n, r, entries], DType::I32, 1)?;
             let own = owner.eq(&step.seq_ids.reshape([n, 1, 1])?)?;
             let visible = and(&own, &e.lt(&ready.reshape([n, 1, 1])?)?)?;
             (
-                Keys::Shared(kv.reshape([seqs * entries, d])?),
-                visible.reshape([n, seqs * entries])?,
+                Keys::Shared(kv.reshape([r * entries, d])?),
+                visible.reshape([n, r * entries])?,
             )
         }
     };
@@ -512,10 +631,10 @@ fn compressed(
     Ok(Some((keys, chosen)))
 }
 
-/// One compressor quantity (value or gate) of a window's slots (`rows`: `[n, series x m,
+/// One compressor quantity (value or gate) of a window's positions (`rows`: `[n, series x m,
 /// source width]`, the quantity at column `col`, `series x width` wide): `[n, series x m,
-/// width]`. With two series (CSA), the first `m` slots (the previous window) contribute the
-/// first series and the last `m` the second.
+/// width]`. With two series (CSA), the first `m` positions (the previous window) contribute
+/// the first series and the last `m` the second.
 fn series_of(rows: &Tensor, col: usize, width: usize, series: usize, m: usize) -> Result<Tensor> {
     if series == 1 {
         return rows.narrow(2, col, width);
