@@ -201,6 +201,52 @@ pub fn cache_roots(cfg: &V4Config, cache: &CacheLayout) -> Result<Vec<RootSpec>>
     Ok(Layout::new(cfg, cache)?.roots)
 }
 
+/// What V4's cache costs at a cache dtype and block size: the compressed entries are paged,
+/// so they cost per token of context; the rings cost per running sequence, whatever its
+/// length.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct V4CacheCost {
+    /// Bytes of entry rows per token slot (a window's entry per `rate` tokens, or per block
+    /// when the rate is longer than a block).
+    pub bytes_per_token: f64,
+    /// Bytes of a sequence's rings (its window and its compressors' inputs).
+    pub bytes_per_sequence: u64,
+}
+
+impl V4CacheCost {
+    /// The cache a sequence of `ctx` tokens costs, per token.
+    pub fn per_token_at(&self, ctx: usize) -> f64 {
+        self.bytes_per_token + self.bytes_per_sequence as f64 / ctx as f64
+    }
+}
+
+/// The cache cost of `cfg` in `dtype` with blocks of `block_size` tokens.
+pub fn cache_cost(cfg: &V4Config, dtype: DType, block_size: usize) -> Result<V4CacheCost> {
+    // One block and one sequence: the roots' rows per slot and per state row.
+    let layout = Layout::new(cfg, &CacheLayout::new(block_size, 1, dtype, 0))?;
+    let mut cost = V4CacheCost {
+        bytes_per_token: 0.0,
+        bytes_per_sequence: 0,
+    };
+    let width = dtype.size_in_bytes();
+    for r in &layout.roots {
+        let row = (r.cols * width) as u64;
+        match r.name {
+            CSA_ROOT | HCA_ROOT => {
+                let rate = if r.name == CSA_ROOT {
+                    cfg.csa_rate
+                } else {
+                    cfg.hca_rate
+                };
+                cost.bytes_per_token += row as f64 / entry_stride(rate, block_size)? as f64;
+            }
+            // Rings: `span` rows a state row.
+            _ => cost.bytes_per_sequence += row * r.rows as u64,
+        }
+    }
+    Ok(cost)
+}
+
 /// The roots as a step sees them, by name, updated as its layers write.
 struct Roots(Vec<(&'static str, Tensor)>);
 
