@@ -58,13 +58,16 @@ for fixture in tiny-v3 tiny-v2-lite tiny-v2-group tiny-v32; do
     echo "== XLA conformance: $fixture"
     .venv/bin/python scripts/xla_check.py "$out/$fixture" --reference "fixtures/$fixture/reference.json" || status=1
 done
-# DeepSeek-V4's step graphs (f32, unsharded, ending at the logits so far): the unpacked and
-# packed prefill and each decode batch, in XLA against our CPU backend and transformers.
+# DeepSeek-V4's step graphs (f32, ending at the logits so far): the unpacked and packed
+# prefill and each decode batch, unsplit and split two ways, in XLA against our CPU backend and
+# transformers.
 ids=$(.venv/bin/python -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['token_ids'])))" fixtures/tiny-v4/reference.json)
-target/release/deepinfer lower --model fixtures/tiny-v4 --out "$out/tiny-v4" \
-    --batch-sizes 1,2,4,8 --ctx 64 --inputs-from-token-ids "$ids" > /dev/null
-echo "== XLA conformance: tiny-v4"
-.venv/bin/python scripts/xla_check.py "$out/tiny-v4" --reference fixtures/tiny-v4/reference.json || status=1
+for tp in 1 2; do
+    target/release/deepinfer lower --model fixtures/tiny-v4 --out "$out/tiny-v4-tp$tp" --tp "$tp" \
+        --batch-sizes 1,2,4,8 --ctx 64 --inputs-from-token-ids "$ids" > /dev/null
+    echo "== XLA conformance: tiny-v4 --tp $tp"
+    .venv/bin/python scripts/xla_check.py "$out/tiny-v4-tp$tp" --reference fixtures/tiny-v4/reference.json || status=1
+done
 # Reduced precision, in XLA against our CPU backend and against transformers: bf16 weights and
 # cache (bf16 literals, converts into f32 dots), whose decode logits may drift from
 # transformers' f32 ones no more than transformers' own bf16 run does; and int8 and int4

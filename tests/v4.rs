@@ -11,12 +11,12 @@ mod common;
 use std::collections::HashMap;
 
 use candle_core::{Device, Tensor as CTensor};
-use deepinfer::backend::cpu;
+use deepinfer::backend::cpu::{self, Group, DEFAULT_COLLECTIVE_TIMEOUT};
 use deepinfer::config::v4::V4Config;
 use deepinfer::graph::{DType, Graph, InputRole};
 use deepinfer::model::v4::forward::build_stateless;
 use deepinfer::model::v4::step::{build_step, cache_roots, V4Step};
-use deepinfer::model::v4::tensors;
+use deepinfer::model::v4::{shard, tensors};
 use deepinfer::model::CacheLayout;
 use deepinfer::runner::step::{
     self, DecodeRow, HostData, LogitControls, PrefillChunk, SamplingParams,
@@ -142,7 +142,8 @@ const CTX: usize = 64;
 struct Cache {
     cfg: V4Config,
     layout: CacheLayout,
-    weights: HashMap<String, CTensor>,
+    /// Each rank's weights (one rank: unsplit).
+    weights: Vec<HashMap<String, CTensor>>,
     roots: HashMap<String, CTensor>,
     graphs: HashMap<V4Step, Graph>,
     free: Vec<u32>,
@@ -158,6 +159,12 @@ struct Feed<'a> {
 
 impl Cache {
     fn new() -> Self {
+        Cache::split(1)
+    }
+
+    /// The cache of a model split `ranks` ways: every step runs on `ranks` ranks of the CPU
+    /// backend, whose collectives meet, and the ranks' logits columns are joined.
+    fn split(ranks: usize) -> Self {
         let cfg = config();
         let blocks = 8 * CTX / BLOCK + 1;
         let layout = CacheLayout::new(BLOCK, blocks, DType::F32, 8);
@@ -174,7 +181,12 @@ impl Cache {
         let usable = (blocks - 1) as u32;
         let free = (0..usable).map(|i| 1 + (i * 37) % usable).rev().collect();
         Cache {
-            weights: weights(),
+            weights: {
+                let full = weights();
+                (0..ranks)
+                    .map(|r| shard::rank_weights(&cfg, &full, ranks, r).unwrap())
+                    .collect()
+            },
             cfg,
             layout,
             roots,
@@ -242,28 +254,42 @@ impl Cache {
             }
         }
         .unwrap();
+        let spec = V4Step {
+            ranks: self.weights.len(),
+            ..spec
+        };
         let cfg = &self.cfg;
         let layout = &self.layout;
         let graph = self
             .graphs
             .entry(spec)
             .or_insert_with(|| build_step(cfg, layout, &spec).unwrap());
-        let inputs: Vec<CTensor> = graph
-            .inputs()
+        let inputs: Vec<Vec<CTensor>> = self
+            .weights
             .iter()
-            .map(|d| match d.role {
-                InputRole::CacheRoot => self.roots[&d.name].clone(),
-                InputRole::Weight => self.weights[&d.name].clone(),
-                _ => {
-                    let a = meta.iter().find(|a| a.name == d.name).expect("metadata");
-                    let HostData::I32(v) = &a.data else {
-                        panic!("{}: not i32", d.name)
-                    };
-                    CTensor::from_vec(v.clone(), a.shape.clone(), &Device::Cpu).unwrap()
-                }
+            .map(|weights| {
+                graph
+                    .inputs()
+                    .iter()
+                    .map(|d| match d.role {
+                        // A copy per rank: the CPU backend updates a root in place.
+                        InputRole::CacheRoot => self.roots[&d.name].copy().unwrap(),
+                        InputRole::Weight => weights[&d.name].clone(),
+                        _ => {
+                            let a = meta.iter().find(|a| a.name == d.name).expect("metadata");
+                            let HostData::I32(v) = &a.data else {
+                                panic!("{}: not i32", d.name)
+                            };
+                            CTensor::from_vec(v.clone(), a.shape.clone(), &Device::Cpu).unwrap()
+                        }
+                    })
+                    .collect()
             })
             .collect();
-        let out = cpu::run(graph, &inputs).unwrap();
+        let group = Group::new(inputs.len(), DEFAULT_COLLECTIVE_TIMEOUT);
+        let mut outs = cpu::run_group(graph, &inputs, &group, 0).unwrap();
+        cpu::join_logits(graph, &mut outs).unwrap();
+        let out = outs.swap_remove(0);
         for (o, t) in graph.outputs().iter().zip(&out).skip(1) {
             self.roots.insert(o.name.clone(), t.clone());
         }
@@ -297,6 +323,7 @@ fn prefill(rows: usize, seqs: usize) -> V4Step {
         seqs,
         ctx: CTX,
         decode: false,
+        ranks: 1,
     }
 }
 
@@ -306,6 +333,7 @@ fn decode(rows: usize) -> V4Step {
         seqs: rows,
         ctx: CTX,
         decode: true,
+        ranks: 1,
     }
 }
 
@@ -368,8 +396,19 @@ fn token_by_token_decode_equals_the_prompts_forward() {
 /// position: every fed token's logits against transformers' at its position.
 #[test]
 fn packed_prefill_and_batched_decode_of_different_lengths() {
+    packed_and_batched(1);
+}
+
+/// [`packed_prefill_and_batched_decode_of_different_lengths`] with the model split two ways:
+/// heads, output groups, experts, shared-expert channels and vocabulary (`model::v4::shard`).
+#[test]
+fn the_same_steps_split_across_two_ranks() {
+    packed_and_batched(2);
+}
+
+fn packed_and_batched(ranks: usize) {
     let r: V4Reference = common::reference_file("tiny-v4", "reference.json");
-    let mut cache = Cache::new();
+    let mut cache = Cache::split(ranks);
     // (prompt, prefilled length) per sequence; each then decodes 9 more of its prompt.
     let plan: [(bool, usize); 7] = [
         (true, 13),

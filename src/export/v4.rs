@@ -2,21 +2,22 @@
 //! the layout MLA models lower to (see [`super`]): the unpacked prefill chunk, a packed prefill
 //! of two sequences, and a decode graph per batch size, each with the inputs and CPU-backend
 //! outputs of one real step when token ids are given, so that `scripts/xla_check.py` runs them
-//! in XLA and checks their logits against transformers'. V4 graphs are f32, unsharded, and end
-//! at the logits (the sampler joins them with the runner, issue 43).
+//! in XLA and checks their logits against transformers'. V4 graphs are f32 and end
+//! at the logits (the sampler joins them with the runner, issue 43). Under `--tp N` each rank's
+//! inputs are its cut of the weights ([`crate::model::v4::shard`]), as for MLA models.
 
 use std::collections::HashMap;
 use std::path::Path;
 
 use candle_core::{Device, Tensor as CTensor};
 
-use crate::backend::cpu;
+use crate::backend::cpu::{self, Group, DEFAULT_COLLECTIVE_TIMEOUT};
 use crate::config::v4::V4Config;
 use crate::deployment::RunnerConfig;
 use crate::error::{Error, Result};
 use crate::graph::DType;
 use crate::model::v4::step::{build_step, cache_roots, V4Step};
-use crate::model::v4::tensors;
+use crate::model::v4::{shard, tensors};
 use crate::model::CacheLayout;
 use crate::runner::step::{self, DecodeRow, LogitControls, PrefillChunk, SamplingParams};
 use crate::weights::Checkpoint;
@@ -33,12 +34,15 @@ pub(super) fn lower(
     opts: &LowerOptions,
     ranks: usize,
 ) -> Result<Manifest> {
-    if ranks != 1 || opts.split_sampler {
+    if opts.split_sampler {
         return Err(Error::InvalidInput(
-            "DeepSeek-V4's step graphs lower unsharded and end at the logits so far: --tp and \
-             --split-sampler come with its device path (issue 43)"
+            "DeepSeek-V4's step graphs end at the logits so far: --split-sampler comes with its \
+             sampler (issue 43)"
                 .into(),
         ));
+    }
+    if let Some(why) = shard::indivisible(cfg, ranks) {
+        return Err(Error::InvalidInput(why));
     }
     let max_batch = opts.batch_sizes.iter().copied().max().unwrap_or(1);
     let rc = RunnerConfig::for_limits(max_batch, opts.ctx);
@@ -61,6 +65,7 @@ pub(super) fn lower(
             seqs,
             ctx: opts.ctx,
             decode: false,
+            ranks,
         };
         graphs.push((build_step(cfg, &layout, &spec)?, "prefill", t, seqs));
     }
@@ -70,11 +75,12 @@ pub(super) fn lower(
             seqs: b,
             ctx: opts.ctx,
             decode: true,
+            ranks,
         };
         graphs.push((build_step(cfg, &layout, &spec)?, "decode", b, b));
     }
     let mut manifest = Manifest {
-        tp: 1,
+        tp: ranks,
         vocab_size: cfg.vocab_size,
         graphs: Vec::new(),
         costs: Vec::new(),
@@ -91,7 +97,10 @@ pub(super) fn lower(
             opts.ctx.min(t + 1)
         )));
     }
-    let weights = [tensors::load_f32(cfg, &Checkpoint::open(model_dir)?)?];
+    let full = tensors::load_f32(cfg, &Checkpoint::open(model_dir)?)?;
+    let weights = (0..ranks)
+        .map(|r| shard::rank_weights(cfg, &full, ranks, r))
+        .collect::<Result<Vec<_>>>()?;
     let empty = cache_roots(cfg, &layout)?
         .into_iter()
         .map(|r| {
@@ -115,12 +124,15 @@ pub(super) fn lower(
     let half = prompt.len().div_ceil(2);
     let (unpacked, _, _, _) = &graphs[0];
     let prep = meta(&[chunk(&prompt[..half], 0, &b, B_STATE)], 1)?;
-    let (inputs, _) = bind(unpacked, &weights[0], &prep, &empty, 0, 1)?;
+    let inputs = (0..ranks)
+        .map(|r| Ok(bind(unpacked, &weights[r], &prep, &empty, r, ranks)?.0))
+        .collect::<Result<Vec<_>>>()?;
+    let group = Group::new(ranks, DEFAULT_COLLECTIVE_TIMEOUT);
     let outs: HashMap<String, CTensor> = unpacked
         .outputs()
         .iter()
         .map(|o| o.name.clone())
-        .zip(cpu::run(unpacked, &inputs)?)
+        .zip(cpu::run_group(unpacked, &inputs, &group, 0)?.swap_remove(0))
         .collect();
     let half_root = named_roots(&empty, &outs)?;
     let mut after_prompt = None;

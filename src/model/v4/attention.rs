@@ -26,7 +26,7 @@ pub(super) fn queries(
     rope: &Rope,
 ) -> Result<(Tensor, Tensor)> {
     let a = prefix(l);
-    let (n, heads, d) = (x.dim(0), cfg.num_attention_heads, cfg.head_dim);
+    let (n, heads, d) = (x.dim(0), cfg.num_attention_heads / w.ranks(), cfg.head_dim);
     let eps = cfg.rms_norm_eps;
     let q_res = ops::rms_norm(
         &linear(x, w.get(&format!("{a}.wq_a.weight"))?)?,
@@ -216,8 +216,9 @@ pub(super) fn attend(
     out.ok_or_else(|| Error::shape("attention", "no keys"))
 }
 
-/// The attention output (`[n, heads, head_dim]`) rotated back by the query's position (V
-/// carried RoPE) and projected: each group of heads by its own block of `wo_a`, then `wo_b`.
+/// The attention output (`[n, heads, head_dim]`, the rank's heads) rotated back by the
+/// query's position (V carried RoPE) and projected: each group of heads by its own block of
+/// `wo_a`, then `wo_b` (a rank's groups' columns: a partial sum under tensor parallelism).
 pub(super) fn output(
     cfg: &V4Config,
     w: &Weights,
@@ -226,9 +227,9 @@ pub(super) fn output(
     rope: &Rope,
 ) -> Result<Tensor> {
     let a = prefix(l);
-    let (n, heads, d) = (out.dim(0), cfg.num_attention_heads, cfg.head_dim);
+    let (n, heads, d) = (out.dim(0), out.dim(1), cfg.head_dim);
     let out = rope.apply(out, true)?;
-    let g = cfg.o_groups;
+    let g = cfg.o_groups / w.ranks();
     let per = heads * d / g;
     let r = cfg.o_lora_rank;
     let grouped = out.reshape([n, g, per])?.transpose(0, 1)?;

@@ -17,7 +17,7 @@ use super::weights::{linear, Rope, Weights};
 /// The graph of a cache-free forward over `t` tokens.
 pub fn build_stateless(cfg: &V4Config, t: usize) -> Result<Graph> {
     let b = GraphBuilder::new(format!("v4_stateless_t{t}"));
-    let w = Weights::declare(&b, cfg)?;
+    let w = Weights::declare(&b, cfg, 1)?;
     let ids = b.input("input_ids", InputRole::Metadata, [t], DType::I32)?;
     let positions = b.iota([t], DType::I32, 0)?;
     let main = Rope::new(cfg.rope_dim, &cfg.main_rope, &positions)?;

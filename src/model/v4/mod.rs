@@ -7,6 +7,7 @@ mod attention;
 pub mod forward;
 mod hyper;
 mod moe;
+pub mod shard;
 pub mod step;
 pub mod tensors;
 mod weights;
@@ -18,7 +19,7 @@ use crate::model::ops;
 
 use weights::Weights;
 
-/// The logits (`[n, vocab]`) of tokens `ids` (`[n]` i32): the embedding copied into the
+/// The logits (`[n, vocab]`; a rank's vocabulary rows under tensor parallelism) of tokens `ids` (`[n]` i32): the embedding copied into the
 /// `hc_mult` streams, every layer's attention (`attention(layer, x)`, on the normalised block
 /// input) and MoE inside their hyper-connections, the hyper-head, the final norm, the LM head.
 fn logits(
@@ -38,14 +39,15 @@ fn logits(
             w.get(&format!("{p}.attn_norm.weight"))?,
             cfg.rms_norm_eps,
         )?;
-        s = hyper::expand(&post, &comb, &attention(l, &x)?, &s)?;
+        s = hyper::expand(&post, &comb, &w.complete(attention(l, &x)?)?, &s)?;
         let (post, comb, x) = hyper::hyper_connection(cfg, w, &format!("{p}.hc_ffn"), &s)?;
         let x = ops::rms_norm(
             &x,
             w.get(&format!("{p}.ffn_norm.weight"))?,
             cfg.rms_norm_eps,
         )?;
-        s = hyper::expand(&post, &comb, &moe::moe(cfg, w, l, &x, ids)?, &s)?;
+        let y = w.complete(moe::moe(cfg, w, l, &x, ids)?)?;
+        s = hyper::expand(&post, &comb, &y, &s)?;
     }
     let x = hyper::hyper_head(cfg, w, &s)?;
     let x = ops::rms_norm(&x, w.get("norm.weight")?, cfg.rms_norm_eps)?;

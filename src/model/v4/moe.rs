@@ -56,9 +56,15 @@ pub(super) fn moe(
             w.get(&format!("{prefix}.w2.weight"))?,
         )
     };
+    // A rank's experts are its `e / ranks`, from its first (an input, see `super::shard`);
+    // its shared expert is its share of the channels: the sum is partial.
     let mut out = expert(&format!("{f}.shared_experts"))?;
-    for x_e in 0..e {
-        let id = b.full(x_e as f64, [t, k], DType::I32)?;
+    let first = w.first_expert()?;
+    for x_e in 0..e / w.ranks() {
+        let mut id = b.full(x_e as f64, [t, k], DType::I32)?;
+        if let Some(first) = &first {
+            id = id.broadcast_add(&first.reshape([1, 1])?)?;
+        }
         let weight = chosen
             .eq(&id)?
             .where_cond(&weights, &weights.full_like(0.0)?)?

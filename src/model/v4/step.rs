@@ -29,8 +29,9 @@
 //! its own sequence's `ctx / m` entries, a packed prefill scores its tokens against every
 //! chunk's entries side by side and masks the other sequences', as MLA's prefill does.
 //!
-//! Outputs: `logits` (`[n, vocab]`, every fed token's) and the updated roots under their
-//! input names, aliased. Weights are f32 inputs by published name, as in [`super::forward`].
+//! Outputs: `logits` (`[n, vocab]`, every fed token's; under tensor parallelism a rank's
+//! vocabulary rows' columns, [`super::shard`]) and the updated roots under their input names,
+//! aliased; every rank's roots hold the same values. Weights are f32 inputs by published name, as in [`super::forward`].
 
 use crate::config::v4::{V4Attention, V4Config};
 use crate::error::{Error, Result};
@@ -62,6 +63,8 @@ pub struct V4Step {
     pub ctx: usize,
     /// A decode step: row `i` is sequence `i`'s next token, and reads its own entries only.
     pub decode: bool,
+    /// Tensor-parallel ranks (1: unsplit), see [`super::shard`].
+    pub ranks: usize,
 }
 
 /// Where one layer keeps its cache: its first column in each root it uses.
@@ -300,6 +303,7 @@ pub fn build_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<
         seqs,
         ctx,
         decode,
+        ranks: _,
     } = *spec;
     let block = cache.block_size;
     if n == 0 || seqs == 0 || seqs > n || (decode && seqs != n) || !ctx.is_multiple_of(block) {
@@ -318,7 +322,7 @@ pub fn build_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<
         false => format!("v4_prefill_t{n}_s{seqs}_c{ctx}"),
     };
     let b = GraphBuilder::new(name);
-    let w = Weights::declare(&b, cfg)?;
+    let w = Weights::declare(&b, cfg, spec.ranks)?;
     let meta =
         |name: &str, shape: Vec<usize>| b.input(name, InputRole::Metadata, shape, DType::I32);
     let ids = meta(inputs::INPUT_IDS, vec![n])?;

@@ -6,31 +6,61 @@ use std::collections::HashMap;
 use crate::config::v4::V4Config;
 use crate::config::RopeConfig;
 use crate::error::{Error, Result};
-use crate::graph::{DType, GraphBuilder, InputRole, Tensor};
+use crate::graph::{DType, GraphBuilder, InputRole, ReduceOp, Tensor};
 use crate::model::precision::Dots;
+use crate::model::shard::SHARD_OFFSETS;
 use crate::model::{ops, rope};
 
-use super::tensors::{self, V4TensorKind};
+use super::shard;
+use super::tensors::V4TensorKind;
 
-/// The model's weights as graph inputs, by published name (the first of a tensor's names).
+/// One rank's weights as graph inputs, by published name (a routed expert by its place among
+/// the rank's, see [`super::shard`]).
 pub(super) struct Weights {
     inputs: HashMap<String, Tensor>,
+    ranks: usize,
 }
 
 impl Weights {
-    /// Declares every weight of `cfg` on `b`: f32, and `tid2eid` i32.
-    pub(super) fn declare(b: &GraphBuilder, cfg: &V4Config) -> Result<Self> {
+    /// Declares every weight a rank of a `ranks`-way split of `cfg` holds on `b` (f32, and
+    /// `tid2eid` i32), and with more than one rank the rank's offsets.
+    pub(super) fn declare(b: &GraphBuilder, cfg: &V4Config, ranks: usize) -> Result<Self> {
         let mut inputs = HashMap::new();
-        for t in tensors::expected(cfg) {
-            let name = t.names[0].clone();
+        for t in shard::rank_tensors(cfg, ranks)? {
             let dtype = match t.kind {
                 V4TensorKind::Float => DType::F32,
                 V4TensorKind::ExpertIds => DType::I32,
             };
-            let x = b.input(name.clone(), InputRole::Weight, t.shape, dtype)?;
-            inputs.insert(name, x);
+            let x = b.input(t.name.clone(), InputRole::Weight, t.shape, dtype)?;
+            inputs.insert(t.name, x);
         }
-        Ok(Weights { inputs })
+        if ranks > 1 {
+            let offsets = b.input(SHARD_OFFSETS, InputRole::Weight, [2], DType::I32)?;
+            inputs.insert(SHARD_OFFSETS.to_string(), offsets);
+        }
+        Ok(Weights { inputs, ranks })
+    }
+
+    /// The tensor-parallel degree.
+    pub(super) fn ranks(&self) -> usize {
+        self.ranks
+    }
+
+    /// The rank's first routed expert (`[1]` i32); `None` unsplit.
+    pub(super) fn first_expert(&self) -> Result<Option<Tensor>> {
+        match self.ranks {
+            1 => Ok(None),
+            _ => self.get(SHARD_OFFSETS)?.narrow(0, 0, 1).map(Some),
+        }
+    }
+
+    /// A rank's partial sum (its heads' attention output, its experts' contribution) summed
+    /// over the ranks; the value itself unsplit.
+    pub(super) fn complete(&self, partial: Tensor) -> Result<Tensor> {
+        match self.ranks {
+            1 => Ok(partial),
+            n => partial.all_reduce(ReduceOp::Sum, n),
+        }
     }
 
     /// The input of weight `name`.
