@@ -111,17 +111,30 @@ fn the_greedy_continuation_is_transformers() {
 /// The cache-free graph and the step graphs (a packed prefill and a decode) lower to XLA HLO
 /// that breaks none of the rules `lower --check neuron` applies to every graph a capture
 /// compiles (accepted opcodes, no 64-bit type, no integer multiply, no vocabulary-wide sort, no
-/// tensor over 4 GiB, ...).
+/// tensor over 4 GiB, ...): tiny-v4's, and DeepSeek-V4-Flash's at its deployment degree on a
+/// trn1.32xlarge (`--tp 32`, 2,048 positions, decode batch 8 and a 64-token prefill chunk).
 #[test]
 fn the_graphs_lower_within_neurons_rules() {
     use deepinfer::backend::hlo::emit;
     use deepinfer::backend::neuron::check::{check_module, CheckOptions};
     let cfg = config();
     let layout = CacheLayout::new(BLOCK, 4 * CTX / BLOCK + 1, DType::F32, 4);
+    let text =
+        std::fs::read_to_string(common::fixture_dir("configs").join("deepseek-v4-flash-base.json"))
+            .unwrap();
+    let flash = V4Config::from_json_str(&text).unwrap();
+    let flash_layout = CacheLayout::new(16, 8 * 2048 / 16 + 1, DType::BF16, 8);
+    let at = |spec: V4Step| V4Step {
+        ctx: 2048,
+        ranks: 32,
+        ..spec
+    };
     let graphs = [
         build_stateless(&cfg, 48).unwrap(),
         build_step(&cfg, &layout, &prefill(32, 4)).unwrap(),
         build_step(&cfg, &layout, &decode(4)).unwrap(),
+        build_step(&flash, &flash_layout, &at(decode(8))).unwrap(),
+        build_step(&flash, &flash_layout, &at(prefill(64, 1))).unwrap(),
     ];
     for g in &graphs {
         let report = check_module(&emit::emit(g).unwrap(), &CheckOptions::default());
@@ -404,6 +417,13 @@ fn packed_prefill_and_batched_decode_of_different_lengths() {
 #[test]
 fn the_same_steps_split_across_two_ranks() {
     packed_and_batched(2);
+}
+
+/// Four ways: more ranks than the fixture's two output groups, so two ranks share each group,
+/// each projecting its one head's columns of it (as V4-Flash's 8 groups do at `--tp 32`).
+#[test]
+fn the_same_steps_split_across_more_ranks_than_output_groups() {
+    packed_and_batched(4);
 }
 
 fn packed_and_batched(ranks: usize) {

@@ -229,7 +229,7 @@ pub(super) fn output(
     let a = prefix(l);
     let (n, heads, d) = (out.dim(0), out.dim(1), cfg.head_dim);
     let out = rope.apply(out, true)?;
-    let g = cfg.o_groups / w.ranks();
+    let g = super::shard::local_groups(cfg, w.ranks());
     let per = heads * d / g;
     let r = cfg.o_lora_rank;
     let grouped = out.reshape([n, g, per])?.transpose(0, 1)?;

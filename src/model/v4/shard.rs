@@ -5,7 +5,8 @@
 //! routed expert, then its first vocabulary row).
 //!
 //! Split: the attention heads (`wq_b` and `attn_sink` by head, `wo_a` by output group, `wo_b`
-//! by its groups' columns), the routed experts (whole experts, `n_routed_experts / ranks` a
+//! by its groups' columns; with more ranks than groups, as V4-Flash's 8 groups at `--tp 32`, a
+//! rank projects its heads' part of its group, a partial sum like the rest), the routed experts (whole experts, `n_routed_experts / ranks` a
 //! rank), the shared expert (by intermediate channel) and the LM head (by vocabulary row). The
 //! single K=V head, the compressors, the indexer, the router, the hyper-connections, the norms
 //! and the embedding are the same on every rank: they are per token, not per head. A rank's
@@ -29,6 +30,12 @@ pub enum V4Split {
     Rows,
     /// Rank `r`'s `1 / ranks` of the columns (dim 1).
     Cols,
+    /// `wo_a` (`[groups x rank_o, heads x head_dim / groups]`): the rank's groups' rows, or,
+    /// with more ranks than groups, its group's rows and its heads' columns.
+    OutputA,
+    /// `wo_b` (`[hidden, groups x rank_o]`): the columns of the rank's groups (of its group,
+    /// with more ranks than groups, which the ranks sharing that group all hold).
+    OutputB,
     /// Routed expert `r x experts_per_rank + index` of its layer, whole: the published name is
     /// the tensor's `published`, with the expert's global index in place of `{}`.
     Expert {
@@ -56,16 +63,19 @@ pub struct RankTensor {
 pub fn indivisible(cfg: &V4Config, ranks: usize) -> Option<String> {
     let counts = [
         ("num_attention_heads", cfg.num_attention_heads),
-        ("o_groups", cfg.o_groups),
         ("n_routed_experts", cfg.n_routed_experts),
         ("moe_intermediate_size", cfg.moe_intermediate_size),
         ("vocab_size", cfg.vocab_size),
     ];
-    let bad: Vec<String> = counts
+    let mut bad: Vec<String> = counts
         .iter()
         .filter(|(_, n)| ranks == 0 || !n.is_multiple_of(ranks))
         .map(|(key, n)| format!("{key} {n}"))
         .collect();
+    let g = cfg.o_groups;
+    if ranks > 0 && !g.is_multiple_of(ranks) && !ranks.is_multiple_of(g) {
+        bad.push(format!("o_groups {g} (nor does it divide {ranks})"));
+    }
     (!bad.is_empty()).then(|| {
         format!(
             "DeepSeek-V4 splits its heads, output groups, experts, expert channels and \
@@ -100,9 +110,18 @@ pub fn rank_tensors(cfg: &V4Config, ranks: usize) -> Result<Vec<RankTensor>> {
         }
         let split = split_of(&name);
         let mut shape = shape;
+        let groups = local_groups(cfg, ranks);
+        let rows_o = groups * cfg.o_lora_rank;
         match split {
             V4Split::Rows => shape[0] /= ranks,
             V4Split::Cols => shape[1] /= ranks,
+            V4Split::OutputA => {
+                shape = vec![
+                    rows_o,
+                    cfg.num_attention_heads / ranks * cfg.head_dim / groups,
+                ]
+            }
+            V4Split::OutputB => shape[1] = rows_o,
             _ => {}
         }
         out.push(RankTensor {
@@ -113,6 +132,12 @@ pub fn rank_tensors(cfg: &V4Config, ranks: usize) -> Result<Vec<RankTensor>> {
         });
     }
     Ok(out)
+}
+
+/// Output groups a rank projects: its share of them, or the one group its heads belong to when
+/// the ranks outnumber the groups.
+pub fn local_groups(cfg: &V4Config, ranks: usize) -> usize {
+    (cfg.o_groups / ranks).max(1)
 }
 
 /// `(layer prefix, (expert index, rest of the name))` of a routed expert's tensor.
@@ -127,16 +152,29 @@ fn split_of(name: &str) -> V4Split {
     let rows = [
         ".attn.wq_b.weight",
         ".attn.attn_sink",
-        ".attn.wo_a.weight",
         ".shared_experts.w1.weight",
         ".shared_experts.w3.weight",
     ];
-    let cols = [".attn.wo_b.weight", ".shared_experts.w2.weight"];
+    let cols = [".shared_experts.w2.weight"];
     match name {
         "head.weight" => V4Split::Rows,
+        _ if name.ends_with(".attn.wo_a.weight") => V4Split::OutputA,
+        _ if name.ends_with(".attn.wo_b.weight") => V4Split::OutputB,
         _ if rows.iter().any(|s| name.ends_with(s)) => V4Split::Rows,
         _ if cols.iter().any(|s| name.ends_with(s)) => V4Split::Cols,
         _ => V4Split::Whole,
+    }
+}
+
+/// Which block of `wo_a` rank `rank` holds: its first group (in units of its
+/// [`local_groups`]), and its heads' place within the group.
+fn group_of(cfg: &V4Config, ranks: usize, rank: usize) -> (usize, usize) {
+    match ranks <= cfg.o_groups {
+        true => (rank, 0),
+        false => {
+            let share = ranks / cfg.o_groups;
+            (rank / share, rank % share)
+        }
     }
 }
 
@@ -159,6 +197,18 @@ pub fn rank_weights(
             V4Split::Whole => get(&t.name)?.clone(),
             V4Split::Rows => get(&t.name)?.narrow(0, rank * t.shape[0], t.shape[0])?,
             V4Split::Cols => get(&t.name)?.narrow(1, rank * t.shape[1], t.shape[1])?,
+            // With more ranks than groups, `ranks / groups` ranks share a group: rank r has
+            // group r / share, and within it the columns of its heads, r % share.
+            V4Split::OutputA => {
+                let (group, within) = group_of(cfg, ranks, rank);
+                get(&t.name)?
+                    .narrow(0, group * t.shape[0], t.shape[0])?
+                    .narrow(1, within * t.shape[1], t.shape[1])?
+            }
+            V4Split::OutputB => {
+                let (group, _) = group_of(cfg, ranks, rank);
+                get(&t.name)?.narrow(1, group * t.shape[1], t.shape[1])?
+            }
             V4Split::Expert { published, index } => {
                 let global = (rank * per_rank + index).to_string();
                 get(&published.replace("{}", &global))?.clone()
@@ -173,4 +223,53 @@ pub fn rank_weights(
         out.insert(crate::model::shard::SHARD_OFFSETS.to_string(), offsets);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tiny() -> V4Config {
+        let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-v4");
+        let text = std::fs::read_to_string(path.join("config.json")).unwrap();
+        V4Config::from_json_str(&text).unwrap()
+    }
+
+    #[test]
+    fn a_degree_that_does_not_divide_the_model_is_named() {
+        let cfg = tiny();
+        assert_eq!(indivisible(&cfg, 2), None);
+        assert_eq!(indivisible(&cfg, 4), None, "4 ranks share the 2 groups");
+        let why = indivisible(&cfg, 3).unwrap();
+        for key in ["num_attention_heads 4", "n_routed_experts 8", "o_groups 2"] {
+            assert!(why.contains(key), "{why}");
+        }
+        assert!(rank_tensors(&cfg, 3).is_err());
+    }
+
+    #[test]
+    fn each_rank_holds_its_share_of_the_split_tensors() {
+        let cfg = tiny();
+        let shapes = |ranks| -> HashMap<String, Vec<usize>> {
+            rank_tensors(&cfg, ranks)
+                .unwrap()
+                .into_iter()
+                .map(|t| (t.name, t.shape))
+                .collect()
+        };
+        let (one, four) = (shapes(1), shapes(4));
+        // Heads: 4 of 32 channels; wo_a: one group's 16 rows, one head's 32 columns.
+        assert_eq!(four["layers.0.attn.wq_b.weight"], [32, 32]);
+        assert_eq!(four["layers.0.attn.wo_a.weight"], [16, 32]);
+        assert_eq!(one["layers.0.attn.wo_a.weight"], [32, 64]);
+        assert_eq!(four["layers.0.attn.wo_b.weight"], [64, 16]);
+        // Two of the eight experts, by local index.
+        assert!(four.contains_key("layers.2.ffn.experts.1.w1.weight"));
+        assert!(!four.contains_key("layers.2.ffn.experts.2.w1.weight"));
+        assert_eq!(four["head.weight"], [128, 64]);
+        assert_eq!(
+            four["layers.1.attn.wkv.weight"],
+            one["layers.1.attn.wkv.weight"]
+        );
+    }
 }
