@@ -168,6 +168,18 @@ pub struct Manifest {
     pub costs: Vec<GraphCost>,
 }
 
+impl Manifest {
+    /// An empty manifest for `tp` ranks of a model of `vocab_size` tokens.
+    fn new(tp: usize, vocab_size: usize) -> Self {
+        Manifest {
+            tp,
+            vocab_size,
+            graphs: Vec::new(),
+            costs: Vec::new(),
+        }
+    }
+}
+
 /// The static cost of one lowered graph, next to the decode floor.
 #[derive(Debug, Clone)]
 pub struct GraphCost {
@@ -605,12 +617,7 @@ pub fn lower_sharded(
         }
     }
 
-    let mut manifest = Manifest {
-        tp: ranks,
-        vocab_size: cfg.vocab_size,
-        graphs: Vec::new(),
-        costs: Vec::new(),
-    };
+    let mut manifest = Manifest::new(ranks, cfg.vocab_size);
     for (g, kind, rows, seqs) in &graphs {
         let floor =
             (*kind == "decode").then(|| decode_floor(&cfg, &specs, rc.kv_dtype, *rows, opts.ctx));

@@ -232,6 +232,11 @@ impl Cache {
         }
         let fed: usize = feeds.iter().map(|f| f.tokens.len()).sum();
         let vocab = self.cfg.vocab_size;
+        // Sequence i's rings are in state row i + 1.
+        let controls = |f: &Feed| LogitControls {
+            state_row: f.seq as u32 + 1,
+            ..LogitControls::NONE
+        };
         let meta = match spec.decode {
             true => {
                 let rows: Vec<DecodeRow> = feeds
@@ -241,10 +246,7 @@ impl Cache {
                         position: f.start,
                         blocks: &self.seqs[f.seq],
                         sampling: SamplingParams::GREEDY,
-                        controls: LogitControls {
-                            state_row: f.seq as u32 + 1,
-                            ..LogitControls::NONE
-                        },
+                        controls: controls(f),
                     })
                     .collect();
                 step::decode_step(&rows, spec.rows, CTX, BLOCK, vocab)
@@ -257,10 +259,7 @@ impl Cache {
                         start: f.start,
                         blocks: &self.seqs[f.seq],
                         sampling: SamplingParams::GREEDY,
-                        controls: LogitControls {
-                            state_row: f.seq as u32 + 1,
-                            ..LogitControls::NONE
-                        },
+                        controls: controls(f),
                     })
                     .collect();
                 step::prefill_step(&chunks, spec.rows, spec.seqs, CTX, BLOCK, vocab)

@@ -79,12 +79,7 @@ pub(super) fn lower(
         };
         graphs.push((build_step(cfg, &layout, &spec)?, "decode", b, b));
     }
-    let mut manifest = Manifest {
-        tp: ranks,
-        vocab_size: cfg.vocab_size,
-        graphs: Vec::new(),
-        costs: Vec::new(),
-    };
+    let mut manifest = Manifest::new(ranks, cfg.vocab_size);
     for (g, kind, rows, seqs) in &graphs {
         write_graph(g, kind, *rows, *seqs, opts.ctx, None, out, &mut manifest)?;
     }
