@@ -144,6 +144,8 @@ def cmd_convert(args):
     args.outfile.parent.mkdir(parents=True, exist_ok=True)
     partial = args.outfile.with_name(args.outfile.name + ".partial")
     sys.argv = [str(converter), str(args.model), "--outtype", args.outtype, "--outfile", str(partial)]
+    if args.vocab_only:
+        sys.argv.append("--vocab-only")
     runpy.run_path(str(converter), run_name="__main__")
     partial.replace(args.outfile)
     print(f"convert: wrote {args.outfile} ({args.outfile.stat().st_size / 1e6:.1f} MB)")
@@ -344,6 +346,8 @@ def main():
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--outtype", required=True, choices=["f32", "bf16", "q8_0"])
     p.add_argument("--outfile", type=Path, required=True)
+    p.add_argument("--vocab-only", action="store_true",
+                   help="metadata and vocabulary only, no tensors (scripts/v2lite_gguf.py check-metadata)")
 
     p = sub.add_parser("parity")
     p.add_argument("--llama-cpp-python", type=Path, required=True, help="the sdist's root (holds llama_cpp/)")
