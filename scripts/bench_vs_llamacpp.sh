@@ -48,6 +48,30 @@
 # 91 tok/s become 13 at batch 1 in F32, others using 1.0 core), so a row whose "others" is not
 # near 0 compares contention, not engines.
 #
+# `--suite v2lite` (issue 45) benchmarks the DeepSeek-V2-Lite-shaped random-weight GGUF files of
+# scripts/make_v2lite_gguf.sh instead (27 layers, 64 experts of 1408; Q4_K_M 10 GB and Q8_0
+# 16.7 GB, made first when V2LITE_DIR lacks them: minutes for the Q8_0, tens for llama-quantize).
+# Both engines load the same GGUF file. Steps 3-5 are skipped (no HF checkpoint: the 4-layer
+# variant's parity with llama.cpp is tests/gguf_v2lite.rs, in CI). Per precision (q4_k_m, q8_0)
+# and round, each cell alternates llama.cpp then deepinfer, both at 2 threads with a bf16 KV
+# cache (llama.cpp -ctk bf16 -ctv bf16; deepinfer --kv-dtype bf16, its weights as the file stores
+# them with --dtype bf16 for the rest), and llama.cpp's weight repacking off (--repack 0 /
+# --no-repack, forced: with it this build aborts on this AMX CPU, see LLAMA_BENCH_EXTRA):
+#   b1       decode, batch 1, PROMPT_LEN of context, STEPS steps:
+#            llama-bench -p 0 -n STEPS -d PROMPT_LEN  |  deepinfer bench --batch 1 --tokens random
+#   b8       decode, batch 8: llama-batched-bench -npp PROMPT_LEN -ntg STEPS -npl 8 (token 0)
+#            |  deepinfer bench --batch 8 --tokens zeros
+#   pp512    prefill of 512 tokens: llama-bench -p 512 -n 0 (mean of 5 repetitions after a
+#            warm-up)  |  deepinfer bench --prompt-len 512 --steps 1, its prefill_tokens_per_s
+#            (one prefill, in chunks of 64 as serve prefills, graphs built on first use included)
+#   d4096, d16384  decode at batch 1 after that many tokens of context: llama-bench -p 0
+#            -n LONG_STEPS -d N -r LONG_REPS  |  deepinfer bench --prompt-len N --steps LONG_STEPS
+#   load     the wall time of a process that loads the file and decodes one token:
+#            llama-bench -p 0 -n 1 -r 1 --no-warmup  |  deepinfer bench --prompt-len 1 --steps 1
+#            (page cache warm: the file was just read by the previous cell)
+# and every command runs under /usr/bin/time -v: the table gives each one's peak RSS (llama.cpp
+# maps the file, so its RSS counts the mapped weights it touched).
+#
 # Not run in CI (tens of minutes, a 2 GB download). Options:
 #   --work DIR         where everything downloaded, built and written goes
 #                      (default target/llamacpp-bench, git-ignored)
@@ -58,6 +82,10 @@
 #   --batches LIST     batch sizes (default 1,8)
 #   --idle-wait SECS   wait at most this long for an idle machine before each measurement
 #                      (default 180; 0: do not wait)
+#   --suite NAME       medium (default: the medium-bench checkpoint above) or v2lite
+#   --v2lite-dir DIR   where scripts/make_v2lite_gguf.sh writes the V2-Lite files
+#                      (default target/v2lite-gguf)
+#   --cells LIST       v2lite cells (default b1,b8,pp512,d4096,d16384,load)
 set -euo pipefail
 
 # Per precision: GGUF --outtype | llama.cpp KV cache type (-ctk/-ctv) | deepinfer flags.
@@ -95,6 +123,13 @@ STEPS=64
 PARITY_PROMPT=$'ROMEO:\nBut, soft! what light through yonder window breaks?\n'
 PARITY_NEW_TOKENS=24
 LLAMA_TARGETS=(llama llama-bench llama-batched-bench)
+# --suite v2lite: the files' precisions, the KV cache both engines use, and the long cells' steps
+# and llama-bench repetitions (a 16,384-token context is prefilled again for every repetition).
+V2LITE_PRECISIONS=q4_k_m,q8_0
+V2LITE_KV=bf16
+LONG_STEPS=32
+LONG_REPS=2
+declare -A V2LITE_LABEL=([q4_k_m]="Q4_K_M" [q8_0]="Q8_0")
 
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 WORK=$REPO/target/llamacpp-bench     # paths given as options are relative to the caller's directory
@@ -104,6 +139,10 @@ SKIP_BUILD=0
 PRECISIONS=f32,bf16,q8
 BATCHES=1,8
 IDLE_WAIT=180
+SUITE=medium
+V2LITE_DIR=$REPO/target/v2lite-gguf
+CELLS=b1,b8,pp512,d4096,d16384,load
+PRECISIONS_GIVEN=0
 
 die() { echo "bench_vs_llamacpp: error: $*" >&2; exit 1; }
 say() { echo "== $*"; }
@@ -115,7 +154,10 @@ while [ $# -gt 0 ]; do
         --deepinfer) DEEPINFER=${2:?--deepinfer needs a path}; shift 2 ;;
         --rounds) ROUNDS=${2:?--rounds needs a number}; shift 2 ;;
         --skip-build) SKIP_BUILD=1; shift ;;
-        --precisions) PRECISIONS=${2:?--precisions needs a list}; shift 2 ;;
+        --precisions) PRECISIONS=${2:?--precisions needs a list}; PRECISIONS_GIVEN=1; shift 2 ;;
+        --suite) SUITE=${2:?--suite needs medium or v2lite}; shift 2 ;;
+        --v2lite-dir) V2LITE_DIR=${2:?--v2lite-dir needs a directory}; shift 2 ;;
+        --cells) CELLS=${2:?--cells needs a list}; shift 2 ;;
         --batches) BATCHES=${2:?--batches needs a list}; shift 2 ;;
         --idle-wait) IDLE_WAIT=${2:?--idle-wait needs seconds}; shift 2 ;;
         -h|--help) usage 0 ;;
@@ -124,11 +166,25 @@ while [ $# -gt 0 ]; do
 done
 [[ $ROUNDS =~ ^[1-9][0-9]*$ ]] || die "--rounds must be a positive integer, not '$ROUNDS'"
 [[ $IDLE_WAIT =~ ^[0-9]+$ ]] || die "--idle-wait must be a number of seconds, not '$IDLE_WAIT'"
+case "$SUITE" in
+    medium|v2lite) ;;
+    *) die "--suite must be medium or v2lite, not '$SUITE'" ;;
+esac
+[ "$SUITE" = medium ] || [ "$PRECISIONS_GIVEN" = 1 ] || PRECISIONS=$V2LITE_PRECISIONS
 IFS=, read -r -a PRECISION_LIST <<< "$PRECISIONS"
 IFS=, read -r -a BATCH_LIST <<< "$BATCHES"
+IFS=, read -r -a CELL_LIST <<< "$CELLS"
 for p in "${PRECISION_LIST[@]}"; do
-    [ -n "${GGUF_TYPE[$p]:-}" ] || die "unknown precision '$p' (known: ${!GGUF_TYPE[*]})"
+    if [ "$SUITE" = medium ]; then
+        [ -n "${GGUF_TYPE[$p]:-}" ] || die "unknown precision '$p' (known: ${!GGUF_TYPE[*]})"
+    else
+        [ -n "${V2LITE_LABEL[$p]:-}" ] || die "unknown --suite v2lite precision '$p' (known: ${!V2LITE_LABEL[*]})"
+    fi
 done
+for c in "${CELL_LIST[@]}"; do
+    case "$c" in b1|b8|pp512|d4096|d16384|load) ;; *) die "unknown cell '$c' (known: b1,b8,pp512,d4096,d16384,load)" ;; esac
+done
+[ "$SUITE" = medium ] || [ -x /usr/bin/time ] || die "/usr/bin/time is missing (Debian: apt-get install time): --suite v2lite records peak RSS with it"
 for b in "${BATCH_LIST[@]}"; do
     [[ $b =~ ^[1-9][0-9]*$ ]] || die "batch sizes must be positive integers, not '$b'"
 done
@@ -136,14 +192,17 @@ done
 mkdir -p "$WORK"
 WORK=$(cd "$WORK" && pwd)
 DEEPINFER=$(realpath -m "$DEEPINFER")
+V2LITE_DIR=$(realpath -m "$V2LITE_DIR")
 cd "$REPO"
 [ -x "$DEEPINFER" ] || die "deepinfer binary $DEEPINFER not found or not executable (build it with \`cargo build --release\`, or pass --deepinfer PATH)"
 LOGS=$WORK/logs
 mkdir -p "$LOGS"
 BUILD=$WORK/build
 built() {
-    [ -x "$BUILD/bin/llama-bench" ] && [ -x "$BUILD/bin/llama-batched-bench" ] && [ -f "$BUILD/bin/libllama.so" ]
+    [ -x "$BUILD/bin/llama-bench" ] && [ -x "$BUILD/bin/llama-batched-bench" ] && [ -f "$BUILD/bin/libllama.so" ] \
+        && { [ "$SUITE" = medium ] || [ -x "$BUILD/bin/llama-quantize" ]; }
 }
+[ "$SUITE" = medium ] || LLAMA_TARGETS+=(llama-quantize)
 [ "$SKIP_BUILD" = 0 ] || built || die "--skip-build, but $BUILD has no llama-bench, llama-batched-bench and libllama.so"
 
 # Runs a command with its output in $LOGS/NAME.log; on failure shows the log's end and stops.
@@ -201,7 +260,7 @@ CMAKE_FLAGS=(-DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DLLAMA_OPENSSL=OFF -DL
 STAMP="llama-cpp-python $LLAMA_CPP_PYTHON, llama.cpp $LLAMA_COMMIT, ${CMAKE_FLAGS[*]}, ${LLAMA_TARGETS[*]}"
 if [ "$SKIP_BUILD" = 1 ]; then
     say "llama.cpp: using $BUILD as it is (--skip-build)"
-elif built && [ "$(cat "$BUILD/.bench-stamp" 2> /dev/null)" = "$STAMP" ]; then
+elif built && [ "$(sed 's/ llama-quantize$//' "$BUILD/.bench-stamp" 2> /dev/null)" = "${STAMP% llama-quantize}" ]; then
     say "llama.cpp: $BUILD is up to date ($LLAMA_COMMIT)"
 else
     say "building llama.cpp $LLAMA_COMMIT (${LLAMA_TARGETS[*]}) in $BUILD: minutes (under 4 on 2 cores here)"
@@ -238,6 +297,7 @@ TOKENS_B1=$(token_stream "$(tool_source llama-bench)")
 TOKENS_BN=$(token_stream "$(tool_source batched-bench)")
 say "token streams: batch 1 (llama-bench) $TOKENS_B1, batch > 1 (llama-batched-bench) $TOKENS_BN"
 
+if [ "$SUITE" = medium ]; then
 # --- 3. checkpoint ----------------------------------------------------------------------------
 CKPT=$WORK/medium-bench
 if [ ! -f "$CKPT/.complete" ]; then
@@ -266,6 +326,21 @@ if ! "$PY" scripts/llamacpp_bench.py parity --llama-cpp-python "$SDIST" --lib-di
         --new-tokens "$PARITY_NEW_TOKENS" --threads "$THREADS" --summary "$WORK/parity.json" \
         2>&1 | tee "$LOGS/parity.log"; then
     die "parity failed: llama.cpp and deepinfer disagree on the F32 checkpoint (log: $LOGS/parity.log); not benchmarking"
+fi
+else
+# --- 3-5. the V2-Lite-shaped files (no checkpoint, conversion or F32 parity: tests/gguf_v2lite.rs) --
+v2lite_file() { echo "$V2LITE_DIR/v2lite-$1.gguf"; }
+for p in "${PRECISION_LIST[@]}"; do
+    if [ ! -f "$(v2lite_file "$p")" ]; then
+        say "making the V2-Lite-shaped GGUF files with scripts/make_v2lite_gguf.sh (tens of minutes)"
+        run_logged make-v2lite scripts/make_v2lite_gguf.sh --out "$V2LITE_DIR" --llamacpp-work "$WORK"
+        break
+    fi
+done
+for p in "${PRECISION_LIST[@]}"; do
+    [ -f "$(v2lite_file "$p")" ] || die "no $(v2lite_file "$p") after scripts/make_v2lite_gguf.sh"
+    echo "  $(basename "$(v2lite_file "$p")"): $(du -hL "$(v2lite_file "$p")" | cut -f1)"
+done
 fi
 
 # --- 6. benchmark -----------------------------------------------------------------------------
@@ -323,12 +398,105 @@ bench_deepinfer() {  # precision batch output
         --tokens "$([ "$2" = 1 ] && echo "$TOKENS_B1" || echo "$TOKENS_BN")" > "$3" 2> "$3.err"
 }
 
+# A measurement is retried (up to ATTEMPTS times in all) while others used more than BUSY_CORES.
+ATTEMPTS=3
+BUSY_CORES=0.25
+# --suite v2lite: one cell's command for each engine (precision cell output). The flags are
+# written out in the report.
+v2lite_llama_cmd() {
+    local model kv=$V2LITE_KV
+    model=$(v2lite_file "$1")
+    case "$2" in
+        b1) echo "$BUILD/bin/llama-bench -m $model -t $THREADS -p 0 -n $STEPS -d $PROMPT_LEN -ctk $kv -ctv $kv --repack 0 -o json" ;;
+        b8) echo "$BUILD/bin/llama-batched-bench -m $model -t $THREADS -tb $THREADS -c $(( 8 * (PROMPT_LEN + STEPS) )) -npp $PROMPT_LEN -ntg $STEPS -npl 8 -ctk $kv -ctv $kv --no-repack --output-format jsonl" ;;
+        pp512) echo "$BUILD/bin/llama-bench -m $model -t $THREADS -p 512 -n 0 -ctk $kv -ctv $kv --repack 0 -o json" ;;
+        d4096|d16384) echo "$BUILD/bin/llama-bench -m $model -t $THREADS -p 0 -n $LONG_STEPS -d ${2#d} -r $LONG_REPS -ctk $kv -ctv $kv --repack 0 -o json" ;;
+        load) echo "$BUILD/bin/llama-bench -m $model -t $THREADS -p 0 -n 1 -r 1 --no-warmup -ctk $kv -ctv $kv --repack 0 -o json" ;;
+    esac
+}
+v2lite_deepinfer_cmd() {
+    local model common
+    model=$(v2lite_file "$1")
+    common="$DEEPINFER bench --model $model --dtype bf16 --kv-dtype $V2LITE_KV --json"
+    case "$2" in
+        b1) echo "$common --batch 1 --prompt-len $PROMPT_LEN --steps $STEPS --tokens $TOKENS_B1" ;;
+        b8) echo "$common --batch 8 --prompt-len $PROMPT_LEN --steps $STEPS --tokens $TOKENS_BN" ;;
+        pp512) echo "$common --batch 1 --prompt-len 512 --steps 1 --tokens random" ;;
+        d4096|d16384) echo "$common --batch 1 --prompt-len ${2#d} --steps $LONG_STEPS --tokens random" ;;
+        load) echo "$common --batch 1 --prompt-len 1 --steps 1 --tokens random" ;;
+    esac
+}
+# One v2lite measurement (round precision cell engine), as measure() below: waits for an idle
+# machine, runs under /usr/bin/time -v, retries while others were busy, records the figure
+# (tok/s; seconds for `load`) with the peak RSS.
+measure_v2lite() {
+    local out="$LOGS/round$1-v2lite-$2-$3-$4.out" tool cmd attempt t0 t1 busy0 busy1 mine0 mine1 others metric
+    if [ "$4" = llama ]; then
+        cmd=$(v2lite_llama_cmd "$2" "$3")
+        tool=$([ "$3" = b8 ] && echo llama-batched-bench || echo llama-bench)
+    else
+        cmd=$(v2lite_deepinfer_cmd "$2" "$3")
+        tool=deepinfer
+    fi
+    metric=decode
+    case "$3" in pp512) metric=prefill ;; load) metric=load ;; esac
+    echo "$cmd" > "$out.cmd"
+    for attempt in $(seq 1 "$ATTEMPTS"); do
+        wait_idle
+        t0=$EPOCHREALTIME; busy0=$(busy_ticks); mine0=$(child_ticks)
+        # shellcheck disable=SC2086  # $cmd is a command line of plain words
+        RAYON_NUM_THREADS=$THREADS /usr/bin/time -v -o "$out.time" $cmd > "$out" 2> "$out.err" \
+            || { tail -n 20 "$out.err" >&2; die "$tool ($2, $3) failed: $cmd (log: $out.err)"; }
+        t1=$EPOCHREALTIME; busy1=$(busy_ticks); mine1=$(child_ticks)
+        others=$(awk -v b="$(( busy1 - busy0 - (mine1 - mine0) ))" -v t0="$t0" -v t1="$t1" -v hz="$CLK_TCK" \
+            'BEGIN { c = b / hz / (t1 - t0); printf "%.2f", c < 0 ? 0 : c }')
+        if [ "$attempt" -lt "$ATTEMPTS" ] && awk -v o="$others" -v m="$BUSY_CORES" 'BEGIN { exit !(o > m) }'; then
+            echo "  ($tool, $2, $3: others used $others cores meanwhile; measuring again)"
+            continue
+        fi
+        break
+    done
+    "$PY" scripts/llamacpp_bench.py parse --tool "$tool" --output "$out" --results "$RESULTS" \
+        --round "$1" --precision "$2" --batch "$([ "$3" = b8 ] && echo 8 || echo 1)" --case "$3" \
+        --metric "$metric" --time-file "$out.time" --command "$cmd" --others "$others" --attempts "$attempt" \
+        --seconds "$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')" \
+        || die "could not read $tool's output ($out)"
+}
+
+if [ "$SUITE" = v2lite ]; then
+    say "benchmark (v2lite): $ROUNDS rounds, precisions ${PRECISION_LIST[*]}, cells ${CELL_LIST[*]}, $THREADS threads"
+    for round in $(seq 1 "$ROUNDS"); do
+        start_load=$(loadavg)
+        echo "round $round (load $start_load)"
+        for p in "${PRECISION_LIST[@]}"; do
+            for c in "${CELL_LIST[@]}"; do
+                measure_v2lite "$round" "$p" "$c" llama
+                measure_v2lite "$round" "$p" "$c" deepinfer
+            done
+        done
+        printf '{"kind": "load", "round": %d, "start": "%s", "end": "%s"}\n' "$round" "$start_load" "$(loadavg)" >> "$RESULTS"
+    done
+    REPORT=${RESULTS%.jsonl}.md
+    labels=()
+    for p in "${PRECISION_LIST[@]}"; do labels+=(--label "$p=${V2LITE_LABEL[$p]}"); done
+    {
+        echo "llama.cpp $LLAMA_COMMIT (llama-cpp-python $LLAMA_CPP_PYTHON sdist), deepinfer $DEEPINFER"
+        echo "DeepSeek-V2-Lite-shaped random-weight GGUF files in $V2LITE_DIR (scripts/make_v2lite_gguf.sh)"
+        echo "$(nproc) cores, $THREADS threads, KV cache $V2LITE_KV in both, llama.cpp repacking off (forced), $(date -u '+%Y-%m-%d %H:%M UTC')"
+        echo
+        "$PY" scripts/llamacpp_bench.py report --results "$RESULTS" --precisions "$PRECISIONS" --by-case "${labels[@]}"
+    } > "$REPORT"
+    echo
+    cat "$REPORT"
+    echo
+    echo "(results: $RESULTS, $REPORT)"
+    exit 0
+fi
+
 say "benchmark: $ROUNDS rounds, precisions ${PRECISION_LIST[*]}, batches ${BATCH_LIST[*]}, $THREADS threads, prompt $PROMPT_LEN, $STEPS decode steps"
 # One measurement: waits for an idle machine, runs the engine's bench, and records its tok/s
 # with the cores other processes used meanwhile; retried (up to ATTEMPTS times in all, the
 # last attempt kept) while others used more than BUSY_CORES.
-ATTEMPTS=3
-BUSY_CORES=0.25
 measure() {  # round precision batch engine
     local out="$LOGS/round$1-$2-b$3-$4.out" tool attempt t0 t1 busy0 busy1 mine0 mine1 others
     tool=deepinfer

@@ -9,8 +9,9 @@ Subcommands (the shell script calls them in this order; each can be rerun on its
   parity      greedy continuation and every position's logits, llama.cpp (through the
               llama-cpp-python sdist's own ctypes bindings over the libllama just built) against
               `deepinfer generate` / `deepinfer score`, in F32; exits 1 if any token differs;
-  parse       turn one benchmark tool's output into a JSON line of the results file;
-  report      print the results file as a markdown table.
+  parse       turn one benchmark tool's output into a JSON line of the results file (decode or
+              prefill tok/s; with --time-file, /usr/bin/time -v's peak RSS and wall time);
+  report      print the results file as a markdown table (--by-case: one per --suite v2lite cell).
 
 Why this checkpoint. The weights are the ones scripts/bench_vs_transformers.py benchmarks:
 transformers' `DeepseekV3ForCausalLM` built from the config and filled by
@@ -144,6 +145,8 @@ def cmd_convert(args):
     args.outfile.parent.mkdir(parents=True, exist_ok=True)
     partial = args.outfile.with_name(args.outfile.name + ".partial")
     sys.argv = [str(converter), str(args.model), "--outtype", args.outtype, "--outfile", str(partial)]
+    if args.vocab_only:
+        sys.argv.append("--vocab-only")
     runpy.run_path(str(converter), run_name="__main__")
     partial.replace(args.outfile)
     print(f"convert: wrote {args.outfile} ({args.outfile.stat().st_size / 1e6:.1f} MB)")
@@ -258,17 +261,21 @@ def cmd_parity(args):
 # parse and report
 
 
-def parse_llama_bench(text):
-    """`llama-bench -o json`: a list of tests; the one tg test's mean tokens/s."""
+def parse_llama_bench(text, metric="decode"):
+    """`llama-bench -o json`: a list of tests; the one generation test's mean tokens/s, or with
+    metric "prefill" the one prompt-processing test's (`-p N -n 0`)."""
     tests = json.loads(text[text.index("["):])
-    tg = [t for t in tests if t.get("n_gen", 0) > 0 and t.get("n_prompt", 0) == 0]
+    if metric == "prefill":
+        tg = [t for t in tests if t.get("n_prompt", 0) > 0 and t.get("n_gen", 0) == 0]
+    else:
+        tg = [t for t in tests if t.get("n_gen", 0) > 0 and t.get("n_prompt", 0) == 0]
     if len(tg) != 1:
-        raise ValueError(f"expected one generation test, found {len(tg)}")
+        raise ValueError(f"expected one {'prompt' if metric == 'prefill' else 'generation'} test, found {len(tg)}")
     return float(tg[0]["avg_ts"]), {"stddev_ts": tg[0].get("stddev_ts"), "n_depth": tg[0].get("n_depth"),
                                     "type_k": tg[0].get("type_k"), "build_commit": tg[0].get("build_commit")}
 
 
-def parse_batched_bench(text):
+def parse_batched_bench(text, metric="decode"):
     """`llama-batched-bench --output-format jsonl`: one line per (pp, tg, pl); its decode tokens/s."""
     rows = [json.loads(line) for line in text.splitlines() if line.startswith("{")]
     if len(rows) != 1:
@@ -278,10 +285,26 @@ def parse_batched_bench(text):
                                     "t_tg": row.get("t_tg")}
 
 
-def parse_deepinfer(text):
+def parse_deepinfer(text, metric="decode"):
     lines = [line for line in text.splitlines() if line.startswith("{")]
     row = json.loads(lines[-1])
-    return float(row["tokens_per_s"]), {"ms_per_step": row.get("ms_per_step")}
+    key = "prefill_tokens_per_s" if metric == "prefill" else "tokens_per_s"
+    return float(row[key]), {"ms_per_step": row.get("ms_per_step")}
+
+
+def parse_time_v(path):
+    """/usr/bin/time -v's report: (peak RSS in GB, wall seconds)."""
+    rss = wall = None
+    for line in Path(path).read_text().splitlines():
+        line = line.strip()
+        if line.startswith("Maximum resident set size (kbytes):"):
+            rss = int(line.rsplit(":", 1)[1]) / 1e6
+        elif line.startswith("Elapsed (wall clock) time"):
+            parts = [float(x) for x in line.rsplit(" ", 1)[1].split(":")]
+            wall = sum(x * 60 ** i for i, x in enumerate(reversed(parts)))
+    if rss is None or wall is None:
+        raise ValueError(f"no peak RSS or wall time in {path}")
+    return rss, wall
 
 
 PARSERS = {"llama-bench": parse_llama_bench, "llama-batched-bench": parse_batched_bench,
@@ -290,23 +313,84 @@ PARSERS = {"llama-bench": parse_llama_bench, "llama-batched-bench": parse_batche
 
 def cmd_parse(args):
     text = args.output.read_text()
+    extra = {}
     try:
-        tok_s, extra = PARSERS[args.tool](text)
+        if args.time_file:
+            extra["peak_rss_gb"], extra["wall_s"] = parse_time_v(args.time_file)
+        if args.metric == "load":
+            tok_s = None  # the figure is the process's wall time
+        else:
+            tok_s, more = PARSERS[args.tool](text, args.metric)
+            extra.update(more)
     except (ValueError, KeyError, IndexError, TypeError) as err:
         sys.exit(f"parse: cannot read {args.tool}'s output in {args.output} ({err}):\n{text[-2000:]}")
     row = {"round": args.round, "precision": args.precision, "batch": args.batch,
            "engine": "deepinfer" if args.tool == "deepinfer" else "llama.cpp", "tool": args.tool,
            "tok_s": tok_s, "others_cores": args.others, "seconds": args.seconds,
            "attempts": args.attempts, **extra}
+    if args.case:
+        row.update(case=args.case, metric=args.metric, command=args.command)
     with args.results.open("a") as f:
         f.write(json.dumps(row) + "\n")
-    print(f"  {row['engine']:>9} {args.precision:>4} batch {args.batch}: {tok_s:8.2f} tok/s "
-          f"({args.seconds:.1f} s; others used {args.others:.2f} cores meanwhile"
+    what = f"batch {args.batch}" if not args.case else args.case
+    figure = f"{tok_s:8.2f} tok/s" if tok_s is not None else f"{extra['wall_s']:8.2f} s"
+    rss = f", peak RSS {extra['peak_rss_gb']:.2f} GB" if "peak_rss_gb" in extra else ""
+    print(f"  {row['engine']:>9} {args.precision:>6} {what}: {figure} "
+          f"({args.seconds:.1f} s{rss}; others used {args.others:.2f} cores meanwhile"
           f"{f'; attempt {args.attempts}' if args.attempts > 1 else ''})")
+
+
+CASE_TITLES = {"b1": "decode, batch 1", "b8": "decode, batch 8", "pp512": "prefill of 512 tokens",
+               "d4096": "decode at 4,096 tokens of context", "d16384": "decode at 16,384 tokens of context",
+               "load": "load and one token (wall seconds; the ratio is llama.cpp's time / ours, above 1 "
+                        "when ours is faster)"}
+
+
+def report_by_case(args, rows):
+    """--suite v2lite: one table per cell (precision x round), with both engines' figures, the
+    ratio, each one's peak RSS, and the commands."""
+    runs = [r for r in rows if "case" in r]
+    loads = {r["round"]: r for r in rows if r.get("kind") == "load"}
+    cases = [c for c in CASE_TITLES if any(r["case"] == c for r in runs)]
+    for case in cases:
+        print(f"### {CASE_TITLES[case]}\n")
+        print("| precision | round | llama.cpp | deepinfer | ours / llama.cpp | peak RSS llama.cpp / deepinfer (GB) "
+              "| others' CPU (cores) |")
+        print("|---|---|---|---|---|---|---|")
+        commands = {}
+        for precision in args.precisions:
+            for rnd in sorted({r["round"] for r in runs}):
+                pair = {r["engine"]: r for r in runs
+                        if r["case"] == case and r["precision"] == precision and r["round"] == rnd}
+                if not pair:
+                    continue
+                theirs, ours = pair.get("llama.cpp", {}), pair.get("deepinfer", {})
+                for r in (theirs, ours):
+                    if r:
+                        commands.setdefault((precision, r["engine"]), r.get("command"))
+                if case == "load":
+                    fig = lambda r: f"{r['wall_s']:.1f} s" if r else "-"  # noqa: E731
+                    ratio = f"{theirs['wall_s'] / ours['wall_s']:.2f}x" if theirs and ours else "-"
+                else:
+                    fig = lambda r: f"{r['tok_s']:.2f} tok/s" if r else "-"  # noqa: E731
+                    ratio = f"{ours['tok_s'] / theirs['tok_s']:.2f}x" if theirs and ours else "-"
+                rss = " / ".join(f"{r['peak_rss_gb']:.2f}" if r else "-" for r in (theirs, ours))
+                others = " / ".join(f"{r['others_cores']:.2f}" if r else "-" for r in (theirs, ours))
+                print(f"| {args.labels.get(precision, precision)} | {rnd} | {fig(theirs)} | {fig(ours)} | {ratio} "
+                      f"| {rss} | {others} |")
+        print()
+        for (precision, engine), cmd in commands.items():
+            print(f"- {args.labels.get(precision, precision)}, {engine}: `{cmd}`")
+        print()
+    for rnd in sorted(loads):
+        print(f"- round {rnd}: load average at start {loads[rnd]['start']}, at end {loads[rnd]['end']}")
 
 
 def cmd_report(args):
     rows = [json.loads(line) for line in args.results.read_text().splitlines() if line.strip()]
+    if args.by_case:
+        report_by_case(args, rows)
+        return
     loads = {r["round"]: r for r in rows if r.get("kind") == "load"}
     runs = {(r["round"], r["precision"], r["batch"], r["engine"]): r for r in rows if "engine" in r}
     print("| round | precision (llama.cpp / deepinfer) | batch | llama.cpp tok/s | deepinfer tok/s "
@@ -344,6 +428,8 @@ def main():
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--outtype", required=True, choices=["f32", "bf16", "q8_0"])
     p.add_argument("--outfile", type=Path, required=True)
+    p.add_argument("--vocab-only", action="store_true",
+                   help="metadata and vocabulary only, no tensors (scripts/v2lite_gguf.py check-metadata)")
 
     p = sub.add_parser("parity")
     p.add_argument("--llama-cpp-python", type=Path, required=True, help="the sdist's root (holds llama_cpp/)")
@@ -368,11 +454,16 @@ def main():
     p.add_argument("--others", type=float, required=True, help="cores other processes used meanwhile")
     p.add_argument("--seconds", type=float, required=True, help="wall time of the measurement")
     p.add_argument("--attempts", type=int, default=1, help="attempts this measurement took")
+    p.add_argument("--case", help="the --suite v2lite cell (b1, b8, pp512, d4096, d16384, load)")
+    p.add_argument("--metric", choices=["decode", "prefill", "load"], default="decode")
+    p.add_argument("--time-file", type=Path, help="/usr/bin/time -v's report of the command")
+    p.add_argument("--command", help="the command line, recorded")
 
     p = sub.add_parser("report")
     p.add_argument("--results", type=Path, required=True)
     p.add_argument("--precisions", type=lambda s: s.split(","), required=True)
     p.add_argument("--label", action="append", default=[], help="PRECISION=TEXT for the table")
+    p.add_argument("--by-case", action="store_true", help="one table per cell (--suite v2lite)")
 
     args = parser.parse_args()
     if args.cmd == "report":

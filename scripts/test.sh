@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite, from a fresh clone.
 #
+# 0. Installs the Python test dependencies into .venv (below) and writes the 4-layer
+#    V2-Lite-shaped GGUF files tests/gguf_v2lite.rs loads (scripts/v2lite_gguf.py).
 # 1. `cargo test --workspace`: everything in Rust (parity with transformers on the committed
 #    fixtures, the CLI, the graph, the compile driver, ...); then `scripts/check_links.py`,
 #    every relative link and anchor in README.md, benches/ and docs/; then
@@ -34,16 +36,26 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import jax, ml_dtypes, safetensors, openai, pytest, httpx, transformers, jinja2, jsonschema, gguf" 2>/dev/null; then
+    python3 -m venv .venv
+    .venv/bin/pip install --quiet -r scripts/requirements-test.txt
+fi
+# The 4-layer DeepSeek-V2-Lite-shaped GGUF files tests/gguf_v2lite.rs compares with llama.cpp's
+# committed greedy tokens and logits (fixtures/gguf/v2lite-4l-*.reference.json): written from
+# a seed by the gguf PyPI package, about 25 s, 2.4 + 1.5 GB, deleted after `cargo test`.
+echo "== V2-Lite-shaped GGUF files (scripts/v2lite_gguf.py write --layers 4)"
+for type in q8_0 q4_k_m; do
+    .venv/bin/python scripts/v2lite_gguf.py write --layers 4 --type "$type" \
+        --out "target/v2lite-gguf/v2lite-4l-$type.gguf" > /dev/null
+done
+
 cargo test --workspace
+rm -f target/v2lite-gguf/v2lite-4l-q8_0.gguf target/v2lite-gguf/v2lite-4l-q4_k_m.gguf
 
 # Every relative link and #anchor in README.md, benches/ and docs/ resolves (stdlib Python, no venv).
 echo "== document links (scripts/check_links.py)"
 python3 scripts/check_links.py
 
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import jax, ml_dtypes, safetensors, openai, pytest, httpx, transformers, jinja2, jsonschema" 2>/dev/null; then
-    python3 -m venv .venv
-    .venv/bin/pip install --quiet -r scripts/requirements-test.txt
-fi
 cargo build --release --workspace --quiet
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT

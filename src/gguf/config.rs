@@ -85,7 +85,9 @@ impl GgufFile {
             "num_hidden_layers": m.usize(&key("block_count"))?,
             "num_attention_heads": heads,
             "num_key_value_heads": heads,
-            "q_lora_rank": m.opt_usize(&key("attention.q_lora_rank"))?,
+            // llama.cpp's own writer (llama-model-saver) stores 0 for "no query compression",
+            // and its loader reads 0 so (attn_q instead of attn_q_a/attn_q_b): null here.
+            "q_lora_rank": m.opt_usize(&key("attention.q_lora_rank"))?.filter(|&r| r > 0),
             "kv_lora_rank": m.usize(&key("attention.kv_lora_rank"))?,
             "qk_nope_head_dim": qk_nope,
             "qk_rope_head_dim": rope_dim,
