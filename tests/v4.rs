@@ -550,3 +550,35 @@ fn a_v4_flash_token_costs_a_tenth_of_a_v32_token() {
         }
     }
 }
+
+/// `deepinfer lower` on a V4 directory refuses what its graphs cannot do yet, naming it: a
+/// reduced precision, and a degree that does not divide the model.
+#[test]
+fn lowering_v4_refuses_what_it_cannot_do_yet() {
+    use deepinfer::export::{lower_sharded, LowerOptions};
+    use deepinfer::model::{DTypeChoice, Dots, PrecisionChoice};
+    let out = std::env::temp_dir().join(format!("deepinfer-v4-lower-{}", std::process::id()));
+    let mut opts = LowerOptions {
+        batch_sizes: vec![1],
+        ctx: 64,
+        inputs_from_token_ids: None,
+        precision: PrecisionChoice {
+            dtype: DTypeChoice::Exactly(DType::BF16),
+            ..PrecisionChoice::default()
+        },
+        dots: Dots::Widen,
+        split_sampler: false,
+    };
+    let dir = common::fixture_dir("tiny-v4");
+    let err = lower_sharded(&dir, &out, &opts, 1).unwrap_err().to_string();
+    assert!(err.contains("f32 so far"), "{err}");
+    opts.precision = PrecisionChoice::default();
+    let err = lower_sharded(&dir, &out, &opts, 3).unwrap_err().to_string();
+    assert!(
+        err.contains("3 does not divide") && err.contains("num_attention_heads 4"),
+        "{err}"
+    );
+    let manifest = lower_sharded(&dir, &out, &opts, 2).unwrap();
+    assert_eq!(manifest.tp, 2);
+    std::fs::remove_dir_all(&out).unwrap();
+}

@@ -19,9 +19,11 @@ use crate::model::ops;
 
 use weights::Weights;
 
-/// The logits (`[n, vocab]`; a rank's vocabulary rows under tensor parallelism) of tokens `ids` (`[n]` i32): the embedding copied into the
-/// `hc_mult` streams, every layer's attention (`attention(layer, x)`, on the normalised block
-/// input) and MoE inside their hyper-connections, the hyper-head, the final norm, the LM head.
+/// The logits of tokens `ids` (`[n]` i32; `[n, vocab]`, or a rank's vocabulary rows' columns
+/// under tensor parallelism): the embedding copied into the `hc_mult` streams, every layer's
+/// attention (`attention(layer, x)`, on the normalised block input) and MoE inside their
+/// hyper-connections, each all-reduced when split, then the hyper-head, the final norm and the
+/// LM head.
 fn logits(
     cfg: &V4Config,
     w: &Weights,

@@ -78,8 +78,8 @@ pub(super) fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 
 /// cos and sin (`[n, rope_dim / 2]`) of one RoPE at some positions (`[n]` i32).
 pub(super) struct Rope {
-    pub(super) cos: Tensor,
-    pub(super) sin: Tensor,
+    cos: Tensor,
+    sin: Tensor,
 }
 
 impl Rope {
