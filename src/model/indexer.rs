@@ -144,7 +144,7 @@ pub fn top_k_indices_within(x: &Tensor, k: usize, width: usize) -> Result<Tensor
     let values = tiled.gather(&local, 2)?.reshape([rows, tiles * k])?;
     // Tile t's first position is t * tile: a shift, since tile is a power of two.
     let tile_no = x.builder().iota([rows, tiles, k], DType::I32, 1)?;
-    let first = tile_no.shl(&tile_no.full_like(f64::from(tile.trailing_zeros()))?)?;
+    let first = super::ops::mul_const(&tile_no, tile)?;
     let global = local.add(&first)?.reshape([rows, tiles * k])?;
     // Candidates are in (tile, value, position) order, so among equal values the lower
     // position still comes first: the candidates' own top-k keeps the tie rule.

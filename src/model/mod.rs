@@ -261,19 +261,12 @@ fn context_slots(block_tables: &Tensor, ctx: usize, block: usize) -> Result<Tens
 /// sequences whose block tables are `tables` (`[r, blocks]`): `tables[i, p / block] * block
 /// + p % block`.
 ///
-/// For a power-of-two block (every block size the runner uses) the product is a left shift:
-/// NeuronCore vector engines compute integer arithmetic in fp32, so an integer multiply is
-/// exact only below 2^24, while a shift is a bit operation (see
-/// `backend::neuron::check`, which flags integer multiplies).
+/// For a power-of-two block (every block size the runner uses) the product is a left shift
+/// ([`ops::mul_const`]).
 pub(crate) fn slots_at(tables: &Tensor, pos: &Tensor, block: usize) -> Result<Tensor> {
     let blk = pos.full_like(block as f64)?;
     let blocks = tables.gather(&pos.div(&blk)?, 1)?;
-    let first = if block.is_power_of_two() {
-        blocks.shl(&pos.full_like(f64::from(block.trailing_zeros()))?)?
-    } else {
-        blocks.mul(&blk)?
-    };
-    first.add(&pos.rem(&blk)?)
+    ops::mul_const(&blocks, block)?.add(&pos.rem(&blk)?)
 }
 
 fn check_spec(spec: &GraphSpec, cache: &CacheLayout) -> Result<()> {

@@ -112,3 +112,22 @@ pub fn mlp(dots: Dots, x: &Tensor, gate: &Tensor, up: &Tensor, down: &Tensor) ->
     let g = linear(dots, x, gate)?.silu()?;
     linear(dots, &g.mul(&linear(dots, x, up)?)?, down)
 }
+
+/// `x / k` (integers) for a positive constant `k`: a right shift when `k` is a power of two.
+/// NeuronCore vector engines compute integer arithmetic in fp32, exact only below 2^24; a
+/// shift is a bit operation, exact at any size.
+pub fn div_const(x: &Tensor, k: usize) -> Result<Tensor> {
+    match k.is_power_of_two() {
+        true => x.shr(&x.full_like(f64::from(k.trailing_zeros()))?),
+        false => x.div(&x.full_like(k as f64)?),
+    }
+}
+
+/// `x * k` (integers) for a constant `k`: a left shift when `k` is a power of two (see
+/// [`div_const`]; `backend::neuron::check` flags integer multiplies).
+pub fn mul_const(x: &Tensor, k: usize) -> Result<Tensor> {
+    match k.is_power_of_two() {
+        true => x.shl(&x.full_like(f64::from(k.trailing_zeros()))?),
+        false => x.mul(&x.full_like(k as f64)?),
+    }
+}

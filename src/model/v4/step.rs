@@ -36,6 +36,7 @@
 use crate::config::v4::{V4Attention, V4Config};
 use crate::error::{Error, Result};
 use crate::graph::{DType, Graph, GraphBuilder, InputRole, Literal, Tensor};
+use crate::model::ops::{div_const, mul_const};
 use crate::model::{inputs, slots_at, CacheLayout, RootSpec};
 
 use super::attention::{self as attn, and, Keys};
@@ -392,23 +393,6 @@ pub fn build_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<
         b.output_aliased(*name, roots.get(name)?, input)?;
     }
     b.finish()
-}
-
-/// `x / k` for a positive constant `k`: a shift when `k` is a power of two (a NeuronCore
-/// computes integer arithmetic in fp32; a shift is exact at any size).
-fn div_const(x: &Tensor, k: usize) -> Result<Tensor> {
-    match k.is_power_of_two() {
-        true => x.shr(&x.full_like(f64::from(k.trailing_zeros()))?),
-        false => x.div(&x.full_like(k as f64)?),
-    }
-}
-
-/// `x * k` for a constant `k`, a shift when `k` is a power of two (see [`div_const`]).
-fn mul_const(x: &Tensor, k: usize) -> Result<Tensor> {
-    match k.is_power_of_two() {
-        true => x.shl(&x.full_like(f64::from(k.trailing_zeros()))?),
-        false => x.mul(&x.full_like(k as f64)?),
-    }
 }
 
 /// `max(x, 0)`.
