@@ -398,6 +398,35 @@ bench_deepinfer() {  # precision batch output
         --tokens "$([ "$2" = 1 ] && echo "$TOKENS_B1" || echo "$TOKENS_BN")" > "$3" 2> "$3.err"
 }
 
+# Runs one measurement ("$@" after the label) once the machine is idle, and again (up to
+# ATTEMPTS times in all, the last attempt kept) while other processes used more than BUSY_CORES
+# cores meanwhile. Sets ATTEMPT, OTHERS (those cores) and TOOK (seconds); returns the
+# command's failure.
+measure_quietly() {  # label command...
+    local label=$1 t0 t1 busy0 busy1 mine0 mine1
+    shift
+    for ATTEMPT in $(seq 1 "$ATTEMPTS"); do
+        wait_idle
+        t0=$EPOCHREALTIME; busy0=$(busy_ticks); mine0=$(child_ticks)
+        "$@" || return 1
+        t1=$EPOCHREALTIME; busy1=$(busy_ticks); mine1=$(child_ticks)
+        OTHERS=$(awk -v b="$(( busy1 - busy0 - (mine1 - mine0) ))" -v t0="$t0" -v t1="$t1" -v hz="$CLK_TCK" \
+            'BEGIN { c = b / hz / (t1 - t0); printf "%.2f", c < 0 ? 0 : c }')
+        TOOK=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')
+        if [ "$ATTEMPT" -lt "$ATTEMPTS" ] && awk -v o="$OTHERS" -v m="$BUSY_CORES" 'BEGIN { exit !(o > m) }'; then
+            echo "  ($label: others used $OTHERS cores meanwhile; measuring again)"
+            continue
+        fi
+        break
+    done
+}
+
+# One v2lite cell's command line, timed by /usr/bin/time -v.
+run_v2lite() {  # out command
+    # shellcheck disable=SC2086  # the command is a line of plain words
+    RAYON_NUM_THREADS=$THREADS /usr/bin/time -v -o "$1.time" $2 > "$1" 2> "$1.err"
+}
+
 # A measurement is retried (up to ATTEMPTS times in all) while others used more than BUSY_CORES.
 ATTEMPTS=3
 BUSY_CORES=0.25
@@ -430,7 +459,7 @@ v2lite_deepinfer_cmd() {
 # machine, runs under /usr/bin/time -v, retries while others were busy, records the figure
 # (tok/s; seconds for `load`) with the peak RSS.
 measure_v2lite() {
-    local out="$LOGS/round$1-v2lite-$2-$3-$4.out" tool cmd attempt t0 t1 busy0 busy1 mine0 mine1 others metric
+    local out="$LOGS/round$1-v2lite-$2-$3-$4.out" tool cmd metric
     if [ "$4" = llama ]; then
         cmd=$(v2lite_llama_cmd "$2" "$3")
         tool=$([ "$3" = b8 ] && echo llama-batched-bench || echo llama-bench)
@@ -441,25 +470,12 @@ measure_v2lite() {
     metric=decode
     case "$3" in pp512) metric=prefill ;; load) metric=load ;; esac
     echo "$cmd" > "$out.cmd"
-    for attempt in $(seq 1 "$ATTEMPTS"); do
-        wait_idle
-        t0=$EPOCHREALTIME; busy0=$(busy_ticks); mine0=$(child_ticks)
-        # shellcheck disable=SC2086  # $cmd is a command line of plain words
-        RAYON_NUM_THREADS=$THREADS /usr/bin/time -v -o "$out.time" $cmd > "$out" 2> "$out.err" \
-            || { tail -n 20 "$out.err" >&2; die "$tool ($2, $3) failed: $cmd (log: $out.err)"; }
-        t1=$EPOCHREALTIME; busy1=$(busy_ticks); mine1=$(child_ticks)
-        others=$(awk -v b="$(( busy1 - busy0 - (mine1 - mine0) ))" -v t0="$t0" -v t1="$t1" -v hz="$CLK_TCK" \
-            'BEGIN { c = b / hz / (t1 - t0); printf "%.2f", c < 0 ? 0 : c }')
-        if [ "$attempt" -lt "$ATTEMPTS" ] && awk -v o="$others" -v m="$BUSY_CORES" 'BEGIN { exit !(o > m) }'; then
-            echo "  ($tool, $2, $3: others used $others cores meanwhile; measuring again)"
-            continue
-        fi
-        break
-    done
+    measure_quietly "$tool, $2, $3" run_v2lite "$out" "$cmd" \
+        || { tail -n 20 "$out.err" >&2; die "$tool ($2, $3) failed: $cmd (log: $out.err)"; }
     "$PY" scripts/llamacpp_bench.py parse --tool "$tool" --output "$out" --results "$RESULTS" \
         --round "$1" --precision "$2" --batch "$([ "$3" = b8 ] && echo 8 || echo 1)" --case "$3" \
-        --metric "$metric" --time-file "$out.time" --command "$cmd" --others "$others" --attempts "$attempt" \
-        --seconds "$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')" \
+        --metric "$metric" --time-file "$out.time" --command "$cmd" --others "$OTHERS" --attempts "$ATTEMPT" \
+        --seconds "$TOOK" \
         || die "could not read $tool's output ($out)"
 }
 
@@ -494,33 +510,19 @@ if [ "$SUITE" = v2lite ]; then
 fi
 
 say "benchmark: $ROUNDS rounds, precisions ${PRECISION_LIST[*]}, batches ${BATCH_LIST[*]}, $THREADS threads, prompt $PROMPT_LEN, $STEPS decode steps"
-# One measurement: waits for an idle machine, runs the engine's bench, and records its tok/s
-# with the cores other processes used meanwhile; retried (up to ATTEMPTS times in all, the
-# last attempt kept) while others used more than BUSY_CORES.
+# One measurement: the engine's bench (measure_quietly), its tok/s recorded with the cores
+# other processes used meanwhile.
 measure() {  # round precision batch engine
-    local out="$LOGS/round$1-$2-b$3-$4.out" tool attempt t0 t1 busy0 busy1 mine0 mine1 others
+    local out="$LOGS/round$1-$2-b$3-$4.out" tool
     tool=deepinfer
     [ "$4" = llama ] && tool=$([ "$3" = 1 ] && echo llama-bench || echo llama-batched-bench)
-    for attempt in $(seq 1 "$ATTEMPTS"); do
-        wait_idle
-        t0=$EPOCHREALTIME; busy0=$(busy_ticks); mine0=$(child_ticks)
-        if [ "$4" = llama ]; then
-            bench_llama "$2" "$3" "$out" || { tail -n 20 "$out.err" >&2; die "$tool ($2, batch $3) failed (log: $out.err)"; }
-        else
-            bench_deepinfer "$2" "$3" "$out" || { tail -n 20 "$out.err" >&2; die "deepinfer bench ($2, batch $3) failed (log: $out.err)"; }
-        fi
-        t1=$EPOCHREALTIME; busy1=$(busy_ticks); mine1=$(child_ticks)
-        others=$(awk -v b="$(( busy1 - busy0 - (mine1 - mine0) ))" -v t0="$t0" -v t1="$t1" -v hz="$CLK_TCK" \
-            'BEGIN { c = b / hz / (t1 - t0); printf "%.2f", c < 0 ? 0 : c }')
-        if [ "$attempt" -lt "$ATTEMPTS" ] && awk -v o="$others" -v m="$BUSY_CORES" 'BEGIN { exit !(o > m) }'; then
-            echo "  ($tool, $2, batch $3: others used $others cores meanwhile; measuring again)"
-            continue
-        fi
-        break
-    done
+    local bench=bench_deepinfer
+    [ "$4" = llama ] && bench=bench_llama
+    measure_quietly "$tool, $2, batch $3" "$bench" "$2" "$3" "$out" \
+        || { tail -n 20 "$out.err" >&2; die "$tool ($2, batch $3) failed (log: $out.err)"; }
     "$PY" scripts/llamacpp_bench.py parse --tool "$tool" --output "$out" --results "$RESULTS" \
-        --round "$1" --precision "$2" --batch "$3" --others "$others" --attempts "$attempt" \
-        --seconds "$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.1f", b - a }')" \
+        --round "$1" --precision "$2" --batch "$3" --others "$OTHERS" --attempts "$ATTEMPT" \
+        --seconds "$TOOK" \
         || die "could not read $tool's output ($out)"
 }
 
