@@ -17,7 +17,7 @@ use deepinfer::graph::{DType, Graph, InputRole};
 use deepinfer::model::v4::forward::build_stateless;
 use deepinfer::model::v4::step::{build_step, cache_roots, V4Step};
 use deepinfer::model::v4::{shard, tensors};
-use deepinfer::model::CacheLayout;
+use deepinfer::model::{CacheLayout, LogitsOutput, Sampler};
 use deepinfer::runner::step::{
     self, DecodeRow, HostData, LogitControls, PrefillChunk, SamplingParams,
 };
@@ -289,10 +289,13 @@ impl Cache {
                         InputRole::Weight => weights[&d.name].clone(),
                         _ => {
                             let a = meta.iter().find(|a| a.name == d.name).expect("metadata");
-                            let HostData::I32(v) = &a.data else {
-                                panic!("{}: not i32", d.name)
-                            };
-                            CTensor::from_vec(v.clone(), a.shape.clone(), &Device::Cpu).unwrap()
+                            let shape = a.shape.as_slice();
+                            match &a.data {
+                                HostData::I32(v) => CTensor::from_slice(v, shape, &Device::Cpu),
+                                HostData::F32(v) => CTensor::from_slice(v, shape, &Device::Cpu),
+                                HostData::U32(v) => CTensor::from_slice(v, shape, &Device::Cpu),
+                            }
+                            .unwrap()
                         }
                     })
                     .collect()
@@ -301,11 +304,21 @@ impl Cache {
         let group = Group::new(inputs.len(), DEFAULT_COLLECTIVE_TIMEOUT);
         let mut outs = cpu::run_group(graph, &inputs, &group, 0).unwrap();
         cpu::join_logits(graph, &mut outs).unwrap();
-        let out = outs.swap_remove(0);
-        for (o, t) in graph.outputs().iter().zip(&out).skip(1) {
-            self.roots.insert(o.name.clone(), t.clone());
+        let mut out: HashMap<String, CTensor> = graph
+            .outputs()
+            .iter()
+            .map(|o| o.name.clone())
+            .zip(outs.swap_remove(0))
+            .collect();
+        let logits = out.remove("logits").unwrap().to_vec2::<f32>().unwrap();
+        let next = out.remove("next_tokens").unwrap().to_vec1::<i32>().unwrap();
+        self.roots.extend(out);
+        // Greedy rows: the graph's sampler picks each chunk's last fed token's argmax.
+        let mut last = 0;
+        for (f, &token) in feeds.iter().zip(&next) {
+            last += f.tokens.len();
+            assert_eq!(token as u32, argmax(&logits[last - 1]), "sampled token");
         }
-        let logits = out[0].to_vec2::<f32>().unwrap();
         logits[..fed].to_vec()
     }
 
@@ -336,6 +349,8 @@ fn prefill(rows: usize, seqs: usize) -> V4Step {
         ctx: CTX,
         decode: false,
         ranks: 1,
+        logits: LogitsOutput::AllPositions,
+        sampler: Sampler::Full,
     }
 }
 
@@ -346,6 +361,8 @@ fn decode(rows: usize) -> V4Step {
         ctx: CTX,
         decode: true,
         ranks: 1,
+        logits: LogitsOutput::AllPositions,
+        sampler: Sampler::Full,
     }
 }
 

@@ -2,8 +2,8 @@
 //! the layout MLA models lower to (see [`super`]): the unpacked prefill chunk, a packed prefill
 //! of two sequences, and a decode graph per batch size, each with the inputs and CPU-backend
 //! outputs of one real step when token ids are given, so that `scripts/xla_check.py` runs them
-//! in XLA and checks their logits against transformers'. V4 graphs are f32 and end
-//! at the logits (the sampler joins them with the runner, issue 43). Under `--tp N` each rank's
+//! in XLA and checks their logits against transformers'. V4 graphs are f32, return every fed
+//! token's logits and end in the full sampler, as the runners' do. Under `--tp N` each rank's
 //! inputs are its cut of the weights ([`crate::model::v4::shard`]), as for MLA models.
 
 use std::collections::HashMap;
@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::graph::DType;
 use crate::model::v4::step::{build_step, cache_roots, V4Step};
 use crate::model::v4::{shard, tensors};
-use crate::model::{CacheLayout, DTypeChoice, Quantize};
+use crate::model::{CacheLayout, DTypeChoice, LogitsOutput, Quantize, Sampler};
 use crate::runner::step::{self, DecodeRow, LogitControls, PrefillChunk, SamplingParams};
 use crate::weights::Checkpoint;
 
@@ -36,8 +36,8 @@ pub(super) fn lower(
 ) -> Result<Manifest> {
     if opts.split_sampler {
         return Err(Error::InvalidInput(
-            "DeepSeek-V4's step graphs end at the logits so far: --split-sampler comes with its \
-             sampler (issue 43)"
+            "--split-sampler is not built for DeepSeek-V4 yet: its decode graphs sample in the \
+             step (issue 43)"
                 .into(),
         ));
     }
@@ -76,6 +76,8 @@ pub(super) fn lower(
             ctx: opts.ctx,
             decode: false,
             ranks,
+            logits: LogitsOutput::AllPositions,
+            sampler: Sampler::Full,
         };
         graphs.push((build_step(cfg, &layout, &spec)?, "prefill", t, seqs));
     }
@@ -86,6 +88,8 @@ pub(super) fn lower(
             ctx: opts.ctx,
             decode: true,
             ranks,
+            logits: LogitsOutput::AllPositions,
+            sampler: Sampler::Full,
         };
         graphs.push((build_step(cfg, &layout, &spec)?, "decode", b, b));
     }

@@ -99,6 +99,32 @@ impl GraphBuilder {
         Ok(t)
     }
 
+    /// The metadata input `name` of `shape` and `dtype`: the one declared earlier, or a new
+    /// one. For step metadata that two parts of a graph read (a sequence's state row: its
+    /// caches' and its sampler's), each declaring what it needs without knowing the other.
+    pub fn metadata(&self, name: &str, shape: impl Into<Shape>, dtype: DType) -> Result<Tensor> {
+        let shape = shape.into();
+        let found = self
+            .0
+            .borrow()
+            .inputs
+            .iter()
+            .find(|d| d.name == name)
+            .map(|d| (d.role, d.node, d.shape.clone(), d.dtype));
+        match found {
+            None => self.input(name, InputRole::Metadata, shape, dtype),
+            Some((InputRole::Metadata, node, s, d)) if s == shape && d == dtype => {
+                Ok(Tensor::new(node, s, d, self.clone()))
+            }
+            Some((role, _, s, d)) => Err(Error::shape(
+                "input",
+                format!(
+                    "`{name}` is declared as {role:?} {s} {d:?}, and asked for as metadata                      {shape} {dtype:?}"
+                ),
+            )),
+        }
+    }
+
     /// A constant of the given shape; the literal's type decides the dtype.
     pub fn constant(&self, literal: Literal, shape: impl Into<Shape>) -> Result<Tensor> {
         let shape = shape.into();

@@ -331,13 +331,20 @@ pub fn cache_roots(cfg: &ModelConfig, cache: &CacheLayout) -> Vec<RootSpec> {
             dtype: cache.dtype,
         });
     }
-    roots.push(RootSpec {
+    roots.push(sampling_root(cfg.vocab_size, cache));
+    roots
+}
+
+/// The sampling-state root every model's step graphs keep last among their roots: the
+/// penalties' token counts of each state row, over a vocabulary of `vocab` (f32, see
+/// [`logits`]).
+pub(crate) fn sampling_root(vocab: usize, cache: &CacheLayout) -> RootSpec {
+    RootSpec {
         name: logits::STATE_ROOT,
         rows: cache.state_rows.max(1),
-        cols: 2 * cfg.vocab_size,
+        cols: 2 * vocab,
         dtype: DType::F32,
-    });
-    roots
+    }
 }
 
 /// Declares every cache root: the layers' (KV, and V3.2's index keys) and the sampling state.
@@ -610,13 +617,41 @@ pub fn build_decode(
     let (x, new_roots) = s.forward(cfg, &w, &visible, attention::decode, spec.moe)?;
     let logits = lm_logits(cfg, &w, &x)?;
     let vocab = w.vocab_slice()?;
-    let (next, state) = match spec.sampler {
+    let (next, state) = decode_tail(
+        &b,
+        spec.sampler,
+        &logits,
+        &vocab,
+        &s.state,
+        &s.input_ids,
+        &s.positions,
+    )?;
+    step_outputs(&b, next.as_ref(), &logits, spec.logits)?;
+    output_roots(&b, &new_roots, &s.roots, (&state, &s.state))?;
+    b.finish()
+}
+
+/// The sampler at the end of a decode graph over `logits` (`[rows, this rank's vocabulary
+/// slice]`) of the rows that fed `input_ids` at `positions`: the next tokens (none with
+/// [`Sampler::Deferred`], whose graph ends at the logits) and the sampling-state root's new
+/// value (`state` when the rows' token counts are left alone). Every model's decode graph ends
+/// in it, so each draws its tokens the same way.
+pub(crate) fn decode_tail(
+    b: &GraphBuilder,
+    sampler: Sampler,
+    logits: &Tensor,
+    vocab: &VocabSlice,
+    state: &Tensor,
+    input_ids: &Tensor,
+    positions: &Tensor,
+) -> Result<(Option<Tensor>, Tensor)> {
+    let rows = logits.dim(0);
+    match sampler {
         Sampler::Full => {
-            let state_rows = metadata(&b, inputs::STATE_ROWS, vec![rows], DType::I32)?;
-            let (state, counts, prompt) =
-                logits::decode_state(&s.state, &state_rows, &s.input_ids)?;
-            let next = sample_rows(&b, &logits, &vocab, &s.positions, &counts, &prompt)?;
-            (next, state)
+            let state_rows = b.metadata(inputs::STATE_ROWS, [rows], DType::I32)?;
+            let (new_state, counts, prompt) = logits::decode_state(state, &state_rows, input_ids)?;
+            let next = sample_rows(b, logits, vocab, positions, &counts, &prompt)?;
+            Ok((Some(next), new_state))
         }
         // No row of a greedy step has a penalty, now or later (a request's parameters are
         // fixed and a step with one penalised row samples in full), so no row's token counts
@@ -624,19 +659,29 @@ pub fn build_decode(
         // takes the row starts it afresh (its prompt is prefilled from position 0: penalised
         // sequences are never prefix-cached). Updating it cost a few vocabulary-wide ops a
         // step (benches/LOG.md, "Step overhead outside the matmuls").
-        Sampler::Greedy => (vocab.argmax(&logits)?, s.state.clone()),
-        Sampler::Deferred => {
-            b.output(STEP_LOGITS, &logits)?;
-            output_roots(&b, &new_roots, &s.roots, (&s.state, &s.state))?;
-            return b.finish();
-        }
-    };
-    b.output("next_tokens", &next)?;
-    if spec.logits != LogitsOutput::None {
-        b.output(STEP_LOGITS, &logits)?;
+        Sampler::Greedy => Ok((Some(vocab.argmax(logits)?), state.clone())),
+        Sampler::Deferred => Ok((None, state.clone())),
     }
-    output_roots(&b, &new_roots, &s.roots, (&state, &s.state))?;
-    b.finish()
+}
+
+/// Declares a step graph's `next_tokens` (when it samples) and the logits `want` asks for
+/// (all of `logits`; a graph that defers its sampling always returns them).
+pub(crate) fn step_outputs(
+    b: &GraphBuilder,
+    next: Option<&Tensor>,
+    logits: &Tensor,
+    want: LogitsOutput,
+) -> Result<()> {
+    match next {
+        Some(next) => {
+            b.output("next_tokens", next)?;
+            match want {
+                LogitsOutput::None => Ok(()),
+                _ => b.output(STEP_LOGITS, logits),
+            }
+        }
+        None => b.output(STEP_LOGITS, logits),
+    }
 }
 
 /// The sampling half of a split decode step of `rows` rows ([`Sampler::Deferred`]): the logit
@@ -771,30 +816,17 @@ pub fn build_prefill(
     };
     let (x, new_roots) = s.forward(cfg, &w, &visible, attention::prefill, spec.moe)?;
     let last_logits = lm_logits(cfg, &w, &x.index_select(&last_index, 0)?)?;
-    let last_pos = s.positions.index_select(&last_index, 0)?;
-    // Token i feeds chunk c when it is c's (seq_ids) and not past c's last token (padding).
-    let token = b.iota([seqs, t], DType::I32, 1)?;
-    let upto = token.le(&last_index.unsqueeze(1)?.broadcast_as([seqs, t])?)?;
-    let member = match &seq_ids {
-        None => upto,
-        Some(ids) => {
-            let chunk = b.iota([seqs, t], DType::I32, 0)?;
-            let own = chunk.eq(&ids.unsqueeze(0)?.broadcast_as([seqs, t])?)?;
-            own.where_cond(&upto, &own)?
-        }
-    };
-    let state_rows = metadata(&b, inputs::STATE_ROWS, vec![seqs], DType::I32)?;
-    let prompt_lens = metadata(&b, inputs::PROMPT_LENS, vec![seqs], DType::I32)?;
-    let (state, counts, prompt) = logits::prefill_state(
-        &s.state,
-        &state_rows,
-        &member,
-        &s.positions,
-        &prompt_lens,
-        &s.input_ids,
-    )?;
     let vocab = w.vocab_slice()?;
-    let next = sample_rows(&b, &last_logits, &vocab, &last_pos, &counts, &prompt)?;
+    let (next, state) = prefill_tail(
+        &b,
+        &last_logits,
+        &vocab,
+        &s.state,
+        &s.input_ids,
+        &s.positions,
+        &last_index,
+        seq_ids.as_ref(),
+    )?;
     b.output("next_tokens", &next)?;
     match spec.logits {
         LogitsOutput::None => {}
@@ -803,4 +835,47 @@ pub fn build_prefill(
     }
     output_roots(&b, &new_roots, &s.roots, (&state, &s.state))?;
     b.finish()
+}
+
+/// The sampler at the end of a prefill graph of `t` tokens (`input_ids` at `positions`) in
+/// chunks that end at rows `last_index` (`[seqs]`), token `i` being chunk `seq_ids[i]`'s (all
+/// the one chunk's without `seq_ids`): each chunk's next token, drawn from `last_logits`
+/// (`[seqs, this rank's vocabulary slice]`), and the sampling-state root's new value, the
+/// chunks' tokens counted in their rows. Every model's prefill graph ends in it.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn prefill_tail(
+    b: &GraphBuilder,
+    last_logits: &Tensor,
+    vocab: &VocabSlice,
+    state: &Tensor,
+    input_ids: &Tensor,
+    positions: &Tensor,
+    last_index: &Tensor,
+    seq_ids: Option<&Tensor>,
+) -> Result<(Tensor, Tensor)> {
+    let (t, seqs) = (input_ids.dim(0), last_index.dim(0));
+    let last_pos = positions.index_select(last_index, 0)?;
+    // Token i feeds chunk c when it is c's (seq_ids) and not past c's last token (padding).
+    let token = b.iota([seqs, t], DType::I32, 1)?;
+    let upto = token.le(&last_index.unsqueeze(1)?.broadcast_as([seqs, t])?)?;
+    let member = match seq_ids {
+        None => upto,
+        Some(ids) => {
+            let chunk = b.iota([seqs, t], DType::I32, 0)?;
+            let own = chunk.eq(&ids.unsqueeze(0)?.broadcast_as([seqs, t])?)?;
+            own.where_cond(&upto, &own)?
+        }
+    };
+    let state_rows = b.metadata(inputs::STATE_ROWS, [seqs], DType::I32)?;
+    let prompt_lens = metadata(b, inputs::PROMPT_LENS, vec![seqs], DType::I32)?;
+    let (new_state, counts, prompt) = logits::prefill_state(
+        state,
+        &state_rows,
+        &member,
+        positions,
+        &prompt_lens,
+        input_ids,
+    )?;
+    let next = sample_rows(b, last_logits, vocab, &last_pos, &counts, &prompt)?;
+    Ok((next, new_state))
 }

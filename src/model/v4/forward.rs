@@ -22,10 +22,10 @@ pub fn build_stateless(cfg: &V4Config, t: usize) -> Result<Graph> {
     let positions = b.iota([t], DType::I32, 0)?;
     let main = Rope::new(cfg.rope_dim, &cfg.main_rope, &positions)?;
     let compress = Rope::new(cfg.rope_dim, &cfg.compress_rope, &positions)?;
-    let logits = super::logits(cfg, &w, &ids, |l, x| {
+    let x = super::hidden(cfg, &w, &ids, |l, x| {
         attention(cfg, &w, l, x, &main, &compress)
     })?;
-    b.output("logits", &logits)?;
+    b.output("logits", &super::head(&w, &x)?)?;
     b.finish()
 }
 

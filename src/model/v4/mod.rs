@@ -1,7 +1,7 @@
 //! DeepSeek-V4 (`docs/deepseek-v4.md`): its checkpoint's tensors ([`tensors`]), its forward
 //! pass over a whole sequence without a cache ([`forward`], the reference), and its step graph
-//! over typed cache roots ([`step`]: chunked, packed prefill and decode). The runner does not
-//! drive them yet (issue 43): a V4 checkpoint is read, checked, and refused.
+//! over typed cache roots ([`step`]: chunked, packed prefill and decode, ending in the sampler
+//! every model's steps share), which the runners drive as they drive MLA's.
 
 mod attention;
 pub mod forward;
@@ -19,12 +19,11 @@ use crate::model::ops;
 
 use weights::Weights;
 
-/// The logits of tokens `ids` (`[n]` i32; `[n, vocab]`, or a rank's vocabulary rows' columns
-/// under tensor parallelism): the embedding copied into the `hc_mult` streams, every layer's
-/// attention (`attention(layer, x)`, on the normalised block input) and MoE inside their
-/// hyper-connections, each all-reduced when split, then the hyper-head, the final norm and the
-/// LM head.
-fn logits(
+/// The final hidden states (`[n, hidden]`) of tokens `ids` (`[n]` i32): the embedding copied
+/// into the `hc_mult` streams, every layer's attention (`attention(layer, x)`, on the
+/// normalised block input) and MoE inside their hyper-connections, each all-reduced when split,
+/// then the hyper-head and the final norm. [`head`] turns them into logits.
+fn hidden(
     cfg: &V4Config,
     w: &Weights,
     ids: &Tensor,
@@ -52,6 +51,11 @@ fn logits(
         s = hyper::expand(&post, &comb, &y, &s)?;
     }
     let x = hyper::hyper_head(cfg, w, &s)?;
-    let x = ops::rms_norm(&x, w.get("norm.weight")?, cfg.rms_norm_eps)?;
+    ops::rms_norm(&x, w.get("norm.weight")?, cfg.rms_norm_eps)
+}
+
+/// The logits of final hidden states `x` (`[n, vocab]`, or a rank's vocabulary rows' columns
+/// under tensor parallelism).
+fn head(w: &Weights, x: &Tensor) -> Result<Tensor> {
     x.matmul(&w.get("head.weight")?.t()?)
 }

@@ -1,8 +1,8 @@
 //! DeepSeek-V4 under tensor parallelism: which of its tensors split across the ranks and how.
 //! Every rank runs one and the same graph (one NEFF per bucket), so a rank's tensors take
 //! rank-independent names (a routed expert is named by its place among the rank's experts) and
-//! the rank's offsets come in as an input ([`crate::model::shard::SHARD_OFFSETS`]: its first
-//! routed expert, then its first vocabulary row).
+//! the rank's offsets come in as an input ([`SHARD_OFFSETS`]: its first vocabulary row, then
+//! its first routed expert, as for MLA).
 //!
 //! Split: the attention heads (`wq_b` and `attn_sink` by head, `wo_a` by output group, `wo_b`
 //! by its groups' columns; with more ranks than groups, as V4-Flash's 8 groups at `--tp 32`, a
@@ -18,6 +18,7 @@ use candle_core::Tensor as CTensor;
 
 use crate::config::v4::V4Config;
 use crate::error::{Error, Result};
+use crate::model::shard::SHARD_OFFSETS;
 
 use super::tensors::{self, V4Tensor, V4TensorKind};
 
@@ -218,9 +219,10 @@ pub fn rank_weights(
     }
     if ranks > 1 {
         let first_row = rank * cfg.vocab_size / ranks;
-        let offsets = vec![(rank * per_rank) as i32, first_row as i32];
+        // MLA's order ([`SHARD_OFFSETS`]): the first vocabulary row, then the first expert.
+        let offsets = vec![first_row as i32, (rank * per_rank) as i32];
         let offsets = CTensor::from_vec(offsets, 2, &candle_core::Device::Cpu)?;
-        out.insert(crate::model::shard::SHARD_OFFSETS.to_string(), offsets);
+        out.insert(SHARD_OFFSETS.to_string(), offsets);
     }
     Ok(out)
 }

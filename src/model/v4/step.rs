@@ -29,15 +29,21 @@
 //! its own sequence's `ctx / m` entries, a packed prefill scores its tokens against every
 //! chunk's entries side by side and masks the other sequences', as MLA's prefill does.
 //!
-//! Outputs: `logits` (`[n, vocab]`, every fed token's; under tensor parallelism a rank's
-//! vocabulary rows' columns, [`super::shard`]) and the updated roots under their input names,
-//! aliased; every rank's roots hold the same values. Weights are f32 inputs by published name, as in [`super::forward`].
+//! Outputs: the sampled `next_tokens` (each decode row's, each prefill chunk's), the
+//! [`LogitsOutput`] the step asks for (every fed token's: `[n, vocab]`; under tensor
+//! parallelism a rank's vocabulary rows' columns, [`super::shard`]), and the updated roots under
+//! their input names, aliased; every rank's roots hold the same values. The sampler is MLA's
+//! ([`crate::model::decode_tail`], [`crate::model::prefill_tail`]) over the sampling-state root
+//! every model keeps. Weights are f32 inputs by published name, as in [`super::forward`].
 
 use crate::config::v4::{V4Attention, V4Config};
 use crate::error::{Error, Result};
 use crate::graph::{DType, Graph, GraphBuilder, InputRole, Literal, Tensor};
 use crate::model::ops::{div_const, mul_const};
-use crate::model::{inputs, slots_at, CacheLayout, RootSpec};
+use crate::model::{
+    decode_tail, inputs, prefill_tail, sampling_root, slots_at, step_outputs, CacheLayout,
+    LogitsOutput, RootSpec, Sampler, STEP_LOGITS,
+};
 
 use super::attention::{self as attn, and, Keys};
 use super::weights::{linear, Rope, Weights};
@@ -66,6 +72,10 @@ pub struct V4Step {
     pub decode: bool,
     /// Tensor-parallel ranks (1: unsplit), see [`super::shard`].
     pub ranks: usize,
+    /// Which logits the graph returns besides the sampled tokens.
+    pub logits: LogitsOutput,
+    /// What picks a decode step's next tokens (a prefill always samples in full).
+    pub sampler: Sampler,
 }
 
 /// Where one layer keeps its cache: its first column in each root it uses.
@@ -200,9 +210,12 @@ impl Layout {
     }
 }
 
-/// The cache roots of `cfg` under `cache`, in the order the step graphs declare them.
+/// The cache roots of `cfg` under `cache`, in the order the step graphs declare them: the
+/// rings and entries, then the sampling-state root every model's steps keep.
 pub fn cache_roots(cfg: &V4Config, cache: &CacheLayout) -> Result<Vec<RootSpec>> {
-    Ok(Layout::new(cfg, cache)?.roots)
+    let mut roots = Layout::new(cfg, cache)?.roots;
+    roots.push(sampling_root(cfg.vocab_size, cache));
+    Ok(roots)
 }
 
 /// What V4's cache costs at a cache dtype and block size: the compressed entries are paged,
@@ -305,6 +318,8 @@ pub fn build_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<
         ctx,
         decode,
         ranks: _,
+        logits: want,
+        sampler,
     } = *spec;
     let block = cache.block_size;
     if n == 0 || seqs == 0 || seqs > n || (decode && seqs != n) || !ctx.is_multiple_of(block) {
@@ -317,10 +332,18 @@ pub fn build_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<
             ),
         ));
     }
+    if !decode && sampler != Sampler::Full {
+        return Err(Error::shape(
+            "bucket",
+            format!("a V4 prefill samples in full, not {sampler:?}"),
+        ));
+    }
     let layout = Layout::new(cfg, cache)?;
-    let name = match decode {
-        true => format!("v4_decode_b{n}_c{ctx}"),
-        false => format!("v4_prefill_t{n}_s{seqs}_c{ctx}"),
+    let name = match (decode, sampler) {
+        (true, Sampler::Full) => format!("v4_decode_b{n}_c{ctx}"),
+        (true, Sampler::Greedy) => format!("v4_decode_greedy_b{n}_c{ctx}"),
+        (true, Sampler::Deferred) => format!("v4_decode_logits_b{n}_c{ctx}"),
+        (false, _) => format!("v4_prefill_t{n}_s{seqs}_c{ctx}"),
     };
     let b = GraphBuilder::new(name);
     let w = Weights::declare(&b, cfg, spec.ranks)?;
@@ -331,6 +354,8 @@ pub fn build_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<
     let slots = meta(inputs::SLOT_MAPPING, vec![n])?;
     let seq_tables = meta(inputs::BLOCK_TABLES, vec![seqs, ctx / block])?;
     let seq_states = meta(inputs::STATE_ROWS, vec![seqs])?;
+    // A prefill's chunk ends, and (packed) which chunk each token is.
+    let mut chunks = None;
     let (seq_ids, chunk_start, last_row) = match decode {
         // Every row is a chunk of one token.
         true => {
@@ -339,9 +364,13 @@ pub fn build_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<
         }
         false => {
             let last_index = meta(inputs::LAST_INDEX, vec![seqs])?;
-            let seq_ids = match seqs {
-                1 => b.full(0.0, [n], DType::I32)?,
-                _ => meta(inputs::SEQ_IDS, vec![n])?,
+            let packed = match seqs {
+                1 => None,
+                _ => Some(meta(inputs::SEQ_IDS, vec![n])?),
+            };
+            let seq_ids = match &packed {
+                None => b.full(0.0, [n], DType::I32)?,
+                Some(ids) => ids.clone(),
             };
             // Chunks are packed in order: chunk c starts after chunk c - 1's last row.
             let first = match seqs {
@@ -357,11 +386,9 @@ pub fn build_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<
             let row = b.iota([n], DType::I32, 0)?;
             let first_row = first.index_select(&seq_ids, 0)?;
             let chunk_start = positions.sub(&row.sub(&first_row)?)?;
-            (
-                seq_ids.clone(),
-                chunk_start,
-                last_index.index_select(&seq_ids, 0)?,
-            )
+            let last_row = last_index.index_select(&seq_ids, 0)?;
+            chunks = Some((last_index, packed));
+            (seq_ids, chunk_start, last_row)
         }
     };
     let mut old = Vec::with_capacity(layout.roots.len());
@@ -385,13 +412,50 @@ pub fn build_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<
         positions,
         slots,
     };
-    let logits = super::logits(cfg, &w, &ids, |l, x| {
+    let x = super::hidden(cfg, &w, &ids, |l, x| {
         attention(cfg, &w, l, layout.layers[l], x, &step, &mut roots)
     })?;
-    b.output("logits", &logits)?;
+    let vocab = w.vocab_slice(cfg)?;
+    let sampling = sampling_root(cfg.vocab_size, cache);
+    let state = b.input(
+        sampling.name,
+        InputRole::CacheRoot,
+        sampling.shape().to_vec(),
+        sampling.dtype,
+    )?;
+    let new_state = match chunks {
+        None => {
+            let logits = super::head(&w, &x)?;
+            let (next, new_state) =
+                decode_tail(&b, sampler, &logits, &vocab, &state, &ids, &step.positions)?;
+            step_outputs(&b, next.as_ref(), &logits, want)?;
+            new_state
+        }
+        Some((last_index, packed)) => {
+            let last = super::head(&w, &x.index_select(&last_index, 0)?)?;
+            let (next, new_state) = prefill_tail(
+                &b,
+                &last,
+                &vocab,
+                &state,
+                &ids,
+                &step.positions,
+                &last_index,
+                packed.as_ref(),
+            )?;
+            b.output("next_tokens", &next)?;
+            match want {
+                LogitsOutput::None => {}
+                LogitsOutput::Sampled => b.output(STEP_LOGITS, &last)?,
+                LogitsOutput::AllPositions => b.output(STEP_LOGITS, &super::head(&w, &x)?)?,
+            }
+            new_state
+        }
+    };
     for (name, input) in &old {
         b.output_aliased(*name, roots.get(name)?, input)?;
     }
+    b.output_aliased(sampling.name, &new_state, &state)?;
     b.finish()
 }
 

@@ -9,6 +9,7 @@ use crate::error::{Error, Result};
 use crate::graph::{DType, GraphBuilder, InputRole, ReduceOp, Tensor};
 use crate::model::precision::Dots;
 use crate::model::shard::SHARD_OFFSETS;
+use crate::model::vocab::VocabSlice;
 use crate::model::{ops, rope};
 
 use super::shard;
@@ -50,8 +51,21 @@ impl Weights {
     pub(super) fn first_expert(&self) -> Result<Option<Tensor>> {
         match self.ranks {
             1 => Ok(None),
-            _ => self.get(SHARD_OFFSETS)?.narrow(0, 0, 1).map(Some),
+            _ => self.get(SHARD_OFFSETS)?.narrow(0, 1, 1).map(Some),
         }
+    }
+
+    /// The part of the vocabulary this rank's LM head rows cover (the embedding is whole on
+    /// every rank).
+    pub(super) fn vocab_slice(&self, cfg: &V4Config) -> Result<VocabSlice> {
+        Ok(match self.ranks {
+            1 => VocabSlice::Whole,
+            ranks => VocabSlice::Shard {
+                ranks,
+                first: self.get(SHARD_OFFSETS)?.narrow(0, 0, 1)?,
+                vocab: cfg.vocab_size,
+            },
+        })
     }
 
     /// A rank's partial sum (its heads' attention output, its experts' contribution) summed
