@@ -4,7 +4,7 @@
 
 use std::path::{Path, PathBuf};
 
-use crate::config::v4::{self, V4Config};
+use crate::config::v4::V4Config;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::gguf::{self, GgufFile};
@@ -48,15 +48,15 @@ impl ModelSource {
     }
 
     /// The model's configuration: `config.json`, or the GGUF's metadata. A DeepSeek-V4
-    /// checkpoint is refused after its config and its tensors are checked, so what is broken in
-    /// it is named first (see [`crate::model::v4`]).
+    /// checkpoint's tensors are checked against its config here, so a broken one is named
+    /// before anything is allocated (see [`crate::model::v4::tensors`]).
     pub fn config(&self) -> Result<ModelConfig> {
         match self {
             ModelSource::Dir(dir) => {
                 let path = dir.join("config.json");
                 if let Some(v4) = V4Config::from_file_if_v4(&path)? {
-                    let tensors = crate::model::v4::tensors::check(&v4, &Checkpoint::open(dir)?)?;
-                    return Err(v4::not_served_yet(&v4, Some(tensors)));
+                    crate::model::v4::tensors::check(&v4, &Checkpoint::open(dir)?)?;
+                    return Ok(v4.into_model_config());
                 }
                 ModelConfig::from_file(&path)
             }

@@ -568,7 +568,7 @@ fn counters_of(name: &str) {
     // Every cache root (latents, V3.2's index keys, the sampling state) is allocated and
     // zeroed once at capture, on the device (`nrt_tensor_memset`): no byte of it crosses the
     // bus.
-    let roots = deepinfer::model::cache_roots(&cfg, &d.cache_layout());
+    let roots = deepinfer::model::cache_roots(&cfg, &d.cache_layout()).unwrap();
     assert_eq!(roots.len(), if cfg.indexer.is_some() { 3 } else { 2 });
     for r in &roots {
         assert_eq!(c.bytes_written(r.name), 0, "root {}", r.name);

@@ -545,6 +545,7 @@ fn a_v4_flash_token_costs_a_tenth_of_a_v32_token() {
     // V3.2's paged roots per token slot (the sampling state is per sequence and tiny).
     let v32_token: usize =
         deepinfer::model::cache_roots(&v32, &CacheLayout::new(16, 1, DType::BF16, 1))
+            .unwrap()
             .iter()
             .filter(|r| r.rows == 16)
             .map(|r| r.cols * 2)

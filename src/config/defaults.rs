@@ -40,6 +40,9 @@ impl Defaults {
             // norm_topk_prob=True, routed_scaling_factor=2.5, first_k_dense_replace=3,
             // max_position_embeddings=4096; the router is sigmoid + noaux_tc.
             // configuration_deepseek_v32.py: as V3, but max_position_embeddings=163840.
+            // V4's keys are read by `config::v4`, never through these defaults; its routing
+            // is V3's family.
+            Architecture::DeepseekV4 => Self::of(Architecture::DeepseekV3),
             Architecture::DeepseekV32 => Defaults {
                 max_position_embeddings: 163840,
                 ..Self::of(Architecture::DeepseekV3)

@@ -111,6 +111,9 @@ pub enum Architecture {
     /// `deepseek_v32`: DeepSeek-V3.2: V3 plus DeepSeek Sparse Attention (a lightning indexer
     /// that picks the tokens MLA attends to).
     DeepseekV32,
+    /// `deepseek_v4`: DeepSeek-V4 (hybrid compressed attention, hash-routed MoE,
+    /// hyper-connections); its shape is [`ModelConfig::v4`].
+    DeepseekV4,
 }
 
 impl Architecture {
@@ -259,6 +262,9 @@ pub struct ModelConfig {
     /// `torch_dtype` (or transformers 5's `dtype`) when it names f32, bf16 or f16: what
     /// `--dtype auto` means when only config.json is at hand (`lower --stats`).
     pub saved_dtype: Option<DType>,
+    /// A DeepSeek-V4 model's own configuration (its layers are not MLA's); `None` for the MLA
+    /// family. The graph builders, cache roots and weights dispatch on it.
+    pub v4: Option<std::sync::Arc<v4::V4Config>>,
 }
 
 impl ModelConfig {
@@ -284,11 +290,9 @@ impl ModelConfig {
                 value::kind(&json)
             )));
         };
-        // DeepSeek-V4 has a config of its own: read and checked, so a broken file is named,
-        // then refused until its forward pass exists.
+        // DeepSeek-V4 has a config of its own.
         if object.get("model_type").and_then(Value::as_str) == Some("deepseek_v4") {
-            let v4 = v4::V4Config::from_object(object)?;
-            return Err(v4::not_served_yet(&v4, None));
+            return Ok(v4::V4Config::from_object(object)?.into_model_config());
         }
         let keys: RawConfig = raw::read(object, "")?;
         resolve::model_config(&keys)

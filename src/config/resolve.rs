@@ -124,6 +124,7 @@ pub(super) fn model_config(raw: &RawConfig) -> Result<ModelConfig> {
             Some("float16") => Some(DType::F16),
             _ => None,
         },
+        v4: None,
     })
 }
 

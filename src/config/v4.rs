@@ -25,7 +25,7 @@ use serde_json::{Map, Value};
 use super::messages::{invalid, missing_because, unsupported};
 use super::raw::{self, RawRope};
 use super::resolve::required_positive;
-use super::{value, RopeConfig, YarnConfig};
+use super::{value, Architecture, ModelConfig, RopeConfig, YarnConfig};
 use crate::error::{Error, Result};
 
 /// A layer's attention (`layer_types`).
@@ -730,21 +730,42 @@ fn non_negative(key: &str, v: Option<f64>, default: f64) -> Result<f64> {
     Ok(x)
 }
 
-/// Refuses a V4 checkpoint after reading its config (and, given `tensors`, checking that many
-/// tensors of its checkpoint), so a broken file is named first.
-pub fn not_served_yet(cfg: &V4Config, tensors: Option<usize>) -> Error {
-    let checked = tensors.map_or(String::new(), |n| {
-        format!(" (its {n} tensors are as config.json says)")
-    });
-    Error::Config(format!(
-        "model_type \"deepseek_v4\" (DeepSeek-V4, {} layers: {} CSA, {} HCA, {} sliding) is \
-         read{checked} but not served yet: its forward pass is being built (issue 43; \
-         docs/deepseek-v4.md says what it computes and how deepinfer will run it)",
-        cfg.num_hidden_layers,
-        cfg.layers_of(V4Attention::CompressedSparse).count(),
-        cfg.layers_of(V4Attention::HeavilyCompressed).count(),
-        cfg.layers_of(V4Attention::Sliding).count(),
-    ))
+impl V4Config {
+    /// The [`ModelConfig`] the runners, the engine and the server read: what every model has
+    /// (vocabulary, layers, heads, context, special tokens) from this config, the MLA-only
+    /// widths at what V4's heads are (`head_dim`, its rotated tail), no MLA router, and this
+    /// config itself in [`ModelConfig::v4`], which the graph builders, cache roots and weights
+    /// dispatch on.
+    pub fn into_model_config(self) -> ModelConfig {
+        ModelConfig {
+            architecture: Architecture::DeepseekV4,
+            vocab_size: self.vocab_size,
+            hidden_size: self.hidden_size,
+            intermediate_size: self.moe_intermediate_size,
+            moe_intermediate_size: self.moe_intermediate_size,
+            num_hidden_layers: self.num_hidden_layers,
+            num_attention_heads: self.num_attention_heads,
+            q_lora_rank: Some(self.q_lora_rank),
+            kv_lora_rank: 0,
+            qk_nope_head_dim: self.head_dim - self.rope_dim,
+            qk_rope_head_dim: self.rope_dim,
+            v_head_dim: self.head_dim,
+            routing: None,
+            n_shared_experts: 1,
+            first_k_dense_replace: 0,
+            moe_layer_freq: 1,
+            rms_norm_eps: self.rms_norm_eps,
+            rope: self.main_rope.clone(),
+            max_position_embeddings: self.max_position_embeddings,
+            tie_word_embeddings: self.tie_word_embeddings,
+            bos_token_id: self.bos_token_id,
+            eos_token_ids: self.eos_token_ids.clone(),
+            fp8_block: None,
+            indexer: None,
+            saved_dtype: None,
+            v4: Some(std::sync::Arc::new(self)),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -10,7 +10,7 @@
 
 use crate::error::{Error, Result};
 use crate::graph::DType;
-use crate::model::{LogitsOutput, MoeStrategy};
+use crate::model::{LogitsOutput, MoeStrategy, Sampler};
 
 /// The smallest prefill graph (see [`Buckets::prefill_sizes`]).
 const MIN_PREFILL_BUCKET: usize = 16;
@@ -389,12 +389,50 @@ impl StepKind {
         spec: &crate::model::GraphSpec,
     ) -> Result<crate::graph::Graph> {
         use crate::model;
+        if let Some(v4) = &cfg.v4 {
+            return self.build_v4(v4, specs.ranks(), layout, spec);
+        }
         match self {
             StepKind::Decode | StepKind::Greedy => model::build_decode(cfg, specs, layout, spec),
             StepKind::Prefill => model::build_prefill(cfg, specs, layout, spec),
             StepKind::Sample => model::build_sample(cfg, specs, layout, spec.rows),
             StepKind::Argmax => model::build_argmax(cfg, specs, spec.rows),
         }
+    }
+}
+
+impl StepKind {
+    /// [`StepKind::build`] for a DeepSeek-V4 model of `ranks` ranks: its step graph
+    /// ([`crate::model::v4::step`]), which samples in the step (no split sampler yet).
+    fn build_v4(
+        self,
+        cfg: &crate::config::v4::V4Config,
+        ranks: usize,
+        layout: &crate::model::CacheLayout,
+        spec: &crate::model::GraphSpec,
+    ) -> Result<crate::graph::Graph> {
+        use crate::model::v4::step::{build_step, V4Step};
+        let decode = match self {
+            StepKind::Decode | StepKind::Greedy => true,
+            StepKind::Prefill => false,
+            StepKind::Sample | StepKind::Argmax => {
+                return Err(Error::InvalidInput(
+                    "DeepSeek-V4's decode graphs sample in the step: a split sampler \
+                     (--split-sampler) is not built for it yet"
+                        .into(),
+                ))
+            }
+        };
+        let step = V4Step {
+            rows: spec.rows,
+            seqs: if decode { spec.rows } else { spec.seqs.max(1) },
+            ctx: spec.ctx,
+            decode,
+            ranks,
+            logits: spec.logits,
+            sampler: if decode { spec.sampler } else { Sampler::Full },
+        };
+        build_step(cfg, layout, &step)
     }
 }
 

@@ -20,7 +20,8 @@ mod thread;
 pub use blocks::BlockAllocator;
 pub use params::{FinishReason, GenerationParams};
 pub use scheduler::{
-    Event, Output, RequestId, Scheduler, TokenEvent, TokenLogprobs, DEFAULT_FAIR_DECODE_SLOWDOWN,
+    shares_prefixes, Event, Output, RequestId, Scheduler, TokenEvent, TokenLogprobs,
+    DEFAULT_FAIR_DECODE_SLOWDOWN,
 };
 pub use single::{generate, score, StopConditions};
 pub use thread::{

@@ -61,6 +61,8 @@
 //! the last token is always computed (its logits give the first sample). A request for prompt
 //! log-probabilities computes its whole prompt (the cached part has no logits), as in vLLM.
 //! A preempted sequence is recomputed from the cache too, so giving its blocks back costs less.
+//! Off for a DeepSeek-V4 model, whose sequences keep state outside their blocks
+//! ([`shares_prefixes`]).
 //!
 //! # Buckets still compiling
 //!
@@ -334,6 +336,15 @@ pub struct Scheduler<R: Runner> {
     last_failure: Option<String>,
 }
 
+/// Whether sequences of `cfg` can start from another's cached prefix. A DeepSeek-V4 sequence's
+/// cache is more than its blocks: its sliding window and its compressors' partial windows live
+/// in rings under its state row (`model::v4::step`), which a shared block does not bring along.
+/// So a V4 model never shares prefixes (until whole compression blocks and their rings are
+/// shared, issue 43).
+pub fn shares_prefixes(cfg: &crate::config::ModelConfig) -> bool {
+    cfg.v4.is_none()
+}
+
 impl<R: Runner> Scheduler<R> {
     /// A scheduler over `runner`. With a tokenizer, token events carry text and stop strings
     /// work; `eos_token_ids` end a sequence unless it asks to ignore them.
@@ -345,7 +356,10 @@ impl<R: Runner> Scheduler<R> {
     ) -> Result<Self> {
         let rc = runner.runner_config();
         let max_running = rc.buckets.max_batch().max(1);
-        let blocks = BlockAllocator::with_prefix_caching(rc.num_blocks, rc.block_size)?;
+        let blocks = match shares_prefixes(runner.config()) {
+            true => BlockAllocator::with_prefix_caching(rc.num_blocks, rc.block_size)?,
+            false => BlockAllocator::new(rc.num_blocks, rc.block_size)?,
+        };
         Ok(Scheduler {
             runner,
             blocks,
@@ -368,8 +382,10 @@ impl<R: Runner> Scheduler<R> {
     }
 
     /// Turns prefix caching on (the default) or off. Only before the first request: the cache
-    /// bookkeeping starts over.
+    /// bookkeeping starts over. A model whose sequences keep state outside their blocks stays
+    /// off (see [`shares_prefixes`]).
     pub fn set_prefix_caching(&mut self, on: bool) -> Result<()> {
+        let on = on && shares_prefixes(self.runner.config());
         if !self.is_idle() {
             return Err(Error::InvalidInput(
                 "prefix caching can only be switched before any request".into(),

@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::graph::DType;
 use crate::model::v4::step::{build_step, cache_roots, V4Step};
 use crate::model::v4::{shard, tensors};
-use crate::model::{CacheLayout, DTypeChoice, LogitsOutput, Quantize, Sampler};
+use crate::model::{CacheLayout, LogitsOutput, Sampler};
 use crate::runner::step::{self, DecodeRow, LogitControls, PrefillChunk, SamplingParams};
 use crate::weights::Checkpoint;
 
@@ -44,16 +44,7 @@ pub(super) fn lower(
     if let Some(why) = shard::indivisible(cfg, ranks) {
         return Err(Error::InvalidInput(why));
     }
-    let f32_only =
-        |c: DTypeChoice| matches!(c, DTypeChoice::Auto | DTypeChoice::Exactly(DType::F32));
-    let p = &opts.precision;
-    if !f32_only(p.dtype) || !f32_only(p.kv_dtype) || p.quantize != Quantize::None {
-        return Err(Error::InvalidInput(
-            "DeepSeek-V4's step graphs are f32 so far: --dtype, --kv-dtype and --quantize other \
-             than f32 come with its reduced-precision weights (issue 43)"
-                .into(),
-        ));
-    }
+    opts.precision.v4()?;
     let max_batch = opts.batch_sizes.iter().copied().max().unwrap_or(1);
     let rc = RunnerConfig::for_limits(max_batch, opts.ctx);
     let block = rc.block_size;

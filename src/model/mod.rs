@@ -316,7 +316,14 @@ impl RootSpec {
 /// The cache roots of `cfg` under `cache`, in the order graphs declare them: the KV root, then
 /// (V3.2) the state root of index keys, held in the cache dtype like the latents, then the
 /// sampling-state root of the penalties' token counts (f32, see [`logits`]).
-pub fn cache_roots(cfg: &ModelConfig, cache: &CacheLayout) -> Vec<RootSpec> {
+///
+/// A DeepSeek-V4 model keeps its own roots ([`v4::step::cache_roots`]: rings and compressed
+/// entries, then the same sampling state), and fails when its compress rates and the block
+/// size do not divide one another.
+pub fn cache_roots(cfg: &ModelConfig, cache: &CacheLayout) -> Result<Vec<RootSpec>> {
+    if let Some(v4) = &cfg.v4 {
+        return v4::step::cache_roots(v4, cache);
+    }
     let mut roots = vec![RootSpec {
         name: KV_ROOT,
         rows: cache.num_slots,
@@ -332,7 +339,7 @@ pub fn cache_roots(cfg: &ModelConfig, cache: &CacheLayout) -> Vec<RootSpec> {
         });
     }
     roots.push(sampling_root(cfg.vocab_size, cache));
-    roots
+    Ok(roots)
 }
 
 /// The sampling-state root every model's step graphs keep last among their roots: the
@@ -354,7 +361,7 @@ fn root_inputs(
     cache: &CacheLayout,
 ) -> Result<(Roots, Tensor)> {
     let (mut kv, mut index, mut state) = (None, None, None);
-    for r in cache_roots(cfg, cache) {
+    for r in cache_roots(cfg, cache)? {
         let t = Some(b.input(r.name, InputRole::CacheRoot, r.shape().to_vec(), r.dtype)?);
         match r.name {
             KV_ROOT => kv = t,
@@ -699,7 +706,7 @@ pub fn build_sample(
     let input_ids = metadata(&b, inputs::INPUT_IDS, vec![rows], DType::I32)?;
     let positions = metadata(&b, inputs::POSITIONS, vec![rows], DType::I32)?;
     let state_rows = metadata(&b, inputs::STATE_ROWS, vec![rows], DType::I32)?;
-    let root = cache_roots(cfg, cache)
+    let root = cache_roots(cfg, cache)?
         .into_iter()
         .find(|r| r.name == logits::STATE_ROOT)
         .ok_or_else(|| Error::shape("cache", "no sampling-state root"))?;

@@ -14,12 +14,16 @@
 //! for the same reason (`_keep_in_fp32_modules`). V3.2's indexer head weights
 //! (`indexer.weights_proj.weight`, `[index_n_heads, hidden]`) stay f32 for the same reason:
 //! they decide which tokens attention sees, and transformers keeps them in f32 too.
+//!
+//! A DeepSeek-V4 model's weights are its published tensors by name, f32 so far, a rank's cut
+//! taken as [`super::v4::shard`] says (its hash layers' `tid2eid` as i32).
 
 use std::collections::HashMap;
 use std::sync::Arc;
 
 use candle_core::{Device, Tensor as CTensor};
 
+use crate::config::v4::V4Config;
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::graph::DType;
@@ -28,6 +32,7 @@ use crate::weights::{Checkpoint, Conversion};
 
 use super::precision::{Dots, Precision, Quantize, INT4_GROUP};
 use super::shard::{self, Split};
+use super::v4::{shard as shard_v4, tensors as tensors_v4};
 
 /// Shape and stored dtype of every parameter a graph may reference, by name.
 #[derive(Debug, Clone)]
@@ -42,6 +47,16 @@ impl WeightSpecs {
     /// Every parameter of `cfg` (stacked experts, and their scales when quantized, included),
     /// stored as `precision` says.
     pub fn new(cfg: &ModelConfig, precision: &Precision) -> Self {
+        if let Some(v4) = &cfg.v4 {
+            return WeightSpecs::v4(
+                v4,
+                precision,
+                1,
+                tensors_v4::expected(v4)
+                    .into_iter()
+                    .map(|t| (t.names[0].clone(), t.shape)),
+            );
+        }
         let mut m = HashMap::new();
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
         let heads = cfg.num_attention_heads;
@@ -141,6 +156,15 @@ impl WeightSpecs {
     /// divided as [`shard::split_of`] says, plus the rank's [`shard::SHARD_OFFSETS`]. Every
     /// rank's shards have the same shapes, so one graph serves them all.
     pub fn sharded(cfg: &ModelConfig, precision: &Precision, ranks: usize) -> Result<Self> {
+        if let Some(v4) = &cfg.v4 {
+            let tensors = shard_v4::rank_tensors(v4, ranks)?;
+            return Ok(WeightSpecs::v4(
+                v4,
+                precision,
+                ranks,
+                tensors.into_iter().map(|t| (t.name, t.shape)),
+            ));
+        }
         shard::validate(cfg, ranks)?;
         let mut specs = WeightSpecs::new(cfg, precision);
         if ranks > 1 {
@@ -153,6 +177,26 @@ impl WeightSpecs {
         }
         specs.ranks = ranks;
         Ok(specs)
+    }
+
+    /// A DeepSeek-V4 model's `tensors` (name and shape) for one rank of `ranks`, with the
+    /// rank's offsets when split.
+    fn v4(
+        cfg: &V4Config,
+        precision: &Precision,
+        ranks: usize,
+        tensors: impl Iterator<Item = (String, Vec<usize>)>,
+    ) -> Self {
+        let mut shapes: HashMap<String, Vec<usize>> = tensors.collect();
+        if ranks > 1 {
+            shapes.insert(shard::SHARD_OFFSETS.to_string(), vec![2]);
+        }
+        WeightSpecs {
+            shapes,
+            precision: *precision,
+            ranks,
+            vocab_size: cfg.vocab_size,
+        }
     }
 
     /// The precision these weights are stored in.
@@ -188,7 +232,7 @@ impl WeightSpecs {
     /// The dtype parameter `name` is stored in: the router's weight and bias are f32 whatever
     /// the policy, and so are quantized experts' scales (see the module docs).
     pub fn dtype(&self, name: &str) -> DType {
-        if name == shard::SHARD_OFFSETS {
+        if name == shard::SHARD_OFFSETS || name.ends_with(".tid2eid") {
             DType::I32
         } else if name.ends_with(".mlp.gate.weight")
             || name.ends_with(".e_score_correction_bias")
@@ -259,6 +303,10 @@ impl ModelWeights {
     /// Loads and prepares every parameter from a checkpoint in `dtype`, checking each shape.
     /// Each tensor is converted as it is read; no wider copy of the checkpoint is ever held.
     pub fn load(cfg: &ModelConfig, ckpt: &Checkpoint, precision: &Precision) -> Result<Self> {
+        if let Some(v4) = &cfg.v4 {
+            let whole = tensors_v4::load_f32(v4, ckpt)?;
+            return ModelWeights::v4_rank(cfg, v4, &whole, 0, 1, precision);
+        }
         let specs = WeightSpecs::new(cfg, precision);
         let mut weights = ModelWeights::held(specs.clone());
         // Only a quantized GGUF holds GGML blocks; asked once, not per parameter.
@@ -278,6 +326,22 @@ impl ModelWeights {
             }
         }
         Ok(weights)
+    }
+
+    /// Rank `rank` of `ranks`'s tensors of a DeepSeek-V4 model, cut from the `whole` model's
+    /// (by published name, f32; see [`shard_v4`]).
+    fn v4_rank(
+        cfg: &ModelConfig,
+        v4: &V4Config,
+        whole: &HashMap<String, CTensor>,
+        rank: usize,
+        ranks: usize,
+        precision: &Precision,
+    ) -> Result<Self> {
+        Ok(ModelWeights {
+            tensors: shard_v4::rank_weights(v4, whole, ranks, rank)?,
+            ..ModelWeights::held(WeightSpecs::sharded(cfg, precision, ranks)?)
+        })
     }
 
     /// No weights yet, for `specs`.
@@ -313,6 +377,11 @@ impl ModelWeights {
     /// checked now (present, of the right shape), so a broken checkpoint fails here, naming
     /// the tensor, not halfway through a capture.
     pub fn stream(cfg: &ModelConfig, ckpt: Arc<Checkpoint>, precision: &Precision) -> Result<Self> {
+        // A V4 model's tensors are read whole into host memory so far (a rank's cut is taken
+        // from them, see `shard_v4`); streaming them rank by rank comes with its FP8/FP4 forms.
+        if cfg.v4.is_some() {
+            return ModelWeights::load(cfg, &ckpt, precision);
+        }
         let specs = WeightSpecs::new(cfg, precision);
         for name in specs.names() {
             for (source, shape) in checkpoint_tensors(&specs, name, 0, 1) {
@@ -361,6 +430,13 @@ impl ModelWeights {
     /// Random weights in `dtype` (deterministic in `seed`) for benchmarks and tests of configs
     /// that have no checkpoint. Values are scaled like a trained model's (norm weights near 1).
     pub fn random(cfg: &ModelConfig, seed: u64, precision: &Precision) -> Result<Self> {
+        if cfg.v4.is_some() {
+            return Err(Error::InvalidInput(
+                "random weights are made for the MLA family; a DeepSeek-V4 model needs its \
+                 checkpoint"
+                    .into(),
+            ));
+        }
         let specs = WeightSpecs::new(cfg, precision);
         let mut weights = ModelWeights::held(specs.clone());
         let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
@@ -427,6 +503,16 @@ impl ModelWeights {
                  parallelism (--tp above 1); run them at --tp 1, or use a bf16/f32 checkpoint"
                     .into(),
             ));
+        }
+        if let Some(v4) = &cfg.v4 {
+            return ModelWeights::v4_rank(
+                cfg,
+                v4,
+                &self.tensors,
+                rank,
+                ranks,
+                &self.specs.precision,
+            );
         }
         let specs = WeightSpecs::sharded(cfg, &self.specs.precision, ranks)?;
         if let Some(st) = &self.stream {

@@ -179,11 +179,29 @@ pub struct PrecisionChoice {
 }
 
 impl PrecisionChoice {
+    /// The dtypes to serve a DeepSeek-V4 model in: f32, whatever it was saved in, as its graphs
+    /// are f32 so far; any other choice is refused.
+    pub fn v4(&self) -> Result<Precision> {
+        let f32_only =
+            |c: DTypeChoice| matches!(c, DTypeChoice::Auto | DTypeChoice::Exactly(DType::F32));
+        if !f32_only(self.dtype) || !f32_only(self.kv_dtype) || self.quantize != Quantize::None {
+            return Err(Error::InvalidInput(
+                "DeepSeek-V4's graphs are f32 so far: --dtype, --kv-dtype and --quantize other \
+                 than f32 come with its reduced-precision weights (issue 43)"
+                    .into(),
+            ));
+        }
+        Ok(Precision::F32)
+    }
+
     /// The dtypes to serve a model of `cfg`, saved in `saved` (the checkpoint's float dtype,
     /// `None` if unknown), in. Fails on a dtype weights cannot be held in and on
     /// `--quantize experts-int8|experts-int4` for a model without routed experts (and int4 with
     /// an odd expert width).
     pub fn resolve(&self, saved: Option<DType>, cfg: &ModelConfig) -> Result<Precision> {
+        if cfg.v4.is_some() {
+            return self.v4();
+        }
         let weights = match self.dtype {
             DTypeChoice::Exactly(d) => d,
             DTypeChoice::Auto => saved.unwrap_or(DType::F32),

@@ -152,7 +152,7 @@ impl CpuRunner {
         };
         let roots = (0..tp)
             .map(|_| {
-                model::cache_roots(&cfg, &layout)
+                model::cache_roots(&cfg, &layout)?
                     .into_iter()
                     .map(|r| {
                         let t = CTensor::zeros(

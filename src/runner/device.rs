@@ -786,7 +786,7 @@ impl RankLoader<'_> {
         // the device: `nrt_tensor_memset` sends nothing over the bus, where host writes of
         // zeros would send the whole root (about 124 GB for V2 at tp 32).
         let mut roots = Vec::new();
-        for spec in model::cache_roots(self.cfg, self.layout) {
+        for spec in model::cache_roots(self.cfg, self.layout)? {
             let root_bytes = spec.bytes() as usize;
             let root = Tensor::device(rt, nc, root_bytes, spec.name).map_err(dev(CAP))?;
             root.fill_or_write(0, 0, root_bytes).map_err(dev(CAP))?;
@@ -2182,7 +2182,7 @@ impl DeviceRunner {
     /// KV root first); for tests and tools.
     pub fn read_roots(&self) -> Result<Vec<(&'static str, CTensor)>> {
         let state = &self.captured()?.first;
-        model::cache_roots(&self.cfg, &self.layout)
+        model::cache_roots(&self.cfg, &self.layout)?
             .into_iter()
             .zip(&state.roots)
             .map(|(spec, (name, root))| {
