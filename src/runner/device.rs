@@ -1717,7 +1717,10 @@ impl DeviceRunner {
     }
 
     /// Writes `meta` into the bucket's persistent buffers (only the bucket's rows), except an
-    /// `unmasked` allowed-token array whose buffer already holds all ones there.
+    /// `unmasked` allowed-token array whose buffer already holds all ones there. An array no
+    /// buffer is named for is one no graph of the bucket reads (the buffers are its graphs'
+    /// metadata inputs, each checked to have one when bound): a V4 decode step has no
+    /// `context_lens`, for one. It is not written.
     fn write_meta<'a>(
         bufs: &[MetaBuf],
         meta: impl IntoIterator<Item = &'a HostArray>,
@@ -1725,13 +1728,9 @@ impl DeviceRunner {
         graph: &str,
     ) -> Result<()> {
         for a in meta {
-            let buf = bufs
-                .iter()
-                .find(|b| b.name == a.name)
-                .ok_or_else(|| Error::Binding {
-                    name: a.name.to_string(),
-                    msg: format!("graph `{graph}`: no device buffer"),
-                })?;
+            let Some(buf) = bufs.iter().find(|b| b.name == a.name) else {
+                continue;
+            };
             let bytes = host_bytes(a);
             if bytes.len() > buf.tensor.size() || !bytes.len().is_multiple_of(buf.row_bytes.max(1))
             {
