@@ -13,14 +13,17 @@ use std::collections::HashMap;
 use candle_core::{Device, Tensor as CTensor};
 use deepinfer::backend::cpu::{self, Group, DEFAULT_COLLECTIVE_TIMEOUT};
 use deepinfer::config::v4::V4Config;
+use deepinfer::config::ModelConfig;
+use deepinfer::deployment::{Buckets, RunnerConfig};
 use deepinfer::graph::{DType, Graph, InputRole};
 use deepinfer::model::v4::forward::build_stateless;
 use deepinfer::model::v4::step::{build_step, cache_roots, V4Step};
 use deepinfer::model::v4::{shard, tensors};
-use deepinfer::model::{CacheLayout, LogitsOutput, Sampler};
+use deepinfer::model::{CacheLayout, LogitsOutput, ModelWeights, Precision, Sampler};
 use deepinfer::runner::step::{
     self, DecodeRow, HostData, LogitControls, PrefillChunk, SamplingParams,
 };
+use deepinfer::runner::{self, Backend, DeviceOptions, DeviceRunner, Runner, Step};
 use deepinfer::weights::Checkpoint;
 
 #[derive(serde::Deserialize)]
@@ -599,4 +602,149 @@ fn lowering_v4_refuses_what_it_cannot_do_yet() {
     let manifest = lower_sharded(&dir, &out, &opts, 2).unwrap();
     assert_eq!(manifest.tp, 2);
     std::fs::remove_dir_all(&out).unwrap();
+}
+
+/// The runners drive V4 as they drive MLA, on the CPU and through nrt-sim (the device runner's
+/// FFI path, its persistent metadata and roots): the 48-token prompt and the 23-token one
+/// prefilled together, 16 tokens a step (the short one stopping at 15), every fed position's
+/// logits returned; then one batch decodes the long prompt's greedy continuation beside the rest
+/// of the short prompt, token by token, each row in its own state row. Every logit within 1e-4
+/// of transformers', and the sampled tokens its greedy ones.
+#[test]
+fn the_runners_serve_it_on_the_cpu_and_through_nrt_sim() {
+    let r: V4Reference = common::reference_file("tiny-v4", "reference.json");
+    let rc = || RunnerConfig {
+        block_size: BLOCK,
+        num_blocks: 2 * 128 / BLOCK + 1,
+        buckets: Buckets {
+            batch: vec![1, 2],
+            ctx: vec![64, 128],
+            prefill_chunk: 16,
+            prefill_seqs: 2,
+        },
+        moe: None,
+        kv_dtype: DType::F32,
+        tp: 1,
+    };
+    let dir = common::fixture_dir("tiny-v4");
+    let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let weights = || ModelWeights::load(&cfg, &ckpt, &Precision::F32).unwrap();
+    let cpu = runner::open_with_weights(Backend::Cpu, cfg.clone(), weights(), rc()).unwrap();
+    let sim = {
+        let lib = nrt_sim::library_next_to_current_exe()
+            .expect("libnrt_sim.so next to the test binary (cargo test --workspace builds it)");
+        let lib = neuron_sys::Library::open(&lib).unwrap();
+        let mut d =
+            DeviceRunner::new(cfg.clone(), weights(), rc(), lib, DeviceOptions::sim()).unwrap();
+        d.capture(&rc().buckets).unwrap();
+        Box::new(d) as Box<dyn Runner>
+    };
+    for (name, mut run) in [("cpu", cpu), ("nrt-sim", sim)] {
+        let worst = serve_two_prompts(&mut *run, &r);
+        eprintln!("tiny-v4 through the {name} runner: logits within {worst:.2e}");
+        assert!(worst <= 1e-4, "{name}: {worst}");
+    }
+}
+
+/// [`the_runners_serve_it_on_the_cpu_and_through_nrt_sim`]'s steps on `run`; returns the
+/// largest difference of any logit from transformers'.
+fn serve_two_prompts(run: &mut dyn Runner, r: &V4Reference) -> f32 {
+    let (long, short) = (&r.token_ids, &r.token_ids_short);
+    let mut alloc = common::allocator(run);
+    let mut tables = [Vec::new(), Vec::new()];
+    let controls = |row: u32| LogitControls {
+        state_row: row,
+        ..LogitControls::NONE
+    };
+    let mut worst = 0f32;
+    let mut check = |got: &[f32], want: &[f32]| {
+        assert!(got.iter().all(|x| x.is_finite()));
+        worst = worst.max(common::max_abs_diff(got, want));
+    };
+    let prefilled_short = 15;
+    for start in (0..long.len()).step_by(16) {
+        let end = [
+            (start + 16).min(long.len()),
+            (start + 16).min(prefilled_short),
+        ];
+        alloc.grow(&mut tables[0], end[0]).unwrap();
+        alloc.grow(&mut tables[1], end[1]).unwrap();
+        let mut chunks = vec![PrefillChunk {
+            tokens: &long[start..end[0]],
+            start,
+            blocks: &tables[0],
+            sampling: SamplingParams::GREEDY,
+            controls: controls(1),
+        }];
+        if start < prefilled_short {
+            chunks.push(PrefillChunk {
+                tokens: &short[start..end[1]],
+                start,
+                blocks: &tables[1],
+                sampling: SamplingParams::GREEDY,
+                controls: controls(2),
+            });
+        }
+        let out = run
+            .replay(&Step::Prefill {
+                chunks: &chunks,
+                logits: LogitsOutput::AllPositions,
+            })
+            .unwrap();
+        if end[0] == long.len() {
+            assert_eq!(out.next_tokens[0], r.greedy.generated_token_ids[0]);
+        }
+        let logits = out.logits.unwrap();
+        let wants = r.logits[start..end[0]]
+            .iter()
+            .chain(if start < prefilled_short {
+                &r.logits_short[start..end[1]]
+            } else {
+                &r.logits_short[..0]
+            });
+        assert_eq!(logits.len(), wants.clone().count());
+        for (got, want) in logits.iter().zip(wants) {
+            check(got, want);
+        }
+    }
+    // Decode: the long prompt's greedy continuation (row 0) beside the rest of the short
+    // prompt (row 1, at its own positions), one token a step.
+    let gen = &r.greedy.generated_token_ids;
+    for i in 1..gen.len() {
+        let (a, b) = (long.len() + i - 1, prefilled_short + i - 1);
+        alloc.grow(&mut tables[0], a + 1).unwrap();
+        let mut rows = vec![DecodeRow {
+            token: gen[i - 1],
+            position: a,
+            blocks: &tables[0],
+            sampling: SamplingParams::GREEDY,
+            controls: controls(1),
+        }];
+        let mut wants = vec![&r.logits_decode[i]];
+        if b < short.len() {
+            alloc.grow(&mut tables[1], b + 1).unwrap();
+            rows.push(DecodeRow {
+                token: short[b],
+                position: b,
+                blocks: &tables[1],
+                sampling: SamplingParams::GREEDY,
+                controls: controls(2),
+            });
+            wants.push(&r.logits_short[b]);
+        }
+        let out = run
+            .replay(&Step::Decode {
+                rows: &rows,
+                logits: LogitsOutput::Sampled,
+            })
+            .unwrap();
+        let logits = out.logits.unwrap();
+        assert_eq!(logits.len(), wants.len());
+        for (got, want) in logits.iter().zip(&wants) {
+            check(got, want);
+        }
+        assert_eq!(out.next_tokens[0], gen[i], "greedy token {i}");
+    }
+    worst
 }

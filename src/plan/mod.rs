@@ -240,7 +240,7 @@ pub struct CoreBytes {
     pub rank: usize,
     /// Weight shards, replicated tensors and scales included.
     pub weights: u64,
-    /// The KV cache root.
+    /// The cache roots: the KV blocks, and a DeepSeek-V4 model's per-sequence rings.
     pub kv_cache: u64,
     /// Persistent step-metadata buffers.
     pub metadata: u64,
@@ -267,6 +267,22 @@ impl CoreBytes {
     fn without_kv(&self) -> u64 {
         self.total() - self.kv_cache
     }
+}
+
+/// What the cache of `cfg` costs a core in `dtype`: bytes per block of `block_size` token
+/// slots in every paged root (MLA's latents and V3.2's index keys; V4's compressed entries),
+/// and bytes per running sequence outside the blocks (V4's rings; none for MLA).
+fn cache_bytes(cfg: &ModelConfig, block_size: usize, dtype: DType) -> Result<(u64, u64)> {
+    if let Some(v4) = &cfg.v4 {
+        let cost = crate::model::v4::step::cache_cost(v4, dtype, block_size)?;
+        let block = (cost.bytes_per_token * block_size as f64).ceil() as u64;
+        return Ok((block, cost.bytes_per_sequence));
+    }
+    let block = (block_size
+        * cfg.num_hidden_layers
+        * (cfg.kv_cache_width() + cfg.index_cache_width())) as u64
+        * dtype.size_in_bytes() as u64;
+    Ok((block, 0))
 }
 
 /// The host's RAM while loading (see the module docs for the formula).
@@ -397,11 +413,9 @@ impl Plan {
         };
         let est = neff::estimate(cfg, &precision, &rc, opts.instance, opts.split_sampler)?;
         let (metadata, outputs) = metadata_and_outputs(cfg, &buckets, block_size, tp);
-        // A block's slots in every cache root: the latents and (V3.2) the index keys.
-        let block_bytes = (block_size
-            * cfg.num_hidden_layers
-            * (cfg.kv_cache_width() + cfg.index_cache_width())) as u64
-            * kv_dtype.size_in_bytes() as u64;
+        let (block_bytes, sequence_bytes) = cache_bytes(cfg, block_size, kv_dtype)?;
+        // Per-sequence state (V4's rings) for every batch slot and the scratch row.
+        let fixed_cache = sequence_bytes * (buckets.max_batch() as u64 + 1);
         let instance_hbm = opts.instance.hbm_per_core();
         let hbm_per_core = opts
             .hbm_per_core
@@ -422,13 +436,16 @@ impl Plan {
         let kv_blocks = match opts.kv_blocks {
             KvBlocks::Auto => per_core
                 .iter()
-                .map(|c| budget_per_core.saturating_sub(c.without_kv()) / block_bytes.max(1))
+                .map(|c| {
+                    budget_per_core.saturating_sub(c.without_kv() + fixed_cache)
+                        / block_bytes.max(1)
+                })
                 .min()
                 .unwrap_or(0) as usize,
             KvBlocks::Default | KvBlocks::Exactly(_) => rc.num_blocks,
         };
         for c in &mut per_core {
-            c.kv_cache = kv_blocks as u64 * block_bytes;
+            c.kv_cache = kv_blocks as u64 * block_bytes + fixed_cache;
         }
 
         let largest_shard = (0..tp)

@@ -215,12 +215,17 @@ fn what_deepinfer_cannot_run_is_refused_by_key() {
 }
 
 #[test]
-fn a_v4_checkpoint_is_read_then_refused_by_name() {
-    let e = ModelConfig::from_json_str(&flash_modern().to_string()).unwrap_err();
-    let msg = e.to_string();
-    assert!(msg.contains("\"deepseek_v4\""), "{msg}");
-    assert!(msg.contains("20 CSA, 23 HCA, 0 sliding"), "{msg}");
-    assert!(msg.contains("not served yet"), "{msg}");
+fn a_v4_config_is_read_into_the_model_config_the_runners_take() {
+    let c = ModelConfig::from_json_str(&flash_modern().to_string()).unwrap();
+    assert_eq!(c.architecture, crate::config::Architecture::DeepseekV4);
+    let v4 = c.v4.as_deref().unwrap();
+    assert_eq!(v4.layers_of(V4Attention::CompressedSparse).count(), 20);
+    assert_eq!(v4.layers_of(V4Attention::HeavilyCompressed).count(), 23);
+    assert_eq!(
+        (c.vocab_size, c.num_hidden_layers, c.hidden_size),
+        (v4.vocab_size, v4.num_hidden_layers, v4.hidden_size)
+    );
+    assert_eq!(c.eos_token_ids, v4.eos_token_ids);
     // A broken V4 file is named for what is broken, not for being V4.
     let mut v = flash_modern();
     v["o_groups"] = json!(7);
