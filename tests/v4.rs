@@ -606,7 +606,7 @@ fn lowering_v4_refuses_what_it_cannot_do_yet() {
 
 /// The runners drive V4 as they drive MLA, on the CPU and through nrt-sim (the device runner's
 /// FFI path, its persistent metadata and roots): the 48-token prompt and the 23-token one
-/// prefilled together, 16 tokens a step (the short one stopping at 15), every fed position's
+/// prefilled together, 9 and 7 tokens a step (the short one stopping at 15), every fed position's
 /// logits returned; then one batch decodes the long prompt's greedy continuation beside the rest
 /// of the short prompt, token by token, each row in its own state row. Every logit within 1e-4
 /// of transformers', and the sampled tokens its greedy ones.
@@ -663,10 +663,13 @@ fn serve_two_prompts(run: &mut dyn Runner, r: &V4Reference) -> f32 {
         worst = worst.max(common::max_abs_diff(got, want));
     };
     let prefilled_short = 15;
-    for start in (0..long.len()).step_by(16) {
+    // Steps of 9 tokens of the long prompt and 7 of the short one: chunks ending off the
+    // compression blocks (rates 4 and 8) and the window (8).
+    for step in 0..long.len().div_ceil(9) {
+        let (start, short_start) = (9 * step, 7 * step);
         let end = [
-            (start + 16).min(long.len()),
-            (start + 16).min(prefilled_short),
+            (start + 9).min(long.len()),
+            (short_start + 7).min(prefilled_short),
         ];
         alloc.grow(&mut tables[0], end[0]).unwrap();
         alloc.grow(&mut tables[1], end[1]).unwrap();
@@ -677,10 +680,10 @@ fn serve_two_prompts(run: &mut dyn Runner, r: &V4Reference) -> f32 {
             sampling: SamplingParams::GREEDY,
             controls: controls(1),
         }];
-        if start < prefilled_short {
+        if short_start < prefilled_short {
             chunks.push(PrefillChunk {
-                tokens: &short[start..end[1]],
-                start,
+                tokens: &short[short_start..end[1]],
+                start: short_start,
                 blocks: &tables[1],
                 sampling: SamplingParams::GREEDY,
                 controls: controls(2),
@@ -698,8 +701,8 @@ fn serve_two_prompts(run: &mut dyn Runner, r: &V4Reference) -> f32 {
         let logits = out.logits.unwrap();
         let wants = r.logits[start..end[0]]
             .iter()
-            .chain(if start < prefilled_short {
-                &r.logits_short[start..end[1]]
+            .chain(if short_start < prefilled_short {
+                &r.logits_short[short_start..end[1]]
             } else {
                 &r.logits_short[..0]
             });
@@ -714,6 +717,9 @@ fn serve_two_prompts(run: &mut dyn Runner, r: &V4Reference) -> f32 {
     for i in 1..gen.len() {
         let (a, b) = (long.len() + i - 1, prefilled_short + i - 1);
         alloc.grow(&mut tables[0], a + 1).unwrap();
+        if b < short.len() {
+            alloc.grow(&mut tables[1], b + 1).unwrap();
+        }
         let mut rows = vec![DecodeRow {
             token: gen[i - 1],
             position: a,
@@ -723,7 +729,6 @@ fn serve_two_prompts(run: &mut dyn Runner, r: &V4Reference) -> f32 {
         }];
         let mut wants = vec![&r.logits_decode[i]];
         if b < short.len() {
-            alloc.grow(&mut tables[1], b + 1).unwrap();
             rows.push(DecodeRow {
                 token: short[b],
                 position: b,
