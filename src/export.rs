@@ -562,11 +562,7 @@ pub fn lower_sharded(
     std::fs::create_dir_all(out).map_err(io_err(out))?;
     // The same shapes `check_neuron` and the runners build graphs with (the whole model at 1).
     let specs = WeightSpecs::sharded(&cfg, &precision, ranks)?;
-    let moe = |rows: usize| {
-        cfg.routing.as_ref().map_or(MoeStrategy::Dense, |r| {
-            MoeStrategy::for_tokens(r, rows, specs.ranks())
-        })
-    };
+    let moe = |rows: usize| MoeStrategy::for_model(&cfg, rows, specs.ranks());
     let layout = rc.cache_layout();
 
     let mut graphs = Vec::new();

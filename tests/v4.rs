@@ -19,7 +19,7 @@ use deepinfer::graph::{DType, Graph, InputRole};
 use deepinfer::model::v4::forward::build_stateless;
 use deepinfer::model::v4::step::{build_step, cache_roots, V4Step};
 use deepinfer::model::v4::{shard, tensors};
-use deepinfer::model::{CacheLayout, LogitsOutput, ModelWeights, Precision, Sampler};
+use deepinfer::model::{CacheLayout, LogitsOutput, ModelWeights, MoeStrategy, Precision, Sampler};
 use deepinfer::runner::step::{
     self, DecodeRow, HostData, LogitControls, PrefillChunk, SamplingParams,
 };
@@ -47,9 +47,9 @@ fn weights() -> HashMap<String, CTensor> {
     tensors::load_f32(&config(), &ckpt).unwrap()
 }
 
-/// The graph's inputs: `ids`, and the fixture's weights.
+/// The graph's inputs: `ids`, and the fixture's weights (unsplit: the routed experts stacked).
 fn inputs(graph: &Graph, ids: &[u32]) -> Vec<CTensor> {
-    let mut w = weights();
+    let mut w = shard::rank_weights(&config(), &weights(), 1, 0).unwrap();
     graph
         .inputs()
         .iter()
@@ -127,9 +127,13 @@ fn the_graphs_lower_within_neurons_rules() {
             .unwrap();
     let flash = V4Config::from_json_str(&text).unwrap();
     let flash_layout = CacheLayout::new(16, 8 * 2048 / 16 + 1, DType::BF16, 8);
+    // At the deployment degree, with the MoE strategy a device capture takes (dense for the
+    // prefill chunk, whose 64 x 6 selections outnumber a rank's 8 experts).
+    let flash_model = flash.clone().into_model_config();
     let at = |spec: V4Step| V4Step {
         ctx: 2048,
         ranks: 32,
+        moe: MoeStrategy::for_model(&flash_model, spec.rows, 32),
         ..spec
     };
     let graphs = [
@@ -345,6 +349,8 @@ impl Cache {
     }
 }
 
+/// A prefill step, its routed experts evaluated densely (decode steps gather them): both
+/// strategies against transformers.
 fn prefill(rows: usize, seqs: usize) -> V4Step {
     V4Step {
         rows,
@@ -354,6 +360,7 @@ fn prefill(rows: usize, seqs: usize) -> V4Step {
         ranks: 1,
         logits: LogitsOutput::AllPositions,
         sampler: Sampler::Full,
+        moe: MoeStrategy::Dense,
     }
 }
 
@@ -366,6 +373,7 @@ fn decode(rows: usize) -> V4Step {
         ranks: 1,
         logits: LogitsOutput::AllPositions,
         sampler: Sampler::Full,
+        moe: MoeStrategy::Gather,
     }
 }
 

@@ -178,11 +178,7 @@ impl Buckets {
         split_sampler: bool,
     ) -> Vec<(StepKind, crate::model::GraphSpec)> {
         use crate::model::{GraphSpec, Sampler};
-        let moe = |rows: usize| {
-            cfg.routing
-                .as_ref()
-                .map_or(MoeStrategy::Dense, |r| MoeStrategy::for_tokens(r, rows, tp))
-        };
+        let moe = |rows: usize| MoeStrategy::for_model(cfg, rows, tp);
         let mut out: Vec<(StepKind, GraphSpec)> = self
             .graphs()
             .into_iter()
@@ -431,6 +427,7 @@ impl StepKind {
             ranks,
             logits: spec.logits,
             sampler: if decode { spec.sampler } else { Sampler::Full },
+            moe: spec.moe,
         };
         build_step(cfg, layout, &step)
     }

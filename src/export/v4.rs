@@ -18,7 +18,7 @@ use crate::error::{Error, Result};
 use crate::graph::DType;
 use crate::model::v4::step::{build_step, cache_roots, V4Step};
 use crate::model::v4::{shard, tensors};
-use crate::model::{CacheLayout, LogitsOutput, Sampler};
+use crate::model::{CacheLayout, LogitsOutput, MoeStrategy, Sampler};
 use crate::runner::step::{self, DecodeRow, LogitControls, PrefillChunk, SamplingParams};
 use crate::weights::Checkpoint;
 
@@ -69,6 +69,7 @@ pub(super) fn lower(
             ranks,
             logits: LogitsOutput::AllPositions,
             sampler: Sampler::Full,
+            moe: MoeStrategy::Gather,
         };
         graphs.push((build_step(cfg, &layout, &spec)?, "prefill", t, seqs));
     }
@@ -81,6 +82,7 @@ pub(super) fn lower(
             ranks,
             logits: LogitsOutput::AllPositions,
             sampler: Sampler::Full,
+            moe: MoeStrategy::Gather,
         };
         graphs.push((build_step(cfg, &layout, &spec)?, "decode", b, b));
     }

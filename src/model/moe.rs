@@ -17,7 +17,7 @@ use super::precision::{Dots, INT4_GROUP};
 use super::Weights;
 
 /// How a graph evaluates the routed experts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum MoeStrategy {
     /// Gather the selected experts' weights (small batches).
     Gather,
@@ -29,10 +29,31 @@ impl MoeStrategy {
     /// The cheaper strategy for `tokens` tokens on a rank of a `ranks`-way tensor-parallel
     /// model: gather while it reads fewer experts than the rank owns.
     pub fn for_tokens(routing: &RoutingConfig, tokens: usize, ranks: usize) -> Self {
-        if tokens * routing.num_experts_per_tok <= routing.n_routed_experts / ranks.max(1) {
-            MoeStrategy::Gather
-        } else {
-            MoeStrategy::Dense
+        Self::cheaper(
+            tokens * routing.num_experts_per_tok,
+            routing.n_routed_experts,
+            ranks,
+        )
+    }
+
+    /// [`MoeStrategy::for_tokens`] with `cfg`'s router (a DeepSeek-V4 model's too); dense for a
+    /// model without routed experts, where it does not matter.
+    pub fn for_model(cfg: &ModelConfig, tokens: usize, ranks: usize) -> Self {
+        match (&cfg.v4, &cfg.routing) {
+            (Some(v4), _) => {
+                Self::cheaper(tokens * v4.num_experts_per_tok, v4.n_routed_experts, ranks)
+            }
+            (None, Some(r)) => Self::for_tokens(r, tokens, ranks),
+            (None, None) => MoeStrategy::Dense,
+        }
+    }
+
+    /// Gather while `selected` expert evaluations are fewer than the `experts / ranks` a rank
+    /// owns.
+    fn cheaper(selected: usize, experts: usize, ranks: usize) -> Self {
+        match selected <= experts / ranks.max(1) {
+            true => MoeStrategy::Gather,
+            false => MoeStrategy::Dense,
         }
     }
 }

@@ -10,6 +10,7 @@
 use crate::config::v4::{V4Attention, V4Config};
 use crate::error::Result;
 use crate::graph::{DType, Graph, GraphBuilder, InputRole, Literal, Tensor};
+use crate::model::MoeStrategy;
 
 use super::attention::{self as attn, and, Keys};
 use super::weights::{linear, Rope, Weights};
@@ -22,7 +23,7 @@ pub fn build_stateless(cfg: &V4Config, t: usize) -> Result<Graph> {
     let positions = b.iota([t], DType::I32, 0)?;
     let main = Rope::new(cfg.rope_dim, &cfg.main_rope, &positions)?;
     let compress = Rope::new(cfg.rope_dim, &cfg.compress_rope, &positions)?;
-    let x = super::hidden(cfg, &w, &ids, |l, x| {
+    let x = super::hidden(cfg, &w, &ids, MoeStrategy::Gather, |l, x| {
         attention(cfg, &w, l, x, &main, &compress)
     })?;
     b.output("logits", &super::head(&w, &x)?)?;

@@ -15,18 +15,20 @@ mod weights;
 use crate::config::v4::V4Config;
 use crate::error::Result;
 use crate::graph::Tensor;
-use crate::model::ops;
+use crate::model::{ops, MoeStrategy};
 
 use weights::Weights;
 
 /// The final hidden states (`[n, hidden]`) of tokens `ids` (`[n]` i32): the embedding copied
 /// into the `hc_mult` streams, every layer's attention (`attention(layer, x)`, on the
-/// normalised block input) and MoE inside their hyper-connections, each all-reduced when split,
-/// then the hyper-head and the final norm. [`head`] turns them into logits.
+/// normalised block input) and MoE (its routed experts as `moe` says) inside their
+/// hyper-connections, each all-reduced when split, then the hyper-head and the final norm.
+/// [`head`] turns them into logits.
 fn hidden(
     cfg: &V4Config,
     w: &Weights,
     ids: &Tensor,
+    moe: MoeStrategy,
     mut attention: impl FnMut(usize, &Tensor) -> Result<Tensor>,
 ) -> Result<Tensor> {
     let (n, streams, h) = (ids.dim(0), cfg.hc_mult, cfg.hidden_size);
@@ -47,7 +49,7 @@ fn hidden(
             w.get(&format!("{p}.ffn_norm.weight"))?,
             cfg.rms_norm_eps,
         )?;
-        let y = w.complete(moe::moe(cfg, w, l, &x, ids)?)?;
+        let y = w.complete(moe::moe(cfg, w, l, &x, ids, moe)?)?;
         s = hyper::expand(&post, &comb, &y, &s)?;
     }
     let x = hyper::hyper_head(cfg, w, &s)?;

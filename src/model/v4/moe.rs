@@ -6,16 +6,21 @@ use crate::config::v4::{V4Config, V4Routing, V4Scoring};
 use crate::error::Result;
 use crate::graph::{DType, Tensor};
 
+use crate::model::MoeStrategy;
+
+use super::shard;
 use super::weights::{linear, Weights};
 
-/// One layer's MoE over `x` (`[t, h]`): the routed experts (by score or by token id) and the
-/// shared expert, each `down(silu(min(gate, L)) * clamp(up, -L, L))`.
+/// One layer's MoE over `x` (`[t, h]`): the routed experts (by score or by token id, evaluated
+/// as `strategy` says) and the shared expert, each `down(silu(min(gate, L)) * clamp(up, -L,
+/// L))`.
 pub(super) fn moe(
     cfg: &V4Config,
     w: &Weights,
     l: usize,
     x: &Tensor,
     ids: &Tensor,
+    strategy: MoeStrategy,
 ) -> Result<Tensor> {
     let b = x.builder();
     let f = format!("layers.{l}.ffn");
@@ -44,32 +49,109 @@ pub(super) fn moe(
         .broadcast_div(&picked.sum_keepdim(1)?.affine(1.0, 1e-20)?)?
         .affine(cfg.routed_scaling_factor, 0.0)?;
     let limit = cfg.swiglu_limit;
-    let expert = |prefix: &str| -> Result<Tensor> {
-        let gate = linear(x, w.get(&format!("{prefix}.w1.weight"))?)?;
-        let up = linear(x, w.get(&format!("{prefix}.w3.weight"))?)?;
-        let gate = gate.minimum(&gate.full_like(limit)?)?;
-        let up = up
-            .minimum(&up.full_like(limit)?)?
-            .maximum(&up.full_like(-limit)?)?;
-        linear(
-            &gate.silu()?.mul(&up)?,
-            w.get(&format!("{prefix}.w2.weight"))?,
-        )
-    };
-    // A rank's experts are its `e / ranks`, from its first (an input, see `super::shard`);
-    // its shared expert is its share of the channels: the sum is partial.
-    let mut out = expert(&format!("{f}.shared_experts"))?;
-    let first = w.first_expert()?;
-    for x_e in 0..e / w.ranks() {
-        let mut id = b.full(x_e as f64, [t, k], DType::I32)?;
-        if let Some(first) = &first {
-            id = id.broadcast_add(&first.reshape([1, 1])?)?;
+    let shared = format!("{f}.shared_experts");
+    let gate = linear(x, w.get(&format!("{shared}.w1.weight"))?)?;
+    let up = linear(x, w.get(&format!("{shared}.w3.weight"))?)?;
+    // A rank's shared expert is its share of the channels, its routed experts its `e /
+    // ranks` from its first (an input, see `super::shard`): both sums are partial. Another
+    // rank's expert runs here as the rank's first, with weight 0.
+    let shared = linear(
+        &clamped_swiglu(&gate, &up, limit)?,
+        w.get(&format!("{shared}.w2.weight"))?,
+    )?;
+    let local = e / w.ranks();
+    let (chosen, weights) = match w.first_expert()? {
+        None => (chosen, weights),
+        Some(first) => {
+            let id = chosen.broadcast_sub(&first.reshape([1, 1])?)?;
+            let zero = id.full_like(0.0)?;
+            let mine = id.ge(&zero)?;
+            let mine = mine.where_cond(&id.lt(&id.full_like(local as f64)?)?, &mine)?;
+            (
+                mine.where_cond(&id, &zero)?,
+                mine.where_cond(&weights, &weights.full_like(0.0)?)?,
+            )
         }
-        let weight = chosen
-            .eq(&id)?
-            .where_cond(&weights, &weights.full_like(0.0)?)?
-            .sum_keepdim(1)?;
-        out = out.add(&expert(&format!("{f}.experts.{x_e}"))?.broadcast_mul(&weight)?)?;
+    };
+    let experts = Experts {
+        layer: format!("layers.{l}"),
+        limit,
+    };
+    let routed = match strategy {
+        MoeStrategy::Gather => experts.gathered(w, x, &chosen, &weights)?,
+        MoeStrategy::Dense => experts.dense(w, x, &chosen, &weights, local)?,
+    };
+    shared.add(&routed)
+}
+
+/// `silu(min(gate, limit)) * clamp(up, -limit, limit)`: V4's SwiGLU, clamped.
+fn clamped_swiglu(gate: &Tensor, up: &Tensor, limit: f64) -> Result<Tensor> {
+    let gate = gate.minimum(&gate.full_like(limit)?)?;
+    let up = up
+        .minimum(&up.full_like(limit)?)?
+        .maximum(&up.full_like(-limit)?)?;
+    gate.silu()?.mul(&up)
+}
+
+/// A layer's routed experts, stacked per projection ([`shard::stacked_experts`]).
+struct Experts {
+    layer: String,
+    limit: f64,
+}
+
+impl Experts {
+    fn get<'a>(&self, w: &'a Weights, proj: &str) -> Result<&'a Tensor> {
+        w.get(&shard::stacked_experts(&self.layer, proj))
     }
-    Ok(out)
+
+    /// The selected experts only: each token's row multiplied by each of its `k` experts'
+    /// matrices, gathered (`[t x k, out, in]`), then weighted and summed. Reads `t x k`
+    /// experts: what a CPU (and a small decode batch anywhere) wants.
+    fn gathered(&self, w: &Weights, x: &Tensor, ids: &Tensor, weights: &Tensor) -> Result<Tensor> {
+        let (t, h, k) = (x.dim(0), x.dim(1), ids.dim(1));
+        let flat = ids.reshape([t * k])?;
+        let xs = x
+            .unsqueeze(1)?
+            .broadcast_as([t, k, h])?
+            .reshape([t * k, 1, h])?;
+        let project = |proj: &str, input: &Tensor| -> Result<Tensor> {
+            input.matmul(&self.get(w, proj)?.index_select(&flat, 0)?.t()?)
+        };
+        let act = clamped_swiglu(&project("w1", &xs)?, &project("w3", &xs)?, self.limit)?;
+        project("w2", &act)?
+            .reshape([t, k, h])?
+            .broadcast_mul(&weights.unsqueeze(2)?)?
+            .sum(1)
+    }
+
+    /// Every one of the rank's `local` experts on every token, weighted by a routing matrix that
+    /// is zero outside each token's selection. Reads each expert once: cheaper once `t x k`
+    /// passes the experts a rank holds (a long prefill chunk on a device).
+    fn dense(
+        &self,
+        w: &Weights,
+        x: &Tensor,
+        ids: &Tensor,
+        weights: &Tensor,
+        local: usize,
+    ) -> Result<Tensor> {
+        let (t, h, k) = (x.dim(0), x.dim(1), ids.dim(1));
+        let b = x.builder();
+        let expert = b.iota([t, k, local], DType::I32, 2)?;
+        let onehot = ids.unsqueeze(2)?.broadcast_as([t, k, local])?.eq(&expert)?;
+        let routing = onehot
+            .where_cond(
+                &weights.unsqueeze(2)?.broadcast_as([t, k, local])?,
+                &b.full(0.0, [t, k, local], DType::F32)?,
+            )?
+            .sum(1)?; // [t, local]
+        let xs = x.unsqueeze(0)?.broadcast_as([local, t, h])?;
+        let project = |proj: &str, input: &Tensor| -> Result<Tensor> {
+            input.matmul(&self.get(w, proj)?.t()?)
+        };
+        let act = clamped_swiglu(&project("w1", &xs)?, &project("w3", &xs)?, self.limit)?;
+        project("w2", &act)?
+            .broadcast_mul(&routing.t()?.unsqueeze(2)?)?
+            .sum(0)
+    }
 }

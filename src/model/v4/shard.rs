@@ -1,6 +1,7 @@
 //! DeepSeek-V4 under tensor parallelism: which of its tensors split across the ranks and how.
 //! Every rank runs one and the same graph (one NEFF per bucket), so a rank's tensors take
-//! rank-independent names (a routed expert is named by its place among the rank's experts) and
+//! rank-independent names (each projection of a layer's routed experts is one stacked tensor,
+//! `layers.N.ffn.experts.w1` of `[experts a rank, out, in]`, the rank's experts in order) and
 //! the rank's offsets come in as an input ([`SHARD_OFFSETS`]: its first vocabulary row, then
 //! its first routed expert, as for MLA).
 //!
@@ -37,20 +38,18 @@ pub enum V4Split {
     /// `wo_b` (`[hidden, groups x rank_o]`): the columns of the rank's groups (of its group,
     /// with more ranks than groups, which the ranks sharing that group all hold).
     OutputB,
-    /// Routed expert `r x experts_per_rank + index` of its layer, whole: the published name is
-    /// the tensor's `published`, with the expert's global index in place of `{}`.
-    Expert {
-        /// The published name with `{}` for the expert index.
+    /// One projection of a layer's routed experts, stacked: rank `r`'s experts `r x per_rank`
+    /// onward, each whole, read under `published` with the expert's index in place of `{}`.
+    Experts {
+        /// The published name of one expert's tensor, `{}` for its index.
         published: String,
-        /// The expert's place among the rank's.
-        index: usize,
     },
 }
 
 /// One tensor of a rank: its graph input name and shape, and how it is cut.
 #[derive(Debug, Clone)]
 pub struct RankTensor {
-    /// The graph input's name (the published name, but a routed expert's local index).
+    /// The graph input's name (the published name, but stacked routed experts').
     pub name: String,
     /// The rank's shape.
     pub shape: Vec<usize>,
@@ -97,15 +96,18 @@ pub fn rank_tensors(cfg: &V4Config, ranks: usize) -> Result<Vec<RankTensor>> {
         let V4Tensor { names, shape, kind } = t;
         let name = names[0].clone();
         if let Some((layer, (index, rest))) = expert_of(&name) {
-            if index >= per_rank {
+            // Stacked once, where the layer's first expert is listed.
+            if index > 0 {
                 continue;
             }
-            let published = format!("{layer}.ffn.experts.{{}}.{rest}");
+            let proj = rest.strip_suffix(".weight").unwrap_or(rest);
             out.push(RankTensor {
-                name: name.clone(),
-                shape,
+                name: stacked_experts(layer, proj),
+                shape: [vec![per_rank], shape].concat(),
                 kind,
-                split: V4Split::Expert { published, index },
+                split: V4Split::Experts {
+                    published: format!("{layer}.ffn.experts.{{}}.{rest}"),
+                },
             });
             continue;
         }
@@ -139,6 +141,12 @@ pub fn rank_tensors(cfg: &V4Config, ranks: usize) -> Result<Vec<RankTensor>> {
 /// the ranks outnumber the groups.
 pub fn local_groups(cfg: &V4Config, ranks: usize) -> usize {
     (cfg.o_groups / ranks).max(1)
+}
+
+/// The graph input of projection `proj` (`w1`, `w2`, `w3`) of the routed experts of layer
+/// `layer` (`layers.N`): a rank's experts stacked, `[experts a rank, out, in]`.
+pub fn stacked_experts(layer: &str, proj: &str) -> String {
+    format!("{layer}.ffn.experts.{proj}")
 }
 
 /// `(layer prefix, (expert index, rest of the name))` of a routed expert's tensor.
@@ -210,9 +218,11 @@ pub fn rank_weights(
                 let (group, _) = group_of(cfg, ranks, rank);
                 get(&t.name)?.narrow(1, group * t.shape[1], t.shape[1])?
             }
-            V4Split::Expert { published, index } => {
-                let global = (rank * per_rank + index).to_string();
-                get(&published.replace("{}", &global))?.clone()
+            V4Split::Experts { published } => {
+                let experts = (rank * per_rank..(rank + 1) * per_rank)
+                    .map(|e| get(&published.replace("{}", &e.to_string())).cloned())
+                    .collect::<Result<Vec<_>>>()?;
+                CTensor::stack(&experts, 0)?
             }
         };
         out.insert(t.name, value.contiguous()?);

@@ -42,7 +42,7 @@ use crate::graph::{DType, Graph, GraphBuilder, InputRole, Literal, Tensor};
 use crate::model::ops::{div_const, mul_const};
 use crate::model::{
     decode_tail, inputs, prefill_tail, sampling_root, slots_at, step_outputs, CacheLayout,
-    LogitsOutput, RootSpec, Sampler, STEP_LOGITS,
+    LogitsOutput, MoeStrategy, RootSpec, Sampler, STEP_LOGITS,
 };
 
 use super::attention::{self as attn, and, Keys};
@@ -76,6 +76,8 @@ pub struct V4Step {
     pub logits: LogitsOutput,
     /// What picks a decode step's next tokens (a prefill always samples in full).
     pub sampler: Sampler,
+    /// How the routed experts are evaluated.
+    pub moe: MoeStrategy,
 }
 
 /// Where one layer keeps its cache: its first column in each root it uses.
@@ -320,6 +322,7 @@ pub fn build_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<
         ranks: _,
         logits: want,
         sampler,
+        moe,
     } = *spec;
     let block = cache.block_size;
     if n == 0 || seqs == 0 || seqs > n || (decode && seqs != n) || !ctx.is_multiple_of(block) {
@@ -412,7 +415,7 @@ pub fn build_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<
         positions,
         slots,
     };
-    let x = super::hidden(cfg, &w, &ids, |l, x| {
+    let x = super::hidden(cfg, &w, &ids, moe, |l, x| {
         attention(cfg, &w, l, layout.layers[l], x, &step, &mut roots)
     })?;
     let vocab = w.vocab_slice(cfg)?;
