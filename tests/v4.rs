@@ -621,7 +621,7 @@ fn lowering_v4_refuses_what_it_cannot_do_yet() {
 #[test]
 fn the_runners_serve_it_on_the_cpu_and_through_nrt_sim() {
     let r: V4Reference = common::reference_file("tiny-v4", "reference.json");
-    let rc = || RunnerConfig {
+    let rc = |tp| RunnerConfig {
         block_size: BLOCK,
         num_blocks: 2 * 128 / BLOCK + 1,
         buckets: Buckets {
@@ -632,23 +632,35 @@ fn the_runners_serve_it_on_the_cpu_and_through_nrt_sim() {
         },
         moe: None,
         kv_dtype: DType::F32,
-        tp: 1,
+        tp,
     };
     let dir = common::fixture_dir("tiny-v4");
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let ckpt = Checkpoint::open(&dir).unwrap();
     let weights = || ModelWeights::load(&cfg, &ckpt, &Precision::F32).unwrap();
-    let cpu = runner::open_with_weights(Backend::Cpu, cfg.clone(), weights(), rc()).unwrap();
-    let sim = {
+    let cpu = |tp| runner::open_with_weights(Backend::Cpu, cfg.clone(), weights(), rc(tp)).unwrap();
+    let sim = |tp, split_sampler| {
         let lib = nrt_sim::library_next_to_current_exe()
             .expect("libnrt_sim.so next to the test binary (cargo test --workspace builds it)");
         let lib = neuron_sys::Library::open(&lib).unwrap();
-        let mut d =
-            DeviceRunner::new(cfg.clone(), weights(), rc(), lib, DeviceOptions::sim()).unwrap();
-        d.capture(&rc().buckets).unwrap();
+        let opts = DeviceOptions {
+            split_sampler,
+            ..DeviceOptions::sim()
+        };
+        let mut d = DeviceRunner::new(cfg.clone(), weights(), rc(tp), lib, opts).unwrap();
+        d.capture(&rc(tp).buckets).unwrap();
         Box::new(d) as Box<dyn Runner>
     };
-    for (name, mut run) in [("cpu", cpu), ("nrt-sim", sim)] {
+    // One at a time: a process initializes the runtime once (each device runner is dropped
+    // before the next starts it).
+    let runners: [(&str, &dyn Fn() -> Box<dyn Runner>); 4] = [
+        ("cpu", &|| cpu(1)),
+        ("cpu --tp 2", &|| cpu(2)),
+        ("nrt-sim", &|| sim(1, false)),
+        ("nrt-sim --split-sampler", &|| sim(1, true)),
+    ];
+    for (name, open) in runners {
+        let mut run = open();
         let worst = serve_two_prompts(&mut *run, &r);
         eprintln!("tiny-v4 through the {name} runner: logits within {worst:.2e}");
         assert!(worst <= 1e-4, "{name}: {worst}");

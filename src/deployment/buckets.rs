@@ -385,8 +385,12 @@ impl StepKind {
         spec: &crate::model::GraphSpec,
     ) -> Result<crate::graph::Graph> {
         use crate::model;
-        if let Some(v4) = &cfg.v4 {
-            return self.build_v4(v4, specs.ranks(), layout, spec);
+        match (self, &cfg.v4) {
+            // A split step's sampling graphs read only the carried logits, the same for V4.
+            (StepKind::Decode | StepKind::Greedy | StepKind::Prefill, Some(v4)) => {
+                return self.build_v4(v4, specs.ranks(), layout, spec)
+            }
+            _ => {}
         }
         match self {
             StepKind::Decode | StepKind::Greedy => model::build_decode(cfg, specs, layout, spec),
@@ -398,8 +402,8 @@ impl StepKind {
 }
 
 impl StepKind {
-    /// [`StepKind::build`] for a DeepSeek-V4 model of `ranks` ranks: its step graph
-    /// ([`crate::model::v4::step`]), which samples in the step (no split sampler yet).
+    /// [`StepKind::build`]'s step graphs for a DeepSeek-V4 model of `ranks` ranks
+    /// ([`crate::model::v4::step`]).
     fn build_v4(
         self,
         cfg: &crate::config::v4::V4Config,
@@ -408,17 +412,7 @@ impl StepKind {
         spec: &crate::model::GraphSpec,
     ) -> Result<crate::graph::Graph> {
         use crate::model::v4::step::{build_step, V4Step};
-        let decode = match self {
-            StepKind::Decode | StepKind::Greedy => true,
-            StepKind::Prefill => false,
-            StepKind::Sample | StepKind::Argmax => {
-                return Err(Error::InvalidInput(
-                    "DeepSeek-V4's decode graphs sample in the step: a split sampler \
-                     (--split-sampler) is not built for it yet"
-                        .into(),
-                ))
-            }
-        };
+        let decode = self.is_decode();
         let step = V4Step {
             rows: spec.rows,
             seqs: if decode { spec.rows } else { spec.seqs.max(1) },

@@ -36,8 +36,8 @@ pub(super) fn lower(
 ) -> Result<Manifest> {
     if opts.split_sampler {
         return Err(Error::InvalidInput(
-            "--split-sampler is not built for DeepSeek-V4 yet: its decode graphs sample in the \
-             step (issue 43)"
+            "lower --split-sampler does not write DeepSeek-V4's split decode graphs yet (the \
+             runners build them)"
                 .into(),
         ));
     }

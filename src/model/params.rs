@@ -582,9 +582,12 @@ impl ModelWeights {
         }
     }
 
-    /// The embedding weight used by the LM head when embeddings are tied.
+    /// The LM head's weight: the embedding's when embeddings are tied; a DeepSeek-V4 model's
+    /// published `head.weight`.
     pub fn lm_head_name(cfg: &ModelConfig) -> &'static str {
-        if cfg.tie_word_embeddings {
+        if cfg.v4.is_some() {
+            "head.weight"
+        } else if cfg.tie_word_embeddings {
             "model.embed_tokens.weight"
         } else {
             "lm_head.weight"

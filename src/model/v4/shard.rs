@@ -187,8 +187,9 @@ fn group_of(cfg: &V4Config, ranks: usize, rank: usize) -> (usize, usize) {
     }
 }
 
-/// Rank `rank`'s tensors of a `ranks`-way split, cut from the whole model's `full` (by
-/// published name, as [`tensors::load_f32`] reads them), with its offsets input.
+/// Rank `rank`'s tensors of a `ranks`-way split, cut from the whole model's `full`: by published
+/// name, as [`tensors::load_f32`] reads them, or an unsplit rank's (this with `ranks` 1: the
+/// routed experts already stacked, as a runner holds them). With its offsets input.
 pub fn rank_weights(
     cfg: &V4Config,
     full: &HashMap<String, CTensor>,
@@ -217,6 +218,10 @@ pub fn rank_weights(
             V4Split::OutputB => {
                 let (group, _) = group_of(cfg, ranks, rank);
                 get(&t.name)?.narrow(1, group * t.shape[1], t.shape[1])?
+            }
+            // Stacked already (`full` is an unsplit rank's tensors): the rank's experts.
+            V4Split::Experts { .. } if full.contains_key(&t.name) => {
+                get(&t.name)?.narrow(0, rank * per_rank, per_rank)?
             }
             V4Split::Experts { published } => {
                 let experts = (rank * per_rank..(rank + 1) * per_rank)
