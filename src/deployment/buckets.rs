@@ -385,12 +385,10 @@ impl StepKind {
         spec: &crate::model::GraphSpec,
     ) -> Result<crate::graph::Graph> {
         use crate::model;
-        match (self, &cfg.v4) {
-            // A split step's sampling graphs read only the carried logits, the same for V4.
-            (StepKind::Decode | StepKind::Greedy | StepKind::Prefill, Some(v4)) => {
-                return self.build_v4(v4, specs.ranks(), layout, spec)
-            }
-            _ => {}
+        // A split step's sampling graphs read only the carried logits, the same for V4.
+        if let (StepKind::Decode | StepKind::Greedy | StepKind::Prefill, Some(v4)) = (self, &cfg.v4)
+        {
+            return self.build_v4(v4, specs.ranks(), layout, spec);
         }
         match self {
             StepKind::Decode | StepKind::Greedy => model::build_decode(cfg, specs, layout, spec),

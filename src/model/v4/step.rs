@@ -33,7 +33,7 @@
 //! [`LogitsOutput`] the step asks for (every fed token's: `[n, vocab]`; under tensor
 //! parallelism a rank's vocabulary rows' columns, [`super::shard`]), and the updated roots under
 //! their input names, aliased; every rank's roots hold the same values. The sampler is MLA's
-//! ([`crate::model::decode_tail`], [`crate::model::prefill_tail`]) over the sampling-state root
+//! (`model::decode_tail`, `model::prefill_tail`) over the sampling-state root
 //! every model keeps. Weights are f32 inputs by published name, as in [`super::forward`].
 
 use crate::config::v4::{V4Attention, V4Config};
