@@ -16,7 +16,9 @@
 //! they decide which tokens attention sees, and transformers keeps them in f32 too.
 //!
 //! A DeepSeek-V4 model's weights are its published tensors by name, f32 so far, a rank's cut
-//! taken as [`super::v4::shard`] says (its hash layers' `tid2eid` as i32).
+//! taken as [`super::v4::shard`] says (its hash layers' `tid2eid` as i32, its routed experts
+//! stacked per projection). They are read whole before they are stacked, so loading one holds
+//! its routed experts twice for a moment.
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -48,13 +50,14 @@ impl WeightSpecs {
     /// stored as `precision` says.
     pub fn new(cfg: &ModelConfig, precision: &Precision) -> Self {
         if let Some(v4) = &cfg.v4 {
+            // The unsplit rank's tensors, as its graphs name them (routed experts stacked);
+            // one rank divides every count, so nothing is refused.
+            let tensors = shard_v4::rank_tensors(v4, 1).unwrap_or_default();
             return WeightSpecs::v4(
                 v4,
                 precision,
                 1,
-                tensors_v4::expected(v4)
-                    .into_iter()
-                    .map(|t| (t.names[0].clone(), t.shape)),
+                tensors.into_iter().map(|t| (t.name, t.shape)),
             );
         }
         let mut m = HashMap::new();
