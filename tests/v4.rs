@@ -653,12 +653,20 @@ fn the_runners_serve_it_on_the_cpu_and_through_nrt_sim() {
     };
     // One at a time: a process initializes the runtime once (each device runner is dropped
     // before the next starts it).
-    for name in ["cpu", "cpu --tp 2", "nrt-sim", "nrt-sim --split-sampler"] {
+    let names = [
+        "cpu",
+        "cpu --tp 2",
+        "nrt-sim",
+        "nrt-sim --split-sampler",
+        "nrt-sim --tp 2 --split-sampler",
+    ];
+    for name in names {
         let mut run = match name {
             "cpu" => cpu(1),
             "cpu --tp 2" => cpu(2),
             "nrt-sim" => sim(1, false),
-            _ => sim(1, true),
+            "nrt-sim --split-sampler" => sim(1, true),
+            _ => sim(2, true),
         };
         let worst = serve_two_prompts(&mut *run, &r);
         eprintln!("tiny-v4 through the {name} runner: logits within {worst:.2e}");

@@ -238,7 +238,9 @@ struct Loaded {
     name: String,
     /// How the graph evaluates its routed experts.
     moe: MoeStrategy,
-    model: Model,
+    /// Shared by every bucket whose graph is the same NEFF (a split decode step's sampling
+    /// graph, one per batch size, bound to each context bucket's metadata): loaded once.
+    model: Arc<Model>,
     /// The NEFF names its tensors are bound under.
     names: NeffBinding,
     inputs: TensorSet,
@@ -947,11 +949,18 @@ impl RankState {
             false => prefill_meta.get(ctx_index),
         }
         .ok_or_else(|| Error::Internal(format!("graph `{name}`: no metadata buffers")))?;
-        let model = match l.tp {
-            1 => Model::load(rt, neff, Some(nc), None),
-            tp => Model::load_collectives(rt, neff, Some(nc), None, l.rank as u32, tp as u32),
-        }
-        .map_err(dev(name))?;
+        // A NEFF already loaded for another bucket (the same graph) is bound again, not loaded
+        // again: its code takes device memory once, as the memory plan counts it, and with
+        // collectives a second load of it would take the rank's seat in its group again.
+        let loaded = self.graphs.values().find(|g| g.name == name);
+        let model = match (loaded, l.tp) {
+            (Some(g), _) => Arc::clone(&g.model),
+            (None, 1) => Arc::new(Model::load(rt, neff, Some(nc), None).map_err(dev(name))?),
+            (None, tp) => Arc::new(
+                Model::load_collectives(rt, neff, Some(nc), None, l.rank as u32, tp as u32)
+                    .map_err(dev(name))?,
+            ),
+        };
         let (names, in_sizes, out_sizes) = reported_io(&model, g)?;
         let mut inputs = TensorSet::new(rt).map_err(dev(name))?;
         for (k, decl) in g.inputs().iter().enumerate() {
