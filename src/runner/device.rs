@@ -46,9 +46,9 @@
 //! on another thread meanwhile, then writes them and runs the sampler: the masks cost the step
 //! only what they take beyond the forward pass. Tokens are the fused graph's (the sampling
 //! graph runs the same ops on the same logits). Each decode bucket's sampling graph binds
-//! that bucket's metadata buffers (one NEFF per batch size, compiled once, loaded per context
-//! bucket): the forward pass writes every input both graphs read, and the sampling graph's
-//! step copies only the masks.
+//! that bucket's metadata buffers (one NEFF per batch size, compiled and loaded once, bound
+//! per context bucket): the forward pass writes every input both graphs read, and the sampling
+//! graph's step copies only the masks.
 //!
 //! # Background compiling
 //!
