@@ -280,9 +280,10 @@ mod tests {
         assert_eq!(four["layers.0.attn.wo_a.weight"], [16, 32]);
         assert_eq!(one["layers.0.attn.wo_a.weight"], [32, 64]);
         assert_eq!(four["layers.0.attn.wo_b.weight"], [64, 16]);
-        // Two of the eight experts, by local index.
-        assert!(four.contains_key("layers.2.ffn.experts.1.w1.weight"));
-        assert!(!four.contains_key("layers.2.ffn.experts.2.w1.weight"));
+        // Two of the eight experts, stacked per projection (w1: [experts, moe width, hidden]).
+        assert_eq!(four["layers.2.ffn.experts.w1"], [2, 32, 64]);
+        assert_eq!(one["layers.2.ffn.experts.w2"], [8, 64, 32]);
+        assert!(!four.keys().any(|k| k.contains(".experts.0.")));
         assert_eq!(four["head.weight"], [128, 64]);
         assert_eq!(
             four["layers.1.attn.wkv.weight"],
