@@ -273,20 +273,29 @@ fn dense_experts(
     down: &Experts,
 ) -> Result<Tensor> {
     let (t, h) = (x.dim(0), x.dim(1));
-    let (e, k) = (gate.dim(0), ids.dim(1));
-    let b = x.builder();
-    // routing[t, e] = the weight of expert e for token t (0 when not selected).
-    let expert_ids = b.iota([t, k, e], DType::I32, 2)?;
-    let onehot = ids.unsqueeze(2)?.broadcast_as([t, k, e])?.eq(&expert_ids)?;
-    let routing = onehot
-        .where_cond(
-            &weights.unsqueeze(2)?.broadcast_as([t, k, e])?,
-            &b.full(0.0, [t, k, e], DType::F32)?,
-        )?
-        .sum(1)?;
+    let e = gate.dim(0);
+    let routing = routing_matrix(ids, weights, e)?;
     let xs = x.unsqueeze(0)?.broadcast_as([e, t, h])?;
     let g = gate.apply(w, &xs, None)?.silu()?;
     let u = up.apply(w, &xs, None)?;
     let y = down.apply(w, &g.mul(&u)?, None)?; // [e, t, h]
     y.broadcast_mul(&routing.t()?.unsqueeze(2)?)?.sum(0)
+}
+
+/// The dense strategy's routing matrix (`[t, experts]`): the weight of expert `e` for token
+/// `t` where `ids` (`[t, k]`) selects it, 0 elsewhere.
+pub(crate) fn routing_matrix(ids: &Tensor, weights: &Tensor, experts: usize) -> Result<Tensor> {
+    let (t, k) = (ids.dim(0), ids.dim(1));
+    let b = ids.builder();
+    let expert_ids = b.iota([t, k, experts], DType::I32, 2)?;
+    let onehot = ids
+        .unsqueeze(2)?
+        .broadcast_as([t, k, experts])?
+        .eq(&expert_ids)?;
+    onehot
+        .where_cond(
+            &weights.unsqueeze(2)?.broadcast_as([t, k, experts])?,
+            &b.full(0.0, [t, k, experts], DType::F32)?,
+        )?
+        .sum(1)
 }

@@ -6,6 +6,7 @@ use crate::config::v4::{V4Config, V4Routing, V4Scoring};
 use crate::error::Result;
 use crate::graph::{DType, Tensor};
 
+use crate::model::moe::routing_matrix;
 use crate::model::MoeStrategy;
 
 use super::shard;
@@ -135,16 +136,8 @@ impl Experts {
         weights: &Tensor,
         local: usize,
     ) -> Result<Tensor> {
-        let (t, h, k) = (x.dim(0), x.dim(1), ids.dim(1));
-        let b = x.builder();
-        let expert = b.iota([t, k, local], DType::I32, 2)?;
-        let onehot = ids.unsqueeze(2)?.broadcast_as([t, k, local])?.eq(&expert)?;
-        let routing = onehot
-            .where_cond(
-                &weights.unsqueeze(2)?.broadcast_as([t, k, local])?,
-                &b.full(0.0, [t, k, local], DType::F32)?,
-            )?
-            .sum(1)?; // [t, local]
+        let (t, h) = (x.dim(0), x.dim(1));
+        let routing = routing_matrix(ids, weights, local)?; // [t, local]
         let xs = x.unsqueeze(0)?.broadcast_as([local, t, h])?;
         let project = |proj: &str, input: &Tensor| -> Result<Tensor> {
             input.matmul(&self.get(w, proj)?.t()?)
