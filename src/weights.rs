@@ -30,9 +30,11 @@ use crate::error::{Error, Result};
 use crate::graph::DType;
 
 mod convert;
+mod fp4;
 mod gguf;
 
 use convert::Buffer;
+pub use fp4::fp4_scale_name;
 
 /// Name of a single-file checkpoint.
 const SINGLE_FILE: &str = "model.safetensors";
@@ -374,8 +376,9 @@ impl Checkpoint {
         }
     }
 
-    /// Multiplies an fp8 weight's values by its block scales (`<name>_scale_inv`), checking
-    /// that the config gives a block size and that the scales' shape matches it.
+    /// Multiplies an fp8 weight's values by its block scales ([`Checkpoint::fp8_scale_name`]),
+    /// checking that the config gives a block size, that the scales' shape matches it and that
+    /// every scale is finite.
     fn dequantize(
         &self,
         name: &str,
@@ -395,33 +398,63 @@ impl Checkpoint {
                  weights are 2-D"
             )));
         };
-        let scale_name = format!("{name}_scale_inv");
         let want = [rows.div_ceil(block[0]), cols.div_ceil(block[1])];
-        let entry = match self.entry(&scale_name) {
-            None => {
-                return Err(Error::Weights(format!(
-                    "tensor `{name}` is float8_e4m3fn but its scales `{scale_name}` are missing \
-                     (expected shape {want:?} for blocks of {block:?})"
-                )))
-            }
-            Some(e) if e.shape != want => {
-                return Err(Error::Weights(format!(
-                    "tensor `{scale_name}` has shape {:?}, but `{name}` {shape:?} in blocks of \
-                     {block:?} needs {want:?}",
-                    e.shape
-                )))
-            }
-            Some(e) if !matches!(e.encoding, Encoding::Plain(Dtype::F32 | Dtype::BF16)) => {
-                return Err(Error::Weights(format!(
-                    "tensor `{scale_name}` is {}, fp8 block scales are F32 or BF16",
-                    e.encoding
-                )))
-            }
-            Some(e) => e,
-        };
-        let scales = self.read_f32(&scale_name, entry)?;
+        let scale_name = self.fp8_scale_name(name).ok_or_else(|| {
+            Error::Weights(format!(
+                "tensor `{name}` is float8_e4m3fn but its scales (`{name}_scale_inv`, or \
+                 `.scale` beside `.weight`) are missing (expected shape {want:?} for blocks of \
+                 {block:?})"
+            ))
+        })?;
+        let of = format!("`{name}` {shape:?} in blocks of {block:?}");
+        let dtypes = [Dtype::F32, Dtype::BF16, Dtype::F8_E8M0];
+        let scales = self.scales(&scale_name, &want, &of, &dtypes)?;
         convert::apply_block_scales(values, cols, &scales, block);
         Ok(())
+    }
+
+    /// The name of fp8 weight `name`'s block scales in this checkpoint: `<name>_scale_inv`
+    /// (DeepSeek-V3/R1 on the Hub) or, for `X.weight`, `X.scale` (DeepSeek's own naming, which
+    /// V4 is published in). `None` when neither is there.
+    pub fn fp8_scale_name(&self, name: &str) -> Option<String> {
+        let hub = format!("{name}_scale_inv");
+        let own = name.strip_suffix(".weight").map(|s| format!("{s}.scale"));
+        [Some(hub), own]
+            .into_iter()
+            .flatten()
+            .find(|n| self.contains(n))
+    }
+
+    /// The values of scale tensor `name` as f32, checking its shape (`want`, what the weight
+    /// `of` needs), its dtype (one of `dtypes`) and that every value is finite.
+    fn scales(&self, name: &str, want: &[usize], of: &str, dtypes: &[Dtype]) -> Result<Vec<f32>> {
+        let entry = self.entry(name).ok_or_else(|| {
+            Error::Weights(format!(
+                "tensor `{name}` is missing (expected shape {want:?})"
+            ))
+        })?;
+        if entry.shape != want {
+            return Err(Error::Weights(format!(
+                "tensor `{name}` has shape {:?}, but {of} needs {want:?}",
+                entry.shape
+            )));
+        }
+        if !matches!(entry.encoding, Encoding::Plain(d) if dtypes.contains(&d)) {
+            let names: Vec<String> = dtypes.iter().map(|d| format!("{d:?}")).collect();
+            return Err(Error::Weights(format!(
+                "tensor `{name}` is {}; scales here are {}",
+                entry.encoding,
+                names.join(" or ")
+            )));
+        }
+        let values = self.read_f32(name, entry)?;
+        if let Some(i) = values.iter().position(|v| !v.is_finite()) {
+            return Err(Error::Weights(format!(
+                "tensor `{name}` holds a non-finite scale ({}) at index {i}",
+                values[i]
+            )));
+        }
+        Ok(values)
     }
 
     /// Every value of a tensor as f32 (GGML blocks dequantized, a split `kv_b_proj` joined).

@@ -363,7 +363,7 @@ fn coverage_keys(g: &Graph) -> Vec<String> {
                 Op::ArgMax(x, _) => format!("argmax.{}", dt(*x)),
                 Op::TopK(x, _) => format!("topk.{}", dt(*x)),
                 Op::MassThreshold { .. } => format!("mass_threshold.{d}"),
-                Op::DequantizeInt4 { .. } => format!("dequantize_int4.{d}"),
+                Op::Dequantize4Bit { format, .. } => format!("{}.{d}", format.op_name()),
                 Op::IndexSelect { .. } => format!("index_select.{d}"),
                 Op::Gather { .. } => format!("gather.{d}"),
                 Op::ScatterRows { .. } => format!("scatter_rows.{d}"),

@@ -44,7 +44,7 @@ fn config() -> V4Config {
 /// The fixture's weights by published name (`tid2eid` as i32), as `deepinfer lower` reads them.
 fn weights() -> HashMap<String, CTensor> {
     let ckpt = Checkpoint::open(&common::fixture_dir("tiny-v4")).unwrap();
-    tensors::load_f32(&config(), &ckpt).unwrap()
+    tensors::load(&config(), &ckpt).unwrap()
 }
 
 /// The graph's inputs: `ids`, and the fixture's weights (unsplit: the routed experts stacked).

@@ -1,7 +1,8 @@
 //! `quantization_config`: the block size of an FP8 checkpoint's weight scales.
 //!
 //! DeepSeek-V3/R1 are published with `float8_e4m3fn` weights and one f32 scale per block
-//! (`weight_scale_inv`); `weight_block_size` gives the block (`[128, 128]` in the published
+//! (`weight_scale_inv`), DeepSeek-V4 with one power-of-two scale per block (`scale`, F8_E8M0;
+//! F32 in V4-Flash-Base); `weight_block_size` gives the block (`[128, 128]` in the published
 //! files, but read, never assumed). Any other `quant_method` is refused here, before a weight
 //! is read, rather than failing later on a dtype the loader cannot read.
 
@@ -57,7 +58,7 @@ pub(super) fn fp8_block(object: Option<&Map<String, Value>>) -> Result<Option<[u
         None => Err(invalid(
             "quantization_config.weight_block_size",
             "(missing)",
-            "an fp8 checkpoint needs the block size of its weight_scale_inv scales",
+            "an fp8 checkpoint needs the block size of its weight scales",
         )),
     }
 }

@@ -23,6 +23,7 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::messages::{invalid, missing_because, unsupported};
+use super::quantization;
 use super::raw::{self, RawRope};
 use super::resolve::required_positive;
 use super::{value, Architecture, ModelConfig, RopeConfig, YarnConfig};
@@ -78,6 +79,23 @@ pub enum V4Scoring {
     /// `sigmoid`.
     Sigmoid,
 }
+
+/// How a checkpoint stores its routed experts (`expert_dtype`, at the top level as V4-Flash
+/// publishes it or inside `quantization_config` as V4.1 does).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum V4Experts {
+    /// As the other linear weights: floats, or FP8 with block scales (`expert_dtype: fp8`,
+    /// V4-Flash-Base), dequantized when read.
+    Float,
+    /// FP4 E2M1 codes two a byte (I8 `[out, in / 2]`, the even value in the low nibble) with
+    /// one power-of-two scale per [`FP4_GROUP`] inputs (`<name>.scale`, F8_E8M0 `[out, in /
+    /// 32]`): `expert_dtype: fp4`, V4-Flash's. Held as stored and dequantized in the graph
+    /// where an expert is used.
+    Fp4,
+}
+
+/// Inputs of an output channel that share one scale in an FP4 expert (OCP MX's block).
+pub const FP4_GROUP: usize = 32;
 
 /// CSA's lightning indexer (`index_n_heads`, `index_head_dim`, `index_topk`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -151,6 +169,11 @@ pub struct V4Config {
     pub max_position_embeddings: usize,
     /// `num_nextn_predict_layers`: MTP layers in the checkpoint.
     pub num_nextn_predict_layers: usize,
+    /// `quantization_config.weight_block_size`: the `[rows, cols]` block of an FP8
+    /// checkpoint's weight scales, `None` for a checkpoint without FP8 weights.
+    pub fp8_block: Option<[usize; 2]>,
+    /// How the routed experts are stored.
+    pub experts: V4Experts,
     /// `tie_word_embeddings`.
     pub tie_word_embeddings: bool,
     /// `bos_token_id`, when set.
@@ -244,6 +267,10 @@ struct RawV4 {
     max_position_embeddings: Option<usize>,
     #[serde(deserialize_with = "value::size")]
     num_nextn_predict_layers: Option<usize>,
+    #[serde(deserialize_with = "value::object")]
+    quantization_config: Option<Map<String, Value>>,
+    #[serde(deserialize_with = "value::string")]
+    expert_dtype: Option<String>,
     #[serde(deserialize_with = "value::flag")]
     tie_word_embeddings: Option<bool>,
     #[serde(deserialize_with = "value::token_id")]
@@ -396,6 +423,8 @@ fn resolve(raw: &RawV4) -> Result<V4Config> {
     let rms_norm_eps = non_negative("rms_norm_eps", raw.rms_norm_eps, 1e-6)?;
     let max_position_embeddings = raw.max_position_embeddings.unwrap_or(1 << 20);
     let (main_rope, compress_rope) = ropes(raw, max_position_embeddings)?;
+    let fp8_block = quantization::fp8_block(raw.quantization_config.as_ref())?;
+    let experts = expert_storage(raw, hidden_size, moe_intermediate_size)?;
     Ok(V4Config {
         vocab_size,
         hidden_size,
@@ -426,10 +455,49 @@ fn resolve(raw: &RawV4) -> Result<V4Config> {
         compress_rope,
         max_position_embeddings,
         num_nextn_predict_layers: raw.num_nextn_predict_layers.unwrap_or(1),
+        fp8_block,
+        experts,
         tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
         bos_token_id: raw.bos_token_id,
         eos_token_ids: raw.eos_token_id.clone().unwrap_or_default(),
     })
+}
+
+/// How the routed experts are stored: `expert_dtype` at the top level (V4-Flash) or in
+/// `quantization_config` (V4.1). Without it, a quantized checkpoint's experts are FP4, as
+/// V4-Flash's first published config.json says nothing and vLLM assumes the same; the check of
+/// the checkpoint's tensors names an expert stored otherwise.
+fn expert_storage(raw: &RawV4, hidden: usize, width: usize) -> Result<V4Experts> {
+    let quantization = raw.quantization_config.as_ref();
+    let nested = quantization
+        .and_then(|q| q.get("expert_dtype"))
+        .and_then(Value::as_str);
+    let storage = match raw.expert_dtype.as_deref().or(nested) {
+        Some("fp4") => V4Experts::Fp4,
+        Some("fp8" | "bf16" | "float32") => V4Experts::Float,
+        Some(other) => {
+            return Err(unsupported(
+                "expert_dtype",
+                format!("{other:?}"),
+                "deepinfer reads DeepSeek-V4's routed experts as fp4 or fp8",
+            ))
+        }
+        None if quantization.is_some() => V4Experts::Fp4,
+        None => V4Experts::Float,
+    };
+    if storage == V4Experts::Fp4 {
+        for (key, n) in [("hidden_size", hidden), ("moe_intermediate_size", width)] {
+            if !n.is_multiple_of(FP4_GROUP) {
+                return Err(invalid(
+                    key,
+                    n,
+                    "FP4 experts hold one scale per 32 inputs, so their input widths are \
+                     multiples of 32",
+                ));
+            }
+        }
+    }
+    Ok(storage)
 }
 
 /// The rotated channels: `partial_rotary_factor` (top level, or in a RoPE object), else the

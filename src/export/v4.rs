@@ -99,7 +99,7 @@ pub(super) fn lower(
             opts.ctx.min(t + 1)
         )));
     }
-    let full = tensors::load_f32(cfg, &Checkpoint::open(model_dir)?)?;
+    let full = tensors::load(cfg, &Checkpoint::open(model_dir)?)?;
     let weights = (0..ranks)
         .map(|r| shard::rank_weights(cfg, &full, ranks, r))
         .collect::<Result<Vec<_>>>()?;

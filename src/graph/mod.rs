@@ -24,7 +24,7 @@ use std::sync::Arc;
 
 pub use builder::GraphBuilder;
 pub use dtype::DType;
-pub use op::{BinaryOp, CmpOp, Literal, Op, ReduceOp, UnaryOp};
+pub use op::{BinaryOp, CmpOp, FourBit, Literal, Op, ReduceOp, UnaryOp};
 pub use shape::Shape;
 pub use tensor::Tensor;
 

@@ -169,6 +169,48 @@ op_family! {
     Min = "min", BinaryOp::Min;
 }
 
+/// What a 4-bit code of [`Op::Dequantize4Bit`] stands for, before its group's scale.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FourBit {
+    /// A signed integer biased by 8: `code - 8`, -8 to 7 (`--quantize experts-int4`).
+    Int4,
+    /// FP4 E2M1 (OCP microscaling): bit 3 the sign, bits 2-1 the exponent (bias 1), bit 0
+    /// the mantissa; magnitudes 0, 0.5, 1, 1.5, 2, 3, 4 and 6. DeepSeek-V4's published
+    /// routed experts, one power-of-two scale per 32 values.
+    E2m1,
+}
+
+impl FourBit {
+    /// The value of every code, in code order.
+    pub const fn values(self) -> [f32; 16] {
+        let mut t = [0f32; 16];
+        let mut c = 0;
+        while c < 16 {
+            t[c] = match self {
+                FourBit::Int4 => c as f32 - 8.0,
+                FourBit::E2m1 => {
+                    let magnitude = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0][c & 7];
+                    if c & 8 == 0 {
+                        magnitude
+                    } else {
+                        -magnitude
+                    }
+                }
+            };
+            c += 1;
+        }
+        t
+    }
+
+    /// The op's name in the graph, in HLO's composite tag, and in the conformance suite.
+    pub const fn op_name(self) -> &'static str {
+        match self {
+            FourBit::Int4 => "dequantize_int4",
+            FourBit::E2m1 => "dequantize_e2m1",
+        }
+    }
+}
+
 /// Literal data of a [`Op::Constant`], in row-major order, one variant per dtype a constant
 /// can have.
 #[derive(Debug, Clone, PartialEq)]
@@ -326,21 +368,24 @@ pub enum Op {
         /// The mass to reach, per row.
         target: NodeId,
     },
-    /// 4-bit weight codes back to f32: `codes` (u8, `[.., half]`) holds two codes a byte,
-    /// biased by 8, the even value in the low nibble; `scales` (f32, `[.., ceil(2 half /
-    /// group)]`, the same leading dims) one scale per `group` values of a row. Output (the
-    /// node's float dtype, `[.., 2 half]`): `(code - 8) * scale of its group`, computed as the
-    /// product in that dtype of the code and the scale rounded to it. The int4 routed experts'
-    /// dequantization (`--quantize experts-int4`). HLO: a mask and a shift (bit operations,
-    /// exact), an interleave and the group scales' broadcast, tagged as one composite
-    /// (`backend::hlo::emit`).
-    DequantizeInt4 {
+    /// 4-bit weight codes back to floats: `codes` (u8, `[.., half]`) holds two codes a byte,
+    /// the even value in the low nibble; `scales` (f32, `[.., ceil(2 half / group)]`, the same
+    /// leading dims) one scale per `group` values of a row. Output (the node's float dtype,
+    /// `[.., 2 half]`): the code's value under `format` times the scale of its group, computed
+    /// as the product in that dtype of the (exact) code value and the scale rounded to it. The
+    /// 4-bit routed experts' dequantization: int4 (`--quantize experts-int4`) and DeepSeek-V4's
+    /// published FP4 experts. HLO: a mask and a shift (bit operations, exact), the code's value
+    /// in exact float arithmetic, an interleave and the group scales' broadcast, tagged as one
+    /// composite (`backend::hlo::emit`).
+    Dequantize4Bit {
         /// The packed codes.
         codes: NodeId,
         /// One scale per `group` values of each row.
         scales: NodeId,
         /// Values per scale.
         group: usize,
+        /// What a code means.
+        format: FourBit,
     },
     /// Rows (or slices) of `x` along `dim` picked by the 1-D i32 `ids`.
     IndexSelect {
@@ -432,7 +477,7 @@ impl Op {
             Op::ArgMax(..) => "argmax",
             Op::TopK(..) => "topk",
             Op::MassThreshold { .. } => "mass_threshold",
-            Op::DequantizeInt4 { .. } => "dequantize_int4",
+            Op::Dequantize4Bit { format, .. } => format.op_name(),
             Op::IndexSelect { .. } => "index_select",
             Op::Gather { .. } => "gather",
             Op::ScatterRows { .. } => "scatter_rows",
@@ -464,7 +509,7 @@ impl Op {
             } => vec![*pred, *on_true, *on_false],
             Op::Concat(xs, _) => xs.clone(),
             Op::MassThreshold { x, w, target } => vec![*x, *w, *target],
-            Op::DequantizeInt4 { codes, scales, .. } => vec![*codes, *scales],
+            Op::Dequantize4Bit { codes, scales, .. } => vec![*codes, *scales],
             Op::IndexSelect { x, ids, .. } | Op::Gather { x, ids, .. } => vec![*x, *ids],
             Op::ScatterRows {
                 root, rows, src, ..

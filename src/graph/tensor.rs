@@ -13,7 +13,9 @@
 //! candle-core generates its own with `unary_op!`/`bin_op!`.
 
 use super::shape::{broadcast_compatible, broadcast_shape};
-use super::{BinaryOp, CmpOp, DType, GraphBuilder, Literal, NodeId, Op, ReduceOp, Shape, UnaryOp};
+use super::{
+    BinaryOp, CmpOp, DType, FourBit, GraphBuilder, Literal, NodeId, Op, ReduceOp, Shape, UnaryOp,
+};
 use crate::error::{Error, Result};
 
 /// Generates named forwarders to a family's generic method, one line each:
@@ -595,17 +597,31 @@ impl Tensor {
         ))
     }
 
-    /// 4-bit codes (`self`: u8 `[.., half]`, two a byte) times their group's scale (`scales`:
-    /// f32 `[.., ceil(2 half / group)]`), as f32 `[.., 2 half]`; see [`Op::DequantizeInt4`].
+    /// int4 codes (`self`: u8 `[.., half]`, two a byte, biased by 8) times their group's scale
+    /// (`scales`: f32 `[.., ceil(2 half / group)]`), as f32 `[.., 2 half]`; see
+    /// [`Op::Dequantize4Bit`].
     pub fn dequantize_int4(&self, scales: &Tensor, group: usize) -> Result<Tensor> {
-        self.dequantize_int4_to(scales, group, DType::F32)
+        self.dequantize_4bit_to(scales, group, FourBit::Int4, DType::F32)
     }
 
-    /// [`Tensor::dequantize_int4`] with the values in `out` (f32, bf16 or f16): each code
-    /// times its scale rounded to `out`, the product rounded to `out` (exactly what the
-    /// multiply in `out` of the two converted operands gives), so a bf16 graph never holds the
-    /// weight in f32.
+    /// [`Tensor::dequantize_int4`] with the values in `out` (f32, bf16 or f16).
     pub fn dequantize_int4_to(&self, scales: &Tensor, group: usize, out: DType) -> Result<Tensor> {
+        self.dequantize_4bit_to(scales, group, FourBit::Int4, out)
+    }
+
+    /// 4-bit codes of `format` (`self`: u8 `[.., half]`, two a byte, the even value in the low
+    /// nibble) times their group's scale (`scales`: f32 `[.., ceil(2 half / group)]`), as
+    /// `out` (f32, bf16 or f16) `[.., 2 half]`: each code's value (exact in any of them) times
+    /// its scale rounded to `out`, the product rounded to `out` (exactly what the multiply in
+    /// `out` of the two converted operands gives), so a bf16 graph never holds the weight in
+    /// f32. See [`Op::Dequantize4Bit`].
+    pub fn dequantize_4bit_to(
+        &self,
+        scales: &Tensor,
+        group: usize,
+        format: FourBit,
+        out: DType,
+    ) -> Result<Tensor> {
         let r = self.rank();
         let ok = r >= 1
             && matches!(out, DType::F32 | DType::BF16 | DType::F16)
@@ -617,7 +633,7 @@ impl Tensor {
             && scales.shape.0[r - 1] == (2 * self.shape.0[r - 1]).div_ceil(group);
         if !ok {
             return Err(Error::shape(
-                "dequantize_int4",
+                format.op_name(),
                 format!(
                     "codes {} {}, scales {} {}, group {group} -> {out} (want u8 [.., half] and \
                      f32 [.., ceil(2 half / group)], to a float type)",
@@ -628,10 +644,11 @@ impl Tensor {
         let mut dims = self.shape.0.clone();
         dims[r - 1] *= 2;
         Ok(self.push(
-            Op::DequantizeInt4 {
+            Op::Dequantize4Bit {
                 codes: self.id,
                 scales: scales.id,
                 group,
+                format,
             },
             Shape(dims),
             out,

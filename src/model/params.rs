@@ -40,6 +40,9 @@ use super::v4::{shard as shard_v4, tensors as tensors_v4};
 #[derive(Debug, Clone)]
 pub struct WeightSpecs {
     shapes: HashMap<String, Vec<usize>>,
+    /// Parameters whose stored dtype their kind decides rather than the precision policy (a
+    /// DeepSeek-V4 model's: see [`WeightSpecs::dtype`]).
+    dtypes: HashMap<String, DType>,
     precision: Precision,
     ranks: usize,
     vocab_size: usize,
@@ -53,12 +56,7 @@ impl WeightSpecs {
             // The unsplit rank's tensors, as its graphs name them (routed experts stacked);
             // one rank divides every count, so nothing is refused.
             let tensors = shard_v4::rank_tensors(v4, 1).unwrap_or_default();
-            return WeightSpecs::v4(
-                v4,
-                precision,
-                1,
-                tensors.into_iter().map(|t| (t.name, t.shape)),
-            );
+            return WeightSpecs::v4(v4, precision, 1, tensors);
         }
         let mut m = HashMap::new();
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
@@ -149,6 +147,7 @@ impl WeightSpecs {
         }
         WeightSpecs {
             shapes: m,
+            dtypes: HashMap::new(),
             precision: *precision,
             ranks: 1,
             vocab_size: cfg.vocab_size,
@@ -161,12 +160,7 @@ impl WeightSpecs {
     pub fn sharded(cfg: &ModelConfig, precision: &Precision, ranks: usize) -> Result<Self> {
         if let Some(v4) = &cfg.v4 {
             let tensors = shard_v4::rank_tensors(v4, ranks)?;
-            return Ok(WeightSpecs::v4(
-                v4,
-                precision,
-                ranks,
-                tensors.into_iter().map(|t| (t.name, t.shape)),
-            ));
+            return Ok(WeightSpecs::v4(v4, precision, ranks, tensors));
         }
         shard::validate(cfg, ranks)?;
         let mut specs = WeightSpecs::new(cfg, precision);
@@ -182,20 +176,26 @@ impl WeightSpecs {
         Ok(specs)
     }
 
-    /// A DeepSeek-V4 model's `tensors` (name and shape) for one rank of `ranks`, with the
-    /// rank's offsets when split.
+    /// A DeepSeek-V4 model's `tensors` for one rank of `ranks`, with the rank's offsets when
+    /// split.
     fn v4(
         cfg: &V4Config,
         precision: &Precision,
         ranks: usize,
-        tensors: impl Iterator<Item = (String, Vec<usize>)>,
+        tensors: Vec<shard_v4::RankTensor>,
     ) -> Self {
-        let mut shapes: HashMap<String, Vec<usize>> = tensors.collect();
+        let dtypes = tensors
+            .iter()
+            .map(|t| (t.name.clone(), t.kind.dtype()))
+            .collect();
+        let mut shapes: HashMap<String, Vec<usize>> =
+            tensors.into_iter().map(|t| (t.name, t.shape)).collect();
         if ranks > 1 {
             shapes.insert(shard::SHARD_OFFSETS.to_string(), vec![2]);
         }
         WeightSpecs {
             shapes,
+            dtypes,
             precision: *precision,
             ranks,
             vocab_size: cfg.vocab_size,
@@ -235,7 +235,9 @@ impl WeightSpecs {
     /// The dtype parameter `name` is stored in: the router's weight and bias are f32 whatever
     /// the policy, and so are quantized experts' scales (see the module docs).
     pub fn dtype(&self, name: &str) -> DType {
-        if name == shard::SHARD_OFFSETS || name.ends_with(".tid2eid") {
+        if let Some(&dtype) = self.dtypes.get(name) {
+            dtype
+        } else if name == shard::SHARD_OFFSETS || name.ends_with(".tid2eid") {
             DType::I32
         } else if name.ends_with(".mlp.gate.weight")
             || name.ends_with(".e_score_correction_bias")
@@ -307,7 +309,7 @@ impl ModelWeights {
     /// Each tensor is converted as it is read; no wider copy of the checkpoint is ever held.
     pub fn load(cfg: &ModelConfig, ckpt: &Checkpoint, precision: &Precision) -> Result<Self> {
         if let Some(v4) = &cfg.v4 {
-            let whole = tensors_v4::load_f32(v4, ckpt)?;
+            let whole = tensors_v4::load(v4, ckpt)?;
             return ModelWeights::v4_rank(cfg, v4, &whole, 0, 1, precision);
         }
         let specs = WeightSpecs::new(cfg, precision);

@@ -67,7 +67,7 @@ impl Buffer {
 pub(super) fn readable(dtype: Dtype) -> bool {
     matches!(
         dtype,
-        Dtype::F32 | Dtype::BF16 | Dtype::F16 | Dtype::F8_E4M3
+        Dtype::F32 | Dtype::BF16 | Dtype::F16 | Dtype::F8_E4M3 | Dtype::F8_E8M0
     )
 }
 
@@ -93,9 +93,21 @@ pub(super) fn decode(dtype: Dtype, bytes: &[u8], out: &mut Vec<f32>) -> Option<(
         ),
         // `float8_e4m3fn`: no infinities, the largest finite value 448 (OCP FP8).
         Dtype::F8_E4M3 => out.extend(bytes.iter().map(|&b| float8::F8E4M3::from_bits(b).to_f32())),
+        // `float8_e8m0fnu` (OCP MX scales): the exponent alone, 2^(b - 127); 0xff is NaN.
+        Dtype::F8_E8M0 => out.extend(bytes.iter().map(|&b| e8m0(b))),
         _ => return None,
     }
     Some(())
+}
+
+/// The value of an `float8_e8m0fnu` byte: `2^(b - 127)` (2^-127, the smallest, is an f32
+/// subnormal, exact), NaN for 0xff.
+pub(super) fn e8m0(b: u8) -> f32 {
+    match b {
+        0xff => f32::NAN,
+        0 => f32::from_bits(1 << 22),
+        b => f32::from_bits(u32::from(b) << 23),
+    }
 }
 
 /// Multiplies an `[rows, cols]` f32 matrix by its block scales in place: element `(r, c)` by
@@ -132,6 +144,17 @@ mod tests {
         let want = [0.0, 1.0, 448.0, -448.0, 2f32.powi(-9), 2f32.powi(-6)];
         assert_eq!(got, want);
         assert!(f(&[0x7f])[0].is_nan());
+    }
+
+    /// E8M0 is a bare exponent: 127 is 1, each step doubles, 0xff is NaN (OCP MX).
+    #[test]
+    fn e8m0_decodes_powers_of_two() {
+        let mut out = Vec::new();
+        decode(Dtype::F8_E8M0, &[127, 128, 120, 254, 1, 0], &mut out).unwrap();
+        let want = [1.0, 2.0, 2f32.powi(-7), 2f32.powi(127), 2f32.powi(-126)];
+        assert_eq!(&out[..5], &want);
+        assert_eq!(out[5], 2f64.powi(-127) as f32);
+        assert!(e8m0(0xff).is_nan());
     }
 
     #[test]

@@ -26,6 +26,8 @@ use super::pool::{for_each_chunk, parallel_map};
 use candle_core::{backend::BackendStorage, CpuStorage, CustomOp2, CustomOp3, Layout, Shape};
 use pulp::{Arch, Simd, WithSimd};
 
+use crate::graph::FourBit;
+
 /// The most output columns (weight rows) a parallel task takes ([`column_tile`]). A task reads
 /// its weight rows as one stream, and each costs the pool a hand-off (and a gathered-expert
 /// task its result buffer): 128 made decode steps 4-8% faster than 32 on the medium checkpoint
@@ -827,17 +829,18 @@ impl<T: Widen> WithSimd for ExpertTask<'_, T> {
     }
 }
 
-/// One task of [`gathered`] on int4 experts: as [`ExpertTask`], each weight row widened from
-/// its packed codes and group scales (`int4::widen_row`) and dotted with the left rows.
-struct Int4ExpertTask<'a> {
+/// One task of [`gathered`] on 4-bit experts: as [`ExpertTask`], each weight row widened from
+/// its packed codes and group scales (`four_bit::widen_row`) and dotted with the left rows.
+struct FourBitExpertTask<'a> {
     a: &'a [f32],
     codes: &'a [u8],
     scales: &'a [f32],
     group: usize,
+    format: FourBit,
     tile: ExpertTile<'a>,
 }
 
-impl WithSimd for Int4ExpertTask<'_> {
+impl WithSimd for FourBitExpertTask<'_> {
     type Output = Vec<f32>;
 
     #[inline(always)]
@@ -850,10 +853,11 @@ impl WithSimd for Int4ExpertTask<'_> {
         for jj in 0..tn {
             let j = tile.weight_row(jj);
             row.clear();
-            super::int4::widen_row(
+            super::four_bit::widen_row(
                 &self.codes[j * half..(j + 1) * half],
                 &self.scales[j * groups..(j + 1) * groups],
                 self.group,
+                self.format,
                 &mut row,
             );
             for (i, r) in tile.left().enumerate() {
@@ -872,9 +876,9 @@ pub(crate) enum Experts<'a> {
     /// int8 codes (held as u8 bytes), `[experts, out, k]`, with one f32 scale per output row
     /// (`[experts, out]`).
     Int8(&'a candle_core::Tensor),
-    /// int4 codes two a byte, `[experts, out, k / 2]`, with one f32 scale per `group` inputs
-    /// of each output row (`[experts, out, ceil(k / group)]`).
-    Int4(&'a candle_core::Tensor, usize),
+    /// 4-bit codes of a [`FourBit`] format two a byte, `[experts, out, k / 2]`, with one f32
+    /// scale per `group` inputs of each output row (`[experts, out, ceil(k / group)]`).
+    FourBit(&'a candle_core::Tensor, usize, FourBit),
 }
 
 /// `out[i] = a[i] @ w[ids[i]]^T` for `a: [n, m, k]`, stacked contiguous expert weights `w`
@@ -893,13 +897,13 @@ pub(crate) fn gathered(
     use candle_core::{DType, Storage};
     let (n, m, k) = a.dims3()?;
     let (_, out_n, wk) = w.dims3()?;
-    let (scales, int4_group) = match experts {
+    let (scales, four_bit) = match experts {
         Experts::Float => (None, None),
         Experts::Int8(s) => (Some(s), None),
-        Experts::Int4(s, group) => (Some(s), Some(group)),
+        Experts::FourBit(s, group, format) => (Some(s), Some((group, format))),
     };
-    let stored_k = if int4_group.is_some() { k / 2 } else { k };
-    if wk != stored_k || (int4_group.is_some() && k % 2 == 1) || ids.len() != n {
+    let stored_k = if four_bit.is_some() { k / 2 } else { k };
+    if wk != stored_k || (four_bit.is_some() && k % 2 == 1) || ids.len() != n {
         return Err(candle_core::Error::Msg(format!(
             "gathered matmul of {:?} by {:?} with {} ids",
             a.dims(),
@@ -982,15 +986,16 @@ pub(crate) fn gathered(
         ));
     };
     let done = match (w_cpu, scales) {
-        (CpuStorage::U8(v), Some(scales)) if int4_group.is_some() => {
-            let group = int4_group.unwrap_or(1);
+        (CpuStorage::U8(v), Some(scales)) if four_bit.is_some() => {
+            let (group, format) = four_bit.unwrap_or((1, FourBit::Int4));
             let codes = &v[w0..w1];
             parallel_map(tasks.len(), |t| {
-                arch.dispatch(Int4ExpertTask {
+                arch.dispatch(FourBitExpertTask {
                     a: &a,
                     codes,
                     scales,
                     group,
+                    format,
                     tile: ExpertTile::of(tasks[t], &groups, dims),
                 })
             })?
@@ -1544,13 +1549,33 @@ mod tests {
                 (i32::from(c) - 8) as f32 * s4[row * groups + col / group]
             })
             .collect();
+        // FP4 E2M1 from its definition: sign, two exponent bits (bias 1), one mantissa bit.
+        let e2m1 = |c: u8| {
+            let (exp, man) = (i32::from(c >> 1 & 3), f32::from(c & 1));
+            let magnitude = match exp {
+                0 => 0.5 * man,
+                _ => 2f32.powi(exp - 1) * (1.0 + 0.5 * man),
+            };
+            if c & 8 == 0 {
+                magnitude
+            } else {
+                -magnitude
+            }
+        };
+        let deq_fp4: Vec<f32> = nibbles
+            .iter()
+            .enumerate()
+            .map(|(i, &c)| e2m1(c) * s4[i / k * groups + i % k / group])
+            .collect();
         let s4 = Tensor::from_vec(s4, (e, out, groups), dev).unwrap();
         if k.is_multiple_of(2) {
-            cases.push((
-                Tensor::from_vec(packed, (e, out, k / 2), dev).unwrap(),
-                Experts::Int4(&s4, group),
-                Tensor::from_vec(deq4, (e, out, k), dev).unwrap(),
-            ));
+            for (format, dense) in [(FourBit::Int4, deq4), (FourBit::E2m1, deq_fp4)] {
+                cases.push((
+                    Tensor::from_vec(packed.clone(), (e, out, k / 2), dev).unwrap(),
+                    Experts::FourBit(&s4, group, format),
+                    Tensor::from_vec(dense, (e, out, k), dev).unwrap(),
+                ));
+            }
         }
         for (weights, experts, dense) in cases {
             let got = gathered(&a, &weights, &ids, experts).unwrap();

@@ -12,7 +12,7 @@
 //! *is* the input tensor and the cache is never copied per step.
 
 mod collective;
-mod int4;
+mod four_bit;
 mod kernels;
 mod matmul;
 mod packed;
@@ -30,7 +30,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
 use crate::graph::{
-    BinaryOp, CmpOp, DType, Graph, InputRole, Literal, NodeId, Op, ReduceOp, UnaryOp,
+    BinaryOp, CmpOp, DType, FourBit, Graph, InputRole, Literal, NodeId, Op, ReduceOp, UnaryOp,
 };
 use crate::host::{candle_dtype, QuantizedWeight, Value};
 
@@ -345,14 +345,16 @@ fn run_planned(
             Op::MatMul(a, _) if plan.dequantized_rhs[i].is_some() => {
                 let d = plan.dequantized_rhs[i].ok_or_else(|| Error::Internal("plan".into()))?;
                 let (x, q, s) = (get(*a)?, get(d.q)?, get(d.scale)?);
-                match (d.ids, d.int4_group) {
+                match (d.ids, d.four_bit) {
                     (Some(ids), None) => gathered_matmul(x, q, get(ids)?, Experts::Int8(s))?,
                     (None, None) => x.apply_op3_no_bwd(&q.t()?, s, &matmul::ScaledMatMul)?,
-                    (Some(ids), Some(g)) => gathered_matmul(x, q, get(ids)?, Experts::Int4(s, g))?,
+                    (Some(ids), Some((g, f))) => {
+                        gathered_matmul(x, q, get(ids)?, Experts::FourBit(s, g, f))?
+                    }
                     // Every expert: the gathered kernel with each expert once, in order.
-                    (None, Some(g)) => {
+                    (None, Some((g, f))) => {
                         let every: Vec<usize> = (0..q.dim(0)?).collect();
-                        matmul::gathered(x, q, &every, Experts::Int4(s, g))?
+                        matmul::gathered(x, q, &every, Experts::FourBit(s, g, f))?
                     }
                 }
             }
@@ -418,20 +420,21 @@ fn run_planned(
                     &Device::Cpu,
                 )?
             }
-            Op::DequantizeInt4 {
+            Op::Dequantize4Bit {
                 codes,
                 scales,
                 group,
+                format,
             } => {
                 // In a reduced float type: the scale rounded to it, the (then exact) f32
                 // product rounded once, as a multiply in that type computes it.
                 let out = candle_dtype(node.dtype);
                 let scales = get(*scales)?;
                 if out == CDType::F32 {
-                    int4::dequantize(get(*codes)?, scales, *group)?
+                    four_bit::dequantize(get(*codes)?, scales, *group, *format)?
                 } else {
                     let scales = scales.to_dtype(out)?.to_dtype(CDType::F32)?;
-                    int4::dequantize(get(*codes)?, &scales, *group)?.to_dtype(out)?
+                    four_bit::dequantize(get(*codes)?, &scales, *group, *format)?.to_dtype(out)?
                 }
             }
             Op::IndexSelect { x, ids, dim } => index_select(get(*x)?, get(*ids)?, *dim)?,
@@ -794,20 +797,20 @@ fn quantized_operand(
 
 /// Quantized experts dequantized in the graph, as `model::moe` writes it:
 /// - int8: `permute(cast(q') * broadcast(reshape(s')), [0, 2, 1])`;
-/// - int4: `permute(dequantize_int4(q', s'), [0, 2, 1])`;
+/// - 4-bit (int4 or FP4): `permute(dequantize_4bit(q', s'), [0, 2, 1])`;
 ///
 /// where `q'`, `s'` are `q`, `s` or `index_select(q, ids)`, `index_select(s, ids)` (the same
 /// `ids`).
 #[derive(Debug, Clone, Copy)]
 struct Dequantized {
-    /// `[experts, out, in]` int8 codes, or `[experts, out, in / 2]` int4 codes.
+    /// `[experts, out, in]` int8 codes, or `[experts, out, in / 2]` 4-bit codes.
     q: NodeId,
-    /// `[experts, out]` f32 scales (int8), or `[experts, out, groups]` (int4).
+    /// `[experts, out]` f32 scales (int8), or `[experts, out, groups]` (4-bit).
     scale: NodeId,
     /// The selected experts, when gathered.
     ids: Option<NodeId>,
-    /// For int4 codes, the values per scale.
-    int4_group: Option<usize>,
+    /// For 4-bit codes, the values per scale and what a code means.
+    four_bit: Option<(usize, FourBit)>,
 }
 
 /// `(q, s, ids)` and the index selects to skip, when `q'` and `s'` are `index_select(q, ids)`
@@ -831,10 +834,11 @@ fn dequantized_operand(graph: &Graph, rhs: NodeId) -> Option<(Dequantized, Vec<N
     let Op::Permute(mul, ref perm) = graph.node(rhs).op else {
         return None;
     };
-    if let Op::DequantizeInt4 {
+    if let Op::Dequantize4Bit {
         codes,
         scales,
         group,
+        format,
     } = graph.node(mul).op
     {
         // The fused kernel widens to f32; a dequantization into bf16 runs as written.
@@ -851,7 +855,7 @@ fn dequantized_operand(graph: &Graph, rhs: NodeId) -> Option<(Dequantized, Vec<N
             q,
             scale,
             ids,
-            int4_group: Some(group),
+            four_bit: Some((group, format)),
         };
         return ok.then_some((d, fused));
     }
@@ -885,7 +889,7 @@ fn dequantized_operand(graph: &Graph, rhs: NodeId) -> Option<(Dequantized, Vec<N
         q,
         scale,
         ids,
-        int4_group: None,
+        four_bit: None,
     };
     ok.then_some((d, fused))
 }

@@ -2,14 +2,14 @@
 //! bias or by a frozen token-id table (`tid2eid`), with a shared expert and the SwiGLU clamp.
 //! Per token, shared by the cache-free forward and the cached step.
 
-use crate::config::v4::{V4Config, V4Routing, V4Scoring};
+use crate::config::v4::{V4Config, V4Routing, V4Scoring, FP4_GROUP};
 use crate::error::Result;
-use crate::graph::{DType, Tensor};
+use crate::graph::{DType, FourBit, Tensor};
 
 use crate::model::moe::routing_matrix;
 use crate::model::MoeStrategy;
 
-use super::shard;
+use super::shard::{self, FP4_SCALE_SUFFIX};
 use super::weights::{linear, Weights};
 
 /// One layer's MoE over `x` (`[t, h]`): the routed experts (by score or by token id, evaluated
@@ -101,8 +101,22 @@ struct Experts {
 }
 
 impl Experts {
-    fn get<'a>(&self, w: &'a Weights, proj: &str) -> Result<&'a Tensor> {
-        w.get(&shard::stacked_experts(&self.layer, proj))
+    /// Projection `proj` of the experts `ids` selects (all of the rank's with `ids` `None`) as
+    /// f32 `[n, out, in]`: FP4 codes dequantized with their scales right here, where the
+    /// experts are used (the CPU fuses this into its expert matmul; a device reads a selected
+    /// expert's bytes, not an f32 copy of every expert).
+    fn weights(&self, w: &Weights, proj: &str, ids: Option<&Tensor>) -> Result<Tensor> {
+        let name = shard::stacked_experts(&self.layer, proj);
+        let pick = |t: &Tensor| match ids {
+            Some(ids) => t.index_select(ids, 0),
+            None => Ok(t.clone()),
+        };
+        let stored = pick(w.get(&name)?)?;
+        if stored.dtype() != DType::U8 {
+            return Ok(stored);
+        }
+        let scales = pick(w.get(&format!("{name}{FP4_SCALE_SUFFIX}"))?)?;
+        stored.dequantize_4bit_to(&scales, FP4_GROUP, FourBit::E2m1, DType::F32)
     }
 
     /// The selected experts only: each token's row multiplied by each of its `k` experts'
@@ -116,7 +130,7 @@ impl Experts {
             .broadcast_as([t, k, h])?
             .reshape([t * k, 1, h])?;
         let project = |proj: &str, input: &Tensor| -> Result<Tensor> {
-            input.matmul(&self.get(w, proj)?.index_select(&flat, 0)?.t()?)
+            input.matmul(&self.weights(w, proj, Some(&flat))?.t()?)
         };
         let act = clamped_swiglu(&project("w1", &xs)?, &project("w3", &xs)?, self.limit)?;
         project("w2", &act)?
@@ -140,7 +154,7 @@ impl Experts {
         let routing = routing_matrix(ids, weights, local)?; // [t, local]
         let xs = x.unsqueeze(0)?.broadcast_as([local, t, h])?;
         let project = |proj: &str, input: &Tensor| -> Result<Tensor> {
-            input.matmul(&self.get(w, proj)?.t()?)
+            input.matmul(&self.weights(w, proj, None)?.t()?)
         };
         let act = clamped_swiglu(&project("w1", &xs)?, &project("w3", &xs)?, self.limit)?;
         project("w2", &act)?

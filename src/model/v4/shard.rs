@@ -17,11 +17,16 @@ use std::collections::HashMap;
 
 use candle_core::Tensor as CTensor;
 
-use crate::config::v4::V4Config;
+use crate::config::v4::{V4Config, FP4_GROUP};
 use crate::error::{Error, Result};
 use crate::model::shard::SHARD_OFFSETS;
+use crate::weights::fp4_scale_name;
 
 use super::tensors::{self, V4Tensor, V4TensorKind};
+
+/// What a stacked FP4 expert projection's scales are named after it (`layers.N.ffn.experts.w1`
+/// and `layers.N.ffn.experts.w1_scale`), as MLA's quantized experts' are.
+pub const FP4_SCALE_SUFFIX: &str = "_scale";
 
 /// How a rank's copy of a tensor is cut from the published one.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -101,13 +106,32 @@ pub fn rank_tensors(cfg: &V4Config, ranks: usize) -> Result<Vec<RankTensor>> {
                 continue;
             }
             let proj = rest.strip_suffix(".weight").unwrap_or(rest);
+            let stacked = stacked_experts(layer, proj);
+            let published = format!("{layer}.ffn.experts.{{}}.{rest}");
+            if kind == V4TensorKind::Fp4 {
+                // Codes two a byte and one scale per 32 inputs, each stacked.
+                let (rows, inputs) = (shape[0], shape[1]);
+                out.push(RankTensor {
+                    name: format!("{stacked}{FP4_SCALE_SUFFIX}"),
+                    shape: vec![per_rank, rows, inputs / FP4_GROUP],
+                    kind: V4TensorKind::Float,
+                    split: V4Split::Experts {
+                        published: fp4_scale_name(&published),
+                    },
+                });
+                out.push(RankTensor {
+                    name: stacked,
+                    shape: vec![per_rank, rows, inputs / 2],
+                    kind,
+                    split: V4Split::Experts { published },
+                });
+                continue;
+            }
             out.push(RankTensor {
-                name: stacked_experts(layer, proj),
+                name: stacked,
                 shape: [vec![per_rank], shape].concat(),
                 kind,
-                split: V4Split::Experts {
-                    published: format!("{layer}.ffn.experts.{{}}.{rest}"),
-                },
+                split: V4Split::Experts { published },
             });
             continue;
         }
@@ -188,7 +212,7 @@ fn group_of(cfg: &V4Config, ranks: usize, rank: usize) -> (usize, usize) {
 }
 
 /// Rank `rank`'s tensors of a `ranks`-way split, cut from the whole model's `full`: by published
-/// name, as [`tensors::load_f32`] reads them, or an unsplit rank's (this with `ranks` 1: the
+/// name, as [`tensors::load`] reads them, or an unsplit rank's (this with `ranks` 1: the
 /// routed experts already stacked, as a runner holds them). With its offsets input.
 pub fn rank_weights(
     cfg: &V4Config,

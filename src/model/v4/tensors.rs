@@ -12,17 +12,22 @@ use std::collections::HashMap;
 
 use candle_core::Tensor;
 
-use crate::config::v4::{V4Attention, V4Config, V4Routing};
+use crate::config::v4::{V4Attention, V4Config, V4Experts, V4Routing, FP4_GROUP};
 use crate::error::{Error, Result};
-use crate::weights::Checkpoint;
+use crate::graph::DType;
+use crate::weights::{fp4_scale_name, Checkpoint, Conversion};
 
 /// What a tensor holds, which decides the stored dtypes it may have.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum V4TensorKind {
-    /// Weights and parameters: f32, bf16 or f16.
+    /// Weights and parameters: f32, bf16 or f16, or a 2-D weight in FP8 (E4M3) with its block
+    /// scales (`X.scale` beside `X.weight`), dequantized to f32 when read.
     Float,
     /// A hash layer's `tid2eid` table: expert ids, an integer dtype.
     ExpertIds,
+    /// A routed expert's matrix in FP4 (`expert_dtype: fp4`), its shape the values' `[out,
+    /// in]`: codes two a byte and `X.scale`, read as stored (`weights::fp4`).
+    Fp4,
 }
 
 /// One tensor of a V4 checkpoint.
@@ -34,6 +39,18 @@ pub struct V4Tensor {
     pub shape: Vec<usize>,
     /// What it holds.
     pub kind: V4TensorKind,
+}
+
+impl V4TensorKind {
+    /// The dtype a rank's graph input of this kind is held in: floats in f32 (an FP4 expert's
+    /// scales too), expert ids in i32, FP4 codes as bytes.
+    pub fn dtype(self) -> DType {
+        match self {
+            V4TensorKind::Float => DType::F32,
+            V4TensorKind::ExpertIds => DType::I32,
+            V4TensorKind::Fp4 => DType::U8,
+        }
+    }
 }
 
 impl V4Tensor {
@@ -133,16 +150,24 @@ pub fn expected(cfg: &V4Config) -> Vec<V4Tensor> {
         if cfg.routing[l] == V4Routing::TopK {
             t(format!("{f}.gate.bias"), vec![e]);
         }
-        for x in 0..e {
-            t(format!("{f}.experts.{x}.w1.weight"), vec![m, h]);
-            t(format!("{f}.experts.{x}.w2.weight"), vec![h, m]);
-            t(format!("{f}.experts.{x}.w3.weight"), vec![m, h]);
-        }
+        let expert_kind = match cfg.experts {
+            V4Experts::Float => V4TensorKind::Float,
+            V4Experts::Fp4 => V4TensorKind::Fp4,
+        };
         // One shared expert as wide as a routed one (transformers' `DeepseekV4MLP` reads
         // `moe_intermediate_size`).
         t(format!("{f}.shared_experts.w1.weight"), vec![m, h]);
         t(format!("{f}.shared_experts.w2.weight"), vec![h, m]);
         t(format!("{f}.shared_experts.w3.weight"), vec![m, h]);
+        for x in 0..e {
+            for (proj, shape) in [("w1", [m, h]), ("w2", [h, m]), ("w3", [m, h])] {
+                out.push(V4Tensor {
+                    names: vec![format!("{f}.experts.{x}.{proj}.weight")],
+                    shape: shape.to_vec(),
+                    kind: expert_kind,
+                });
+            }
+        }
         if cfg.routing[l] == V4Routing::Hash {
             out.push(V4Tensor {
                 names: vec![format!("{f}.gate.tid2eid")],
@@ -160,9 +185,10 @@ pub fn expected(cfg: &V4Config) -> Vec<V4Tensor> {
 }
 
 /// Checks `ckpt` against [`expected`]: every tensor present under one of its names, with its
-/// shape and a dtype its kind allows, and no other tensor (MTP layers aside). Returns how many
-/// tensors were checked. The error names the tensor, and for a tensor the config does not
-/// explain, what in the config to look at.
+/// shape and a dtype its kind allows (an FP8 weight and an FP4 expert with their scales), and
+/// no other tensor (MTP layers aside). Returns how many tensors of [`expected`] were checked.
+/// The error names the tensor, and for a tensor the config does not explain, what in the
+/// config to look at.
 pub fn check(cfg: &V4Config, ckpt: &Checkpoint) -> Result<usize> {
     let tensors = expected(cfg);
     let mut seen = std::collections::HashSet::new();
@@ -174,23 +200,67 @@ pub fn check(cfg: &V4Config, ckpt: &Checkpoint) -> Result<usize> {
                 t.shape
             )));
         };
-        ckpt.check(name, &t.shape)?;
         let dtype = ckpt.dtype_name(name).unwrap_or_default();
-        let allowed: &[&str] = match t.kind {
-            V4TensorKind::Float => &["F32", "BF16", "F16"],
-            V4TensorKind::ExpertIds => &["I64", "I32", "U8", "I16", "U16", "U32", "U64", "I8"],
-        };
-        if !allowed.contains(&dtype.as_str()) {
-            let why = match t.kind {
-                V4TensorKind::Float => {
-                    "deepinfer reads DeepSeek-V4's weights in f32, bf16 or f16 so far (the \
-                     published FP8 and FP4 forms come with the forward pass, issue 43)"
+        match t.kind {
+            V4TensorKind::Fp4 => {
+                let (out, inputs) = (t.shape[0], t.shape[1]);
+                ckpt.check(name, &[out, inputs / 2])?;
+                if !matches!(dtype.as_str(), "I8" | "U8") {
+                    return Err(Error::Weights(format!(
+                        "tensor `{name}` is stored as {dtype}, but config.json's expert_dtype \
+                         fp4 stores routed experts as FP4 codes two a byte (I8); set \
+                         expert_dtype to how they are stored"
+                    )));
                 }
-                V4TensorKind::ExpertIds => "a hash layer's expert table holds integers",
-            };
-            return Err(Error::Weights(format!(
-                "tensor `{name}` is stored as {dtype}: {why}"
-            )));
+                let scale = fp4_scale_name(name);
+                ckpt.check(&scale, &[out, inputs / FP4_GROUP])?;
+                seen.insert(scale);
+            }
+            V4TensorKind::Float if dtype == "F8_E4M3" => {
+                ckpt.check(name, &t.shape)?;
+                let Some(block) = cfg.fp8_block else {
+                    return Err(Error::Weights(format!(
+                        "tensor `{name}` is stored as F8_E4M3, but config.json has no \
+                         quantization_config.weight_block_size for its scales"
+                    )));
+                };
+                let scale = ckpt.fp8_scale_name(name).ok_or_else(|| {
+                    Error::Weights(format!(
+                        "tensor `{name}` is stored as F8_E4M3, but its scales `{}` are missing",
+                        fp4_scale_name(name)
+                    ))
+                })?;
+                let blocks: Vec<usize> = t
+                    .shape
+                    .iter()
+                    .zip(block)
+                    .map(|(n, b)| n.div_ceil(b))
+                    .collect();
+                ckpt.check(&scale, &blocks)?;
+                seen.insert(scale);
+            }
+            kind => {
+                ckpt.check(name, &t.shape)?;
+                let allowed: &[&str] = match kind {
+                    V4TensorKind::ExpertIds => {
+                        &["I64", "I32", "U8", "I16", "U16", "U32", "U64", "I8"]
+                    }
+                    _ => &["F32", "BF16", "F16"],
+                };
+                if !allowed.contains(&dtype.as_str()) {
+                    let why = match kind {
+                        V4TensorKind::ExpertIds => "a hash layer's expert table holds integers",
+                        _ if t.shape.len() == 2 => {
+                            "deepinfer reads DeepSeek-V4's weights in f32, bf16, f16 and \
+                             block-scaled F8_E4M3, and routed experts in FP4 too"
+                        }
+                        _ => "deepinfer reads DeepSeek-V4's vectors in f32, bf16 and f16",
+                    };
+                    return Err(Error::Weights(format!(
+                        "tensor `{name}` is stored as {dtype}: {why}"
+                    )));
+                }
+            }
         }
         seen.insert(name.clone());
     }
@@ -209,9 +279,15 @@ pub fn check(cfg: &V4Config, ckpt: &Checkpoint) -> Result<usize> {
 }
 
 /// Reads every tensor of [`expected`] from `ckpt` (after [`check`]), keyed by its published
-/// name, the name the graphs' weight inputs take: floats as f32, `tid2eid` as i32.
-pub fn load_f32(cfg: &V4Config, ckpt: &Checkpoint) -> Result<HashMap<String, Tensor>> {
+/// name, the name the graphs' weight inputs take: floats as f32 (FP8 weights dequantized with
+/// their block scales), `tid2eid` as i32, and an FP4 expert as stored, its codes (u8) under its
+/// name and its scales (f32) under `X.scale`.
+pub fn load(cfg: &V4Config, ckpt: &Checkpoint) -> Result<HashMap<String, Tensor>> {
     check(cfg, ckpt)?;
+    let conv = Conversion {
+        dtype: DType::F32,
+        fp8_block: cfg.fp8_block,
+    };
     let mut out = HashMap::new();
     for t in expected(cfg) {
         let stored = t
@@ -219,11 +295,17 @@ pub fn load_f32(cfg: &V4Config, ckpt: &Checkpoint) -> Result<HashMap<String, Ten
             .iter()
             .find(|n| ckpt.contains(n))
             .unwrap_or(&t.names[0]);
+        let name = t.names[0].clone();
         let value = match t.kind {
-            V4TensorKind::Float => ckpt.tensor_f32(stored, &t.shape)?,
+            V4TensorKind::Float => ckpt.tensor(stored, &t.shape, &conv)?,
             V4TensorKind::ExpertIds => ckpt.tensor_i32(stored, &t.shape)?,
+            V4TensorKind::Fp4 => {
+                let (codes, scales) = ckpt.fp4(stored, [t.shape[0], t.shape[1]])?;
+                out.insert(fp4_scale_name(&name), scales);
+                codes
+            }
         };
-        out.insert(t.names[0].clone(), value);
+        out.insert(name, value);
     }
     Ok(out)
 }

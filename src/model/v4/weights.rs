@@ -13,7 +13,6 @@ use crate::model::vocab::VocabSlice;
 use crate::model::{ops, rope};
 
 use super::shard;
-use super::tensors::V4TensorKind;
 
 /// One rank's weights as graph inputs, by published name (a routed expert by its place among
 /// the rank's, see [`super::shard`]).
@@ -23,15 +22,12 @@ pub(super) struct Weights {
 }
 
 impl Weights {
-    /// Declares every weight a rank of a `ranks`-way split of `cfg` holds on `b` (f32, and
-    /// `tid2eid` i32), and with more than one rank the rank's offsets.
+    /// Declares every weight a rank of a `ranks`-way split of `cfg` holds on `b` (f32,
+    /// `tid2eid` i32, FP4 experts' codes u8), and with more than one rank the rank's offsets.
     pub(super) fn declare(b: &GraphBuilder, cfg: &V4Config, ranks: usize) -> Result<Self> {
         let mut inputs = HashMap::new();
         for t in shard::rank_tensors(cfg, ranks)? {
-            let dtype = match t.kind {
-                V4TensorKind::Float => DType::F32,
-                V4TensorKind::ExpertIds => DType::I32,
-            };
+            let dtype = t.kind.dtype();
             let x = b.input(t.name.clone(), InputRole::Weight, t.shape, dtype)?;
             inputs.insert(t.name, x);
         }

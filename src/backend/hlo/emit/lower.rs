@@ -132,16 +132,17 @@ impl Emitter<'_> {
                 let (x, w, target) = (v(x), v(w), v(target));
                 self.lower_mass_threshold(x, w, target, rows, n)
             }
-            Op::DequantizeInt4 {
+            Op::Dequantize4Bit {
                 codes,
                 scales,
                 group,
+                format,
             } => {
                 let dims = self.dims_of(codes.0).to_vec();
                 let groups = *self.dims_of(scales.0).last().unwrap_or(&0);
                 let (codes, scales) = (v(codes), v(scales));
                 let out = self.dtype_of(node);
-                self.lower_dequantize_int4(codes, scales, &dims, groups, *group, out)
+                self.lower_dequantize_4bit(codes, scales, &dims, groups, *group, *format, out)
             }
             Op::IndexSelect { x, ids, dim } => self.lower_index_select(*x, *ids, *dim, shape),
             Op::Gather { x, ids, dim } => self.lower_gather(*x, *ids, *dim, shape),

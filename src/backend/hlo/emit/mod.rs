@@ -12,11 +12,10 @@
 //! graph op's lowering is in `lower.rs`: one instruction from the op tables in
 //! `graph::op` for the elementwise and reduction families, plain-HLO structures for the rest.
 
-mod int4;
+mod four_bit;
 mod lower;
 mod threshold;
 
-pub(crate) use int4::DEQUANTIZE_INT4;
 pub(crate) use threshold::MASS_THRESHOLD;
 
 use std::collections::{HashMap, HashSet};

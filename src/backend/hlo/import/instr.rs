@@ -6,13 +6,13 @@
 //! recognised by their shape (see the module docs of [`super`]).
 
 use super::{bad, dims, elem, Importer};
-use crate::backend::hlo::emit::{DEQUANTIZE_INT4, MASS_THRESHOLD};
+use crate::backend::hlo::emit::MASS_THRESHOLD;
 use crate::backend::hlo::proto::HloInstructionProto;
 use crate::backend::hlo::{
     literal, opcodes, COMPOSITE_ATTR, COMPOSITE_GROUP_ATTR, COMPOSITE_OPERANDS_ATTR,
 };
 use crate::error::Result;
-use crate::graph::{BinaryOp, Tensor, UnaryOp};
+use crate::graph::{BinaryOp, FourBit, Tensor, UnaryOp};
 
 impl<'m> Importer<'m> {
     /// The s32 value of a scalar constant, looking through the broadcasts and reshapes that
@@ -87,15 +87,18 @@ impl<'m> Importer<'m> {
                 i.name
             ))
         };
-        match name {
-            MASS_THRESHOLD => {
+        let four_bit = [FourBit::Int4, FourBit::E2m1]
+            .into_iter()
+            .find(|f| f.op_name() == name);
+        match (name, four_bit) {
+            (MASS_THRESHOLD, _) => {
                 let [x, w, target] = ids[..] else {
                     return Err(arity(3));
                 };
                 self.val(x)?
                     .mass_threshold(&self.val(w)?, &self.val(target)?)
             }
-            DEQUANTIZE_INT4 => {
+            (_, Some(format)) => {
                 let [codes, scales] = ids[..] else {
                     return Err(arity(2));
                 };
@@ -113,7 +116,7 @@ impl<'m> Importer<'m> {
                     .as_ref()
                     .ok_or_else(|| bad(format!("{}: no shape", i.name)))?;
                 self.val(codes)?
-                    .dequantize_int4_to(&self.val(scales)?, group, elem(shape)?)
+                    .dequantize_4bit_to(&self.val(scales)?, group, format, elem(shape)?)
             }
             _ => Err(bad(format!("{}: unknown composite `{name}`", i.name))),
         }
