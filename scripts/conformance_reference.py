@@ -4,8 +4,8 @@ checks it before it is written. Used by scripts/make_conformance.py (which defin
 scripts/xla_conformance.py (which decodes and compares them). Nothing here imports deepinfer.
 
 Floats are evaluated in float64 and rounded to float32 only at the end (the best value a float32
-implementation could return), except `dequantize_int4`, which the graph defines as float32
-arithmetic (see `dequantize_int4`); integers use the exact 32-bit semantics XLA documents
+implementation could return), except `dequantize_int4` and `dequantize_e2m1`, which the graph
+defines as float32 arithmetic (see `dequantize_int4`); integers use the exact 32-bit semantics XLA documents
 (wrapping arithmetic, truncating division, x / 0 = -1 (signed) or all ones (unsigned), x % 0 = x,
 shifts by 32 or more give 0).
 
@@ -282,6 +282,23 @@ def dequantize_int4(codes, scales, group, ftype):
     return (values * per_value).astype(np.float32).astype(ftype)
 
 
+def dequantize_e2m1(codes, scales, group, ftype):
+    """FP4 E2M1 codes two a byte (u8 `[.., half]`, the even value in the low nibble, as
+    `dequantize_int4`), each code's value as ml_dtypes' `float4_e2m1fn` defines it (OCP MX: bit 3
+    the sign, bits 2-1 the exponent with bias 1, bit 0 the mantissa), times the scale of its group
+    of `group` values (f32 `[.., ceil(2 half / group)]`): f32 `[.., 2 half]`. As
+    `dequantize_int4`, the op is float32 arithmetic: the code's value is exact in float32 and the
+    product with the scale is rounded once."""
+    half = codes.shape[-1]
+    n = 2 * half
+    assert codes.dtype == np.uint8 and group > 0, (codes.dtype, group)
+    assert scales.shape == codes.shape[:-1] + (-(-n // group),), (codes.shape, scales.shape, group)
+    nibbles = np.stack([codes & 15, codes >> 4], axis=-1).reshape(codes.shape[:-1] + (n,))
+    values = nibbles.astype(np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float32)
+    per_value = np.repeat(scales.astype(np.float32), group, axis=-1)[..., :n]
+    return (values * per_value).astype(np.float32).astype(ftype)
+
+
 def evaluate(case, ftype):
     """Runs a case's program with numpy, floats in `ftype`. Returns {output name: array}."""
     env = {}
@@ -378,6 +395,8 @@ def run_op(st, args, ftype):
         return mass_threshold(x, args[1], args[2])
     if op == "dequantize_int4":
         return dequantize_int4(x, args[1], st["group"], ftype)
+    if op == "dequantize_e2m1":
+        return dequantize_e2m1(x, args[1], st["group"], ftype)
     if op == "index_select":
         return np.take(x, args[1], axis=st["dim"])
     if op == "gather":

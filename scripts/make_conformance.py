@@ -15,7 +15,8 @@ imports or runs deepinfer.
 The cases of single ops are defined below, the blocks in conformance_blocks.py, and the reference
 in conformance_reference.py: `evaluate` interprets a program with numpy, op by op. Floats are
 evaluated in float64 and rounded to float32 only at the end (the best value an f32 implementation
-could return), except dequantize_int4, which the graph defines as float32 arithmetic; an op on
+could return), except dequantize_int4 and dequantize_e2m1, which the graph defines as float32
+arithmetic; an op on
 bf16, f16 or f8e4m3fn values is rounded once to its dtype; integers use the exact 32-bit
 semantics XLA documents (wrapping arithmetic, truncating division, x / 0 = -1 (signed) or all
 ones (unsigned), x % 0 = x, shifts by 32 or more give 0). Each case is also
@@ -1066,6 +1067,58 @@ def dequantize_int4_cases():
     return cases
 
 
+def dequantize_e2m1_cases():
+    """DeepSeek-V4's FP4 experts' unpacking: u8 codes, two a byte (the even value in the low
+    nibble), each an E2M1 value (ml_dtypes' float4_e2m1fn in the reference), times one f32 scale
+    per `group` values of a row (32 in the published checkpoints, each a power of two). Each value
+    is one float32 product of an exactly representable half-integer and the scale: compared
+    exactly."""
+    fam = "dequantize_e2m1"
+    cases = []
+
+    def codes(rng, shape):
+        return rng.integers(0, 256, size=shape).astype(NP_DTYPE[U8])
+
+    c = Case(fam, "dequantize_e2m1_every_code", "rows of 96 values (48 bytes) in groups of 32; each (row, group) holds every code 0..15 (0 and -0 included) in both the low and the high nibble; power-of-two scales from 2^-120 to 2^100 (what F8_E8M0 holds; products stay finite), 0, -1 and random ones")
+    q = codes(c.rng, (4, 48))
+    for r in range(4):
+        for start in (0, 16, 32):  # the first byte of each group (16 bytes a group)
+            q[r, start : start + 16] = (c.rng.permutation(16) | (c.rng.permutation(16) << 4)).astype(NP_DTYPE[U8])
+    s = np.array([[2.0**-120, 1.0, 2.0**100], [0.0, 0.5, -1.0], [2.0**-7, 2.0**3, 2.0**-1]], dtype=np.float32)
+    s = np.concatenate([s, floats(c.rng, (1, 3), -1, 1)])
+    c.input("codes", q)
+    c.input("scales", s)
+    c.output(c.op("dequantize_e2m1", "codes", "scales", group=32), "w", **EXACT)
+    cases.append(c)
+
+    c = Case(fam, "dequantize_e2m1_selected_experts", "the gathered experts: index_select of stacked codes [4, 3, 32] (64 values a row) and their scales [4, 3, 2] by the same expert ids (repeated, out of order), then dequantize_e2m1 of the selected ones in groups of 32")
+    c.input("codes", codes(c.rng, (4, 3, 32)), role="weight")
+    c.input("scales", (2.0 ** c.rng.integers(-8, 2, size=(4, 3, 2))).astype(np.float32), role="weight")
+    c.input("ids", np.array([2, 0, 2, 3], dtype=np.int32))
+    sel = c.op("index_select", "codes", "ids", dim=0)
+    c.output(c.op("dequantize_e2m1", sel, c.op("index_select", "scales", "ids", dim=0), group=32), "w", **EXACT)
+    cases.append(c)
+
+    c = Case(fam, "dequantize_e2m1_group5", "an odd group (5, legal for the op): a byte's two values take different scales; 14 values a row in groups of 5, 5 and 4")
+    c.input("codes", codes(c.rng, (3, 7)))
+    c.input("scales", floats(c.rng, (3, 3), -2, 2))
+    c.output(c.op("dequantize_e2m1", "codes", "scales", group=5), "w", **EXACT)
+    cases.append(c)
+
+    # The gathered experts' matmul, as the V4 MoE writes it: 64-term dots of x in [-1, 1] and
+    # weights |e2m1 * scale| <= 6 / 64; partial sums stay below 6, and atol 2e-5 with rtol 1e-5
+    # covers any float32 summation order, far below a wrong code's effect.
+    c = Case(fam, "dequantize_e2m1_gathered_matmul", "per (token, slot), x [1, 64] times the transposed dequantized expert its id selects (codes [3, 5, 32], scales [3, 5, 2] of 2^-6), groups of 32")
+    c.input("x", floats(c.rng, (4, 1, 64), -1, 1))
+    c.input("codes", codes(c.rng, (3, 5, 32)), role="weight")
+    c.input("scales", np.full((3, 5, 2), 2.0**-6, dtype=np.float32), role="weight")
+    c.input("ids", np.array([1, 1, 0, 2], dtype=np.int32))
+    w = c.op("dequantize_e2m1", c.op("index_select", "codes", "ids", dim=0), c.op("index_select", "scales", "ids", dim=0), group=32)
+    c.output(c.op("matmul", "x", c.op("permute", w, perm=[0, 2, 1])), "y", atol=2e-5, rtol=1e-5)
+    cases.append(c)
+    return cases
+
+
 FAMILIES = {
     "unary": unary_cases,
     "binary": binary_cases,
@@ -1083,6 +1136,7 @@ FAMILIES = {
     "topk": topk_cases,
     "mass_threshold": mass_threshold_cases,
     "dequantize_int4": dequantize_int4_cases,
+    "dequantize_e2m1": dequantize_e2m1_cases,
     "blocks": block_cases,
 }
 

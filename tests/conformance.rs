@@ -45,6 +45,7 @@ const FAMILIES: &[&str] = &[
     "topk",
     "mass_threshold",
     "dequantize_int4",
+    "dequantize_e2m1",
     "blocks",
 ];
 
@@ -447,7 +448,7 @@ fn required_keys() -> BTreeSet<String> {
         (&["matmul"], &["bf16->f32", "f16->f32"]),
         // int4 experts: packed codes are u8 inputs, selected by expert, then dequantized.
         (&["input", "index_select"], &["u8"]),
-        (&["dequantize_int4"], &["f32"]),
+        (&["dequantize_int4", "dequantize_e2m1"], &["f32"]),
     ];
     keys.extend(narrow.iter().flat_map(|(ops, dts)| {
         ops.iter()

@@ -36,20 +36,31 @@ struct V4Reference {
     logits_decode: Vec<Vec<f32>>,
 }
 
-fn config() -> V4Config {
-    let text = std::fs::read_to_string(common::fixture_dir("tiny-v4").join("config.json")).unwrap();
+/// tiny-v4 as transformers saves it (f32); the tests below run on it unless they say otherwise.
+const F32: &str = "tiny-v4";
+/// The same architecture stored as DeepSeek-V4-Flash is published: FP8 linear weights with
+/// power-of-two block scales, FP4 routed experts (scripts/make_v4_fp8_fixture.py).
+const FP8_FP4: &str = "tiny-v4-fp8";
+
+fn config_of(fixture: &str) -> V4Config {
+    let text = std::fs::read_to_string(common::fixture_dir(fixture).join("config.json")).unwrap();
     V4Config::from_json_str(&text).unwrap()
 }
 
-/// The fixture's weights by published name (`tid2eid` as i32), as `deepinfer lower` reads them.
-fn weights() -> HashMap<String, CTensor> {
-    let ckpt = Checkpoint::open(&common::fixture_dir("tiny-v4")).unwrap();
-    tensors::load(&config(), &ckpt).unwrap()
+fn config() -> V4Config {
+    config_of(F32)
+}
+
+/// A fixture's weights by published name (`tid2eid` as i32, FP4 experts as codes and scales),
+/// as `deepinfer lower` reads them.
+fn weights_of(fixture: &str) -> HashMap<String, CTensor> {
+    let ckpt = Checkpoint::open(&common::fixture_dir(fixture)).unwrap();
+    tensors::load(&config_of(fixture), &ckpt).unwrap()
 }
 
 /// The graph's inputs: `ids`, and the fixture's weights (unsplit: the routed experts stacked).
-fn inputs(graph: &Graph, ids: &[u32]) -> Vec<CTensor> {
-    let mut w = shard::rank_weights(&config(), &weights(), 1, 0).unwrap();
+fn inputs(fixture: &str, graph: &Graph, ids: &[u32]) -> Vec<CTensor> {
+    let mut w = shard::rank_weights(&config_of(fixture), &weights_of(fixture), 1, 0).unwrap();
     graph
         .inputs()
         .iter()
@@ -63,9 +74,9 @@ fn inputs(graph: &Graph, ids: &[u32]) -> Vec<CTensor> {
         .collect()
 }
 
-fn logits_of(cfg: &V4Config, ids: &[u32]) -> Vec<Vec<f32>> {
-    let g = build_stateless(cfg, ids.len()).unwrap();
-    let out = cpu::run(&g, &inputs(&g, ids)).unwrap();
+fn logits_of(fixture: &str, ids: &[u32]) -> Vec<Vec<f32>> {
+    let g = build_stateless(&config_of(fixture), ids.len()).unwrap();
+    let out = cpu::run(&g, &inputs(fixture, &g, ids)).unwrap();
     out[0].to_vec2::<f32>().unwrap()
 }
 
@@ -79,27 +90,42 @@ fn worst(got: &[Vec<f32>], want: &[Vec<f32>]) -> f32 {
 
 #[test]
 fn the_cache_free_forward_matches_transformers() {
-    let cfg = config();
-    let r: V4Reference = common::reference_file("tiny-v4", "reference.json");
-    let long = worst(&logits_of(&cfg, &r.token_ids), &r.logits);
-    let short = worst(&logits_of(&cfg, &r.token_ids_short), &r.logits_short);
-    eprintln!("tiny-v4 cache-free logits: 48 tokens {long:.2e}, 23 tokens {short:.2e}");
-    assert!(long <= 1e-4, "48-token prompt: {long}");
-    assert!(short <= 1e-4, "23-token prompt: {short}");
+    cache_free_forward(F32);
+}
+
+/// FP8 weights dequantized with their E8M0 block scales as read, FP4 experts kept as codes
+/// and dequantized in the graph where selected: transformers' logits, read from the same
+/// files by its own FP8 quantizer.
+#[test]
+fn the_published_fp8_and_fp4_forms_match_transformers() {
+    cache_free_forward(FP8_FP4);
+    greedy_continuation(FP8_FP4);
+}
+
+fn cache_free_forward(fixture: &str) {
+    let r: V4Reference = common::reference_file(fixture, "reference.json");
+    let long = worst(&logits_of(fixture, &r.token_ids), &r.logits);
+    let short = worst(&logits_of(fixture, &r.token_ids_short), &r.logits_short);
+    eprintln!("{fixture} cache-free logits: 48 tokens {long:.2e}, 23 tokens {short:.2e}");
+    assert!(long <= 1e-4, "{fixture} 48-token prompt: {long}");
+    assert!(short <= 1e-4, "{fixture} 23-token prompt: {short}");
 }
 
 #[test]
 fn the_greedy_continuation_is_transformers() {
-    let cfg = config();
-    let r: V4Reference = common::reference_file("tiny-v4", "reference.json");
+    greedy_continuation(F32);
+}
+
+fn greedy_continuation(fixture: &str) {
+    let r: V4Reference = common::reference_file(fixture, "reference.json");
     let gen = &r.greedy.generated_token_ids;
     let mut all = r.token_ids.clone();
     all.extend(&gen[..gen.len() - 1]);
-    let logits = logits_of(&cfg, &all);
+    let logits = logits_of(fixture, &all);
     // Row p - 1 of the prompt's end onward: the logits each generated token was drawn from.
     let steps = &logits[r.token_ids.len() - 1..];
     let d = worst(steps, &r.logits_decode);
-    assert!(d <= 1e-4, "{d}");
+    assert!(d <= 1e-4, "{fixture}: {d}");
     let argmax: Vec<u32> = steps
         .iter()
         .map(|row| {
@@ -179,13 +205,13 @@ struct Feed<'a> {
 
 impl Cache {
     fn new() -> Self {
-        Cache::split(1)
+        Cache::split(F32, 1)
     }
 
-    /// The cache of a model split `ranks` ways: every step runs on `ranks` ranks of the CPU
-    /// backend, whose collectives meet, and the ranks' logits columns are joined.
-    fn split(ranks: usize) -> Self {
-        let cfg = config();
+    /// The cache of `fixture`'s model split `ranks` ways: every step runs on `ranks` ranks of
+    /// the CPU backend, whose collectives meet, and the ranks' logits columns are joined.
+    fn split(fixture: &str, ranks: usize) -> Self {
+        let cfg = config_of(fixture);
         let blocks = 8 * CTX / BLOCK + 1;
         let layout = CacheLayout::new(BLOCK, blocks, DType::F32, 8);
         let roots = cache_roots(&cfg, &layout)
@@ -202,7 +228,7 @@ impl Cache {
         let free = (0..usable).map(|i| 1 + (i * 37) % usable).rev().collect();
         Cache {
             weights: {
-                let full = weights();
+                let full = weights_of(fixture);
                 (0..ranks)
                     .map(|r| shard::rank_weights(&cfg, &full, ranks, r).unwrap())
                     .collect()
@@ -388,8 +414,21 @@ fn argmax(row: &[f32]) -> u32 {
 /// step: every position's logits within 1e-4 of transformers' and the same greedy tokens.
 #[test]
 fn chunked_prefill_then_decode_matches_transformers() {
-    let r: V4Reference = common::reference_file("tiny-v4", "reference.json");
-    let mut cache = Cache::new();
+    chunked_prefill_then_decode(F32);
+}
+
+/// [`chunked_prefill_then_decode_matches_transformers`] on the FP8/FP4 checkpoint: every
+/// expert of a layer dequantized for the dense prefill, the selected ones for the gathered
+/// decode, at tp 1 and 2 (each rank its own experts' codes and scales).
+#[test]
+fn the_fp8_and_fp4_checkpoint_prefills_in_chunks_and_decodes() {
+    chunked_prefill_then_decode(FP8_FP4);
+    packed_and_batched(FP8_FP4, 2);
+}
+
+fn chunked_prefill_then_decode(fixture: &str) {
+    let r: V4Reference = common::reference_file(fixture, "reference.json");
+    let mut cache = Cache::split(fixture, 1);
     let (seq, logits) = cache.prefill(&r.token_ids, &[5, 3, 8, 11, 1, 20], 32);
     let prefill = worst(&logits, &r.logits);
     let gen = &r.greedy.generated_token_ids;
@@ -403,7 +442,7 @@ fn chunked_prefill_then_decode_matches_transformers() {
         steps.extend(cache.step(decode(1), &[feed]));
     }
     let decoded = worst(&steps, &r.logits_decode);
-    eprintln!("tiny-v4 steps: chunked prefill {prefill:.2e}, decode {decoded:.2e}");
+    eprintln!("{fixture} steps: chunked prefill {prefill:.2e}, decode {decoded:.2e}");
     assert!(prefill <= 1e-4, "chunked prefill: {prefill}");
     assert!(decoded <= 1e-4, "decode: {decoded}");
     let tokens: Vec<u32> = steps.iter().map(|row| argmax(row)).collect();
@@ -415,7 +454,7 @@ fn chunked_prefill_then_decode_matches_transformers() {
 /// three) and past both rates' block boundaries and the window.
 #[test]
 fn token_by_token_decode_equals_the_prompts_forward() {
-    let r: V4Reference = common::reference_file("tiny-v4", "reference.json");
+    let r: V4Reference = common::reference_file(F32, "reference.json");
     let mut cache = Cache::new();
     let seq = cache.open();
     let mut logits = Vec::new();
@@ -436,26 +475,26 @@ fn token_by_token_decode_equals_the_prompts_forward() {
 /// position: every fed token's logits against transformers' at its position.
 #[test]
 fn packed_prefill_and_batched_decode_of_different_lengths() {
-    packed_and_batched(1);
+    packed_and_batched(F32, 1);
 }
 
 /// [`packed_prefill_and_batched_decode_of_different_lengths`] with the model split two ways:
 /// heads, output groups, experts, shared-expert channels and vocabulary (`model::v4::shard`).
 #[test]
 fn the_same_steps_split_across_two_ranks() {
-    packed_and_batched(2);
+    packed_and_batched(F32, 2);
 }
 
 /// Four ways: more ranks than the fixture's two output groups, so two ranks share each group,
 /// each projecting its one head's columns of it (as V4-Flash's 8 groups do at `--tp 32`).
 #[test]
 fn the_same_steps_split_across_more_ranks_than_output_groups() {
-    packed_and_batched(4);
+    packed_and_batched(F32, 4);
 }
 
-fn packed_and_batched(ranks: usize) {
-    let r: V4Reference = common::reference_file("tiny-v4", "reference.json");
-    let mut cache = Cache::split(ranks);
+fn packed_and_batched(fixture: &str, ranks: usize) {
+    let r: V4Reference = common::reference_file(fixture, "reference.json");
+    let mut cache = Cache::split(fixture, ranks);
     // (prompt, prefilled length) per sequence; each then decodes 9 more of its prompt.
     let plan: [(bool, usize); 7] = [
         (true, 13),
@@ -620,7 +659,39 @@ fn lowering_v4_refuses_what_it_cannot_do_yet() {
 /// of transformers', and the sampled tokens its greedy ones.
 #[test]
 fn the_runners_serve_it_on_the_cpu_and_through_nrt_sim() {
-    let r: V4Reference = common::reference_file("tiny-v4", "reference.json");
+    through_the_runners(
+        F32,
+        &[
+            "cpu",
+            "cpu --tp 2",
+            "nrt-sim",
+            "nrt-sim --split-sampler",
+            "nrt-sim --tp 2 --split-sampler",
+        ],
+    );
+}
+
+/// The runners on the FP8/FP4 checkpoint: on a device the FP4 experts' codes and scales are
+/// uploaded as stored and dequantized in the lowered graph (HLO's E2M1 decode, read back by
+/// nrt-sim), per rank at tp 2.
+#[test]
+fn the_runners_serve_the_fp8_and_fp4_checkpoint() {
+    through_the_runners(
+        FP8_FP4,
+        &["cpu", "nrt-sim", "nrt-sim --tp 2 --split-sampler"],
+    );
+}
+
+/// One test at a time drives nrt-sim: a process holds one runtime.
+fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+fn through_the_runners(fixture: &str, names: &[&str]) {
+    let _serial = serial();
+    let r: V4Reference = common::reference_file(fixture, "reference.json");
     let rc = |tp| RunnerConfig {
         block_size: BLOCK,
         num_blocks: 2 * 128 / BLOCK + 1,
@@ -634,7 +705,7 @@ fn the_runners_serve_it_on_the_cpu_and_through_nrt_sim() {
         kv_dtype: DType::F32,
         tp,
     };
-    let dir = common::fixture_dir("tiny-v4");
+    let dir = common::fixture_dir(fixture);
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let ckpt = Checkpoint::open(&dir).unwrap();
     let weights = || ModelWeights::load(&cfg, &ckpt, &Precision::F32).unwrap();
@@ -653,14 +724,7 @@ fn the_runners_serve_it_on_the_cpu_and_through_nrt_sim() {
     };
     // One at a time: a process initializes the runtime once (each device runner is dropped
     // before the next starts it).
-    let names = [
-        "cpu",
-        "cpu --tp 2",
-        "nrt-sim",
-        "nrt-sim --split-sampler",
-        "nrt-sim --tp 2 --split-sampler",
-    ];
-    for name in names {
+    for &name in names {
         let mut run = match name {
             "cpu" => cpu(1),
             "cpu --tp 2" => cpu(2),
@@ -669,8 +733,8 @@ fn the_runners_serve_it_on_the_cpu_and_through_nrt_sim() {
             _ => sim(2, true),
         };
         let worst = serve_two_prompts(&mut *run, &r);
-        eprintln!("tiny-v4 through the {name} runner: logits within {worst:.2e}");
-        assert!(worst <= 1e-4, "{name}: {worst}");
+        eprintln!("{fixture} through the {name} runner: logits within {worst:.2e}");
+        assert!(worst <= 1e-4, "{fixture}, {name}: {worst}");
     }
 }
 

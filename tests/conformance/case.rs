@@ -9,7 +9,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 
 use candle_core::{DType as CDType, Device, Tensor as CTensor};
-use deepinfer::graph::{DType, Graph, GraphBuilder, InputRole, Literal, Tensor};
+use deepinfer::graph::{DType, FourBit, Graph, GraphBuilder, InputRole, Literal, Tensor};
 use deepinfer::host::{candle_dtype, tensor_from_bytes};
 use float8::F8E4M3;
 use half::{bf16, f16};
@@ -584,6 +584,11 @@ fn apply(b: &GraphBuilder, st: &Stmt, args: &[Tensor]) -> Result<Tensor, String>
         "dequantize_int4" => {
             arity(2)?;
             args[0].dequantize_int4(&args[1], need(&st.group, op, "group")?)
+        }
+        "dequantize_e2m1" => {
+            arity(2)?;
+            let group = need(&st.group, op, "group")?;
+            args[0].dequantize_4bit_to(&args[1], group, FourBit::E2m1, DType::F32)
         }
         "index_select" => {
             arity(2)?;
