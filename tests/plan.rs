@@ -463,3 +463,32 @@ fn human_output_is_a_table() {
     assert!(text.contains("fits: yes"), "{text}");
     assert!(text.contains("host RAM while loading"), "{text}");
 }
+
+/// DeepSeek-V4-Flash as published (FP8 weights, FP4 experts) on one trn1.32xlarge at its
+/// deployment degree, as the runner holds it today (f32 compute, FP4 experts as stored, the
+/// model read whole into host memory before each rank's share is cut): a rank's share of the
+/// weights is the runner's, and it does not fit, for HBM and for host RAM; a dtype the V4
+/// graphs do not compute in is refused.
+#[test]
+fn v4_flash_as_published_on_trn1_32xlarge() {
+    let v = plan(
+        "deepseek-v4-flash.json",
+        &["--instance", "trn1.32xlarge", "--tp", "32"],
+    );
+    assert_eq!(v["quantize"], "fp4", "{v}");
+    assert_eq!(v["fits"], false, "{v}");
+    let params = u(&v, "params") as f64 / 1e9;
+    assert!((284.0..284.6).contains(&params), "{params}B");
+    let short = v["shortfalls"].to_string();
+    assert!(
+        short.contains("of HBM") && short.contains("host RAM"),
+        "{short}"
+    );
+    let host = &v["host"];
+    assert!(u(host, "held_whole") > u(host, "largest_shard"), "{host}");
+    let flash = config("deepseek-v4-flash.json");
+    assert_bad_input(
+        &deepinfer(&["plan", "--config", &flash, "--dtype", "bf16"]),
+        &["DeepSeek-V4", "f32 so far"],
+    );
+}

@@ -23,8 +23,12 @@
 //! (`--dtype auto` plans that); `--dtype fp8` plans the storage the device would need to keep
 //! fp8 as published.
 
+use crate::config::v4::V4Config;
 use crate::config::ModelConfig;
+use crate::error::Result;
 use crate::graph::DType;
+use crate::model::v4::shard::{self as shard_v4, V4Split, FP4_SCALE_SUFFIX};
+use crate::model::v4::tensors::V4TensorKind;
 use crate::model::{shard, Precision, Quantize, WeightSpecs};
 
 /// How the model's weights are stored on the device.
@@ -68,6 +72,14 @@ pub enum Split {
     Replicated,
     /// Dimension `d` is divided evenly: rank r holds the r-th of N equal slices.
     Dim(usize),
+    /// Dimension `dim` is divided `min(N, ways)` ways, ranks beyond `ways` sharing a slice:
+    /// DeepSeek-V4's `wo_b`, whose columns follow the `o_groups` output groups.
+    DimUpTo {
+        /// The divided dimension.
+        dim: usize,
+        /// The most slices it is cut into.
+        ways: usize,
+    },
 }
 
 /// What the elements of an entry are.
@@ -105,8 +117,10 @@ impl Entry {
     /// padded to the others' size: see [`shard`]).
     pub fn shard_shape(&self, tp: usize, _rank: usize) -> Vec<usize> {
         let mut s = self.shape.clone();
-        if let Split::Dim(d) = self.split {
-            s[d] = shard::rows_per_rank(s[d], tp);
+        match self.split {
+            Split::Dim(d) => s[d] = shard::rows_per_rank(s[d], tp),
+            Split::DimUpTo { dim, ways } => s[dim] = shard::rows_per_rank(s[dim], tp.min(ways)),
+            Split::Replicated => {}
         }
         s
     }
@@ -244,6 +258,59 @@ pub fn entries(
     out
 }
 
+/// Every weight a rank of DeepSeek-V4 model `cfg` holds at tensor parallelism `tp`, as its
+/// runner holds them (`model::v4::shard`'s tensors): f32 (FP8 weights dequantized at load),
+/// `tid2eid` i32, and FP4 experts as stored, codes two a byte with one f32 scale per 32.
+/// `checkpoint_bytes` is each entry's largest tensor as a published checkpoint stores it: one
+/// expert's codes or scales (a byte each), FP8 (a byte) or bf16 for the rest of a quantized
+/// checkpoint, f32 otherwise.
+pub fn entries_v4(cfg: &V4Config, tp: usize) -> Result<Vec<Entry>> {
+    let elems = |s: &[usize]| s.iter().map(|&d| d as u64).product::<u64>();
+    let stored = if cfg.fp8_block.is_some() { 2 } else { 4 };
+    let mut out = Vec::new();
+    for t in shard_v4::rank_tensors(cfg, 1)? {
+        let (split, checkpoint_bytes) = match t.split {
+            V4Split::Whole => (Split::Replicated, elems(&t.shape) * stored),
+            V4Split::Rows | V4Split::OutputA => (Split::Dim(0), elems(&t.shape) * stored),
+            V4Split::Cols => (Split::Dim(1), elems(&t.shape) * stored),
+            V4Split::OutputB => (
+                Split::DimUpTo {
+                    dim: 1,
+                    ways: cfg.o_groups,
+                },
+                elems(&t.shape) * stored,
+            ),
+            V4Split::Experts { .. } => {
+                let per = if t.kind == V4TensorKind::Fp4 || t.name.ends_with(FP4_SCALE_SUFFIX) {
+                    1
+                } else {
+                    stored
+                };
+                (Split::Dim(0), elems(&t.shape[1..]) * per)
+            }
+        };
+        out.push(Entry {
+            dtype: t.kind.dtype(),
+            name: t.name,
+            shape: t.shape,
+            split,
+            kind: Kind::Values,
+            checkpoint_bytes,
+        });
+    }
+    if tp > 1 {
+        out.push(Entry {
+            name: shard::SHARD_OFFSETS.into(),
+            shape: vec![2],
+            dtype: DType::I32,
+            split: Split::Replicated,
+            kind: Kind::Values,
+            checkpoint_bytes: 0,
+        });
+    }
+    Ok(out)
+}
+
 /// Parameters in `entries` (values of weights; scales and the shard offsets excluded).
 pub fn param_count(entries: &[Entry]) -> u64 {
     entries
@@ -349,5 +416,35 @@ mod tests {
         assert_eq!(e.total_bytes(), 144 * 56 * 4);
         // 18432 / 64 = 288 rows: three blocks of scales per rank.
         assert_eq!(e.shard_bytes(64, 0), 3 * 56 * 4);
+    }
+
+    /// DeepSeek-V4-Flash as published (FP8 weights, FP4 experts): 284B parameters, DeepSeek's
+    /// own count; and at every degree a rank's bytes are exactly what the runner's sharded
+    /// specs hold (the plan counts what the device runner uploads), `wo_b`'s shared columns
+    /// past 8 ranks included.
+    #[test]
+    fn a_v4_flash_rank_holds_what_the_runner_holds() {
+        use crate::model::{Precision, WeightSpecs};
+        let c = cfg("deepseek-v4-flash.json");
+        let v4 = c.v4.clone().expect("a V4 config");
+        let whole = entries_v4(&v4, 1).unwrap();
+        let params = param_count(&whole) as f64 / 1e9;
+        assert!((284.0..284.6).contains(&params), "{params}B");
+        for tp in [1, 2, 8, 16, 32, 64] {
+            let e = entries_v4(&v4, tp).unwrap();
+            let specs = WeightSpecs::sharded(&c, &Precision::F32, tp).unwrap();
+            for rank in [0, tp - 1] {
+                assert_eq!(rank_bytes(&e, tp, rank), specs.bytes(), "tp {tp}");
+            }
+        }
+        // A routed expert's projection: codes a byte per two values, a scale per 32.
+        let w1 = whole
+            .iter()
+            .find(|e| e.name == "layers.3.ffn.experts.w1")
+            .unwrap();
+        assert_eq!(
+            (w1.dtype, w1.shape.clone()),
+            (DType::U8, vec![256, 2048, 2048])
+        );
     }
 }

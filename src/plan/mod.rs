@@ -69,6 +69,7 @@ pub mod suggest;
 use std::fmt;
 use std::str::FromStr;
 
+use crate::config::v4::{V4Config, V4Experts};
 use crate::config::ModelConfig;
 use crate::deployment::{Buckets, Limits, DEFAULT_HBM_UTILIZATION};
 use crate::error::{Error, Result};
@@ -151,6 +152,9 @@ pub enum Experts {
     /// 4-bit values packed two per byte with one f32 scale per 128 inputs of each output
     /// channel (`--quantize experts-int4`; GPTQ/AWQ's usual group of 128).
     Int4,
+    /// FP4 (E2M1) codes two a byte with one f32 scale per 32 inputs, as a DeepSeek-V4
+    /// checkpoint publishes them (`expert_dtype: fp4`); not a `--quantize` choice.
+    Fp4,
 }
 
 impl TryFrom<Quantize> for Experts {
@@ -296,16 +300,34 @@ pub struct HostPeak {
     pub quantize_staging: u64,
     /// Ranks one instance loads at once (each on its own thread).
     pub ranks_at_once: u64,
+    /// The whole model as held, when the runner reads it all before cutting the ranks' shares
+    /// (DeepSeek-V4 so far; `largest_shard` is then a whole rank's weights); else 0.
+    pub held_whole: u64,
     /// The instance's RAM.
     pub ram: u64,
 }
 
 impl HostPeak {
-    /// The peak: each rank loading at once holds the three.
+    /// The peak: the model held whole (if it is), and each rank loading at once holding the
+    /// three.
     pub fn peak(&self) -> u64 {
-        self.ranks_at_once
-            * (self.largest_checkpoint_tensor + self.largest_shard + self.quantize_staging)
+        self.held_whole
+            + self.ranks_at_once
+                * (self.largest_checkpoint_tensor + self.largest_shard + self.quantize_staging)
     }
+}
+
+/// How a plan's weights are held, from which [`Plan::assemble`] makes the rest.
+struct Stored {
+    weights: WeightFormat,
+    experts: Experts,
+    kv_dtype: DType,
+    /// Every tensor a rank holds.
+    entries: Vec<bytes::Entry>,
+    /// The graphs' precision (for the NEFF estimates).
+    precision: Precision,
+    /// Bytes the host holds whole before cutting the ranks' shares (DeepSeek-V4), else 0.
+    held_whole: u64,
 }
 
 /// A computed plan: per-rank bytes against the budget.
@@ -358,6 +380,9 @@ impl Plan {
     /// `--tp` that does not divide the model or exceeds the cores, a bad dtype).
     pub fn compute(cfg: &ModelConfig, opts: &PlanOptions) -> Result<Plan> {
         check_options(cfg, opts)?;
+        if let Some(v4) = &cfg.v4 {
+            return Plan::compute_v4(cfg, v4, opts);
+        }
         let saved = opts.saved_dtype.or(cfg.saved_dtype);
         let block = cfg.fp8_block.unwrap_or([128, 128]);
         let weights = match opts.dtype {
@@ -382,23 +407,7 @@ impl Plan {
             }
         }
 
-        let limits = Limits {
-            kv_blocks: match opts.kv_blocks {
-                KvBlocks::Exactly(n) => Some(n),
-                KvBlocks::Default | KvBlocks::Auto => None,
-            },
-            prefill_chunk: opts.prefill_chunk,
-            prefill_seqs: opts.prefill_seqs,
-            ..Limits::new(opts.max_batch, opts.max_len)
-        };
         let tp = opts.tp;
-        let mut rc = limits.runner_config(cfg)?;
-        rc.tp = tp;
-        rc.kv_dtype = kv_dtype;
-        let buckets = rc.buckets.clone();
-        let block_size = rc.block_size;
-        let min_kv_blocks = buckets.max_len().div_ceil(block_size) + 1;
-
         let entries = experts_entries(cfg, weights, opts.experts, checkpoint, tp);
         // The graphs as a device runner builds them: fp8 checkpoints are dequantized to bf16
         // at load, so their graphs are bf16's, and they multiply in the weights' dtype.
@@ -411,6 +420,87 @@ impl Plan {
             quantize: quantize_of(opts.experts),
             dots: Dots::DEVICE,
         };
+        let stored = Stored {
+            weights,
+            experts: opts.experts,
+            kv_dtype,
+            entries,
+            precision,
+            held_whole: 0,
+        };
+        Plan::assemble(cfg, opts, stored)
+    }
+
+    /// [`Plan::compute`] for a DeepSeek-V4 model, as its runner holds it: every weight in f32
+    /// (FP8 ones dequantized at load), FP4 experts as published, the cache in f32 (its graphs
+    /// are f32 so far); read whole into host memory before each rank's share is cut from it.
+    fn compute_v4(cfg: &ModelConfig, v4: &V4Config, opts: &PlanOptions) -> Result<Plan> {
+        let f32_only = |d: DType| d == DType::F32;
+        let weights_ok = match opts.dtype {
+            WeightDType::Auto => true,
+            WeightDType::Float(d) => f32_only(d),
+            WeightDType::Fp8 => false,
+        };
+        let kv_ok = match opts.kv_dtype {
+            DTypeChoice::Auto => true,
+            DTypeChoice::Exactly(d) => f32_only(d),
+        };
+        if !weights_ok || !kv_ok || opts.experts != Experts::AsWeights {
+            return Err(Error::InvalidInput(
+                "DeepSeek-V4 is served in f32 so far (FP8 weights dequantized at load, FP4 \
+                 experts as published): plan it without --dtype, --kv-dtype or --quantize"
+                    .into(),
+            ));
+        }
+        let entries = bytes::entries_v4(v4, opts.tp)?;
+        // Every tensor as held, plus the largest one being read from the checkpoint.
+        let whole = bytes::entries_v4(v4, 1)?;
+        let reading = whole.iter().map(|e| e.checkpoint_bytes).max().unwrap_or(0);
+        let held_whole = reading + whole.iter().map(bytes::Entry::total_bytes).sum::<u64>();
+        let stored = Stored {
+            weights: WeightFormat::Float(DType::F32),
+            experts: match v4.experts {
+                V4Experts::Fp4 => Experts::Fp4,
+                V4Experts::Float => Experts::AsWeights,
+            },
+            kv_dtype: DType::F32,
+            entries,
+            precision: Precision {
+                dots: Dots::DEVICE,
+                ..Precision::F32
+            },
+            held_whole,
+        };
+        Plan::assemble(cfg, opts, stored)
+    }
+
+    /// The plan of weights `stored`: the buckets, per-rank bytes and the host's peak.
+    fn assemble(cfg: &ModelConfig, opts: &PlanOptions, stored: Stored) -> Result<Plan> {
+        let limits = Limits {
+            kv_blocks: match opts.kv_blocks {
+                KvBlocks::Exactly(n) => Some(n),
+                KvBlocks::Default | KvBlocks::Auto => None,
+            },
+            prefill_chunk: opts.prefill_chunk,
+            prefill_seqs: opts.prefill_seqs,
+            ..Limits::new(opts.max_batch, opts.max_len)
+        };
+        let Stored {
+            weights,
+            experts,
+            kv_dtype,
+            entries,
+            precision,
+            held_whole,
+        } = stored;
+        let tp = opts.tp;
+        let mut rc = limits.runner_config(cfg)?;
+        rc.tp = tp;
+        rc.kv_dtype = kv_dtype;
+        let buckets = rc.buckets.clone();
+        let block_size = rc.block_size;
+        let min_kv_blocks = buckets.max_len().div_ceil(block_size) + 1;
+
         let est = neff::estimate(cfg, &precision, &rc, opts.instance, opts.split_sampler)?;
         let (metadata, outputs) = metadata_and_outputs(cfg, &buckets, block_size, tp);
         let (block_bytes, sequence_bytes) = cache_bytes(cfg, block_size, kv_dtype)?;
@@ -448,25 +538,37 @@ impl Plan {
             c.kv_cache = kv_blocks as u64 * block_bytes + fixed_cache;
         }
 
-        let largest_shard = (0..tp)
-            .flat_map(|r| entries.iter().map(move |e| e.shard_bytes(tp, r)))
-            .max()
-            .unwrap_or(0);
-        let quantize_staging = match (opts.experts, &cfg.routing) {
+        let largest_shard = match held_whole {
+            // Each rank's share is cut from the held model all at once.
+            0 => (0..tp)
+                .flat_map(|r| entries.iter().map(move |e| e.shard_bytes(tp, r)))
+                .max()
+                .unwrap_or(0),
+            _ => (0..tp)
+                .map(|r| bytes::rank_bytes(&entries, tp, r))
+                .max()
+                .unwrap_or(0),
+        };
+        let quantize_staging = match (experts, &cfg.routing) {
             (Experts::Int8 | Experts::Int4, Some(_)) => {
                 (cfg.moe_intermediate_size * cfg.hidden_size * 4) as u64
             }
             _ => 0,
         };
         let host = HostPeak {
-            largest_checkpoint_tensor: entries
-                .iter()
-                .map(|e| e.checkpoint_bytes)
-                .max()
-                .unwrap_or(0),
+            // Read into the model held whole, if it is (counted there), not per rank.
+            largest_checkpoint_tensor: match held_whole {
+                0 => entries
+                    .iter()
+                    .map(|e| e.checkpoint_bytes)
+                    .max()
+                    .unwrap_or(0),
+                _ => 0,
+            },
             largest_shard,
             quantize_staging,
             ranks_at_once: tp.div_ceil(opts.instances.max(1)) as u64,
+            held_whole,
             ram: opts.instance.host_ram(),
         };
         Ok(Plan {
@@ -474,7 +576,7 @@ impl Plan {
             instances: opts.instances,
             tp,
             weights,
-            experts: opts.experts,
+            experts,
             kv_dtype,
             buckets,
             block_size,
@@ -563,7 +665,7 @@ pub fn auto_kv_blocks(cfg: &ModelConfig, opts: &PlanOptions) -> Result<usize> {
 /// The runner's quantization for `experts` storage.
 fn quantize_of(experts: Experts) -> Quantize {
     match experts {
-        Experts::AsWeights => Quantize::None,
+        Experts::AsWeights | Experts::Fp4 => Quantize::None,
         Experts::Int8 => Quantize::ExpertsInt8,
         Experts::Int4 => Quantize::ExpertsInt4,
     }
@@ -635,8 +737,11 @@ fn check_options(cfg: &ModelConfig, opts: &PlanOptions) -> Result<()> {
 }
 
 /// Why `tp` cannot shard `cfg`, if it cannot: the first size it does not divide (the sizes
-/// [`crate::model::shard::split_sizes`] lists).
+/// [`crate::model::shard::split_sizes`] lists; DeepSeek-V4's, `model::v4::shard`'s).
 pub fn tp_divides(cfg: &ModelConfig, tp: usize) -> Option<String> {
+    if let Some(v4) = &cfg.v4 {
+        return crate::model::v4::shard::indivisible(v4, tp);
+    }
     crate::model::shard::split_sizes(cfg)
         .into_iter()
         .find(|(_, n)| n % tp != 0)
@@ -727,6 +832,7 @@ impl fmt::Display for Experts {
             Experts::AsWeights => "none",
             Experts::Int8 => "experts-int8",
             Experts::Int4 => "experts-int4",
+            Experts::Fp4 => "fp4 experts (as published)",
         })
     }
 }

@@ -20,7 +20,10 @@
 //! the code and instructions are extrapolated linearly to the model's layers; the scratchpad
 //! (one layer's intermediates at a time) and the collectives buffers (the largest collective)
 //! do not grow with layers and are taken from the larger build. A model with no more layers
-//! than that is built whole.
+//! than that is built whole. DeepSeek-V4's layers differ (sliding, CSA and HCA attention; hash
+//! and scored routing), so its period is where their kinds start repeating (V4-Flash: five
+//! layers, then CSA and HCA alternating; a 43-layer plan went from minutes to seconds, with the
+//! same figures).
 
 use crate::backend::hlo::emit;
 use crate::backend::neuron::footprint::{self, NeffFootprint, MICROCODE_PER_PHYSICAL_CORE};
@@ -76,8 +79,16 @@ pub fn estimate(
     split_sampler: bool,
 ) -> Result<NeffEstimate> {
     let layers = cfg.num_hidden_layers;
-    let period = cfg.moe_layer_freq.max(1);
-    let one = cfg.first_k_dense_replace + period;
+    // Graphs of `one` and `two` layers, the rest extrapolated by whole periods (module docs):
+    // MLA's dense prefix then its MoE period; V4's per-layer kinds once they repeat.
+    let (one, period) = match &cfg.v4 {
+        Some(v4) => v4_period(v4).unwrap_or((layers, 1)),
+        None if cfg.routing.is_none() => (layers, 1),
+        None => {
+            let period = cfg.moe_layer_freq.max(1);
+            (cfg.first_k_dense_replace + period, period)
+        }
+    };
     let two = one + period;
     let mut built = Vec::new();
     let mut seen = std::collections::HashSet::new();
@@ -86,14 +97,10 @@ pub fn estimate(
         if matches!(kind, StepKind::Sample | StepKind::Argmax) && !seen.insert((kind, spec.rows)) {
             continue;
         }
-        let (name, fp) = if cfg.routing.is_none() || layers <= two {
+        let (name, fp) = if layers <= two {
             footprint_of(cfg, precision, rc, kind, &spec)?
         } else {
-            let with = |n| {
-                let mut c = cfg.clone();
-                c.num_hidden_layers = n;
-                footprint_of(&c, precision, rc, kind, &spec)
-            };
+            let with = |n| footprint_of(&first_layers(cfg, n), precision, rc, kind, &spec);
             let (name, a) = with(one)?;
             let (_, b) = with(two)?;
             let periods = (layers - one) as f64 / period as f64;
@@ -130,4 +137,59 @@ pub fn estimate(
         scratchpad,
         graphs,
     })
+}
+
+/// The first `n` layers of `cfg` as a model of their own.
+fn first_layers(cfg: &ModelConfig, n: usize) -> ModelConfig {
+    let mut c = cfg.clone();
+    c.num_hidden_layers = n;
+    if let Some(v4) = &cfg.v4 {
+        let mut v = (**v4).clone();
+        v.num_hidden_layers = n;
+        v.attention.truncate(n);
+        v.routing.truncate(n);
+        c.v4 = Some(std::sync::Arc::new(v));
+    }
+    c
+}
+
+/// Where a DeepSeek-V4 model's layers start repeating: `(one, period)` such that from layer
+/// `one - period` on, every layer's kind (attention and routing) is the kind `period` layers
+/// before it, and the layers after `one` are whole periods (V4-Flash: two sliding layers,
+/// three hash-routed ones, then CSA and HCA alternating: `(5, 2)`). `None` when no period of 1
+/// or 2 does.
+fn v4_period(v4: &crate::config::v4::V4Config) -> Option<(usize, usize)> {
+    let kind = |l: usize| (v4.attention[l], v4.routing[l]);
+    let layers = v4.num_hidden_layers;
+    (1..=2).find_map(|period| {
+        let start = (period..layers)
+            .rev()
+            .take_while(|&l| kind(l) == kind(l - period))
+            .last()
+            .map_or(layers, |l| l - period);
+        let one = start + period;
+        (one <= layers && (layers - one).is_multiple_of(period)).then_some((one, period))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::v4::V4Config;
+
+    fn v4(file: &str) -> V4Config {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures");
+        V4Config::from_json_str(&std::fs::read_to_string(dir.join(file)).unwrap()).unwrap()
+    }
+
+    /// V4-Flash repeats from its fifth layer in periods of two; tiny-v4's five layers of three
+    /// kinds never repeat, so it is built whole.
+    #[test]
+    fn v4_layers_repeat_where_their_kinds_do() {
+        assert_eq!(
+            v4_period(&v4("configs/deepseek-v4-flash.json")),
+            Some((5, 2))
+        );
+        assert_eq!(v4_period(&v4("tiny-v4/config.json")), None);
+    }
 }

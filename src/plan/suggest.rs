@@ -63,7 +63,7 @@ impl Suggestion {
         }
         f += &format!("--tp {}", self.tp);
         match self.experts {
-            Experts::AsWeights => {}
+            Experts::AsWeights | Experts::Fp4 => {}
             Experts::Int8 => f += " --quantize experts-int8",
             Experts::Int4 => f += " --quantize experts-int4",
         }
