@@ -18,8 +18,8 @@
 #    Then the conformance suite's cases (tests/conformance/*.json) run as our emitted HLO in XLA and
 #    must match numpy's expected values, as they do on the CPU backend, emit -> import -> CPU and
 #    nrt-sim in step 1 (scripts/xla_conformance.py).
-# 3. `deepinfer lower --check neuron` on the published configs of DeepSeek-V2-Lite, V2, V3 and
-#    V3.2 at the serve defaults (24 graphs each): every graph a Neuron capture compiles must pass
+# 3. `deepinfer lower --check neuron` on the published configs of DeepSeek-V2-Lite, V2, V3,
+#    V3.2 and V4-Flash at the serve defaults (24 graphs each): every graph a Neuron capture compiles must pass
 #    every rule (src/backend/neuron/check). `--neuron-runtime 2.30.50` is the runtime minimum
 #    `deepinfer doctor` enforces (tensors of 4 GiB or more: the V2 and V3 KV roots at 2048
 #    tokens x 32 sequences, and V3's stacked bf16 expert weights, 7.5 GB per layer and matrix).
@@ -165,11 +165,12 @@ echo "== XLA conformance: tests/conformance"
 .venv/bin/python scripts/make_conformance.py --check > /dev/null || status=1
 DEEPINFER_CONFORMANCE_OUT="$out/conformance" cargo test --quiet --test conformance || status=1
 .venv/bin/python scripts/xla_conformance.py tests/conformance "$out/conformance" || status=1
-# V2 and V3 as deployed: split over a trn1.32xlarge's 32 NeuronCores, each rank's graph is what
-# neuronx-cc compiles (whole, they are over its instruction budget); V2-Lite whole and at --tp 2.
+# V2, V3 and V4-Flash (as published: FP4 experts, dequantized to bf16 on the device) as
+# deployed: split over a trn1.32xlarge's 32 NeuronCores, each rank's graph is what neuronx-cc
+# compiles (whole, they are over its instruction budget); V2-Lite whole and at --tp 2.
 for run in deepseek-v2-lite:: deepseek-v2-lite::2 "deepseek-v2-lite:--quantize experts-int4:" \
     "deepseek-v2-lite:--split-sampler:" \
-    deepseek-v2::32 deepseek-v3::32 deepseek-v3.2::32; do
+    deepseek-v2::32 deepseek-v3::32 deepseek-v3.2::32 deepseek-v4-flash::32; do
     IFS=: read -r config allow tp <<< "$run"
     tp=${tp:-1}
     echo "== lower --check neuron: fixtures/configs/$config.json --tp $tp $allow"

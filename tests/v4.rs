@@ -19,7 +19,9 @@ use deepinfer::graph::{DType, Graph, InputRole};
 use deepinfer::model::v4::forward::build_stateless;
 use deepinfer::model::v4::step::{build_step, cache_roots, V4Step};
 use deepinfer::model::v4::{shard, tensors};
-use deepinfer::model::{CacheLayout, LogitsOutput, ModelWeights, MoeStrategy, Precision, Sampler};
+use deepinfer::model::{
+    CacheLayout, Dots, LogitsOutput, ModelWeights, MoeStrategy, Precision, Sampler,
+};
 use deepinfer::runner::step::{
     self, DecodeRow, HostData, LogitControls, PrefillChunk, SamplingParams,
 };
@@ -140,35 +142,51 @@ fn greedy_continuation(fixture: &str) {
 /// The cache-free graph and the step graphs (a packed prefill and a decode) lower to XLA HLO
 /// that breaks none of the rules `lower --check neuron` applies to every graph a capture
 /// compiles (accepted opcodes, no 64-bit type, no integer multiply, no vocabulary-wide sort, no
-/// tensor over 4 GiB, ...): tiny-v4's, and DeepSeek-V4-Flash's at its deployment degree on a
-/// trn1.32xlarge (`--tp 32`, 2,048 positions, decode batch 8 and a 64-token prefill chunk).
+/// tensor over 4 GiB, no narrow weight widened to f32 before its dot, ...): tiny-v4's, its
+/// FP4 form's as a device builds it, and DeepSeek-V4-Flash-Base's and V4-Flash's at their
+/// deployment degree on a trn1.32xlarge (`--tp 32`, 2,048 positions, decode batch 8 and a
+/// 64-token prefill chunk).
 #[test]
 fn the_graphs_lower_within_neurons_rules() {
     use deepinfer::backend::hlo::emit;
     use deepinfer::backend::neuron::check::{check_module, CheckOptions};
     let cfg = config();
     let layout = CacheLayout::new(BLOCK, 4 * CTX / BLOCK + 1, DType::F32, 4);
-    let text =
-        std::fs::read_to_string(common::fixture_dir("configs").join("deepseek-v4-flash-base.json"))
-            .unwrap();
-    let flash = V4Config::from_json_str(&text).unwrap();
+    let published = |file: &str| {
+        let text = std::fs::read_to_string(common::fixture_dir("configs").join(file)).unwrap();
+        V4Config::from_json_str(&text).unwrap()
+    };
     let flash_layout = CacheLayout::new(16, 8 * 2048 / 16 + 1, DType::BF16, 8);
     // At the deployment degree, with the MoE strategy a device capture takes (dense for the
-    // prefill chunk, whose 64 x 6 selections outnumber a rank's 8 experts).
-    let flash_model = flash.clone().into_model_config();
-    let at = |spec: V4Step| V4Step {
+    // prefill chunk, whose 64 x 6 selections outnumber a rank's 8 experts) and a device's
+    // dots (FP4 experts dequantized to bf16, never to f32).
+    let at = |flash: &V4Config, spec: V4Step| V4Step {
         ctx: 2048,
         ranks: 32,
-        moe: MoeStrategy::for_model(&flash_model, spec.rows, 32),
+        moe: MoeStrategy::for_model(&flash.clone().into_model_config(), spec.rows, 32),
+        dots: Dots::DEVICE,
         ..spec
     };
-    let graphs = [
+    let device = |spec: V4Step| V4Step {
+        dots: Dots::DEVICE,
+        ..spec
+    };
+    let fp4 = config_of(FP8_FP4);
+    let mut graphs = vec![
         build_stateless(&cfg, 48).unwrap(),
         build_step(&cfg, &layout, &prefill(32, 4)).unwrap(),
         build_step(&cfg, &layout, &decode(4)).unwrap(),
-        build_step(&flash, &flash_layout, &at(decode(8))).unwrap(),
-        build_step(&flash, &flash_layout, &at(prefill(64, 1))).unwrap(),
+        build_step(&fp4, &layout, &device(prefill(32, 4))).unwrap(),
+        build_step(&fp4, &layout, &device(decode(4))).unwrap(),
     ];
+    // V4-Flash-Base (FP8 experts, held in f32) and V4-Flash (FP4 experts).
+    for flash in [
+        published("deepseek-v4-flash-base.json"),
+        published("deepseek-v4-flash.json"),
+    ] {
+        graphs.push(build_step(&flash, &flash_layout, &at(&flash, decode(8))).unwrap());
+        graphs.push(build_step(&flash, &flash_layout, &at(&flash, prefill(64, 1))).unwrap());
+    }
     for g in &graphs {
         let report = check_module(&emit::emit(g).unwrap(), &CheckOptions::default());
         assert!(report.clean(), "{}: {:?}", g.name(), report.findings);
@@ -387,6 +405,7 @@ fn prefill(rows: usize, seqs: usize) -> V4Step {
         logits: LogitsOutput::AllPositions,
         sampler: Sampler::Full,
         moe: MoeStrategy::Dense,
+        dots: Dots::Widen,
     }
 }
 
@@ -400,6 +419,7 @@ fn decode(rows: usize) -> V4Step {
         logits: LogitsOutput::AllPositions,
         sampler: Sampler::Full,
         moe: MoeStrategy::Gather,
+        dots: Dots::Widen,
     }
 }
 

@@ -388,7 +388,7 @@ impl StepKind {
         // A split step's sampling graphs read only the carried logits, the same for V4.
         if let (StepKind::Decode | StepKind::Greedy | StepKind::Prefill, Some(v4)) = (self, &cfg.v4)
         {
-            return self.build_v4(v4, specs.ranks(), layout, spec);
+            return self.build_v4(v4, specs, layout, spec);
         }
         match self {
             StepKind::Decode | StepKind::Greedy => model::build_decode(cfg, specs, layout, spec),
@@ -400,12 +400,12 @@ impl StepKind {
 }
 
 impl StepKind {
-    /// [`StepKind::build`]'s step graphs for a DeepSeek-V4 model of `ranks` ranks
+    /// [`StepKind::build`]'s step graphs for a DeepSeek-V4 model of `specs`' ranks and dots
     /// ([`crate::model::v4::step`]).
     fn build_v4(
         self,
         cfg: &crate::config::v4::V4Config,
-        ranks: usize,
+        specs: &crate::model::WeightSpecs,
         layout: &crate::model::CacheLayout,
         spec: &crate::model::GraphSpec,
     ) -> Result<crate::graph::Graph> {
@@ -416,10 +416,11 @@ impl StepKind {
             seqs: if decode { spec.rows } else { spec.seqs.max(1) },
             ctx: spec.ctx,
             decode,
-            ranks,
+            ranks: specs.ranks(),
             logits: spec.logits,
             sampler: if decode { spec.sampler } else { Sampler::Full },
             moe: spec.moe,
+            dots: specs.precision().dots,
         };
         build_step(cfg, layout, &step)
     }

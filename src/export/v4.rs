@@ -70,6 +70,7 @@ pub(super) fn lower(
             logits: LogitsOutput::AllPositions,
             sampler: Sampler::Full,
             moe: MoeStrategy::Gather,
+            dots: opts.dots,
         };
         graphs.push((build_step(cfg, &layout, &spec)?, "prefill", t, seqs));
     }
@@ -83,6 +84,7 @@ pub(super) fn lower(
             logits: LogitsOutput::AllPositions,
             sampler: Sampler::Full,
             moe: MoeStrategy::Gather,
+            dots: opts.dots,
         };
         graphs.push((build_step(cfg, &layout, &spec)?, "decode", b, b));
     }

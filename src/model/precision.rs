@@ -247,7 +247,7 @@ impl PrecisionChoice {
 }
 
 /// In which dtype a matmul with a reduced-precision operand multiplies (see the module docs).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Dots {
     /// Reduced-precision operands widened to f32, the product in f32: the CPU backend's policy,
     /// free for it (its kernels widen tiles as they read them) and the most accurate.

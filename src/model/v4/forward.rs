@@ -10,6 +10,7 @@
 use crate::config::v4::{V4Attention, V4Config};
 use crate::error::Result;
 use crate::graph::{DType, Graph, GraphBuilder, InputRole, Literal, Tensor};
+use crate::model::precision::Dots;
 use crate::model::MoeStrategy;
 
 use super::attention::{self as attn, and, Keys};
@@ -18,7 +19,7 @@ use super::weights::{linear, Rope, Weights};
 /// The graph of a cache-free forward over `t` tokens.
 pub fn build_stateless(cfg: &V4Config, t: usize) -> Result<Graph> {
     let b = GraphBuilder::new(format!("v4_stateless_t{t}"));
-    let w = Weights::declare(&b, cfg, 1)?;
+    let w = Weights::declare(&b, cfg, 1, Dots::Widen)?;
     let ids = b.input("input_ids", InputRole::Metadata, [t], DType::I32)?;
     let positions = b.iota([t], DType::I32, 0)?;
     let main = Rope::new(cfg.rope_dim, &cfg.main_rope, &positions)?;

@@ -7,6 +7,8 @@ use crate::error::Result;
 use crate::graph::{DType, FourBit, Tensor};
 
 use crate::model::moe::routing_matrix;
+use crate::model::ops;
+use crate::model::precision::Dots;
 use crate::model::MoeStrategy;
 
 use super::shard::{self, FP4_SCALE_SUFFIX};
@@ -116,7 +118,13 @@ impl Experts {
             return Ok(stored);
         }
         let scales = pick(w.get(&format!("{name}{FP4_SCALE_SUFFIX}"))?)?;
-        stored.dequantize_4bit_to(&scales, FP4_GROUP, FourBit::E2m1, DType::F32)
+        // E2M1 values times power-of-two scales are exact in bf16: a device multiplies them
+        // there, never holding an f32 copy.
+        let dtype = match w.dots() {
+            Dots::Widen => DType::F32,
+            Dots::Split | Dots::Narrow => DType::BF16,
+        };
+        stored.dequantize_4bit_to(&scales, FP4_GROUP, FourBit::E2m1, dtype)
     }
 
     /// The selected experts only: each token's row multiplied by each of its `k` experts'
@@ -130,7 +138,7 @@ impl Experts {
             .broadcast_as([t, k, h])?
             .reshape([t * k, 1, h])?;
         let project = |proj: &str, input: &Tensor| -> Result<Tensor> {
-            input.matmul(&self.weights(w, proj, Some(&flat))?.t()?)
+            ops::matmul(w.dots(), input, &self.weights(w, proj, Some(&flat))?.t()?)
         };
         let act = clamped_swiglu(&project("w1", &xs)?, &project("w3", &xs)?, self.limit)?;
         project("w2", &act)?
@@ -154,7 +162,7 @@ impl Experts {
         let routing = routing_matrix(ids, weights, local)?; // [t, local]
         let xs = x.unsqueeze(0)?.broadcast_as([local, t, h])?;
         let project = |proj: &str, input: &Tensor| -> Result<Tensor> {
-            input.matmul(&self.weights(w, proj, None)?.t()?)
+            ops::matmul(w.dots(), input, &self.weights(w, proj, None)?.t()?)
         };
         let act = clamped_swiglu(&project("w1", &xs)?, &project("w3", &xs)?, self.limit)?;
         project("w2", &act)?

@@ -41,7 +41,7 @@ use crate::error::{Error, Result};
 use crate::graph::{DType, Graph, GraphBuilder, InputRole, Literal, Tensor};
 use crate::model::ops::{div_const, mul_const};
 use crate::model::{
-    decode_tail, inputs, prefill_tail, sampling_root, slots_at, step_outputs, CacheLayout,
+    decode_tail, inputs, prefill_tail, sampling_root, slots_at, step_outputs, CacheLayout, Dots,
     LogitsOutput, MoeStrategy, RootSpec, Sampler, STEP_LOGITS,
 };
 
@@ -78,6 +78,10 @@ pub struct V4Step {
     pub sampler: Sampler,
     /// How the routed experts are evaluated.
     pub moe: MoeStrategy,
+    /// How FP4 experts multiply: [`Dots::Widen`] (dequantized to f32, the CPU's), or a
+    /// device's [`Dots::Split`] (dequantized to bf16, exact for E2M1 times a power of two, and
+    /// multiplied at the matmul units' bf16 rate into f32).
+    pub dots: Dots,
 }
 
 /// Where one layer keeps its cache: its first column in each root it uses.
@@ -323,6 +327,7 @@ pub fn build_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<
         logits: want,
         sampler,
         moe,
+        dots,
     } = *spec;
     let block = cache.block_size;
     if n == 0 || seqs == 0 || seqs > n || (decode && seqs != n) || !ctx.is_multiple_of(block) {
@@ -349,7 +354,7 @@ pub fn build_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<
         (false, _) => format!("v4_prefill_t{n}_s{seqs}_c{ctx}"),
     };
     let b = GraphBuilder::new(name);
-    let w = Weights::declare(&b, cfg, spec.ranks)?;
+    let w = Weights::declare(&b, cfg, spec.ranks, dots)?;
     let meta =
         |name: &str, shape: Vec<usize>| b.input(name, InputRole::Metadata, shape, DType::I32);
     let ids = meta(inputs::INPUT_IDS, vec![n])?;

@@ -19,12 +19,19 @@ use super::shard;
 pub(super) struct Weights {
     inputs: HashMap<String, Tensor>,
     ranks: usize,
+    dots: Dots,
 }
 
 impl Weights {
     /// Declares every weight a rank of a `ranks`-way split of `cfg` holds on `b` (f32,
-    /// `tid2eid` i32, FP4 experts' codes u8), and with more than one rank the rank's offsets.
-    pub(super) fn declare(b: &GraphBuilder, cfg: &V4Config, ranks: usize) -> Result<Self> {
+    /// `tid2eid` i32, FP4 experts' codes u8), and with more than one rank the rank's offsets;
+    /// the FP4 experts multiply as `dots` says.
+    pub(super) fn declare(
+        b: &GraphBuilder,
+        cfg: &V4Config,
+        ranks: usize,
+        dots: Dots,
+    ) -> Result<Self> {
         let mut inputs = HashMap::new();
         for t in shard::rank_tensors(cfg, ranks)? {
             let dtype = t.kind.dtype();
@@ -35,7 +42,16 @@ impl Weights {
             let offsets = b.input(SHARD_OFFSETS, InputRole::Weight, [2], DType::I32)?;
             inputs.insert(SHARD_OFFSETS.to_string(), offsets);
         }
-        Ok(Weights { inputs, ranks })
+        Ok(Weights {
+            inputs,
+            ranks,
+            dots,
+        })
+    }
+
+    /// How a matmul with a reduced-precision weight (an FP4 expert) multiplies.
+    pub(super) fn dots(&self) -> Dots {
+        self.dots
     }
 
     /// The tensor-parallel degree.
