@@ -33,6 +33,8 @@ quantized model's prompt logits are from the same seed's unquantized ones (the q
 How to run (from the repository root; the venv of scripts/requirements-ref-v4.txt):
 
     target/v4ref-venv/bin/python scripts/make_v4_fp8_fixture.py           # writes fixtures/tiny-v4-fp8
+
+Reruns reproduce every file byte for byte (same versions, one CPU thread).
 """
 
 import argparse
@@ -147,17 +149,6 @@ def write_checkpoint(model, out, tokenizer_dir):
     return stored, values
 
 
-def load_reference_model(out):
-    """transformers reading the directory: on a CPU its FP8 quantizer dequantizes FP8 and FP4 while loading."""
-    model, info = DeepseekV4ForCausalLM.from_pretrained(
-        out, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager",
-        output_loading_info=True,
-    )
-    problems = {k: v for k, v in info.items() if v}
-    assert not problems, f"{out}: loading problems {problems}"
-    return model.eval()
-
-
 def make_fixture(out_root, seed, tokenizer_dir):
     out = out_root / NAME
     if out.exists():
@@ -170,7 +161,8 @@ def make_fixture(out_root, seed, tokenizer_dir):
     base.init_weights(model, seed)
     stored, values = write_checkpoint(model, out, tokenizer_dir)
 
-    loaded = load_reference_model(out)
+    # transformers reading the directory: on a CPU its FP8 quantizer dequantizes FP8 and FP4 as it loads.
+    loaded = base.load_reference_model(out)
     read = base.published_tensors(loaded)
     assert set(read) == set(values), sorted(set(read) ^ set(values))[:10]
     for name, value in values.items():

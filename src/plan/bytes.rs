@@ -246,14 +246,7 @@ pub fn entries(
         }
     }
     if tp > 1 {
-        out.push(Entry {
-            name: shard::SHARD_OFFSETS.into(),
-            shape: vec![2],
-            dtype: DType::I32,
-            split: Split::Replicated,
-            kind: Kind::Values,
-            checkpoint_bytes: 0,
-        });
+        out.push(shard_offsets());
     }
     out
 }
@@ -299,16 +292,21 @@ pub fn entries_v4(cfg: &V4Config, tp: usize) -> Result<Vec<Entry>> {
         });
     }
     if tp > 1 {
-        out.push(Entry {
-            name: shard::SHARD_OFFSETS.into(),
-            shape: vec![2],
-            dtype: DType::I32,
-            split: Split::Replicated,
-            kind: Kind::Values,
-            checkpoint_bytes: 0,
-        });
+        out.push(shard_offsets());
     }
     Ok(out)
+}
+
+/// A split model's [`shard::SHARD_OFFSETS`] input, counted with the weights (replicated).
+fn shard_offsets() -> Entry {
+    Entry {
+        name: shard::SHARD_OFFSETS.into(),
+        shape: vec![2],
+        dtype: DType::I32,
+        split: Split::Replicated,
+        kind: Kind::Values,
+        checkpoint_bytes: 0,
+    }
 }
 
 /// Parameters in `entries` (values of weights; scales and the shard offsets excluded).
