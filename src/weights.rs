@@ -34,7 +34,7 @@ mod fp4;
 mod gguf;
 
 use convert::Buffer;
-pub use fp4::fp4_scale_name;
+pub use fp4::scale_name;
 
 /// Name of a single-file checkpoint.
 const SINGLE_FILE: &str = "model.safetensors";
@@ -399,7 +399,7 @@ impl Checkpoint {
             )));
         };
         let want = [rows.div_ceil(block[0]), cols.div_ceil(block[1])];
-        let scale_name = self.fp8_scale_name(name).ok_or_else(|| {
+        let scales_name = self.fp8_scale_name(name).ok_or_else(|| {
             Error::Weights(format!(
                 "tensor `{name}` is float8_e4m3fn but its scales (`{name}_scale_inv`, or \
                  `.scale` beside `.weight`) are missing (expected shape {want:?} for blocks of \
@@ -408,7 +408,7 @@ impl Checkpoint {
         })?;
         let of = format!("`{name}` {shape:?} in blocks of {block:?}");
         let dtypes = [Dtype::F32, Dtype::BF16, Dtype::F8_E8M0];
-        let scales = self.scales(&scale_name, &want, &of, &dtypes)?;
+        let scales = self.scales(&scales_name, &want, &of, &dtypes)?;
         convert::apply_block_scales(values, cols, &scales, block);
         Ok(())
     }
@@ -417,9 +417,8 @@ impl Checkpoint {
     /// (DeepSeek-V3/R1 on the Hub) or, for `X.weight`, `X.scale` (DeepSeek's own naming, which
     /// V4 is published in). `None` when neither is there.
     pub fn fp8_scale_name(&self, name: &str) -> Option<String> {
-        let hub = format!("{name}_scale_inv");
-        let own = name.strip_suffix(".weight").map(|s| format!("{s}.scale"));
-        [Some(hub), own]
+        let own = name.ends_with(".weight").then(|| scale_name(name));
+        [Some(format!("{name}_scale_inv")), own]
             .into_iter()
             .flatten()
             .find(|n| self.contains(n))

@@ -37,9 +37,9 @@ impl Checkpoint {
             )));
         }
         let codes = self.read_bytes(name, entry)?;
-        let scale_name = fp4_scale_name(name);
+        let scales_name = scale_name(name);
         let of = format!("FP4 `{name}` of [{out}, {inputs}] values");
-        let scales = self.scales(&scale_name, &[out, inputs / GROUP], &of, &[Dtype::F8_E8M0])?;
+        let scales = self.scales(&scales_name, &[out, inputs / GROUP], &of, &[Dtype::F8_E8M0])?;
         let dev = &Device::Cpu;
         Ok((
             Tensor::from_vec(codes, (out, inputs / 2), dev)?,
@@ -48,8 +48,9 @@ impl Checkpoint {
     }
 }
 
-/// The scales of FP4 matrix `X.weight`: `X.scale`.
-pub fn fp4_scale_name(name: &str) -> String {
+/// The scales of `X.weight` in DeepSeek's own naming, which V4 is published in: `X.scale`
+/// (an FP4 matrix's, or an FP8 weight's block scales).
+pub fn scale_name(name: &str) -> String {
     let stem = name.strip_suffix(".weight").unwrap_or(name);
     format!("{stem}.scale")
 }

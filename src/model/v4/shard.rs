@@ -20,7 +20,7 @@ use candle_core::Tensor as CTensor;
 use crate::config::v4::{V4Config, FP4_GROUP};
 use crate::error::{Error, Result};
 use crate::model::shard::SHARD_OFFSETS;
-use crate::weights::fp4_scale_name;
+use crate::weights::scale_name;
 
 use super::tensors::{self, V4Tensor, V4TensorKind};
 
@@ -116,7 +116,7 @@ pub fn rank_tensors(cfg: &V4Config, ranks: usize) -> Result<Vec<RankTensor>> {
                     shape: vec![per_rank, rows, inputs / FP4_GROUP],
                     kind: V4TensorKind::Float,
                     split: V4Split::Experts {
-                        published: fp4_scale_name(&published),
+                        published: scale_name(&published),
                     },
                 });
                 out.push(RankTensor {

@@ -15,7 +15,7 @@ use candle_core::Tensor;
 use crate::config::v4::{V4Attention, V4Config, V4Experts, V4Routing, FP4_GROUP};
 use crate::error::{Error, Result};
 use crate::graph::DType;
-use crate::weights::{fp4_scale_name, Checkpoint, Conversion};
+use crate::weights::{scale_name, Checkpoint, Conversion};
 
 /// What a tensor holds, which decides the stored dtypes it may have.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -204,7 +204,6 @@ pub fn check(cfg: &V4Config, ckpt: &Checkpoint) -> Result<usize> {
         match t.kind {
             V4TensorKind::Fp4 => {
                 let (out, inputs) = (t.shape[0], t.shape[1]);
-                ckpt.check(name, &[out, inputs / 2])?;
                 if !matches!(dtype.as_str(), "I8" | "U8") {
                     return Err(Error::Weights(format!(
                         "tensor `{name}` is stored as {dtype}, but config.json's expert_dtype \
@@ -212,7 +211,8 @@ pub fn check(cfg: &V4Config, ckpt: &Checkpoint) -> Result<usize> {
                          expert_dtype to how they are stored"
                     )));
                 }
-                let scale = fp4_scale_name(name);
+                ckpt.check(name, &[out, inputs / 2])?;
+                let scale = scale_name(name);
                 ckpt.check(&scale, &[out, inputs / FP4_GROUP])?;
                 seen.insert(scale);
             }
@@ -227,7 +227,7 @@ pub fn check(cfg: &V4Config, ckpt: &Checkpoint) -> Result<usize> {
                 let scale = ckpt.fp8_scale_name(name).ok_or_else(|| {
                     Error::Weights(format!(
                         "tensor `{name}` is stored as F8_E4M3, but its scales `{}` are missing",
-                        fp4_scale_name(name)
+                        scale_name(name)
                     ))
                 })?;
                 let blocks: Vec<usize> = t
@@ -301,7 +301,7 @@ pub fn load(cfg: &V4Config, ckpt: &Checkpoint) -> Result<HashMap<String, Tensor>
             V4TensorKind::ExpertIds => ckpt.tensor_i32(stored, &t.shape)?,
             V4TensorKind::Fp4 => {
                 let (codes, scales) = ckpt.fp4(stored, [t.shape[0], t.shape[1]])?;
-                out.insert(fp4_scale_name(&name), scales);
+                out.insert(scale_name(&name), scales);
                 codes
             }
         };
@@ -320,13 +320,23 @@ mod tests {
 
     use super::*;
 
+    fn fixture_named(name: &str) -> PathBuf {
+        Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("fixtures")
+            .join(name)
+    }
+
     fn fixture() -> PathBuf {
-        Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/tiny-v4")
+        fixture_named("tiny-v4")
+    }
+
+    fn config_in(dir: &Path) -> V4Config {
+        let text = std::fs::read_to_string(dir.join("config.json")).unwrap();
+        V4Config::from_json_str(&text).unwrap()
     }
 
     fn config() -> V4Config {
-        let text = std::fs::read_to_string(fixture().join("config.json")).unwrap();
-        V4Config::from_json_str(&text).unwrap()
+        config_in(&fixture())
     }
 
     #[test]
@@ -341,18 +351,20 @@ mod tests {
         );
     }
 
-    /// Copies the fixture with its safetensors rewritten by `edit` (name -> (shape, dtype, bytes)).
-    fn broken(
-        edit: impl Fn(&mut Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>),
-    ) -> tempfile::TempDir {
+    /// Edits of a checkpoint's tensors: (name, dtype, shape, bytes).
+    type Tensors = Vec<(String, safetensors::Dtype, Vec<usize>, Vec<u8>)>;
+
+    /// Copies the fixture with its safetensors rewritten by `edit`.
+    fn broken(edit: impl Fn(&mut Tensors)) -> tempfile::TempDir {
+        broken_copy(&fixture(), edit)
+    }
+
+    /// Copies fixture `src` with its safetensors rewritten by `edit`.
+    fn broken_copy(src: &Path, edit: impl Fn(&mut Tensors)) -> tempfile::TempDir {
         use safetensors::tensor::TensorView;
         let dir = tempfile::tempdir().unwrap();
-        std::fs::copy(
-            fixture().join("config.json"),
-            dir.path().join("config.json"),
-        )
-        .unwrap();
-        let bytes = std::fs::read(fixture().join("model.safetensors")).unwrap();
+        std::fs::copy(src.join("config.json"), dir.path().join("config.json")).unwrap();
+        let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
         let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
         let mut tensors: Vec<_> = st
             .tensors()
@@ -418,5 +430,47 @@ mod tests {
             check(&config(), &Checkpoint::open(renamed.path()).unwrap()).unwrap(),
             259
         );
+    }
+
+    /// The published FP8/FP4 form: every tensor and scale accounted for; an expert stored
+    /// otherwise than `expert_dtype` says, a missing scale and an FP8 weight without a block
+    /// size are named.
+    #[test]
+    fn the_fp8_and_fp4_checkpoint_is_checked_with_its_scales() {
+        let src = fixture_named("tiny-v4-fp8");
+        let cfg = config_in(&src);
+        let ckpt = Checkpoint::open(&src).unwrap();
+        assert_eq!(check(&cfg, &ckpt).unwrap(), 259);
+        assert_eq!(ckpt.names().len(), 259 + 42 + 120);
+
+        let err = |dir: &tempfile::TempDir, cfg: &V4Config| {
+            let ckpt = Checkpoint::open(dir.path()).unwrap();
+            check(cfg, &ckpt).unwrap_err().to_string()
+        };
+        let expert = "layers.2.ffn.experts.5.w3.weight";
+        let as_bf16 = broken_copy(&src, |t| {
+            for (n, d, shape, bytes) in t.iter_mut() {
+                if n == expert {
+                    // Its values' shape in bf16, as an unquantized checkpoint holds it.
+                    *d = safetensors::Dtype::BF16;
+                    shape[1] *= 2;
+                    *bytes = vec![0; shape[0] * shape[1] * 2];
+                }
+            }
+        });
+        let e = err(&as_bf16, &cfg);
+        assert!(e.contains(expert) && e.contains("expert_dtype"), "{e}");
+
+        let scale = "layers.1.attn.wq_b.scale";
+        let no_scale = broken_copy(&src, |t| t.retain(|(n, ..)| n != scale));
+        let e = err(&no_scale, &cfg);
+        assert!(e.contains(scale) && e.contains("missing"), "{e}");
+
+        let no_block = V4Config {
+            fp8_block: None,
+            ..cfg.clone()
+        };
+        let e = check(&no_block, &ckpt).unwrap_err().to_string();
+        assert!(e.contains("weight_block_size"), "{e}");
     }
 }
