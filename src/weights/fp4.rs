@@ -12,10 +12,9 @@ use candle_core::{Device, Tensor};
 use safetensors::Dtype;
 
 use super::{Checkpoint, Encoding};
+// Inputs a scale covers (OCP MX's block, DeepSeek-V4's experts).
+use crate::config::v4::FP4_GROUP as GROUP;
 use crate::error::{Error, Result};
-
-/// Inputs a scale covers (OCP MX's block, DeepSeek-V4's experts).
-const GROUP: usize = 32;
 
 impl Checkpoint {
     /// The codes (u8 `[out, in / 2]`) and scales (f32 `[out, in / 32]`) of FP4 matrix `name`

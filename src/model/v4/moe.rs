@@ -103,10 +103,11 @@ struct Experts {
 }
 
 impl Experts {
-    /// Projection `proj` of the experts `ids` selects (all of the rank's with `ids` `None`) as
-    /// f32 `[n, out, in]`: FP4 codes dequantized with their scales right here, where the
-    /// experts are used (the CPU fuses this into its expert matmul; a device reads a selected
-    /// expert's bytes, not an f32 copy of every expert).
+    /// Projection `proj` of the experts `ids` selects (all of the rank's with `ids` `None`),
+    /// `[n, out, in]`: float experts as held, FP4 codes dequantized with their scales right
+    /// here, where the experts are used, to f32 under [`Dots::Widen`] (the CPU fuses this into
+    /// its expert matmul) or to bf16 on a device (which reads a selected expert's bytes, never
+    /// an f32 copy).
     fn weights(&self, w: &Weights, proj: &str, ids: Option<&Tensor>) -> Result<Tensor> {
         let name = shard::stacked_experts(&self.layer, proj);
         let pick = |t: &Tensor| match ids {
