@@ -1005,16 +1005,7 @@ def make_fixture(out_root, seed, tokenizer_dir):
 
     consistent = ref["decode_diff"] <= DECODE_TOLERANCE
     stats = ref["stats"]
-    reference = {
-        "token_ids": prompt_ids,
-        "logits": ref["logits"].tolist(),
-        "token_ids_short": short_ids,
-        "logits_short": ref["logits_short"].tolist(),
-        "greedy": {"prompt_token_ids": prompt_ids, "generated_token_ids": ref["generated"]},
-        "logits_decode": (ref["logits_cached"] if consistent else ref["logits_stateless"]).tolist(),
-    }
-    if not consistent:
-        reference["logits_decode_cached"] = ref["logits_cached"].tolist()
+    reference = test_reference(ref, prompt_ids, short_ids)
     reference.update(
         decode_cached_vs_stateless_max_abs_diff=ref["decode_diff"],
         logits_dense_index=ref["logits_dense_index"].tolist(),
@@ -1072,6 +1063,24 @@ def make_fixture(out_root, seed, tokenizer_dir):
     for name, (shape, dtype) in found.items():
         print(f"    {name} {list(shape)} {str(dtype).removeprefix('torch.')}")
     return ref
+
+
+def test_reference(ref, prompt_ids, short_ids):
+    """What the Rust tests read of reference.json, from compute_reference's `ref`: both prompts' logits, the
+    greedy continuation and its logits (the cache-free ones if transformers' cached decode disagreed by more
+    than DECODE_TOLERANCE, the cached ones then kept beside them)."""
+    consistent = ref["decode_diff"] <= DECODE_TOLERANCE
+    reference = {
+        "token_ids": prompt_ids,
+        "logits": ref["logits"].tolist(),
+        "token_ids_short": short_ids,
+        "logits_short": ref["logits_short"].tolist(),
+        "greedy": {"prompt_token_ids": prompt_ids, "generated_token_ids": ref["generated"]},
+        "logits_decode": (ref["logits_cached"] if consistent else ref["logits_stateless"]).tolist(),
+    }
+    if not consistent:
+        reference["logits_decode_cached"] = ref["logits_cached"].tolist()
+    return reference
 
 
 def write_json(path, obj, indent=2):

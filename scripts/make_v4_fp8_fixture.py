@@ -174,15 +174,9 @@ def make_fixture(out_root, seed, tokenizer_dir):
     effect = (unquantized - ref["logits"]).abs().max().item()
     assert effect > MIN_QUANTIZATION_EFFECT, f"quantization changes nothing ({effect:.1e})"
 
-    consistent = ref["decode_diff"] <= base.DECODE_TOLERANCE
     stats = ref["stats"]
-    reference = {
-        "token_ids": prompt_ids,
-        "logits": ref["logits"].tolist(),
-        "token_ids_short": short_ids,
-        "logits_short": ref["logits_short"].tolist(),
-        "greedy": {"prompt_token_ids": prompt_ids, "generated_token_ids": ref["generated"]},
-        "logits_decode": (ref["logits_cached"] if consistent else ref["logits_stateless"]).tolist(),
+    reference = base.test_reference(ref, prompt_ids, short_ids)
+    reference.update({
         "decode_cached_vs_stateless_max_abs_diff": ref["decode_diff"],
         "min_gaps": {"index_topk": stats["index_gap"], "router_topk": stats["router_gap"],
                      "greedy_top2": ref["greedy_gap"]},
@@ -193,9 +187,7 @@ def make_fixture(out_root, seed, tokenizer_dir):
         "notes": "scripts/make_v4_fp8_fixture.py: tiny-v4's architecture stored as DeepSeek-V4-Flash is published "
                  f"(FP8 block scales {BLOCK}, FP4 experts in groups of {FP4_GROUP}); logits from transformers "
                  "reading the directory (dequantized as loaded, float32, eager).",
-    }
-    if not consistent:
-        reference["logits_decode_cached"] = ref["logits_cached"].tolist()
+    })
     base.write_json(out / "reference.json", reference, indent=None)
 
     kinds = {}
