@@ -21,6 +21,8 @@
 #![forbid(unsafe_code)]
 
 pub mod backend;
+#[cfg(feature = "server")]
+pub mod chat_v4;
 pub mod config;
 pub mod deployment;
 #[cfg(feature = "server")]

@@ -46,6 +46,18 @@ pub struct Tokenizer {
     append_eos: bool,
     /// `clean_up_tokenization_spaces`, which transformers 5 ignores for BPE models.
     clean_up_spaces: bool,
+    /// How a conversation becomes a prompt.
+    encoding: ChatEncoding,
+}
+
+/// How a conversation becomes a prompt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChatEncoding {
+    /// The model's Jinja chat template (or `--chat-template`'s).
+    Template,
+    /// DeepSeek-V4's encoder ([`crate::chat_v4`]): V4 is published with no template, so a
+    /// `deepseek_v4` model is encoded this way unless a template is given explicitly.
+    DeepseekV4,
 }
 
 /// One chat message, as a chat template sees it (transformers' message dicts).
@@ -86,6 +98,7 @@ impl std::fmt::Debug for Tokenizer {
             .field("bos_token", &self.bos_token)
             .field("eos_token", &self.eos_token)
             .field("has_chat_template", &self.chat_template.is_ok())
+            .field("encoding", &self.encoding)
             .finish_non_exhaustive()
     }
 }
@@ -118,13 +131,17 @@ impl Tokenizer {
             Json::Object(Default::default())
         };
         let chat_template = chat_template(Some(dir), &config, &config_path)?;
-        Self::from_parts(
+        let mut tokenizer = Self::from_parts(
             &bytes,
             &tokenizer_path,
             &config,
             &config_path,
             chat_template,
-        )
+        )?;
+        if model_type(dir)?.as_deref() == Some("deepseek_v4") {
+            tokenizer.encoding = ChatEncoding::DeepseekV4;
+        }
+        Ok(tokenizer)
     }
 
     /// The tokenizer a GGUF file carries (see [`crate::gguf::tokenizer`] for how it is
@@ -192,6 +209,7 @@ impl Tokenizer {
             prepend_bos,
             append_eos,
             clean_up_spaces,
+            encoding: ChatEncoding::Template,
         })
     }
 
@@ -278,6 +296,14 @@ impl Tokenizer {
         tools: Option<&[Json]>,
         add_generation_prompt: bool,
     ) -> Result<String> {
+        if self.encoding == ChatEncoding::DeepseekV4 {
+            return crate::chat_v4::render(&crate::chat_v4::V4Chat {
+                messages,
+                tools,
+                response_schema: None,
+                calls_forced: false,
+            });
+        }
         let template = self
             .chat_template
             .as_ref()
@@ -317,7 +343,13 @@ impl Tokenizer {
             .template_from_str(&template)
             .map_err(|e| Error::Tokenizer(format!("chat template does not parse: {e:#}")))?;
         self.chat_template = Ok(template);
+        self.encoding = ChatEncoding::Template;
         Ok(())
+    }
+
+    /// How this tokenizer turns a conversation into a prompt.
+    pub fn chat_encoding(&self) -> ChatEncoding {
+        self.encoding
     }
 
     /// The end-of-sequence token's id: `tokenizer_config.json`'s `eos_token` looked up in the
@@ -338,6 +370,18 @@ impl Tokenizer {
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
     }
+}
+
+/// `config.json`'s `model_type` beside the tokenizer, if there is one.
+fn model_type(dir: &Path) -> Result<Option<String>> {
+    let path = dir.join("config.json");
+    if !path.is_file() {
+        return Ok(None);
+    }
+    Ok(read_json(&path)?
+        .get("model_type")
+        .and_then(Json::as_str)
+        .map(str::to_owned))
 }
 
 fn read_json(path: &Path) -> Result<Json> {

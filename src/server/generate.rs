@@ -18,9 +18,10 @@ use crate::runner::step::SamplingParams;
 
 use super::error::ApiError;
 use super::protocol::{ChatRequest, CompletionRequest, Prompt, SamplingFields};
-use super::request::{chat_prompt, check_model, encode, from_json, off_runtime, read_json};
+use super::request::{chat_prompt, check_model, ChatExtras, encode, from_json, off_runtime, read_json};
 use super::response::{respond, ChoiceSpec, Flavor, Prepared};
 use super::state::AppState;
+use super::tools::format::CallFormat;
 use super::tools::reply::ToolReply;
 use super::tools::{ToolChoice, ToolRequest};
 
@@ -249,8 +250,20 @@ fn prepare_chat(state: &AppState, body: &Value) -> Result<Prepared, ApiError> {
         req.tool_choice.as_ref(),
         req.parallel_tool_calls,
     )?;
-    let definitions = tools.as_ref().map(|t| &t.definitions[..]);
-    let prompt = chat_prompt(state, &req.messages, definitions)?;
+    let offered = tools.as_ref().filter(|t| t.choice != ToolChoice::None);
+    let response_schema = sampling
+        .response_format
+        .as_ref()
+        .filter(|f| f.get("type").and_then(Value::as_str) == Some("json_schema"))
+        .and_then(|f| f.get("json_schema"))
+        .and_then(|s| s.get("schema"));
+    let extras = ChatExtras {
+        tools: tools.as_ref().map(|t| &t.definitions[..]),
+        response_schema,
+        calls_forced: offered.is_some_and(ToolRequest::constrained)
+            && prefills_calls(state),
+    };
+    let prompt = chat_prompt(state, &req.messages, extras)?;
     let max_tokens = req.max_completion_tokens.or(req.max_tokens);
     if max_tokens == Some(0) {
         return Err(ApiError::invalid_field(
@@ -274,6 +287,12 @@ fn prepare_chat(state: &AppState, body: &Value) -> Result<Prepared, ApiError> {
         use_tools(state, &tools, &mut p)?;
     }
     Ok(p)
+}
+
+/// Whether the prompt of a reply that must be calls already opens the calls block: V4's
+/// encoder writes DSML's opening into the prompt, as DeepSeek's does.
+fn prefills_calls(state: &AppState) -> bool {
+    state.v4_encoding() && state.tool_format() == Some(CallFormat::Dsml)
 }
 
 /// Sets up a chat request that offers tools the model may call: its replies are parsed for
@@ -320,16 +339,18 @@ fn use_tools(state: &AppState, tools: &ToolRequest, p: &mut Prepared) -> Result<
         };
         return Ok(());
     };
+    let prefilled = tools.constrained() && prefills_calls(state);
     if tools.constrained() {
         let tokenizer = state.tokenizer.as_ref();
         let token_id = |piece: &str| tokenizer.and_then(|t| t.inner().token_to_id(piece));
         p.grammar = tools
-            .grammar(format, options, &token_id)
+            .grammar(format, prefilled, options, &token_id)
             .map(|lark| (OutputGrammar::Lark(lark), "tools"));
     }
     p.tool_reply = Some(ToolReply::Format {
         format,
         named: matches!(tools.choice, ToolChoice::Function(_)),
+        prefilled,
     });
     Ok(())
 }

@@ -468,14 +468,17 @@ impl Message {
         Ok(Some(out))
     }
 
-    /// The message's text: the content, or its text parts joined.
-    pub fn text(&self, index: usize) -> Result<String, ApiError> {
+    /// The message's text: the content, or its text parts joined by `separator`.
+    pub fn text(&self, index: usize, separator: &str) -> Result<String, ApiError> {
         match &self.content {
             None => Ok(String::new()),
             Some(Content::Text(t)) => Ok(t.clone()),
             Some(Content::Parts(parts)) => {
                 let mut out = String::new();
-                for p in parts {
+                for (j, p) in parts.iter().enumerate() {
+                    if j > 0 {
+                        out.push_str(separator);
+                    }
                     match (p.kind.as_str(), &p.text) {
                         ("text", Some(t)) => out.push_str(t),
                         (kind, _) => {

@@ -12,7 +12,8 @@ use crate::metrics::Outcome;
 use crate::tokenizer::Tokenizer;
 
 use super::error::ApiError;
-use super::tools::format::ToolCallFormat;
+use super::tools::format::{CallFormat, ToolCallFormat};
+use crate::tokenizer::ChatEncoding;
 
 /// How the server is set up.
 #[derive(Debug, Clone)]
@@ -26,8 +27,8 @@ pub struct ServerConfig {
     /// How long shutdown waits for requests in flight before ending them.
     pub drain_timeout: Duration,
     /// The tool-call format (`--tool-call-parser`); `None`: the one the chat template
-    /// renders, if any.
-    pub tool_call_format: Option<&'static ToolCallFormat>,
+    /// renders, if any (DSML for V4's encoder).
+    pub tool_call_format: Option<CallFormat>,
     /// How JSON schemas (`response_format`, tool arguments) are read where they leave the
     /// output open: `--schema-allow-additional-properties` and `--json-whitespace`.
     pub json: JsonOptions,
@@ -84,12 +85,22 @@ impl AppState {
     }
 
     /// How this model writes tool calls: `--tool-call-parser`'s format, or the one its chat
-    /// template renders; `None` when it has no known format.
-    pub(super) fn tool_format(&self) -> Option<&'static ToolCallFormat> {
+    /// encoding renders; `None` when it has no known format.
+    pub(super) fn tool_format(&self) -> Option<CallFormat> {
         self.config.tool_call_format.or_else(|| {
-            let template = self.tokenizer.as_ref()?.chat_template()?;
-            ToolCallFormat::detect(template)
+            let tokenizer = self.tokenizer.as_ref()?;
+            if self.v4_encoding() {
+                return Some(CallFormat::Dsml);
+            }
+            ToolCallFormat::detect(tokenizer.chat_template()?).map(CallFormat::Markers)
         })
+    }
+
+    /// Whether chat prompts are written by V4's encoder ([`crate::chat_v4`]).
+    pub(super) fn v4_encoding(&self) -> bool {
+        self.tokenizer
+            .as_ref()
+            .is_some_and(|t| t.chat_encoding() == ChatEncoding::DeepseekV4)
     }
 
     /// Answers a request the server refuses before the engine runs it (a bad request, a wrong

@@ -13,7 +13,7 @@ use serde_json::{json, Value};
 
 use super::error::ApiError;
 use super::protocol::Message;
-use super::request::{chat_prompt, check_model, encode, from_json, off_runtime, read_json};
+use super::request::{chat_prompt, ChatExtras, check_model, encode, from_json, off_runtime, read_json};
 use super::state::AppState;
 use super::tools::ToolRequest;
 
@@ -50,7 +50,11 @@ fn tokenize_body(state: &AppState, body: &Value) -> Result<Value, ApiError> {
         (Some(p), None) => encode(state, p, req.add_special_tokens.unwrap_or(true))?,
         (None, Some(messages)) => {
             let tools = ToolRequest::from_request(req.tools.as_ref(), None, None)?;
-            chat_prompt(state, messages, tools.as_ref().map(|t| &t.definitions[..]))?
+            let extras = ChatExtras {
+                tools: tools.as_ref().map(|t| &t.definitions[..]),
+                ..ChatExtras::default()
+            };
+            chat_prompt(state, messages, extras)?
         }
         _ => {
             return Err(ApiError::bad_request(

@@ -11,7 +11,7 @@ use deepinfer::engine::{Engine, EngineOptions};
 use deepinfer::metrics::Metrics;
 use deepinfer::plan::KvBlocks;
 use deepinfer::runner;
-use deepinfer::server::tools::format::{ToolCallFormat, FORMATS};
+use deepinfer::server::tools::format::CallFormat;
 use deepinfer::server::{AppState, ConnectionLimits, ServerConfig};
 use deepinfer::source::ModelSource;
 
@@ -37,10 +37,11 @@ pub(crate) struct ServeArgs {
     /// model whose template lacks something, such as the tool-call format.
     #[arg(long, value_name = "FILE")]
     chat_template: Option<std::path::PathBuf>,
-    /// The format the model writes tool calls in: deepseek_v3 (also R1's) or deepseek_v31
-    /// (default: the one the chat template renders; without one, `tools` are refused).
+    /// The format the model writes tool calls in: deepseek_v3 (also R1's), deepseek_v31 or
+    /// deepseek_v4 (DSML) (default: the one the chat template renders, DSML for a V4 model;
+    /// without one, `tool_choice: "auto"` is refused).
     #[arg(long, value_parser = tool_call_parser)]
-    tool_call_parser: Option<&'static ToolCallFormat>,
+    tool_call_parser: Option<CallFormat>,
     /// Let an object schema (in `response_format` or a tool's parameters) that lists
     /// `properties` but says nothing of `additionalProperties` admit other keys too, as JSON
     /// Schema reads it. By default it admits only its listed keys, as OpenAI's strict mode,
@@ -180,12 +181,11 @@ enum Whitespace {
 }
 
 /// `--tool-call-parser`'s value: a format by name.
-fn tool_call_parser(name: &str) -> std::result::Result<&'static ToolCallFormat, String> {
-    ToolCallFormat::by_name(name).ok_or_else(|| {
-        let known: Vec<&str> = FORMATS.iter().map(|f| f.name).collect();
+fn tool_call_parser(name: &str) -> std::result::Result<CallFormat, String> {
+    CallFormat::by_name(name).ok_or_else(|| {
         format!(
             "unknown tool-call format {name:?}; known: {}",
-            known.join(", ")
+            CallFormat::names().join(", ")
         )
     })
 }

@@ -16,6 +16,9 @@
 //! `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>`.
 //! Both are the same shape (begin, name, separator, arguments, end), which [`ToolCallFormat`]
 //! describes with five strings; the parser and the grammar read only those.
+//!
+//! DeepSeek-V4 writes calls as DSML tags, one per argument ([`super::dsml`]); [`CallFormat`]
+//! is either kind.
 
 use serde_json::Value;
 
@@ -60,8 +63,37 @@ pub const DEEPSEEK_V31: ToolCallFormat = ToolCallFormat {
     calls_end: "<｜tool▁calls▁end｜>",
 };
 
-/// Every format, for `--tool-call-parser`.
+/// Every marker format, for `--tool-call-parser`.
 pub const FORMATS: [&ToolCallFormat; 2] = [&DEEPSEEK_V3, &DEEPSEEK_V31];
+
+/// How a model writes tool calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallFormat {
+    /// Between special-token markers (DeepSeek-V3, V3.1).
+    Markers(&'static ToolCallFormat),
+    /// DeepSeek-V4's DSML tags.
+    Dsml,
+}
+
+impl CallFormat {
+    /// `--tool-call-parser`'s name of DeepSeek-V4's format (vLLM's).
+    pub const DSML_NAME: &'static str = "deepseek_v4";
+
+    /// The format by its `--tool-call-parser` name.
+    pub fn by_name(name: &str) -> Option<CallFormat> {
+        if name == Self::DSML_NAME {
+            return Some(CallFormat::Dsml);
+        }
+        ToolCallFormat::by_name(name).map(CallFormat::Markers)
+    }
+
+    /// Every `--tool-call-parser` name.
+    pub fn names() -> Vec<&'static str> {
+        let mut names: Vec<&str> = FORMATS.iter().map(|f| f.name).collect();
+        names.push(Self::DSML_NAME);
+        names
+    }
+}
 
 impl ToolCallFormat {
     /// The format by its `--tool-call-parser` name.

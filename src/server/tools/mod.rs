@@ -15,6 +15,7 @@
 //! ([`reply`]). Only `auto`, where the model must be able to write prose or calls, needs the
 //! format.
 
+pub mod dsml;
 pub mod format;
 pub mod parser;
 pub mod reply;
@@ -24,7 +25,7 @@ use serde_json::{json, Map, Value};
 use crate::engine::grammar::JsonOptions;
 
 use super::error::ApiError;
-use format::ToolCallFormat;
+use format::CallFormat;
 
 /// One function a request offers the model.
 #[derive(Debug, Clone)]
@@ -132,10 +133,12 @@ impl ToolRequest {
     }
 
     /// The Lark grammar a constrained reply follows in the model's call `format` (see
-    /// [`ToolChoice`]), or `None` when the reply is free.
+    /// [`ToolChoice`]), or `None` when the reply is free. `prefilled`: the prompt already
+    /// opened DSML's calls block (V4's encoder does for a constrained reply).
     pub fn grammar(
         &self,
-        format: &ToolCallFormat,
+        format: CallFormat,
+        prefilled: bool,
         options: &JsonOptions,
         token_id: &dyn Fn(&str) -> Option<u32>,
     ) -> Option<String> {
@@ -150,14 +153,18 @@ impl ToolRequest {
             .zip(&schemas)
             .map(|(t, s)| (t.name.as_str(), s))
             .collect();
-        match &self.choice {
-            ToolChoice::None | ToolChoice::Auto => None,
-            ToolChoice::Required => Some(format.lark_grammar(&functions, self.parallel, token_id)),
+        let (functions, parallel) = match &self.choice {
+            ToolChoice::None | ToolChoice::Auto => return None,
+            ToolChoice::Required => (functions, self.parallel),
             ToolChoice::Function(name) => {
                 let one: Vec<_> = functions.into_iter().filter(|(n, _)| n == name).collect();
-                Some(format.lark_grammar(&one, false, token_id))
+                (one, false)
             }
-        }
+        };
+        Some(match format {
+            CallFormat::Markers(f) => f.lark_grammar(&functions, parallel, token_id),
+            CallFormat::Dsml => dsml::lark_grammar(&functions, parallel, prefilled, token_id),
+        })
     }
 
     /// For a model without a call format: the JSON schema a constrained reply follows (vLLM's

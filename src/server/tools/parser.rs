@@ -47,7 +47,7 @@ enum State {
 }
 
 /// The longest function name the parser waits for before deciding the text is not a call.
-const MAX_NAME_BYTES: usize = 256;
+pub(super) const MAX_NAME_BYTES: usize = 256;
 
 /// An incremental parser of one reply (see the module docs).
 #[derive(Debug)]
@@ -235,7 +235,7 @@ impl ToolCallParser {
     }
 }
 
-fn push_content(out: &mut Vec<Parsed>, text: String) {
+pub(super) fn push_content(out: &mut Vec<Parsed>, text: String) {
     if text.is_empty() {
         return;
     }
@@ -245,7 +245,7 @@ fn push_content(out: &mut Vec<Parsed>, text: String) {
     }
 }
 
-fn push_arguments(out: &mut Vec<Parsed>, index: usize, text: String) {
+pub(super) fn push_arguments(out: &mut Vec<Parsed>, index: usize, text: String) {
     if text.is_empty() {
         return;
     }
@@ -257,7 +257,7 @@ fn push_arguments(out: &mut Vec<Parsed>, index: usize, text: String) {
 
 /// The length of the longest end of `text` that is a proper beginning of `marker` (text that
 /// may become the marker with what comes next).
-fn partial_marker_len(text: &str, marker: &str) -> usize {
+pub(super) fn partial_marker_len(text: &str, marker: &str) -> usize {
     (1..marker.len().min(text.len() + 1))
         .rev()
         .find(|&k| marker.is_char_boundary(k) && text.ends_with(&marker[..k]))

@@ -10,7 +10,8 @@
 //! cut in, with its partial arguments (and name, when cut inside it), or, when it was cut
 //! before any call began, its text as content. Nothing the model wrote is dropped.
 
-use super::format::ToolCallFormat;
+use super::dsml::DsmlParser;
+use super::format::CallFormat;
 use super::parser::{assemble, Parsed, ToolCallParser};
 
 /// How a reply with tools is written, so how it is read.
@@ -19,10 +20,12 @@ pub enum ToolReply {
     /// In the model's own tool-call format (`--tool-call-parser`, or the chat template's).
     Format {
         /// The format.
-        format: &'static ToolCallFormat,
+        format: CallFormat,
         /// A named `tool_choice` forces the call (reported as `"stop"`, see
         /// [`ReplyParser::stops_as_tool_calls`]).
         named: bool,
+        /// The prompt opened DSML's calls block: the reply starts inside it.
+        prefilled: bool,
     },
     /// The arguments object of this function (a named `tool_choice`, no format).
     Named(String),
@@ -33,10 +36,17 @@ pub enum ToolReply {
 /// The parser of one reply (see the module docs).
 #[derive(Debug)]
 pub enum ReplyParser {
-    /// Calls in the model's format.
+    /// Calls in a marker format.
     Format {
         /// Reads the format.
         parser: ToolCallParser,
+        /// As in [`ToolReply::Format`].
+        named: bool,
+    },
+    /// Calls in DSML.
+    Dsml {
+        /// Reads DSML.
+        parser: DsmlParser,
         /// As in [`ToolReply::Format`].
         named: bool,
     },
@@ -50,8 +60,20 @@ impl ReplyParser {
     /// A parser for replies written as `reply` says.
     pub fn new(reply: &ToolReply) -> Self {
         match reply {
-            ToolReply::Format { format, named } => ReplyParser::Format {
+            ToolReply::Format {
+                format: CallFormat::Markers(format),
+                named,
+                ..
+            } => ReplyParser::Format {
                 parser: ToolCallParser::new(format),
+                named: *named,
+            },
+            ToolReply::Format {
+                format: CallFormat::Dsml,
+                named,
+                prefilled,
+            } => ReplyParser::Dsml {
+                parser: DsmlParser::new(*prefilled),
                 named: *named,
             },
             ToolReply::Named(name) => ReplyParser::Named(NamedCallParser::new(name.clone())),
@@ -63,6 +85,7 @@ impl ReplyParser {
     pub fn calls(&self) -> usize {
         match self {
             ReplyParser::Format { parser, .. } => parser.calls(),
+            ReplyParser::Dsml { parser, .. } => parser.calls(),
             ReplyParser::Named(p) => usize::from(p.started),
             ReplyParser::Required(p) => p.calls,
         }
@@ -74,8 +97,9 @@ impl ReplyParser {
     /// format; calls the model chose to make (`auto`, or `required`) as `"tool_calls"`.
     pub fn stops_as_tool_calls(&self) -> bool {
         let named = match self {
-            ReplyParser::Named(_) | ReplyParser::Format { named: true, .. } => true,
-            ReplyParser::Format { named: false, .. } | ReplyParser::Required(_) => false,
+            ReplyParser::Named(_) => true,
+            ReplyParser::Format { named, .. } | ReplyParser::Dsml { named, .. } => *named,
+            ReplyParser::Required(_) => false,
         };
         !named && self.calls() > 0
     }
@@ -84,6 +108,7 @@ impl ReplyParser {
     pub fn push(&mut self, text: &str) -> Vec<Parsed> {
         match self {
             ReplyParser::Format { parser, .. } => parser.push(text),
+            ReplyParser::Dsml { parser, .. } => parser.push(text),
             ReplyParser::Named(p) => p.push(text),
             ReplyParser::Required(p) => p.push(text),
         }
@@ -93,6 +118,7 @@ impl ReplyParser {
     pub fn finish(&mut self) -> Vec<Parsed> {
         match self {
             ReplyParser::Format { parser, .. } => parser.finish(),
+            ReplyParser::Dsml { parser, .. } => parser.finish(),
             ReplyParser::Named(p) => p.finish(),
             ReplyParser::Required(p) => p.finish(),
         }
