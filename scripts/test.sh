@@ -36,7 +36,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import jax, ml_dtypes, safetensors, openai, pytest, httpx, transformers, jinja2, jsonschema, gguf" 2>/dev/null; then
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import jax, ml_dtypes, safetensors, openai, pytest, httpx, transformers, jinja2, jsonschema, gguf, deepseek_recipe" 2>/dev/null; then
     python3 -m venv .venv
     .venv/bin/pip install --quiet -r scripts/requirements-test.txt
 fi

@@ -252,6 +252,25 @@ impl Tokenizer {
         })
     }
 
+    /// The bytes of one token, which may be part of a character (OpenAI's logprob `bytes`,
+    /// from which a client rebuilds text whose characters span tokens). A byte-level BPE
+    /// token's vocabulary string spells its bytes one character each (GPT-2's byte-to-unicode
+    /// map); any other token (an added token, a non-byte-level tokenizer) is its decoded text.
+    /// `None` for an id outside the vocabulary.
+    pub fn token_bytes(&self, id: u32) -> Option<Vec<u8>> {
+        let piece = self.inner.id_to_token(id)?;
+        let byte_level = matches!(
+            self.inner.get_decoder(),
+            Some(tokenizers::DecoderWrapper::ByteLevel(_))
+        );
+        if byte_level {
+            if let Some(bytes) = piece.chars().map(byte_of_char).collect() {
+                return Some(bytes);
+            }
+        }
+        self.decode(&[id], false).ok().map(String::into_bytes)
+    }
+
     /// The text of ids a model generated: an id the tokenizer does not have, which a model
     /// whose vocabulary is padded beyond its tokenizer's can sample (DeepSeek-V3's config says
     /// 129,280; random or briefly trained weights pick such ids often), has no text, as
@@ -370,6 +389,20 @@ impl Tokenizer {
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
     }
+}
+
+/// The byte a character of a byte-level BPE vocabulary stands for (GPT-2's map: printable
+/// Latin-1 bytes stand for themselves, the other 68 bytes for U+0100 onward in order).
+fn byte_of_char(c: char) -> Option<u8> {
+    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || b >= 174;
+    let code = c as u32;
+    if code < 256 {
+        return printable(code).then_some(code as u8);
+    }
+    let shifted = (0..256u32)
+        .filter(|&b| !printable(b))
+        .nth((code - 256) as usize)?;
+    Some(shifted as u8)
 }
 
 /// `config.json`'s `model_type` beside the tokenizer, if there is one.

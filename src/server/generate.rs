@@ -18,7 +18,9 @@ use crate::runner::step::SamplingParams;
 
 use super::error::ApiError;
 use super::protocol::{ChatRequest, CompletionRequest, Prompt, SamplingFields};
-use super::request::{chat_prompt, check_model, ChatExtras, encode, from_json, off_runtime, read_json};
+use super::request::{
+    chat_prompt, check_model, encode, from_json, off_runtime, read_json, ChatExtras,
+};
 use super::response::{respond, ChoiceSpec, Flavor, Prepared};
 use super::state::AppState;
 use super::tools::format::CallFormat;
@@ -257,11 +259,15 @@ fn prepare_chat(state: &AppState, body: &Value) -> Result<Prepared, ApiError> {
         .filter(|f| f.get("type").and_then(Value::as_str) == Some("json_schema"))
         .and_then(|f| f.get("json_schema"))
         .and_then(|s| s.get("schema"));
+    let stated = match &tools {
+        Some(t) if state.v4_encoding() => Some(t.stated_to_v4()),
+        Some(t) => Some(t.definitions.clone()),
+        None => None,
+    };
     let extras = ChatExtras {
-        tools: tools.as_ref().map(|t| &t.definitions[..]),
+        tools: stated.as_deref(),
         response_schema,
-        calls_forced: offered.is_some_and(ToolRequest::constrained)
-            && prefills_calls(state),
+        calls_forced: offered.is_some_and(ToolRequest::constrained) && prefills_calls(state),
     };
     let prompt = chat_prompt(state, &req.messages, extras)?;
     let max_tokens = req.max_completion_tokens.or(req.max_tokens);

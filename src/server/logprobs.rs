@@ -3,8 +3,9 @@
 //! Completions use the legacy parallel arrays (`tokens`, `token_logprobs`, `top_logprobs` as
 //! token → logprob maps, `text_offset`); chat uses `content`, a list of `{token, logprob, bytes,
 //! top_logprobs}`. A token's text is its own decode (special tokens included); a byte-level token
-//! that holds only part of a character decodes to U+FFFD, and `bytes` then carries that
-//! replacement character's bytes rather than the partial ones.
+//! that holds only part of a character decodes to U+FFFD, while `bytes` carries the token's own
+//! bytes ([`Tokenizer::token_bytes`]), so that a client joining them gets the text back, as
+//! OpenAI documents `bytes`.
 
 use serde_json::{json, Map, Value};
 
@@ -22,11 +23,15 @@ pub struct LogprobsBuilder {
 }
 
 /// A token's text and bytes, by the tokenizer (or `token_id:N` without one, as vLLM writes).
+/// The bytes are the token's own, also when it holds part of a character (its text is then
+/// U+FFFD).
 fn token_text(tokenizer: Option<&Tokenizer>, id: u32) -> (String, Vec<u8>) {
     let text = tokenizer
         .and_then(|t| t.decode(&[id], false).ok())
         .unwrap_or_else(|| format!("token_id:{id}"));
-    let bytes = text.clone().into_bytes();
+    let bytes = tokenizer
+        .and_then(|t| t.token_bytes(id))
+        .unwrap_or_else(|| text.clone().into_bytes());
     (text, bytes)
 }
 

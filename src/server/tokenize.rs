@@ -13,7 +13,9 @@ use serde_json::{json, Value};
 
 use super::error::ApiError;
 use super::protocol::Message;
-use super::request::{chat_prompt, ChatExtras, check_model, encode, from_json, off_runtime, read_json};
+use super::request::{
+    chat_prompt, check_model, encode, from_json, off_runtime, read_json, ChatExtras,
+};
 use super::state::AppState;
 use super::tools::ToolRequest;
 

@@ -69,6 +69,17 @@ def test_streamed_logprobs_equal_the_whole_response(client):
     assert lps == whole.choices[0].logprobs.token_logprobs
 
 
+def token_bytes(tok, tok_id):
+    """A token's own bytes by transformers' byte-level BPE map (added tokens: their text)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    piece = tok.convert_ids_to_tokens(tok_id)
+    if tok_id in tok.added_tokens_decoder:
+        return piece.encode()
+    byte_of = {c: b for b, c in bytes_to_unicode().items()}
+    return bytes(byte_of[c] for c in piece)
+
+
 def test_chat_logprobs_shape_and_values(client, tok):
     messages = [{"role": "user", "content": "Speak."}]
     ref = cli_generate("Speak.", N, chat=True)
@@ -81,7 +92,7 @@ def test_chat_logprobs_shape_and_values(client, tok):
     want = expected(prompt_ids, ref.token_ids)
     for entry, tok_id, row in zip(content, ref.token_ids, want):
         assert abs(entry.logprob - row[tok_id]) < 1e-4
-        assert bytes(entry.bytes) == entry.token.encode()
+        assert bytes(entry.bytes) == token_bytes(tok, tok_id)
         assert len(entry.top_logprobs) == TOP
         assert entry.top_logprobs[0].token == entry.token
         values = [t.logprob for t in entry.top_logprobs]

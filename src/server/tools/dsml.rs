@@ -9,12 +9,11 @@
 use serde_json::{Map, Value};
 
 use crate::chat_v4::{
-    CALLS_BEGIN, CALLS_END, CALLS_OPENING, DSML, INVOKE_BEGIN, INVOKE_END, PARAMETER_BEGIN, PARAMETER_END,
+    CALLS_BEGIN, CALLS_END, CALLS_OPENING, DSML, INVOKE_BEGIN, INVOKE_END, PARAMETER_BEGIN,
+    PARAMETER_END,
 };
 
-use super::parser::{
-    partial_marker_len, push_arguments, push_content, Parsed, MAX_NAME_BYTES,
-};
+use super::parser::{partial_marker_len, push_arguments, push_content, Parsed, MAX_NAME_BYTES};
 
 /// Where the parser is in the reply.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -134,10 +133,9 @@ impl DsmlParser {
                 push_content(out, std::mem::replace(&mut self.held, rest));
                 false
             }
-            State::BetweenCalls => self.expect(&[
-                (INVOKE_BEGIN, State::Name),
-                (CALLS_END, State::Done),
-            ]),
+            State::BetweenCalls => {
+                self.expect(&[(INVOKE_BEGIN, State::Name), (CALLS_END, State::Done)])
+            }
             State::Name => match self.held.find("\">") {
                 Some(at) => {
                     let name = self.held[..at].to_owned();
@@ -307,7 +305,11 @@ fn parameter_rule(
         let value = match values {
             Some(values) => format!(
                 "({})",
-                values.iter().map(|v| lit(v)).collect::<Vec<_>>().join(" | ")
+                values
+                    .iter()
+                    .map(|v| lit(v))
+                    .collect::<Vec<_>>()
+                    .join(" | ")
             ),
             None => "/[^<]*/".to_owned(),
         };
@@ -471,16 +473,28 @@ mod tests {
             "tag": {"$ref": "#/$defs/T"}},
             "required": ["city", "days"], "$defs": {"T": {"type": "string", "maxLength": 3}}});
         let g = lark_grammar(&[("w", &schema)], true, true, &|_| None);
-        assert!(g.starts_with("start: call (\"\\n\" call)* \"\\n</｜DSML｜tool_calls>\"\n"), "{g}");
+        assert!(
+            g.starts_with("start: call (\"\\n\" call)* \"\\n</｜DSML｜tool_calls>\"\n"),
+            "{g}"
+        );
         assert!(g.contains("fn_0: \"<｜DSML｜invoke name=\\\"w\\\">\\n\" p_0_0 p_0_1? p_0_2 p_0_3? \"</｜DSML｜invoke>\""), "{g}");
         assert!(g.contains("string=\\\"true\\\">\" /[^<]*/"), "{g}");
         assert!(g.contains("(\"C\" | \"F\")"), "{g}");
-        assert!(g.contains("%json {\"type\":\"integer\",\"minimum\":1,"), "{g}");
+        assert!(
+            g.contains("%json {\"type\":\"integer\",\"minimum\":1,"),
+            "{g}"
+        );
         assert!(g.contains("\"$ref\":\"#/$defs/T\",\"$defs\""), "{g}");
         let with_token = lark_grammar(&[("w", &json!({}))], false, false, &|p| {
             (p == DSML).then_some(9)
         });
-        assert!(with_token.contains("\"<\" <[9]> \"invoke name="), "{with_token}");
-        assert!(with_token.starts_with("start: \"\\n\\n<\" <[9]> \"tool_calls>\\n\" call \""), "{with_token}");
+        assert!(
+            with_token.contains("\"<\" <[9]> \"invoke name="),
+            "{with_token}"
+        );
+        assert!(
+            with_token.starts_with("start: \"\\n\\n<\" <[9]> \"tool_calls>\\n\" call \""),
+            "{with_token}"
+        );
     }
 }

@@ -126,6 +126,22 @@ impl ToolRequest {
         }))
     }
 
+    /// The definitions V4's prompt states, as DeepSeek's encoder states them: none for
+    /// `none`, only the named function for a named choice, every one otherwise.
+    pub fn stated_to_v4(&self) -> Vec<Value> {
+        let names = self.tools.iter().map(|t| t.name.as_str());
+        self.definitions
+            .iter()
+            .zip(names)
+            .filter(|(_, name)| match &self.choice {
+                ToolChoice::None => false,
+                ToolChoice::Function(named) => named == name,
+                ToolChoice::Auto | ToolChoice::Required => true,
+            })
+            .map(|(d, _)| d.clone())
+            .collect()
+    }
+
     /// Whether the reply must be tool calls (`required` or a named function), which a
     /// grammar enforces.
     pub fn constrained(&self) -> bool {
