@@ -3,8 +3,9 @@
 //!
 //! DeepSeek publishes V4 with no `chat_template`: its prompt format is code
 //! (`encoding/encoding_dsv4.py` in the checkpoint, and DeepSeek's `deepseek-recipe` package,
-//! which vLLM and SGLang serve V4 through). This module writes the same prompts in non-thinking
-//! ("chat") mode, checked against `deepseek-recipe` 0.2.0 by `tests/server/test_v4_chat.py`:
+//! which SGLang serves V4 through). This module writes the prompts `deepseek-recipe` 0.2.0
+//! writes, checked against it by `tests/server/test_v4_chat.py`; in non-thinking ("chat")
+//! mode:
 //!
 //! ```text
 //! <｜begin▁of▁sentence｜>{system}<｜User｜>{user}<｜Assistant｜></think>{reply}<｜end▁of▁sentence｜>
@@ -32,9 +33,14 @@
 //! </｜DSML｜tool_calls>
 //! ```
 //!
-//! A string argument is written as is (`string="true"`), any other as JSON. Thinking mode
-//! (`<think>` opening the reply, reasoning kept or dropped by turn) is not written here: the
-//! server refuses it until replies are split into reasoning and content.
+//! A string argument is written as is (`string="true"`), any other as JSON.
+//!
+//! In thinking mode ([`Effort`]) the reply opens with `<think>`: the model reasons, closes with
+//! `</think>`, then answers. The prompt starts with the effort's instruction (none for `low`);
+//! earlier assistant turns keep their reasoning (`<think>{reasoning}</think>{content}`) when the
+//! request offers tools, and drop it (`</think>{content}`) otherwise, as `deepseek-recipe` does.
+//! (The checkpoint's `encoding_dsv4.py` differs on efforts: it writes the instruction `high`
+//! gets here only for `max`. The recipe is followed because it is what V4 is served with.)
 
 use serde_json::Value;
 
@@ -49,7 +55,9 @@ pub const EOS: &str = "<｜end▁of▁sentence｜>";
 pub const USER: &str = "<｜User｜>";
 /// Opens an assistant turn; non-thinking mode follows it with [`THINK_END`].
 pub const ASSISTANT: &str = "<｜Assistant｜>";
-/// Ends the (here empty) reasoning: what marks a non-thinking reply.
+/// Opens the reasoning of a thinking-mode reply.
+pub const THINK_BEGIN: &str = "<think>";
+/// Ends the reasoning (empty in non-thinking mode, which it marks).
 pub const THINK_END: &str = "</think>";
 /// The marker DSML's tags are spelled with.
 pub const DSML: &str = "｜DSML｜";
@@ -83,6 +91,56 @@ Otherwise, output directly after </think> with tool calls or final response.\n\n
 Tool Schemas\n\n{schemas}\n\nYou MUST strictly follow the above defined tool name and parameter \
 schemas to invoke tool calls.\n";
 
+/// How hard a thinking-mode reply reasons: OpenAI's `reasoning_effort`, as `deepseek-recipe`
+/// reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Effort {
+    /// `minimal`, `low`: no instruction.
+    Low,
+    /// `none`, `medium`, `high`, `xhigh`, or not given.
+    High,
+    /// `max`, `ultra`.
+    Max,
+}
+
+impl Effort {
+    /// `reasoning_effort`'s value (`None`: not given), or `None` for a value DeepSeek's
+    /// encoder does not know.
+    pub fn parse(value: Option<&str>) -> Option<Effort> {
+        Some(match value {
+            None | Some("none" | "medium" | "high" | "xhigh") => Effort::High,
+            Some("minimal" | "low") => Effort::Low,
+            Some("max" | "ultra") => Effort::Max,
+            Some(_) => return None,
+        })
+    }
+
+    /// The instruction the prompt starts with.
+    fn instruction(self) -> &'static str {
+        match self {
+            Effort::Low => "",
+            Effort::High => EFFORT_HIGH,
+            Effort::Max => EFFORT_MAX,
+        }
+    }
+}
+
+/// The instruction of [`Effort::High`].
+const EFFORT_HIGH: &str = "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n\
+You MUST be very thorough in your thinking and comprehensively decompose the problem to resolve \
+the root cause, rigorously stress-testing your logic against all potential paths, edge cases, \
+and adversarial scenarios.\nExplicitly write out your entire deliberation process, documenting \
+every intermediate step, considered alternative, and rejected hypothesis to ensure absolutely \
+no assumption is left unchecked.\n\n";
+
+/// The instruction of [`Effort::Max`].
+const EFFORT_MAX: &str = "Reasoning Effort: Beyond maximum \u{2014} exhaustive, relentless, \
+and uncompromising.\nYou MUST reason with the utmost depth and rigor, leaving absolutely nothing \
+to chance: exhaustively decompose the problem into its most fundamental components, trace every \
+causal chain to its root, and resolve the underlying cause rather than any surface symptom.\nDo \
+not stop reasoning until you have independently verified the solution from multiple angles and \
+are certain that no assumption remains unchecked and no error remains undiscovered.\n\n";
+
 /// Introduces a `json_schema` response format in the system text.
 const RESPONSE_FORMAT: &str =
     "## Response Format:\n\nYou MUST strictly adhere to the following schema to reply:\n";
@@ -99,6 +157,8 @@ pub struct V4Chat<'a> {
     pub response_schema: Option<&'a Value>,
     /// The reply must be calls: the prompt ends inside the opened calls block.
     pub calls_forced: bool,
+    /// Thinking mode, at this effort (`None`: non-thinking).
+    pub thinking: Option<Effort>,
 }
 
 /// One turn after system messages are lifted and user and tool messages merged.
@@ -106,6 +166,7 @@ enum Turn<'a> {
     User(Vec<Block<'a>>),
     Assistant {
         content: &'a str,
+        reasoning: &'a str,
         calls: Vec<(&'a str, &'a str)>,
     },
 }
@@ -190,7 +251,12 @@ pub fn render(chat: &V4Chat) -> Result<String> {
                     answered = vec![false; open_calls.len()];
                     caller = i;
                 }
-                turns.push(Turn::Assistant { content, calls });
+                let reasoning = m.reasoning_content.as_deref().unwrap_or("");
+                turns.push(Turn::Assistant {
+                    content,
+                    reasoning,
+                    calls,
+                });
             }
             other => return Err(bad(i, format!("V4 has no role `{other}`"))),
         }
@@ -206,8 +272,15 @@ pub fn render(chat: &V4Chat) -> Result<String> {
     }
 
     let mut out = String::from(BOS);
+    if let Some(effort) = chat.thinking {
+        out.push_str(effort.instruction());
+    }
     out.push_str(&system.join("\n\n"));
-    if let Some(tools) = chat.tools.filter(|t| !t.is_empty()) {
+    let tools = chat.tools.filter(|t| !t.is_empty());
+    // Earlier reasoning stays in the prompt only beside tools (a reasoning model's calls and
+    // their results are one line of thought).
+    let keep_reasoning = tools.is_some();
+    if let Some(tools) = tools {
         out.push_str("\n\n");
         out.push_str(&tools_block(tools));
     }
@@ -230,8 +303,16 @@ pub fn render(chat: &V4Chat) -> Result<String> {
                     .collect();
                 out.push_str(&texts.join("\n\n"));
             }
-            Turn::Assistant { content, calls } => {
+            Turn::Assistant {
+                content,
+                reasoning,
+                calls,
+            } => {
                 out.push_str(ASSISTANT);
+                if chat.thinking.is_some() && keep_reasoning {
+                    out.push_str(THINK_BEGIN);
+                    out.push_str(reasoning);
+                }
                 out.push_str(THINK_END);
                 out.push_str(content);
                 if !calls.is_empty() {
@@ -243,7 +324,11 @@ pub fn render(chat: &V4Chat) -> Result<String> {
         }
     }
     out.push_str(ASSISTANT);
-    out.push_str(THINK_END);
+    out.push_str(if chat.thinking.is_some() {
+        THINK_BEGIN
+    } else {
+        THINK_END
+    });
     if chat.calls_forced {
         out.push_str(CALLS_OPENING);
     }
@@ -414,6 +499,7 @@ mod tests {
                     .collect(),
             ),
             tool_call_id: None,
+            reasoning_content: None,
         }
     }
 
@@ -430,6 +516,7 @@ mod tests {
             tools: None,
             response_schema: None,
             calls_forced: false,
+            thinking: None,
         })
     }
 

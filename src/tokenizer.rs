@@ -77,6 +77,10 @@ pub struct ChatMessage {
     /// A tool message's `tool_call_id`: which call it answers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_call_id: Option<String>,
+    /// An assistant turn's reasoning (`reasoning_content`), which V4's encoder writes back in
+    /// thinking mode beside tools; templates never see it.
+    #[serde(skip)]
+    pub reasoning_content: Option<String>,
 }
 
 impl ChatMessage {
@@ -87,6 +91,7 @@ impl ChatMessage {
             content: Some(content.to_owned()),
             tool_calls: None,
             tool_call_id: None,
+            reasoning_content: None,
         }
     }
 }
@@ -321,6 +326,7 @@ impl Tokenizer {
                 tools,
                 response_schema: None,
                 calls_forced: false,
+                thinking: None,
             });
         }
         let template = self

@@ -16,14 +16,12 @@ use crate::engine::grammar::{OutputGrammar, ResponseFormat};
 use crate::engine::{GenerationParams, RequestStream};
 use crate::runner::step::SamplingParams;
 
+use super::chat::{chat_prompt, prefills_calls, ChatPrompt};
 use super::error::ApiError;
-use super::protocol::{ChatRequest, CompletionRequest, Prompt, SamplingFields};
-use super::request::{
-    chat_prompt, check_model, encode, from_json, off_runtime, read_json, ChatExtras,
-};
+use super::protocol::{ChatRequest, CompletionRequest, Prompt, PromptFields, SamplingFields};
+use super::request::{check_model, encode, from_json, off_runtime, read_json};
 use super::response::{respond, ChoiceSpec, Flavor, Prepared};
 use super::state::AppState;
-use super::tools::format::CallFormat;
 use super::tools::reply::ToolReply;
 use super::tools::{ToolChoice, ToolRequest};
 
@@ -241,35 +239,19 @@ fn prepared(
         include_usage: sampling.include_usage(),
         grammar,
         tool_reply: None,
+        thinking: false,
     })
 }
 
 fn prepare_chat(state: &AppState, body: &Value) -> Result<Prepared, ApiError> {
     let req: ChatRequest = from_json(body)?;
     let sampling = checked_sampling(state, body, &req.model)?;
-    let tools = ToolRequest::from_request(
-        req.tools.as_ref(),
-        req.tool_choice.as_ref(),
-        req.parallel_tool_calls,
-    )?;
-    let offered = tools.as_ref().filter(|t| t.choice != ToolChoice::None);
-    let response_schema = sampling
-        .response_format
-        .as_ref()
-        .filter(|f| f.get("type").and_then(Value::as_str) == Some("json_schema"))
-        .and_then(|f| f.get("json_schema"))
-        .and_then(|s| s.get("schema"));
-    let stated = match &tools {
-        Some(t) if state.v4_encoding() => Some(t.stated_to_v4()),
-        Some(t) => Some(t.definitions.clone()),
-        None => None,
-    };
-    let extras = ChatExtras {
-        tools: stated.as_deref(),
-        response_schema,
-        calls_forced: offered.is_some_and(ToolRequest::constrained) && prefills_calls(state),
-    };
-    let prompt = chat_prompt(state, &req.messages, extras)?;
+    let fields: PromptFields = from_json(body)?;
+    let ChatPrompt {
+        tokens: prompt,
+        tools,
+        thinking,
+    } = chat_prompt(state, &req.messages, &fields)?;
     let max_tokens = req.max_completion_tokens.or(req.max_tokens);
     if max_tokens == Some(0) {
         return Err(ApiError::invalid_field(
@@ -292,13 +274,8 @@ fn prepare_chat(state: &AppState, body: &Value) -> Result<Prepared, ApiError> {
     if let Some(tools) = tools.filter(|t| t.choice != ToolChoice::None) {
         use_tools(state, &tools, &mut p)?;
     }
+    p.thinking = thinking.is_some();
     Ok(p)
-}
-
-/// Whether the prompt of a reply that must be calls already opens the calls block: V4's
-/// encoder writes DSML's opening into the prompt, as DeepSeek's does.
-fn prefills_calls(state: &AppState) -> bool {
-    state.v4_encoding() && state.tool_format() == Some(CallFormat::Dsml)
 }
 
 /// Sets up a chat request that offers tools the model may call: its replies are parsed for

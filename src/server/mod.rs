@@ -33,12 +33,14 @@
 //! | [`error`] | [`ApiError`](error::ApiError) and every conversion into it |
 
 mod app;
+mod chat;
 mod conn;
 pub mod error;
 mod generate;
 mod info;
 mod logprobs;
 pub mod protocol;
+mod reasoning;
 mod request;
 mod response;
 mod serve;

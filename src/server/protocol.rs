@@ -165,6 +165,9 @@ pub struct Message {
     pub tool_calls: Option<Vec<serde_json::Value>>,
     /// A `tool` message's answer to this call.
     pub tool_call_id: Option<String>,
+    /// An assistant turn's reasoning, as a thinking-mode reply returned it (V4's encoder
+    /// writes it back beside tools).
+    pub reasoning_content: Option<String>,
 }
 
 /// `POST /v1/chat/completions`.
@@ -178,12 +181,27 @@ pub struct ChatRequest {
     pub max_tokens: Option<i64>,
     /// OpenAI's newer name for `max_tokens`.
     pub max_completion_tokens: Option<i64>,
+}
+
+/// The fields of a chat request that shape its prompt besides the messages, read from the
+/// same body as the endpoint's own fields (`/v1/chat/completions`, and `/tokenize` with
+/// `messages`, read the same).
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct PromptFields {
     /// Functions the model may call (read by `tools::ToolRequest::from_request`).
     pub tools: Option<serde_json::Value>,
     /// `none`, `auto`, `required` or a named function.
     pub tool_choice: Option<serde_json::Value>,
     /// Whether a reply may hold more than one call (default true).
     pub parallel_tool_calls: Option<bool>,
+    /// A `json_schema` response format's schema is stated in V4's prompt.
+    pub response_format: Option<serde_json::Value>,
+    /// DeepSeek's switch of thinking mode: `{"type": "enabled" | "disabled"}`.
+    pub thinking: Option<serde_json::Value>,
+    /// vLLM's and SGLang's way to the same switch: `{"thinking": true}`.
+    pub chat_template_kwargs: Option<serde_json::Value>,
+    /// How hard a thinking-mode reply reasons (`low`, `high`, `max`, ...).
+    pub reasoning_effort: Option<String>,
 }
 
 /// A boolean field that may also be `null` (meaning `false`).

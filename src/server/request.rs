@@ -17,10 +17,8 @@ use serde_json::Value;
 use tokio::sync::Semaphore;
 
 use crate::error::ErrorKind;
-use crate::tokenizer::{ChatEncoding, ChatMessage};
 
 use super::error::ApiError;
-use super::protocol::Message;
 use super::state::AppState;
 
 /// Runs `work` (a request's parsing and tokenizing) on a blocking thread, off the async
@@ -118,68 +116,4 @@ pub(super) fn encode(
     tokenizer
         .encode(text, add_special_tokens)
         .map_err(|e| ApiError::invalid_field("prompt", e.to_string()))
-}
-
-/// What a chat prompt is rendered from besides its messages.
-#[derive(Debug, Default, Clone, Copy)]
-pub(super) struct ChatExtras<'a> {
-    /// The request's `tools` entries, which the template (or V4's encoder) sees.
-    pub tools: Option<&'a [Value]>,
-    /// A `json_schema` response format's schema (stated in V4's system text).
-    pub response_schema: Option<&'a Value>,
-    /// The reply must be tool calls (V4's encoder opens the calls block).
-    pub calls_forced: bool,
-}
-
-/// The tokens of `messages` rendered with the model's chat template, or V4's encoder for a
-/// `deepseek_v4` model (see [`crate::chat_v4`]), ending with the prompt for the assistant's
-/// reply.
-pub(super) fn chat_prompt(
-    state: &AppState,
-    messages: &[Message],
-    extras: ChatExtras,
-) -> Result<Vec<u32>, ApiError> {
-    if messages.is_empty() {
-        return Err(ApiError::invalid_field(
-            "messages",
-            "messages must contain at least one message",
-        ));
-    }
-    let tokenizer = state.tokenizer.as_ref().ok_or_else(|| {
-        ApiError::bad_request("this model has no tokenizer, so it cannot serve chat requests")
-    })?;
-    let v4 = tokenizer.chat_encoding() == ChatEncoding::DeepseekV4;
-    // DeepSeek's V4 encoder joins text parts by blank lines; templates see them joined.
-    let separator = if v4 { "\n\n" } else { "" };
-    let messages = messages
-        .iter()
-        .enumerate()
-        .map(|(i, m)| {
-            let tool_calls = m.template_tool_calls(i)?;
-            // An assistant turn that only called tools has no content (the template's none).
-            let content = match (&m.content, &tool_calls) {
-                (None, Some(_)) => None,
-                _ => Some(m.text(i, separator)?),
-            };
-            Ok(ChatMessage {
-                role: m.template_role(i)?.to_owned(),
-                content,
-                tool_calls,
-                tool_call_id: m.tool_call_id.clone(),
-            })
-        })
-        .collect::<Result<Vec<_>, ApiError>>()?;
-    let text = if v4 {
-        crate::chat_v4::render(&crate::chat_v4::V4Chat {
-            messages: &messages,
-            tools: extras.tools,
-            response_schema: extras.response_schema,
-            calls_forced: extras.calls_forced,
-        })
-    } else {
-        tokenizer.apply_chat_template_with_tools(&messages, extras.tools, true)
-    }
-    .map_err(|e| ApiError::invalid_field("messages", e.to_string()))?;
-    // The template writes the bos token itself.
-    encode(state, &text, false)
 }

@@ -23,6 +23,7 @@ use crate::tokenizer::Tokenizer;
 
 use super::error::ApiError;
 use super::logprobs::LogprobsBuilder;
+use super::reasoning::ReasoningSplitter;
 use super::state::AppState;
 use super::tools::parser::Parsed;
 use super::tools::reply::{ReplyParser, ToolReply};
@@ -82,6 +83,8 @@ pub struct Prepared {
     pub grammar: Option<(OutputGrammar, &'static str)>,
     /// Chat with tools: how the model's replies write calls, which they are parsed for.
     pub tool_reply: Option<ToolReply>,
+    /// Thinking mode: each reply is reasoning, then `</think>`, then the answer.
+    pub thinking: bool,
 }
 
 /// The fields every response and chunk starts with, and how tokens are reported.
@@ -150,6 +153,8 @@ struct Choice {
     /// Chat with tools: the parser of the reply's text (fed as it streams, or whole at the
     /// end).
     tool_parser: Option<ReplyParser>,
+    /// Thinking mode: splits the reasoning off the reply (before the tool parser sees it).
+    reasoning: Option<ReasoningSplitter>,
 }
 
 impl Choice {
@@ -158,9 +163,11 @@ impl Choice {
         spec: &ChoiceSpec,
         header: &Header,
         tool_reply: Option<&ToolReply>,
+        thinking: bool,
     ) -> Self {
         Choice {
             tool_parser: tool_reply.map(ReplyParser::new),
+            reasoning: thinking.then(ReasoningSplitter::default),
             index,
             tokens: 0,
             text: String::new(),
@@ -217,15 +224,18 @@ impl Choice {
             self.first = false;
             return None;
         }
-        // Chat replies may hold tool calls: what the parser releases of the text so far.
+        // Chat replies may hold reasoning, then tool calls: what the splitter and the parser
+        // release of the text so far.
+        let (reasoning, answer) = self.split_reasoning(&text);
         let (content, tool_calls) = match header.flavor {
             Flavor::Completion => (text.clone(), Vec::new()),
-            Flavor::Chat => self.parse_tool_calls(header, &text),
+            Flavor::Chat => self.parse_tool_calls(header, &answer),
         };
         // After the parser has seen the text: a call may have begun in it.
         let finish = self.finish_reason();
         self.sent += text.len();
-        if content.is_empty() && tool_calls.is_empty() && finish.is_none() && !self.first {
+        let quiet = reasoning.is_empty() && content.is_empty() && tool_calls.is_empty();
+        if quiet && finish.is_none() && !self.first {
             return None;
         }
         let lp = std::mem::replace(&mut self.logprobs, header.logprobs_builder())
@@ -242,6 +252,9 @@ impl Choice {
                 } else {
                     json!({"content": content})
                 };
+                if !reasoning.is_empty() {
+                    delta["reasoning_content"] = Value::String(reasoning);
+                }
                 if !tool_calls.is_empty() {
                     delta["tool_calls"] = Value::Array(tool_calls);
                 }
@@ -250,6 +263,19 @@ impl Choice {
         };
         self.first = false;
         Some(choice)
+    }
+
+    /// Streams in thinking mode: the reasoning `text` adds (with what was held back, after the
+    /// last token) and the answer it releases; otherwise `text` is all answer.
+    fn split_reasoning(&mut self, text: &str) -> (String, String) {
+        let Some(splitter) = self.reasoning.as_mut() else {
+            return (String::new(), text.to_owned());
+        };
+        let (mut reasoning, answer) = splitter.push(text);
+        if self.finish.is_some() {
+            reasoning.push_str(&splitter.finish());
+        }
+        (reasoning, answer)
     }
 
     /// Streams with tools: passes `text` through the tool-call parser (flushing it after the
@@ -311,11 +337,21 @@ impl Choice {
                 "finish_reason": self.finish.map(FinishReason::as_str),
             }),
             Flavor::Chat => {
+                let (reasoning, answer) = match self.reasoning {
+                    Some(_) => {
+                        let (r, a) = ReasoningSplitter::split(&self.text);
+                        (Some(r), a)
+                    }
+                    None => (None, std::mem::take(&mut self.text)),
+                };
                 let (content, calls) = match self.tool_parser.as_mut() {
-                    Some(parser) => parser.parse_rest(&self.text),
-                    None => (Some(std::mem::take(&mut self.text)), Vec::new()),
+                    Some(parser) => parser.parse_rest(&answer),
+                    None => (Some(answer), Vec::new()),
                 };
                 let mut message = json!({"role": "assistant", "content": content});
+                if let Some(reasoning) = reasoning {
+                    message["reasoning_content"] = Value::String(reasoning);
+                }
                 if !calls.is_empty() {
                     let calls: Vec<Value> = calls
                         .into_iter()
@@ -384,7 +420,7 @@ pub async fn respond(state: &AppState, p: Prepared, streams: Vec<RequestStream>)
         .choices
         .iter()
         .enumerate()
-        .map(|(i, c)| Choice::new(i, c, &header, p.tool_reply.as_ref()))
+        .map(|(i, c)| Choice::new(i, c, &header, p.tool_reply.as_ref(), p.thinking))
         .collect();
     let events = merged(streams);
     if p.stream {

@@ -11,13 +11,11 @@ use axum::Json;
 use serde::Deserialize;
 use serde_json::{json, Value};
 
+use super::chat::chat_prompt;
 use super::error::ApiError;
-use super::protocol::Message;
-use super::request::{
-    chat_prompt, check_model, encode, from_json, off_runtime, read_json, ChatExtras,
-};
+use super::protocol::{Message, PromptFields};
+use super::request::{check_model, encode, from_json, off_runtime, read_json};
 use super::state::AppState;
-use super::tools::ToolRequest;
 
 /// `POST /tokenize`: a `prompt`, or chat `messages`.
 #[derive(Debug, Deserialize)]
@@ -26,10 +24,9 @@ struct TokenizeRequest {
     model: Option<String>,
     /// Text to encode.
     prompt: Option<String>,
-    /// Or a conversation, rendered with the chat template as for `/v1/chat/completions`.
+    /// Or a conversation, rendered as for `/v1/chat/completions` (with its tools, tool choice,
+    /// response format and thinking mode: [`PromptFields`]).
     messages: Option<Vec<Message>>,
-    /// With `messages`: tools the template sees, as in a chat request.
-    tools: Option<Value>,
     /// For `prompt`: add bos (and eos) as the tokenizer is configured to. Defaults to true.
     add_special_tokens: Option<bool>,
 }
@@ -51,12 +48,8 @@ fn tokenize_body(state: &AppState, body: &Value) -> Result<Value, ApiError> {
     let tokens = match (&req.prompt, &req.messages) {
         (Some(p), None) => encode(state, p, req.add_special_tokens.unwrap_or(true))?,
         (None, Some(messages)) => {
-            let tools = ToolRequest::from_request(req.tools.as_ref(), None, None)?;
-            let extras = ChatExtras {
-                tools: tools.as_ref().map(|t| &t.definitions[..]),
-                ..ChatExtras::default()
-            };
-            chat_prompt(state, messages, extras)?
+            let fields: PromptFields = from_json(body)?;
+            chat_prompt(state, messages, &fields)?.tokens
         }
         _ => {
             return Err(ApiError::bad_request(

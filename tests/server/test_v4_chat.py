@@ -5,8 +5,12 @@ V4 through), in non-thinking mode:
 
 - every conversation's prompt tokens (`/tokenize`) equal the tokens of the prompt
   `deepseek-recipe` renders, tokenized by the fixture's own tokenizer.json: system messages lifted
-  and joined, tools stated, tool results merged into the user turn in call order, DSML calls in
-  history, list contents; a forced call's and a `json_schema` response format's prompts by count;
+  and joined, tools stated (only the named one for a named choice, none for `none`), tool results
+  merged into the user turn in call order, DSML calls in history, list contents, a forced call's
+  opened block, a `json_schema` response format; in thinking mode too, at every effort, with
+  earlier reasoning kept beside tools and dropped otherwise;
+- thinking-mode replies come back as `reasoning_content` (whole and streamed), as the recipe's
+  parser reads the same raw text;
 - DSML tool calls the model is constrained to write (`tool_choice` required or named) are read
   back exactly as `deepseek-recipe`'s parser reads the same raw text (from the log-probabilities'
   tokens), whole and streamed, and their arguments validate against the schemas;
@@ -46,7 +50,7 @@ def srv(tmp_path_factory):
 
 
 def recipe_request(messages, **body):
-    """deepseek-recipe's conversion of a chat request (non-thinking mode)."""
+    """deepseek-recipe's conversion of a chat request (non-thinking unless `body` says)."""
     body = {"model": "DeepSeek-V4-Pro", "messages": messages, "thinking": {"type": "disabled"},
             **body}
     return recipe.ChatCompletionRequest(body).convert(recipe.ConversionOptions())
@@ -97,28 +101,51 @@ CONVERSATIONS = {
 }
 
 
+CONVERSATIONS["reasoning in history"] = [
+    {"role": "user", "content": "Q1"},
+    {"role": "assistant", "content": "A1", "reasoning_content": "R1"},
+    {"role": "user", "content": "Q2"},
+    {"role": "assistant", "content": None, "reasoning_content": "R2",
+     "tool_calls": [call("t", "add", json.dumps({"a": 1, "b": 2}))]},
+    {"role": "tool", "tool_call_id": "t", "content": "3"},
+    {"role": "assistant", "content": "A3", "reasoning_content": "R3"},
+]
+THINKING = {"off": {}, "on": {"thinking": {"type": "enabled"}},
+            "kwarg low": {"chat_template_kwargs": {"thinking": True}, "reasoning_effort": "low"},
+            "max": {"thinking": {"type": "enabled"}, "reasoning_effort": "max"}}
+
+
+def tokenize(srv, body):
+    r = httpx.post(f"{srv.base_url}/tokenize", headers=AUTH, json={"model": NAME, **body})
+    assert r.status_code == 200, r.text
+    return r.json()["tokens"]
+
+
 @pytest.mark.parametrize("name", list(CONVERSATIONS))
 @pytest.mark.parametrize("with_tools", [False, True])
-def test_prompts_match_deepseeks_encoder(srv, name, with_tools):
+@pytest.mark.parametrize("thinking", list(THINKING))
+def test_prompts_match_deepseeks_encoder(srv, name, with_tools, thinking):
     messages = CONVERSATIONS[name]
-    tools = {"tools": TOOLS} if with_tools else {}
-    r = httpx.post(f"{srv.base_url}/tokenize", headers=AUTH,
-                   json={"model": NAME, "messages": messages, **tools})
-    assert r.status_code == 200, r.text
-    assert r.json()["tokens"] == recipe_prompt_ids(messages, **tools)
+    body = {**({"tools": TOOLS} if with_tools else {}), **THINKING[thinking]}
+    recipe_body = dict(body)
+    if "chat_template_kwargs" in recipe_body:  # the recipe reads DeepSeek's switch only
+        del recipe_body["chat_template_kwargs"]
+        recipe_body["thinking"] = {"type": "enabled"}
+    assert tokenize(srv, {"messages": messages, **body}) == recipe_prompt_ids(
+        messages, **recipe_body)
 
 
-def test_forced_calls_and_response_format_prompts_match_by_count(srv):
-    client = srv.client()
-    cases = [
-        dict(tools=TOOLS, tool_choice="required"),
-        dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}}),
-        dict(response_format={"type": "json_schema", "json_schema": {
-            "name": "n", "schema": SCHEMAS["add"]}}),
-    ]
-    for extra in cases:
-        r = client.chat.completions.create(model=NAME, messages=QUESTION, max_tokens=1, **extra)
-        assert r.usage.prompt_tokens == len(recipe_prompt_ids(QUESTION, **extra)), extra
+@pytest.mark.parametrize("extra", [
+    dict(tools=TOOLS, tool_choice="required"),
+    dict(tools=TOOLS, tool_choice="required", parallel_tool_calls=False),
+    dict(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}}),
+    dict(tools=TOOLS, tool_choice="none"),
+    dict(tools=TOOLS, tool_choice="none", thinking={"type": "enabled"}),
+    dict(response_format={"type": "json_schema", "json_schema": {
+        "name": "n", "schema": SCHEMAS["add"]}}),
+], ids=["required", "one call", "named", "none", "none thinking", "json_schema"])
+def test_choices_and_formats_shape_the_prompt_as_deepseeks_encoder(srv, extra):
+    assert tokenize(srv, {"messages": QUESTION, **extra}) == recipe_prompt_ids(QUESTION, **extra)
 
 
 def raw_text(choice):
@@ -128,6 +155,14 @@ def raw_text(choice):
 
 def recipe_parse(text, **body):
     """deepseek-recipe's reading of a reply: (content, [(name, arguments)])."""
+    message = recipe_parse_message(text, **body)
+    calls = [(c["function"]["name"], c["function"]["arguments"])
+             for c in message.get("tool_calls") or []]
+    return message.get("content") or None, calls
+
+
+def recipe_parse_message(text, **body):
+    """deepseek-recipe's reading of a reply, as its chat completion message."""
     request = recipe_request(QUESTION, tools=TOOLS, **body)
     generator = recipe.ChatCompletionRequest.chunk_generator(request, "id", NAME)
     processor = recipe.StreamProcessor(generator, request.parsing_options)
@@ -137,10 +172,7 @@ def recipe_parse(text, **body):
     chunks += processor.finish()
     for c in chunks:
         response.accumulate(c)
-    message = json.loads(response.to_json())["choices"][0]["message"]
-    calls = [(c["function"]["name"], c["function"]["arguments"])
-             for c in message.get("tool_calls") or []]
-    return message.get("content") or None, calls
+    return json.loads(response.to_json())["choices"][0]["message"]
 
 
 @pytest.mark.parametrize("choice", ["required", "add", "get_weather"])
@@ -180,6 +212,49 @@ def test_free_replies_read_as_deepseeks_parser_reads_them(srv):
     content, calls = recipe_parse(raw_text(c))
     ours = [(t.function.name, t.function.arguments) for t in c.message.tool_calls or []]
     assert (c.message.content, ours) == (content, calls)
+
+
+def test_thinking_replies_come_back_as_reasoning(srv):
+    kw = dict(model=NAME, messages=QUESTION, tools=TOOLS, max_tokens=24, temperature=0.9,
+              seed=7, extra_body={"thinking": {"type": "enabled"}})
+    r = srv.client().chat.completions.create(logprobs=True, **kw)
+    c = r.choices[0]
+    message = c.message.model_dump()
+    reasoning, content = message["reasoning_content"], c.message.content
+    recipe = recipe_parse_message(raw_text(c), thinking={"type": "enabled"})
+    assert (reasoning, content or "") == (recipe["reasoning_content"], recipe["content"] or "")
+    assert reasoning
+    streamed_reasoning, streamed_content = "", ""
+    for chunk in srv.client().chat.completions.create(stream=True, **kw):
+        if chunk.choices:
+            delta = chunk.choices[0].delta.model_dump()
+            streamed_reasoning += delta.get("reasoning_content") or ""
+            streamed_content += delta.get("content") or ""
+    assert (streamed_reasoning, streamed_content) == (reasoning, content or "")
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"thinking": {"type": "enabled"}, "tools": TOOLS, "tool_choice": "required"},
+     "tool_choice"),
+    ({"thinking": {"type": "enabled"}, "response_format": {"type": "json_object"}},
+     "response_format"),
+    ({"thinking": {"type": "enabled"}, "reasoning_effort": "extreme"}, "reasoning_effort"),
+    ({"thinking": {"type": "sometimes"}}, "thinking"),
+    ({"chat_template_kwargs": {"thinking": "yes"}}, "chat_template_kwargs.thinking"),
+])
+def test_bad_thinking_requests_are_refused_naming_the_field(srv, body, param):
+    r = httpx.post(f"{srv.base_url}/v1/chat/completions", headers=AUTH,
+                   json={"model": NAME, "messages": QUESTION, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
+
+
+def test_thinking_is_refused_for_a_model_with_a_template(client):
+    """The default model writes prompts with its Jinja template: no thinking mode."""
+    r = httpx.post(f"{client.base_url}chat/completions", headers=AUTH,
+                   json={"model": client.models.list().data[0].id, "messages": QUESTION,
+                         "chat_template_kwargs": {"thinking": True}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "thinking", r.text
 
 
 @pytest.mark.parametrize("messages, index", [

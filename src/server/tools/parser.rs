@@ -257,7 +257,7 @@ pub(super) fn push_arguments(out: &mut Vec<Parsed>, index: usize, text: String) 
 
 /// The length of the longest end of `text` that is a proper beginning of `marker` (text that
 /// may become the marker with what comes next).
-pub(super) fn partial_marker_len(text: &str, marker: &str) -> usize {
+pub(crate) fn partial_marker_len(text: &str, marker: &str) -> usize {
     (1..marker.len().min(text.len() + 1))
         .rev()
         .find(|&k| marker.is_char_boundary(k) && text.ends_with(&marker[..k]))
