@@ -131,6 +131,9 @@ pub struct EngineInfo {
     pub max_batch: usize,
     /// `cpu` or `device`.
     pub backend: &'static str,
+    /// Whether the model's sequences can share cached prefixes (not a DeepSeek-V4 model's:
+    /// see `scheduler::shares_prefixes`), whatever the options asked.
+    pub shares_prefixes: bool,
 }
 
 /// Why a request was not queued.
@@ -421,6 +424,7 @@ impl Engine {
                     vocab_size: runner.config().vocab_size,
                     max_batch: rc.buckets.max_batch(),
                     backend: runner.backend().name(),
+                    shares_prefixes: super::shares_prefixes(runner.config()),
                 };
                 let scheduler = Scheduler::new(runner, tokenizer, eos).and_then(|mut s| {
                     if let Some(n) = token_budget {

@@ -270,6 +270,12 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         metrics,
     )?;
     engine.set_stall_timeout(Duration::from_secs(args.stall_timeout_secs));
+    if !args.no_prefix_caching && !engine.info().shares_prefixes {
+        eprintln!(
+            "deepinfer: prefix caching is off for this DeepSeek-V4 model: its sliding-window and \
+             compressor rings live outside the cache blocks a prefix would share"
+        );
+    }
     let engine = Arc::new(engine);
     let config = ServerConfig {
         served_model_name: served_model_name.clone(),
