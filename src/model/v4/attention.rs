@@ -6,8 +6,8 @@
 
 use crate::config::v4::V4Config;
 use crate::error::{Error, Result};
-use crate::graph::{DType, Tensor};
-use crate::model::ops;
+use crate::graph::Tensor;
+use crate::model::{indexer, ops};
 
 use super::weights::{linear, Rope, Weights};
 
@@ -161,20 +161,20 @@ pub(super) fn index_scores(
 }
 
 /// Which keys each query attends to (`[n, k]` bool): the `index_topk` best of `scores`
-/// among the `visible` ones (fewer when fewer are visible). `torch.topk` breaks ties towards
-/// the lower index, as [`Tensor::topk`] does.
+/// among the `visible` ones (fewer when fewer are visible), a tie going to the lower index as
+/// `torch.topk` breaks it.
+///
+/// A mask by threshold ([`indexer::top_k_mask`], V3.2's prefill selection), not a sort: no
+/// `sort` at all, so no limit on the compressed context (neuronx-cc compiles none wider than
+/// 16,384 entries, a quarter of a 64k context at CSA's rate), and `O(n k)` values rather than a
+/// comparison of every pick with every key.
 pub(super) fn select(cfg: &V4Config, scores: &Tensor, visible: &Tensor) -> Result<Tensor> {
     let ix = cfg
         .indexer
         .ok_or_else(|| Error::shape("indexer", "a CSA layer without an indexer"))?;
-    let b = scores.builder();
-    let (n, k) = (scores.dim(0), scores.dim(1));
+    let k = scores.dim(1);
     let scores = visible.where_cond(scores, &scores.full_like(f64::NEG_INFINITY)?)?;
-    let top = ix.topk.min(k);
-    let picked = scores.topk(top)?.unsqueeze(2)?.broadcast_as([n, top, k])?;
-    let key = b.iota([n, top, k], DType::I32, 2)?;
-    let hit = picked.eq(&key)?.to_dtype(DType::F32)?.sum(1)?;
-    and(&hit.gt(&hit.full_like(0.0)?)?, visible)
+    and(&indexer::top_k_mask(&scores, ix.topk.min(k))?, visible)
 }
 
 /// Attention of `q` (`[n, heads, head_dim]`) over key sets, each with the keys every query may
