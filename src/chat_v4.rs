@@ -183,6 +183,14 @@ enum Block<'a> {
 /// content nor calls, or an unknown role is an error naming the message.
 pub fn render(chat: &V4Chat) -> Result<String> {
     let bad = |i: usize, why: String| Error::Tokenizer(format!("messages[{i}]: {why}"));
+    // A call of message `caller` that no tool message answered before the next turn.
+    let unanswered = |calls: &[String], answered: &[bool], caller: usize| {
+        let j = answered.iter().position(|a| !a)?;
+        Some(bad(
+            caller,
+            format!("tool call {:?} has no tool message answering it", calls[j]),
+        ))
+    };
     let mut system: Vec<&str> = Vec::new();
     let mut turns: Vec<Turn> = Vec::new();
     // The last calls made, and which of them are answered.
@@ -192,14 +200,8 @@ pub fn render(chat: &V4Chat) -> Result<String> {
     for (i, m) in chat.messages.iter().enumerate() {
         let content = m.content.as_deref().unwrap_or("");
         if m.role != "tool" {
-            if let Some(j) = answered.iter().position(|a| !a) {
-                return Err(bad(
-                    caller,
-                    format!(
-                        "tool call {:?} has no tool message answering it",
-                        open_calls[j]
-                    ),
-                ));
+            if let Some(e) = unanswered(&open_calls, &answered, caller) {
+                return Err(e);
             }
         }
         match m.role.as_str() {
@@ -261,14 +263,8 @@ pub fn render(chat: &V4Chat) -> Result<String> {
             other => return Err(bad(i, format!("V4 has no role `{other}`"))),
         }
     }
-    if let Some(j) = answered.iter().position(|a| !a) {
-        return Err(bad(
-            caller,
-            format!(
-                "tool call {:?} has no tool message answering it",
-                open_calls[j]
-            ),
-        ));
+    if let Some(e) = unanswered(&open_calls, &answered, caller) {
+        return Err(e);
     }
 
     let mut out = String::from(BOS);
