@@ -322,8 +322,9 @@ fn parameter_rule(
     )
 }
 
-/// For a property that is a plain string (no pattern, format or length bounds): its `enum`
-/// (or `const`) values if it lists any, else `Some(None)`; `None` for any other property.
+/// For a property that is a plain string (no pattern, format or length bounds; or, without a
+/// `type`, an `enum` or `const` of strings only): its `enum` (or `const`) values if it lists
+/// any, else `Some(None)`; `None` for any other property.
 fn plain_string(property: &Value) -> Option<Option<Vec<&str>>> {
     const PLAIN: [&str; 7] = [
         "type",
@@ -335,9 +336,12 @@ fn plain_string(property: &Value) -> Option<Option<Vec<&str>>> {
         "examples",
     ];
     let object = property.as_object()?;
-    if object.get("type").and_then(Value::as_str) != Some("string")
-        || object.keys().any(|k| !PLAIN.contains(&k.as_str()))
-    {
+    // A string, or (no `type`) a choice among values, which must then all be strings.
+    let typed = match object.get("type") {
+        Some(t) => t.as_str() == Some("string"),
+        None => object.contains_key("enum") || object.contains_key("const"),
+    };
+    if !typed || object.keys().any(|k| !PLAIN.contains(&k.as_str())) {
         return None;
     }
     if let Some(c) = object.get("const") {
@@ -468,10 +472,16 @@ mod tests {
     fn grammar_writes_parameters_in_schema_order() {
         let schema = json!({"type": "object", "properties": {
             "city": {"type": "string"},
-            "unit": {"type": "string", "enum": ["C", "F"]},
+            "unit": {"enum": ["C", "F"]},
             "days": {"type": "integer", "minimum": 1},
             "tag": {"$ref": "#/$defs/T"}},
             "required": ["city", "days"], "$defs": {"T": {"type": "string", "maxLength": 3}}});
+        let mixed = json!({"properties": {"m": {"enum": ["a", 1]}}});
+        let g_mixed = lark_grammar(&[("m", &mixed)], false, true, &|_| None);
+        assert!(
+            g_mixed.contains("string=\\\"false\\\">\" %json"),
+            "{g_mixed}"
+        );
         let g = lark_grammar(&[("w", &schema)], true, true, &|_| None);
         assert!(
             g.starts_with("start: call (\"\\n\" call)* \"\\n</｜DSML｜tool_calls>\"\n"),
