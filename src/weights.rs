@@ -20,8 +20,7 @@ use std::fs::File;
 use std::io::{Read, Seek, SeekFrom};
 use std::path::{Component, Path, PathBuf};
 
-use candle_core::quantized::ggml_file::qtensor_from_ggml;
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::{GgmlDType, QuantizedType};
 use candle_core::Tensor;
 use safetensors::tensor::Metadata;
 use safetensors::Dtype;
@@ -370,9 +369,10 @@ impl Checkpoint {
                 out.extend(&values, name)
             }
             Encoding::Plain(_) => self.read_chunks(name, entry, |chunk| out.extend(chunk, name)),
-            Encoding::Blocks(_) | Encoding::KvB(_) => {
-                out.extend(&self.read_f32(name, entry)?, name)
+            Encoding::Blocks(_) => {
+                self.read_block_chunks(name, entry, |chunk| out.extend(chunk, name))
             }
+            Encoding::KvB(_) => out.extend(&self.read_f32(name, entry)?, name),
         }
     }
 
@@ -468,11 +468,11 @@ impl Checkpoint {
                 Ok(values)
             }
             Encoding::Blocks(_) => {
-                let q = self.read_blocks(name, entry)?;
-                let values = q
-                    .dequantize(&candle_core::Device::Cpu)
-                    .and_then(|t| t.flatten_all()?.to_vec1::<f32>())
-                    .map_err(|e| Error::Weights(format!("dequantizing `{name}`: {e}")))?;
+                let mut values = Vec::with_capacity(entry.shape.iter().product());
+                self.read_block_chunks(name, entry, |chunk| {
+                    values.extend_from_slice(chunk);
+                    Ok(())
+                })?;
                 Ok(values)
             }
             Encoding::KvB(halves) => {
@@ -483,32 +483,53 @@ impl Checkpoint {
         }
     }
 
-    /// A tensor in GGML blocks as candle's quantized tensor, of the entry's shape.
-    fn read_blocks(&self, name: &str, entry: &TensorEntry) -> Result<QTensor> {
-        let Encoding::Blocks(format) = entry.encoding else {
-            return Err(Error::Internal(format!(
-                "tensor `{name}` is not in GGML blocks"
-            )));
-        };
-        let bytes = self.read_bytes(name, entry)?;
-        qtensor_from_ggml(
-            format,
-            &bytes,
-            entry.shape.clone(),
-            &candle_core::Device::Cpu,
-        )
-        .map_err(|e| Error::Weights(format!("tensor `{name}` ({format:?}): {e}")))
+    /// Reads a tensor in GGML blocks a chunk of whole blocks at a time, dequantizing each
+    /// chunk to f32 and handing it to `sink`: a large tensor (a quantized embedding, 0.84 GB in
+    /// f32 for V2-Lite) is never held whole in f32 on its way to the dtype it is held in.
+    fn read_block_chunks(
+        &self,
+        name: &str,
+        entry: &TensorEntry,
+        mut sink: impl FnMut(&[f32]) -> Result<()>,
+    ) -> Result<()> {
+        let format = block_format(name, entry)?;
+        let (block_bytes, block_values) = (format.type_size(), format.block_size());
+        let chunk_bytes = (READ_CHUNK_BYTES / block_bytes).max(1) * block_bytes;
+        self.read_raw(name, entry, chunk_bytes, |chunk| {
+            let blocks = stored_blocks(name, format, chunk)?;
+            let values = blocks
+                .dequantize(chunk.len() / block_bytes * block_values)
+                .map_err(|e| Error::Weights(format!("dequantizing `{name}`: {e}")))?;
+            match values {
+                candle_core::CpuStorage::F32(v) => sink(&v),
+                _ => Err(Error::Internal(format!(
+                    "candle dequantized `{name}` to another dtype than f32"
+                ))),
+            }
+        })
     }
 
     /// Tensor `name` as stored in GGML blocks, when it is (a GGUF's quantized matrices, for the
-    /// CPU backend to multiply as they are): `None` for a tensor in a plain float dtype. The
-    /// shape is checked as [`Checkpoint::tensor`] checks it.
-    pub fn blocks(&self, name: &str, expected_shape: &[usize]) -> Result<Option<QTensor>> {
+    /// CPU backend to multiply as they are): candle's CPU storage of its blocks, or `None` for
+    /// a tensor in a plain float dtype. The shape is checked as [`Checkpoint::tensor`] checks
+    /// it. The file's bytes pass through one buffer of the tensor's size on the way (candle's
+    /// storage copies them into its own), which is freed on return.
+    pub fn blocks(
+        &self,
+        name: &str,
+        expected_shape: &[usize],
+    ) -> Result<Option<Box<dyn QuantizedType>>> {
         let entry = self.checked_entry(name, expected_shape)?;
-        match entry.encoding {
-            Encoding::Blocks(_) => self.read_blocks(name, entry).map(Some),
-            _ => Ok(None),
-        }
+        let Encoding::Blocks(format) = entry.encoding else {
+            return Ok(None);
+        };
+        // In 8-byte words: aligned for any block type (see `read_raw`).
+        let mut words = vec![0u64; entry.len.div_ceil(8)];
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut words);
+        let bytes = &mut bytes[..entry.len];
+        let mut file = self.open_at(entry)?;
+        self.read_exact(name, entry, &mut file, bytes)?;
+        stored_blocks(name, format, bytes).map(Some)
     }
 
     /// Whether any tensor is stored in GGML blocks (only a quantized GGUF's are), which only
@@ -519,13 +540,11 @@ impl Checkpoint {
             .any(|e| matches!(e.encoding, Encoding::Blocks(_)))
     }
 
-    /// The raw bytes of a stored tensor.
+    /// The raw bytes of a stored tensor, read straight into the vector returned.
     fn read_bytes(&self, name: &str, entry: &TensorEntry) -> Result<Vec<u8>> {
-        let mut bytes = Vec::with_capacity(entry.len);
-        self.read_raw(name, entry, READ_CHUNK_BYTES, |chunk| {
-            bytes.extend_from_slice(chunk);
-            Ok(())
-        })?;
+        let mut bytes = vec![0u8; entry.len];
+        let mut file = self.open_at(entry)?;
+        self.read_exact(name, entry, &mut file, &mut bytes)?;
         Ok(bytes)
     }
 
@@ -567,6 +586,25 @@ impl Checkpoint {
         chunk_bytes: usize,
         mut sink: impl FnMut(&[u8]) -> Result<()>,
     ) -> Result<()> {
+        let mut file = self.open_at(entry)?;
+        // In 8-byte words, so that every chunk starts aligned for any GGML block type (candle
+        // views bytes as blocks in place, and checks their alignment).
+        let len = chunk_bytes.min(entry.len).max(1);
+        let mut words = vec![0u64; len.div_ceil(8)];
+        let buf: &mut [u8] = bytemuck::cast_slice_mut(&mut words);
+        let buf = &mut buf[..len];
+        let mut remaining = entry.len;
+        while remaining > 0 {
+            let n = remaining.min(buf.len());
+            self.read_exact(name, entry, &mut file, &mut buf[..n])?;
+            sink(&buf[..n])?;
+            remaining -= n;
+        }
+        Ok(())
+    }
+
+    /// The file holding `entry`, positioned at its data.
+    fn open_at(&self, entry: &TensorEntry) -> Result<File> {
         let path = &self.shards[entry.shard];
         let io = |source| Error::Io {
             path: path.clone(),
@@ -574,20 +612,23 @@ impl Checkpoint {
         };
         let mut file = File::open(path).map_err(io)?;
         file.seek(SeekFrom::Start(entry.offset)).map_err(io)?;
-        let mut buf = vec![0u8; chunk_bytes.min(entry.len).max(1)];
-        let mut remaining = entry.len;
-        while remaining > 0 {
-            let n = remaining.min(buf.len());
-            file.read_exact(&mut buf[..n]).map_err(|e| {
-                Error::Weights(format!(
-                    "{}: cannot read tensor `{name}` ({e}); was the file changed or truncated after it was opened?",
-                    path.display()
-                ))
-            })?;
-            sink(&buf[..n])?;
-            remaining -= n;
-        }
-        Ok(())
+        Ok(file)
+    }
+
+    /// Fills `buf` from `file` (tensor `name`'s, see [`Checkpoint::open_at`]).
+    fn read_exact(
+        &self,
+        name: &str,
+        entry: &TensorEntry,
+        file: &mut File,
+        buf: &mut [u8],
+    ) -> Result<()> {
+        file.read_exact(buf).map_err(|e| {
+            Error::Weights(format!(
+                "{}: cannot read tensor `{name}` ({e}); was the file changed or truncated after it was opened?",
+                self.shards[entry.shard].display()
+            ))
+        })
     }
 }
 
@@ -630,6 +671,29 @@ impl Conversion {
             fp8_block: None,
         }
     }
+}
+
+/// The block format of a tensor in GGML blocks.
+fn block_format(name: &str, entry: &TensorEntry) -> Result<GgmlDType> {
+    match entry.encoding {
+        Encoding::Blocks(format) => Ok(format),
+        _ => Err(Error::Internal(format!(
+            "tensor `{name}` is not in GGML blocks"
+        ))),
+    }
+}
+
+/// candle's CPU storage of the `format` blocks in `bytes` (copied), which must start 8-byte
+/// aligned (candle checks) and hold whole blocks.
+fn stored_blocks(name: &str, format: GgmlDType, bytes: &[u8]) -> Result<Box<dyn QuantizedType>> {
+    if !bytes.len().is_multiple_of(format.type_size()) {
+        return Err(Error::Weights(format!(
+            "tensor `{name}`: {} bytes are not whole {format:?} blocks of {}",
+            bytes.len(),
+            format.type_size()
+        )));
+    }
+    Ok(format.from_data(std::borrow::Cow::Borrowed(bytes)))
 }
 
 /// Reads and checks a safetensors file's header; returns it and the file offset of the data.

@@ -157,12 +157,13 @@ fn gguf_tokenizer_is_the_checkpoints_tokenizer() {
     }
 }
 
-/// A Q8_0 file's linear weights run in the blocks the file stores: each is held in GGML blocks
-/// whose bytes are those candle's Q8_0 quantizer makes from the HF checkpoint's f32 tensor (two
-/// independent quantizers, gguf-py's and candle's, agree), so the right tensor is bound to
-/// every matmul; what is not a linear weight (the embedding, the halves of `kv_b_proj`) is
-/// dequantized. The logits then stay as near transformers' f32 ones as `--quantize q8_0` keeps
-/// them (the bounds of `tests/quantized.rs`).
+/// A Q8_0 file's linear weights run in the blocks the file stores: each held matrix multiplies
+/// exactly (bit for bit) as candle's Q8_0 quantization of the HF checkpoint's f32 tensor does,
+/// so its blocks are those (two independent quantizers, gguf-py's and candle's, agree; held
+/// matrices may keep only candle's repacked tiles, so their products are compared, not their
+/// bytes) and the right tensor is bound to every matmul; what is not a linear weight (the
+/// embedding, the halves of `kv_b_proj`) is dequantized. The logits then stay as near
+/// transformers' f32 ones as `--quantize q8_0` keeps them (the bounds of `tests/quantized.rs`).
 #[test]
 fn q8_0_gguf_runs_its_own_blocks_and_stays_near_transformers() {
     let fixture = "tiny-v2-lite";
@@ -177,11 +178,7 @@ fn q8_0_gguf_runs_its_own_blocks_and_stays_near_transformers() {
         let Value::Quantized(q) = weights.value(name).unwrap() else {
             continue;
         };
-        let blocks: Vec<&QTensor> = match &q {
-            QuantizedWeight::Matrix(m) => vec![m.as_ref()],
-            QuantizedWeight::Experts(es) => es.iter().collect(),
-        };
-        for (e, block) in blocks.iter().enumerate() {
+        for (e, block) in q.matrices().iter().enumerate() {
             let source = match &q {
                 QuantizedWeight::Matrix(_) => name.to_string(),
                 QuantizedWeight::Experts(_) => {
@@ -189,12 +186,30 @@ fn q8_0_gguf_runs_its_own_blocks_and_stays_near_transformers() {
                     format!("{prefix}.{e}.{proj}.weight")
                 }
             };
-            let dims = block.shape().dims().to_vec();
+            let dims = block.dims().to_vec();
             let f32_weight = hf.tensor_f32(&source, &dims).unwrap();
             let ours = QTensor::quantize(&f32_weight, GgmlDType::Q8_0).unwrap();
-            assert_eq!(block.dtype(), GgmlDType::Q8_0, "{source}");
+            assert_eq!(block.format(), GgmlDType::Q8_0, "{source}");
+            let x: Vec<f32> = (0..3 * dims[1])
+                .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
+                .collect();
+            let x = Tensor::from_vec(x, (3, dims[1]), &Device::Cpu).unwrap();
+            let got = block
+                .matmul(&x)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
+            let want = x
+                .apply_op1_no_bwd(&ours)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap();
             assert!(
-                block.data().unwrap() == ours.data().unwrap(),
+                got == want,
                 "{source}: the file's Q8_0 blocks are not candle's quantization of the HF tensor"
             );
             checked += 1;

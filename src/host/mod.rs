@@ -9,7 +9,7 @@ mod bytes;
 mod quantized;
 
 pub use bytes::{tensor_from_bytes, with_tensor_bytes};
-pub use quantized::QuantizedWeight;
+pub use quantized::{BlockMatrix, QuantizedWeight, Role, AMX_MIN_ROWS};
 
 use candle_core::{DType as CDType, Tensor as CTensor};
 

@@ -8,10 +8,15 @@
 //! plan fuses that chain into one quantized matmul (see its `Plan`). So one graph serves every
 //! precision, and the HLO a Neuron capture lowers never sees these formats.
 
+mod matrix;
+mod storage;
+
 use std::sync::Arc;
 
-use candle_core::quantized::{GgmlDType, QTensor};
+use candle_core::quantized::{GgmlDType, QTensor, QuantizedType};
 use candle_core::{DType as CDType, Device, Tensor as CTensor};
+
+pub use matrix::{BlockMatrix, Role, AMX_MIN_ROWS};
 
 use crate::error::{Error, Result};
 
@@ -19,10 +24,10 @@ use crate::error::{Error, Result};
 #[derive(Clone)]
 pub enum QuantizedWeight {
     /// A linear layer's `[out, in]` matrix.
-    Matrix(Arc<QTensor>),
+    Matrix(Arc<BlockMatrix>),
     /// Stacked routed experts, `[experts, out, in]`: one matrix per expert, so the tokens routed
     /// to an expert multiply its matrix together (a grouped matmul).
-    Experts(Arc<[QTensor]>),
+    Experts(Arc<[BlockMatrix]>),
 }
 
 impl std::fmt::Debug for QuantizedWeight {
@@ -34,23 +39,29 @@ impl std::fmt::Debug for QuantizedWeight {
 impl QuantizedWeight {
     /// `w` (`[out, in]`, or stacked `[experts, out, in]`, any float dtype) in `format`. The
     /// input width must be a multiple of the format's block (32 for `Q8_0`, 256 for `Q4_K`):
-    /// see [`QuantizedWeight::fits`].
+    /// see [`QuantizedWeight::fits`]. Held as a GGUF's blocks are ([`BlockMatrix`]).
     pub fn quantize(w: &CTensor, format: GgmlDType) -> Result<Self> {
-        let quantize = |m: &CTensor| -> Result<QTensor> {
+        let quantize = |m: &CTensor, role: Role| -> Result<BlockMatrix> {
             // candle quantizes the tensor's storage from its start, whatever the layout (and
             // `copy` keeps the layout): a view (an expert of the stacked tensor) would quantize
             // someone else's values. So the values are read out into storage of their own.
             let values = m.to_dtype(CDType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+            let dims = matrix_dims(m.dims())?;
             let own = CTensor::from_vec(values, m.dims(), &Device::Cpu)?;
             let q = QTensor::quantize(&own, format)?;
-            warm(&q)?;
-            Ok(q)
+            // candle's quantizer makes a `QTensor` of its own storage; its bytes become one
+            // a `BlockMatrix` can release (one matrix's copy at a time).
+            let blocks = format.from_data(q.data()?);
+            BlockMatrix::new(blocks, dims, role)
         };
         match w.rank() {
-            2 => Ok(QuantizedWeight::Matrix(Arc::new(quantize(w)?))),
+            2 => Ok(QuantizedWeight::Matrix(Arc::new(quantize(
+                w,
+                Role::Single,
+            )?))),
             3 => {
                 let experts = (0..w.dim(0)?)
-                    .map(|e| quantize(&w.get(e)?))
+                    .map(|e| quantize(&w.get(e)?, Role::Expert))
                     .collect::<Result<Vec<_>>>()?;
                 Ok(QuantizedWeight::Experts(experts.into()))
             }
@@ -61,15 +72,21 @@ impl QuantizedWeight {
     }
 
     /// A weight already in GGML blocks (a GGUF file's, as stored): one `[out, in]` matrix, or
-    /// with `experts` each expert's matrix in order. Repacked for candle's kernels now, as
+    /// with `experts` each expert's matrix in order, each as candle's block storage of it
+    /// (`GgmlDType::from_data`) with its dims. Repacked for candle's kernels now, as
     /// [`QuantizedWeight::quantize`] does.
-    pub fn from_blocks(mut blocks: Vec<QTensor>, experts: bool) -> Result<Self> {
-        for q in &blocks {
-            warm(q)?;
-        }
-        match (experts, blocks.len()) {
-            (true, _) => Ok(QuantizedWeight::Experts(blocks.into())),
-            (false, 1) => Ok(QuantizedWeight::Matrix(Arc::new(blocks.remove(0)))),
+    pub fn from_blocks(
+        blocks: Vec<(Box<dyn QuantizedType>, Vec<usize>)>,
+        experts: bool,
+    ) -> Result<Self> {
+        let role = if experts { Role::Expert } else { Role::Single };
+        let mut matrices = blocks
+            .into_iter()
+            .map(|(b, dims)| BlockMatrix::new(b, matrix_dims(&dims)?, role))
+            .collect::<Result<Vec<_>>>()?;
+        match (experts, matrices.len()) {
+            (true, _) => Ok(QuantizedWeight::Experts(matrices.into())),
+            (false, 1) => Ok(QuantizedWeight::Matrix(Arc::new(matrices.remove(0)))),
             (false, n) => Err(Error::Internal(format!(
                 "one matrix made of {n} block tensors"
             ))),
@@ -84,33 +101,38 @@ impl QuantizedWeight {
     /// The block format.
     pub fn format(&self) -> GgmlDType {
         match self {
-            QuantizedWeight::Matrix(q) => q.dtype(),
-            QuantizedWeight::Experts(qs) => qs.first().map_or(GgmlDType::Q8_0, |q| q.dtype()),
+            QuantizedWeight::Matrix(q) => q.format(),
+            QuantizedWeight::Experts(qs) => qs.first().map_or(GgmlDType::Q8_0, |q| q.format()),
         }
     }
 
     /// The logical shape: `[out, in]` or `[experts, out, in]`.
     pub fn dims(&self) -> Vec<usize> {
         match self {
-            QuantizedWeight::Matrix(q) => q.shape().dims().to_vec(),
+            QuantizedWeight::Matrix(q) => q.dims().to_vec(),
             QuantizedWeight::Experts(qs) => {
                 let mut d = vec![qs.len()];
-                d.extend(qs.first().map_or(&[][..], |q| q.shape().dims()));
+                d.extend(qs.first().map_or(&[][..], |q| q.dims()));
                 d
             }
         }
     }
+
+    /// Every matrix: the one, or each expert's in order.
+    pub fn matrices(&self) -> &[BlockMatrix] {
+        match self {
+            QuantizedWeight::Matrix(q) => std::slice::from_ref(q.as_ref()),
+            QuantizedWeight::Experts(qs) => qs,
+        }
+    }
 }
 
-/// Multiplies one zero row by `q`, so candle repacks its tiles now, at load.
-///
-/// candle's x86 kernels repack a matrix into their own tile layout the first time it is
-/// multiplied, and keep that copy. Left to the first step that uses it, every expert's first
-/// selection costs a repack: the medium model's first eight decode steps at batch 1 took 7.5 ms
-/// each against 5.3 later (13 ms with transparent huge pages, whose fresh memory the copies
-/// fault in), so a server's first requests, and any short benchmark, paid for it.
-fn warm(q: &QTensor) -> candle_core::Result<()> {
-    let k = q.shape().dims().last().copied().unwrap_or(0);
-    let zero = CTensor::zeros((1, k), CDType::F32, &Device::Cpu)?;
-    zero.apply_op1_no_bwd(q).map(|_| ())
+/// `dims` as a matrix's `[out, in]`.
+fn matrix_dims(dims: &[usize]) -> Result<[usize; 2]> {
+    match *dims {
+        [out, cols] => Ok([out, cols]),
+        _ => Err(Error::Internal(format!(
+            "GGML blocks of shape {dims:?} held as one matrix (expected [out, in])"
+        ))),
+    }
 }

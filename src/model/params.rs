@@ -932,7 +932,7 @@ fn stored_blocks(
     let mut blocks = Vec::new();
     for (source, shape) in checkpoint_tensors(specs, name, 0, 1) {
         match ckpt.blocks(&source, &shape)? {
-            Some(q) => blocks.push(q),
+            Some(q) => blocks.push((q, shape)),
             None => return Ok(None),
         }
     }

@@ -11,11 +11,10 @@
 //! llama.cpp's, not f32's: `tests/quantized.rs` measures it as perplexity against
 //! transformers in f32.
 
-use candle_core::quantized::QTensor;
 use candle_core::{DType as CDType, Device, Tensor as CTensor};
 
 use crate::error::{Error, Result};
-use crate::host::QuantizedWeight;
+use crate::host::{BlockMatrix, QuantizedWeight};
 
 impl QuantizedWeight {
     /// `x @ w^T` for `x: [.., m, in]` (f32) and a matrix `w`: `[.., m, out]`.
@@ -25,7 +24,7 @@ impl QuantizedWeight {
                 "a linear product with stacked experts".into(),
             ));
         };
-        Ok(apply(q, &x.contiguous()?)?)
+        q.matmul(x)
     }
 
     /// `out[e] = x[e] @ w[e]^T` for `x: [experts, m, in]`: every expert on its own rows (the
@@ -35,8 +34,8 @@ impl QuantizedWeight {
         let outs = qs
             .iter()
             .enumerate()
-            .map(|(e, q)| apply(q, &x.get(e)?.contiguous()?))
-            .collect::<candle_core::Result<Vec<_>>>()?;
+            .map(|(e, q)| q.matmul(&x.get(e)?))
+            .collect::<Result<Vec<_>>>()?;
         Ok(CTensor::stack(&outs, 0)?)
     }
 
@@ -46,7 +45,7 @@ impl QuantizedWeight {
     pub fn gathered(&self, x: &CTensor, ids: &[usize]) -> Result<CTensor> {
         let qs = self.experts()?;
         let (n, m, k) = x.dims3()?;
-        let out_n = qs.first().map_or(0, |q| q.shape().dims()[0]);
+        let out_n = qs.first().map_or(0, |q| q.dims()[0]);
         let x = x.to_dtype(CDType::F32)?.contiguous()?;
         let mut out = vec![0f32; n * m * out_n];
         let mut rows: Vec<u32> = Vec::with_capacity(n);
@@ -58,7 +57,7 @@ impl QuantizedWeight {
             }
             let picked = CTensor::from_slice(&rows, rows.len(), &Device::Cpu)?;
             let lhs = x.index_select(&picked, 0)?.reshape((rows.len() * m, k))?;
-            let y = apply(q, &lhs)?.flatten_all()?.to_vec1::<f32>()?;
+            let y = q.matmul(&lhs)?.flatten_all()?.to_vec1::<f32>()?;
             for (r, &i) in rows.iter().enumerate() {
                 let (src, dst) = (r * m * out_n, i as usize * m * out_n);
                 out[dst..dst + m * out_n].copy_from_slice(&y[src..src + m * out_n]);
@@ -67,7 +66,7 @@ impl QuantizedWeight {
         Ok(CTensor::from_vec(out, (n, m, out_n), &Device::Cpu)?)
     }
 
-    fn experts(&self) -> Result<&[QTensor]> {
+    fn experts(&self) -> Result<&[BlockMatrix]> {
         match self {
             QuantizedWeight::Experts(qs) => Ok(qs),
             QuantizedWeight::Matrix(_) => Err(Error::Internal(
@@ -76,16 +75,13 @@ impl QuantizedWeight {
         }
     }
 }
-/// candle's quantized matmul of a contiguous f32 `x` by `q` (`x @ q^T`).
-fn apply(q: &QTensor, x: &CTensor) -> candle_core::Result<CTensor> {
-    x.apply_op1_no_bwd(q)
-}
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::host::AMX_MIN_ROWS;
     use crate::test_util::{max_abs, max_abs_diff_tensors, values};
-    use candle_core::quantized::GgmlDType;
+    use candle_core::quantized::{GgmlDType, QTensor};
 
     fn lcg(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed | 1;
@@ -99,8 +95,19 @@ mod tests {
             .collect()
     }
 
-    /// The quantized products against f32 products with the weights quantized and restored
-    /// (candle's own dequantization): what is left is the activations' 8-bit rounding.
+    /// `w` quantized by candle on its own and restored (candle's own dequantization): the
+    /// weights a quantized product multiplies, whatever its matrices hold.
+    fn dequantized(w: &CTensor, format: GgmlDType) -> CTensor {
+        QTensor::quantize(w, format)
+            .unwrap()
+            .dequantize(&Device::Cpu)
+            .unwrap()
+    }
+
+    /// The quantized products against f32 products with the weights quantized and restored:
+    /// what is left is the activations' 8-bit rounding. Row counts from one to past
+    /// [`AMX_MIN_ROWS`] (expert matrices whose blocks were released take at most that many
+    /// less one per candle call), for a single matrix and an expert.
     #[test]
     fn products_match_the_dequantized_weights() {
         for (format, k) in [
@@ -111,56 +118,95 @@ mod tests {
             (GgmlDType::Q4K, 256),
             (GgmlDType::Q4K, 512),
         ] {
-            for m in [1usize, 3, 8] {
-                let n = 48;
-                let w = CTensor::from_vec(lcg(n * k, 7), (n, k), &Device::Cpu).unwrap();
+            let n = 48;
+            let w = CTensor::from_vec(lcg(n * k, 7), (n, k), &Device::Cpu).unwrap();
+            let dq = dequantized(&w, format);
+            let single = QuantizedWeight::quantize(&w, format).unwrap();
+            let expert = QuantizedWeight::quantize(&w.unsqueeze(0).unwrap(), format).unwrap();
+            for m in [
+                1usize,
+                3,
+                8,
+                AMX_MIN_ROWS - 1,
+                AMX_MIN_ROWS,
+                2 * AMX_MIN_ROWS + 5,
+            ] {
                 let x = CTensor::from_vec(lcg(m * k, 11), (m, k), &Device::Cpu).unwrap();
-                let q = QuantizedWeight::quantize(&w, format).unwrap();
-                let QuantizedWeight::Matrix(qt) = &q else {
-                    panic!()
-                };
-                let dq = qt.dequantize(&Device::Cpu).unwrap();
                 let want = x.matmul(&dq.t().unwrap()).unwrap();
-                let got = q.linear(&x).unwrap();
-                let diff = max_abs_diff_tensors(&got, &want);
                 let scale = max_abs(&values(&want));
+                let got = single.linear(&x).unwrap();
+                let diff = max_abs_diff_tensors(&got, &want);
                 assert!(
                     diff < 0.02 * scale,
                     "{format:?} k {k} m {m}: {diff} of {scale}"
+                );
+                let got = expert.per_expert(&x.unsqueeze(0).unwrap()).unwrap();
+                let diff = max_abs_diff_tensors(&got.get(0).unwrap(), &want);
+                assert!(
+                    diff < 0.02 * scale,
+                    "{format:?} k {k} m {m}, expert: {diff} of {scale}"
                 );
             }
         }
     }
 
+    /// Where candle's x86 kernels repack a matrix (with AVX-512 VNNI, checked; 16-row tiles of
+    /// 256-wide blocks), an expert holds only the tiles, and so does a single `Q8_0` matrix; a single
+    /// `Q4_K` matrix keeps its blocks for candle's AMX prefill; a matrix candle multiplies from
+    /// its blocks (rows not whole 256-blocks) keeps them everywhere.
+    #[test]
+    fn blocks_are_dropped_only_where_candle_reads_its_tiles() {
+        #[cfg(target_arch = "x86_64")]
+        let repacks = is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vnni");
+        #[cfg(not(target_arch = "x86_64"))]
+        let repacks = false;
+        let holds = |format, k, stacked: bool| {
+            let w = CTensor::from_vec(lcg(32 * k, 3), (32, k), &Device::Cpu).unwrap();
+            let w = if stacked { w.unsqueeze(0).unwrap() } else { w };
+            let q = QuantizedWeight::quantize(&w, format).unwrap();
+            q.matrices()[0].holds_blocks()
+        };
+        if repacks {
+            assert!(!holds(GgmlDType::Q8_0, 256, true));
+            assert!(!holds(GgmlDType::Q8_0, 256, false));
+            assert!(!holds(GgmlDType::Q4K, 256, true));
+        }
+        assert!(holds(GgmlDType::Q4K, 256, false));
+        assert!(holds(GgmlDType::Q8_0, 96, true));
+    }
+
     /// The grouped and per-expert products against one linear product per row.
     #[test]
     fn expert_products_match_row_by_row_products() {
-        let (e, out, k, m) = (4, 32, 64, 1);
-        let w = CTensor::from_vec(lcg(e * out * k, 3), (e, out, k), &Device::Cpu).unwrap();
-        let q = QuantizedWeight::quantize(&w, GgmlDType::Q8_0).unwrap();
-        let ids = [2usize, 0, 2, 3, 2, 1];
-        let x =
-            CTensor::from_vec(lcg(ids.len() * m * k, 5), (ids.len(), m, k), &Device::Cpu).unwrap();
-        let got = q.gathered(&x, &ids).unwrap();
-        let QuantizedWeight::Experts(qs) = &q else {
-            panic!()
-        };
-        let data = lcg(e * out * k, 3);
-        for (i, &id) in ids.iter().enumerate() {
-            // The expert's matrix made on its own, not as a view of the stacked tensor.
-            let own = data[id * out * k..(id + 1) * out * k].to_vec();
-            let own = CTensor::from_vec(own, (out, k), &Device::Cpu).unwrap();
-            let one = QuantizedWeight::quantize(&own, GgmlDType::Q8_0).unwrap();
-            let want = one.linear(&x.get(i).unwrap()).unwrap();
-            let d = max_abs_diff_tensors(&got.get(i).unwrap(), &want);
-            assert!(d < 1e-5, "row {i} (expert {id}): {d}");
-        }
-        let all = x.narrow(0, 0, e).unwrap();
-        let per = q.per_expert(&all).unwrap();
-        for (j, qe) in qs.iter().enumerate() {
-            let want = apply(qe, &all.get(j).unwrap().contiguous().unwrap()).unwrap();
-            let d = max_abs_diff_tensors(&per.get(j).unwrap(), &want);
-            assert!(d < 1e-6, "expert {j}: {d}");
+        for (format, k) in [
+            (GgmlDType::Q8_0, 64),
+            (GgmlDType::Q8_0, 256),
+            (GgmlDType::Q4K, 256),
+        ] {
+            let (e, out, m) = (4, 32, 1);
+            let data = lcg(e * out * k, 3);
+            let w = CTensor::from_vec(data.clone(), (e, out, k), &Device::Cpu).unwrap();
+            let q = QuantizedWeight::quantize(&w, format).unwrap();
+            let ids = [2usize, 0, 2, 3, 2, 1];
+            let x = CTensor::from_vec(lcg(ids.len() * m * k, 5), (ids.len(), m, k), &Device::Cpu)
+                .unwrap();
+            let got = q.gathered(&x, &ids).unwrap();
+            for (i, &id) in ids.iter().enumerate() {
+                // The expert's matrix made on its own, not as a view of the stacked tensor.
+                let own = data[id * out * k..(id + 1) * out * k].to_vec();
+                let own = CTensor::from_vec(own, (out, k), &Device::Cpu).unwrap();
+                let one = QuantizedWeight::quantize(&own, format).unwrap();
+                let want = one.linear(&x.get(i).unwrap()).unwrap();
+                let d = max_abs_diff_tensors(&got.get(i).unwrap(), &want);
+                assert!(d < 1e-5, "{format:?} row {i} (expert {id}): {d}");
+            }
+            let all = x.narrow(0, 0, e).unwrap();
+            let per = q.per_expert(&all).unwrap();
+            for (j, qe) in q.matrices().iter().enumerate() {
+                let want = qe.matmul(&all.get(j).unwrap()).unwrap();
+                let d = max_abs_diff_tensors(&per.get(j).unwrap(), &want);
+                assert!(d < 1e-6, "{format:?} expert {j}: {d}");
+            }
         }
     }
 }

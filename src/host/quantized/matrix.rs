@@ -1,0 +1,173 @@
+//! One matrix in a GGML block format as candle's kernels hold it, kept in RAM once.
+//!
+//! candle's x86 kernels (AVX-512 VNNI, AVX-VNNI or AVX2) multiply a `Q4_K` or `Q8_0` matrix
+//! whose shape suits them from a copy of its blocks repacked into 16-row tiles, made on the
+//! first product and kept: `Q8_0` tiles are as large as the blocks, `Q4_K` tiles 4/3 of them
+//! (scales unpacked to f32). Holding both made a V2-Lite-shaped Q4_K_M GGUF (10.4 GB) peak at
+//! 19.8 GB, and the 16.7 GB Q8_0 one not load in 24 GiB. So a [`BlockMatrix`] repacks at load
+//! (a one-row product, which also spares the first decode steps the repack) and then, when
+//! candle ran that product on its tiles, drops the blocks: the tiles are all its kernels read.
+//! Decode runs exactly the kernels it ran before.
+//!
+//! One exception is kept in check here: with AMX, candle multiplies a `Q4_K` matrix by 32 rows
+//! or more from yet another copy (AMX tiles, 1.25 bytes a weight), made from the blocks. A
+//! routed expert whose blocks were released is therefore multiplied at most
+//! [`AMX_MIN_ROWS`]` - 1` rows at a time. An expert gets that many rows only in a large
+//! prefill (a 64-token chunk routes ~6 rows to each of V2-Lite's 64 experts), and each time it
+//! did, candle kept that third copy of it for good. A single matrix (attention, shared experts,
+//! the LM head) sees that many rows in every prefill chunk, so a `Q4_K` one keeps its blocks and
+//! candle's AMX prefill; other formats have no such path and keep only their tiles.
+//!
+//! Rejected:
+//! - Holding only the blocks, multiplied by candle's kernel over them (`matmul_t`), with a
+//!   temporary repack for prefill: a one-row expert product measured ~1.2x slower for `Q4_K`
+//!   and 2x for `Q8_0`.
+//! - Our own kernels over a tile layout: the crate forbids `unsafe`, which SIMD intrinsics need.
+//! - mmap of the file: the blocks would be page cache instead of heap, but candle's tiles would
+//!   still be a second copy, and `Mmap::map` is `unsafe`.
+
+use std::sync::Arc;
+
+use candle_core::quantized::{GgmlDType, QStorage, QTensor, QuantizedType};
+use candle_core::{DType as CDType, Device, Tensor as CTensor};
+
+use super::storage::{ReleasableBlocks, SharedBlocks};
+use crate::error::{Error, Result};
+
+/// The row count from which candle 0.11 multiplies a `Q4_K` matrix with AMX tiles that it
+/// makes from the stored blocks (`repack::try_matmul_f32`), on CPUs with AMX-INT8.
+pub const AMX_MIN_ROWS: usize = 32;
+
+/// Whether a matrix may drop its blocks once candle has repacked them: see the module docs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    /// One routed expert of a stacked expert weight: its tiles only, whatever the format.
+    Expert,
+    /// A single matrix: its tiles only unless candle would read its blocks again for a large
+    /// product (`Q4_K` with AMX).
+    Single,
+}
+
+/// One `[out, in]` matrix in GGML blocks, held as candle's kernels read it: its repacked tiles
+/// alone when they are all its kernels read, else its blocks (and tiles, where candle made
+/// them). Built only by [`BlockMatrix::new`], which decides.
+pub struct BlockMatrix {
+    tensor: QTensor,
+    /// Whether the stored blocks are still held.
+    holds_blocks: bool,
+    /// The most rows one candle product may take (see [`AMX_MIN_ROWS`]); `None`: any.
+    max_rows: Option<usize>,
+}
+
+impl std::fmt::Debug for BlockMatrix {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "BlockMatrix({:?}, {:?}, {})",
+            self.format(),
+            self.dims(),
+            if self.holds_blocks {
+                "blocks"
+            } else {
+                "tiles only"
+            }
+        )
+    }
+}
+
+impl BlockMatrix {
+    /// The `[out, in]` matrix whose blocks candle's storage `blocks` holds (as
+    /// `GgmlDType::from_data` makes it), repacked now by one product; its blocks are dropped
+    /// when that product ran on candle's tiles and `role` allows it.
+    pub fn new(blocks: Box<dyn QuantizedType>, dims: [usize; 2], role: Role) -> Result<Self> {
+        let format = blocks.dtype();
+        let expected = dims[0] * (dims[1] / format.block_size()) * format.type_size();
+        if !dims[1].is_multiple_of(format.block_size())
+            || blocks.storage_size_in_bytes() != expected
+        {
+            return Err(Error::Internal(format!(
+                "{} bytes of {format:?} blocks for a {dims:?} matrix (expected {expected})",
+                blocks.storage_size_in_bytes()
+            )));
+        }
+        let shared = ReleasableBlocks::new(blocks);
+        let storage = QStorage::Cpu(Box::new(SharedBlocks(Arc::clone(&shared))));
+        let tensor = QTensor::new(storage, dims.to_vec())?;
+        warm(&tensor)?;
+        let on_tiles = !shared.read_blocks();
+        let max_rows = (format == GgmlDType::Q4K).then_some(AMX_MIN_ROWS - 1);
+        let release = on_tiles && (role == Role::Expert || max_rows.is_none());
+        if release {
+            // Sound: `tensor` is not shared yet, so no read of the blocks is in flight.
+            shared.release();
+        }
+        Ok(BlockMatrix {
+            tensor,
+            holds_blocks: shared.holds_blocks(),
+            max_rows: if release { max_rows } else { None },
+        })
+    }
+
+    /// The block format.
+    pub fn format(&self) -> GgmlDType {
+        self.tensor.dtype()
+    }
+
+    /// `[out, in]`.
+    pub fn dims(&self) -> &[usize] {
+        self.tensor.shape().dims()
+    }
+
+    /// Whether the stored blocks are still held (else only candle's repacked tiles are).
+    pub fn holds_blocks(&self) -> bool {
+        self.holds_blocks
+    }
+
+    /// `x @ w^T` for `x: [.., m, in]` (any float dtype, computed in f32): `[.., m, out]` in f32,
+    /// by candle's quantized kernels, a row limit's worth of rows at a time.
+    pub fn matmul(&self, x: &CTensor) -> Result<CTensor> {
+        let x = x.to_dtype(CDType::F32)?.contiguous()?;
+        let (out, k) = (self.dims()[0], self.dims()[1]);
+        let mut dims = x.dims().to_vec();
+        match dims.last_mut() {
+            Some(last) if *last == k => *last = out,
+            _ => {
+                return Err(Error::Internal(format!(
+                    "a product of {:?} by a {:?} matrix",
+                    x.dims(),
+                    self.dims()
+                )))
+            }
+        }
+        let rows = x.elem_count() / k.max(1);
+        if rows == 0 {
+            return Ok(CTensor::zeros(dims, CDType::F32, &Device::Cpu)?);
+        }
+        let limit = self.max_rows.unwrap_or(rows).max(1);
+        if rows <= limit {
+            return Ok(x.apply_op1_no_bwd(&self.tensor)?);
+        }
+        let flat = x.reshape((rows, k))?;
+        let parts = (0..rows)
+            .step_by(limit)
+            .map(|start| {
+                flat.narrow(0, start, limit.min(rows - start))?
+                    .apply_op1_no_bwd(&self.tensor)
+            })
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(CTensor::cat(&parts, 0)?.reshape(dims)?)
+    }
+}
+
+/// Multiplies one zero row by `q`, so candle repacks its tiles now, at load.
+///
+/// Left to the first step that uses it, every expert's first selection costs a repack: the
+/// medium model's first eight decode steps at batch 1 took 7.5 ms each against 5.3 later
+/// (13 ms with transparent huge pages, whose fresh memory the copies fault in), so a server's
+/// first requests, and any short benchmark, paid for it. It is also how [`BlockMatrix::new`]
+/// learns whether candle multiplies the matrix from tiles at all.
+fn warm(q: &QTensor) -> candle_core::Result<()> {
+    let k = q.shape().dims().last().copied().unwrap_or(0);
+    let zero = CTensor::zeros((1, k), CDType::F32, &Device::Cpu)?;
+    zero.apply_op1_no_bwd(q).map(|_| ())
+}
