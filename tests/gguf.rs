@@ -159,9 +159,10 @@ fn gguf_tokenizer_is_the_checkpoints_tokenizer() {
 
 /// A Q8_0 file's linear weights run in the blocks the file stores: each held matrix multiplies
 /// exactly (bit for bit) as candle's Q8_0 quantization of the HF checkpoint's f32 tensor does,
-/// so its blocks are those (two independent quantizers, gguf-py's and candle's, agree; held
-/// matrices may keep only candle's repacked tiles, so their products are compared, not their
-/// bytes) and the right tensor is bound to every matmul; what is not a linear weight (the
+/// held the same way, so its blocks are those (two independent quantizers, gguf-py's and
+/// candle's, agree; held matrices may keep only candle's repacked tiles, of rows padded to whole
+/// 256-blocks, so their products are compared, not their bytes) and the right tensor is bound
+/// to every matmul; what is not a linear weight (the
 /// embedding, the halves of `kv_b_proj`) is dequantized. The logits then stay as near
 /// transformers' f32 ones as `--quantize q8_0` keeps them (the bounds of `tests/quantized.rs`).
 #[test]
@@ -189,6 +190,14 @@ fn q8_0_gguf_runs_its_own_blocks_and_stays_near_transformers() {
             let dims = block.dims().to_vec();
             let f32_weight = hf.tensor_f32(&source, &dims).unwrap();
             let ours = QTensor::quantize(&f32_weight, GgmlDType::Q8_0).unwrap();
+            let ours = QuantizedWeight::from_blocks(
+                vec![(
+                    GgmlDType::Q8_0.from_data(ours.data().unwrap()),
+                    dims.clone(),
+                )],
+                false,
+            )
+            .unwrap();
             assert_eq!(block.format(), GgmlDType::Q8_0, "{source}");
             let x: Vec<f32> = (0..3 * dims[1])
                 .map(|i| ((i * 37 % 101) as f32 - 50.0) / 50.0)
@@ -201,8 +210,8 @@ fn q8_0_gguf_runs_its_own_blocks_and_stays_near_transformers() {
                 .unwrap()
                 .to_vec1::<f32>()
                 .unwrap();
-            let want = x
-                .apply_op1_no_bwd(&ours)
+            let want = ours
+                .linear(&x)
                 .unwrap()
                 .flatten_all()
                 .unwrap()

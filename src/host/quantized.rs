@@ -8,6 +8,7 @@
 //! plan fuses that chain into one quantized matmul (see its `Plan`). So one graph serves every
 //! precision, and the HLO a Neuron capture lowers never sees these formats.
 
+mod held;
 mod matrix;
 mod storage;
 

@@ -115,6 +115,9 @@ mod tests {
             (GgmlDType::Q8_0, 64),
             (GgmlDType::Q8_0, 96),
             (GgmlDType::Q8_0, 256),
+            (GgmlDType::Q8_0, 1408),
+            (GgmlDType::Q5_0, 96),
+            (GgmlDType::Q5_0, 1408),
             (GgmlDType::Q4K, 256),
             (GgmlDType::Q4K, 512),
         ] {
@@ -151,9 +154,10 @@ mod tests {
     }
 
     /// Where candle's x86 kernels repack a matrix (with AVX-512 VNNI, checked; 16-row tiles of
-    /// 256-wide blocks), an expert holds only the tiles, and so does a single `Q8_0` matrix; a single
-    /// `Q4_K` matrix keeps its blocks for candle's AMX prefill; a matrix candle multiplies from
-    /// its blocks (rows not whole 256-blocks) keeps them everywhere.
+    /// 256-wide blocks), an expert holds only the tiles, and so does a single `Q8_0` matrix, also
+    /// one whose rows are 1,408 wide (held padded to 1,536) and a `Q5_0` one (held as `Q8_0`);
+    /// a single `Q4_K` matrix keeps its blocks for candle's AMX prefill. Without the tiles, a
+    /// matrix keeps its blocks.
     #[test]
     fn blocks_are_dropped_only_where_candle_reads_its_tiles() {
         #[cfg(target_arch = "x86_64")]
@@ -166,13 +170,26 @@ mod tests {
             let q = QuantizedWeight::quantize(&w, format).unwrap();
             q.matrices()[0].holds_blocks()
         };
+        for (format, k, stacked) in [
+            (GgmlDType::Q8_0, 256, true),
+            (GgmlDType::Q8_0, 256, false),
+            (GgmlDType::Q8_0, 1408, true),
+            (GgmlDType::Q5_0, 1408, true),
+            (GgmlDType::Q5_0, 1408, false),
+        ] {
+            assert_eq!(
+                holds(format, k, stacked),
+                !repacks,
+                "{format:?} {k} {stacked}"
+            );
+        }
+        // Padding 96 to 256 would cost more than the tiles save.
+        assert!(holds(GgmlDType::Q8_0, 96, true));
+        assert!(holds(GgmlDType::Q5_0, 96, true));
         if repacks {
-            assert!(!holds(GgmlDType::Q8_0, 256, true));
-            assert!(!holds(GgmlDType::Q8_0, 256, false));
             assert!(!holds(GgmlDType::Q4K, 256, true));
         }
         assert!(holds(GgmlDType::Q4K, 256, false));
-        assert!(holds(GgmlDType::Q8_0, 96, true));
     }
 
     /// The grouped and per-expert products against one linear product per row.

@@ -7,7 +7,8 @@
 //! 19.8 GB, and the 16.7 GB Q8_0 one not load in 24 GiB. So a [`BlockMatrix`] repacks at load
 //! (a one-row product, which also spares the first decode steps the repack) and then, when
 //! candle ran that product on its tiles, drops the blocks: the tiles are all its kernels read.
-//! Decode runs exactly the kernels it ran before.
+//! Decode runs exactly the kernels it ran before. (Which blocks are held, where the file's
+//! format has no fast candle kernel, is the `held` module's concern.)
 //!
 //! One exception is kept in check here: with AMX, candle multiplies a `Q4_K` matrix by 32 rows
 //! or more from yet another copy (AMX tiles, 1.25 bytes a weight), made from the blocks. A
@@ -31,6 +32,7 @@ use std::sync::Arc;
 use candle_core::quantized::{GgmlDType, QStorage, QTensor, QuantizedType};
 use candle_core::{DType as CDType, Device, Tensor as CTensor};
 
+use super::held::held_form;
 use super::storage::{ReleasableBlocks, SharedBlocks};
 use crate::error::{Error, Result};
 
@@ -52,7 +54,12 @@ pub enum Role {
 /// alone when they are all its kernels read, else its blocks (and tiles, where candle made
 /// them). Built only by [`BlockMatrix::new`], which decides.
 pub struct BlockMatrix {
+    /// The held blocks (see [`super::held`]): `[out, held_cols]`.
     tensor: QTensor,
+    /// `[out, in]`.
+    dims: [usize; 2],
+    /// The held rows' width: `in`, or `in` padded with zero blocks (see [`super::held`]).
+    held_cols: usize,
     /// Whether the stored blocks are still held.
     holds_blocks: bool,
     /// The most rows one candle product may take (see [`AMX_MIN_ROWS`]); `None`: any.
@@ -90,10 +97,9 @@ impl BlockMatrix {
                 blocks.storage_size_in_bytes()
             )));
         }
-        let shared = ReleasableBlocks::new(blocks);
-        let storage = QStorage::Cpu(Box::new(SharedBlocks(Arc::clone(&shared))));
-        let tensor = QTensor::new(storage, dims.to_vec())?;
-        warm(&tensor)?;
+        let (blocks, held_cols) = held_form(blocks, dims)?;
+        let format = blocks.dtype();
+        let (shared, tensor) = warmed(blocks, [dims[0], held_cols])?;
         let on_tiles = !shared.read_blocks();
         let max_rows = (format == GgmlDType::Q4K).then_some(AMX_MIN_ROWS - 1);
         let release = on_tiles && (role == Role::Expert || max_rows.is_none());
@@ -103,19 +109,22 @@ impl BlockMatrix {
         }
         Ok(BlockMatrix {
             tensor,
+            dims,
+            held_cols,
             holds_blocks: shared.holds_blocks(),
             max_rows: if release { max_rows } else { None },
         })
     }
 
-    /// The block format.
+    /// The block format the matrix is held in: a stored `Q5_0` is held as `Q8_0`, for candle's
+    /// faster kernels (`host::quantized::held`).
     pub fn format(&self) -> GgmlDType {
         self.tensor.dtype()
     }
 
     /// `[out, in]`.
     pub fn dims(&self) -> &[usize] {
-        self.tensor.shape().dims()
+        &self.dims
     }
 
     /// Whether the stored blocks are still held (else only candle's repacked tiles are).
@@ -143,6 +152,12 @@ impl BlockMatrix {
         if rows == 0 {
             return Ok(CTensor::zeros(dims, CDType::F32, &Device::Cpu)?);
         }
+        let (x, k) = if self.held_cols > k {
+            let padded = x.pad_with_zeros(candle_core::D::Minus1, 0, self.held_cols - k)?;
+            (padded, self.held_cols)
+        } else {
+            (x, k)
+        };
         let limit = self.max_rows.unwrap_or(rows).max(1);
         if rows <= limit {
             return Ok(x.apply_op1_no_bwd(&self.tensor)?);
@@ -157,6 +172,24 @@ impl BlockMatrix {
             .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(CTensor::cat(&parts, 0)?.reshape(dims)?)
     }
+}
+
+/// `blocks` (an `[out, in]` matrix, `dims`) as a candle matrix over storage that can release
+/// them, after one product ([`warm`]).
+fn warmed(
+    blocks: Box<dyn QuantizedType>,
+    dims: [usize; 2],
+) -> Result<(Arc<ReleasableBlocks>, QTensor)> {
+    let shared = ReleasableBlocks::new(blocks);
+    let storage = QStorage::Cpu(Box::new(SharedBlocks(Arc::clone(&shared))));
+    let tensor = QTensor::new(storage, dims.to_vec())?;
+    warm(&tensor)?;
+    Ok((shared, tensor))
+}
+
+/// Whether candle multiplies `blocks` (an `[out, in]` matrix, `dims`) from its repacked tiles.
+pub(super) fn reads_tiles(blocks: Box<dyn QuantizedType>, dims: [usize; 2]) -> Result<bool> {
+    Ok(!warmed(blocks, dims)?.0.read_blocks())
 }
 
 /// Multiplies one zero row by `q`, so candle repacks its tiles now, at load.
