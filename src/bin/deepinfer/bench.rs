@@ -35,10 +35,13 @@ pub(crate) struct BenchArgs {
     /// Sequences decoded together.
     #[arg(long, default_value_t = 1)]
     batch: usize,
-    /// Prompt tokens prefilled per sequence before timing (in chunks of the prefill chunk, 64,
-    /// as `serve` prefills; their throughput is reported too).
+    /// Prompt tokens prefilled per sequence before timing (in chunks of --prefill-chunk, as
+    /// `serve` prefills; their throughput is reported too).
     #[arg(long, default_value_t = 16)]
     prompt_len: usize,
+    /// Most prompt tokens per prefill step, as `serve --prefill-chunk` (same default).
+    #[arg(long, default_value_t = 64)]
+    prefill_chunk: usize,
     /// Decode steps timed.
     #[arg(long, default_value_t = 32)]
     steps: usize,
@@ -56,7 +59,8 @@ pub(crate) struct BenchArgs {
     /// Print one JSON line.
     #[arg(long)]
     json: bool,
-    /// Also print where the timed steps' time went, per op kind (the CPU backend's profile).
+    /// Also print where the timed steps' time went, per op kind (the CPU backend's profile),
+    /// and the prefill's.
     #[arg(long)]
     profile: bool,
     #[command(flatten)]
@@ -88,6 +92,10 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
     let vocab = cfg.vocab_size as u32;
     let max_len = args.prompt_len + args.steps + 1;
     let mut rc = RunnerConfig::for_limits(args.batch, max_len);
+    if args.prefill_chunk == 0 {
+        bail!("--prefill-chunk must be at least 1");
+    }
+    rc.buckets.prefill_chunk = args.prefill_chunk.min(max_len);
     rc.kv_dtype = precision.kv_cache;
     let mut alloc = BlockAllocator::new(rc.num_blocks, rc.block_size)?;
     let mut runner = runner::open_with_weights(Backend::Cpu, cfg, weights, rc)?;
@@ -102,6 +110,9 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
     // Each prompt is prefilled in chunks of the runner's prefill chunk, as `serve` does, so a
     // long context (`--prompt-len 4096`) is a series of steps rather than one refused graph.
     let chunk_len = runner.runner_config().buckets.prefill_chunk.max(1);
+    if args.profile {
+        profile::start();
+    }
     let prefill_started = Instant::now();
     for (i, table) in tables.iter_mut().enumerate() {
         let prompt: Vec<u32> = (0..args.prompt_len as u32)
@@ -126,6 +137,11 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         tokens.extend(next.map(&mut feed));
     }
     let prefill_secs = prefill_started.elapsed().as_secs_f64();
+    let prefill_ops = if args.profile {
+        profile::stop()
+    } else {
+        Vec::new()
+    };
     let prefill_tps = (args.batch * args.prompt_len) as f64 / prefill_secs;
     let mut run_step = |step: usize, tokens: &mut Vec<u32>| -> Result<()> {
         let position = args.prompt_len + step;
@@ -186,6 +202,11 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
         });
         if args.profile {
             v["profile"] = serde_json::Value::Array(ops);
+            let prefill: Vec<_> = prefill_ops
+                .iter()
+                .map(|(op, t)| serde_json::json!({ "op": op, "ms": t.total.as_secs_f64() * 1e3, "nodes": t.count }))
+                .collect();
+            v["prefill_profile"] = serde_json::Value::Array(prefill);
         }
         emit(&v.to_string())?;
     } else {
@@ -201,6 +222,20 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
                 per_step(t),
                 100.0 * per_step(t) / ms,
                 t.count / args.steps as u64
+            ))?;
+        }
+        if !prefill_ops.is_empty() {
+            emit(&format!(
+                "prefill ({:.0} ms in all, graph building included):",
+                prefill_secs * 1e3
+            ))?;
+        }
+        for (op, t) in &prefill_ops {
+            let op_ms = t.total.as_secs_f64() * 1e3;
+            emit(&format!(
+                "  {op:<48} {op_ms:>9.1} ms {:>5.1}%  ({} nodes)",
+                100.0 * op_ms / (prefill_secs * 1e3),
+                t.count
             ))?;
         }
     }
