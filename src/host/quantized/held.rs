@@ -5,8 +5,9 @@
 //! (10,944 for the dense layer's), not whole 256-wide super-blocks, so `llama-quantize` falls
 //! back from `Q4_K` to `Q5_0` and from `Q6_K` to `Q8_0` for it. candle multiplies `Q5_0` with a
 //! scalar loop on every x86 level, and repacks `Q8_0` into its VNNI tiles only for rows of
-//! whole super-blocks. On the V2-Lite-shaped `Q4_K_M` those products were three quarters of a
-//! decode step (`benches/quantized.rs` has them side by side). So a matrix is held:
+//! whole super-blocks. On the V2-Lite-shaped `Q4_K_M`, by `benches/quantized.rs`'s times per
+//! product (1.38 ms for a `Q5_0` one, 0.39 ms for `Q8_0`, 0.12 ms for a `Q4_K` gate), they were
+//! about 140 ms of a 236 ms batch-1 decode step. So a matrix is held:
 //!
 //! - `Q5_0` as `Q8_0`, which is exact: a `Q5_0` weight is `d * (q - 16)` for a 5-bit `q`, a
 //!   `Q8_0` one `d * c` for an 8-bit `c`, over the same blocks of 32 with the same scale `d`, and
@@ -130,10 +131,10 @@ pub(super) fn candle_tiles_q8_0() -> bool {
     static TILES: OnceLock<bool> = OnceLock::new();
     *TILES.get_or_init(|| {
         let dims = [16, QK_K];
-        let zeros = vec![0u64; (16 * GgmlDType::Q8_0.type_size() * QK_K / 32).div_ceil(8)];
-        let blocks = GgmlDType::Q8_0.from_data(Cow::Borrowed(
-            &bytemuck::cast_slice(&zeros)[..16 * GgmlDType::Q8_0.type_size() * QK_K / 32],
-        ));
+        let bytes = dims[0] * dims[1] / GgmlDType::Q8_0.block_size() * GgmlDType::Q8_0.type_size();
+        let zeros = vec![0u64; bytes.div_ceil(8)];
+        let blocks =
+            GgmlDType::Q8_0.from_data(Cow::Borrowed(&bytemuck::cast_slice(&zeros)[..bytes]));
         super::matrix::reads_tiles(blocks, dims).unwrap_or(false)
     })
 }
