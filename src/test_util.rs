@@ -7,6 +7,9 @@
 //! tolerance check. These helpers panic instead, naming the index and both values; a test that
 //! expects a non-finite value compares it exactly. `tests/common/compare.rs` holds the same
 //! rule for the integration tests (which cannot reach `#[cfg(test)]` code).
+//!
+//! Also [`seeded_values`], the arbitrary but reproducible values several unit tests quantize
+//! and compare.
 
 use candle_core::{DType, Tensor};
 
@@ -64,6 +67,20 @@ pub(crate) fn values(t: &Tensor) -> Vec<f64> {
         .and_then(|t| t.to_dtype(DType::F64))
         .and_then(|t| t.to_vec1::<f64>())
         .expect("a float tensor's elements")
+}
+
+/// `n` seeded values uniform in `[-0.5, 0.5)` (a 64-bit LCG's top bits), for unit tests that
+/// need the same arbitrary weights on every run.
+pub(crate) fn seeded_values(n: usize, seed: u64) -> Vec<f32> {
+    let mut s = seed | 1;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -80,20 +80,8 @@ impl QuantizedWeight {
 mod tests {
     use super::*;
     use crate::host::AMX_MIN_ROWS;
-    use crate::test_util::{max_abs, max_abs_diff_tensors, values};
+    use crate::test_util::{max_abs, max_abs_diff_tensors, seeded_values, values};
     use candle_core::quantized::{GgmlDType, QTensor};
-
-    fn lcg(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed | 1;
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-            })
-            .collect()
-    }
 
     /// `w` quantized by candle on its own and restored (candle's own dequantization): the
     /// weights a quantized product multiplies, whatever its matrices hold.
@@ -122,7 +110,7 @@ mod tests {
             (GgmlDType::Q4K, 512),
         ] {
             let n = 48;
-            let w = CTensor::from_vec(lcg(n * k, 7), (n, k), &Device::Cpu).unwrap();
+            let w = CTensor::from_vec(seeded_values(n * k, 7), (n, k), &Device::Cpu).unwrap();
             let dq = dequantized(&w, format);
             let single = QuantizedWeight::quantize(&w, format).unwrap();
             let expert = QuantizedWeight::quantize(&w.unsqueeze(0).unwrap(), format).unwrap();
@@ -134,7 +122,7 @@ mod tests {
                 AMX_MIN_ROWS,
                 2 * AMX_MIN_ROWS + 5,
             ] {
-                let x = CTensor::from_vec(lcg(m * k, 11), (m, k), &Device::Cpu).unwrap();
+                let x = CTensor::from_vec(seeded_values(m * k, 11), (m, k), &Device::Cpu).unwrap();
                 let want = x.matmul(&dq.t().unwrap()).unwrap();
                 let scale = max_abs(&values(&want));
                 let got = single.linear(&x).unwrap();
@@ -165,7 +153,7 @@ mod tests {
         #[cfg(not(target_arch = "x86_64"))]
         let repacks = false;
         let holds = |format, k, stacked: bool| {
-            let w = CTensor::from_vec(lcg(32 * k, 3), (32, k), &Device::Cpu).unwrap();
+            let w = CTensor::from_vec(seeded_values(32 * k, 3), (32, k), &Device::Cpu).unwrap();
             let w = if stacked { w.unsqueeze(0).unwrap() } else { w };
             let q = QuantizedWeight::quantize(&w, format).unwrap();
             q.matrices()[0].holds_blocks()
@@ -201,12 +189,16 @@ mod tests {
             (GgmlDType::Q4K, 256),
         ] {
             let (e, out, m) = (4, 32, 1);
-            let data = lcg(e * out * k, 3);
+            let data = seeded_values(e * out * k, 3);
             let w = CTensor::from_vec(data.clone(), (e, out, k), &Device::Cpu).unwrap();
             let q = QuantizedWeight::quantize(&w, format).unwrap();
             let ids = [2usize, 0, 2, 3, 2, 1];
-            let x = CTensor::from_vec(lcg(ids.len() * m * k, 5), (ids.len(), m, k), &Device::Cpu)
-                .unwrap();
+            let x = CTensor::from_vec(
+                seeded_values(ids.len() * m * k, 5),
+                (ids.len(), m, k),
+                &Device::Cpu,
+            )
+            .unwrap();
             let got = q.gathered(&x, &ids).unwrap();
             for (i, &id) in ids.iter().enumerate() {
                 // The expert's matrix made on its own, not as a view of the stacked tensor.

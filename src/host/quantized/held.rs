@@ -142,19 +142,8 @@ pub(super) fn candle_tiles_q8_0() -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::test_util::seeded_values;
     use candle_core::{Device, Tensor as CTensor};
-
-    fn values(n: usize, seed: u64) -> Vec<f32> {
-        let mut s = seed | 1;
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) - 0.5
-            })
-            .collect()
-    }
 
     fn dequantized(q: &QTensor) -> Vec<f32> {
         q.dequantize(&Device::Cpu)
@@ -170,7 +159,8 @@ mod tests {
     #[test]
     fn q5_0_rows_become_the_same_q8_0_values() {
         let (rows, cols) = (3, 96);
-        let w = CTensor::from_vec(values(rows * cols, 5), (rows, cols), &Device::Cpu).unwrap();
+        let w =
+            CTensor::from_vec(seeded_values(rows * cols, 5), (rows, cols), &Device::Cpu).unwrap();
         let stored = QTensor::quantize(&w, GgmlDType::Q5_0).unwrap();
         let want = dequantized(&stored);
         for held_cols in [cols, 256] {
