@@ -11,8 +11,8 @@
 //!   from candle's tiles: the reference for what a 256-aligned matrix costs.
 //!
 //! Each for 1 row (batch-1 decode: one token routed to the expert) and 8 rows. Every iteration
-//! takes the next of 64 experts (three quarters of a GiB of blocks at most), so the weights
-//! come from memory as in a decode step, not from cache. The weights are seeded random values
+//! takes the next of 64 experts (about 0.2 GB of blocks in each form), so the weights come
+//! from memory as in a decode step, not from cache. The weights are seeded random values
 //! quantized by candle.
 //!
 //! Run with `cargo bench --bench quantized`.
