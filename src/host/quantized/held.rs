@@ -86,6 +86,11 @@ fn q8_0_rows(
             bytes.len()
         )));
     }
+    let convert: fn(&[u8], &mut [u8]) = match format {
+        GgmlDType::Q5_0 => q5_0_as_q8_0,
+        GgmlDType::Q8_0 => |s, d| d.copy_from_slice(s),
+        other => return Err(Error::Internal(format!("{other:?} blocks held as Q8_0"))),
+    };
     let mut held = vec![0u64; (rows * dst_row).div_ceil(8)];
     let dst: &mut [u8] = bytemuck::cast_slice_mut(&mut held);
     for (src, dst) in bytes
@@ -96,13 +101,7 @@ fn q8_0_rows(
             .chunks_exact(src_size)
             .zip(dst.chunks_exact_mut(dst_size))
         {
-            match format {
-                GgmlDType::Q5_0 => q5_0_as_q8_0(s, d),
-                GgmlDType::Q8_0 => d.copy_from_slice(s),
-                other => {
-                    return Err(Error::Internal(format!("{other:?} blocks held as Q8_0")));
-                }
-            }
+            convert(s, d);
         }
         // The blocks past `cols` stay zero: a scale of +0.0 and codes of 0.
     }
@@ -127,7 +126,7 @@ fn q5_0_as_q8_0(src: &[u8], dst: &mut [u8]) {
 /// Whether candle multiplies a `Q8_0` matrix of whole super-blocks from its repacked tiles on
 /// this CPU (AVX-512 VNNI or AVX-VNNI in candle 0.11; not AVX2 alone, not other arches):
 /// asked of candle by one product of a small matrix, once per process.
-pub(super) fn candle_tiles_q8_0() -> bool {
+fn candle_tiles_q8_0() -> bool {
     static TILES: OnceLock<bool> = OnceLock::new();
     *TILES.get_or_init(|| {
         let dims = [16, QK_K];
