@@ -532,6 +532,15 @@ impl Checkpoint {
         stored_blocks(name, format, bytes).map(Some)
     }
 
+    /// The GGML block format tensor `name` is stored in; `None` when it is stored otherwise or
+    /// not at all. Read from the header: no tensor bytes are read.
+    pub fn stored_block_format(&self, name: &str) -> Option<GgmlDType> {
+        match self.entry(name)?.encoding {
+            Encoding::Blocks(format) => Some(format),
+            _ => None,
+        }
+    }
+
     /// Whether any tensor is stored in GGML blocks (only a quantized GGUF's are), which only
     /// the CPU backend multiplies.
     pub fn has_blocks(&self) -> bool {

@@ -33,13 +33,14 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::sync::Mutex;
+use std::sync::{Mutex, MutexGuard};
 
 use deepinfer::deployment::Limits;
 use deepinfer::engine::{self, StopConditions};
-use deepinfer::model::PrecisionChoice;
+use deepinfer::model::{ModelWeights, PrecisionChoice};
 use deepinfer::runner::step::SamplingParams;
 use deepinfer::runner::{self, Backend};
+use deepinfer::source::ModelSource;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
@@ -140,13 +141,17 @@ fn f32_precision() -> PrecisionChoice {
     }
 }
 
+/// One file loaded at a time: each load holds about 5 GB (the Q8_0 file's f32 embedding and
+/// the blocks), and both would share the same cores anyway.
+fn one_at_a_time() -> MutexGuard<'static, ()> {
+    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
+    ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 /// deepinfer on `file` against llama.cpp's reference `reference`: the same greedy tokens, and
 /// every kept logit of every scored position within [`LOGIT_TOL`] of the row's largest |logit|.
 fn matches_llama_cpp(file: &str, reference_file: &str) {
-    // One file at a time: each run holds about 5 GB (the Q8_0 file's f32 embedding and the
-    // blocks), and both would share the same cores anyway.
-    static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
-    let _serial = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _serial = one_at_a_time();
     let Some(path) = generated(file) else {
         return;
     };
@@ -293,4 +298,26 @@ fn v2lite_4_layer_q8_0_gguf_matches_llama_cpp() {
 #[test]
 fn v2lite_4_layer_q4_k_m_gguf_matches_llama_cpp() {
     matches_llama_cpp("v2lite-4l-q4_k_m.gguf", "v2lite-4l-q4_k_m.reference.json");
+}
+
+/// On V2-Lite's own shapes (1,408-wide expert rows held padded, `Q5_0` held as `Q8_0`,
+/// candle's `Q4_K` tiles), what the CPU backend's RAM check predicts from the headers is what
+/// the load then holds.
+#[test]
+fn v2lite_4_layer_ram_is_known_before_it_is_read() {
+    for file in ["v2lite-4l-q8_0.gguf", "v2lite-4l-q4_k_m.gguf"] {
+        let _serial = one_at_a_time();
+        let Some(path) = generated(file) else {
+            continue;
+        };
+        let (cfg, ckpt) = ModelSource::new(&path).unwrap().open().unwrap();
+        let precision = f32_precision().resolve(ckpt.float_dtype(), &cfg).unwrap();
+        let predicted = ModelWeights::predicted_bytes(&cfg, &ckpt, &precision)
+            .unwrap()
+            .unwrap();
+        let held = ModelWeights::load(&cfg, &ckpt, &precision)
+            .unwrap()
+            .held_bytes();
+        assert_eq!(predicted, held, "{file}");
+    }
 }

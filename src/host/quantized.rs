@@ -94,6 +94,24 @@ impl QuantizedWeight {
         }
     }
 
+    /// The bytes of RAM a weight stored in `format` blocks with logical shape `dims` (`[out,
+    /// in]`, or stacked `[experts, out, in]`) will be held in, told before its blocks are read:
+    /// what [`QuantizedWeight::from_blocks`] and [`QuantizedWeight::quantize`] keep after
+    /// candle's repacking (see [`BlockMatrix`] and the `held` module), not counting copies candle
+    /// makes for later products.
+    pub fn predicted_bytes(format: GgmlDType, dims: &[usize]) -> Result<u64> {
+        let (count, role, matrix) = match *dims {
+            [out, cols] => (1, Role::Single, [out, cols]),
+            [experts, out, cols] => (experts, Role::Expert, [out, cols]),
+            _ => {
+                return Err(Error::Internal(format!(
+                    "the held size of a quantized weight of shape {dims:?}"
+                )))
+            }
+        };
+        Ok(count as u64 * matrix::Layout::predict(format, matrix, role).bytes(matrix[0]))
+    }
+
     /// Whether a weight whose rows are `cols` wide can be held in `format`.
     pub fn fits(cols: usize, format: GgmlDType) -> bool {
         cols.is_multiple_of(format.block_size())
@@ -117,6 +135,11 @@ impl QuantizedWeight {
                 d
             }
         }
+    }
+
+    /// The bytes of RAM its matrices hold ([`BlockMatrix::held_bytes`]).
+    pub fn held_bytes(&self) -> u64 {
+        self.matrices().iter().map(BlockMatrix::held_bytes).sum()
     }
 
     /// Every matrix: the one, or each expert's in order.

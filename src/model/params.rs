@@ -333,6 +333,61 @@ impl ModelWeights {
         Ok(weights)
     }
 
+    /// The bytes of RAM [`ModelWeights::load`] will hold for `cfg` from `ckpt` in `precision`,
+    /// told from the checkpoint's headers before a tensor is read: every parameter in the
+    /// dtype it is held in, and weights in GGML blocks (a GGUF's as stored, or `--quantize
+    /// q8_0|q4_k`'s) as [`QuantizedWeight::predicted_bytes`] says candle's kernels hold them.
+    /// `None` for DeepSeek-V4, whose load holds the whole model in f32 before cutting it
+    /// (`tensors_v4`), which this does not model.
+    pub fn predicted_bytes(
+        cfg: &ModelConfig,
+        ckpt: &Checkpoint,
+        precision: &Precision,
+    ) -> Result<Option<u64>> {
+        if cfg.v4.is_some() {
+            return Ok(None);
+        }
+        let specs = WeightSpecs::new(cfg, precision);
+        let ggml_kernels = matches!(
+            precision.quantize,
+            Quantize::None | Quantize::Q8_0 | Quantize::Q4K
+        );
+        let mut total = 0u64;
+        for name in specs.names() {
+            let shape = specs.shape(name).unwrap_or_default();
+            // As `load`: a linear weight every tensor of which is stored in blocks is held so.
+            let sources = checkpoint_tensors(&specs, name, 0, 1);
+            let formats: Option<Vec<_>> = sources
+                .iter()
+                .map(|(source, _)| ckpt.stored_block_format(source))
+                .collect();
+            match formats {
+                Some(formats) if ggml_kernels && multiplied_in_blocks(name) => {
+                    let stacked = stacked_expert(name).is_some();
+                    for ((_, dims), format) in sources.iter().zip(formats) {
+                        // One expert of a stacked weight is held as an expert is.
+                        let dims = if stacked {
+                            [&[1], &dims[..]].concat()
+                        } else {
+                            dims.clone()
+                        };
+                        total += QuantizedWeight::predicted_bytes(format, &dims)?;
+                    }
+                }
+                _ => {
+                    total += match ggml_format(name, shape, precision.quantize) {
+                        Some(format) => QuantizedWeight::predicted_bytes(format, shape)?,
+                        None => {
+                            (shape.iter().product::<usize>() * specs.dtype(name).size_in_bytes())
+                                as u64
+                        }
+                    }
+                }
+            }
+        }
+        Ok(Some(total))
+    }
+
     /// Rank `rank` of `ranks`'s tensors of a DeepSeek-V4 model, cut from the `whole` model's
     /// (by published name, f32; see [`shard_v4`]).
     fn v4_rank(
@@ -564,6 +619,23 @@ impl ModelWeights {
             stream.whole = stream.whole.with_dots(dots);
         }
         self
+    }
+
+    /// The bytes of RAM the held weights take: each tensor's, and each matrix in GGML blocks
+    /// as candle's kernels hold it ([`QuantizedWeight::held_bytes`]). What
+    /// [`ModelWeights::predicted_bytes`] tells before loading.
+    pub fn held_bytes(&self) -> u64 {
+        let tensors: usize = self
+            .tensors
+            .values()
+            .map(|t| t.elem_count() * t.dtype().size_in_bytes())
+            .sum();
+        tensors as u64
+            + self
+                .quantized
+                .values()
+                .map(QuantizedWeight::held_bytes)
+                .sum::<u64>()
     }
 
     /// The held tensor bound to the graph input `name` (none for streamed weights: see

@@ -62,6 +62,7 @@
 //! not fit.
 
 pub mod bytes;
+pub mod host;
 pub mod instance;
 pub mod neff;
 pub mod suggest;

@@ -129,7 +129,11 @@ fn load(
     let precision = limits.precision.resolve(checkpoint.float_dtype(), &cfg)?;
     runner_cfg.kv_dtype = precision.kv_cache;
     let weights = match backend {
-        Backend::Cpu => ModelWeights::load(&cfg, &checkpoint, &precision)?,
+        Backend::Cpu => {
+            let what = model.display().to_string();
+            crate::plan::host::check_cpu_load(&cfg, &checkpoint, &precision, &runner_cfg, &what)?;
+            ModelWeights::load(&cfg, &checkpoint, &precision)?
+        }
         _ => ModelWeights::stream(&cfg, std::sync::Arc::new(checkpoint), &precision)?,
     };
     Ok((cfg, weights, runner_cfg))

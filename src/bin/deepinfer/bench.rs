@@ -69,34 +69,42 @@ pub(crate) struct BenchArgs {
 
 /// Runs the command.
 pub(crate) fn run(args: BenchArgs) -> Result<()> {
-    let (cfg, weights, precision) = match (&args.model, &args.config) {
-        (Some(dir), _) => {
-            let (cfg, ckpt) = ModelSource::new(dir)?.open()?;
-            let p = args.precision.choice().resolve(ckpt.float_dtype(), &cfg)?;
-            let w = ModelWeights::load(&cfg, &ckpt, &p)?;
-            (cfg, w, p)
-        }
-        (None, Some(file)) => {
-            let cfg = ModelConfig::from_file(file)?;
-            let p = args.precision.choice().resolve(cfg.saved_dtype, &cfg)?;
-            let w = ModelWeights::random(&cfg, 0, &p)?;
-            (cfg, w, p)
-        }
-        (None, None) => bail!("pass --model or --config"),
-    };
     if args.prompt_len == 0 {
         bail!(
             "--prompt-len must be at least 1 (each sequence's first token comes from its prefill)"
         );
     }
-    let vocab = cfg.vocab_size as u32;
-    let max_len = args.prompt_len + args.steps + 1;
-    let mut rc = RunnerConfig::for_limits(args.batch, max_len);
     if args.prefill_chunk == 0 {
         bail!("--prefill-chunk must be at least 1");
     }
+    let max_len = args.prompt_len + args.steps + 1;
+    let mut rc = RunnerConfig::for_limits(args.batch, max_len);
     rc.buckets.prefill_chunk = args.prefill_chunk.min(max_len);
-    rc.kv_dtype = precision.kv_cache;
+    let (cfg, weights) = match (&args.model, &args.config) {
+        (Some(dir), _) => {
+            let (cfg, ckpt) = ModelSource::new(dir)?.open()?;
+            let p = args.precision.choice().resolve(ckpt.float_dtype(), &cfg)?;
+            rc.kv_dtype = p.kv_cache;
+            deepinfer::plan::host::check_cpu_load(
+                &cfg,
+                &ckpt,
+                &p,
+                &rc,
+                &dir.display().to_string(),
+            )?;
+            let w = ModelWeights::load(&cfg, &ckpt, &p)?;
+            (cfg, w)
+        }
+        (None, Some(file)) => {
+            let cfg = ModelConfig::from_file(file)?;
+            let p = args.precision.choice().resolve(cfg.saved_dtype, &cfg)?;
+            rc.kv_dtype = p.kv_cache;
+            let w = ModelWeights::random(&cfg, 0, &p)?;
+            (cfg, w)
+        }
+        (None, None) => bail!("pass --model or --config"),
+    };
+    let vocab = cfg.vocab_size as u32;
     let mut alloc = BlockAllocator::new(rc.num_blocks, rc.block_size)?;
     let mut runner = runner::open_with_weights(Backend::Cpu, cfg, weights, rc)?;
     let mut tables = vec![Vec::new(); args.batch];

@@ -14,7 +14,7 @@
 //!   both multiply activations quantized to `Q8_0`. It costs 34 bytes a block instead of 22.
 //! - `Q8_0` (stored or so converted) whose rows are not whole super-blocks, padded with zero
 //!   blocks to the next whole one, where candle tiles `Q8_0` at all (asked of candle itself,
-//!   once: [`candle_tiles_q8_0`]) and the padding adds at most an eighth: 1,408 becomes 1,536
+//!   once: [`candle_tiles`]) and the padding adds at most an eighth: 1,408 becomes 1,536
 //!   (9% more bytes). The products' inputs are padded with zeros to match. The sums are then
 //!   candle's tiled ones: it quantizes the activations with one scale per 256 values (`Q8_K`),
 //!   as it does for every `Q8_0` matrix of whole super-blocks, where its block kernels (and
@@ -26,10 +26,10 @@
 //! file's).
 
 use std::borrow::Cow;
-use std::sync::OnceLock;
 
 use candle_core::quantized::{k_quants::QK_K, GgmlDType, QStorage, QTensor, QuantizedType};
 
+use super::matrix::candle_tiles;
 use crate::error::{Error, Result};
 
 /// The most zero padding a row is given, as a fraction (`1 / MAX_PADDING`) of its width: more
@@ -37,26 +37,34 @@ use crate::error::{Error, Result};
 /// 2.6 times as fast as its blocks; a 96-wide row would be read as 256).
 const MAX_PADDING: usize = 8;
 
+/// The format and row width a matrix stored in `format` blocks with rows `cols` wide is held
+/// in (see the module docs): decided from the format and shape alone, so what a checkpoint
+/// will hold can be told before its tensors are read ([`super::QuantizedWeight::predicted_bytes`]).
+pub(super) fn held_shape(format: GgmlDType, cols: usize) -> (GgmlDType, usize) {
+    let to_q8_0 = format == GgmlDType::Q5_0;
+    let whole = cols.next_multiple_of(QK_K);
+    let held_cols = if (to_q8_0 || format == GgmlDType::Q8_0)
+        && whole > cols
+        && whole - cols <= cols / MAX_PADDING
+        && candle_tiles(GgmlDType::Q8_0)
+    {
+        whole
+    } else {
+        cols
+    };
+    (if to_q8_0 { GgmlDType::Q8_0 } else { format }, held_cols)
+}
+
 /// `blocks` (an `[out, in]` matrix, `dims`) in the form it is held in, with the width of its
-/// held rows (`in`, or `in` padded to whole super-blocks; see the module docs).
+/// held rows ([`held_shape`]).
 pub(super) fn held_form(
     blocks: Box<dyn QuantizedType>,
     dims: [usize; 2],
 ) -> Result<(Box<dyn QuantizedType>, usize)> {
     let format = blocks.dtype();
     let [rows, cols] = dims;
-    let to_q8_0 = format == GgmlDType::Q5_0;
-    let whole = cols.next_multiple_of(QK_K);
-    let held_cols = if (to_q8_0 || format == GgmlDType::Q8_0)
-        && whole > cols
-        && whole - cols <= cols / MAX_PADDING
-        && candle_tiles_q8_0()
-    {
-        whole
-    } else {
-        cols
-    };
-    if !to_q8_0 && held_cols == cols {
+    let (held_format, held_cols) = held_shape(format, cols);
+    if held_format == format && held_cols == cols {
         return Ok((blocks, cols));
     }
     let stored = QTensor::new(QStorage::Cpu(blocks), dims.to_vec())?;
@@ -121,21 +129,6 @@ fn q5_0_as_q8_0(src: &[u8], dst: &mut [u8]) {
         dst[2 + i] = code(n & 0x0F, i) as i8 as u8;
         dst[2 + 16 + i] = code(n >> 4, 16 + i) as i8 as u8;
     }
-}
-
-/// Whether candle multiplies a `Q8_0` matrix of whole super-blocks from its repacked tiles on
-/// this CPU (AVX-512 VNNI or AVX-VNNI in candle 0.11; not AVX2 alone, not other arches):
-/// asked of candle by one product of a small matrix, once per process.
-fn candle_tiles_q8_0() -> bool {
-    static TILES: OnceLock<bool> = OnceLock::new();
-    *TILES.get_or_init(|| {
-        let dims = [16, QK_K];
-        let bytes = dims[0] * dims[1] / GgmlDType::Q8_0.block_size() * GgmlDType::Q8_0.type_size();
-        let zeros = vec![0u64; bytes.div_ceil(8)];
-        let blocks =
-            GgmlDType::Q8_0.from_data(Cow::Borrowed(&bytemuck::cast_slice(&zeros)[..bytes]));
-        super::matrix::reads_tiles(blocks, dims).unwrap_or(false)
-    })
 }
 
 #[cfg(test)]

@@ -28,6 +28,8 @@
 use std::fs;
 use std::path::Path;
 
+use crate::plan::host::mem_available;
+
 /// The peak memory of one compile assumed before any was measured: 16 GiB, a conservative
 /// guess (see the module docs), not a measurement.
 pub const GUESSED_COMPILE_PEAK: u64 = 16 << 30;
@@ -54,21 +56,6 @@ pub fn jobs_for(cpus: usize, available: Option<u64>, peak: u64) -> usize {
         usize::try_from(a / peak.max(1)).unwrap_or(usize::MAX)
     });
     by_cores.min(by_memory).max(1)
-}
-
-/// `MemAvailable` from `/proc/meminfo`, in bytes; `None` where it cannot be read.
-pub fn mem_available() -> Option<u64> {
-    parse_mem_available(&fs::read_to_string("/proc/meminfo").ok()?)
-}
-
-fn parse_mem_available(meminfo: &str) -> Option<u64> {
-    let line = meminfo.lines().find(|l| l.starts_with("MemAvailable:"))?;
-    let mut words = line.split_whitespace().skip(1);
-    let n: u64 = words.next()?.parse().ok()?;
-    match words.next() {
-        Some("kB") | None => n.checked_mul(1024),
-        Some(_) => None,
-    }
 }
 
 /// The largest compile peak recorded under `cache_dir`, in bytes.
@@ -131,13 +118,6 @@ mod tests {
         assert_eq!(jobs_for(64, Some(GIB), 16 * GIB), 1);
         assert_eq!(jobs_for(64, None, 16 * GIB), 8);
         assert_eq!(jobs_for(2, None, 0), 1);
-    }
-
-    #[test]
-    fn mem_available_is_read_in_kilobytes() {
-        let text = "MemTotal:       32000000 kB\nMemFree:  100 kB\nMemAvailable:   24000000 kB\n";
-        assert_eq!(parse_mem_available(text), Some(24_000_000 * 1024));
-        assert_eq!(parse_mem_available("MemTotal: 1 kB\n"), None);
     }
 
     #[test]
