@@ -11,10 +11,12 @@
 //! prefill masks the rest.
 //!
 //! Decode absorbs the up-projection (`w_uk` into the query, `w_uv` into the output), so it runs
-//! over the latents directly: MQA with one 576-wide key head for V2-Lite/V3. Prefill, where many
-//! queries share each key, decompresses keys and values once (`kv_b_proj`) and runs ordinary
-//! attention: fewer multiply-adds per (query, key) pair. Decode and prefill logits agree; the
-//! tests check it.
+//! over the latents directly: MQA with one 576-wide key head for V2-Lite/V3. Prefill picks, by
+//! multiply-adds, between that and decompressing the context's keys and values (`kv_b_proj`)
+//! for ordinary attention, which costs fewer per (query, key) pair but up-projects every context
+//! row: a chunk of prefill redoes it for the whole context, so chunked prefill of a long prompt
+//! grew quadratically in it (`prefill_absorbs` says which is cheaper). Decode and prefill
+//! logits agree; the tests check it.
 
 use crate::config::ModelConfig;
 use crate::error::Result;
@@ -152,6 +154,22 @@ fn masked_softmax(scores: &Tensor, visible: &Tensor) -> Result<Tensor> {
     )
 }
 
+/// The absorbed up-projections `(w_uk, w_uv)` of layer prefix `p`: slices of `kv_b_proj`
+/// viewed as `[heads, nope + v, rank]`, `w_uk[h]` its first `nope` rows and `w_uv[h]` the `v`
+/// after them.
+fn absorbed_projections(
+    cfg: &ModelConfig,
+    w: &Weights,
+    p: &str,
+    heads: usize,
+) -> Result<(Tensor, Tensor)> {
+    let (nope, vdim) = (cfg.qk_nope_head_dim, cfg.v_head_dim);
+    let kv_b =
+        w.get(&format!("{p}.kv_b_proj.weight"))?
+            .reshape([heads, nope + vdim, cfg.kv_lora_rank])?;
+    Ok((kv_b.narrow(1, 0, nope)?, kv_b.narrow(1, nope, vdim)?))
+}
+
 /// Decode attention for `b` sequences, one new token each (absorbed MLA). Returns the
 /// attention output `[b, hidden]` (this rank's heads' share of it under tensor parallelism)
 /// and the updated root.
@@ -197,14 +215,7 @@ pub fn decode(
         ),
     };
 
-    // The absorbed up-projections are slices of kv_b_proj viewed as [heads, nope + v, rank]:
-    // w_uk[h] = its first nope rows, w_uv[h] the v after them.
-    let nope = cfg.qk_nope_head_dim;
-    let kv_b =
-        w.get(&format!("{p}.kv_b_proj.weight"))?
-            .reshape([heads, nope + cfg.v_head_dim, rank])?;
-    let w_uk = kv_b.narrow(1, 0, nope)?;
-    let w_uv = kv_b.narrow(1, nope, cfg.v_head_dim)?;
+    let (w_uk, w_uv) = absorbed_projections(cfg, w, &p, heads)?;
     // q_lat[b, h] = q_nope[b, h] @ w_uk[h]: heads as the batch dimension.
     let q_lat = matmul(w.dots(), &q_nope.permute(&[1, 0, 2])?, &w_uk)?.permute(&[1, 0, 2])?; // [b, heads, rank]
     let q = x.builder().cat(&[&q_lat, q_pe], 2)?; // [b, heads, width]
@@ -225,8 +236,9 @@ pub fn decode(
     ))
 }
 
-/// Prefill attention for `n` tokens of one or more sequences (decompressed MLA; the mask keeps
-/// each token to its own sequence's context). Returns the attention
+/// Prefill attention for `n` tokens of one or more sequences (MLA decompressed, or absorbed
+/// over a long context: see `prefill_absorbs`; the mask keeps each token to its own
+/// sequence's context). Returns the attention
 /// output `[n, hidden]` (this rank's heads' share under tensor parallelism) and the updated
 /// root.
 pub fn prefill(
@@ -260,6 +272,17 @@ pub fn prefill(
         _ => step.visible.clone(),
     };
     let kv = read_cache(cfg, layer, &root, step)?; // [ctx, width]
+    if prefill_absorbs(cfg, n, ctx) {
+        let o = absorbed(cfg, w, &p, q_nope, q_pe, &kv, &visible)?;
+        let roots = Roots {
+            kv: root,
+            index: index.map(|(_, r)| r),
+        };
+        return Ok((
+            linear(w.dots(), &o, &w.get(&format!("{p}.o_proj.weight"))?)?,
+            roots,
+        ));
+    }
     let kv_up = linear(
         w.dots(),
         &kv.narrow(1, 0, rank)?,
@@ -288,4 +311,98 @@ pub fn prefill(
         linear(w.dots(), &o, &w.get(&format!("{p}.o_proj.weight"))?)?,
         roots,
     ))
+}
+
+/// How many times fewer multiply-adds absorbed prefill attention must cost than decompressed
+/// for prefill to take it. Its products run slower per multiply-add (a `[heads x n, 576]` by
+/// `[576, ctx]` score product and per-head absorptions, against decompressed attention's one
+/// large `kv_b_proj` product): on the 27-layer V2-Lite-shaped Q4_K_M, absorbing every chunk
+/// whose multiply-adds it lowered made a 512-token prefill (64-token chunks) 8% slower (22.6
+/// to 20.9 tok/s), while a 2,048-token one on the 4-layer file went from 93 to 138 tok/s.
+/// Two is the smallest whole factor under which the first keeps decompressing (a 64-token
+/// V2-Lite chunk absorbs from about 1,366 context rows).
+const ABSORBED_PREFILL_ADVANTAGE: usize = 2;
+
+/// Whether prefill attention of `n` queries over `ctx` context rows is to be absorbed (the
+/// query into the latent space, as decode does) rather than decompressed (every context row
+/// up-projected through `kv_b_proj`): when it costs [`ABSORBED_PREFILL_ADVANTAGE`] times fewer
+/// multiply-adds. Per head, absorbed costs `n * (nope + v) * rank` for the two absorptions and
+/// `n * ctx * (width + rank)` for the scores and the latent output; decompressed `ctx * rank *
+/// (nope + v)` for the up-projection and `n * ctx * (nope + rope + v)` for the scores and
+/// output. The up-projection is what grows: each chunk of a long prompt redoes it for the
+/// whole context, so decompressed chunked prefill is quadratic in the prompt's length with a
+/// large constant.
+fn prefill_absorbs(cfg: &ModelConfig, n: usize, ctx: usize) -> bool {
+    let (nope, rope, v, rank) = (
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+        cfg.kv_lora_rank,
+    );
+    let absorbed = n * (nope + v) * rank + n * ctx * (rank + rope + rank);
+    let decompressed = ctx * rank * (nope + v) + n * ctx * (nope + rope + v);
+    ABSORBED_PREFILL_ADVANTAGE * absorbed < decompressed
+}
+
+/// Absorbed attention of `n` prefill queries (`q_nope: [n, heads, nope]`, `q_pe: [n, heads,
+/// rope]`) over the context's latents `kv: [ctx, width]` under `visible: [n, ctx]`: the
+/// attention output `[n, heads * v]`, before `o_proj`.
+fn absorbed(
+    cfg: &ModelConfig,
+    w: &Weights,
+    p: &str,
+    q_nope: &Tensor,
+    q_pe: &Tensor,
+    kv: &Tensor,
+    visible: &Tensor,
+) -> Result<Tensor> {
+    let (n, heads) = (q_nope.dim(0), q_nope.dim(1));
+    let (rank, vdim) = (cfg.kv_lora_rank, cfg.v_head_dim);
+    let (width, ctx) = (cfg.kv_cache_width(), kv.dim(0));
+    let (w_uk, w_uv) = absorbed_projections(cfg, w, p, heads)?;
+    let q_lat = matmul(w.dots(), &q_nope.permute(&[1, 0, 2])?, &w_uk)?; // [heads, n, rank]
+    let q = q_nope
+        .builder()
+        .cat(&[&q_lat, &q_pe.permute(&[1, 0, 2])?], 2)?
+        .reshape([heads * n, width])?;
+    let scores = matmul(w.dots(), &q, &kv.t()?)? // [heads * n, ctx]
+        .reshape([heads, n, ctx])?
+        .affine(rope::softmax_scale(cfg), 0.0)?;
+    let probs = masked_softmax(&scores, &visible.unsqueeze(0)?)?.reshape([heads * n, ctx])?;
+    let o_lat = matmul(w.dots(), &probs, &kv.narrow(1, 0, rank)?)?.reshape([heads, n, rank])?;
+    matmul(w.dots(), &o_lat, &w_uv.t()?)? // [heads, n, v]
+        .permute(&[1, 0, 2])?
+        .reshape([n, heads * vdim])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(path: &str) -> ModelConfig {
+        ModelConfig::from_file(&std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(path))
+            .expect("a fixture config")
+    }
+
+    /// Where prefill switches between absorbed and decompressed attention: for the published
+    /// V2-Lite shape, 64-token chunks absorb only over long contexts and whole 512-token prompts
+    /// never; the default model's 16-token chunks absorb past 171 context rows, which
+    /// `tests/default_model.rs` checks against transformers; the tiny fixtures' chunks of 16
+    /// decompress and their one-token ones absorb (the parity tests check both).
+    #[test]
+    fn prefill_absorbs_small_chunks_over_long_contexts() {
+        let v2_lite = config("fixtures/configs/deepseek-v2-lite.json");
+        assert!(!prefill_absorbs(&v2_lite, 64, 528));
+        assert!(!prefill_absorbs(&v2_lite, 64, 1360));
+        assert!(prefill_absorbs(&v2_lite, 64, 1376));
+        assert!(prefill_absorbs(&v2_lite, 64, 16384));
+        assert!(!prefill_absorbs(&v2_lite, 512, 4096));
+        let default = config("fixtures/default-model/config.json");
+        assert!(!prefill_absorbs(&default, 16, 160));
+        assert!(prefill_absorbs(&default, 16, 176));
+        assert!(!prefill_absorbs(&default, 64, 4096));
+        let tiny = config("fixtures/tiny-v3/config.json");
+        assert!(!prefill_absorbs(&tiny, 16, 64));
+        assert!(prefill_absorbs(&tiny, 1, 64));
+    }
 }
