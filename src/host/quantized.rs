@@ -80,9 +80,13 @@ impl QuantizedWeight {
         blocks: Vec<(Box<dyn QuantizedType>, Vec<usize>)>,
         experts: bool,
     ) -> Result<Self> {
+        use rayon::prelude::*;
         let role = if experts { Role::Expert } else { Role::Single };
+        // Each matrix is built on its own (converted, copied, repacked by candle into fresh
+        // memory the kernel must fault in and zero): a stacked expert weight's 64 are built on
+        // rayon's threads, in order.
         let mut matrices = blocks
-            .into_iter()
+            .into_par_iter()
             .map(|(b, dims)| BlockMatrix::new(b, matrix_dims(&dims)?, role))
             .collect::<Result<Vec<_>>>()?;
         match (experts, matrices.len()) {

@@ -8,15 +8,15 @@
 //! 24 GiB, before its matrices were held once). So [`HostNeed::check`] compares what the load
 //! will hold, computed from the checkpoint's headers ([`ModelWeights::predicted_bytes`]) and the
 //! cache's size, with `MemAvailable` (the kernel's estimate of what can be allocated without
-//! swapping), and refuses with the figures and what would fit.
+//! swapping), and refuses with the figures and what would fit (and warns within a tenth of it).
 //!
 //! It is an estimate: candle's tile sizes are modelled, not measured, and buffers of a step
 //! (activations, the graph cache) and the allocator's slack come on top (the V2-Lite-shaped
 //! Q4_K_M GGUF, predicted at 13.53 GiB, peaked at 14.98 GiB in `deepinfer bench` and at 16.3
 //! GiB after a 4,096-token prefill, whose products of 32 rows or more give candle's AMX
 //! kernels a third copy of each single `Q4_K` matrix). The check
-//! therefore refuses only what cannot fit; a model within a few percent of the memory can
-//! still fail.
+//! therefore refuses only what cannot fit, and warns when the figure is within a tenth of
+//! the available memory, where the load can still fail.
 
 use std::fs;
 
@@ -110,7 +110,17 @@ pub fn check_cpu_load(
         human_bytes(need.kv_cache),
         available.map_or_else(|| "unknown".to_string(), gib)
     );
-    need.check(available, what)
+    need.check(available, what)?;
+    if let Some(available) = available.filter(|&a| need.total() > a / 10 * 9) {
+        tracing::warn!(
+            "{what}: about {} of {} available is close: the figure leaves out the allocator's \
+             slack, a step's buffers and copies candle makes for prefill (1.5-2.8 GiB more on \
+             a V2-Lite-shaped Q4_K_M), so the load may still run out of memory",
+            gib(need.total()),
+            gib(available)
+        );
+    }
+    Ok(())
 }
 
 /// `MemAvailable` from `/proc/meminfo`, in bytes; `None` where it cannot be read (not Linux).

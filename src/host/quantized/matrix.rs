@@ -140,8 +140,8 @@ impl BlockMatrix {
         self.holds_blocks
     }
 
-    /// The bytes of RAM it holds: its blocks, candle's tiles, or both (at candle's tile sizes,
-    /// see [`Layout::bytes`]).
+    /// The bytes of RAM it holds: its blocks, candle's tiles, or both (at candle 0.11's tile
+    /// sizes).
     pub fn held_bytes(&self) -> u64 {
         self.layout().bytes(self.dims[0])
     }
