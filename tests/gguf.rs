@@ -438,7 +438,8 @@ fn sim_backend_runs_gguf_files() {
 
 /// What the CPU backend is predicted to hold before a tensor is read (the RAM check `serve`,
 /// `generate` and `bench` make) is what it holds once loaded: a GGUF's own blocks, a float
-/// GGUF and an HF checkpoint quantized at load, and plain weights.
+/// GGUF and an HF checkpoint quantized to GGML blocks at load, int4 experts, and plain
+/// weights.
 #[test]
 fn the_ram_a_model_will_hold_is_known_before_it_is_read() {
     use deepinfer::model::Quantize;
@@ -446,21 +447,15 @@ fn the_ram_a_model_will_hold_is_known_before_it_is_read() {
         (gguf_path("tiny-v2-lite-q8_0.gguf"), Quantize::None),
         (gguf_path("tiny-v2-lite-f32.gguf"), Quantize::Q4K),
         (fixture_dir("tiny-v3"), Quantize::Q8_0),
+        (fixture_dir("tiny-v3"), Quantize::ExpertsInt4),
         (fixture_dir("tiny-v3"), Quantize::None),
     ];
     for (path, quantize) in cases {
-        let (cfg, ckpt) = ModelSource::new(&path).unwrap().open().unwrap();
         let choice = PrecisionChoice {
             quantize,
             ..PrecisionChoice::default()
         };
-        let precision = choice.resolve(ckpt.float_dtype(), &cfg).unwrap();
-        let predicted = ModelWeights::predicted_bytes(&cfg, &ckpt, &precision)
-            .unwrap()
-            .unwrap();
-        let held = ModelWeights::load(&cfg, &ckpt, &precision)
-            .unwrap()
-            .held_bytes();
+        let (predicted, held) = common::predicted_and_held_bytes(&path, &choice);
         assert_eq!(predicted, held, "{} {quantize:?}", path.display());
     }
 }

@@ -37,10 +37,9 @@ use std::sync::{Mutex, MutexGuard};
 
 use deepinfer::deployment::Limits;
 use deepinfer::engine::{self, StopConditions};
-use deepinfer::model::{ModelWeights, PrecisionChoice};
+use deepinfer::model::PrecisionChoice;
 use deepinfer::runner::step::SamplingParams;
 use deepinfer::runner::{self, Backend};
-use deepinfer::source::ModelSource;
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
@@ -310,14 +309,7 @@ fn v2lite_4_layer_ram_is_known_before_it_is_read() {
         let Some(path) = generated(file) else {
             continue;
         };
-        let (cfg, ckpt) = ModelSource::new(&path).unwrap().open().unwrap();
-        let precision = f32_precision().resolve(ckpt.float_dtype(), &cfg).unwrap();
-        let predicted = ModelWeights::predicted_bytes(&cfg, &ckpt, &precision)
-            .unwrap()
-            .unwrap();
-        let held = ModelWeights::load(&cfg, &ckpt, &precision)
-            .unwrap()
-            .held_bytes();
+        let (predicted, held) = common::predicted_and_held_bytes(&path, &f32_precision());
         assert_eq!(predicted, held, "{file}");
     }
 }

@@ -92,7 +92,8 @@ impl HostNeed {
 }
 
 /// Refuses, before a tensor is read, a model that the CPU backend would hold in more than this
-/// machine's available memory ([`HostNeed::check`]); `what` names it (its path).
+/// machine's available memory ([`HostNeed::check`]), and warns when it would hold within a
+/// tenth of it; `what` names it (its path). The figures are logged at `debug`.
 pub fn check_cpu_load(
     cfg: &ModelConfig,
     ckpt: &Checkpoint,
@@ -104,9 +105,9 @@ pub fn check_cpu_load(
         return Ok(());
     };
     let available = mem_available();
-    tracing::info!(
+    tracing::debug!(
         "{what}: the CPU backend will hold about {} of weights and {} of KV cache; {} available",
-        gib(need.weights),
+        human_bytes(need.weights),
         human_bytes(need.kv_cache),
         available.map_or_else(|| "unknown".to_string(), gib)
     );

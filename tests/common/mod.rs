@@ -244,3 +244,23 @@ pub fn decode_staggered(run: &mut dyn Runner, ids: &[u32], rows: usize, want: &[
     }
     worst
 }
+
+/// What the CPU backend predicts it will hold for the model at `path` in `choice`, from the
+/// headers alone (the RAM check before a load), and what the load then holds, in bytes.
+pub fn predicted_and_held_bytes(
+    path: &std::path::Path,
+    choice: &deepinfer::model::PrecisionChoice,
+) -> (u64, u64) {
+    let (cfg, ckpt) = deepinfer::source::ModelSource::new(path)
+        .unwrap()
+        .open()
+        .unwrap();
+    let precision = choice.resolve(ckpt.float_dtype(), &cfg).unwrap();
+    let predicted = ModelWeights::predicted_bytes(&cfg, &ckpt, &precision)
+        .unwrap()
+        .expect("a prediction");
+    let held = ModelWeights::load(&cfg, &ckpt, &precision)
+        .unwrap()
+        .held_bytes();
+    (predicted, held)
+}
