@@ -238,9 +238,8 @@ pub fn decode(
 
 /// Prefill attention for `n` tokens of one or more sequences (MLA decompressed, or absorbed
 /// over a long context: see `prefill_absorbs`; the mask keeps each token to its own
-/// sequence's context). Returns the attention
-/// output `[n, hidden]` (this rank's heads' share under tensor parallelism) and the updated
-/// root.
+/// sequence's context). Returns the attention output `[n, hidden]` (this rank's heads' share
+/// under tensor parallelism) and the updated root.
 pub fn prefill(
     cfg: &ModelConfig,
     w: &Weights,
@@ -251,13 +250,6 @@ pub fn prefill(
 ) -> Result<(Tensor, Roots)> {
     let p = format!("model.layers.{layer}.self_attn");
     let n = x.dim(0);
-    let heads = w.heads(cfg);
-    let (nope, rdim, vdim, rank) = (
-        cfg.qk_nope_head_dim,
-        cfg.qk_rope_head_dim,
-        cfg.v_head_dim,
-        cfg.kv_lora_rank,
-    );
     let q = queries(cfg, w, &p, x, step)?;
     let (q_nope, q_pe) = (&q.nope, &q.pe);
     let root = write_cache(cfg, w, &p, layer, x, &roots.kv, step)?;
@@ -272,17 +264,42 @@ pub fn prefill(
         _ => step.visible.clone(),
     };
     let kv = read_cache(cfg, layer, &root, step)?; // [ctx, width]
-    if prefill_absorbs(cfg, n, ctx) {
-        let o = absorbed(cfg, w, &p, q_nope, q_pe, &kv, &visible)?;
-        let roots = Roots {
-            kv: root,
-            index: index.map(|(_, r)| r),
-        };
-        return Ok((
-            linear(w.dots(), &o, &w.get(&format!("{p}.o_proj.weight"))?)?,
-            roots,
-        ));
-    }
+    let o = if prefill_absorbs(cfg, n, ctx) {
+        absorbed(cfg, w, &p, q_nope, q_pe, &kv, &visible)?
+    } else {
+        decompressed(cfg, w, &p, q_nope, q_pe, &kv, &visible)?
+    };
+    let roots = Roots {
+        kv: root,
+        index: index.map(|(_, r)| r),
+    };
+    Ok((
+        linear(w.dots(), &o, &w.get(&format!("{p}.o_proj.weight"))?)?,
+        roots,
+    ))
+}
+
+/// Decompressed attention of `n` prefill queries (`q_nope: [n, heads, nope]`, `q_pe: [n,
+/// heads, rope]`) over the context's latents `kv: [ctx, width]` under `visible: [n, ctx]`:
+/// every context row up-projected through `kv_b_proj` into keys and values, then ordinary
+/// attention; the output `[n, heads * v]`, before `o_proj`.
+fn decompressed(
+    cfg: &ModelConfig,
+    w: &Weights,
+    p: &str,
+    q_nope: &Tensor,
+    q_pe: &Tensor,
+    kv: &Tensor,
+    visible: &Tensor,
+) -> Result<Tensor> {
+    let (n, heads) = (q_nope.dim(0), q_nope.dim(1));
+    let (nope, rdim, vdim, rank) = (
+        cfg.qk_nope_head_dim,
+        cfg.qk_rope_head_dim,
+        cfg.v_head_dim,
+        cfg.kv_lora_rank,
+    );
+    let ctx = kv.dim(0);
     let kv_up = linear(
         w.dots(),
         &kv.narrow(1, 0, rank)?,
@@ -300,17 +317,9 @@ pub fn prefill(
     let s_pe = matmul(w.dots(), &qp, &k_pe.t()?)?.reshape([heads, n, ctx])?;
     let scores = s_nope.add(&s_pe)?.affine(rope::softmax_scale(cfg), 0.0)?;
     let probs = masked_softmax(&scores, &visible.unsqueeze(0)?)?;
-    let o = matmul(w.dots(), &probs, &v)? // [heads, n, v]
+    matmul(w.dots(), &probs, &v)? // [heads, n, v]
         .permute(&[1, 0, 2])?
-        .reshape([n, heads * vdim])?;
-    let roots = Roots {
-        kv: root,
-        index: index.map(|(_, r)| r),
-    };
-    Ok((
-        linear(w.dots(), &o, &w.get(&format!("{p}.o_proj.weight"))?)?,
-        roots,
-    ))
+        .reshape([n, heads * vdim])
 }
 
 /// How many times fewer multiply-adds absorbed prefill attention must cost than decompressed

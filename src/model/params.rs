@@ -348,10 +348,7 @@ impl ModelWeights {
             return Ok(None);
         }
         let specs = WeightSpecs::new(cfg, precision);
-        let ggml_kernels = matches!(
-            precision.quantize,
-            Quantize::None | Quantize::Q8_0 | Quantize::Q4K
-        );
+        let ggml_kernels = multiplies_ggml_blocks(precision.quantize);
         let mut total = 0u64;
         for name in specs.names() {
             let shape = specs.shape(name).unwrap_or_default();
@@ -366,10 +363,9 @@ impl ModelWeights {
                     let stacked = stacked_expert(name).is_some();
                     for ((_, dims), format) in sources.iter().zip(formats) {
                         // One expert of a stacked weight is held as an expert is.
-                        let dims = if stacked {
-                            [&[1], &dims[..]].concat()
-                        } else {
-                            dims.clone()
+                        let dims = match stacked {
+                            true => [&[1], &dims[..]].concat(),
+                            false => dims.clone(),
                         };
                         total += QuantizedWeight::predicted_bytes(format, &dims)?;
                     }
@@ -984,6 +980,12 @@ fn multiplied_in_blocks(name: &str) -> bool {
             && !name.contains(".indexer."))
 }
 
+/// Whether `quantize` multiplies GGML blocks at all (none, q8_0, q4_k); int8 and int4 experts
+/// are made from dequantized values instead.
+fn multiplies_ggml_blocks(quantize: Quantize) -> bool {
+    matches!(quantize, Quantize::None | Quantize::Q8_0 | Quantize::Q4K)
+}
+
 /// A GGUF's block-quantized linear weight `name`, kept in the blocks the file stores (a Q4_K
 /// file runs Q4_K, not a requantization of it): when the checkpoint holds every tensor of it
 /// in GGML blocks and the precision multiplies GGML blocks at all (`--quantize` none, q8_0 or
@@ -994,11 +996,7 @@ fn stored_blocks(
     specs: &WeightSpecs,
     name: &str,
 ) -> Result<Option<QuantizedWeight>> {
-    let ggml_kernels = matches!(
-        specs.precision.quantize,
-        Quantize::None | Quantize::Q8_0 | Quantize::Q4K
-    );
-    if !ggml_kernels || !multiplied_in_blocks(name) {
+    if !multiplies_ggml_blocks(specs.precision.quantize) || !multiplied_in_blocks(name) {
         return Ok(None);
     }
     let mut blocks = Vec::new();
