@@ -752,6 +752,7 @@ impl<R: Runner> Runner for Recording<R> {
                 self.steps.push((true, tokens));
             }
             Step::Decode { rows, .. } => self.steps.push((false, rows.len())),
+            Step::Draft { .. } => {}
         }
         self.inner.replay(step)
     }

@@ -66,9 +66,11 @@
 //!
 //! # Ignored
 //!
-//! `num_key_value_heads` and `head_dim` (MLA has its own head widths), `num_nextn_predict_layers`
-//! (the multi-token-prediction layers are skipped, as HF does), everything about training, and
-//! any other key deepinfer does not read, whatever it holds. `quantization_config` is read for
+//! `num_key_value_heads` and `head_dim` (MLA has its own head widths), everything about
+//! training, and any other key deepinfer does not read, whatever it holds.
+//! `num_nextn_predict_layers` (0 when absent) is read, but the multi-token-prediction layers it
+//! counts are skipped, as HF does, unless speculative decoding asks for one
+//! ([`ModelConfig::with_draft_layer`]). `quantization_config` is read for
 //! FP8 checkpoints' `weight_block_size` (any other `quant_method` is refused).
 //!
 //! # How it is read
@@ -262,6 +264,15 @@ pub struct ModelConfig {
     /// `torch_dtype` (or transformers 5's `dtype`) when it names f32, bf16 or f16: what
     /// `--dtype auto` means when only config.json is at hand (`lower --stats`).
     pub saved_dtype: Option<DType>,
+    /// `num_nextn_predict_layers`: the multi-token-prediction (MTP) layers the checkpoint
+    /// ships after its decoder layers (`model.layers.{num_hidden_layers}.*` on), which
+    /// speculative decoding drafts with (see [`crate::model::mtp`]).
+    pub num_nextn_predict_layers: usize,
+    /// The MTP layers this run loads, caches and runs: 0 (the default: the checkpoint's MTP
+    /// tensors are not read, as transformers skips them) unless speculative decoding asks for
+    /// them ([`ModelConfig::with_draft_layer`]). The weights, the KV root and the step graphs
+    /// all follow it.
+    pub draft_layers: usize,
     /// A DeepSeek-V4 model's own configuration (its layers are not MLA's); `None` for the MLA
     /// family. The graph builders, cache roots and weights dispatch on it.
     pub v4: Option<std::sync::Arc<v4::V4Config>>,
@@ -296,6 +307,36 @@ impl ModelConfig {
         }
         let keys: RawConfig = raw::read(object, "")?;
         resolve::model_config(&keys)
+    }
+
+    /// This config with its first MTP layer in use (`draft_layers` 1): what speculative
+    /// decoding loads. One layer drafts any number of tokens by chaining itself, as SGLang
+    /// and vLLM chain DeepSeek-V3's single published layer. Fails, naming the key, for a
+    /// checkpoint that ships none, and for DeepSeek-V4 (its MTP layer is not read yet).
+    pub fn with_draft_layer(&self) -> Result<Self> {
+        if self.v4.is_some() {
+            return Err(Error::Config(
+                "speculative decoding with DeepSeek-V4's MTP layer is not supported yet".into(),
+            ));
+        }
+        if self.num_nextn_predict_layers == 0 {
+            return Err(Error::Config(format!(
+                "this checkpoint has no multi-token-prediction layer to draft with \
+                 (`num_nextn_predict_layers` is 0 or absent in config.json, so there are no \
+                 `model.layers.{}.eh_proj` / `enorm` / `hnorm` / `shared_head` tensors); serve \
+                 it without speculative decoding",
+                self.num_hidden_layers
+            )));
+        }
+        Ok(ModelConfig {
+            draft_layers: 1,
+            ..self.clone()
+        })
+    }
+
+    /// The layers whose KV the cache holds: the decoder's, then the MTP layers in use.
+    pub fn cached_layers(&self) -> usize {
+        self.num_hidden_layers + self.draft_layers
     }
 
     /// Width of one head's query/key: `qk_nope_head_dim + qk_rope_head_dim`.

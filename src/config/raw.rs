@@ -80,6 +80,9 @@ pub(super) struct RawConfig {
     pub rms_norm_eps: Option<f64>,
     #[serde(deserialize_with = "value::size")]
     pub max_position_embeddings: Option<usize>,
+    /// `num_nextn_predict_layers`: the multi-token-prediction layers the checkpoint ships.
+    #[serde(deserialize_with = "value::size")]
+    pub num_nextn_predict_layers: Option<usize>,
 
     // === Routing (used when there are routed experts) ===
     #[serde(deserialize_with = "value::string")]

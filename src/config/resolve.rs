@@ -124,6 +124,8 @@ pub(super) fn model_config(raw: &RawConfig) -> Result<ModelConfig> {
             Some("float16") => Some(DType::F16),
             _ => None,
         },
+        num_nextn_predict_layers: raw.num_nextn_predict_layers.unwrap_or(0),
+        draft_layers: 0,
         v4: None,
     })
 }

@@ -831,6 +831,8 @@ impl V4Config {
             fp8_block: None,
             indexer: None,
             saved_dtype: None,
+            num_nextn_predict_layers: self.num_nextn_predict_layers,
+            draft_layers: 0,
             v4: Some(std::sync::Arc::new(self)),
         }
     }

@@ -350,6 +350,8 @@ pub(crate) enum StepKind {
     /// [`StepKind::Greedy`] of a split decode step: an argmax of the logits its `Decode` graph
     /// left, in place of its `Sample` graph.
     Argmax,
+    /// The MTP layer's draft graph ([`crate::model::mtp::build_draft`]): prefill-shaped.
+    Draft,
 }
 
 impl StepKind {
@@ -359,7 +361,7 @@ impl StepKind {
     pub(crate) fn device_logits(self) -> LogitsOutput {
         match self {
             StepKind::Decode | StepKind::Greedy => LogitsOutput::Sampled,
-            StepKind::Prefill => LogitsOutput::AllPositions,
+            StepKind::Prefill | StepKind::Draft => LogitsOutput::AllPositions,
             // They read their forward graph's logits, which stay where they are.
             StepKind::Sample | StepKind::Argmax => LogitsOutput::None,
         }
@@ -367,7 +369,7 @@ impl StepKind {
 
     /// Whether a graph of this kind belongs to a decode bucket (and reads its buffers).
     pub(crate) fn is_decode(self) -> bool {
-        !matches!(self, StepKind::Prefill)
+        !matches!(self, StepKind::Prefill | StepKind::Draft)
     }
 
     /// Whether this is a decode bucket's greedy variant ([`StepKind::Greedy`],
@@ -395,6 +397,7 @@ impl StepKind {
             StepKind::Prefill => model::build_prefill(cfg, specs, layout, spec),
             StepKind::Sample => model::build_sample(cfg, specs, layout, spec.rows),
             StepKind::Argmax => model::build_argmax(cfg, specs, spec.rows),
+            StepKind::Draft => model::mtp::build_draft(cfg, specs, layout, spec),
         }
     }
 }

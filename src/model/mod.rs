@@ -43,6 +43,7 @@ pub mod indexer;
 pub mod inputs;
 pub mod logits;
 pub mod moe;
+pub mod mtp;
 pub mod ops;
 pub mod params;
 pub mod precision;
@@ -327,14 +328,14 @@ pub fn cache_roots(cfg: &ModelConfig, cache: &CacheLayout) -> Result<Vec<RootSpe
     let mut roots = vec![RootSpec {
         name: KV_ROOT,
         rows: cache.num_slots,
-        cols: cfg.num_hidden_layers * cfg.kv_cache_width(),
+        cols: cfg.cached_layers() * cfg.kv_cache_width(),
         dtype: cache.dtype,
     }];
     if cfg.indexer.is_some() {
         roots.push(RootSpec {
             name: INDEX_ROOT,
             rows: cache.num_slots,
-            cols: cfg.num_hidden_layers * cfg.index_cache_width(),
+            cols: cfg.cached_layers() * cfg.index_cache_width(),
             dtype: cache.dtype,
         });
     }
@@ -431,30 +432,52 @@ fn decoder(
     strategy: MoeStrategy,
 ) -> Result<(Tensor, Roots)> {
     for layer in 0..cfg.num_hidden_layers {
-        let p = format!("model.layers.{layer}");
-        let h = ops::rms_norm(
-            &x,
-            &w.get(&format!("{p}.input_layernorm.weight"))?,
-            cfg.rms_norm_eps,
-        )?;
-        let (a, r) = attn(cfg, w, layer, &h, &root, step)?;
-        root = r;
-        x = x.add(&w.complete(a)?)?;
-        let h = ops::rms_norm(
-            &x,
-            &w.get(&format!("{p}.post_attention_layernorm.weight"))?,
-            cfg.rms_norm_eps,
-        )?;
-        x = x.add(&w.complete(feed_forward(cfg, w, layer, &h, strategy)?)?)?;
+        (x, root) = decoder_layer(cfg, w, layer, x, &root, step, attn, strategy)?;
     }
     let x = ops::rms_norm(&x, &w.get("model.norm.weight")?, cfg.rms_norm_eps)?;
     Ok((x, root))
 }
 
-/// The f32 embeddings of `ids` (`[n]`). Split by vocabulary, a rank looks up the ids in its
-/// rows, zeroes the others, and the all-reduce fills them in.
+/// Decoder layer `layer` (an MTP layer's block too) on the residual stream `x`: attention and
+/// the MLP, each on the normalized stream and added back; returns the new stream and roots.
+#[allow(clippy::too_many_arguments)]
+fn decoder_layer(
+    cfg: &ModelConfig,
+    w: &Weights,
+    layer: usize,
+    x: Tensor,
+    root: &Roots,
+    step: &AttnStep<'_>,
+    attn: AttnFn,
+    strategy: MoeStrategy,
+) -> Result<(Tensor, Roots)> {
+    let p = format!("model.layers.{layer}");
+    let h = ops::rms_norm(
+        &x,
+        &w.get(&format!("{p}.input_layernorm.weight"))?,
+        cfg.rms_norm_eps,
+    )?;
+    let (a, root) = attn(cfg, w, layer, &h, root, step)?;
+    let x = x.add(&w.complete(a)?)?;
+    let h = ops::rms_norm(
+        &x,
+        &w.get(&format!("{p}.post_attention_layernorm.weight"))?,
+        cfg.rms_norm_eps,
+    )?;
+    let x = x.add(&w.complete(feed_forward(cfg, w, layer, &h, strategy)?)?)?;
+    Ok((x, root))
+}
+
+/// The f32 embeddings of `ids` (`[n]`) in the model's table.
 fn embed(w: &Weights, ids: &Tensor) -> Result<Tensor> {
-    let table = w.get("model.embed_tokens.weight")?;
+    embed_in(w, "model.embed_tokens.weight", ids)
+}
+
+/// The f32 embeddings of `ids` (`[n]`) in the table `name` (the model's, or an MTP layer's
+/// own). Split by vocabulary, a rank looks up the ids in its rows, zeroes the others, and the
+/// all-reduce fills them in.
+fn embed_in(w: &Weights, name: &str, ids: &Tensor) -> Result<Tensor> {
+    let table = w.get(name)?;
     if w.ranks() == 1 {
         return table.index_select(ids, 0)?.to_dtype(DType::F32);
     }
@@ -467,7 +490,13 @@ fn embed(w: &Weights, ids: &Tensor) -> Result<Tensor> {
 /// The logits of the hidden states `x` (`[n, hidden]`) over the part of the vocabulary this
 /// rank's LM head holds ([`Weights::vocab_slice`]); never gathered, see the module docs.
 fn lm_logits(cfg: &ModelConfig, w: &Weights, x: &Tensor) -> Result<Tensor> {
-    let logits = ops::linear(w.dots(), x, &w.get(ModelWeights::lm_head_name(cfg))?)?;
+    head_logits(w, ModelWeights::lm_head_name(cfg), x)
+}
+
+/// The logits of `x` through the head `name` (the model's, or an MTP layer's own), over this
+/// rank's part of the vocabulary.
+fn head_logits(w: &Weights, name: &str, x: &Tensor) -> Result<Tensor> {
+    let logits = ops::linear(w.dots(), x, &w.get(name)?)?;
     w.vocab_slice()?.mask_padding(&logits)
 }
 
@@ -587,16 +616,21 @@ impl StepInputs {
         attn: AttnFn,
         strategy: MoeStrategy,
     ) -> Result<(Tensor, Roots)> {
-        let step = AttnStep {
+        let x = embed(w, &self.input_ids)?;
+        let step = self.attn_step(visible);
+        decoder(cfg, w, x, self.roots.clone(), &step, attn, strategy)
+    }
+
+    /// What every layer's attention reads of this step, with `visible` its mask.
+    fn attn_step<'a>(&'a self, visible: &'a Tensor) -> AttnStep<'a> {
+        AttnStep {
             cos: &self.cos,
             sin: &self.sin,
             slots: &self.slots,
             ctx_slots: &self.ctx_slots,
             visible,
             seq_ctx: self.ctx,
-        };
-        let x = embed(w, &self.input_ids)?;
-        decoder(cfg, w, x, self.roots.clone(), &step, attn, strategy)
+        }
     }
 }
 
@@ -622,6 +656,7 @@ pub fn build_decode(
     let j = b.iota([rows, ctx], DType::I32, 1)?;
     let visible = j.lt(&context_lens.unsqueeze(1)?)?;
     let (x, new_roots) = s.forward(cfg, &w, &visible, attention::decode, spec.moe)?;
+    output_hidden(&b, cfg, &x)?;
     let logits = lm_logits(cfg, &w, &x)?;
     let vocab = w.vocab_slice()?;
     let (next, state) = decode_tail(
@@ -803,25 +838,9 @@ pub fn build_prefill(
     let w = Weights::new(&b, specs);
     let s = step_inputs(&b, cfg, cache, t, seqs, ctx)?;
     let last_index = metadata(&b, inputs::LAST_INDEX, vec![seqs], DType::I32)?;
-    // Causal within a sequence: token i sees its sequence's positions up to its own.
-    let seq_ids = match seqs {
-        1 => None,
-        _ => Some(metadata(&b, inputs::SEQ_IDS, vec![t], DType::I32)?),
-    };
-    let visible = match &seq_ids {
-        None => {
-            let j = b.iota([t, ctx], DType::I32, 1)?;
-            j.le(&s.positions.unsqueeze(1)?)?
-        }
-        Some(seq_ids) => {
-            let pos = b.iota([t, seqs, ctx], DType::I32, 2)?;
-            let owner = b.iota([t, seqs, ctx], DType::I32, 1)?;
-            let causal = pos.le(&s.positions.reshape([t, 1, 1])?)?;
-            let own = owner.eq(&seq_ids.reshape([t, 1, 1])?)?;
-            own.where_cond(&causal, &own)?.reshape([t, seqs * ctx])?
-        }
-    };
+    let (visible, seq_ids) = chunk_visibility(&b, &s.positions, seqs, ctx)?;
     let (x, new_roots) = s.forward(cfg, &w, &visible, attention::prefill, spec.moe)?;
+    output_hidden(&b, cfg, &x)?;
     let last_logits = lm_logits(cfg, &w, &x.index_select(&last_index, 0)?)?;
     let vocab = w.vocab_slice()?;
     let (next, state) = prefill_tail(
@@ -842,6 +861,39 @@ pub fn build_prefill(
     }
     output_roots(&b, &new_roots, &s.roots, (&state, &s.state))?;
     b.finish()
+}
+
+/// Returns the rows' last hidden states `x` as [`mtp::HIDDEN`] when the model drafts with an
+/// MTP layer, which reads them (see [`mtp`]).
+fn output_hidden(b: &GraphBuilder, cfg: &ModelConfig, x: &Tensor) -> Result<()> {
+    match cfg.draft_layers {
+        0 => Ok(()),
+        _ => b.output(mtp::HIDDEN, x),
+    }
+}
+
+/// What each token of a prefill-shaped step of `seqs` chunks sees: its own sequence's positions
+/// up to its own (causal within a sequence). With several chunks (a packed step) it declares
+/// `seq_ids` (each token's chunk) and returns it with the `[t, seqs * ctx]` mask; with one, the
+/// mask is `[t, ctx]`.
+fn chunk_visibility(
+    b: &GraphBuilder,
+    positions: &Tensor,
+    seqs: usize,
+    ctx: usize,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let t = positions.dim(0);
+    if seqs == 1 {
+        let j = b.iota([t, ctx], DType::I32, 1)?;
+        return Ok((j.le(&positions.unsqueeze(1)?)?, None));
+    }
+    let seq_ids = metadata(b, inputs::SEQ_IDS, vec![t], DType::I32)?;
+    let pos = b.iota([t, seqs, ctx], DType::I32, 2)?;
+    let owner = b.iota([t, seqs, ctx], DType::I32, 1)?;
+    let causal = pos.le(&positions.reshape([t, 1, 1])?)?;
+    let own = owner.eq(&seq_ids.reshape([t, 1, 1])?)?;
+    let visible = own.where_cond(&causal, &own)?.reshape([t, seqs * ctx])?;
+    Ok((visible, Some(seq_ids)))
 }
 
 /// The sampler at the end of a prefill graph of `t` tokens (`input_ids` at `positions`) in

@@ -60,90 +60,16 @@ impl WeightSpecs {
         }
         let mut m = HashMap::new();
         let (h, v) = (cfg.hidden_size, cfg.vocab_size);
-        let heads = cfg.num_attention_heads;
         m.insert("model.embed_tokens.weight".into(), vec![v, h]);
         m.insert("model.norm.weight".into(), vec![h]);
         if !cfg.tie_word_embeddings {
             m.insert("lm_head.weight".into(), vec![v, h]);
         }
-        for l in 0..cfg.num_hidden_layers {
-            let p = format!("model.layers.{l}");
-            m.insert(format!("{p}.input_layernorm.weight"), vec![h]);
-            m.insert(format!("{p}.post_attention_layernorm.weight"), vec![h]);
-            let a = format!("{p}.self_attn");
-            match cfg.q_lora_rank {
-                Some(r) => {
-                    m.insert(format!("{a}.q_a_proj.weight"), vec![r, h]);
-                    m.insert(format!("{a}.q_a_layernorm.weight"), vec![r]);
-                    m.insert(
-                        format!("{a}.q_b_proj.weight"),
-                        vec![heads * cfg.qk_head_dim(), r],
-                    );
-                }
-                None => {
-                    m.insert(
-                        format!("{a}.q_proj.weight"),
-                        vec![heads * cfg.qk_head_dim(), h],
-                    );
-                }
-            }
-            m.insert(
-                format!("{a}.kv_a_proj_with_mqa.weight"),
-                vec![cfg.kv_cache_width(), h],
-            );
-            m.insert(format!("{a}.kv_a_layernorm.weight"), vec![cfg.kv_lora_rank]);
-            m.insert(
-                format!("{a}.kv_b_proj.weight"),
-                vec![
-                    heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
-                    cfg.kv_lora_rank,
-                ],
-            );
-            m.insert(
-                format!("{a}.o_proj.weight"),
-                vec![h, heads * cfg.v_head_dim],
-            );
-            if let (Some(ix), Some(q_rank)) = (cfg.indexer, cfg.q_lora_rank) {
-                let i = format!("{a}.indexer");
-                m.insert(
-                    format!("{i}.wq_b.weight"),
-                    vec![ix.n_heads * ix.head_dim, q_rank],
-                );
-                m.insert(format!("{i}.wk.weight"), vec![ix.head_dim, h]);
-                m.insert(format!("{i}.k_norm.weight"), vec![ix.head_dim]);
-                m.insert(format!("{i}.k_norm.bias"), vec![ix.head_dim]);
-                m.insert(format!("{i}.weights_proj.weight"), vec![ix.n_heads, h]);
-            }
-            let mp = format!("{p}.mlp");
-            match &cfg.routing {
-                Some(r) if cfg.is_moe_layer(l) => {
-                    let (e, i) = (r.n_routed_experts, cfg.moe_intermediate_size);
-                    m.insert(format!("{mp}.gate.weight"), vec![e, h]);
-                    if cfg.architecture.routes_like_v3() {
-                        m.insert(format!("{mp}.gate.e_score_correction_bias"), vec![e]);
-                    }
-                    for (proj, out, inputs) in [("gate", i, h), ("up", i, h), ("down", h, i)] {
-                        let name = format!("{mp}.experts.{proj}_proj");
-                        let (stored, scale) = expert_storage(precision.quantize, e, out, inputs);
-                        m.insert(name.clone(), stored);
-                        if let Some(scale) = scale {
-                            m.insert(format!("{name}_scale"), scale);
-                        }
-                    }
-                    if cfg.n_shared_experts > 0 {
-                        let s = i * cfg.n_shared_experts;
-                        m.insert(format!("{mp}.shared_experts.gate_proj.weight"), vec![s, h]);
-                        m.insert(format!("{mp}.shared_experts.up_proj.weight"), vec![s, h]);
-                        m.insert(format!("{mp}.shared_experts.down_proj.weight"), vec![h, s]);
-                    }
-                }
-                _ => {
-                    let i = cfg.intermediate_size;
-                    m.insert(format!("{mp}.gate_proj.weight"), vec![i, h]);
-                    m.insert(format!("{mp}.up_proj.weight"), vec![i, h]);
-                    m.insert(format!("{mp}.down_proj.weight"), vec![h, i]);
-                }
-            }
+        for l in 0..cfg.cached_layers() {
+            layer_params(&mut m, cfg, precision, l);
+        }
+        for l in cfg.num_hidden_layers..cfg.cached_layers() {
+            mtp_params(&mut m, cfg, l);
         }
         WeightSpecs {
             shapes: m,
@@ -313,6 +239,7 @@ impl ModelWeights {
             return ModelWeights::v4_rank(cfg, v4, &whole, 0, 1, precision);
         }
         let specs = WeightSpecs::new(cfg, precision);
+        check_draft_layers(cfg, ckpt, &specs)?;
         let mut weights = ModelWeights::held(specs.clone());
         // Only a quantized GGUF holds GGML blocks; asked once, not per parameter.
         let has_blocks = ckpt.has_blocks();
@@ -665,6 +592,139 @@ impl ModelWeights {
         } else {
             "lm_head.weight"
         }
+    }
+}
+
+/// Inserts decoder layer `l`'s parameters (an MTP layer's decoder block too) into `m`.
+fn layer_params(
+    m: &mut HashMap<String, Vec<usize>>,
+    cfg: &ModelConfig,
+    precision: &Precision,
+    l: usize,
+) {
+    let (h, heads) = (cfg.hidden_size, cfg.num_attention_heads);
+    let p = format!("model.layers.{l}");
+    m.insert(format!("{p}.input_layernorm.weight"), vec![h]);
+    m.insert(format!("{p}.post_attention_layernorm.weight"), vec![h]);
+    let a = format!("{p}.self_attn");
+    match cfg.q_lora_rank {
+        Some(r) => {
+            m.insert(format!("{a}.q_a_proj.weight"), vec![r, h]);
+            m.insert(format!("{a}.q_a_layernorm.weight"), vec![r]);
+            m.insert(
+                format!("{a}.q_b_proj.weight"),
+                vec![heads * cfg.qk_head_dim(), r],
+            );
+        }
+        None => {
+            m.insert(
+                format!("{a}.q_proj.weight"),
+                vec![heads * cfg.qk_head_dim(), h],
+            );
+        }
+    }
+    m.insert(
+        format!("{a}.kv_a_proj_with_mqa.weight"),
+        vec![cfg.kv_cache_width(), h],
+    );
+    m.insert(format!("{a}.kv_a_layernorm.weight"), vec![cfg.kv_lora_rank]);
+    m.insert(
+        format!("{a}.kv_b_proj.weight"),
+        vec![
+            heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+            cfg.kv_lora_rank,
+        ],
+    );
+    m.insert(
+        format!("{a}.o_proj.weight"),
+        vec![h, heads * cfg.v_head_dim],
+    );
+    if let (Some(ix), Some(q_rank)) = (cfg.indexer, cfg.q_lora_rank) {
+        let i = format!("{a}.indexer");
+        m.insert(
+            format!("{i}.wq_b.weight"),
+            vec![ix.n_heads * ix.head_dim, q_rank],
+        );
+        m.insert(format!("{i}.wk.weight"), vec![ix.head_dim, h]);
+        m.insert(format!("{i}.k_norm.weight"), vec![ix.head_dim]);
+        m.insert(format!("{i}.k_norm.bias"), vec![ix.head_dim]);
+        m.insert(format!("{i}.weights_proj.weight"), vec![ix.n_heads, h]);
+    }
+    let mp = format!("{p}.mlp");
+    match &cfg.routing {
+        Some(r) if cfg.is_moe_layer(l) => {
+            let (e, i) = (r.n_routed_experts, cfg.moe_intermediate_size);
+            m.insert(format!("{mp}.gate.weight"), vec![e, h]);
+            if cfg.architecture.routes_like_v3() {
+                m.insert(format!("{mp}.gate.e_score_correction_bias"), vec![e]);
+            }
+            for (proj, out, inputs) in [("gate", i, h), ("up", i, h), ("down", h, i)] {
+                let name = format!("{mp}.experts.{proj}_proj");
+                let (stored, scale) = expert_storage(precision.quantize, e, out, inputs);
+                m.insert(name.clone(), stored);
+                if let Some(scale) = scale {
+                    m.insert(format!("{name}_scale"), scale);
+                }
+            }
+            if cfg.n_shared_experts > 0 {
+                let s = i * cfg.n_shared_experts;
+                m.insert(format!("{mp}.shared_experts.gate_proj.weight"), vec![s, h]);
+                m.insert(format!("{mp}.shared_experts.up_proj.weight"), vec![s, h]);
+                m.insert(format!("{mp}.shared_experts.down_proj.weight"), vec![h, s]);
+            }
+        }
+        _ => {
+            let i = cfg.intermediate_size;
+            m.insert(format!("{mp}.gate_proj.weight"), vec![i, h]);
+            m.insert(format!("{mp}.up_proj.weight"), vec![i, h]);
+            m.insert(format!("{mp}.down_proj.weight"), vec![h, i]);
+        }
+    }
+}
+
+/// Inserts what MTP layer `l` has besides its decoder block, in DeepSeek-V3's published names
+/// (see [`super::mtp`]): the two input norms, the projection of their concatenation, and its
+/// own embedding and head.
+fn mtp_params(m: &mut HashMap<String, Vec<usize>>, cfg: &ModelConfig, l: usize) {
+    let (h, v) = (cfg.hidden_size, cfg.vocab_size);
+    let p = format!("model.layers.{l}");
+    m.insert(format!("{p}.enorm.weight"), vec![h]);
+    m.insert(format!("{p}.hnorm.weight"), vec![h]);
+    m.insert(format!("{p}.eh_proj.weight"), vec![h, 2 * h]);
+    m.insert(format!("{p}.embed_tokens.weight"), vec![v, h]);
+    m.insert(format!("{p}.shared_head.norm.weight"), vec![h]);
+    m.insert(format!("{p}.shared_head.head.weight"), vec![v, h]);
+}
+
+/// Fails, naming them all, when the checkpoint lacks tensors of the MTP layers `cfg` loads
+/// ([`ModelConfig::draft_layers`]): a config that promises a layer its files do not ship (or a
+/// converter that dropped it, as transformers' `save_pretrained` does) is told apart from a
+/// damaged file before anything is read.
+fn check_draft_layers(cfg: &ModelConfig, ckpt: &Checkpoint, specs: &WeightSpecs) -> Result<()> {
+    let first = format!("model.layers.{}.", cfg.num_hidden_layers);
+    let missing: Vec<String> = specs
+        .names()
+        .into_iter()
+        .filter(|name| cfg.draft_layers > 0 && name.starts_with(&first))
+        .flat_map(|name| checkpoint_tensors(specs, name, 0, 1))
+        .map(|(name, _)| name)
+        .filter(|name| !ckpt.contains(name))
+        .collect();
+    const SHOWN: usize = 8;
+    match missing.len() {
+        0 => Ok(()),
+        n => Err(Error::Weights(format!(
+            "speculative decoding drafts with the multi-token-prediction layer \
+             `{first}*` (config.json's num_nextn_predict_layers is {}), but the checkpoint \
+             lacks {n} of its tensors: {}{}",
+            cfg.num_nextn_predict_layers,
+            missing[..n.min(SHOWN)].join(", "),
+            if n > SHOWN {
+                format!(" and {} more", n - SHOWN)
+            } else {
+                String::new()
+            }
+        ))),
     }
 }
 

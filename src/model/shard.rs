@@ -80,8 +80,10 @@ pub fn split_of(name: &str) -> Split {
         ".mlp.down_proj.weight",
         ".shared_experts.down_proj.weight",
     ];
-    // The embedding and the LM head split by vocabulary: their rows.
-    let vocabulary = name == "model.embed_tokens.weight" || name == "lm_head.weight";
+    // The embeddings and the LM heads (an MTP layer's own too) split by vocabulary: their rows.
+    let vocabulary = name.ends_with(".embed_tokens.weight")
+        || name == "lm_head.weight"
+        || name.ends_with(".shared_head.head.weight");
     if vocabulary || ROWS.iter().any(|s| name.ends_with(s)) {
         Split::Rows
     } else if COLS.iter().any(|s| name.ends_with(s)) {

@@ -32,10 +32,11 @@ use crate::error::{Error, Result};
 use crate::graph::{Graph, InputRole};
 use crate::host::{self, Value};
 use crate::model::{
-    self, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, Sampler, WeightSpecs,
+    self, mtp, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, Sampler,
+    WeightSpecs,
 };
 
-use super::step::{self, HostArray, HostData};
+use super::step::{self, DraftChunk, HostArray, HostData, PrefillChunk};
 use super::{Backend, DecodeCosts, Runner, Step, StepOutput};
 
 /// The CPU graph runner for one model.
@@ -55,6 +56,9 @@ pub struct CpuRunner {
     graphs: GraphCache,
     /// Decode steps' times by row count, for the scheduler's fair decoding.
     decode_costs: DecodeCosts,
+    /// The last step's hidden states (`[rows, hidden]`, row-major) when its graph returned
+    /// them (a drafting model's step, or a draft step): what the next draft step reads.
+    hidden: Option<Vec<f32>>,
 }
 
 /// What a CPU graph is built for: kind, rows, sequences, context, logits, sampler.
@@ -176,6 +180,7 @@ impl CpuRunner {
             runner_cfg,
             graphs: GraphCache::new(CACHED_GRAPHS),
             decode_costs: DecodeCosts::default(),
+            hidden: None,
         })
     }
 
@@ -294,6 +299,45 @@ impl CpuRunner {
         Ok(outs.swap_remove(0))
     }
 
+    /// The [`mtp::HIDDEN`] input of a draft step of `chunks` padded to `t` rows: each row's
+    /// hidden state from the previous step's (zeros for padding).
+    fn draft_hidden(&self, chunks: &[DraftChunk<'_>], t: usize) -> Result<HostArray> {
+        let width = self.cfg.hidden_size;
+        let Some(last) = &self.hidden else {
+            return Err(Error::InvalidInput(
+                "a draft step needs the hidden states of a step before it, and the runner's \
+                 last step returned none (is the model loaded with its MTP layer?)"
+                    .into(),
+            ));
+        };
+        let rows = last.len() / width;
+        if let Some(c) = chunks
+            .iter()
+            .find(|c| c.hidden_rows.len() != c.next_tokens.len())
+        {
+            return Err(Error::InvalidInput(format!(
+                "a draft chunk of {} rows names {} hidden rows",
+                c.next_tokens.len(),
+                c.hidden_rows.len()
+            )));
+        }
+        let mut data = vec![0.0f32; t * width];
+        let wanted = chunks.iter().flat_map(|c| c.hidden_rows.iter().copied());
+        for (i, r) in wanted.enumerate() {
+            if r >= rows {
+                return Err(Error::InvalidInput(format!(
+                    "a draft row reads hidden row {r} of a step that returned {rows}"
+                )));
+            }
+            data[i * width..(i + 1) * width].copy_from_slice(&last[r * width..(r + 1) * width]);
+        }
+        Ok(HostArray {
+            name: mtp::HIDDEN,
+            shape: vec![t, width],
+            data: HostData::F32(data),
+        })
+    }
+
     /// Runs `prepared`'s graph and keeps the first `real_samples` sampled tokens and
     /// `real_logits` logits rows (the rest are padding).
     fn execute(
@@ -306,9 +350,18 @@ impl CpuRunner {
         let outputs = self.run(prepared, metadata)?;
         let graph = prepared.graph();
         let get = |name: &str| graph.output_index(name).map(|i| &outputs[i]);
-        let next = get("next_tokens")
+        self.hidden = match get(mtp::HIDDEN).or_else(|| get(mtp::DRAFT_HIDDEN)) {
+            Some(h) => Some(h.flatten_all()?.to_vec1::<f32>()?),
+            None => None,
+        };
+        // A draft step's proposals, or a step's sampled tokens.
+        let sampled = match get(mtp::DRAFT_TOKENS) {
+            Some(_) => mtp::DRAFT_TOKENS,
+            None => "next_tokens",
+        };
+        let next = get(sampled)
             .ok_or_else(|| Error::Binding {
-                name: "next_tokens".into(),
+                name: sampled.into(),
                 msg: "missing output".into(),
             })?
             .to_vec1::<i32>()?;
@@ -386,6 +439,23 @@ impl Runner for CpuRunner {
                 let meta = step::prefill_step(chunks, t, seqs, ctx, block_size, vocab)?;
                 let real = match logits {
                     LogitsOutput::AllPositions => chunks.iter().map(|c| c.tokens.len()).sum(),
+                    _ => chunks.len(),
+                };
+                self.execute(&graph, &meta, chunks.len(), real)
+            }
+            Step::Draft { chunks, logits } => {
+                // Shaped and checked as the prefill of the chunks' next tokens would be.
+                let prefill: Vec<PrefillChunk> =
+                    chunks.iter().map(DraftChunk::as_prefill).collect();
+                let (t, _, _) = self.runner_cfg.buckets.prefill_bucket(&prefill, vocab)?;
+                let seqs = chunks.len();
+                let end = chunks.iter().map(|c| c.start + c.next_tokens.len()).max();
+                let ctx = cpu_context(end.unwrap_or(1), block_size);
+                let graph = self.graph(StepKind::Draft, t, seqs, ctx, *logits, Sampler::Full)?;
+                let mut meta = step::prefill_step(&prefill, t, seqs, ctx, block_size, vocab)?;
+                meta.push(self.draft_hidden(chunks, t)?);
+                let real = match logits {
+                    LogitsOutput::AllPositions => chunks.iter().map(|c| c.next_tokens.len()).sum(),
                     _ => chunks.len(),
                 };
                 self.execute(&graph, &meta, chunks.len(), real)

@@ -127,6 +127,16 @@ pub enum Step<'a> {
         /// Which logits to return: none, each chunk's last position's, or every position's.
         logits: LogitsOutput,
     },
+    /// A draft step: the MTP layer over chunks of rows of some sequences (see
+    /// [`crate::model::mtp`]), each row drafting from a hidden state the previous step left;
+    /// its `next_tokens` are each chunk's last row's proposal. Only for a runner whose model
+    /// was loaded with its MTP layer ([`crate::config::ModelConfig::draft_layers`]).
+    Draft {
+        /// The chunks, in the order their proposals come back.
+        chunks: &'a [step::DraftChunk<'a>],
+        /// Which logits to return: none, each chunk's last row's, or every row's.
+        logits: LogitsOutput,
+    },
     /// One new token for each row.
     Decode {
         /// The rows, at most the largest batch bucket.

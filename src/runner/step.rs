@@ -166,6 +166,37 @@ pub struct PrefillChunk<'a> {
     pub controls: LogitControls<'a>,
 }
 
+/// One chunk of a draft step ([`super::Step::Draft`]): rows of one sequence at consecutive
+/// positions for its MTP layer (see [`crate::model::mtp`]), each drafting from the token after
+/// it and a hidden state the runner's previous step left.
+#[derive(Debug, Clone)]
+pub struct DraftChunk<'a> {
+    /// Each row's next token: the token at the row's position plus one.
+    pub next_tokens: &'a [u32],
+    /// Position of the first row.
+    pub start: usize,
+    /// The sequence's block table (holding `start + next_tokens.len()` positions).
+    pub blocks: &'a [u32],
+    /// For each row, the row of the previous step's hidden states it drafts from: a target
+    /// step's (the main model's last hidden state at that position) or, chaining, a draft
+    /// step's own.
+    pub hidden_rows: &'a [usize],
+}
+
+impl<'a> DraftChunk<'a> {
+    /// The chunk as a greedy prefill chunk of its next tokens: the same metadata, which is what
+    /// a draft graph reads (it samples nothing, so no controls).
+    pub fn as_prefill(&self) -> PrefillChunk<'a> {
+        PrefillChunk {
+            tokens: self.next_tokens,
+            start: self.start,
+            blocks: self.blocks,
+            sampling: SamplingParams::GREEDY,
+            controls: LogitControls::NONE,
+        }
+    }
+}
+
 /// Reusable host arrays of one kind of step. Each call overwrites them in place: after the
 /// first step of a given bucket shape nothing is allocated, so a replay loop that keeps one
 /// `StepArrays` allocates nothing on the host either.

@@ -205,6 +205,7 @@ impl StepMessage<'_> {
             StepKind::Sample => 2,
             StepKind::Greedy => 3,
             StepKind::Argmax => 4,
+            StepKind::Draft => 5,
         });
         o.u32(self.rows)?;
         o.u32(self.seqs)?;
@@ -249,6 +250,7 @@ impl StepMessage<'_> {
             2 => StepKind::Sample,
             3 => StepKind::Greedy,
             4 => StepKind::Argmax,
+            5 => StepKind::Draft,
             k => return Err(malformed(format!("step kind {k}"))),
         };
         let (rows, seqs, ctx) = (i.u32()?, i.u32()?, i.u32()?);

@@ -1,0 +1,121 @@
+//! DeepSeek-V3's multi-token-prediction (MTP) layer as a draft model: the graph that proposes
+//! the tokens speculative decoding then verifies.
+//!
+//! A checkpoint with `num_nextn_predict_layers` ships its MTP layers after the decoder layers,
+//! as `model.layers.{num_hidden_layers + k}` (layer 61 in DeepSeek-V3). Each is a small model
+//! on top of the main one (DeepSeek-V3 technical report, section 2.2; vLLM's `deepseek_mtp.py`
+//! and SGLang's `deepseek_nextn.py` serve it the same way): for position `i` it takes the main
+//! model's last hidden state `h_i` (after the final norm, what the LM head reads) and the
+//! embedding of the token at `i + 1`, normalizes each (`hnorm`, `enorm`), projects their
+//! concatenation `[enorm(emb); hnorm(h)]` back to the hidden size (`eh_proj`), runs one full
+//! decoder layer (MLA and MoE, with its own KV cache at position `i`) and reads logits through
+//! its own head (`shared_head.norm`, `shared_head.head`): a guess at the token at `i + 2`.
+//!
+//! The draft graph is prefill-shaped: chunks of rows of one or more sequences (every row a
+//! position whose hidden state and next token are known), causal within a sequence over the
+//! MTP layer's cached context, exactly as [`super::build_prefill`]'s chunks are. Its KV lives
+//! in the same KV root as the decoder's, as layer `num_hidden_layers` (the root is that much
+//! wider when [`ModelConfig::draft_layers`] is set), written in place like every layer's.
+//!
+//! Inputs besides the prefill's metadata: [`HIDDEN`] (`[t, hidden]` f32, the main model's
+//! hidden states of the rows, which a step graph returns under the same name when the model
+//! drafts). Outputs: `draft_tokens` (`[s]` i32, each chunk's last row's argmax), `logits` on
+//! request, [`DRAFT_HIDDEN`] (the layer's output after its head's norm, what the head reads:
+//! chaining feeds it back as the next draft's hidden state, as SGLang's `deepseek_nextn.py`
+//! and vLLM since its PR 45895 do), and the updated KV root.
+//!
+//! vLLM also zeroes the embedding of a row at position 0 (`inputs_embeds[positions == 0] =
+//! 0`); SGLang, Megatron's MTP and the report do not, and neither does this graph. A draft
+//! only changes which tokens are proposed, never which are accepted.
+
+use crate::config::ModelConfig;
+use crate::error::{Error, Result};
+use crate::graph::{DType, Graph, GraphBuilder, InputRole};
+
+use super::{
+    attention, check_spec, chunk_visibility, decoder_layer, embed_in, head_logits, inputs,
+    metadata, ops, step_inputs, CacheLayout, GraphSpec, LogitsOutput, WeightSpecs, Weights,
+    INDEX_ROOT, KV_ROOT, STEP_LOGITS,
+};
+
+/// The main model's last hidden states (after its final norm): a step graph's output when the
+/// model drafts, and the draft graph's input.
+pub const HIDDEN: &str = "hidden";
+/// The draft graph's output hidden states: the MTP layer's output after its head's norm (what
+/// chaining drafts from).
+pub const DRAFT_HIDDEN: &str = "draft_hidden";
+/// The draft graph's proposed tokens, one per chunk.
+pub const DRAFT_TOKENS: &str = "draft_tokens";
+
+/// The draft graph of MTP layer `cfg.num_hidden_layers` for `spec.rows` rows in chunks of up to
+/// `spec.seqs` sequences over `spec.ctx` context positions (see the module docs). Its
+/// `input_ids` are each row's next token, its `positions` the rows' own.
+pub fn build_draft(
+    cfg: &ModelConfig,
+    specs: &WeightSpecs,
+    cache: &CacheLayout,
+    spec: &GraphSpec,
+) -> Result<Graph> {
+    check_spec(spec, cache)?;
+    if cfg.draft_layers == 0 {
+        return Err(Error::shape(
+            "bucket",
+            "a draft graph of a model loaded without its MTP layer",
+        ));
+    }
+    let (t, seqs, ctx) = (spec.rows, spec.seqs.max(1), spec.ctx);
+    if seqs > t {
+        return Err(Error::shape(
+            "bucket",
+            format!("a draft step of {t} rows cannot carry {seqs} sequences"),
+        ));
+    }
+    let b = GraphBuilder::new(format!("draft_t{t}_s{seqs}_c{ctx}"));
+    let w = Weights::new(&b, specs);
+    let s = step_inputs(&b, cfg, cache, t, seqs, ctx)?;
+    let last_index = metadata(&b, inputs::LAST_INDEX, vec![seqs], DType::I32)?;
+    let (visible, _) = chunk_visibility(&b, &s.positions, seqs, ctx)?;
+    let hidden = b.input(
+        HIDDEN,
+        InputRole::Carried,
+        vec![t, cfg.hidden_size],
+        DType::F32,
+    )?;
+    let layer = cfg.num_hidden_layers;
+    let p = format!("model.layers.{layer}");
+    let eps = cfg.rms_norm_eps;
+    let e = embed_in(&w, &format!("{p}.embed_tokens.weight"), &s.input_ids)?;
+    let e = ops::rms_norm(&e, &w.get(&format!("{p}.enorm.weight"))?, eps)?;
+    let h = ops::rms_norm(&hidden, &w.get(&format!("{p}.hnorm.weight"))?, eps)?;
+    let x = ops::linear(
+        w.dots(),
+        &b.cat(&[&e, &h], 1)?,
+        &w.get(&format!("{p}.eh_proj.weight"))?,
+    )?;
+    let step = s.attn_step(&visible);
+    let (x, roots) = decoder_layer(
+        cfg,
+        &w,
+        layer,
+        x,
+        &s.roots,
+        &step,
+        attention::prefill,
+        spec.moe,
+    )?;
+    let normed = ops::rms_norm(&x, &w.get(&format!("{p}.shared_head.norm.weight"))?, eps)?;
+    let head = format!("{p}.shared_head.head.weight");
+    let last_logits = head_logits(&w, &head, &normed.index_select(&last_index, 0)?)?;
+    b.output(DRAFT_TOKENS, &w.vocab_slice()?.argmax(&last_logits)?)?;
+    match spec.logits {
+        LogitsOutput::None => {}
+        LogitsOutput::Sampled => b.output(STEP_LOGITS, &last_logits)?,
+        LogitsOutput::AllPositions => b.output(STEP_LOGITS, &head_logits(&w, &head, &normed)?)?,
+    }
+    b.output(DRAFT_HIDDEN, &normed)?;
+    b.output_aliased(KV_ROOT, &roots.kv, &s.roots.kv)?;
+    if let (Some(new), Some(old)) = (&roots.index, &s.roots.index) {
+        b.output_aliased(INDEX_ROOT, new, old)?;
+    }
+    b.finish()
+}

@@ -1,0 +1,161 @@
+//! DeepSeek-V3's multi-token-prediction layer as a draft model (`model::mtp`), against
+//! `fixtures/tiny-v3-mtp/reference-mtp.json`: an MTP forward written by hand in
+//! `scripts/make_mtp_fixture.py` from vLLM's `deepseek_mtp.py`, SGLang's `deepseek_nextn.py`
+//! and the DeepSeek-V3 report, around transformers' own `DeepseekV3DecoderLayer` (transformers
+//! itself drops the layer).
+
+mod common;
+
+use common::{fixture_dir, max_abs_diff_rows, RunnerExt};
+use deepinfer::config::ModelConfig;
+use deepinfer::deployment::RunnerConfig;
+use deepinfer::model::{LogitsOutput, ModelWeights, Precision};
+use deepinfer::runner::step::{DraftChunk, LogitControls, PrefillChunk, SamplingParams};
+use deepinfer::runner::{CpuRunner, Runner, Step, StepOutput};
+use deepinfer::weights::Checkpoint;
+use serde::Deserialize;
+
+const FIXTURE: &str = "tiny-v3-mtp";
+/// f32 throughout, as the reference; the layer adds one MLA + MoE block to the main model's.
+const TOLERANCE: f32 = 1e-4;
+
+#[derive(Deserialize)]
+struct MtpReference {
+    token_ids: Vec<u32>,
+    main_logits: Vec<Vec<f32>>,
+    mtp_logits: Vec<Vec<f32>>,
+    mtp_greedy: Vec<u32>,
+}
+
+fn reference() -> MtpReference {
+    common::reference_file(FIXTURE, "reference-mtp.json")
+}
+
+/// A CPU runner for the fixture with its MTP layer loaded.
+fn drafting_runner() -> CpuRunner {
+    let dir = fixture_dir(FIXTURE);
+    let cfg = ModelConfig::from_file(&dir.join("config.json"))
+        .unwrap()
+        .with_draft_layer()
+        .unwrap();
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let weights = ModelWeights::load(&cfg, &ckpt, &Precision::F32).unwrap();
+    let rc = RunnerConfig::for_limits(2, 128);
+    let mut runner = CpuRunner::new(cfg, weights, rc.clone()).unwrap();
+    runner.capture(&rc.buckets).unwrap();
+    runner
+}
+
+fn chunk<'a>(tokens: &'a [u32], start: usize, blocks: &'a [u32]) -> PrefillChunk<'a> {
+    PrefillChunk {
+        tokens,
+        start,
+        blocks,
+        sampling: SamplingParams::GREEDY,
+        controls: LogitControls::NONE,
+    }
+}
+
+fn draft(runner: &mut CpuRunner, chunk: DraftChunk<'_>) -> StepOutput {
+    runner
+        .replay(&Step::Draft {
+            chunks: &[chunk],
+            logits: LogitsOutput::AllPositions,
+        })
+        .unwrap()
+}
+
+fn assert_close(what: &str, got: &[Vec<f32>], want: &[Vec<f32>]) {
+    assert_eq!(got.len(), want.len(), "{what}: rows");
+    assert!(
+        got.iter().flatten().all(|x| x.is_finite()),
+        "{what}: not finite"
+    );
+    let diff = max_abs_diff_rows(got, want);
+    assert!(diff <= TOLERANCE, "{what}: max |diff| {diff:e}");
+}
+
+#[test]
+fn the_mtp_layer_drafts_what_the_reference_module_computes() {
+    let r = reference();
+    let s = r.token_ids.len();
+    let mut runner = drafting_runner();
+    let blocks: Vec<u32> = (1..=8).collect();
+    // The main model over the whole prompt, returning its hidden states.
+    let out = runner
+        .prefill(&chunk(&r.token_ids, 0, &blocks), LogitsOutput::AllPositions)
+        .unwrap();
+    assert_close("main logits", &out.logits.unwrap(), &r.main_logits);
+    // Row i drafts from the hidden state at i and the token at i + 1.
+    let rows: Vec<usize> = (0..s - 1).collect();
+    let out = draft(
+        &mut runner,
+        DraftChunk {
+            next_tokens: &r.token_ids[1..],
+            start: 0,
+            blocks: &blocks,
+            hidden_rows: &rows,
+        },
+    );
+    assert_close("MTP logits", &out.logits.unwrap(), &r.mtp_logits);
+    assert_eq!(out.next_tokens, vec![r.mtp_greedy[s - 2]]);
+}
+
+/// The engine's order: a prompt chunk, then its draft rows; the next chunk's draft rows attend
+/// to the MTP layer's cached rows of the first.
+#[test]
+fn draft_chunks_continue_the_mtp_layers_cache() {
+    let r = reference();
+    let s = r.token_ids.len();
+    let mut runner = drafting_runner();
+    let blocks: Vec<u32> = (1..=8).collect();
+    let mut got = Vec::new();
+    for (start, end) in [(0, 17), (17, s)] {
+        runner
+            .prefill(
+                &chunk(&r.token_ids[start..end], start, &blocks),
+                LogitsOutput::None,
+            )
+            .unwrap();
+        // Every row whose next token is known: the chunk's, up to the prompt's last.
+        let rows = end.min(s - 1) - start;
+        let hidden_rows: Vec<usize> = (0..rows).collect();
+        let out = draft(
+            &mut runner,
+            DraftChunk {
+                next_tokens: &r.token_ids[start + 1..start + 1 + rows],
+                start,
+                blocks: &blocks,
+                hidden_rows: &hidden_rows,
+            },
+        );
+        got.extend(out.logits.unwrap());
+    }
+    assert_close("MTP logits in two chunks", &got, &r.mtp_logits);
+}
+
+#[test]
+fn a_checkpoint_without_an_mtp_layer_is_refused_by_name() {
+    let cfg = ModelConfig::from_file(&fixture_dir("tiny-v3").join("config.json")).unwrap();
+    let msg = cfg.with_draft_layer().unwrap_err().to_string();
+    assert!(msg.contains("num_nextn_predict_layers"), "{msg}");
+    assert!(msg.contains("model.layers.3.eh_proj"), "{msg}");
+
+    // A config that promises the layer over files that lack it: every missing tensor named.
+    let mut cfg = cfg;
+    cfg.num_nextn_predict_layers = 1;
+    let cfg = cfg.with_draft_layer().unwrap();
+    let ckpt = Checkpoint::open(&fixture_dir("tiny-v3")).unwrap();
+    let msg = match ModelWeights::load(&cfg, &ckpt, &Precision::F32) {
+        Ok(_) => panic!("loading a missing MTP layer must fail"),
+        Err(e) => e.to_string(),
+    };
+    for name in [
+        "model.layers.3.eh_proj.weight",
+        "model.layers.3.embed_tokens.weight",
+        "model.layers.3.enorm.weight",
+    ] {
+        assert!(msg.contains(name), "{msg}");
+    }
+    assert!(msg.contains("more"), "{msg}");
+}
