@@ -247,6 +247,7 @@ fn json_schema_device_step(c: &mut Criterion) {
         moe: None,
         kv_dtype: deepinfer::graph::DType::BF16,
         tp: 1,
+        speculative_tokens: 0,
     };
     let mut blocks =
         deepinfer::engine::BlockAllocator::new(rc.num_blocks, rc.block_size).expect("blocks");

@@ -71,6 +71,7 @@ fn replay_config() -> RunnerConfig {
         moe: None,
         kv_dtype: DType::BF16,
         tp: 1,
+        speculative_tokens: 0,
     }
 }
 

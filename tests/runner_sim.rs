@@ -61,6 +61,7 @@ fn small_config() -> RunnerConfig {
         moe: None,
         kv_dtype: DType::F32,
         tp: 1,
+        speculative_tokens: 0,
     }
 }
 

@@ -752,7 +752,7 @@ impl<R: Runner> Runner for Recording<R> {
                 self.steps.push((true, tokens));
             }
             Step::Decode { rows, .. } => self.steps.push((false, rows.len())),
-            Step::Draft { .. } => {}
+            Step::Draft { .. } | Step::Verify { .. } => {}
         }
         self.inner.replay(step)
     }

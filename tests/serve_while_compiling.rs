@@ -51,6 +51,7 @@ fn config() -> RunnerConfig {
         moe: None,
         kv_dtype: DType::F32,
         tp: 1,
+        speculative_tokens: 0,
     }
 }
 

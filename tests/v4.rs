@@ -724,6 +724,7 @@ fn through_the_runners(fixture: &str, names: &[&str]) {
         moe: None,
         kv_dtype: DType::F32,
         tp,
+        speculative_tokens: 0,
     };
     let dir = common::fixture_dir(fixture);
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();

@@ -51,6 +51,9 @@ pub struct RunnerConfig {
     /// The tensor-parallel degree: ranks (NeuronCores, or threads on the CPU) the model is
     /// split over, each running the same graphs on its own shards (see `model::shard`).
     pub tp: usize,
+    /// `--speculative-tokens`: tokens drafted a sequence per decode step with the model's
+    /// multi-token-prediction layer (0: off; see [`crate::engine::speculative`]).
+    pub speculative_tokens: usize,
 }
 
 /// The largest ratio between neighbouring default context buckets (see
@@ -110,6 +113,7 @@ impl RunnerConfig {
             moe: None,
             kv_dtype: DType::F32,
             tp: 1,
+            speculative_tokens: 0,
         }
     }
 }

@@ -61,6 +61,9 @@ pub struct Limits {
     /// where this process runs every rank with no followers; otherwise, and on the CPU, every
     /// bucket is captured first.
     pub background_compile: bool,
+    /// `--speculative-tokens`: tokens drafted a sequence per decode step with the model's MTP
+    /// layer (0: off). The CPU backend only, for now.
+    pub speculative_tokens: usize,
 }
 
 impl Limits {
@@ -82,6 +85,7 @@ impl Limits {
             instance_secret: None,
             split_sampler: false,
             background_compile: false,
+            speculative_tokens: 0,
         }
     }
 
@@ -108,6 +112,7 @@ impl Limits {
         let max_len = self.max_len.min(cfg.max_position_embeddings);
         let mut rc = RunnerConfig::for_limits(self.max_batch, max_len);
         rc.tp = self.tp;
+        rc.speculative_tokens = self.speculative_tokens;
         let longest = rc.buckets.max_len();
         if let Some(blocks) = self.kv_blocks {
             let one_sequence = longest.div_ceil(rc.block_size) + 1;

@@ -8,6 +8,7 @@
 //! - [`Engine`]: the scheduler on its own thread, fed by channels, for the async server.
 //! - [`detokenize`]: incremental, UTF-8-safe detokenization and stop strings.
 //! - [`BlockAllocator`]: which KV-cache blocks each sequence owns; the scheduler owns it.
+//! - [`speculative`]: speculative decoding with the model's multi-token-prediction layer.
 
 mod blocks;
 pub mod detokenize;
@@ -15,6 +16,7 @@ pub mod grammar;
 mod params;
 mod scheduler;
 pub mod single;
+pub mod speculative;
 mod thread;
 
 pub use blocks::BlockAllocator;

@@ -83,7 +83,9 @@ use std::sync::Arc;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::LogitsOutput;
-use crate::runner::step::{DecodeRow, LogitControls, PrefillChunk, LOGIT_BIAS_SLOTS};
+use crate::runner::step::{
+    DecodeRow, DraftChunk, LogitControls, PrefillChunk, SamplingParams, LOGIT_BIAS_SLOTS,
+};
 use crate::runner::{LateMasks, Runner, Step, StepOutput};
 use crate::tokenizer::Tokenizer;
 
@@ -91,6 +93,7 @@ use super::blocks::{BlockAllocator, PrefixCacheStats};
 use super::detokenize::{IncrementalDecoder, StopStrings};
 use super::grammar::{advance_all, fill_masks, Advance, Constraint};
 use super::params::{FinishReason, GenerationParams};
+use super::speculative::{accepted_prefix, DraftRows, SpeculativeStats};
 
 /// The default of [`Scheduler::set_fair_decode_slowdown`]: while other requests run, a step
 /// may cost twice a step of one row per request. On the default model a short request beside
@@ -250,6 +253,9 @@ struct Sequence {
     /// One more than the iteration whose decode step last fed this sequence (0: none yet):
     /// with fair decoding, a request's rows that sat a step out go first next time.
     last_decoded: u64,
+    /// Speculative decoding's proposals for the tokens after the last one (see
+    /// [`super::speculative`]); empty without speculation.
+    drafts: Vec<u32>,
 }
 
 impl Sequence {
@@ -264,6 +270,7 @@ impl Sequence {
         self.block_hashes.clear();
         self.computed = 0;
         self.phase = Phase::Prefill;
+        self.drafts.clear();
     }
 
     /// Sets [`Sequence::bias`] for the next token: the request's `logit_bias`, with every end
@@ -334,6 +341,10 @@ pub struct Scheduler<R: Runner> {
     /// Steps that failed in a row, and the last failure (for health checks).
     failed_steps: u32,
     last_failure: Option<String>,
+    /// Tokens drafted a sequence per step (0: no speculative decoding), see
+    /// [`super::speculative`].
+    speculative: usize,
+    spec_stats: SpeculativeStats,
 }
 
 /// Whether sequences of `cfg` can start from another's cached prefix. A DeepSeek-V4 sequence's
@@ -356,6 +367,14 @@ impl<R: Runner> Scheduler<R> {
     ) -> Result<Self> {
         let rc = runner.runner_config();
         let max_running = rc.buckets.max_batch().max(1);
+        let speculative = rc.speculative_tokens;
+        if speculative > 0 && runner.config().draft_layers == 0 {
+            return Err(Error::InvalidInput(
+                "speculative decoding needs the model loaded with its MTP layer \
+                 (ModelConfig::with_draft_layer)"
+                    .into(),
+            ));
+        }
         let blocks = match shares_prefixes(runner.config()) {
             true => BlockAllocator::with_prefix_caching(rc.num_blocks, rc.block_size)?,
             false => BlockAllocator::new(rc.num_blocks, rc.block_size)?,
@@ -378,7 +397,14 @@ impl<R: Runner> Scheduler<R> {
             preemptions: 0,
             failed_steps: 0,
             last_failure: None,
+            speculative,
+            spec_stats: SpeculativeStats::default(),
         })
+    }
+
+    /// What speculative decoding did so far (all zeros without it).
+    pub fn speculative_stats(&self) -> SpeculativeStats {
+        self.spec_stats
     }
 
     /// Turns prefix caching on (the default) or off. Only before the first request: the cache
@@ -554,6 +580,7 @@ impl<R: Runner> Scheduler<R> {
             bias: Vec::new(),
             constraint,
             mask,
+            drafts: Vec::new(),
         });
         Ok(())
     }
@@ -821,6 +848,9 @@ impl<R: Runner> Scheduler<R> {
         if batch.is_empty() {
             return 0;
         }
+        if self.speculative > 0 && self.all_verifiable(&batch) {
+            return self.verify_step(&batch, out);
+        }
         let mut late = self.take_constraints(&batch);
         let rows: Vec<DecodeRow<'_>> = batch
             .iter()
@@ -879,6 +909,18 @@ impl<R: Runner> Scheduler<R> {
             }) => {
                 let mut advances = self.advance_constraints(&batch, &tokens).into_iter();
                 let vocab = self.runner.config().vocab_size;
+                // Each row's position and its new token, for the MTP layer's draft step.
+                let drafts: Vec<DraftRows> = batch
+                    .iter()
+                    .zip(&tokens)
+                    .enumerate()
+                    .map(|(k, (&i, &token))| DraftRows {
+                        seq: i,
+                        start: self.running[i].tokens.len() - 1,
+                        next_tokens: vec![token],
+                        hidden_rows: vec![k],
+                    })
+                    .collect();
                 for (k, (&i, token)) in batch.iter().zip(tokens).enumerate() {
                     let advance = advances.next().flatten();
                     let seq = &mut self.running[i];
@@ -893,6 +935,7 @@ impl<R: Runner> Scheduler<R> {
                         advance
                     }));
                 }
+                self.draft(drafts, out);
             }
             Err(failure) => {
                 let failed: Vec<RequestId> = batch.iter().map(|&i| self.running[i].id).collect();
@@ -907,6 +950,215 @@ impl<R: Runner> Scheduler<R> {
         }
         self.remove_finished(out);
         batch.len()
+    }
+
+    /// Whether every running sequence at `rows` can verify drafts this step: greedy without
+    /// penalties, bias (`min_tokens`' included), a constraint or log-probabilities (see
+    /// [`super::speculative`]). Refreshes their biases for the step.
+    fn all_verifiable(&mut self, rows: &[usize]) -> bool {
+        let eos = &self.eos_token_ids;
+        rows.iter().all(|&i| {
+            let seq = &mut self.running[i];
+            seq.refresh_bias(eos);
+            seq.params.sampling.is_plain_greedy()
+                && seq.bias.is_empty()
+                && seq.constraint.is_none()
+                && seq.params.logprobs.is_none()
+        })
+    }
+
+    /// How many of its drafts the sequence at `i` can feed this step: no more than fit the
+    /// context, than its blocks can be grown to hold, or than it may still generate (the
+    /// verify step adds the model's own token after them).
+    fn verifiable_drafts(&mut self, i: usize) -> usize {
+        let max_len = self.max_len();
+        let seq = &mut self.running[i];
+        let room = max_len.saturating_sub(seq.tokens.len());
+        let left = seq
+            .params
+            .max_tokens
+            .saturating_sub(seq.generated())
+            .saturating_sub(1);
+        let mut n = seq.drafts.len().min(room).min(left);
+        while n > 0
+            && self
+                .blocks
+                .grow(&mut seq.blocks, seq.tokens.len() + n)
+                .is_err()
+        {
+            n -= 1;
+        }
+        n
+    }
+
+    /// The decode step of speculative decoding for the running sequences at `rows` (all
+    /// verifiable): each feeds its last token and drafts, keeps the drafts the model agrees
+    /// with and the model's token after them (see [`super::speculative`]). Returns the
+    /// positions fed.
+    fn verify_step(&mut self, rows: &[usize], out: &mut Vec<Output>) -> usize {
+        let fed: Vec<Vec<u32>> = rows
+            .iter()
+            .map(|&i| {
+                let n = self.verifiable_drafts(i);
+                let seq = &self.running[i];
+                let mut t = vec![seq.tokens[seq.tokens.len() - 1]];
+                t.extend_from_slice(&seq.drafts[..n]);
+                t
+            })
+            .collect();
+        let chunks: Vec<PrefillChunk<'_>> = rows
+            .iter()
+            .zip(&fed)
+            .map(|(&i, tokens)| {
+                let s = &self.running[i];
+                PrefillChunk {
+                    tokens,
+                    start: s.tokens.len() - 1,
+                    blocks: &s.blocks,
+                    sampling: SamplingParams::GREEDY,
+                    controls: s.controls(),
+                }
+            })
+            .collect();
+        let positions: usize = fed.iter().map(Vec::len).sum();
+        self.steps_run += 1;
+        let result = self.runner.replay(&Step::Verify {
+            chunks: &chunks,
+            logits: LogitsOutput::None,
+        });
+        drop(chunks);
+        let verified = match self.check_step("verify", result, positions) {
+            Ok(o) => o.next_tokens,
+            Err(failure) => {
+                let failed: Vec<RequestId> = rows.iter().map(|&i| self.running[i].id).collect();
+                for &id in &failed {
+                    out.push(Output {
+                        id,
+                        event: failure.clone(),
+                    });
+                }
+                self.remove_where(|s| failed.contains(&s.id));
+                return positions;
+            }
+        };
+        let vocab = self.runner.config().vocab_size;
+        let mut drafts = Vec::with_capacity(rows.len());
+        let mut offset = 0;
+        self.spec_stats.verify_steps += 1;
+        for (&i, fed) in rows.iter().zip(&fed) {
+            let verified = &verified[offset..offset + fed.len()];
+            let accepted = accepted_prefix(&fed[1..], verified);
+            self.spec_stats.verified_rows += 1;
+            self.spec_stats.drafted += (fed.len() - 1) as u64;
+            self.spec_stats.accepted += accepted as u64;
+            let seq = &mut self.running[i];
+            seq.last_decoded = self.iterations + 1;
+            let start = seq.tokens.len() - 1;
+            let mut emitted = 0;
+            for &token in &verified[..=accepted] {
+                seq.computed += 1;
+                let written = &seq.tokens[..seq.computed];
+                self.blocks
+                    .register(&seq.blocks, written, &mut seq.block_hashes);
+                let event = accept(seq, token, None, &self.eos_token_ids, vocab, |_| None);
+                emitted += 1;
+                let last = event.event.is_last();
+                out.push(event);
+                if last {
+                    break;
+                }
+            }
+            drafts.push(DraftRows {
+                seq: i,
+                start,
+                next_tokens: verified[..emitted].to_vec(),
+                hidden_rows: (offset..offset + emitted).collect(),
+            });
+            offset += fed.len();
+        }
+        self.draft(drafts, out);
+        self.remove_finished(out);
+        positions
+    }
+
+    /// Runs the MTP layer over `rows` (the positions the last step fed, see
+    /// [`super::speculative`]) and chains it to `speculative` proposals for each decoding
+    /// sequence. Sequences that finished in `out` are left out; a failed draft step fails its
+    /// sequences as any step does.
+    fn draft(&mut self, rows: Vec<DraftRows>, out: &mut Vec<Output>) {
+        let finished: Vec<RequestId> = out
+            .iter()
+            .filter(|o| o.event.is_last())
+            .map(|o| o.id)
+            .collect();
+        let mut rows: Vec<DraftRows> = rows
+            .into_iter()
+            .filter(|r| !r.next_tokens.is_empty() && !finished.contains(&self.running[r.seq].id))
+            .collect();
+        for r in &rows {
+            self.running[r.seq].drafts.clear();
+        }
+        let max_len = self.max_len();
+        for depth in 0..self.speculative {
+            if rows.is_empty() {
+                return;
+            }
+            let chunks: Vec<DraftChunk<'_>> = rows
+                .iter()
+                .map(|r| DraftChunk {
+                    next_tokens: &r.next_tokens,
+                    start: r.start,
+                    blocks: &self.running[r.seq].blocks,
+                    hidden_rows: &r.hidden_rows,
+                })
+                .collect();
+            self.steps_run += 1;
+            let result = self.runner.replay(&Step::Draft {
+                chunks: &chunks,
+                logits: LogitsOutput::None,
+            });
+            drop(chunks);
+            let proposals = match self.check_step("draft", result, rows.len()) {
+                Ok(o) => o.next_tokens,
+                Err(failure) => {
+                    let failed: Vec<RequestId> =
+                        rows.iter().map(|r| self.running[r.seq].id).collect();
+                    for &id in &failed {
+                        out.push(Output {
+                            id,
+                            event: failure.clone(),
+                        });
+                    }
+                    self.remove_where(|s| failed.contains(&s.id));
+                    return;
+                }
+            };
+            // Chain from each decoding sequence's last row, one position on, while its blocks
+            // and the context hold it.
+            let mut next = Vec::new();
+            let mut last_row = 0;
+            for (r, token) in rows.iter().zip(proposals) {
+                last_row += r.next_tokens.len();
+                let seq = &mut self.running[r.seq];
+                if seq.phase != Phase::Decode {
+                    continue;
+                }
+                seq.drafts.push(token);
+                let position = r.start + r.next_tokens.len();
+                let more = depth + 1 < self.speculative
+                    && position < max_len
+                    && self.blocks.grow(&mut seq.blocks, position + 1).is_ok();
+                if more {
+                    next.push(DraftRows {
+                        seq: r.seq,
+                        start: position,
+                        next_tokens: vec![token],
+                        hidden_rows: vec![last_row - 1],
+                    });
+                }
+            }
+            rows = next;
+        }
     }
 
     /// With fair decoding, the decoding sequences (not skipped) that sit this step out: those
@@ -1092,9 +1344,20 @@ impl<R: Runner> Scheduler<R> {
                 logits,
             }) => {
                 let vocab = self.runner.config().vocab_size;
+                // The chunks' rows for the MTP layer's draft step: every position whose next
+                // token is known once the chunk's sample is accepted.
+                let mut drafts = Vec::new();
                 // Each chunk's first logits row (AllPositions: one row per token).
                 let mut row = 0;
                 for (k, &(i, n)) in plan.iter().enumerate() {
+                    if self.speculative > 0 {
+                        drafts.push(DraftRows {
+                            seq: i,
+                            start: self.running[i].computed,
+                            next_tokens: Vec::new(),
+                            hidden_rows: (row..row + n).collect(),
+                        });
+                    }
                     let (rows, sampled_row) = match (want, &logits) {
                         (LogitsOutput::AllPositions, Some(l)) => {
                             let r = l.get(row..row + n).unwrap_or(&[]);
@@ -1133,6 +1396,14 @@ impl<R: Runner> Scheduler<R> {
                         out.push(accept(seq, token, lp, &self.eos_token_ids, vocab, advance));
                     }
                 }
+                // The next tokens are known now (a final chunk's is its accepted sample).
+                for d in &mut drafts {
+                    let tokens = &self.running[d.seq].tokens;
+                    let end = (d.start + 1 + d.hidden_rows.len()).min(tokens.len());
+                    d.next_tokens = tokens[d.start + 1..end].to_vec();
+                    d.hidden_rows.truncate(d.next_tokens.len());
+                }
+                self.draft(drafts, out);
                 self.remove_finished(out);
             }
             Err(failure) => {

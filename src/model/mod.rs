@@ -809,6 +809,10 @@ fn lm_head_width(cfg: &ModelConfig, specs: &WeightSpecs) -> Result<usize> {
 /// whose earlier tokens are already cached, each attending to up to `spec.ctx` positions of its
 /// own sequence.
 ///
+/// With [`Sampler::Greedy`] it is speculative decoding's verify graph: every position's argmax
+/// (`next_tokens` is `[t]`), the token counts left alone, every position's logits on request
+/// (see `engine::speculative`).
+///
 /// With one sequence, every token belongs to it. With several (a packed prefill), `seq_ids`
 /// says whose each token is, and the context is every sequence's `ctx` positions side by side
 /// (`[s * ctx]`, in block-table row order): a token sees the positions of its own sequence up
@@ -830,9 +834,11 @@ pub fn build_prefill(
             format!("a prefill of {t} tokens cannot carry {seqs} sequences"),
         ));
     }
-    let name = match seqs {
-        1 => format!("prefill_t{t}_c{ctx}"),
-        s => format!("prefill_t{t}_s{s}_c{ctx}"),
+    let verify = spec.sampler == Sampler::Greedy;
+    let name = match (verify, seqs) {
+        (true, s) => format!("verify_t{t}_s{s}_c{ctx}"),
+        (false, 1) => format!("prefill_t{t}_c{ctx}"),
+        (false, s) => format!("prefill_t{t}_s{s}_c{ctx}"),
     };
     let b = GraphBuilder::new(name);
     let w = Weights::new(&b, specs);
@@ -841,6 +847,16 @@ pub fn build_prefill(
     let (visible, seq_ids) = chunk_visibility(&b, &s.positions, seqs, ctx)?;
     let (x, new_roots) = s.forward(cfg, &w, &visible, attention::prefill, spec.moe)?;
     output_hidden(&b, cfg, &x)?;
+    if verify {
+        // Every position's argmax, the token counts left alone (as a greedy decode step).
+        let logits = lm_logits(cfg, &w, &x)?;
+        b.output("next_tokens", &w.vocab_slice()?.argmax(&logits)?)?;
+        if spec.logits != LogitsOutput::None {
+            b.output(STEP_LOGITS, &logits)?;
+        }
+        output_roots(&b, &new_roots, &s.roots, (&s.state, &s.state))?;
+        return b.finish();
+    }
     let last_logits = lm_logits(cfg, &w, &x.index_select(&last_index, 0)?)?;
     let vocab = w.vocab_slice()?;
     let (next, state) = prefill_tail(

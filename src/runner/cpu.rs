@@ -299,6 +299,36 @@ impl CpuRunner {
         Ok(outs.swap_remove(0))
     }
 
+    /// The shape a verify or draft step of `chunks` runs at: every position of one chunk per
+    /// sequence, within the decode buckets (as many sequences as the largest batch, the
+    /// context they reach), the context rounded up to a block (see [`cpu_context`]).
+    fn speculative_shape(&self, chunks: &[PrefillChunk<'_>]) -> Result<(usize, usize, usize)> {
+        let vocab = self.cfg.vocab_size;
+        if chunks.is_empty() || chunks.iter().any(|c| c.tokens.is_empty()) {
+            return Err(Error::InvalidInput(
+                "a verify or draft step with no rows, or a chunk of none".into(),
+            ));
+        }
+        if let Some(t) = chunks
+            .iter()
+            .flat_map(|c| c.tokens)
+            .find(|&&t| t as usize >= vocab)
+        {
+            return Err(Error::InvalidInput(format!(
+                "token id {t} is outside the vocabulary (size {vocab})"
+            )));
+        }
+        let last: Vec<_> = chunks.iter().map(last_token_row).collect();
+        self.runner_cfg.buckets.decode_bucket(&last, vocab)?;
+        let t = chunks.iter().map(|c| c.tokens.len()).sum();
+        let end = chunks.iter().map(|c| c.start + c.tokens.len()).max();
+        Ok((
+            t,
+            chunks.len(),
+            cpu_context(end.unwrap_or(1), self.layout.block_size),
+        ))
+    }
+
     /// The [`mtp::HIDDEN`] input of a draft step of `chunks` padded to `t` rows: each row's
     /// hidden state from the previous step's (zeros for padding).
     fn draft_hidden(&self, chunks: &[DraftChunk<'_>], t: usize) -> Result<HostArray> {
@@ -388,6 +418,18 @@ impl CpuRunner {
     }
 }
 
+/// A verify chunk's last position as the decode row the buckets check (its batch slot and the
+/// context it reaches).
+fn last_token_row<'a>(c: &PrefillChunk<'a>) -> step::DecodeRow<'a> {
+    step::DecodeRow {
+        token: c.tokens.last().copied().unwrap_or(0),
+        position: c.start + c.tokens.len().saturating_sub(1),
+        blocks: c.blocks,
+        sampling: c.sampling,
+        controls: c.controls,
+    }
+}
+
 /// The step's host metadata as tensors, made once per step and shared by every rank.
 fn metadata_tensors(metadata: &[HostArray]) -> Result<Vec<(&'static str, CTensor)>> {
     let dev = &Device::Cpu;
@@ -443,14 +485,26 @@ impl Runner for CpuRunner {
                 };
                 self.execute(&graph, &meta, chunks.len(), real)
             }
+            Step::Verify { chunks, logits } => {
+                if let Some(c) = chunks.iter().find(|c| !c.sampling.is_plain_greedy()) {
+                    return Err(Error::InvalidInput(format!(
+                        "a verify step samples greedily; a chunk at position {} asks for {:?}",
+                        c.start, c.sampling
+                    )));
+                }
+                let (t, seqs, ctx) = self.speculative_shape(chunks)?;
+                let want = match logits {
+                    LogitsOutput::None => LogitsOutput::None,
+                    _ => LogitsOutput::AllPositions,
+                };
+                let graph = self.graph(StepKind::Prefill, t, seqs, ctx, want, Sampler::Greedy)?;
+                let meta = step::prefill_step(chunks, t, seqs, ctx, block_size, vocab)?;
+                self.execute(&graph, &meta, t, t)
+            }
             Step::Draft { chunks, logits } => {
-                // Shaped and checked as the prefill of the chunks' next tokens would be.
                 let prefill: Vec<PrefillChunk> =
                     chunks.iter().map(DraftChunk::as_prefill).collect();
-                let (t, _, _) = self.runner_cfg.buckets.prefill_bucket(&prefill, vocab)?;
-                let seqs = chunks.len();
-                let end = chunks.iter().map(|c| c.start + c.next_tokens.len()).max();
-                let ctx = cpu_context(end.unwrap_or(1), block_size);
+                let (t, seqs, ctx) = self.speculative_shape(&prefill)?;
                 let graph = self.graph(StepKind::Draft, t, seqs, ctx, *logits, Sampler::Full)?;
                 let mut meta = step::prefill_step(&prefill, t, seqs, ctx, block_size, vocab)?;
                 meta.push(self.draft_hidden(chunks, t)?);

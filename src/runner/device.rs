@@ -2312,8 +2312,9 @@ impl Runner for DeviceRunner {
         self.timed(|r| match *step {
             Step::Prefill { chunks, logits } => r.replay_prefill(chunks, logits),
             Step::Decode { rows, logits } => r.replay_decode(rows, logits),
-            // Draft graphs are not captured on a device yet: the engine drafts only on the CPU.
-            Step::Draft { .. } => Err(Error::InvalidInput(
+            // Draft and verify graphs are not captured on a device yet: the engine speculates
+            // only on the CPU.
+            Step::Draft { .. } | Step::Verify { .. } => Err(Error::InvalidInput(
                 "speculative decoding's draft steps run on the CPU backend only for now".into(),
             )),
         })

@@ -127,6 +127,17 @@ pub enum Step<'a> {
         /// Which logits to return: none, each chunk's last position's, or every position's.
         logits: LogitsOutput,
     },
+    /// A verify step of speculative decoding: each chunk a decoding sequence's last token and
+    /// its drafted tokens after it, all fed at once; `next_tokens` holds every position's
+    /// greedy token (chunk after chunk), so the caller accepts the drafts that agree (see
+    /// `engine::speculative`). The rows' token counts are left alone, as a greedy decode
+    /// step's. At most one chunk per sequence and as many chunks as the largest batch bucket.
+    Verify {
+        /// The chunks (greedy, without logit controls).
+        chunks: &'a [PrefillChunk<'a>],
+        /// Which logits to return: none, or every position's.
+        logits: LogitsOutput,
+    },
     /// A draft step: the MTP layer over chunks of rows of some sequences (see
     /// [`crate::model::mtp`]), each row drafting from a hidden state the previous step left;
     /// its `next_tokens` are each chunk's last row's proposal. Only for a runner whose model

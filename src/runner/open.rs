@@ -110,7 +110,16 @@ fn load(
     limits: &Limits,
 ) -> Result<(ModelConfig, ModelWeights, RunnerConfig)> {
     let source = ModelSource::new(model)?;
-    let cfg = source.config()?;
+    let mut cfg = source.config()?;
+    if limits.speculative_tokens > 0 {
+        if backend != Backend::Cpu {
+            return Err(Error::InvalidInput(format!(
+                "--speculative-tokens runs on the CPU backend only for now, not --backend \
+                 {backend}"
+            )));
+        }
+        cfg = cfg.with_draft_layer()?;
+    }
     let mut runner_cfg = limits.runner_config(&cfg)?;
     if backend != Backend::Cpu {
         let quantize = limits.precision.quantize;

@@ -3,7 +3,7 @@
 use anyhow::{bail, Result};
 use clap::Args;
 use deepinfer::deployment::Limits;
-use deepinfer::engine::{self, StopConditions};
+use deepinfer::engine::{self, Event, GenerationParams, Scheduler, StopConditions};
 use deepinfer::runner::step::SamplingParams;
 use deepinfer::tokenizer::ChatMessage;
 
@@ -41,6 +41,11 @@ pub(crate) struct GenerateArgs {
     /// Seed of the sampler.
     #[arg(long, default_value_t = 0)]
     seed: u32,
+    /// Tokens to draft a step with the model's multi-token-prediction layer and verify in one
+    /// forward pass (speculative decoding; greedy only for now, the CPU backend only); 0 off.
+    /// Prints the acceptance to stderr.
+    #[arg(long, default_value_t = 0)]
+    speculative_tokens: usize,
     /// Print `{"token_ids": [...], "text": "..."}` instead of the text.
     #[arg(long)]
     json: bool,
@@ -63,9 +68,11 @@ pub(crate) fn run(args: GenerateArgs) -> Result<()> {
         ),
         (None, None, _) => bail!("pass --prompt or --token-ids"),
     };
-    let mut runner = args
-        .model
-        .open(&dir, &Limits::new(1, prompt.len() + args.max_tokens))?;
+    let limits = Limits {
+        speculative_tokens: args.speculative_tokens,
+        ..Limits::new(1, prompt.len() + args.max_tokens)
+    };
+    let mut runner = args.model.open(&dir, &limits)?;
     let eos: Vec<u32> = match &tokenizer {
         Some(t) => t
             .eos_token_id()
@@ -85,7 +92,10 @@ pub(crate) fn run(args: GenerateArgs) -> Result<()> {
         max_tokens: args.max_tokens,
         stop_token_ids: eos,
     };
-    let ids = engine::generate(&mut runner, &prompt, sampling, &stop)?;
+    let ids = match args.speculative_tokens {
+        0 => engine::generate(&mut runner, &prompt, sampling, &stop)?,
+        _ => speculate(runner, prompt, sampling, stop)?,
+    };
     let text = match &tokenizer {
         Some(t) => t.decode_generated(&ids, true)?,
         None => String::new(),
@@ -103,4 +113,40 @@ pub(crate) fn run(args: GenerateArgs) -> Result<()> {
         )?;
     }
     Ok(())
+}
+
+/// [`engine::generate`] with speculative decoding: the one request through the scheduler,
+/// which drafts and verifies; the acceptance goes to stderr.
+fn speculate(
+    runner: Box<dyn deepinfer::runner::Runner>,
+    prompt: Vec<u32>,
+    sampling: SamplingParams,
+    stop: StopConditions,
+) -> Result<Vec<u32>> {
+    let mut scheduler = Scheduler::new(runner, None, stop.stop_token_ids)?;
+    let params = GenerationParams {
+        sampling,
+        ..GenerationParams::greedy(stop.max_tokens)
+    };
+    scheduler.add(0, prompt, params)?;
+    let mut ids = Vec::new();
+    while !scheduler.is_idle() {
+        for o in scheduler.step() {
+            match o.event {
+                Event::Token(t) => ids.push(t.token),
+                Event::Failed { message, .. } => bail!("{message}"),
+                _ => {}
+            }
+        }
+    }
+    let s = scheduler.speculative_stats();
+    eprintln!(
+        "speculative decoding: {} of {} drafted tokens accepted ({:.1}%), {:.2} tokens per \
+         verify step",
+        s.accepted,
+        s.drafted,
+        100.0 * s.acceptance_rate(),
+        s.tokens_per_row_step()
+    );
+    Ok(ids)
 }

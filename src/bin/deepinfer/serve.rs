@@ -58,6 +58,12 @@ pub(crate) struct ServeArgs {
     /// Sequences decoded together at most (the largest batch bucket).
     #[arg(long, default_value_t = 32)]
     max_batch: usize,
+    /// Tokens to draft a step per sequence with the model's multi-token-prediction layer and
+    /// verify in one forward pass (speculative decoding; 0 off). Steps whose rows are all
+    /// greedy without penalties, bias, structured output or logprobs verify; others decode
+    /// one token a row. The CPU backend only, for now.
+    #[arg(long, default_value_t = 0)]
+    speculative_tokens: usize,
     /// Longest sequence, prompt plus completion (default: the model's, at most 2048).
     #[arg(long)]
     max_len: Option<usize>,
@@ -219,6 +225,7 @@ pub(crate) fn run(args: ServeArgs) -> Result<()> {
         prefill_chunk: Some(args.prefill_chunk),
         prefill_seqs: Some(args.max_prefill_seqs),
         background_compile: !args.compile_all_first,
+        speculative_tokens: args.speculative_tokens,
         ..Limits::new(args.max_batch, args.max_len.unwrap_or(2048))
     })?;
     // Checked here, so a bad flag fails before the model loads.

@@ -1,0 +1,213 @@
+//! Speculative decoding with the MTP layer (`engine::speculative`): greedy output with
+//! `--speculative-tokens K` is token for token what K = 0 gives, which is transformers' greedy
+//! continuation on `fixtures/tiny-v3-mtp` (tiny-v3's main model, whose `reference.json` holds
+//! it, plus a random MTP layer). The random layer's drafts are all rejected, so the rollback
+//! runs at every step; an oracle in front of the runner (the MTP layer still runs, its
+//! proposals replaced by the known answer, wrong at every third position) makes the engine
+//! accept one, several, or none of a row's drafts.
+
+mod common;
+
+use std::collections::HashMap;
+
+use common::fixture_dir;
+use deepinfer::config::ModelConfig;
+use deepinfer::deployment::{Buckets, RunnerConfig};
+use deepinfer::engine::speculative::SpeculativeStats;
+use deepinfer::engine::{Event, GenerationParams, RequestId, Scheduler};
+use deepinfer::model::{ModelWeights, Precision};
+use deepinfer::runner::{self, Backend, Runner, Step, StepOutput};
+use deepinfer::weights::Checkpoint;
+
+const FIXTURE: &str = "tiny-v3-mtp";
+
+/// A runner over the fixture drafting `k` tokens (its MTP layer loaded only when `k > 0`),
+/// prompts prefilled `chunk` tokens at a time, batches up to 8.
+fn fixture_runner(k: usize, chunk: usize) -> Box<dyn Runner> {
+    let dir = fixture_dir(FIXTURE);
+    let mut cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    if k > 0 {
+        cfg = cfg.with_draft_layer().unwrap();
+    }
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let weights = ModelWeights::load(&cfg, &ckpt, &Precision::F32).unwrap();
+    let mut rc = RunnerConfig::for_limits(8, 96);
+    rc.buckets.prefill_chunk = chunk;
+    rc.speculative_tokens = k;
+    runner::open_with_weights(Backend::Cpu, cfg, weights, rc).unwrap()
+}
+
+fn scheduler(k: usize, chunk: usize) -> Scheduler<Box<dyn Runner>> {
+    Scheduler::new(fixture_runner(k, chunk), None, Vec::new()).unwrap()
+}
+
+/// Proposes each sequence's known next tokens (from a run without drafting) in place of the
+/// MTP layer's, except at positions divisible by 3, where it proposes a wrong one. It tells
+/// the sequences apart by their first cache block (prefix caching off), bound when their first
+/// chunk is prefilled.
+struct Oracle {
+    inner: Box<dyn Runner>,
+    /// Every request's prompt and greedy answer.
+    truth: Vec<Vec<u32>>,
+    /// First cache block -> index into `truth`.
+    owner: HashMap<u32, usize>,
+}
+
+impl Oracle {
+    fn proposal(&self, blocks: &[u32], position: usize, proposed: u32) -> u32 {
+        let known = self
+            .owner
+            .get(&blocks[0])
+            .and_then(|&r| self.truth[r].get(position));
+        match known {
+            Some(&t) if position.is_multiple_of(3) => (t + 1) % 512,
+            Some(&t) => t,
+            None => proposed,
+        }
+    }
+}
+
+impl Runner for Oracle {
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+    fn runner_config(&self) -> &RunnerConfig {
+        self.inner.runner_config()
+    }
+    fn backend(&self) -> Backend {
+        self.inner.backend()
+    }
+    fn capture(&mut self, buckets: &Buckets) -> deepinfer::Result<()> {
+        self.inner.capture(buckets)
+    }
+    fn replay(&mut self, step: &Step<'_>) -> deepinfer::Result<StepOutput> {
+        let mut out = self.inner.replay(step)?;
+        match step {
+            Step::Prefill { chunks, .. } => {
+                for c in chunks.iter().filter(|c| c.start == 0) {
+                    let r = self.truth.iter().position(|t| t.starts_with(c.tokens));
+                    self.owner.insert(c.blocks[0], r.expect("a known prompt"));
+                }
+            }
+            Step::Draft { chunks, .. } => {
+                for (c, token) in chunks.iter().zip(out.next_tokens.iter_mut()) {
+                    // The last row at q drafts from the token at q + 1: a guess at q + 2.
+                    let position = c.start + c.next_tokens.len() + 1;
+                    *token = self.proposal(c.blocks, position, *token);
+                }
+            }
+            _ => {}
+        }
+        Ok(out)
+    }
+    fn destroy(&mut self) -> deepinfer::Result<()> {
+        self.inner.destroy()
+    }
+}
+
+/// Runs `prompts` (each with its own `max_tokens`) together, added one iteration apart, to the
+/// end; every request's tokens, and what speculation did.
+fn run<R: Runner>(
+    s: &mut Scheduler<R>,
+    prompts: &[(Vec<u32>, usize)],
+) -> (Vec<Vec<u32>>, SpeculativeStats) {
+    let mut tokens: HashMap<RequestId, Vec<u32>> = HashMap::new();
+    let mut pending = prompts.iter().enumerate();
+    for _ in 0..10_000 {
+        if let Some((id, (prompt, max_tokens))) = pending.next() {
+            let params = GenerationParams::greedy(*max_tokens);
+            s.add(id as RequestId, prompt.clone(), params).unwrap();
+        } else if s.is_idle() {
+            let out = (0..prompts.len())
+                .map(|id| tokens.remove(&(id as RequestId)).unwrap_or_default())
+                .collect();
+            return (out, s.speculative_stats());
+        }
+        for o in s.step() {
+            match o.event {
+                Event::Token(t) => tokens.entry(o.id).or_default().push(t.token),
+                Event::Failed { message, .. } => panic!("request {}: {message}", o.id),
+                _ => {}
+            }
+        }
+    }
+    panic!("the scheduler did not finish");
+}
+
+/// Prompts of different lengths (and first tokens) cut from the fixture's reference prompt
+/// and its continuation.
+fn prompts() -> Vec<(Vec<u32>, usize)> {
+    let r = common::reference("tiny-v3");
+    let mut all = r.greedy.prompt_token_ids.clone();
+    all.extend(&r.greedy.generated_token_ids);
+    [
+        (0, 16, 12),
+        (1, 5, 20),
+        (2, 11, 7),
+        (3, 3, 25),
+        (4, 12, 1),
+        (5, 9, 16),
+    ]
+    .into_iter()
+    .map(|(from, len, max_tokens)| (all[from..from + len].to_vec(), max_tokens))
+    .collect()
+}
+
+#[test]
+fn one_sequence_drafting_gives_transformers_greedy_tokens() {
+    let r = common::reference("tiny-v3");
+    let want = r.greedy.generated_token_ids.clone();
+    let prompt = vec![(r.greedy.prompt_token_ids.clone(), want.len())];
+    for (k, chunk) in [(1, 64), (2, 5), (3, 16)] {
+        let (got, stats) = run(&mut scheduler(k, chunk), &prompt);
+        assert_eq!(got[0], want, "K = {k}, chunk {chunk}");
+        assert!(stats.verify_steps > 0, "K = {k}: {stats:?}");
+        assert!(stats.drafted > 0, "K = {k}: {stats:?}");
+    }
+}
+
+#[test]
+fn batches_drafting_give_what_each_gives_without_drafting() {
+    let prompts = prompts();
+    let (want, none) = run(&mut scheduler(0, 4), &prompts);
+    assert_eq!(none, SpeculativeStats::default());
+    for (k, chunk) in [(1, 4), (2, 7), (4, 64)] {
+        let (got, stats) = run(&mut scheduler(k, chunk), &prompts);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "K = {k}, chunk {chunk}, request {i}");
+        }
+        // The random layer's drafts: every one rolled back.
+        assert!(stats.drafted > 0, "K = {k}: {stats:?}");
+    }
+}
+
+#[test]
+fn accepted_drafts_give_what_each_gives_without_drafting() {
+    let prompts = prompts();
+    let (want, _) = run(&mut scheduler(0, 4), &prompts);
+    let truth: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(&want)
+        .map(|((p, _), w)| p.iter().chain(w).copied().collect())
+        .collect();
+    for (k, chunk) in [(1, 4), (2, 7), (4, 64)] {
+        let oracle = Oracle {
+            inner: fixture_runner(k, chunk),
+            truth: truth.clone(),
+            owner: HashMap::new(),
+        };
+        let mut s = Scheduler::new(oracle, None, Vec::new()).unwrap();
+        s.set_prefix_caching(false).unwrap();
+        let (got, stats) = run(&mut s, &prompts);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "K = {k}, chunk {chunk}, request {i}");
+        }
+        // Two of every three drafts are right, so rows keep several drafts a step.
+        assert!(
+            stats.accepted > 0 && stats.accepted < stats.drafted,
+            "K = {k}: {stats:?}"
+        );
+        assert!(stats.tokens_per_row_step() > 1.3, "K = {k}: {stats:?}");
+        assert_eq!(s.blocks_in_use(), 0, "K = {k}: blocks leaked");
+    }
+}
