@@ -3,7 +3,8 @@
 //! The engine thread updates them as requests arrive, produce tokens and end; the server only
 //! encodes them. Names follow vLLM's where one exists (`time_to_first_token_seconds`,
 //! `time_per_output_token_seconds`, `num_requests_running`, `prefix_cache_queries`,
-//! `prefix_cache_hits`), under a `deepinfer_` prefix.
+//! `prefix_cache_hits`, `spec_decode_num_drafts`, `spec_decode_num_draft_tokens`,
+//! `spec_decode_num_accepted_tokens`), under a `deepinfer_` prefix.
 
 use prometheus_client::encoding::prometheus_text;
 use prometheus_client::metrics::counter::Counter;
@@ -80,6 +81,13 @@ pub struct Metrics {
     pub prefix_cache_queries: Counter,
     /// Of those, tokens found cached (not prefilled again).
     pub prefix_cache_hits: Counter,
+    /// Speculative decoding: rows verified (a sequence's drafts checked by one step). Tokens
+    /// per target step are `(accepted + drafts) / drafts`.
+    pub spec_drafts: Counter,
+    /// Speculative decoding: drafted tokens verified.
+    pub spec_draft_tokens: Counter,
+    /// Speculative decoding: drafted tokens accepted.
+    pub spec_accepted_tokens: Counter,
     /// Seconds from a request's arrival to its first generated token.
     pub time_to_first_token: Histogram,
     /// Seconds between consecutive generated tokens of one request.
@@ -121,6 +129,9 @@ impl Metrics {
             preemptions: Counter::default(),
             prefix_cache_queries: Counter::default(),
             prefix_cache_hits: Counter::default(),
+            spec_drafts: Counter::default(),
+            spec_draft_tokens: Counter::default(),
+            spec_accepted_tokens: Counter::default(),
             // 1 ms .. ~65 s.
             time_to_first_token: Histogram::new(exponential_buckets(0.001, 2.0, 17)),
             // 0.5 ms .. ~16 s.
@@ -162,6 +173,21 @@ impl Metrics {
             "prefix_cache_hits",
             "Prompt tokens found in the prefix cache (not prefilled again)",
             m.prefix_cache_hits.clone(),
+        );
+        registry.register(
+            "spec_decode_num_drafts",
+            "Speculative decoding: sequences' drafts verified, one per sequence and step",
+            m.spec_drafts.clone(),
+        );
+        registry.register(
+            "spec_decode_num_draft_tokens",
+            "Speculative decoding: drafted tokens verified",
+            m.spec_draft_tokens.clone(),
+        );
+        registry.register(
+            "spec_decode_num_accepted_tokens",
+            "Speculative decoding: drafted tokens the model agreed with",
+            m.spec_accepted_tokens.clone(),
         );
         registry.register(
             "time_to_first_token_seconds",

@@ -273,6 +273,12 @@ pub struct ModelConfig {
     /// them ([`ModelConfig::with_draft_layer`]). The weights, the KV root and the step graphs
     /// all follow it.
     pub draft_layers: usize,
+    /// Whether the MTP layers draft with the main model's embedding and LM head rather than
+    /// their own copies (`model.layers.{L}.embed_tokens` / `shared_head.head`): the report's
+    /// design ("shared with the main model"), for checkpoints that do not ship the copies (see
+    /// [`crate::model::mtp::share_absent_embeddings`]). Published DeepSeek-V3 and R1 files
+    /// ship them, so by default they are read.
+    pub draft_shares_embeddings: bool,
     /// A DeepSeek-V4 model's own configuration (its layers are not MLA's); `None` for the MLA
     /// family. The graph builders, cache roots and weights dispatch on it.
     pub v4: Option<std::sync::Arc<v4::V4Config>>,

@@ -126,6 +126,7 @@ pub(super) fn model_config(raw: &RawConfig) -> Result<ModelConfig> {
         },
         num_nextn_predict_layers: raw.num_nextn_predict_layers.unwrap_or(0),
         draft_layers: 0,
+        draft_shares_embeddings: false,
         v4: None,
     })
 }

@@ -833,6 +833,7 @@ impl V4Config {
             saved_dtype: None,
             num_nextn_predict_layers: self.num_nextn_predict_layers,
             draft_layers: 0,
+            draft_shares_embeddings: false,
             v4: Some(std::sync::Arc::new(self)),
         }
     }

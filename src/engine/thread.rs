@@ -712,6 +712,7 @@ fn run_loop(
         if !scheduler.is_idle() {
             let preempted = scheduler.preemptions();
             let cache = scheduler.prefix_cache_stats();
+            let spec = scheduler.speculative_stats();
             let steps = scheduler.steps_run();
             outputs.extend(scheduler.step_with(|id| paused.contains(&id)));
             metrics
@@ -722,6 +723,14 @@ fn run_loop(
                 .prefix_cache_queries
                 .inc_by(now.queries - cache.queries);
             metrics.prefix_cache_hits.inc_by(now.hits - cache.hits);
+            let now = scheduler.speculative_stats();
+            metrics
+                .spec_drafts
+                .inc_by(now.verified_rows - spec.verified_rows);
+            metrics.spec_draft_tokens.inc_by(now.drafted - spec.drafted);
+            metrics
+                .spec_accepted_tokens
+                .inc_by(now.accepted - spec.accepted);
             if scheduler.steps_run() == steps {
                 stuck = Some(next_deadline.map_or(STUCK_POLL, |d| {
                     d.saturating_duration_since(Instant::now()).min(STUCK_POLL)

@@ -31,11 +31,12 @@
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
 use crate::graph::{DType, Graph, GraphBuilder, InputRole};
+use crate::weights::Checkpoint;
 
 use super::{
     attention, check_spec, chunk_visibility, decoder_layer, embed_in, head_logits, inputs,
-    metadata, ops, step_inputs, CacheLayout, GraphSpec, LogitsOutput, WeightSpecs, Weights,
-    INDEX_ROOT, KV_ROOT, STEP_LOGITS,
+    metadata, ops, step_inputs, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, WeightSpecs,
+    Weights, INDEX_ROOT, KV_ROOT, STEP_LOGITS,
 };
 
 /// The main model's last hidden states (after its final norm): a step graph's output when the
@@ -84,7 +85,8 @@ pub fn build_draft(
     let layer = cfg.num_hidden_layers;
     let p = format!("model.layers.{layer}");
     let eps = cfg.rms_norm_eps;
-    let e = embed_in(&w, &format!("{p}.embed_tokens.weight"), &s.input_ids)?;
+    let (embedding, head) = embeddings(cfg, layer);
+    let e = embed_in(&w, &embedding, &s.input_ids)?;
     let e = ops::rms_norm(&e, &w.get(&format!("{p}.enorm.weight"))?, eps)?;
     let h = ops::rms_norm(&hidden, &w.get(&format!("{p}.hnorm.weight"))?, eps)?;
     let x = ops::linear(
@@ -104,7 +106,6 @@ pub fn build_draft(
         spec.moe,
     )?;
     let normed = ops::rms_norm(&x, &w.get(&format!("{p}.shared_head.norm.weight"))?, eps)?;
-    let head = format!("{p}.shared_head.head.weight");
     let last_logits = head_logits(&w, &head, &normed.index_select(&last_index, 0)?)?;
     b.output(DRAFT_TOKENS, &w.vocab_slice()?.argmax(&last_logits)?)?;
     match spec.logits {
@@ -118,4 +119,36 @@ pub fn build_draft(
         b.output_aliased(INDEX_ROOT, new, old)?;
     }
     b.finish()
+}
+
+/// The embedding and head MTP layer `layer` drafts with: its own copies, or the main model's
+/// when it shares them ([`ModelConfig::draft_shares_embeddings`]).
+fn embeddings(cfg: &ModelConfig, layer: usize) -> (String, String) {
+    match cfg.draft_shares_embeddings {
+        true => (
+            "model.embed_tokens.weight".into(),
+            ModelWeights::lm_head_name(cfg).into(),
+        ),
+        false => own_embeddings(layer),
+    }
+}
+
+/// MTP layer `layer`'s own embedding and head, in DeepSeek-V3's published names.
+fn own_embeddings(layer: usize) -> (String, String) {
+    (
+        format!("model.layers.{layer}.embed_tokens.weight"),
+        format!("model.layers.{layer}.shared_head.head.weight"),
+    )
+}
+
+/// Makes a drafting `cfg` share the main model's embedding and LM head when `ckpt` ships
+/// neither of its MTP layer's own copies (a checkpoint written with the report's sharing in
+/// mind, such as the default model's); a checkpoint with one but not the other keeps
+/// `cfg` as it is, and loading then names the missing tensor.
+pub fn share_absent_embeddings(cfg: &mut ModelConfig, ckpt: &Checkpoint) {
+    if cfg.draft_layers == 0 {
+        return;
+    }
+    let (embedding, head) = own_embeddings(cfg.num_hidden_layers);
+    cfg.draft_shares_embeddings = !ckpt.contains(&embedding) && !ckpt.contains(&head);
 }

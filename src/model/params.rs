@@ -683,17 +683,19 @@ fn layer_params(
 }
 
 /// Inserts what MTP layer `l` has besides its decoder block, in DeepSeek-V3's published names
-/// (see [`super::mtp`]): the two input norms, the projection of their concatenation, and its
-/// own embedding and head.
+/// (see [`super::mtp`]): the two input norms, the projection of their concatenation, its head's
+/// norm, and its own embedding and head unless it shares the model's.
 fn mtp_params(m: &mut HashMap<String, Vec<usize>>, cfg: &ModelConfig, l: usize) {
     let (h, v) = (cfg.hidden_size, cfg.vocab_size);
     let p = format!("model.layers.{l}");
     m.insert(format!("{p}.enorm.weight"), vec![h]);
     m.insert(format!("{p}.hnorm.weight"), vec![h]);
     m.insert(format!("{p}.eh_proj.weight"), vec![h, 2 * h]);
-    m.insert(format!("{p}.embed_tokens.weight"), vec![v, h]);
     m.insert(format!("{p}.shared_head.norm.weight"), vec![h]);
-    m.insert(format!("{p}.shared_head.head.weight"), vec![v, h]);
+    if !cfg.draft_shares_embeddings {
+        m.insert(format!("{p}.embed_tokens.weight"), vec![v, h]);
+        m.insert(format!("{p}.shared_head.head.weight"), vec![v, h]);
+    }
 }
 
 /// Fails, naming them all, when the checkpoint lacks tensors of the MTP layers `cfg` loads

@@ -135,6 +135,7 @@ fn load(
         }
     }
     let checkpoint = source.checkpoint()?;
+    crate::model::mtp::share_absent_embeddings(&mut cfg, &checkpoint);
     let precision = limits.precision.resolve(checkpoint.float_dtype(), &cfg)?;
     runner_cfg.kv_dtype = precision.kv_cache;
     let weights = match backend {

@@ -8,7 +8,7 @@ use clap::Args;
 use deepinfer::backend::cpu::profile::{self, OpTime};
 use deepinfer::config::ModelConfig;
 use deepinfer::deployment::RunnerConfig;
-use deepinfer::engine::BlockAllocator;
+use deepinfer::engine::{BlockAllocator, Event, GenerationParams, Scheduler};
 use deepinfer::model::{LogitsOutput, ModelWeights};
 use deepinfer::runner::step::{DecodeRow, LogitControls, PrefillChunk, SamplingParams};
 use deepinfer::runner::{self, Backend, Step};
@@ -63,6 +63,11 @@ pub(crate) struct BenchArgs {
     /// and the prefill's.
     #[arg(long)]
     profile: bool,
+    /// Decode through the engine's scheduler with this many tokens drafted a step by the
+    /// model's multi-token-prediction layer (speculative decoding; 0 is the scheduler without
+    /// it, the like-for-like baseline). Greedy tokens only; reports the acceptance too.
+    #[arg(long)]
+    speculative_tokens: Option<usize>,
     #[command(flatten)]
     precision: PrecisionArgs,
 }
@@ -80,9 +85,18 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
     let max_len = args.prompt_len + args.steps + 1;
     let mut rc = RunnerConfig::for_limits(args.batch, max_len);
     rc.buckets.prefill_chunk = args.prefill_chunk.min(max_len);
+    if args.speculative_tokens.is_some() && (args.tokens != Tokens::Greedy || args.profile) {
+        bail!("--speculative-tokens measures greedy decoding, without --profile");
+    }
+    let drafting = args.speculative_tokens.unwrap_or(0) > 0;
+    rc.speculative_tokens = args.speculative_tokens.unwrap_or(0);
     let (cfg, weights) = match (&args.model, &args.config) {
         (Some(dir), _) => {
-            let (cfg, ckpt) = ModelSource::new(dir)?.open()?;
+            let (mut cfg, ckpt) = ModelSource::new(dir)?.open()?;
+            if drafting {
+                cfg = cfg.with_draft_layer()?;
+                deepinfer::model::mtp::share_absent_embeddings(&mut cfg, &ckpt);
+            }
             let p = args.precision.choice().resolve(ckpt.float_dtype(), &cfg)?;
             rc.kv_dtype = p.kv_cache;
             deepinfer::plan::host::check_cpu_load(
@@ -94,6 +108,9 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
             )?;
             let w = ModelWeights::load(&cfg, &ckpt, &p)?;
             (cfg, w)
+        }
+        (None, Some(_)) if drafting => {
+            bail!("--speculative-tokens needs --model (random weights draft nothing useful)")
         }
         (None, Some(file)) => {
             let cfg = ModelConfig::from_file(file)?;
@@ -107,6 +124,9 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
     let vocab = cfg.vocab_size as u32;
     let mut alloc = BlockAllocator::new(rc.num_blocks, rc.block_size)?;
     let mut runner = runner::open_with_weights(Backend::Cpu, cfg, weights, rc)?;
+    if args.speculative_tokens.is_some() {
+        return scheduled(&args, runner);
+    }
     let mut tables = vec![Vec::new(); args.batch];
     let mut tokens = Vec::with_capacity(args.batch);
     let mut random = SplitMix64(args.seed);
@@ -246,6 +266,81 @@ pub(crate) fn run(args: BenchArgs) -> Result<()> {
                 t.count
             ))?;
         }
+    }
+    Ok(())
+}
+
+/// `--speculative-tokens`: the benchmark's greedy prompts as requests to the scheduler, each
+/// generating `--steps` tokens after its first; times from the moment every request has its
+/// first token to the end, and reports what speculation did.
+fn scheduled(args: &BenchArgs, runner: Box<dyn deepinfer::runner::Runner>) -> Result<()> {
+    let vocab = runner.config().vocab_size as u32;
+    let mut scheduler = Scheduler::new(runner, None, Vec::new())?;
+    scheduler.set_prefix_caching(false)?;
+    for i in 0..args.batch {
+        let prompt: Vec<u32> = (0..args.prompt_len as u32)
+            .map(|j| (j * 7 + i as u32 * 13 + 1) % vocab)
+            .collect();
+        let params = GenerationParams {
+            ignore_eos: true,
+            ..GenerationParams::greedy(args.steps + 1)
+        };
+        scheduler.add(i as u64, prompt, params)?;
+    }
+    let prefill_started = Instant::now();
+    let mut started: Option<(Instant, usize)> = None;
+    let mut first = vec![false; args.batch];
+    let mut generated = 0;
+    while !scheduler.is_idle() {
+        for o in scheduler.step() {
+            match o.event {
+                Event::Token(_) => {
+                    generated += 1;
+                    first[o.id as usize] = true;
+                }
+                Event::Failed { message, .. } => bail!("{message}"),
+                _ => {}
+            }
+        }
+        if started.is_none() && first.iter().all(|&f| f) {
+            started = Some((Instant::now(), generated));
+        }
+    }
+    let prefill_secs = match started {
+        Some((t, _)) => t.duration_since(prefill_started).as_secs_f64(),
+        None => 0.0,
+    };
+    let (start, before) = started.unwrap_or((Instant::now(), generated));
+    let secs = start.elapsed().as_secs_f64();
+    let tps = (generated - before) as f64 / secs;
+    let s = scheduler.speculative_stats();
+    if args.json {
+        emit(
+            &serde_json::json!({
+                "batch": args.batch,
+                "tokens_per_s": tps,
+                "prompt_len": args.prompt_len,
+                "prefill_secs": prefill_secs,
+                "speculative_tokens": args.speculative_tokens,
+                "verify_steps": s.verify_steps,
+                "drafted": s.drafted,
+                "accepted": s.accepted,
+                "acceptance_rate": s.acceptance_rate(),
+                "tokens_per_row_step": s.tokens_per_row_step(),
+            })
+            .to_string(),
+        )?;
+    } else {
+        emit(&format!(
+            "batch {}: {tps:.1} tokens/s through the scheduler with {} drafted tokens a step \
+             ({} of {} drafts accepted, {:.1}%; {:.2} tokens a row per verify step)",
+            args.batch,
+            args.speculative_tokens.unwrap_or(0),
+            s.accepted,
+            s.drafted,
+            100.0 * s.acceptance_rate(),
+            s.tokens_per_row_step()
+        ))?;
     }
     Ok(())
 }

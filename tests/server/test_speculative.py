@@ -1,0 +1,51 @@
+"""Speculative decoding seen from outside: a server started with `--speculative-tokens 2` on
+the default model (which ships a trained MTP layer) answers greedy requests, batched and with
+several choices, with exactly the text of the single-sequence CLI path without speculation,
+serves sampled requests too, and counts its drafts in `/metrics`."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+from conftest import MODEL_NAME, cli_generate, scrape
+
+PROMPTS = ["ROMEO:\nBut soft, what light", "JULIET:\nO Romeo, Romeo!", "HAMLET:\nTo be,",
+           "KING LEAR:\nBlow, winds,", "MACBETH:\nIs this a dagger"]
+N = 24
+
+
+def spec_counters(base_url):
+    m = scrape(base_url)
+    return tuple(m.get(f"deepinfer_spec_decode_num_{k}_total")
+                 for k in ("drafts", "draft_tokens", "accepted_tokens"))
+
+
+def test_greedy_answers_are_those_without_speculation(server_factory):
+    srv = server_factory("--speculative-tokens", "2")
+    client = srv.client()
+    want = [cli_generate(p, N + i).text for i, p in enumerate(PROMPTS)]
+    assert spec_counters(srv.base_url) == (0, 0, 0)
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        got = list(pool.map(
+            lambda ip: client.completions.create(model=MODEL_NAME, prompt=ip[1],
+                                                 max_tokens=N + ip[0],
+                                                 temperature=0).choices[0].text,
+            enumerate(PROMPTS)))
+    assert got == want
+    # Several greedy choices of one request: each the same text.
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[0], max_tokens=N, n=3,
+                                  temperature=0)
+    assert [c.text for c in r.choices] == [want[0]] * 3
+    drafts, drafted, accepted = spec_counters(srv.base_url)
+    assert drafts > 0 and drafted >= drafts
+    # The trained layer's drafts are often right (the default model's held-out acceptance is
+    # in README.md); a random layer's almost never are.
+    assert accepted > 0.2 * drafted, (drafts, drafted, accepted)
+
+
+def test_sampled_requests_are_served_as_without_speculation(server_factory):
+    srv = server_factory("--speculative-tokens", "2")
+    client = srv.client()
+    for seed in (1, 2):
+        want = cli_generate(PROMPTS[1], N, temperature=0.8, seed=seed).text
+        r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=N,
+                                      temperature=0.8, seed=seed)
+        assert r.choices[0].text == want
