@@ -112,6 +112,15 @@ impl Limits {
         let max_len = self.max_len.min(cfg.max_position_embeddings);
         let mut rc = RunnerConfig::for_limits(self.max_batch, max_len);
         rc.tp = self.tp;
+        // A verify step feeds a token and its drafts: they must fit the longest sequence.
+        if self.speculative_tokens >= max_len {
+            return Err(Error::InvalidInput(format!(
+                "--speculative-tokens {} leaves no room in sequences of {max_len} tokens: at \
+                 most {} works (or raise --max-len)",
+                self.speculative_tokens,
+                max_len.saturating_sub(1)
+            )));
+        }
         rc.speculative_tokens = self.speculative_tokens;
         let longest = rc.buckets.max_len();
         if let Some(blocks) = self.kv_blocks {
