@@ -1,0 +1,106 @@
+//! What verifying drafts costs: a speculative-decoding verify step of `K + 1` positions
+//! (`Step::Verify`) against the one-token decode step it replaces, at batch 1, on the synthetic
+//! ~300M-parameter "medium" config (`fixtures/configs/medium-bench.json`, random weights, as
+//! `benches/decode.rs`), after a 256-token prompt. A batch-1 decode step is bound by reading the
+//! weights; a verify step reads them once for all its positions, so the closer its time is to
+//! the decode step's, the more of the acceptance turns into speed (see
+//! docs/speculative-decoding.md). Both steps feed the same position again each iteration (the
+//! cache slots are overwritten with the same values).
+//!
+//! Run with `cargo bench --bench speculative`.
+
+use std::path::Path;
+
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion};
+use deepinfer::config::ModelConfig;
+use deepinfer::deployment::RunnerConfig;
+use deepinfer::engine::BlockAllocator;
+use deepinfer::graph::DType;
+use deepinfer::model::{LogitsOutput, ModelWeights, Precision};
+use deepinfer::runner::step::{DecodeRow, LogitControls, PrefillChunk, SamplingParams};
+use deepinfer::runner::{self, Backend, Step};
+
+/// The binary's allocator (jemalloc with transparent huge pages, see `src/bin/deepinfer`), so
+/// this bench measures what `deepinfer` runs.
+#[cfg(all(target_os = "linux", feature = "server"))]
+#[global_allocator]
+static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
+/// Tokens cached before the measured steps.
+const CONTEXT: usize = 256;
+
+fn chunk<'a>(tokens: &'a [u32], start: usize, blocks: &'a [u32]) -> PrefillChunk<'a> {
+    PrefillChunk {
+        tokens,
+        start,
+        blocks,
+        sampling: SamplingParams::GREEDY,
+        controls: LogitControls::NONE,
+    }
+}
+
+fn verify_step(c: &mut Criterion) {
+    deepinfer::backend::cpu::pin_thread_count();
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/configs/medium-bench.json");
+    let cfg = ModelConfig::from_file(&path).expect("medium config");
+    let mut group = c.benchmark_group("cpu_verify_step_medium_b1");
+    group.sample_size(20);
+    for (tag, precision) in [
+        ("f32", Precision::F32),
+        ("bf16", Precision::all(DType::BF16)),
+    ] {
+        let weights = ModelWeights::random(&cfg, 0, &precision).expect("random weights");
+        let mut rc = RunnerConfig::for_limits(1, 1024);
+        rc.kv_dtype = precision.kv_cache;
+        let mut blocks = BlockAllocator::new(rc.num_blocks, rc.block_size).expect("blocks");
+        let mut runner =
+            runner::open_with_weights(Backend::Cpu, cfg.clone(), weights, rc).expect("runner");
+        let prompt: Vec<u32> = (0..CONTEXT as u32).map(|j| (j * 7 + 1) % 32000).collect();
+        let mut table = Vec::new();
+        blocks.grow(&mut table, CONTEXT + 8).expect("blocks");
+        for (i, piece) in prompt.chunks(64).enumerate() {
+            runner
+                .replay(&Step::Prefill {
+                    chunks: &[chunk(piece, i * 64, &table)],
+                    logits: LogitsOutput::None,
+                })
+                .expect("prefill");
+        }
+        let fed: Vec<u32> = (0..8).map(|j| (j * 11 + 5) % 32000).collect();
+        group.bench_function(BenchmarkId::new(tag, "decode_1"), |b| {
+            let row = DecodeRow {
+                token: fed[0],
+                position: CONTEXT,
+                blocks: &table,
+                sampling: SamplingParams::GREEDY,
+                controls: LogitControls::NONE,
+            };
+            b.iter(|| {
+                runner
+                    .replay(&Step::Decode {
+                        rows: std::slice::from_ref(&row),
+                        logits: LogitsOutput::None,
+                    })
+                    .expect("decode")
+            })
+        });
+        for k in [1usize, 2, 4] {
+            let id = BenchmarkId::new(tag, format!("verify_{}", k + 1));
+            group.bench_function(id, |b| {
+                let verify = [chunk(&fed[..k + 1], CONTEXT, &table)];
+                b.iter(|| {
+                    runner
+                        .replay(&Step::Verify {
+                            chunks: &verify,
+                            logits: LogitsOutput::None,
+                        })
+                        .expect("verify")
+                })
+            });
+        }
+    }
+    group.finish();
+}
+
+criterion_group!(benches, verify_step);
+criterion_main!(benches);
