@@ -1,7 +1,9 @@
 //! What verifying drafts costs: a speculative-decoding verify step of `K + 1` positions
 //! (`Step::Verify`) against the one-token decode step it replaces, at batch 1, on the synthetic
 //! ~300M-parameter "medium" config (`fixtures/configs/medium-bench.json`, random weights, as
-//! `benches/decode.rs`), after a 256-token prompt. A batch-1 decode step is bound by reading the
+//! `benches/decode.rs`) and on the default model (bf16, with its MTP layer), after a 256-token
+//! prompt; for the default model also one draft step (`Step::Draft`, the MTP layer over one
+//! row), the other cost an iteration pays `K` times. A batch-1 decode step is bound by reading the
 //! weights; a verify step reads them once for all its positions, so the closer its time is to
 //! the decode step's, the more of the acceptance turns into speed (see
 //! docs/speculative-decoding.md). Both steps feed the same position again each iteration (the
@@ -16,8 +18,9 @@ use deepinfer::config::ModelConfig;
 use deepinfer::deployment::RunnerConfig;
 use deepinfer::engine::BlockAllocator;
 use deepinfer::graph::DType;
-use deepinfer::model::{LogitsOutput, ModelWeights, Precision};
-use deepinfer::runner::step::{DecodeRow, LogitControls, PrefillChunk, SamplingParams};
+use deepinfer::model::{mtp, LogitsOutput, ModelWeights, Precision};
+use deepinfer::runner::step::{DecodeRow, DraftChunk, LogitControls, PrefillChunk, SamplingParams};
+use deepinfer::weights::Checkpoint;
 use deepinfer::runner::{self, Backend, Step};
 
 /// The binary's allocator (jemalloc with transparent huge pages, see `src/bin/deepinfer`), so
@@ -41,21 +44,37 @@ fn chunk<'a>(tokens: &'a [u32], start: usize, blocks: &'a [u32]) -> PrefillChunk
 
 fn verify_step(c: &mut Criterion) {
     deepinfer::backend::cpu::pin_thread_count();
-    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures/configs/medium-bench.json");
-    let cfg = ModelConfig::from_file(&path).expect("medium config");
-    let mut group = c.benchmark_group("cpu_verify_step_medium_b1");
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let medium =
+        ModelConfig::from_file(&root.join("fixtures/configs/medium-bench.json")).expect("medium");
+    let default_dir = root.join("fixtures/default-model");
+    let ckpt = Checkpoint::open(&default_dir).expect("default model");
+    let mut default = ModelConfig::from_file(&default_dir.join("config.json"))
+        .expect("default config")
+        .with_draft_layer()
+        .expect("an MTP layer");
+    mtp::share_absent_embeddings(&mut default, &ckpt);
+    let bf16 = Precision::all(DType::BF16);
+    let models = [
+        ("medium_f32", medium.clone(), Precision::F32),
+        ("medium_bf16", medium, bf16),
+        ("default_bf16", default, bf16),
+    ];
+    let mut group = c.benchmark_group("cpu_verify_step_b1");
     group.sample_size(20);
-    for (tag, precision) in [
-        ("f32", Precision::F32),
-        ("bf16", Precision::all(DType::BF16)),
-    ] {
-        let weights = ModelWeights::random(&cfg, 0, &precision).expect("random weights");
+    for (tag, cfg, precision) in models {
+        let weights = match cfg.draft_layers {
+            0 => ModelWeights::random(&cfg, 0, &precision).expect("random weights"),
+            _ => ModelWeights::load(&cfg, &ckpt, &precision).expect("default weights"),
+        };
+        let vocab = cfg.vocab_size as u32;
+        let drafts = cfg.draft_layers > 0;
         let mut rc = RunnerConfig::for_limits(1, 1024);
         rc.kv_dtype = precision.kv_cache;
         let mut blocks = BlockAllocator::new(rc.num_blocks, rc.block_size).expect("blocks");
         let mut runner =
-            runner::open_with_weights(Backend::Cpu, cfg.clone(), weights, rc).expect("runner");
-        let prompt: Vec<u32> = (0..CONTEXT as u32).map(|j| (j * 7 + 1) % 32000).collect();
+            runner::open_with_weights(Backend::Cpu, cfg, weights, rc).expect("runner");
+        let prompt: Vec<u32> = (0..CONTEXT as u32).map(|j| (j * 7 + 1) % vocab).collect();
         let mut table = Vec::new();
         blocks.grow(&mut table, CONTEXT + 8).expect("blocks");
         for (i, piece) in prompt.chunks(64).enumerate() {
@@ -66,7 +85,7 @@ fn verify_step(c: &mut Criterion) {
                 })
                 .expect("prefill");
         }
-        let fed: Vec<u32> = (0..8).map(|j| (j * 11 + 5) % 32000).collect();
+        let fed: Vec<u32> = (0..8).map(|j| (j * 11 + 5) % vocab).collect();
         group.bench_function(BenchmarkId::new(tag, "decode_1"), |b| {
             let row = DecodeRow {
                 token: fed[0],
@@ -95,6 +114,25 @@ fn verify_step(c: &mut Criterion) {
                             logits: LogitsOutput::None,
                         })
                         .expect("verify")
+                })
+            });
+        }
+        if drafts {
+            // One row drafting from the last step's (the verify step's) first hidden state.
+            let draft = [DraftChunk {
+                next_tokens: &fed[1..2],
+                start: CONTEXT,
+                blocks: &table,
+                hidden_rows: &[0],
+            }];
+            group.bench_function(BenchmarkId::new(tag, "draft_1"), |b| {
+                b.iter(|| {
+                    runner
+                        .replay(&Step::Draft {
+                            chunks: &draft,
+                            logits: LogitsOutput::None,
+                        })
+                        .expect("draft")
                 })
             });
         }

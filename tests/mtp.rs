@@ -134,6 +134,76 @@ fn draft_chunks_continue_the_mtp_layers_cache() {
     assert_close("MTP logits in two chunks", &got, &r.mtp_logits);
 }
 
+#[derive(Deserialize)]
+struct HeldoutReference {
+    token_ids: Vec<u32>,
+    mtp_argmax: Vec<u32>,
+    agreement_with_main_argmax: f64,
+}
+
+/// The default model's trained MTP layer (`scripts/train_mtp.py`), which ships no embedding or
+/// head of its own and so drafts with the main model's: its greedy drafts over the held-out
+/// text are those of the Python reference forward, and agree with the main model's own next
+/// tokens as often as the reference measured.
+#[test]
+fn the_default_models_mtp_layer_drafts_as_its_reference() {
+    let dir = fixture_dir("default-model");
+    let r: HeldoutReference = common::reference_file("default-model", "mtp-heldout.json");
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let mut cfg = ModelConfig::from_file(&dir.join("config.json"))
+        .unwrap()
+        .with_draft_layer()
+        .unwrap();
+    deepinfer::model::mtp::share_absent_embeddings(&mut cfg, &ckpt);
+    assert!(cfg.draft_shares_embeddings);
+    let weights = ModelWeights::load(&cfg, &ckpt, &Precision::F32).unwrap();
+    let s = r.token_ids.len();
+    let mut rc = RunnerConfig::for_limits(1, 512);
+    rc.buckets.prefill_chunk = s;
+    let mut runner = CpuRunner::new(cfg, weights, rc.clone()).unwrap();
+    runner.capture(&rc.buckets).unwrap();
+    let blocks: Vec<u32> = (1..=s.div_ceil(16) as u32).collect();
+    let main = runner
+        .prefill(&chunk(&r.token_ids, 0, &blocks), LogitsOutput::AllPositions)
+        .unwrap()
+        .logits
+        .unwrap();
+    let rows: Vec<usize> = (0..s - 1).collect();
+    let out = draft(
+        &mut runner,
+        DraftChunk {
+            next_tokens: &r.token_ids[1..],
+            start: 0,
+            blocks: &blocks,
+            hidden_rows: &rows,
+        },
+    );
+    let logits = out.logits.unwrap();
+    assert!(logits.iter().flatten().all(|x| x.is_finite()));
+    let drafted: Vec<u32> = logits.iter().map(|row| argmax(row)).collect();
+    assert_eq!(drafted, r.mtp_argmax);
+    // Row i drafts the token at i + 2, which the main model predicts from row i + 1.
+    let agree = (0..s - 1)
+        .filter(|&i| drafted[i] == argmax(&main[i + 1]))
+        .count();
+    let rate = agree as f64 / (s - 1) as f64;
+    assert!(
+        (rate - r.agreement_with_main_argmax).abs() < 0.01,
+        "{rate} against the reference's {}",
+        r.agreement_with_main_argmax
+    );
+}
+
+fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
 #[test]
 fn a_checkpoint_without_an_mtp_layer_is_refused_by_name() {
     let cfg = ModelConfig::from_file(&fixture_dir("tiny-v3").join("config.json")).unwrap();
