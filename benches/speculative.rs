@@ -20,8 +20,8 @@ use deepinfer::engine::BlockAllocator;
 use deepinfer::graph::DType;
 use deepinfer::model::{mtp, LogitsOutput, ModelWeights, Precision};
 use deepinfer::runner::step::{DecodeRow, DraftChunk, LogitControls, PrefillChunk, SamplingParams};
-use deepinfer::weights::Checkpoint;
 use deepinfer::runner::{self, Backend, Step};
+use deepinfer::weights::Checkpoint;
 
 /// The binary's allocator (jemalloc with transparent huge pages, see `src/bin/deepinfer`), so
 /// this bench measures what `deepinfer` runs.
@@ -72,8 +72,7 @@ fn verify_step(c: &mut Criterion) {
         let mut rc = RunnerConfig::for_limits(1, 1024);
         rc.kv_dtype = precision.kv_cache;
         let mut blocks = BlockAllocator::new(rc.num_blocks, rc.block_size).expect("blocks");
-        let mut runner =
-            runner::open_with_weights(Backend::Cpu, cfg, weights, rc).expect("runner");
+        let mut runner = runner::open_with_weights(Backend::Cpu, cfg, weights, rc).expect("runner");
         let prompt: Vec<u32> = (0..CONTEXT as u32).map(|j| (j * 7 + 1) % vocab).collect();
         let mut table = Vec::new();
         blocks.grow(&mut table, CONTEXT + 8).expect("blocks");
