@@ -32,6 +32,7 @@
 
 mod common;
 
+use common::argmax;
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 
@@ -277,16 +278,6 @@ fn matches_llama_cpp(file: &str, reference_file: &str) {
             ""
         }
     );
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in row.iter().enumerate() {
-        if x > row[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 #[test]

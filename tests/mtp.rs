@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{fixture_dir, max_abs_diff_rows, RunnerExt};
+use common::{argmax, fixture_dir, max_abs_diff_rows, RunnerExt};
 use deepinfer::config::ModelConfig;
 use deepinfer::deployment::RunnerConfig;
 use deepinfer::model::{LogitsOutput, ModelWeights, Precision};
@@ -65,6 +65,32 @@ fn draft(runner: &mut CpuRunner, chunk: DraftChunk<'_>) -> StepOutput {
         .unwrap()
 }
 
+/// The main model over all of `tokens` in one chunk (every position's logits), then the MTP
+/// layer over every row whose next token is known: row i drafts from the hidden state at i and
+/// the token at i + 1.
+fn prefill_and_draft(
+    runner: &mut CpuRunner,
+    tokens: &[u32],
+    blocks: &[u32],
+) -> (Vec<Vec<f32>>, StepOutput) {
+    let main = runner
+        .prefill(&chunk(tokens, 0, blocks), LogitsOutput::AllPositions)
+        .unwrap()
+        .logits
+        .unwrap();
+    let rows: Vec<usize> = (0..tokens.len() - 1).collect();
+    let out = draft(
+        runner,
+        DraftChunk {
+            next_tokens: &tokens[1..],
+            start: 0,
+            blocks,
+            hidden_rows: &rows,
+        },
+    );
+    (main, out)
+}
+
 fn assert_close(what: &str, got: &[Vec<f32>], want: &[Vec<f32>]) {
     assert_eq!(got.len(), want.len(), "{what}: rows");
     assert!(
@@ -82,21 +108,8 @@ fn the_mtp_layer_drafts_what_the_reference_module_computes() {
     let mut runner = drafting_runner();
     let blocks: Vec<u32> = (1..=8).collect();
     // The main model over the whole prompt, returning its hidden states.
-    let out = runner
-        .prefill(&chunk(&r.token_ids, 0, &blocks), LogitsOutput::AllPositions)
-        .unwrap();
-    assert_close("main logits", &out.logits.unwrap(), &r.main_logits);
-    // Row i drafts from the hidden state at i and the token at i + 1.
-    let rows: Vec<usize> = (0..s - 1).collect();
-    let out = draft(
-        &mut runner,
-        DraftChunk {
-            next_tokens: &r.token_ids[1..],
-            start: 0,
-            blocks: &blocks,
-            hidden_rows: &rows,
-        },
-    );
+    let (main, out) = prefill_and_draft(&mut runner, &r.token_ids, &blocks);
+    assert_close("main logits", &main, &r.main_logits);
     assert_close("MTP logits", &out.logits.unwrap(), &r.mtp_logits);
     assert_eq!(out.next_tokens, vec![r.mtp_greedy[s - 2]]);
 }
@@ -163,21 +176,7 @@ fn the_default_models_mtp_layer_drafts_as_its_reference() {
     let mut runner = CpuRunner::new(cfg, weights, rc.clone()).unwrap();
     runner.capture(&rc.buckets).unwrap();
     let blocks: Vec<u32> = (1..=s.div_ceil(16) as u32).collect();
-    let main = runner
-        .prefill(&chunk(&r.token_ids, 0, &blocks), LogitsOutput::AllPositions)
-        .unwrap()
-        .logits
-        .unwrap();
-    let rows: Vec<usize> = (0..s - 1).collect();
-    let out = draft(
-        &mut runner,
-        DraftChunk {
-            next_tokens: &r.token_ids[1..],
-            start: 0,
-            blocks: &blocks,
-            hidden_rows: &rows,
-        },
-    );
+    let (main, out) = prefill_and_draft(&mut runner, &r.token_ids, &blocks);
     let logits = out.logits.unwrap();
     assert!(logits.iter().flatten().all(|x| x.is_finite()));
     let drafted: Vec<u32> = logits.iter().map(|row| argmax(row)).collect();
@@ -192,16 +191,6 @@ fn the_default_models_mtp_layer_drafts_as_its_reference() {
         "{rate} against the reference's {}",
         r.agreement_with_main_argmax
     );
-}
-
-fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in row.iter().enumerate() {
-        if x > row[best] {
-            best = i;
-        }
-    }
-    best as u32
 }
 
 #[test]

@@ -15,7 +15,7 @@ use serde::Deserialize;
 
 mod compare;
 #[allow(unused_imports)] // not every test binary compares floats
-pub use compare::{max_abs, max_abs_diff, max_abs_diff_f64, max_abs_diff_rows};
+pub use compare::{argmax, max_abs, max_abs_diff, max_abs_diff_f64, max_abs_diff_rows};
 
 /// The tiny checkpoints `scripts/make_fixtures.py` writes, with transformers' outputs.
 pub const FIXTURES: &[&str] = &["tiny-v3", "tiny-v2-lite", "tiny-v2-group", "tiny-v32"];
