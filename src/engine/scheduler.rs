@@ -910,7 +910,8 @@ impl<R: Runner> Scheduler<R> {
                 let mut advances = self.advance_constraints(&batch, &tokens).into_iter();
                 let vocab = self.runner.config().vocab_size;
                 // Each row's position and its new token, for the MTP layer's draft step.
-                let drafts: Vec<DraftRows> = batch
+                let drafting = if self.speculative > 0 { batch.len() } else { 0 };
+                let drafts: Vec<DraftRows> = batch[..drafting]
                     .iter()
                     .zip(&tokens)
                     .enumerate()
