@@ -69,14 +69,3 @@ fn max_abs_diff_in(a: &[f32], b: &[f32], row: &str) -> f32 {
     }
     worst
 }
-
-/// The index of a row's largest value (the first of equals), as greedy decoding picks.
-pub fn argmax(row: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in row.iter().enumerate() {
-        if x > row[best] {
-            best = i;
-        }
-    }
-    best as u32
-}

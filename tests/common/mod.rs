@@ -15,7 +15,7 @@ use serde::Deserialize;
 
 mod compare;
 #[allow(unused_imports)] // not every test binary compares floats
-pub use compare::{argmax, max_abs, max_abs_diff, max_abs_diff_f64, max_abs_diff_rows};
+pub use compare::{max_abs, max_abs_diff, max_abs_diff_f64, max_abs_diff_rows};
 
 /// The tiny checkpoints `scripts/make_fixtures.py` writes, with transformers' outputs.
 pub const FIXTURES: &[&str] = &["tiny-v3", "tiny-v2-lite", "tiny-v2-group", "tiny-v32"];
@@ -263,4 +263,15 @@ pub fn predicted_and_held_bytes(
         .unwrap()
         .held_bytes();
     (predicted, held)
+}
+
+/// The index of a row's largest value (the first of equals), as greedy decoding picks.
+pub fn argmax(row: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &x) in row.iter().enumerate() {
+        if x > row[best] {
+            best = i;
+        }
+    }
+    best as u32
 }
