@@ -31,8 +31,8 @@ fn reference() -> MtpReference {
     common::reference_file(FIXTURE, "reference-mtp.json")
 }
 
-/// A CPU runner for the fixture with its MTP layer loaded.
-fn drafting_runner() -> CpuRunner {
+/// A CPU runner for the fixture with its MTP layer loaded, split over `tp` ranks.
+fn drafting_runner(tp: usize) -> CpuRunner {
     let dir = fixture_dir(FIXTURE);
     let cfg = ModelConfig::from_file(&dir.join("config.json"))
         .unwrap()
@@ -40,7 +40,8 @@ fn drafting_runner() -> CpuRunner {
         .unwrap();
     let ckpt = Checkpoint::open(&dir).unwrap();
     let weights = ModelWeights::load(&cfg, &ckpt, &Precision::F32).unwrap();
-    let rc = RunnerConfig::for_limits(2, 128);
+    let mut rc = RunnerConfig::for_limits(2, 128);
+    rc.tp = tp;
     let mut runner = CpuRunner::new(cfg, weights, rc.clone()).unwrap();
     runner.capture(&rc.buckets).unwrap();
     runner
@@ -105,13 +106,16 @@ fn assert_close(what: &str, got: &[Vec<f32>], want: &[Vec<f32>]) {
 fn the_mtp_layer_drafts_what_the_reference_module_computes() {
     let r = reference();
     let s = r.token_ids.len();
-    let mut runner = drafting_runner();
-    let blocks: Vec<u32> = (1..=8).collect();
-    // The main model over the whole prompt, returning its hidden states.
-    let (main, out) = prefill_and_draft(&mut runner, &r.token_ids, &blocks);
-    assert_close("main logits", &main, &r.main_logits);
-    assert_close("MTP logits", &out.logits.unwrap(), &r.mtp_logits);
-    assert_eq!(out.next_tokens, vec![r.mtp_greedy[s - 2]]);
+    // At tp 2 the layer's heads, experts, embedding and head are split like the model's.
+    for tp in [1, 2] {
+        let mut runner = drafting_runner(tp);
+        let blocks: Vec<u32> = (1..=8).collect();
+        let (main, out) = prefill_and_draft(&mut runner, &r.token_ids, &blocks);
+        assert_close("main logits", &main, &r.main_logits);
+        let what = format!("MTP logits at tp {tp}");
+        assert_close(&what, &out.logits.unwrap(), &r.mtp_logits);
+        assert_eq!(out.next_tokens, vec![r.mtp_greedy[s - 2]], "tp {tp}");
+    }
 }
 
 /// The engine's order: a prompt chunk, then its draft rows; the next chunk's draft rows attend
@@ -120,7 +124,7 @@ fn the_mtp_layer_drafts_what_the_reference_module_computes() {
 fn draft_chunks_continue_the_mtp_layers_cache() {
     let r = reference();
     let s = r.token_ids.len();
-    let mut runner = drafting_runner();
+    let mut runner = drafting_runner(1);
     let blocks: Vec<u32> = (1..=8).collect();
     let mut got = Vec::new();
     for (start, end) in [(0, 17), (17, s)] {

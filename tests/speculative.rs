@@ -24,6 +24,11 @@ const FIXTURE: &str = "tiny-v3-mtp";
 /// A runner over the fixture drafting `k` tokens (its MTP layer loaded only when `k > 0`),
 /// prompts prefilled `chunk` tokens at a time, batches up to 8.
 fn fixture_runner(k: usize, chunk: usize) -> Box<dyn Runner> {
+    fixture_runner_tp(k, chunk, 1)
+}
+
+/// [`fixture_runner`] split over `tp` ranks (threads on the CPU).
+fn fixture_runner_tp(k: usize, chunk: usize, tp: usize) -> Box<dyn Runner> {
     let dir = fixture_dir(FIXTURE);
     let mut cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     if k > 0 {
@@ -34,6 +39,7 @@ fn fixture_runner(k: usize, chunk: usize) -> Box<dyn Runner> {
     let mut rc = RunnerConfig::for_limits(8, 96);
     rc.buckets.prefill_chunk = chunk;
     rc.speculative_tokens = k;
+    rc.tp = tp;
     runner::open_with_weights(Backend::Cpu, cfg, weights, rc).unwrap()
 }
 
@@ -209,5 +215,22 @@ fn accepted_drafts_give_what_each_gives_without_drafting() {
         );
         assert!(stats.tokens_per_row_step() > 1.3, "K = {k}: {stats:?}");
         assert_eq!(s.blocks_in_use(), 0, "K = {k}: blocks leaked");
+    }
+}
+
+/// Split over two ranks: the MTP layer's heads, experts and vocabulary (its drafts' argmax
+/// across the ranks' slices) go through the same collectives as the main model's.
+#[test]
+fn drafting_at_tp_2_gives_what_one_rank_gives_without_drafting() {
+    let prompts = prompts();
+    let (want, _) = run(&mut scheduler(0, 4), &prompts);
+    for k in [1, 3] {
+        let runner = fixture_runner_tp(k, 4, 2);
+        let mut s = Scheduler::new(runner, None, Vec::new()).unwrap();
+        let (got, stats) = run(&mut s, &prompts);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(g, w, "tp 2, K = {k}, request {i}");
+        }
+        assert!(stats.drafted > 0, "tp 2, K = {k}: {stats:?}");
     }
 }
