@@ -909,19 +909,22 @@ impl<R: Runner> Scheduler<R> {
             }) => {
                 let mut advances = self.advance_constraints(&batch, &tokens).into_iter();
                 let vocab = self.runner.config().vocab_size;
-                // Each row's position and its new token, for the MTP layer's draft step.
-                let drafting = if self.speculative > 0 { batch.len() } else { 0 };
-                let drafts: Vec<DraftRows> = batch[..drafting]
-                    .iter()
-                    .zip(&tokens)
-                    .enumerate()
-                    .map(|(k, (&i, &token))| DraftRows {
-                        seq: i,
-                        start: self.running[i].tokens.len() - 1,
-                        next_tokens: vec![token],
-                        hidden_rows: vec![k],
-                    })
-                    .collect();
+                // Each row's position and its new token, for the MTP layer's draft step (none,
+                // and nothing allocated, without speculation).
+                let drafts: Vec<DraftRows> = match self.speculative {
+                    0 => Vec::new(),
+                    _ => batch
+                        .iter()
+                        .zip(&tokens)
+                        .enumerate()
+                        .map(|(k, (&i, &token))| DraftRows {
+                            seq: i,
+                            start: self.running[i].tokens.len() - 1,
+                            next_tokens: vec![token],
+                            hidden_rows: vec![k],
+                        })
+                        .collect(),
+                };
                 for (k, (&i, token)) in batch.iter().zip(tokens).enumerate() {
                     let advance = advances.next().flatten();
                     let seq = &mut self.running[i];

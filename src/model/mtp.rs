@@ -19,10 +19,11 @@
 //!
 //! Inputs besides the prefill's metadata: [`HIDDEN`] (`[t, hidden]` f32, the main model's
 //! hidden states of the rows, which a step graph returns under the same name when the model
-//! drafts). Outputs: `draft_tokens` (`[s]` i32, each chunk's last row's argmax), `logits` on
-//! request, [`DRAFT_HIDDEN`] (the layer's output after its head's norm, what the head reads:
-//! chaining feeds it back as the next draft's hidden state, as SGLang's `deepseek_nextn.py`
-//! and vLLM since its PR 45895 do), and the updated KV root.
+//! drafts). Outputs: `next_tokens` (`[s]` i32, each chunk's last row's argmax: its proposal,
+//! under the name every step graph samples into), `logits` on request, [`DRAFT_HIDDEN`] (the
+//! layer's output after its head's norm, what the head reads: chaining feeds it back as the
+//! next draft's hidden state, as SGLang's `deepseek_nextn.py` and vLLM since its PR 45895 do),
+//! and the updated KV root.
 //!
 //! vLLM also zeroes the embedding of a row at position 0 (`inputs_embeds[positions == 0] =
 //! 0`); SGLang, Megatron's MTP and the report do not, and neither does this graph. A draft
@@ -45,8 +46,6 @@ pub const HIDDEN: &str = "hidden";
 /// The draft graph's output hidden states: the MTP layer's output after its head's norm (what
 /// chaining drafts from).
 pub const DRAFT_HIDDEN: &str = "draft_hidden";
-/// The draft graph's proposed tokens, one per chunk.
-pub const DRAFT_TOKENS: &str = "draft_tokens";
 
 /// The draft graph of MTP layer `cfg.num_hidden_layers` for `spec.rows` rows in chunks of up to
 /// `spec.seqs` sequences over `spec.ctx` context positions (see the module docs). Its
@@ -107,7 +106,7 @@ pub fn build_draft(
     )?;
     let normed = ops::rms_norm(&x, &w.get(&format!("{p}.shared_head.norm.weight"))?, eps)?;
     let last_logits = head_logits(&w, &head, &normed.index_select(&last_index, 0)?)?;
-    b.output(DRAFT_TOKENS, &w.vocab_slice()?.argmax(&last_logits)?)?;
+    b.output("next_tokens", &w.vocab_slice()?.argmax(&last_logits)?)?;
     match spec.logits {
         LogitsOutput::None => {}
         LogitsOutput::Sampled => b.output(STEP_LOGITS, &last_logits)?,

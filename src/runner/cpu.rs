@@ -384,14 +384,9 @@ impl CpuRunner {
             Some(h) => Some(h.flatten_all()?.to_vec1::<f32>()?),
             None => None,
         };
-        // A draft step's proposals, or a step's sampled tokens.
-        let sampled = match get(mtp::DRAFT_TOKENS) {
-            Some(_) => mtp::DRAFT_TOKENS,
-            None => "next_tokens",
-        };
-        let next = get(sampled)
+        let next = get("next_tokens")
             .ok_or_else(|| Error::Binding {
-                name: sampled.into(),
+                name: "next_tokens".into(),
                 msg: "missing output".into(),
             })?
             .to_vec1::<i32>()?;
