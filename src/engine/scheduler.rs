@@ -83,9 +83,7 @@ use std::sync::Arc;
 
 use crate::error::{Error, ErrorKind, Result};
 use crate::model::LogitsOutput;
-use crate::runner::step::{
-    DecodeRow, DraftChunk, LogitControls, PrefillChunk, SamplingParams, LOGIT_BIAS_SLOTS,
-};
+use crate::runner::step::{DecodeRow, DraftChunk, LogitControls, PrefillChunk, LOGIT_BIAS_SLOTS};
 use crate::runner::{LateMasks, Runner, Step, StepOutput};
 use crate::tokenizer::Tokenizer;
 
@@ -956,24 +954,23 @@ impl<R: Runner> Scheduler<R> {
         batch.len()
     }
 
-    /// Whether every running sequence at `rows` can verify drafts this step: greedy without
-    /// penalties, bias (`min_tokens`' included), a constraint or log-probabilities (see
-    /// [`super::speculative`]). Refreshes their biases for the step.
+    /// Whether every running sequence at `rows` can verify drafts this step: none has a
+    /// constraint or reports log-probabilities (see [`super::speculative`]). Refreshes their
+    /// biases for the step.
     fn all_verifiable(&mut self, rows: &[usize]) -> bool {
         let eos = &self.eos_token_ids;
         rows.iter().all(|&i| {
             let seq = &mut self.running[i];
             seq.refresh_bias(eos);
-            seq.params.sampling.is_plain_greedy()
-                && seq.bias.is_empty()
-                && seq.constraint.is_none()
-                && seq.params.logprobs.is_none()
+            seq.constraint.is_none() && seq.params.logprobs.is_none()
         })
     }
 
     /// How many of its drafts the sequence at `i` can feed this step: no more than fit the
     /// context, than its blocks can be grown to hold, or than it may still generate (the
-    /// verify step adds the model's own token after them).
+    /// verify step adds the model's own token after them); and while `min_tokens` bans the
+    /// end tokens, no more than keep every position banned (the step biases each position
+    /// alike).
     fn verifiable_drafts(&mut self, i: usize) -> usize {
         let max_len = self.max_len();
         let seq = &mut self.running[i];
@@ -983,7 +980,11 @@ impl<R: Runner> Scheduler<R> {
             .max_tokens
             .saturating_sub(seq.generated())
             .saturating_sub(1);
-        let mut n = seq.drafts.len().min(room).min(left);
+        let banned = match seq.params.min_tokens.checked_sub(seq.generated()) {
+            Some(b) if b > 0 => b - 1,
+            _ => usize::MAX,
+        };
+        let mut n = seq.drafts.len().min(room).min(left).min(banned);
         while n > 0
             && self
                 .blocks
@@ -1019,7 +1020,7 @@ impl<R: Runner> Scheduler<R> {
                     tokens,
                     start: s.tokens.len() - 1,
                     blocks: &s.blocks,
-                    sampling: SamplingParams::GREEDY,
+                    sampling: s.params.sampling,
                     controls: s.controls(),
                 }
             })

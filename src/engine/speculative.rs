@@ -2,14 +2,17 @@
 //! [`crate::model::mtp`]): what the scheduler needs besides its steps.
 //!
 //! With `--speculative-tokens K` every decoding sequence carries up to `K` drafted tokens. An
-//! iteration whose decoding rows are all greedy without logit controls or log-probabilities
-//! verifies them: one [`crate::runner::Step::Verify`] feeds each row's last token and its drafts
-//! (`K + 1` positions), returns the main model's greedy token at every position, and the row
-//! keeps the drafts up to the first that disagrees plus the model's own token after them
-//! (`accepted_prefix`). Those are exactly the tokens `K = 0` would have produced one step at
-//! a time: each accepted draft *is* the greedy token at its position. The cache slots written
-//! for rejected drafts are simply not counted (the sequence's `computed` stops before them)
-//! and are overwritten by the next step. Other iterations decode one token a row as usual.
+//! iteration whose decoding rows have no structured-output constraint and report no
+//! log-probabilities verifies them. One [`crate::runner::Step::Verify`] feeds each row's last
+//! token and its drafts (`K + 1` positions) and returns a token at every position, equal to
+//! the draft after it exactly when the draft is accepted. A greedy row's token is the main
+//! model's argmax, so the accepted drafts are exactly the tokens `K = 0` would have produced
+//! one step at a time. A sampled row's token comes from rejection sampling
+//! ([`crate::model::sampling::verify`]), so each token keeps the target's distribution. The
+//! row keeps the drafts up to the first not accepted plus the step's token there
+//! (`accepted_prefix`). The cache slots written for rejected drafts are simply not counted
+//! (the sequence's `computed` stops before them) and are overwritten by the next step. Other
+//! iterations decode one token a row as usual.
 //!
 //! After every step that runs the main model (prefill chunks, decode, verify) a draft step
 //! runs the MTP layer over the same positions (each with the token after it and the main
@@ -17,13 +20,13 @@
 //! next draft from each sequence's last row; `K > 1` chains the layer on its own output,
 //! one position further each time, as SGLang and vLLM chain DeepSeek-V3's single layer.
 //!
-//! Not yet: sampled rows (rejection sampling), rows with penalties, bias, structured output or
-//! log-probabilities (they decode one token a step, and an iteration that has any does not
-//! verify), and device backends (the draft and verify graphs run on the CPU runner only).
+//! Not yet: rows with structured output or log-probabilities (they decode one token a step,
+//! and an iteration that has any does not verify), and device backends (the draft and verify
+//! graphs run on the CPU runner only).
 
-/// How many of `drafts` the main model agrees with: the length of the longest prefix where
-/// each draft equals the greedy token `verified` at the position before it (`verified[j]` is
-/// the main model's choice after the row's `j`-th fed token, so it judges `drafts[j]`).
+/// How many of `drafts` a verify step accepted: the length of the longest prefix where each
+/// draft equals the token `verified` at the position before it (`verified[j]` is the step's
+/// token after the row's `j`-th fed token, so it judges `drafts[j]`).
 pub(crate) fn accepted_prefix(drafts: &[u32], verified: &[u32]) -> usize {
     drafts
         .iter()

@@ -104,7 +104,7 @@ pub fn adjust(
 }
 
 /// `ids` (`[n]` i32) one-hot over the vocabulary, `[n, vocab]` f32.
-fn one_hot(ids: &Tensor, vocab: usize) -> Result<Tensor> {
+pub(crate) fn one_hot(ids: &Tensor, vocab: usize) -> Result<Tensor> {
     let b = ids.builder();
     let n = ids.dim(0);
     let v = b.iota([n, vocab], DType::I32, 1)?;

@@ -240,6 +240,10 @@ pub enum Sampler {
     /// A device runner splits its decode steps so the host computes the allowed-token masks
     /// while the forward pass runs (see `runner::device`, "Split sampling").
     Deferred,
+    /// Speculative decoding's verify graph for rows that sample ([`build_prefill`] only):
+    /// every position's token by rejection sampling against the token fed after it, with each
+    /// position's own sampling parameters and logit controls ([`sampling::verify`]).
+    Rejection,
 }
 
 /// The name of a split decode step's logits: its forward graph's output and its sampling
@@ -510,6 +514,7 @@ fn sample_rows(
     positions: &Tensor,
     counts: &Tensor,
     prompt: &Tensor,
+    drafts: Option<&Tensor>,
 ) -> Result<Tensor> {
     let rows = logits.dim(0);
     let temperature = metadata(b, inputs::TEMPERATURE, vec![rows], DType::F32)?;
@@ -546,18 +551,18 @@ fn sample_rows(
         },
         vocab,
     )?;
-    sampling::sample(
-        &adjusted,
-        &sampling::SamplingInputs {
-            temperature: &temperature,
-            top_k: &top_k,
-            top_p: &top_p,
-            min_p: &min_p,
-            seeds: &seeds,
-            positions,
-        },
-        vocab,
-    )
+    let params = sampling::SamplingInputs {
+        temperature: &temperature,
+        top_k: &top_k,
+        top_p: &top_p,
+        min_p: &min_p,
+        seeds: &seeds,
+        positions,
+    };
+    match drafts {
+        None => sampling::sample(&adjusted, &params, vocab),
+        Some(d) => sampling::verify(&adjusted, &params, d, vocab),
+    }
 }
 
 /// The inputs every step graph declares, and what the forward derives from them.
@@ -648,6 +653,7 @@ pub fn build_decode(
         Sampler::Full => format!("decode_b{rows}_c{ctx}"),
         Sampler::Greedy => format!("decode_greedy_b{rows}_c{ctx}"),
         Sampler::Deferred => format!("decode_logits_b{rows}_c{ctx}"),
+        Sampler::Rejection => format!("decode_rejection_b{rows}_c{ctx}"),
     };
     let b = GraphBuilder::new(name);
     let w = Weights::new(&b, specs);
@@ -692,7 +698,7 @@ pub(crate) fn decode_tail(
         Sampler::Full => {
             let state_rows = b.metadata(inputs::STATE_ROWS, [rows], DType::I32)?;
             let (new_state, counts, prompt) = logits::decode_state(state, &state_rows, input_ids)?;
-            let next = sample_rows(b, logits, vocab, positions, &counts, &prompt)?;
+            let next = sample_rows(b, logits, vocab, positions, &counts, &prompt, None)?;
             Ok((Some(next), new_state))
         }
         // No row of a greedy step has a penalty, now or later (a request's parameters are
@@ -703,6 +709,10 @@ pub(crate) fn decode_tail(
         // step (benches/LOG.md, "Step overhead outside the matmuls").
         Sampler::Greedy => Ok((Some(vocab.argmax(logits)?), state.clone())),
         Sampler::Deferred => Ok((None, state.clone())),
+        Sampler::Rejection => Err(Error::shape(
+            "bucket",
+            "only a verify graph samples by rejection, not a decode graph",
+        )),
     }
 }
 
@@ -753,7 +763,7 @@ pub fn build_sample(
     )?;
     let (new_state, counts, prompt) = logits::decode_state(&state, &state_rows, &input_ids)?;
     let vocab = w.vocab_slice()?;
-    let next = sample_rows(&b, &logits, &vocab, &positions, &counts, &prompt)?;
+    let next = sample_rows(&b, &logits, &vocab, &positions, &counts, &prompt, None)?;
     b.output("next_tokens", &next)?;
     b.output_aliased(logits::STATE_ROOT, &new_state, &state)?;
     b.finish()
@@ -834,7 +844,7 @@ pub fn build_prefill(
             format!("a prefill of {t} tokens cannot carry {seqs} sequences"),
         ));
     }
-    let verify = spec.sampler == Sampler::Greedy;
+    let verify = matches!(spec.sampler, Sampler::Greedy | Sampler::Rejection);
     let name = match (verify, seqs) {
         (true, s) => format!("verify_t{t}_s{s}_c{ctx}"),
         (false, 1) => format!("prefill_t{t}_c{ctx}"),
@@ -848,13 +858,18 @@ pub fn build_prefill(
     let (x, new_roots) = s.forward(cfg, &w, &visible, attention::prefill, spec.moe)?;
     output_hidden(&b, cfg, &x)?;
     if verify {
-        // Every position's argmax, the token counts left alone (as a greedy decode step).
         let logits = lm_logits(cfg, &w, &x)?;
-        b.output("next_tokens", &w.vocab_slice()?.argmax(&logits)?)?;
+        let vocab = w.vocab_slice()?;
+        let (next, state) = match spec.sampler {
+            // Every position's argmax, the token counts left alone (as a greedy decode step).
+            Sampler::Greedy => (vocab.argmax(&logits)?, s.state.clone()),
+            _ => verify_tail(&b, &logits, &vocab, &s, &last_index, seq_ids.as_ref())?,
+        };
+        b.output("next_tokens", &next)?;
         if spec.logits != LogitsOutput::None {
             b.output(STEP_LOGITS, &logits)?;
         }
-        output_roots(&b, &new_roots, &s.roots, (&s.state, &s.state))?;
+        output_roots(&b, &new_roots, &s.roots, (&state, &s.state))?;
         return b.finish();
     }
     let last_logits = lm_logits(cfg, &w, &x.index_select(&last_index, 0)?)?;
@@ -877,6 +892,83 @@ pub fn build_prefill(
     }
     output_roots(&b, &new_roots, &s.roots, (&state, &s.state))?;
     b.finish()
+}
+
+/// The rejection sampler at the end of a verify graph ([`Sampler::Rejection`]) over every
+/// position's `logits` (`[t, this rank's vocabulary slice]`) of chunks that end at rows
+/// `last_index`, token `i` being chunk `seq_ids[i]`'s (all the one chunk's without
+/// `seq_ids`): each position's token, verifying the token fed after it in its chunk as a draft
+/// ([`sampling::verify`]), and the sampling-state root's new value.
+///
+/// Position `i` is penalised as the decode step that fed its token would have been: its
+/// chunk's counts (the `state_rows` input has a row per position, each its chunk's) plus the
+/// chunk's tokens up to `i`, every one generated (a verify chunk is a decoding sequence's last
+/// token and its drafts). Each chunk's row is then written back as it stands after the
+/// drafts the step accepts: through the first position whose token is not the draft after it
+/// (every position of a chunk writes the same row, so the duplicates agree).
+fn verify_tail(
+    b: &GraphBuilder,
+    logits: &Tensor,
+    vocab: &VocabSlice,
+    s: &StepInputs,
+    last_index: &Tensor,
+    seq_ids: Option<&Tensor>,
+) -> Result<(Tensor, Tensor)> {
+    let (ids, state) = (&s.input_ids, &s.state);
+    let t = ids.dim(0);
+    let chunk = match seq_ids {
+        Some(c) => c.clone(),
+        None => b.full(0.0, [t], DType::I32)?,
+    };
+    let last = last_index.index_select(&chunk, 0)?;
+    let i = b.iota([t], DType::I32, 0)?;
+    // Each position's draft: the token fed after it in its chunk (none at a chunk's last).
+    let has_draft = i.lt(&last)?;
+    let after = match t {
+        1 => ids.clone(),
+        _ => b.cat(&[&ids.narrow(0, 1, t - 1)?, &ids.narrow(0, 0, 1)?], 0)?,
+    };
+    let drafts = has_draft.where_cond(&after, &after.full_like(-1.0)?)?;
+    // upto[i, j]: j is a real token of i's chunk, not after i.
+    let (row, col) = (
+        b.iota([t, t], DType::I32, 0)?,
+        b.iota([t, t], DType::I32, 1)?,
+    );
+    let own = chunk
+        .unsqueeze(1)?
+        .broadcast_as([t, t])?
+        .eq(&chunk.unsqueeze(0)?.broadcast_as([t, t])?)?;
+    let real = col.le(&last.unsqueeze(0)?.broadcast_as([t, t])?)?;
+    let own = own.where_cond(&real, &own)?;
+    let upto = own.where_cond(&col.le(&row)?, &own)?;
+    let width = state.dim(1) / 2;
+    let state_rows = b.metadata(inputs::STATE_ROWS, [t], DType::I32)?;
+    let old = state.index_select(&state_rows, 0)?;
+    let one = b.full(1.0, [t, t], DType::F32)?;
+    let fed = upto
+        .where_cond(&one, &one.full_like(0.0)?)?
+        .matmul(&logits::one_hot(ids, width)?)?;
+    let counts = old.narrow(1, 0, width)?.add(&fed)?;
+    let prompt = old.narrow(1, width, width)?;
+    let next = sample_rows(
+        b,
+        logits,
+        vocab,
+        &s.positions,
+        &counts,
+        &prompt,
+        Some(&drafts),
+    )?;
+    // Each chunk's first position whose token is not its draft: where the chunk stops.
+    let accepted = has_draft.where_cond(&next.eq(&drafts)?, &has_draft)?;
+    let never = col.lt(&col)?;
+    let stops = accepted
+        .unsqueeze(0)?
+        .broadcast_as([t, t])?
+        .where_cond(&never, &own)?;
+    let end = stops.where_cond(&col, &col.full_like(t as f64)?)?.min(1)?;
+    let rows = b.cat(&[&counts, &prompt], 1)?.index_select(&end, 0)?;
+    Ok((next, state.scatter_rows(&state_rows, 0, &rows)?))
 }
 
 /// Returns the rows' last hidden states `x` as [`mtp::HIDDEN`] when the model drafts with an
@@ -951,6 +1043,6 @@ pub(crate) fn prefill_tail(
         &prompt_lens,
         input_ids,
     )?;
-    let next = sample_rows(b, last_logits, vocab, &last_pos, &counts, &prompt)?;
+    let next = sample_rows(b, last_logits, vocab, &last_pos, &counts, &prompt, None)?;
     Ok((next, new_state))
 }

@@ -122,10 +122,18 @@ pub fn uniform(seeds: &Tensor, positions: &Tensor) -> Result<Tensor> {
     k.affine(1.0 / f64::from(1u32 << 23), 0.5 / f64::from(1u32 << 23))
 }
 
-/// The next token of each row (`[b]`, i32) from its logits (`[b, n]`, f32), which cover the
-/// part of the vocabulary `vocab` says: split by vocabulary, every rank draws the same tokens
-/// from its own slice (see [`super::vocab`]).
-pub fn sample(logits: &Tensor, p: &SamplingInputs<'_>, vocab: &VocabSlice) -> Result<Tensor> {
+/// What a sampled row may draw: each row's scaled, filtered probabilities (unnormalised).
+struct Kept {
+    /// Each row's argmax (`[b]` i32), the token of a greedy row.
+    greedy: Tensor,
+    /// Which rows sample (`[b]` bool).
+    sampling: Tensor,
+    /// `exp(z - max z)` of the tokens min-p, top-k and top-p keep, 0 elsewhere (`[b, n]`).
+    kept: Tensor,
+}
+
+/// Temperature, min-p, top-k and top-p of each row over its logits (see the module docs).
+fn keep(logits: &Tensor, p: &SamplingInputs<'_>, vocab: &VocabSlice) -> Result<Kept> {
     let greedy = vocab.argmax(logits)?;
 
     let zero = p.temperature.full_like(0.0)?;
@@ -161,13 +169,71 @@ pub fn sample(logits: &Tensor, p: &SamplingInputs<'_>, vocab: &VocabSlice) -> Re
     // Both cuts, never above the best token (a top_p <= 0 keeps that one).
     let cut = t_k.maximum(&t_p)?.minimum(&z_max.squeeze(1)?)?;
     let kept = z.ge(&cut.unsqueeze(1)?)?.where_cond(&e, &none)?;
+    Ok(Kept {
+        greedy,
+        sampling,
+        kept,
+    })
+}
 
-    // The draw: the first token whose running mass reaches u * total.
-    let u = uniform(p.seeds, p.positions)?;
-    let draw_target = sampling.where_cond(&u.mul(&vocab.row_sum(&kept)?)?, &zero)?;
-    let at = vocab.draw(&kept, &draw_target)?;
-    // -inf only if rounding left u * total above the summed mass (u < 1): take the best token.
-    let found = at.gt(&neg_inf)?.where_cond(&sampling, &zero.gt(&zero)?)?;
+/// Each sampled row's draw from `kept` with the uniform `u` (`[b]`): the first token whose
+/// running mass reaches `u` times the row's total; a greedy row's (or, should rounding leave
+/// `u * total` above the summed mass, any row's) argmax.
+fn draw(k: &Kept, kept: &Tensor, u: &Tensor, vocab: &VocabSlice) -> Result<Tensor> {
+    let zero = u.full_like(0.0)?;
+    let draw_target = k
+        .sampling
+        .where_cond(&u.mul(&vocab.row_sum(kept)?)?, &zero)?;
+    let at = vocab.draw(kept, &draw_target)?;
+    let found = at
+        .gt(&zero.full_like(f64::NEG_INFINITY)?)?
+        .where_cond(&k.sampling, &zero.gt(&zero)?)?;
     let token = found.where_cond(&at, &zero)?.neg()?.to_dtype(DType::I32)?;
-    found.where_cond(&token, &greedy)
+    found.where_cond(&token, &k.greedy)
+}
+
+/// The next token of each row (`[b]`, i32) from its logits (`[b, n]`, f32), which cover the
+/// part of the vocabulary `vocab` says: split by vocabulary, every rank draws the same tokens
+/// from its own slice (see [`super::vocab`]).
+pub fn sample(logits: &Tensor, p: &SamplingInputs<'_>, vocab: &VocabSlice) -> Result<Tensor> {
+    let k = keep(logits, p, vocab)?;
+    draw(&k, &k.kept, &uniform(p.seeds, p.positions)?, vocab)
+}
+
+/// Xored into a row's seed for the uniform that accepts or rejects its draft, so it is
+/// independent of the uniform the row draws with (see [`verify`]).
+const ACCEPT_STREAM: u32 = 0x5851_f42d;
+
+/// Speculative decoding's verification of each row's draft (`drafts`, `[b]` i32, negative for
+/// a row with none) by rejection sampling: the row's token (`[b]` i32) is distributed exactly as
+/// [`sample`]'s, whatever the draft. The drafts come from a greedy draft model, a point mass,
+/// so the rule of Leviathan et al. and Chen et al. ("accept with probability `min(1, p/q)`,
+/// else draw from `max(0, p - q)` renormalised") becomes: accept the draft `d` with
+/// probability `p(d)` (its share of the kept mass), else draw from the kept tokens without `d`.
+/// A greedy row's token is its argmax (the draft is accepted when it equals it), and a row
+/// without a draft draws as [`sample`] does, with the same uniform.
+///
+/// A rejected draft is never the row's token, so the caller accepts exactly the drafts equal
+/// to the tokens returned.
+pub fn verify(
+    logits: &Tensor,
+    p: &SamplingInputs<'_>,
+    drafts: &Tensor,
+    vocab: &VocabSlice,
+) -> Result<Tensor> {
+    let k = keep(logits, p, vocab)?;
+    let ids = vocab.lookup_ids(logits)?;
+    let (rows, n) = (logits.dim(0), logits.dim(1));
+    let is_draft = ids.eq(&drafts.unsqueeze(1)?.broadcast_as([rows, n])?)?;
+    let none = k.kept.full_like(0.0)?;
+    let draft_mass = vocab.row_sum(&is_draft.where_cond(&k.kept, &none)?)?;
+    let total = vocab.row_sum(&k.kept)?;
+    let stream = p.seeds.full_like(f64::from(ACCEPT_STREAM))?;
+    let u_accept = uniform(&p.seeds.bitxor(&stream)?, p.positions)?;
+    // u < p(d), as u * total < mass(d); a row without a draft has mass(d) = 0.
+    let accept = u_accept.mul(&total)?.lt(&draft_mass)?;
+    let accept = k.sampling.where_cond(&accept, &k.sampling)?;
+    let residual = is_draft.where_cond(&none, &k.kept)?;
+    let drawn = draw(&k, &residual, &uniform(p.seeds, p.positions)?, vocab)?;
+    accept.where_cond(drafts, &drawn)
 }

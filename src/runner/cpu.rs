@@ -481,19 +481,26 @@ impl Runner for CpuRunner {
                 self.execute(&graph, &meta, chunks.len(), real)
             }
             Step::Verify { chunks, logits } => {
-                if let Some(c) = chunks.iter().find(|c| !c.sampling.is_plain_greedy()) {
-                    return Err(Error::InvalidInput(format!(
-                        "a verify step samples greedily; a chunk at position {} asks for {:?}",
-                        c.start, c.sampling
-                    )));
-                }
                 let (t, seqs, ctx) = self.speculative_shape(chunks)?;
                 let want = match logits {
                     LogitsOutput::None => LogitsOutput::None,
                     _ => LogitsOutput::AllPositions,
                 };
-                let graph = self.graph(StepKind::Prefill, t, seqs, ctx, want, Sampler::Greedy)?;
-                let meta = step::prefill_step(chunks, t, seqs, ctx, block_size, vocab)?;
+                // Greedy rows without logit controls need only every position's argmax.
+                let greedy = chunks
+                    .iter()
+                    .all(|c| c.sampling.is_plain_greedy() && c.controls.is_identity());
+                let (sampler, meta) = match greedy {
+                    true => (
+                        Sampler::Greedy,
+                        step::prefill_step(chunks, t, seqs, ctx, block_size, vocab)?,
+                    ),
+                    false => (
+                        Sampler::Rejection,
+                        step::verify_step(chunks, t, seqs, ctx, block_size, vocab)?,
+                    ),
+                };
+                let graph = self.graph(StepKind::Prefill, t, seqs, ctx, want, sampler)?;
                 self.execute(&graph, &meta, t, t)
             }
             Step::Draft { chunks, logits } => {

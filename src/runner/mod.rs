@@ -129,11 +129,15 @@ pub enum Step<'a> {
     },
     /// A verify step of speculative decoding: each chunk a decoding sequence's last token and
     /// its drafted tokens after it, all fed at once; `next_tokens` holds every position's
-    /// greedy token (chunk after chunk), so the caller accepts the drafts that agree (see
-    /// `engine::speculative`). The rows' token counts are left alone, as a greedy decode
-    /// step's. At most one chunk per sequence and as many chunks as the largest batch bucket.
+    /// token (chunk after chunk), each equal to the draft after it exactly when the draft is
+    /// accepted (greedy rows: their argmax; sampled rows: by rejection sampling, see
+    /// `model::sampling::verify`), so the caller keeps each chunk's drafts up to the first
+    /// that differs and the token there (see `engine::speculative`). The token counts of
+    /// rows with logit controls count what is kept. At most one chunk per sequence and as many
+    /// chunks as the largest batch bucket.
     Verify {
-        /// The chunks (greedy, without logit controls).
+        /// The chunks, each with its sequence's sampling parameters and logit controls (the
+        /// same at every position: no mask that changes along the drafts).
         chunks: &'a [PrefillChunk<'a>],
         /// Which logits to return: none, or every position's.
         logits: LogitsOutput,

@@ -688,6 +688,40 @@ impl StepArrays {
         self.arrays.truncate(next + 13);
         Ok(())
     }
+
+    /// Fills the metadata of a verify step ([`super::Step::Verify`]) for `chunks`: a
+    /// prefill's (see [`StepArrays::fill_prefill`]), with the sampling parameters and logit
+    /// controls given per position, each chunk's repeated over its tokens and padding greedy
+    /// without controls, as the rejection sampler (`model::Sampler::Rejection`) reads them.
+    pub fn fill_verify(
+        &mut self,
+        chunks: &[PrefillChunk<'_>],
+        t: usize,
+        seqs: usize,
+        ctx: usize,
+        block_size: usize,
+        vocab: usize,
+    ) -> Result<()> {
+        self.fill_prefill(chunks, t, seqs, ctx, block_size, vocab)?;
+        let pad = t - chunks.iter().map(|c| c.tokens.len()).sum::<usize>();
+        let next = if seqs > 1 { 6 } else { 5 };
+        let per_token = |c: &PrefillChunk<'_>| c.tokens.len();
+        self.sampling(
+            next,
+            chunks
+                .iter()
+                .flat_map(|c| std::iter::repeat_n(c.sampling, per_token(c)))
+                .chain(std::iter::repeat_n(SamplingParams::GREEDY, pad)),
+        );
+        self.controls(
+            next + 9,
+            chunks
+                .iter()
+                .flat_map(|c| std::iter::repeat_n(c.controls, per_token(c)))
+                .chain(std::iter::repeat_n(LogitControls::NONE, pad)),
+            vocab,
+        )
+    }
 }
 
 /// A sequence's block table cut or padded (with the scratch block) to `width` entries. Blocks
@@ -729,6 +763,21 @@ pub fn prefill_step(
 ) -> Result<Vec<HostArray>> {
     let mut s = StepArrays::default();
     s.fill_prefill(chunks, t, seqs, ctx, block_size, vocab)?;
+    Ok(s.arrays)
+}
+
+/// The metadata of a verify step for `chunks` (see [`StepArrays::fill_verify`]), padded to
+/// `t` tokens, `seqs` sequences and a context of `ctx`.
+pub fn verify_step(
+    chunks: &[PrefillChunk<'_>],
+    t: usize,
+    seqs: usize,
+    ctx: usize,
+    block_size: usize,
+    vocab: usize,
+) -> Result<Vec<HostArray>> {
+    let mut s = StepArrays::default();
+    s.fill_verify(chunks, t, seqs, ctx, block_size, vocab)?;
     Ok(s.arrays)
 }
 

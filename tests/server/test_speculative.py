@@ -1,7 +1,7 @@
 """Speculative decoding seen from outside: a server started with `--speculative-tokens 2` on
 the default model (which ships a trained MTP layer) answers greedy requests, batched and with
 several choices, with exactly the text of the single-sequence CLI path without speculation,
-serves sampled requests too, and counts its drafts in `/metrics`."""
+verifies the drafts of sampled requests too, and counts its drafts in `/metrics`."""
 
 from concurrent.futures import ThreadPoolExecutor
 
@@ -41,11 +41,24 @@ def test_greedy_answers_are_those_without_speculation(server_factory):
     assert accepted > 0.2 * drafted, (drafts, drafted, accepted)
 
 
-def test_sampled_requests_are_served_as_without_speculation(server_factory):
+def test_sampled_requests_verify_drafts_and_repeat_with_their_seed(server_factory):
+    """Sampled rows verify their drafts by rejection sampling (their law is the target's, which
+    tests/speculative_sampling.rs tests by chi-square): the drafts are counted, and one seed
+    gives one answer, alone or beside another request."""
     srv = server_factory("--speculative-tokens", "2")
     client = srv.client()
-    for seed in (1, 2):
-        want = cli_generate(PROMPTS[1], N, temperature=0.8, seed=seed).text
+
+    def sample(seed):
         r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=N,
-                                      temperature=0.8, seed=seed)
-        assert r.choices[0].text == want
+                                      temperature=0.8, top_p=0.95, seed=seed)
+        assert r.usage.completion_tokens == N and r.choices[0].finish_reason == "length"
+        return r.choices[0].text
+
+    before = spec_counters(srv.base_url)
+    alone = sample(1)
+    with ThreadPoolExecutor(2) as pool:
+        together = list(pool.map(sample, (1, 2)))
+    assert together[0] == alone
+    drafts, drafted, accepted = (a - b for a, b in zip(spec_counters(srv.base_url), before))
+    assert drafts > 0 and drafted >= drafts and 0 < accepted < drafted, (drafts, drafted,
+                                                                          accepted)

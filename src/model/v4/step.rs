@@ -340,18 +340,22 @@ pub fn build_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<
             ),
         ));
     }
-    if !decode && sampler != Sampler::Full {
-        return Err(Error::shape(
-            "bucket",
-            format!("a V4 prefill samples in full, not {sampler:?}"),
-        ));
-    }
     let layout = Layout::new(cfg, cache)?;
     let name = match (decode, sampler) {
         (true, Sampler::Full) => format!("v4_decode_b{n}_c{ctx}"),
         (true, Sampler::Greedy) => format!("v4_decode_greedy_b{n}_c{ctx}"),
         (true, Sampler::Deferred) => format!("v4_decode_logits_b{n}_c{ctx}"),
-        (false, _) => format!("v4_prefill_t{n}_s{seqs}_c{ctx}"),
+        (false, Sampler::Full) => format!("v4_prefill_t{n}_s{seqs}_c{ctx}"),
+        // No verify graph: V4 has no draft layer yet (`ModelConfig::with_draft_layer`).
+        (_, sampler) => {
+            return Err(Error::shape(
+                "bucket",
+                format!(
+                    "a V4 {} graph does not sample with {sampler:?}",
+                    if decode { "decode" } else { "prefill" }
+                ),
+            ))
+        }
     };
     let b = GraphBuilder::new(name);
     let w = Weights::declare(&b, cfg, spec.ranks, dots)?;
