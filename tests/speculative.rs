@@ -14,7 +14,7 @@ use common::fixture_dir;
 use deepinfer::config::ModelConfig;
 use deepinfer::deployment::{Buckets, RunnerConfig};
 use deepinfer::engine::speculative::SpeculativeStats;
-use deepinfer::engine::{Event, GenerationParams, RequestId, Scheduler};
+use deepinfer::engine::{Event, GenerationParams, RequestId, Scheduler, TokenLogprobs};
 use deepinfer::model::{ModelWeights, Precision};
 use deepinfer::runner::{self, Backend, Runner, Step, StepOutput};
 use deepinfer::weights::Checkpoint;
@@ -232,5 +232,73 @@ fn drafting_at_tp_2_gives_what_one_rank_gives_without_drafting() {
             assert_eq!(g, w, "tp 2, K = {k}, request {i}");
         }
         assert!(stats.drafted > 0, "tp 2, K = {k}: {stats:?}");
+    }
+}
+
+/// Every request's tokens and their log-probabilities (of the chosen token and the top 3).
+fn run_logprobs<R: Runner>(
+    s: &mut Scheduler<R>,
+    prompts: &[(Vec<u32>, usize)],
+) -> Vec<Vec<TokenLogprobs>> {
+    for (id, (prompt, max_tokens)) in prompts.iter().enumerate() {
+        let mut params = GenerationParams::greedy(*max_tokens);
+        params.logprobs = Some(3);
+        s.add(id as RequestId, prompt.clone(), params).unwrap();
+    }
+    let mut out: Vec<Vec<TokenLogprobs>> = vec![Vec::new(); prompts.len()];
+    while !s.is_idle() {
+        for o in s.step() {
+            match o.event {
+                Event::Token(t) => out[o.id as usize].push(t.logprobs.expect("logprobs asked for")),
+                Event::Failed { message, .. } => panic!("request {}: {message}", o.id),
+                _ => {}
+            }
+        }
+    }
+    out
+}
+
+/// Rows that report log-probabilities verify drafts too: each token's log-probabilities come
+/// from its own position of the verify step, and equal the plain path's (whose logits are held
+/// to transformers' elsewhere) within 1e-4, accepted drafts and rejected ones alike.
+#[test]
+fn drafting_rows_report_the_log_probabilities_of_each_position() {
+    let prompts = prompts();
+    let want = run_logprobs(&mut scheduler(0, 4), &prompts);
+    let (tokens, _) = run(&mut scheduler(0, 4), &prompts);
+    let truth: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(&tokens)
+        .map(|((p, _), w)| p.iter().chain(w).copied().collect())
+        .collect();
+    let oracle = Oracle {
+        inner: fixture_runner(2, 4),
+        truth,
+        owner: HashMap::new(),
+    };
+    let mut s = Scheduler::new(oracle, None, Vec::new()).unwrap();
+    s.set_prefix_caching(false).unwrap();
+    let got = run_logprobs(&mut s, &prompts);
+    let stats = s.speculative_stats();
+    assert!(
+        stats.accepted > 0 && stats.accepted < stats.drafted,
+        "{stats:?}"
+    );
+    for (r, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g.len(), w.len(), "request {r}");
+        for (i, (g, w)) in g.iter().zip(w).enumerate() {
+            let close = |a: f32, b: f32| a.is_finite() && (a - b).abs() < 1e-4;
+            assert!(
+                close(g.logprob, w.logprob),
+                "request {r}, token {i}: {g:?} vs {w:?}"
+            );
+            assert_eq!(g.top.len(), 3);
+            for (a, b) in g.top.iter().zip(&w.top) {
+                assert!(
+                    a.0 == b.0 && close(a.1, b.1),
+                    "request {r}, token {i}: {g:?} vs {w:?}"
+                );
+            }
+        }
     }
 }

@@ -955,14 +955,13 @@ impl<R: Runner> Scheduler<R> {
     }
 
     /// Whether every running sequence at `rows` can verify drafts this step: none has a
-    /// constraint or reports log-probabilities (see [`super::speculative`]). Refreshes their
-    /// biases for the step.
+    /// constraint (see [`super::speculative`]). Refreshes their biases for the step.
     fn all_verifiable(&mut self, rows: &[usize]) -> bool {
         let eos = &self.eos_token_ids;
         rows.iter().all(|&i| {
             let seq = &mut self.running[i];
             seq.refresh_bias(eos);
-            seq.constraint.is_none() && seq.params.logprobs.is_none()
+            seq.constraint.is_none()
         })
     }
 
@@ -1026,14 +1025,23 @@ impl<R: Runner> Scheduler<R> {
             })
             .collect();
         let positions: usize = fed.iter().map(Vec::len).sum();
+        // Every position's logits leave the device only when some row reports
+        // log-probabilities.
+        let logits = match rows
+            .iter()
+            .any(|&i| self.running[i].params.logprobs.is_some())
+        {
+            true => LogitsOutput::AllPositions,
+            false => LogitsOutput::None,
+        };
         self.steps_run += 1;
         let result = self.runner.replay(&Step::Verify {
             chunks: &chunks,
-            logits: LogitsOutput::None,
+            logits,
         });
         drop(chunks);
-        let verified = match self.check_step("verify", result, positions) {
-            Ok(o) => o.next_tokens,
+        let (verified, logits) = match self.check_step("verify", result, positions) {
+            Ok(o) => (o.next_tokens, o.logits),
             Err(failure) => {
                 let failed: Vec<RequestId> = rows.iter().map(|&i| self.running[i].id).collect();
                 for &id in &failed {
@@ -1060,12 +1068,14 @@ impl<R: Runner> Scheduler<R> {
             seq.last_decoded = self.iterations + 1;
             let start = seq.tokens.len() - 1;
             let mut emitted = 0;
-            for &token in &verified[..=accepted] {
+            for (j, &token) in verified[..=accepted].iter().enumerate() {
                 seq.computed += 1;
                 let written = &seq.tokens[..seq.computed];
                 self.blocks
                     .register(&seq.blocks, written, &mut seq.block_hashes);
-                let event = accept(seq, token, None, &self.eos_token_ids, vocab, |_| None);
+                let row = logits.as_ref().and_then(|l| l.get(offset + j));
+                let lp = logprobs_of(seq, row, token);
+                let event = accept(seq, token, lp, &self.eos_token_ids, vocab, |_| None);
                 emitted += 1;
                 let last = event.event.is_last();
                 out.push(event);
