@@ -191,6 +191,11 @@ echo "== server end to end (tests/server)"
 echo "== server end to end, --backend sim --split-sampler (structured outputs)"
 DEEPINFER_TEST_SERVE_ARGS="--backend sim --split-sampler" .venv/bin/python -m pytest -q \
     tests/server/test_structured_outputs.py || status=1
+# Structured outputs with speculative decoding: each verify position masked by the grammar's
+# state after the drafts before it; every document must still validate. A few seconds.
+echo "== server end to end, --speculative-tokens 2 (structured outputs)"
+DEEPINFER_TEST_SERVE_ARGS="--speculative-tokens 2" .venv/bin/python -m pytest -q \
+    tests/server/test_structured_outputs.py || status=1
 echo "== server end to end, --no-prefix-caching (tests/server)"
 DEEPINFER_TEST_SERVE_ARGS=--no-prefix-caching .venv/bin/python -m pytest tests/server -q \
     --ignore=tests/server/test_backpressure.py --ignore=tests/server/test_connections.py \

@@ -9,14 +9,17 @@
 mod common;
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use common::fixture_dir;
 use deepinfer::config::ModelConfig;
 use deepinfer::deployment::{Buckets, RunnerConfig};
+use deepinfer::engine::grammar::{GrammarCompiler, ResponseFormat};
 use deepinfer::engine::speculative::SpeculativeStats;
 use deepinfer::engine::{Event, GenerationParams, RequestId, Scheduler, TokenLogprobs};
 use deepinfer::model::{ModelWeights, Precision};
 use deepinfer::runner::{self, Backend, Runner, Step, StepOutput};
+use deepinfer::tokenizer::Tokenizer;
 use deepinfer::weights::Checkpoint;
 
 const FIXTURE: &str = "tiny-v3-mtp";
@@ -300,5 +303,98 @@ fn drafting_rows_report_the_log_probabilities_of_each_position() {
                 );
             }
         }
+    }
+}
+
+/// A runner over the default model (which ships a trained MTP layer) drafting `k` tokens.
+fn default_model_runner(k: usize) -> Box<dyn Runner> {
+    let dir = fixture_dir("default-model");
+    let mut cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    if k > 0 {
+        cfg = cfg.with_draft_layer().unwrap();
+        deepinfer::model::mtp::share_absent_embeddings(&mut cfg, &ckpt);
+    }
+    let weights = ModelWeights::load(&cfg, &ckpt, &Precision::F32).unwrap();
+    let mut rc = RunnerConfig::for_limits(8, 256);
+    rc.speculative_tokens = k;
+    runner::open_with_weights(Backend::Cpu, cfg, weights, rc).unwrap()
+}
+
+/// Rows under a JSON schema verify drafts too, each position masked by the grammar's state
+/// after the drafts before it: greedy, their tokens are those without drafting, every answer a
+/// document of the schema; and drafts the grammar forbids are never fed.
+#[test]
+fn constrained_rows_draft_under_their_grammar() {
+    let dir = fixture_dir("default-model");
+    let tok = Arc::new(Tokenizer::from_dir(&dir).unwrap());
+    let eos: Vec<u32> = tok.eos_token_id().into_iter().collect();
+    let compiler = GrammarCompiler::new(&tok).unwrap();
+    let schema = r#"{"type": "object", "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "mood": {"enum": ["calm", "angry", "sad"]}},
+      "required": ["name", "age", "mood"], "additionalProperties": false}"#;
+    let format = ResponseFormat::from_openai(&serde_json::json!({
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": serde_json::from_str::<serde_json::Value>(schema).unwrap()}
+    }))
+    .unwrap();
+    let prompts = [
+        "ROMEO:",
+        "JULIET:\nO",
+        "KING HENRY:\nOnce more",
+        "HAMLET:\nTo be",
+    ];
+    let answers = |k: usize| -> (Vec<(Vec<u32>, String)>, SpeculativeStats) {
+        let mut s =
+            Scheduler::new(default_model_runner(k), Some(tok.clone()), eos.clone()).unwrap();
+        for (i, text) in prompts.iter().enumerate() {
+            let prompt = tok.encode(text, true).unwrap();
+            let constraint = compiler.matcher(&format).unwrap();
+            s.add_constrained(
+                i as RequestId,
+                prompt,
+                GenerationParams::greedy(120),
+                constraint,
+            )
+            .unwrap();
+        }
+        let mut out = vec![(Vec::new(), String::new()); prompts.len()];
+        while !s.is_idle() {
+            for o in s.step() {
+                match o.event {
+                    Event::Token(t) => {
+                        out[o.id as usize].0.push(t.token);
+                        out[o.id as usize].1.push_str(&t.text);
+                    }
+                    Event::Failed { message, .. } => panic!("request {}: {message}", o.id),
+                    _ => {}
+                }
+            }
+        }
+        (out, s.speculative_stats())
+    };
+    let (want, _) = answers(0);
+    let (got, stats) = answers(2);
+    assert!(
+        stats.accepted > 0 && stats.accepted < stats.drafted,
+        "{stats:?}"
+    );
+    for (i, ((g, text), (w, _))) in got.iter().zip(&want).enumerate() {
+        assert_eq!(g, w, "request {i}");
+        let doc: serde_json::Value = serde_json::from_str(text.trim_end())
+            .unwrap_or_else(|e| panic!("request {i}: {text:?} is not JSON: {e}"));
+        assert!(
+            doc["name"]
+                .as_str()
+                .is_some_and(|n| n.chars().count() <= 12),
+            "{doc}"
+        );
+        assert!(doc["age"].as_u64().is_some_and(|a| a <= 120), "{doc}");
+        assert!(
+            ["calm", "angry", "sad"].contains(&doc["mood"].as_str().unwrap_or("")),
+            "{doc}"
+        );
     }
 }

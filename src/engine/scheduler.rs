@@ -91,7 +91,7 @@ use super::blocks::{BlockAllocator, PrefixCacheStats};
 use super::detokenize::{IncrementalDecoder, StopStrings};
 use super::grammar::{advance_all, fill_masks, Advance, Constraint};
 use super::params::{FinishReason, GenerationParams};
-use super::speculative::{accepted_prefix, DraftRows, SpeculativeStats};
+use super::speculative::{accepted_prefix, draft_masks, DraftRows, SpeculativeStats};
 
 /// The default of [`Scheduler::set_fair_decode_slowdown`]: while other requests run, a step
 /// may cost twice a step of one row per request. On the default model a short request beside
@@ -846,7 +846,9 @@ impl<R: Runner> Scheduler<R> {
         if batch.is_empty() {
             return 0;
         }
-        if self.speculative > 0 && self.all_verifiable(&batch) {
+        // With speculation every decode step verifies drafts (see `super::speculative`).
+        if self.speculative > 0 {
+            self.refresh_biases(&batch);
             return self.verify_step(&batch, out);
         }
         let mut late = self.take_constraints(&batch);
@@ -907,22 +909,6 @@ impl<R: Runner> Scheduler<R> {
             }) => {
                 let mut advances = self.advance_constraints(&batch, &tokens).into_iter();
                 let vocab = self.runner.config().vocab_size;
-                // Each row's position and its new token, for the MTP layer's draft step (none,
-                // and nothing allocated, without speculation).
-                let drafts: Vec<DraftRows> = match self.speculative {
-                    0 => Vec::new(),
-                    _ => batch
-                        .iter()
-                        .zip(&tokens)
-                        .enumerate()
-                        .map(|(k, (&i, &token))| DraftRows {
-                            seq: i,
-                            start: self.running[i].tokens.len() - 1,
-                            next_tokens: vec![token],
-                            hidden_rows: vec![k],
-                        })
-                        .collect(),
-                };
                 for (k, (&i, token)) in batch.iter().zip(tokens).enumerate() {
                     let advance = advances.next().flatten();
                     let seq = &mut self.running[i];
@@ -937,7 +923,6 @@ impl<R: Runner> Scheduler<R> {
                         advance
                     }));
                 }
-                self.draft(drafts, out);
             }
             Err(failure) => {
                 let failed: Vec<RequestId> = batch.iter().map(|&i| self.running[i].id).collect();
@@ -954,15 +939,12 @@ impl<R: Runner> Scheduler<R> {
         batch.len()
     }
 
-    /// Whether every running sequence at `rows` can verify drafts this step: none has a
-    /// constraint (see [`super::speculative`]). Refreshes their biases for the step.
-    fn all_verifiable(&mut self, rows: &[usize]) -> bool {
+    /// Refreshes the biases of the running sequences at `rows` for a verify step.
+    fn refresh_biases(&mut self, rows: &[usize]) {
         let eos = &self.eos_token_ids;
-        rows.iter().all(|&i| {
-            let seq = &mut self.running[i];
-            seq.refresh_bias(eos);
-            seq.constraint.is_none()
-        })
+        for &i in rows {
+            self.running[i].refresh_bias(eos);
+        }
     }
 
     /// How many of its drafts the sequence at `i` can feed this step: no more than fit the
@@ -995,32 +977,61 @@ impl<R: Runner> Scheduler<R> {
         n
     }
 
-    /// The decode step of speculative decoding for the running sequences at `rows` (all
-    /// verifiable): each feeds its last token and drafts, keeps the drafts the model agrees
-    /// with and the model's token after them (see [`super::speculative`]). Returns the
-    /// positions fed.
+    /// The decode step of speculative decoding for the running sequences at `rows`: each
+    /// feeds its last token and drafts (under a constraint, with a mask per position and no
+    /// draft past one its grammar forbids), keeps the drafts the step accepts and the step's
+    /// token after them (see [`super::speculative`]). Returns the positions fed.
     fn verify_step(&mut self, rows: &[usize], out: &mut Vec<Output>) -> usize {
-        let fed: Vec<Vec<u32>> = rows
-            .iter()
-            .map(|&i| {
-                let n = self.verifiable_drafts(i);
-                let seq = &self.running[i];
-                let mut t = vec![seq.tokens[seq.tokens.len() - 1]];
-                t.extend_from_slice(&seq.drafts[..n]);
-                t
-            })
-            .collect();
+        let words = self.runner.config().vocab_size.div_ceil(32);
+        // Each row's tokens to feed and, under a constraint, their masks (see `draft_masks`);
+        // a row whose grammar fails here fails alone.
+        let mut verified_rows = Vec::with_capacity(rows.len());
+        let mut fed: Vec<Vec<u32>> = Vec::with_capacity(rows.len());
+        let mut masks: Vec<Vec<u32>> = Vec::with_capacity(rows.len());
+        for &i in rows {
+            let mut n = self.verifiable_drafts(i);
+            let seq = &mut self.running[i];
+            let mut mask = Vec::new();
+            if let Some(c) = seq.constraint.as_mut() {
+                match draft_masks(c, &seq.drafts[..n], words) {
+                    Ok((kept, m)) => (n, mask) = (kept, m),
+                    Err(e) => {
+                        out.push(Output {
+                            id: seq.id,
+                            event: Event::Failed {
+                                kind: e.kind(),
+                                message: format!("structured output: {e}"),
+                            },
+                        });
+                        continue;
+                    }
+                }
+            }
+            let mut t = vec![seq.tokens[seq.tokens.len() - 1]];
+            t.extend_from_slice(&seq.drafts[..n]);
+            verified_rows.push(i);
+            fed.push(t);
+            masks.push(mask);
+        }
+        let rows = &verified_rows[..];
+        if rows.is_empty() {
+            self.remove_finished(out);
+            return 0;
+        }
         let chunks: Vec<PrefillChunk<'_>> = rows
             .iter()
             .zip(&fed)
-            .map(|(&i, tokens)| {
+            .zip(&masks)
+            .map(|((&i, tokens), mask)| {
                 let s = &self.running[i];
+                let mut controls = s.controls();
+                controls.allowed = s.constraint.as_ref().map(|_| mask.as_slice());
                 PrefillChunk {
                     tokens,
                     start: s.tokens.len() - 1,
                     blocks: &s.blocks,
                     sampling: s.params.sampling,
-                    controls: s.controls(),
+                    controls,
                 }
             })
             .collect();
@@ -1075,7 +1086,9 @@ impl<R: Runner> Scheduler<R> {
                     .register(&seq.blocks, written, &mut seq.block_hashes);
                 let row = logits.as_ref().and_then(|l| l.get(offset + j));
                 let lp = logprobs_of(seq, row, token);
-                let event = accept(seq, token, lp, &self.eos_token_ids, vocab, |_| None);
+                let event = accept(seq, token, lp, &self.eos_token_ids, vocab, |seq| {
+                    seq.constraint.as_mut().map(|c| c.advance(token))
+                });
                 emitted += 1;
                 let last = event.event.is_last();
                 out.push(event);

@@ -136,8 +136,10 @@ pub enum Step<'a> {
     /// rows with logit controls count what is kept. At most one chunk per sequence and as many
     /// chunks as the largest batch bucket.
     Verify {
-        /// The chunks, each with its sequence's sampling parameters and logit controls (the
-        /// same at every position: no mask that changes along the drafts).
+        /// The chunks, each with its sequence's sampling parameters and logit controls, the
+        /// same at every position but the allowed-token mask: a chunk's `controls.allowed`,
+        /// when set, holds one mask per position, one after another (the grammar's state
+        /// moves along the drafts).
         chunks: &'a [PrefillChunk<'a>],
         /// Which logits to return: none, or every position's.
         logits: LogitsOutput,

@@ -554,19 +554,17 @@ impl StepArrays {
         Ok(())
     }
 
-    /// Fills the metadata of a prefill step for `chunks` (each of a different sequence), packed
-    /// in order and padded to `t` tokens, `seqs` sequences and a context of `ctx`. With
-    /// `seqs == 1` (one chunk) there is no `seq_ids` array: the unpacked graph has no such input.
-    /// On error the arrays are left unspecified.
-    pub fn fill_prefill(
+    /// The arrays of a prefill-shaped step that describe its tokens and sequences (token ids,
+    /// positions, slots, block tables, last indices and, with `seqs > 1`, sequence ids), after
+    /// checking the chunks fit; returns the index of the next array.
+    fn fill_prefill_rows(
         &mut self,
         chunks: &[PrefillChunk<'_>],
         t: usize,
         seqs: usize,
         ctx: usize,
         block_size: usize,
-        vocab: usize,
-    ) -> Result<()> {
+    ) -> Result<usize> {
         let n: usize = chunks.iter().map(|c| c.tokens.len()).sum();
         if chunks.is_empty() || chunks.len() > seqs || n > t {
             return Err(Error::Internal(format!(
@@ -661,6 +659,24 @@ impl StepArrays {
             );
             next = 6;
         }
+        Ok(next)
+    }
+
+    /// Fills the metadata of a prefill step for `chunks` (each of a different sequence), packed
+    /// in order and padded to `t` tokens, `seqs` sequences and a context of `ctx`. With
+    /// `seqs == 1` (one chunk) there is no `seq_ids` array: the unpacked graph has no such input.
+    /// On error the arrays are left unspecified.
+    pub fn fill_prefill(
+        &mut self,
+        chunks: &[PrefillChunk<'_>],
+        t: usize,
+        seqs: usize,
+        ctx: usize,
+        block_size: usize,
+        vocab: usize,
+    ) -> Result<()> {
+        let next = self.fill_prefill_rows(chunks, t, seqs, ctx, block_size)?;
+        let spare = seqs - chunks.len();
         self.sampling(
             next,
             chunks
@@ -691,36 +707,56 @@ impl StepArrays {
 
     /// Fills the metadata of a verify step ([`super::Step::Verify`]) for `chunks`: a
     /// prefill's (see [`StepArrays::fill_prefill`]), with the sampling parameters and logit
-    /// controls given per position, each chunk's repeated over its tokens and padding greedy
-    /// without controls, as the rejection sampler (`model::Sampler::Rejection`) reads them.
-    pub fn fill_verify(
+    /// controls given per position, each chunk's repeated over its tokens (its mask, if any,
+    /// holds one per position, one after another) and padding greedy without controls, as the
+    /// rejection sampler (`model::Sampler::Rejection`) reads them.
+    pub fn fill_verify<'a>(
         &mut self,
-        chunks: &[PrefillChunk<'_>],
+        chunks: &[PrefillChunk<'a>],
         t: usize,
         seqs: usize,
         ctx: usize,
         block_size: usize,
         vocab: usize,
     ) -> Result<()> {
-        self.fill_prefill(chunks, t, seqs, ctx, block_size, vocab)?;
+        let words = vocab.div_ceil(32);
+        if let Some(c) = chunks.iter().find(|c| {
+            c.controls
+                .allowed
+                .is_some_and(|m| m.len() != c.tokens.len() * words)
+        }) {
+            return Err(Error::Internal(format!(
+                "a verify chunk of {} positions needs a mask of {words} words each",
+                c.tokens.len()
+            )));
+        }
+        let next = self.fill_prefill_rows(chunks, t, seqs, ctx, block_size)?;
         let pad = t - chunks.iter().map(|c| c.tokens.len()).sum::<usize>();
-        let next = if seqs > 1 { 6 } else { 5 };
-        let per_token = |c: &PrefillChunk<'_>| c.tokens.len();
         self.sampling(
             next,
             chunks
                 .iter()
-                .flat_map(|c| std::iter::repeat_n(c.sampling, per_token(c)))
+                .flat_map(|c| std::iter::repeat_n(c.sampling, c.tokens.len()))
                 .chain(std::iter::repeat_n(SamplingParams::GREEDY, pad)),
         );
+        // Each position's controls: its chunk's, with its own mask.
+        let per_position = |c: &PrefillChunk<'a>| {
+            let controls = c.controls;
+            (0..c.tokens.len()).map(move |j| LogitControls {
+                allowed: controls.allowed.map(|m| &m[j * words..(j + 1) * words]),
+                ..controls
+            })
+        };
         self.controls(
-            next + 9,
+            next + 8,
             chunks
                 .iter()
-                .flat_map(|c| std::iter::repeat_n(c.controls, per_token(c)))
+                .flat_map(per_position)
                 .chain(std::iter::repeat_n(LogitControls::NONE, pad)),
             vocab,
-        )
+        )?;
+        self.arrays.truncate(next + 12);
+        Ok(())
     }
 }
 
