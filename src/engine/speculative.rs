@@ -13,7 +13,7 @@
 //! (the sequence's `computed` stops before them) and are overwritten by the next step. Each
 //! position is penalised, biased and masked as the plain step deciding its token would be: a
 //! row under a structured-output constraint gets the grammar's mask after the drafts before
-//! each position ([`draft_masks`]), and a row reporting log-probabilities gets each token's
+//! each position (`draft_masks`), and a row reporting log-probabilities gets each token's
 //! from its own position.
 //!
 //! After every step that runs the main model (prefill chunks, decode, verify) a draft step
