@@ -3,7 +3,8 @@
 //! ~300M-parameter "medium" config (`fixtures/configs/medium-bench.json`, random weights, as
 //! `benches/decode.rs`) and on the default model (bf16, with its MTP layer), after a 256-token
 //! prompt; for the default model also one draft step (`Step::Draft`, the MTP layer over one
-//! row), the other cost an iteration pays `K` times. A batch-1 decode step is bound by reading the
+//! row), the other cost an iteration pays `K` times, and both steps with a sampled row (the
+//! full sampler, and the rejection sampler at every verify position). A batch-1 decode step is bound by reading the
 //! weights; a verify step reads them once for all its positions, so the closer its time is to
 //! the decode step's, the more of the acceptance turns into speed (see
 //! docs/speculative-decoding.md). Both steps feed the same position again each iteration (the
@@ -31,6 +32,14 @@ static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
 /// Tokens cached before the measured steps.
 const CONTEXT: usize = 256;
+
+/// A sampled row's parameters: its verify step runs the rejection sampler at every position.
+const SAMPLED: SamplingParams = SamplingParams {
+    temperature: 0.8,
+    top_p: 0.95,
+    seed: 1,
+    ..SamplingParams::GREEDY
+};
 
 fn chunk<'a>(tokens: &'a [u32], start: usize, blocks: &'a [u32]) -> PrefillChunk<'a> {
     PrefillChunk {
@@ -85,36 +94,46 @@ fn verify_step(c: &mut Criterion) {
                 .expect("prefill");
         }
         let fed: Vec<u32> = (0..8).map(|j| (j * 11 + 5) % vocab).collect();
-        group.bench_function(BenchmarkId::new(tag, "decode_1"), |b| {
-            let row = DecodeRow {
-                token: fed[0],
-                position: CONTEXT,
-                blocks: &table,
-                sampling: SamplingParams::GREEDY,
-                controls: LogitControls::NONE,
-            };
-            b.iter(|| {
-                runner
-                    .replay(&Step::Decode {
-                        rows: std::slice::from_ref(&row),
-                        logits: LogitsOutput::None,
-                    })
-                    .expect("decode")
-            })
-        });
-        for k in [1usize, 2, 4] {
-            let id = BenchmarkId::new(tag, format!("verify_{}", k + 1));
-            group.bench_function(id, |b| {
-                let verify = [chunk(&fed[..k + 1], CONTEXT, &table)];
+        // Greedy, and for the default model sampled too (the full sampler in both steps).
+        let samplers = match drafts {
+            true => &[("", SamplingParams::GREEDY), ("_sampled", SAMPLED)][..],
+            false => &[("", SamplingParams::GREEDY)][..],
+        };
+        for &(suffix, sampling) in samplers {
+            group.bench_function(BenchmarkId::new(tag, format!("decode_1{suffix}")), |b| {
+                let row = DecodeRow {
+                    token: fed[0],
+                    position: CONTEXT,
+                    blocks: &table,
+                    sampling,
+                    controls: LogitControls::NONE,
+                };
                 b.iter(|| {
                     runner
-                        .replay(&Step::Verify {
-                            chunks: &verify,
+                        .replay(&Step::Decode {
+                            rows: std::slice::from_ref(&row),
                             logits: LogitsOutput::None,
                         })
-                        .expect("verify")
+                        .expect("decode")
                 })
             });
+            for k in [1usize, 2, 4] {
+                let id = BenchmarkId::new(tag, format!("verify_{}{suffix}", k + 1));
+                group.bench_function(id, |b| {
+                    let verify = [PrefillChunk {
+                        sampling,
+                        ..chunk(&fed[..k + 1], CONTEXT, &table)
+                    }];
+                    b.iter(|| {
+                        runner
+                            .replay(&Step::Verify {
+                                chunks: &verify,
+                                logits: LogitsOutput::None,
+                            })
+                            .expect("verify")
+                    })
+                });
+            }
         }
         if drafts {
             // One row drafting from the last step's (the verify step's) first hidden state.

@@ -65,9 +65,14 @@ pub(crate) struct BenchArgs {
     profile: bool,
     /// Decode through the engine's scheduler with this many tokens drafted a step by the
     /// model's multi-token-prediction layer (speculative decoding; 0 is the scheduler without
-    /// it, the like-for-like baseline). Greedy tokens only; reports the acceptance too.
+    /// it, the like-for-like baseline). Greedy unless `--temperature`; reports the acceptance
+    /// too.
     #[arg(long)]
     speculative_tokens: Option<usize>,
+    /// With `--speculative-tokens`: sample at this temperature (request `i` seeded with `i`),
+    /// so sampled rows verify their drafts by rejection sampling; 0 is greedy.
+    #[arg(long, default_value_t = 0.0, requires = "speculative_tokens")]
+    temperature: f32,
     #[command(flatten)]
     precision: PrecisionArgs,
 }
@@ -281,10 +286,12 @@ fn scheduled(args: &BenchArgs, runner: Box<dyn deepinfer::runner::Runner>) -> Re
         let prompt: Vec<u32> = (0..args.prompt_len as u32)
             .map(|j| (j * 7 + i as u32 * 13 + 1) % vocab)
             .collect();
-        let params = GenerationParams {
+        let mut params = GenerationParams {
             ignore_eos: true,
             ..GenerationParams::greedy(args.steps + 1)
         };
+        params.sampling.temperature = args.temperature;
+        params.sampling.seed = i as u32;
         scheduler.add(i as u64, prompt, params)?;
     }
     let prefill_started = Instant::now();
@@ -322,6 +329,7 @@ fn scheduled(args: &BenchArgs, runner: Box<dyn deepinfer::runner::Runner>) -> Re
                 "prompt_len": args.prompt_len,
                 "prefill_secs": prefill_secs,
                 "speculative_tokens": args.speculative_tokens,
+                "temperature": args.temperature,
                 "verify_steps": s.verify_steps,
                 "drafted": s.drafted,
                 "accepted": s.accepted,
@@ -332,9 +340,10 @@ fn scheduled(args: &BenchArgs, runner: Box<dyn deepinfer::runner::Runner>) -> Re
         )?;
     } else {
         emit(&format!(
-            "batch {}: {tps:.1} tokens/s through the scheduler with {} drafted tokens a step \
-             ({} of {} drafts accepted, {:.1}%; {:.2} tokens a row per verify step)",
+            "batch {}: {tps:.1} tokens/s through the scheduler at temperature {} with {} drafted \
+             tokens a step ({} of {} drafts accepted, {:.1}%; {:.2} tokens a row per verify step)",
             args.batch,
+            args.temperature,
             args.speculative_tokens.unwrap_or(0),
             s.accepted,
             s.drafted,
