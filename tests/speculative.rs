@@ -11,107 +11,59 @@ mod common;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use common::fixture_dir;
-use deepinfer::config::ModelConfig;
-use deepinfer::deployment::{Buckets, RunnerConfig};
+use common::{drafting_runner, fixture_dir, Intercept};
 use deepinfer::engine::grammar::{GrammarCompiler, ResponseFormat};
 use deepinfer::engine::speculative::SpeculativeStats;
 use deepinfer::engine::{Event, GenerationParams, RequestId, Scheduler, TokenLogprobs};
-use deepinfer::model::{ModelWeights, Precision};
-use deepinfer::runner::{self, Backend, Runner, Step, StepOutput};
+use deepinfer::runner::{Runner, Step, StepOutput};
 use deepinfer::tokenizer::Tokenizer;
-use deepinfer::weights::Checkpoint;
 
 const FIXTURE: &str = "tiny-v3-mtp";
 
 /// A runner over the fixture drafting `k` tokens (its MTP layer loaded only when `k > 0`),
 /// prompts prefilled `chunk` tokens at a time, batches up to 8.
 fn fixture_runner(k: usize, chunk: usize) -> Box<dyn Runner> {
-    fixture_runner_tp(k, chunk, 1)
-}
-
-/// [`fixture_runner`] split over `tp` ranks (threads on the CPU).
-fn fixture_runner_tp(k: usize, chunk: usize, tp: usize) -> Box<dyn Runner> {
-    let dir = fixture_dir(FIXTURE);
-    let mut cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    if k > 0 {
-        cfg = cfg.with_draft_layer().unwrap();
-    }
-    let ckpt = Checkpoint::open(&dir).unwrap();
-    let weights = ModelWeights::load(&cfg, &ckpt, &Precision::F32).unwrap();
-    let mut rc = RunnerConfig::for_limits(8, 96);
-    rc.buckets.prefill_chunk = chunk;
-    rc.speculative_tokens = k;
-    rc.tp = tp;
-    runner::open_with_weights(Backend::Cpu, cfg, weights, rc).unwrap()
+    drafting_runner(FIXTURE, k, 1, (8, 96), chunk)
 }
 
 fn scheduler(k: usize, chunk: usize) -> Scheduler<Box<dyn Runner>> {
     Scheduler::new(fixture_runner(k, chunk), None, Vec::new()).unwrap()
 }
 
-/// Proposes each sequence's known next tokens (from a run without drafting) in place of the
-/// MTP layer's, except at positions divisible by 3, where it proposes a wrong one. It tells
-/// the sequences apart by their first cache block (prefix caching off), bound when their first
-/// chunk is prefilled.
-struct Oracle {
+/// `inner` with its MTP layer's proposals replaced by each sequence's known next tokens (`truth`:
+/// every request's prompt and greedy answer), except at positions divisible by 3, where it
+/// proposes a wrong one. It tells the sequences apart by their first cache block (prefix
+/// caching off), bound when their first chunk is prefilled.
+fn oracle(
     inner: Box<dyn Runner>,
-    /// Every request's prompt and greedy answer.
     truth: Vec<Vec<u32>>,
-    /// First cache block -> index into `truth`.
-    owner: HashMap<u32, usize>,
-}
-
-impl Oracle {
-    fn proposal(&self, blocks: &[u32], position: usize, proposed: u32) -> u32 {
-        let known = self
-            .owner
-            .get(&blocks[0])
-            .and_then(|&r| self.truth[r].get(position));
-        match known {
-            Some(&t) if position.is_multiple_of(3) => (t + 1) % 512,
-            Some(&t) => t,
-            None => proposed,
-        }
-    }
-}
-
-impl Runner for Oracle {
-    fn config(&self) -> &ModelConfig {
-        self.inner.config()
-    }
-    fn runner_config(&self) -> &RunnerConfig {
-        self.inner.runner_config()
-    }
-    fn backend(&self) -> Backend {
-        self.inner.backend()
-    }
-    fn capture(&mut self, buckets: &Buckets) -> deepinfer::Result<()> {
-        self.inner.capture(buckets)
-    }
-    fn replay(&mut self, step: &Step<'_>) -> deepinfer::Result<StepOutput> {
-        let mut out = self.inner.replay(step)?;
-        match step {
-            Step::Prefill { chunks, .. } => {
-                for c in chunks.iter().filter(|c| c.start == 0) {
-                    let r = self.truth.iter().position(|t| t.starts_with(c.tokens));
-                    self.owner.insert(c.blocks[0], r.expect("a known prompt"));
-                }
+) -> Intercept<impl FnMut(&Step<'_>, &mut StepOutput)> {
+    // First cache block -> index into `truth`.
+    let mut owner: HashMap<u32, usize> = HashMap::new();
+    let hook = move |step: &Step<'_>, out: &mut StepOutput| match step {
+        Step::Prefill { chunks, .. } => {
+            for c in chunks.iter().filter(|c| c.start == 0) {
+                let r = truth.iter().position(|t| t.starts_with(c.tokens));
+                owner.insert(c.blocks[0], r.expect("a known prompt"));
             }
-            Step::Draft { chunks, .. } => {
-                for (c, token) in chunks.iter().zip(out.next_tokens.iter_mut()) {
-                    // The last row at q drafts from the token at q + 1: a guess at q + 2.
-                    let position = c.start + c.next_tokens.len() + 1;
-                    *token = self.proposal(c.blocks, position, *token);
-                }
-            }
-            _ => {}
         }
-        Ok(out)
-    }
-    fn destroy(&mut self) -> deepinfer::Result<()> {
-        self.inner.destroy()
-    }
+        Step::Draft { chunks, .. } => {
+            for (c, token) in chunks.iter().zip(out.next_tokens.iter_mut()) {
+                // The last row at q drafts from the token at q + 1: a guess at q + 2.
+                let position = c.start + c.next_tokens.len() + 1;
+                let known = owner
+                    .get(&c.blocks[0])
+                    .and_then(|&r| truth[r].get(position));
+                *token = match known {
+                    Some(&t) if position.is_multiple_of(3) => (t + 1) % 512,
+                    Some(&t) => t,
+                    None => *token,
+                };
+            }
+        }
+        _ => {}
+    };
+    Intercept { inner, hook }
 }
 
 /// Runs `prompts` (each with its own `max_tokens`) together, added one iteration apart, to the
@@ -200,11 +152,7 @@ fn accepted_drafts_give_what_each_gives_without_drafting() {
         .map(|((p, _), w)| p.iter().chain(w).copied().collect())
         .collect();
     for (k, chunk) in [(1, 4), (2, 7), (4, 64)] {
-        let oracle = Oracle {
-            inner: fixture_runner(k, chunk),
-            truth: truth.clone(),
-            owner: HashMap::new(),
-        };
+        let oracle = oracle(fixture_runner(k, chunk), truth.clone());
         let mut s = Scheduler::new(oracle, None, Vec::new()).unwrap();
         s.set_prefix_caching(false).unwrap();
         let (got, stats) = run(&mut s, &prompts);
@@ -228,7 +176,7 @@ fn drafting_at_tp_2_gives_what_one_rank_gives_without_drafting() {
     let prompts = prompts();
     let (want, _) = run(&mut scheduler(0, 4), &prompts);
     for k in [1, 3] {
-        let runner = fixture_runner_tp(k, 4, 2);
+        let runner = drafting_runner(FIXTURE, k, 2, (8, 96), 4);
         let mut s = Scheduler::new(runner, None, Vec::new()).unwrap();
         let (got, stats) = run(&mut s, &prompts);
         for (i, (g, w)) in got.iter().zip(&want).enumerate() {
@@ -274,12 +222,7 @@ fn drafting_rows_report_the_log_probabilities_of_each_position() {
         .zip(&tokens)
         .map(|((p, _), w)| p.iter().chain(w).copied().collect())
         .collect();
-    let oracle = Oracle {
-        inner: fixture_runner(2, 4),
-        truth,
-        owner: HashMap::new(),
-    };
-    let mut s = Scheduler::new(oracle, None, Vec::new()).unwrap();
+    let mut s = Scheduler::new(oracle(fixture_runner(2, 4), truth), None, Vec::new()).unwrap();
     s.set_prefix_caching(false).unwrap();
     let got = run_logprobs(&mut s, &prompts);
     let stats = s.speculative_stats();
@@ -304,21 +247,6 @@ fn drafting_rows_report_the_log_probabilities_of_each_position() {
             }
         }
     }
-}
-
-/// A runner over the default model (which ships a trained MTP layer) drafting `k` tokens.
-fn default_model_runner(k: usize) -> Box<dyn Runner> {
-    let dir = fixture_dir("default-model");
-    let mut cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    let ckpt = Checkpoint::open(&dir).unwrap();
-    if k > 0 {
-        cfg = cfg.with_draft_layer().unwrap();
-        deepinfer::model::mtp::share_absent_embeddings(&mut cfg, &ckpt);
-    }
-    let weights = ModelWeights::load(&cfg, &ckpt, &Precision::F32).unwrap();
-    let mut rc = RunnerConfig::for_limits(8, 256);
-    rc.speculative_tokens = k;
-    runner::open_with_weights(Backend::Cpu, cfg, weights, rc).unwrap()
 }
 
 /// Rows under a JSON schema verify drafts too, each position masked by the grammar's state
@@ -347,8 +275,12 @@ fn constrained_rows_draft_under_their_grammar() {
         "HAMLET:\nTo be",
     ];
     let answers = |k: usize| -> (Vec<(Vec<u32>, String)>, SpeculativeStats) {
-        let mut s =
-            Scheduler::new(default_model_runner(k), Some(tok.clone()), eos.clone()).unwrap();
+        let mut s = Scheduler::new(
+            drafting_runner("default-model", k, 1, (8, 256), 64),
+            Some(tok.clone()),
+            eos.clone(),
+        )
+        .unwrap();
         for (i, text) in prompts.iter().enumerate() {
             let prompt = tok.encode(text, true).unwrap();
             let constraint = compiler.matcher(&format).unwrap();

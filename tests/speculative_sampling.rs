@@ -17,15 +17,15 @@ mod common;
 
 use std::collections::HashMap;
 
-use common::{fixture_dir, RunnerExt};
+use common::{drafting_runner, fixture_dir, Intercept, RunnerExt};
 use deepinfer::config::ModelConfig;
-use deepinfer::deployment::{Buckets, RunnerConfig};
+use deepinfer::deployment::RunnerConfig;
 use deepinfer::engine::speculative::SpeculativeStats;
 use deepinfer::engine::{Event, GenerationParams, RequestId, Scheduler};
 use deepinfer::model::LogitsOutput;
 use deepinfer::model::{ModelWeights, Precision};
 use deepinfer::runner::step::{LogitControls, PrefillChunk, SamplingParams};
-use deepinfer::runner::{self, Backend, CpuRunner, Runner, Step, StepOutput};
+use deepinfer::runner::{CpuRunner, Runner, Step, StepOutput};
 use deepinfer::weights::Checkpoint;
 use statrs::distribution::{ChiSquared, ContinuousCDF};
 
@@ -38,8 +38,8 @@ struct Case {
     fixture: &'static str,
     prompt: Vec<u32>,
     sampling: SamplingParams,
-    /// Whether the drafts are each row's last token repeated (see [`Repeater`]) rather than
-    /// the MTP layer's.
+    /// Whether the drafts are each row's last token repeated (see [`runner`]) rather than the
+    /// MTP layer's.
     repeat_drafts: bool,
 }
 
@@ -68,59 +68,25 @@ fn trained_case() -> Case {
     }
 }
 
-/// A runner over `case`'s model drafting `k` tokens, split over `tp` ranks.
+/// A runner over `case`'s model drafting `k` tokens, split over `tp` ranks; with
+/// `repeat_drafts`, each draft is the sequence's last token again in place of the MTP layer's
+/// proposal: under a negative frequency penalty the target favours repeats, so these drafts
+/// are often accepted and a verify step's later positions decide tokens whose penalties count
+/// the drafts before them.
 fn runner(case: &Case, k: usize, tp: usize) -> Box<dyn Runner> {
-    let dir = fixture_dir(case.fixture);
-    let mut cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
-    let ckpt = Checkpoint::open(&dir).unwrap();
-    if k > 0 {
-        cfg = cfg.with_draft_layer().unwrap();
-        deepinfer::model::mtp::share_absent_embeddings(&mut cfg, &ckpt);
+    // Batches of 32 and long packed prefills: the requests are many and short.
+    let inner = drafting_runner(case.fixture, k, tp, (32, 256), 256);
+    if !case.repeat_drafts {
+        return inner;
     }
-    let weights = ModelWeights::load(&cfg, &ckpt, &Precision::F32).unwrap();
-    let mut rc = RunnerConfig::for_limits(8, 64);
-    rc.speculative_tokens = k;
-    rc.tp = tp;
-    let inner = runner::open_with_weights(Backend::Cpu, cfg, weights, rc).unwrap();
-    match case.repeat_drafts {
-        true => Box::new(Repeater { inner }),
-        false => inner,
-    }
-}
-
-/// Proposes, in place of the MTP layer's drafts, each sequence's last token again: under a
-/// negative frequency penalty the target favours repeats, so these drafts are often accepted
-/// and a verify step's later positions decide tokens whose penalties count the drafts before
-/// them.
-struct Repeater {
-    inner: Box<dyn Runner>,
-}
-
-impl Runner for Repeater {
-    fn config(&self) -> &ModelConfig {
-        self.inner.config()
-    }
-    fn runner_config(&self) -> &RunnerConfig {
-        self.inner.runner_config()
-    }
-    fn backend(&self) -> Backend {
-        self.inner.backend()
-    }
-    fn capture(&mut self, buckets: &Buckets) -> deepinfer::Result<()> {
-        self.inner.capture(buckets)
-    }
-    fn replay(&mut self, step: &Step<'_>) -> deepinfer::Result<StepOutput> {
-        let mut out = self.inner.replay(step)?;
+    let hook = |step: &Step<'_>, out: &mut StepOutput| {
         if let Step::Draft { chunks, .. } = step {
             for (c, token) in chunks.iter().zip(out.next_tokens.iter_mut()) {
                 *token = *c.next_tokens.last().expect("a draft row");
             }
         }
-        Ok(out)
-    }
-    fn destroy(&mut self) -> deepinfer::Result<()> {
-        self.inner.destroy()
-    }
+    };
+    Box::new(Intercept { inner, hook })
 }
 
 /// The first three tokens (of four, so that a verify step after the first can feed two
@@ -413,8 +379,8 @@ fn sampled_drafting_keeps_the_targets_distribution() {
     let drafted = assert_case(&case, 2, &[2, 3], &mut target);
     // Split over two ranks, each draws from its slice of the vocabulary (`model::vocab`) and
     // every rank the same tokens: those of one rank, request for request.
-    let (split, _) = generate(&case, 2, 2, 300);
-    assert_eq!(split, drafted[..300], "K = 2 at tp 2");
+    let (split, _) = generate(&case, 2, 2, 100);
+    assert_eq!(split, drafted[..100], "K = 2 at tp 2");
 }
 
 /// Under a negative frequency penalty each repeat of a token makes it likelier, so the law of

@@ -1061,7 +1061,8 @@ impl<R: Runner> Scheduler<R> {
                         event: failure.clone(),
                     });
                 }
-                self.remove_where(|s| failed.contains(&s.id));
+                // With any row whose grammar failed above.
+                self.remove_finished(out);
                 return positions;
             }
         };

@@ -132,9 +132,10 @@ pub enum Step<'a> {
     /// token (chunk after chunk), each equal to the draft after it exactly when the draft is
     /// accepted (greedy rows: their argmax; sampled rows: by rejection sampling, see
     /// `model::sampling::verify`), so the caller keeps each chunk's drafts up to the first
-    /// that differs and the token there (see `engine::speculative`). The token counts of
-    /// rows with logit controls count what is kept. At most one chunk per sequence and as many
-    /// chunks as the largest batch bucket.
+    /// that differs and the token there (see `engine::speculative`). Each chunk's row of the
+    /// sampling-state root then counts what the chunk keeps (a step of plain greedy rows,
+    /// whose counts no penalty reads, leaves them alone). At most one chunk per sequence and
+    /// as many chunks as the largest batch bucket.
     Verify {
         /// The chunks, each with its sequence's sampling parameters and logit controls, the
         /// same at every position but the allowed-token mask: a chunk's `controls.allowed`,

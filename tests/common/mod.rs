@@ -275,3 +275,62 @@ pub fn argmax(row: &[f32]) -> u32 {
     }
     best as u32
 }
+
+/// A runner that forwards every call to `inner` and lets `hook` rewrite each step's output:
+/// for tests that stand in for one part of the model (an MTP layer's proposals, say) and keep
+/// the rest.
+pub struct Intercept<F> {
+    /// The runner doing the work.
+    pub inner: Box<dyn Runner>,
+    /// Sees every step and its output, after `inner` ran it.
+    pub hook: F,
+}
+
+impl<F: FnMut(&Step<'_>, &mut StepOutput)> Runner for Intercept<F> {
+    fn config(&self) -> &ModelConfig {
+        self.inner.config()
+    }
+    fn runner_config(&self) -> &RunnerConfig {
+        self.inner.runner_config()
+    }
+    fn backend(&self) -> Backend {
+        self.inner.backend()
+    }
+    fn capture(&mut self, buckets: &deepinfer::deployment::Buckets) -> deepinfer::Result<()> {
+        self.inner.capture(buckets)
+    }
+    fn replay(&mut self, step: &Step<'_>) -> deepinfer::Result<StepOutput> {
+        let mut out = self.inner.replay(step)?;
+        (self.hook)(step, &mut out);
+        Ok(out)
+    }
+    fn destroy(&mut self) -> deepinfer::Result<()> {
+        self.inner.destroy()
+    }
+}
+
+/// A CPU runner over fixture `name` in f32 drafting `k` tokens a step with its MTP layer
+/// (loaded only when `k > 0`; the main model's embedding and head when the layer has none of
+/// its own), split over `tp` ranks, batches up to `max_batch` of up to `max_len` tokens,
+/// prompts prefilled `chunk` tokens at a time.
+pub fn drafting_runner(
+    name: &str,
+    k: usize,
+    tp: usize,
+    (max_batch, max_len): (usize, usize),
+    chunk: usize,
+) -> Box<dyn Runner> {
+    let dir = fixture_dir(name);
+    let mut cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    if k > 0 {
+        cfg = cfg.with_draft_layer().unwrap();
+        deepinfer::model::mtp::share_absent_embeddings(&mut cfg, &ckpt);
+    }
+    let weights = ModelWeights::load(&cfg, &ckpt, &Precision::F32).unwrap();
+    let mut rc = RunnerConfig::for_limits(max_batch, max_len);
+    rc.buckets.prefill_chunk = chunk;
+    rc.speculative_tokens = k;
+    rc.tp = tp;
+    runner::open_with_weights(Backend::Cpu, cfg, weights, rc).unwrap()
+}
