@@ -43,8 +43,8 @@ def test_greedy_answers_are_those_without_speculation(server_factory):
 
 def test_sampled_requests_verify_drafts_and_repeat_with_their_seed(server_factory):
     """Sampled rows verify their drafts by rejection sampling (their law is the target's, which
-    tests/speculative_sampling.rs tests by chi-square): the drafts are counted, and one seed
-    gives one answer, alone or beside another request."""
+    tests/speculative_sampling.rs tests by chi-square): the drafts are counted, one seed gives
+    one answer, alone or beside another request, and `n = 2` gives each choice its own."""
     srv = server_factory("--speculative-tokens", "2")
     client = srv.client()
 
@@ -59,6 +59,10 @@ def test_sampled_requests_verify_drafts_and_repeat_with_their_seed(server_factor
     with ThreadPoolExecutor(2) as pool:
         together = list(pool.map(sample, (1, 2)))
     assert together[0] == alone
+    # Two choices of one request: each drafts on its own, choice k seeded with seed + k.
+    r = client.completions.create(model=MODEL_NAME, prompt=PROMPTS[1], max_tokens=N, n=2,
+                                  temperature=0.8, top_p=0.95, seed=1)
+    assert [c.text for c in sorted(r.choices, key=lambda c: c.index)] == together
     drafts, drafted, accepted = (a - b for a, b in zip(spec_counters(srv.base_url), before))
     assert drafts > 0 and drafted >= drafts and 0 < accepted < drafted, (drafts, drafted,
                                                                           accepted)
