@@ -40,26 +40,38 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c "import jax, ml_dtypes, sa
     python3 -m venv .venv
     .venv/bin/pip install --quiet -r scripts/requirements-test.txt
 fi
+out=$(mktemp -d)
+trap 'rm -rf "$out"' EXIT
+status=0
+
+# Every test binary first, so that nothing below shares the disk with a half-linked build.
+cargo test --workspace --no-run
 # The 4-layer DeepSeek-V2-Lite-shaped GGUF files tests/gguf_v2lite.rs compares with llama.cpp's
 # committed greedy tokens and logits (fixtures/gguf/v2lite-4l-*.reference.json): written from
-# a seed by the gguf PyPI package, about 25 s, 2.4 + 1.5 GB, deleted after `cargo test`.
-echo "== V2-Lite-shaped GGUF files (scripts/v2lite_gguf.py write --layers 4)"
+# a seed by the gguf PyPI package (about 15 s each), tested and deleted one at a time, since
+# together they are 3.9 GB of disk (CI once ran out of it with both present).
 for type in q8_0 q4_k_m; do
-    .venv/bin/python scripts/v2lite_gguf.py write --layers 4 --type "$type" \
-        --out "target/v2lite-gguf/v2lite-4l-$type.gguf" > /dev/null
+    echo "== V2-Lite-shaped GGUF file $type (scripts/v2lite_gguf.py write --layers 4)"
+    file="target/v2lite-gguf/v2lite-4l-$type.gguf"
+    .venv/bin/python scripts/v2lite_gguf.py write --layers 4 --type "$type" --out "$file" > /dev/null
+    cargo test --workspace --test gguf_v2lite -- "$type"
+    rm -f "$file"
 done
-
-cargo test --workspace
-rm -f target/v2lite-gguf/v2lite-4l-q8_0.gguf target/v2lite-gguf/v2lite-4l-q4_k_m.gguf
+# Everything else in Rust (the GGUF tests, all named v2lite_4_layer_*, ran above).
+cargo test --workspace -- --skip v2lite_4_layer_
+# The conformance suite's cases as our emitted HLO, for XLA in step 2 (scripts/xla_conformance.py).
+DEEPINFER_CONFORMANCE_OUT="$out/conformance" cargo test --workspace --quiet --test conformance
+# A clean clone (CI) has no further use for the test build: 3 GB of disk the release build and
+# the steps below may need.
+if [ -n "${CI:-}" ]; then
+    rm -rf target/debug
+fi
 
 # Every relative link and #anchor in README.md, benches/ and docs/ resolves (stdlib Python, no venv).
 echo "== document links (scripts/check_links.py)"
 python3 scripts/check_links.py
 
 cargo build --release --workspace --quiet
-out=$(mktemp -d)
-trap 'rm -rf "$out"' EXIT
-status=0
 # The trn1 first-contact command end to end on nrt-sim (what a fresh trn1 runs without --sim).
 echo "== first contact (scripts/trn1-first-contact.sh --sim)"
 scripts/trn1-first-contact.sh --sim --out "$out/first-contact" || status=1
@@ -163,7 +175,6 @@ echo "== XLA conformance: tiny-v3 cut to 501 tokens (--tp 4 --split-sampler, pad
 .venv/bin/python scripts/xla_check.py "$out/tiny-v3-vocab501-tp4" --reference fixtures/tiny-v3/reference.json || status=1
 echo "== XLA conformance: tests/conformance"
 .venv/bin/python scripts/make_conformance.py --check > /dev/null || status=1
-DEEPINFER_CONFORMANCE_OUT="$out/conformance" cargo test --quiet --test conformance || status=1
 .venv/bin/python scripts/xla_conformance.py tests/conformance "$out/conformance" || status=1
 # V2, V3 and V4-Flash (as published: FP4 experts, dequantized to bf16 on the device) as
 # deployed: split over a trn1.32xlarge's 32 NeuronCores, each rank's graph is what neuronx-cc
