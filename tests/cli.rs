@@ -149,11 +149,14 @@ fn a_deepseek_v4_checkpoint_scores_as_transformers_and_bad_ones_are_named() {
         "--model",
         &model,
         "--dtype",
-        "bf16",
+        "f16",
         "--token-ids",
         "1",
     ]);
-    assert_clean_error(&out, "DeepSeek-V4's graphs are f32 so far");
+    assert_clean_error(
+        &out,
+        "--dtype f16: DeepSeek-V4's weights are held in f32 or bf16",
+    );
     // A config whose o_lora_rank is not the checkpoint's: the first tensor it shapes is named.
     let config = std::fs::read_to_string(format!("{model}/config.json")).unwrap();
     let weights = std::fs::read(format!("{model}/model.safetensors")).unwrap();

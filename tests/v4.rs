@@ -57,7 +57,7 @@ fn config() -> V4Config {
 /// as `deepinfer lower` reads them.
 fn weights_of(fixture: &str) -> HashMap<String, CTensor> {
     let ckpt = Checkpoint::open(&common::fixture_dir(fixture)).unwrap();
-    tensors::load(&config_of(fixture), &ckpt).unwrap()
+    tensors::load(&config_of(fixture), &ckpt, DType::F32).unwrap()
 }
 
 /// The graph's inputs: `ids`, and the fixture's weights (unsplit: the routed experts stacked).
@@ -405,6 +405,7 @@ fn prefill(rows: usize, seqs: usize) -> V4Step {
         logits: LogitsOutput::AllPositions,
         sampler: Sampler::Full,
         moe: MoeStrategy::Dense,
+        weights: DType::F32,
         dots: Dots::Widen,
     }
 }
@@ -419,6 +420,7 @@ fn decode(rows: usize) -> V4Step {
         logits: LogitsOutput::AllPositions,
         sampler: Sampler::Full,
         moe: MoeStrategy::Gather,
+        weights: DType::F32,
         dots: Dots::Widen,
     }
 }
@@ -640,7 +642,7 @@ fn a_v4_flash_token_costs_a_tenth_of_a_v32_token() {
 }
 
 /// `deepinfer lower` on a V4 directory refuses what its graphs cannot do yet, naming it: a
-/// reduced precision, and a degree that does not divide the model.
+/// reduced-precision cache, and a degree that does not divide the model.
 #[test]
 fn lowering_v4_refuses_what_it_cannot_do_yet() {
     use deepinfer::export::{lower_sharded, LowerOptions};
@@ -651,7 +653,7 @@ fn lowering_v4_refuses_what_it_cannot_do_yet() {
         ctx: 64,
         inputs_from_token_ids: None,
         precision: PrecisionChoice {
-            dtype: DTypeChoice::Exactly(DType::BF16),
+            kv_dtype: DTypeChoice::Exactly(DType::BF16),
             ..PrecisionChoice::default()
         },
         dots: Dots::Widen,
@@ -659,7 +661,7 @@ fn lowering_v4_refuses_what_it_cannot_do_yet() {
     };
     let dir = common::fixture_dir("tiny-v4");
     let err = lower_sharded(&dir, &out, &opts, 1).unwrap_err().to_string();
-    assert!(err.contains("f32 so far"), "{err}");
+    assert!(err.contains("caches are f32 so far"), "{err}");
     opts.precision = PrecisionChoice::default();
     let err = lower_sharded(&dir, &out, &opts, 3).unwrap_err().to_string();
     assert!(
@@ -679,27 +681,98 @@ fn lowering_v4_refuses_what_it_cannot_do_yet() {
 /// of transformers', and the sampled tokens its greedy ones.
 #[test]
 fn the_runners_serve_it_on_the_cpu_and_through_nrt_sim() {
-    through_the_runners(
-        F32,
-        &[
-            "cpu",
-            "cpu --tp 2",
-            "nrt-sim",
-            "nrt-sim --split-sampler",
-            "nrt-sim --tp 2 --split-sampler",
-        ],
-    );
+    let names = [
+        "cpu",
+        "cpu --tp 2",
+        "nrt-sim",
+        "nrt-sim --split-sampler",
+        "nrt-sim --tp 2 --split-sampler",
+    ];
+    match_transformers(F32, &names, &Precision::F32);
+}
+
+/// Every logit `fixture` served in `precision` within 1e-4 of transformers' f32 ones, and the
+/// greedy tokens its.
+fn match_transformers(fixture: &str, names: &[&str], precision: &Precision) {
+    let r: V4Reference = common::reference_file(fixture, "reference.json");
+    let dtype = precision.weights;
+    for (name, served) in through_the_runners(fixture, names, precision) {
+        let worst = served.worst(&r);
+        eprintln!("{fixture} ({dtype}) through the {name} runner: logits within {worst:.2e}");
+        assert!(worst <= 1e-4, "{fixture} ({dtype}), {name}: {worst}");
+        assert_eq!(served.tokens, r.greedy.generated_token_ids, "{name}");
+    }
+}
+
+/// Both fixtures with their matrices in bf16 (`--dtype bf16`; norms, sinks, routers and
+/// hyper-connections stay f32, the cache too) through the runners: the CPU's widened dots, and
+/// a device's split dots (nrt-sim, at tp 1 and 2), whose activations keep about 16 of their
+/// 24 bits. On every served row, the drift from transformers' f32 logits is no more than
+/// transformers' own bf16 run's on the same rows (`reference-bf16.json`,
+/// scripts/make_v4_bf16_reference.py: weights and activations in bf16), as many argmaxes
+/// agree, and (tiny-v4, whose f32 weights bf16 rounds) bf16 does change the numbers.
+#[test]
+fn bf16_matrices_drift_no_more_than_transformers_bf16() {
+    for fixture in [F32, FP8_FP4] {
+        bf16_within_the_peers_drift(fixture);
+    }
+}
+
+fn bf16_within_the_peers_drift(fixture: &str) {
+    let f32_ref: V4Reference = common::reference_file(fixture, "reference.json");
+    let peer: V4Reference = common::reference_file(fixture, "reference-bf16.json");
+    let names = ["cpu", "nrt-sim", "nrt-sim --tp 2 --split-sampler"];
+    for (name, served) in through_the_runners(fixture, &names, &bf16()) {
+        let drift = served.worst(&f32_ref);
+        let agree = served.argmax_agreement(&f32_ref);
+        // The peer on exactly the rows served.
+        let peer_rows = Served {
+            rows: (served.rows.iter())
+                .map(|(row, _)| (*row, peer.row(*row).to_vec()))
+                .collect(),
+            tokens: Vec::new(),
+        };
+        let peer_drift = peer_rows.worst(&f32_ref);
+        let peer_agree = peer_rows.argmax_agreement(&f32_ref);
+        eprintln!(
+            "{fixture} (bf16) through the {name} runner: max |logit - f32| {drift:.3e} vs \
+             transformers-bf16 {peer_drift:.3e}; argmax agreement {agree:.4} vs {peer_agree:.4}"
+        );
+        assert!(
+            drift <= peer_drift,
+            "{fixture}, {name}: {drift} > {peer_drift}"
+        );
+        assert!(
+            agree >= peer_agree,
+            "{fixture}, {name}: {agree} < {peer_agree}"
+        );
+        if fixture == F32 {
+            assert!(drift > 1e-5, "{name}: bf16 matched f32 exactly ({drift})");
+        }
+    }
 }
 
 /// The runners on the FP8/FP4 checkpoint: on a device the FP4 experts' codes and scales are
 /// uploaded as stored and dequantized in the lowered graph (HLO's E2M1 decode, read back by
-/// nrt-sim), per rank at tp 2.
+/// nrt-sim), per rank at tp 2. Its matrices held in bf16 on the CPU too (f32 products): an
+/// E4M3 value times a power-of-two block scale is exact in bf16, as are the tensors published
+/// in bf16, so bf16 holds DeepSeek-V4-Flash's weights without loss.
 #[test]
 fn the_runners_serve_the_fp8_and_fp4_checkpoint() {
-    through_the_runners(
-        FP8_FP4,
-        &["cpu", "nrt-sim", "nrt-sim --tp 2 --split-sampler"],
-    );
+    let names = ["cpu", "nrt-sim", "nrt-sim --tp 2 --split-sampler"];
+    match_transformers(FP8_FP4, &names, &Precision::F32);
+    match_transformers(FP8_FP4, &["cpu"], &bf16());
+}
+
+/// `--dtype bf16` for a V4 model: its matrices in bf16, everything else in f32.
+fn bf16() -> Precision {
+    use deepinfer::model::{DTypeChoice, PrecisionChoice};
+    PrecisionChoice {
+        dtype: DTypeChoice::Exactly(DType::BF16),
+        ..PrecisionChoice::default()
+    }
+    .v4()
+    .unwrap()
 }
 
 /// One test at a time drives nrt-sim: a process holds one runtime.
@@ -709,7 +782,13 @@ fn serial() -> std::sync::MutexGuard<'static, ()> {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
-fn through_the_runners(fixture: &str, names: &[&str]) {
+/// `fixture` served through each of the runners `names` with weights in `precision`: what each
+/// returned.
+fn through_the_runners(
+    fixture: &str,
+    names: &[&str],
+    precision: &Precision,
+) -> Vec<(String, Served)> {
     let _serial = serial();
     let r: V4Reference = common::reference_file(fixture, "reference.json");
     let rc = |tp| RunnerConfig {
@@ -729,7 +808,7 @@ fn through_the_runners(fixture: &str, names: &[&str]) {
     let dir = common::fixture_dir(fixture);
     let cfg = ModelConfig::from_file(&dir.join("config.json")).unwrap();
     let ckpt = Checkpoint::open(&dir).unwrap();
-    let weights = || ModelWeights::load(&cfg, &ckpt, &Precision::F32).unwrap();
+    let weights = || ModelWeights::load(&cfg, &ckpt, precision).unwrap();
     let cpu = |tp| runner::open_with_weights(Backend::Cpu, cfg.clone(), weights(), rc(tp)).unwrap();
     let sim = |tp, split_sampler| {
         let lib = nrt_sim::library_next_to_current_exe()
@@ -745,6 +824,7 @@ fn through_the_runners(fixture: &str, names: &[&str]) {
     };
     // One at a time: a process initializes the runtime once (each device runner is dropped
     // before the next starts it).
+    let mut served = Vec::new();
     for &name in names {
         let mut run = match name {
             "cpu" => cpu(1),
@@ -753,15 +833,60 @@ fn through_the_runners(fixture: &str, names: &[&str]) {
             "nrt-sim --split-sampler" => sim(1, true),
             _ => sim(2, true),
         };
-        let worst = serve_two_prompts(&mut *run, &r);
-        eprintln!("{fixture} through the {name} runner: logits within {worst:.2e}");
-        assert!(worst <= 1e-4, "{fixture}, {name}: {worst}");
+        served.push((name.to_string(), serve_two_prompts(&mut *run, &r)));
+    }
+    served
+}
+
+/// Which of a [`V4Reference`]'s logits rows a served row is: a long or short prompt's position,
+/// or the long prompt's `i`th greedy step.
+#[derive(Debug, Clone, Copy)]
+enum Row {
+    Long(usize),
+    Short(usize),
+    Decode(usize),
+}
+
+impl V4Reference {
+    fn row(&self, row: Row) -> &[f32] {
+        match row {
+            Row::Long(p) => &self.logits[p],
+            Row::Short(p) => &self.logits_short[p],
+            Row::Decode(i) => &self.logits_decode[i],
+        }
     }
 }
 
-/// [`the_runners_serve_it_on_the_cpu_and_through_nrt_sim`]'s steps on `run`; returns the
-/// largest difference of any logit from transformers'.
-fn serve_two_prompts(run: &mut dyn Runner, r: &V4Reference) -> f32 {
+/// What [`serve_two_prompts`] got: every fed position's logits, and the long prompt's greedy
+/// tokens (sampled at its last prefill chunk, then at each decode step).
+struct Served {
+    rows: Vec<(Row, Vec<f32>)>,
+    tokens: Vec<u32>,
+}
+
+impl Served {
+    /// The largest difference of any served logit from `r`'s.
+    fn worst(&self, r: &V4Reference) -> f32 {
+        self.rows
+            .iter()
+            .map(|(row, got)| common::max_abs_diff(got, r.row(*row)))
+            .fold(0.0, f32::max)
+    }
+
+    /// The share of served rows whose argmax is `r`'s.
+    fn argmax_agreement(&self, r: &V4Reference) -> f64 {
+        let same = self
+            .rows
+            .iter()
+            .filter(|(row, got)| argmax(got) == argmax(r.row(*row)))
+            .count();
+        same as f64 / self.rows.len() as f64
+    }
+}
+
+/// [`the_runners_serve_it_on_the_cpu_and_through_nrt_sim`]'s steps on `run`, feeding `r`'s
+/// prompts and greedy continuation.
+fn serve_two_prompts(run: &mut dyn Runner, r: &V4Reference) -> Served {
     let (long, short) = (&r.token_ids, &r.token_ids_short);
     let mut alloc = common::allocator(run);
     let mut tables = [Vec::new(), Vec::new()];
@@ -769,10 +894,13 @@ fn serve_two_prompts(run: &mut dyn Runner, r: &V4Reference) -> f32 {
         state_row: row,
         ..LogitControls::NONE
     };
-    let mut worst = 0f32;
-    let mut check = |got: &[f32], want: &[f32]| {
-        assert!(got.iter().all(|x| x.is_finite()));
-        worst = worst.max(common::max_abs_diff(got, want));
+    let mut served = Served {
+        rows: Vec::new(),
+        tokens: Vec::new(),
+    };
+    let mut keep = |row: Row, got: Vec<f32>| {
+        assert!(got.iter().all(|x| x.is_finite()), "{row:?}");
+        served.rows.push((row, got));
     };
     let prefilled_short = 15;
     // Steps of 9 tokens of the long prompt and 7 of the short one: chunks ending off the
@@ -808,19 +936,20 @@ fn serve_two_prompts(run: &mut dyn Runner, r: &V4Reference) -> f32 {
             })
             .unwrap();
         if end[0] == long.len() {
-            assert_eq!(out.next_tokens[0], r.greedy.generated_token_ids[0]);
+            served.tokens.push(out.next_tokens[0]);
         }
         let logits = out.logits.unwrap();
-        let wants = r.logits[start..end[0]]
-            .iter()
-            .chain(if short_start < prefilled_short {
-                &r.logits_short[short_start..end[1]]
-            } else {
-                &r.logits_short[..0]
-            });
-        assert_eq!(logits.len(), wants.clone().count());
-        for (got, want) in logits.iter().zip(wants) {
-            check(got, want);
+        let short_rows = match short_start < prefilled_short {
+            true => short_start..end[1],
+            false => 0..0,
+        };
+        let rows: Vec<Row> = (start..end[0])
+            .map(Row::Long)
+            .chain(short_rows.map(Row::Short))
+            .collect();
+        assert_eq!(logits.len(), rows.len());
+        for (row, got) in rows.into_iter().zip(logits) {
+            keep(row, got);
         }
     }
     // Decode: the long prompt's greedy continuation (row 0) beside the rest of the short
@@ -839,7 +968,7 @@ fn serve_two_prompts(run: &mut dyn Runner, r: &V4Reference) -> f32 {
             sampling: SamplingParams::GREEDY,
             controls: controls(1),
         }];
-        let mut wants = vec![&r.logits_decode[i]];
+        let mut wants = vec![Row::Decode(i)];
         if b < short.len() {
             rows.push(DecodeRow {
                 token: short[b],
@@ -848,7 +977,7 @@ fn serve_two_prompts(run: &mut dyn Runner, r: &V4Reference) -> f32 {
                 sampling: SamplingParams::GREEDY,
                 controls: controls(2),
             });
-            wants.push(&r.logits_short[b]);
+            wants.push(Row::Short(b));
         }
         let out = run
             .replay(&Step::Decode {
@@ -858,10 +987,10 @@ fn serve_two_prompts(run: &mut dyn Runner, r: &V4Reference) -> f32 {
             .unwrap();
         let logits = out.logits.unwrap();
         assert_eq!(logits.len(), wants.len());
-        for (got, want) in logits.iter().zip(&wants) {
-            check(got, want);
+        for (row, got) in wants.into_iter().zip(logits) {
+            keep(row, got);
         }
-        assert_eq!(out.next_tokens[0], gen[i], "greedy token {i}");
+        served.tokens.push(out.next_tokens[0]);
     }
-    worst
+    served
 }

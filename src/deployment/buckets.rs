@@ -427,6 +427,7 @@ impl StepKind {
             logits: spec.logits,
             sampler: if decode { spec.sampler } else { Sampler::Full },
             moe: spec.moe,
+            weights: specs.precision().weights,
             dots: specs.precision().dots,
         };
         build_step(cfg, layout, &step)

@@ -2,8 +2,9 @@
 //! the layout MLA models lower to (see [`super`]): the unpacked prefill chunk, a packed prefill
 //! of two sequences, and a decode graph per batch size, each with the inputs and CPU-backend
 //! outputs of one real step when token ids are given, so that `scripts/xla_check.py` runs them
-//! in XLA and checks their logits against transformers'. V4 graphs are f32, return every fed
-//! token's logits and end in the full sampler, as the runners' do. Under `--tp N` each rank's
+//! in XLA and checks their logits against transformers'. V4 graphs hold their matrices in
+//! `--dtype` (f32 or bf16), multiply them as `--dots` says, return every fed token's logits
+//! and end in the full sampler, as the runners' do. Under `--tp N` each rank's
 //! inputs are its cut of the weights ([`crate::model::v4::shard`]), as for MLA models.
 
 use std::collections::HashMap;
@@ -44,7 +45,7 @@ pub(super) fn lower(
     if let Some(why) = shard::indivisible(cfg, ranks) {
         return Err(Error::InvalidInput(why));
     }
-    opts.precision.v4()?;
+    let precision = opts.precision.v4()?;
     let max_batch = opts.batch_sizes.iter().copied().max().unwrap_or(1);
     let rc = RunnerConfig::for_limits(max_batch, opts.ctx);
     let block = rc.block_size;
@@ -70,6 +71,7 @@ pub(super) fn lower(
             logits: LogitsOutput::AllPositions,
             sampler: Sampler::Full,
             moe: MoeStrategy::Gather,
+            weights: precision.weights,
             dots: opts.dots,
         };
         graphs.push((build_step(cfg, &layout, &spec)?, "prefill", t, seqs));
@@ -84,6 +86,7 @@ pub(super) fn lower(
             logits: LogitsOutput::AllPositions,
             sampler: Sampler::Full,
             moe: MoeStrategy::Gather,
+            weights: precision.weights,
             dots: opts.dots,
         };
         graphs.push((build_step(cfg, &layout, &spec)?, "decode", b, b));
@@ -101,7 +104,7 @@ pub(super) fn lower(
             opts.ctx.min(t + 1)
         )));
     }
-    let full = tensors::load(cfg, &Checkpoint::open(model_dir)?)?;
+    let full = tensors::load(cfg, &Checkpoint::open(model_dir)?, precision.weights)?;
     let weights = (0..ranks)
         .map(|r| shard::rank_weights(cfg, &full, ranks, r))
         .collect::<Result<Vec<_>>>()?;

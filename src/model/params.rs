@@ -15,7 +15,8 @@
 //! (`indexer.weights_proj.weight`, `[index_n_heads, hidden]`) stay f32 for the same reason:
 //! they decide which tokens attention sees, and transformers keeps them in f32 too.
 //!
-//! A DeepSeek-V4 model's weights are its published tensors by name, f32 so far, a rank's cut
+//! A DeepSeek-V4 model's weights are its published tensors by name, its matrices in the
+//! weights' dtype and everything else in f32 (`super::v4::tensors::V4TensorKind`), a rank's cut
 //! taken as [`super::v4::shard`] says (its hash layers' `tid2eid` as i32, its routed experts
 //! stacked per projection). They are read whole before they are stacked, so loading one holds
 //! its routed experts twice for a moment.
@@ -112,7 +113,7 @@ impl WeightSpecs {
     ) -> Self {
         let dtypes = tensors
             .iter()
-            .map(|t| (t.name.clone(), t.kind.dtype()))
+            .map(|t| (t.name.clone(), t.kind.dtype(precision.weights)))
             .collect();
         let mut shapes: HashMap<String, Vec<usize>> =
             tensors.into_iter().map(|t| (t.name, t.shape)).collect();
@@ -235,7 +236,7 @@ impl ModelWeights {
     /// Each tensor is converted as it is read; no wider copy of the checkpoint is ever held.
     pub fn load(cfg: &ModelConfig, ckpt: &Checkpoint, precision: &Precision) -> Result<Self> {
         if let Some(v4) = &cfg.v4 {
-            let whole = tensors_v4::load(v4, ckpt)?;
+            let whole = tensors_v4::load(v4, ckpt, precision.weights)?;
             return ModelWeights::v4_rank(cfg, v4, &whole, 0, 1, precision);
         }
         let specs = WeightSpecs::new(cfg, precision);
@@ -264,7 +265,7 @@ impl ModelWeights {
     /// told from the checkpoint's headers before a tensor is read: every parameter in the
     /// dtype it is held in, and weights in GGML blocks (a GGUF's as stored, or `--quantize
     /// q8_0|q4_k`'s) as [`QuantizedWeight::predicted_bytes`] says candle's kernels hold them.
-    /// `None` for DeepSeek-V4, whose load holds the whole model in f32 before cutting it
+    /// `None` for DeepSeek-V4, whose load holds the whole model before cutting it
     /// (`tensors_v4`), which this does not model.
     pub fn predicted_bytes(
         cfg: &ModelConfig,
@@ -312,7 +313,7 @@ impl ModelWeights {
     }
 
     /// Rank `rank` of `ranks`'s tensors of a DeepSeek-V4 model, cut from the `whole` model's
-    /// (by published name, f32; see [`shard_v4`]).
+    /// (by published name, as [`tensors_v4::load`] holds them; see [`shard_v4`]).
     fn v4_rank(
         cfg: &ModelConfig,
         v4: &V4Config,

@@ -179,19 +179,41 @@ pub struct PrecisionChoice {
 }
 
 impl PrecisionChoice {
-    /// The dtypes to serve a DeepSeek-V4 model in: f32, whatever it was saved in, as its graphs
-    /// are f32 so far; any other choice is refused.
+    /// The dtypes to serve a DeepSeek-V4 model in: its matrices in f32 (`auto`, whatever the
+    /// checkpoint holds: FP8 ones are dequantized) or bf16, everything else and the caches in
+    /// f32 (see [`crate::model::v4::tensors::V4TensorKind`]). Other choices are refused: f16
+    /// weights, a reduced-precision cache (its compressor state and pooled entries are
+    /// accumulated across steps) and `--quantize` (FP4 experts are read as published).
     pub fn v4(&self) -> Result<Precision> {
-        let f32_only =
-            |c: DTypeChoice| matches!(c, DTypeChoice::Auto | DTypeChoice::Exactly(DType::F32));
-        if !f32_only(self.dtype) || !f32_only(self.kv_dtype) || self.quantize != Quantize::None {
-            return Err(Error::InvalidInput(
-                "DeepSeek-V4's graphs are f32 so far: --dtype, --kv-dtype and --quantize other \
-                 than f32 come with its reduced-precision weights (issue 43)"
-                    .into(),
-            ));
+        let weights = match self.dtype {
+            DTypeChoice::Auto | DTypeChoice::Exactly(DType::F32) => DType::F32,
+            DTypeChoice::Exactly(DType::BF16) => DType::BF16,
+            DTypeChoice::Exactly(other) => {
+                return Err(Error::InvalidInput(format!(
+                    "--dtype {other}: DeepSeek-V4's weights are held in f32 or bf16"
+                )))
+            }
+        };
+        if !matches!(
+            self.kv_dtype,
+            DTypeChoice::Auto | DTypeChoice::Exactly(DType::F32)
+        ) {
+            return Err(Error::InvalidInput(format!(
+                "--kv-dtype {}: DeepSeek-V4's caches are f32 so far (issue 43)",
+                self.kv_dtype
+            )));
         }
-        Ok(Precision::F32)
+        if self.quantize != Quantize::None {
+            return Err(Error::InvalidInput(format!(
+                "--quantize {}: DeepSeek-V4's routed experts are read as published (FP4 or \
+                 float); no other quantization applies to it",
+                self.quantize
+            )));
+        }
+        Ok(Precision {
+            kv_cache: DType::F32,
+            ..Precision::all(weights)
+        })
     }
 
     /// The dtypes to serve a model of `cfg`, saved in `saved` (the checkpoint's float dtype,

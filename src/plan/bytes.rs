@@ -252,12 +252,13 @@ pub fn entries(
 }
 
 /// Every weight a rank of DeepSeek-V4 model `cfg` holds at tensor parallelism `tp`, as its
-/// runner holds them (`model::v4::shard`'s tensors): f32 (FP8 weights dequantized at load),
-/// `tid2eid` i32, and FP4 experts as stored, codes two a byte with one f32 scale per 32.
+/// runner holds them (`model::v4::shard`'s tensors) with its matrices in `matrices`: those in
+/// it, other floats in f32 (FP8 weights dequantized at load), `tid2eid` i32, and FP4 experts
+/// as stored, codes two a byte with one f32 scale per 32.
 /// `checkpoint_bytes` is each entry's largest tensor as a published checkpoint stores it: one
 /// expert's codes or scales (a byte each), FP8 (a byte) or bf16 for the rest of a quantized
 /// checkpoint, f32 otherwise.
-pub fn entries_v4(cfg: &V4Config, tp: usize) -> Result<Vec<Entry>> {
+pub fn entries_v4(cfg: &V4Config, tp: usize, matrices: DType) -> Result<Vec<Entry>> {
     let elems = |s: &[usize]| s.iter().map(|&d| d as u64).product::<u64>();
     let stored = if cfg.fp8_block.is_some() { 2 } else { 4 };
     let mut out = Vec::new();
@@ -283,7 +284,7 @@ pub fn entries_v4(cfg: &V4Config, tp: usize) -> Result<Vec<Entry>> {
             }
         };
         out.push(Entry {
-            dtype: t.kind.dtype(),
+            dtype: t.kind.dtype(matrices),
             name: t.name,
             shape: t.shape,
             split,
@@ -417,22 +418,26 @@ mod tests {
     }
 
     /// DeepSeek-V4-Flash as published (FP8 weights, FP4 experts): 284B parameters, DeepSeek's
-    /// own count; and at every degree a rank's bytes are exactly what the runner's sharded
-    /// specs hold (the plan counts what the device runner uploads), `wo_b`'s shared columns
-    /// past 8 ranks included.
+    /// own count; and at every degree, its matrices in f32 or bf16, a rank's bytes are exactly
+    /// what the runner's sharded specs hold (the plan counts what the device runner uploads),
+    /// `wo_b`'s shared columns past 8 ranks included.
     #[test]
     fn a_v4_flash_rank_holds_what_the_runner_holds() {
         use crate::model::{Precision, WeightSpecs};
         let c = cfg("deepseek-v4-flash.json");
         let v4 = c.v4.clone().expect("a V4 config");
-        let whole = entries_v4(&v4, 1).unwrap();
+        let whole = entries_v4(&v4, 1, DType::F32).unwrap();
         let params = param_count(&whole) as f64 / 1e9;
         assert!((284.0..284.6).contains(&params), "{params}B");
-        for tp in [1, 2, 8, 16, 32, 64] {
-            let e = entries_v4(&v4, tp).unwrap();
-            let specs = WeightSpecs::sharded(&c, &Precision::F32, tp).unwrap();
+        for (tp, dtype) in [1, 2, 8, 16, 32, 64]
+            .into_iter()
+            .flat_map(|tp| [(tp, DType::F32), (tp, DType::BF16)])
+        {
+            let e = entries_v4(&v4, tp, dtype).unwrap();
+            let precision = Precision::all(dtype);
+            let specs = WeightSpecs::sharded(&c, &precision, tp).unwrap();
             for rank in [0, tp - 1] {
-                assert_eq!(rank_bytes(&e, tp, rank), specs.bytes(), "tp {tp}");
+                assert_eq!(rank_bytes(&e, tp, rank), specs.bytes(), "tp {tp} {dtype}");
             }
         }
         // A routed expert's projection: codes a byte per two values, a scale per 32.

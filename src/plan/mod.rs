@@ -432,34 +432,37 @@ impl Plan {
         Plan::assemble(cfg, opts, stored)
     }
 
-    /// [`Plan::compute`] for a DeepSeek-V4 model, as its runner holds it: every weight in f32
-    /// (FP8 ones dequantized at load), FP4 experts as published, the cache in f32 (its graphs
-    /// are f32 so far); read whole into host memory before each rank's share is cut from it.
+    /// [`Plan::compute`] for a DeepSeek-V4 model, as its runner holds it: its matrices in
+    /// `--dtype` (f32, the default, or bf16; FP8 ones dequantized at load), its other weights
+    /// in f32, FP4 experts as published, the cache in f32
+    /// ([`crate::model::PrecisionChoice::v4`]); read whole into host memory before each rank's
+    /// share is cut from it.
     fn compute_v4(cfg: &ModelConfig, v4: &V4Config, opts: &PlanOptions) -> Result<Plan> {
-        let f32_only = |d: DType| d == DType::F32;
-        let weights_ok = match opts.dtype {
-            WeightDType::Auto => true,
-            WeightDType::Float(d) => f32_only(d),
-            WeightDType::Fp8 => false,
+        let matrices = match opts.dtype {
+            WeightDType::Auto | WeightDType::Float(DType::F32) => Some(DType::F32),
+            WeightDType::Float(DType::BF16) => Some(DType::BF16),
+            WeightDType::Float(_) | WeightDType::Fp8 => None,
         };
         let kv_ok = match opts.kv_dtype {
             DTypeChoice::Auto => true,
-            DTypeChoice::Exactly(d) => f32_only(d),
+            DTypeChoice::Exactly(d) => d == DType::F32,
         };
-        if !weights_ok || !kv_ok || opts.experts != Experts::AsWeights {
+        let Some(matrices) = matrices.filter(|_| kv_ok && opts.experts == Experts::AsWeights)
+        else {
             return Err(Error::InvalidInput(
-                "DeepSeek-V4 is served in f32 so far (FP8 weights dequantized at load, FP4 \
-                 experts as published): plan it without --dtype, --kv-dtype or --quantize"
+                "DeepSeek-V4 is served with its matrices in f32 or bf16 (FP8 ones dequantized \
+                 at load), FP4 experts as published and its caches in f32: plan it with \
+                 --dtype f32 or bf16 and without --kv-dtype or --quantize"
                     .into(),
             ));
-        }
-        let entries = bytes::entries_v4(v4, opts.tp)?;
+        };
+        let entries = bytes::entries_v4(v4, opts.tp, matrices)?;
         // Every tensor as held, plus the largest one being read from the checkpoint.
-        let whole = bytes::entries_v4(v4, 1)?;
+        let whole = bytes::entries_v4(v4, 1, matrices)?;
         let reading = whole.iter().map(|e| e.checkpoint_bytes).max().unwrap_or(0);
         let held_whole = reading + whole.iter().map(bytes::Entry::total_bytes).sum::<u64>();
         let stored = Stored {
-            weights: WeightFormat::Float(DType::F32),
+            weights: WeightFormat::Float(matrices),
             experts: match v4.experts {
                 V4Experts::Fp4 => Experts::Fp4,
                 V4Experts::Float => Experts::AsWeights,
@@ -467,6 +470,7 @@ impl Plan {
             kv_dtype: DType::F32,
             entries,
             precision: Precision {
+                weights: matrices,
                 dots: Dots::DEVICE,
                 ..Precision::F32
             },

@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::graph::Tensor;
 use crate::model::{indexer, ops};
 
-use super::weights::{linear, Rope, Weights};
+use super::weights::{Rope, Weights};
 
 /// Layer `l`'s attention prefix in the published names.
 pub(super) fn prefix(l: usize) -> String {
@@ -29,12 +29,13 @@ pub(super) fn queries(
     let (n, heads, d) = (x.dim(0), cfg.num_attention_heads / w.ranks(), cfg.head_dim);
     let eps = cfg.rms_norm_eps;
     let q_res = ops::rms_norm(
-        &linear(x, w.get(&format!("{a}.wq_a.weight"))?)?,
+        &w.linear(x, &format!("{a}.wq_a.weight"))?,
         w.get(&format!("{a}.q_norm.weight"))?,
         eps,
     )?;
     let q = ops::rms_norm_unweighted(
-        &linear(&q_res, w.get(&format!("{a}.wq_b.weight"))?)?.reshape([n, heads, d])?,
+        &w.linear(&q_res, &format!("{a}.wq_b.weight"))?
+            .reshape([n, heads, d])?,
         eps,
     )?;
     Ok((q_res, rope.apply(&q, false)?))
@@ -51,7 +52,7 @@ pub(super) fn key_value(
     let a = prefix(l);
     let (n, d) = (x.dim(0), cfg.head_dim);
     let kv = ops::rms_norm(
-        &linear(x, w.get(&format!("{a}.wkv.weight"))?)?,
+        &w.linear(x, &format!("{a}.wkv.weight"))?,
         w.get(&format!("{a}.kv_norm.weight"))?,
         cfg.rms_norm_eps,
     )?;
@@ -148,14 +149,16 @@ pub(super) fn index_scores(
         .ok_or_else(|| Error::shape("indexer", "a CSA layer without an indexer"))?;
     let i = format!("{}.indexer", prefix(l));
     let n = x.dim(0);
-    let q =
-        linear(q_res, w.get(&format!("{i}.wq_b.weight"))?)?.reshape([n, ix.heads, ix.head_dim])?;
+    let q = w
+        .linear(q_res, &format!("{i}.wq_b.weight"))?
+        .reshape([n, ix.heads, ix.head_dim])?;
     let q = rope.apply(&q, false)?;
     let s = keys.scores(&q)?;
     let per_head = s
         .maximum(&s.full_like(0.0)?)?
         .affine((ix.head_dim as f64).powf(-0.5), 0.0)?;
-    let weights = linear(x, w.get(&format!("{i}.weights_proj.weight"))?)?
+    let weights = w
+        .linear(x, &format!("{i}.weights_proj.weight"))?
         .affine((ix.heads as f64).powf(-0.5), 0.0)?;
     weights.unsqueeze(2)?.broadcast_mul(&per_head)?.sum(1)
 }
@@ -237,6 +240,8 @@ pub(super) fn output(
         .get(&format!("{a}.wo_a.weight"))?
         .reshape([g, r, per])?
         .transpose(1, 2)?;
-    let y = grouped.matmul(&wa)?.transpose(0, 1)?.reshape([n, g * r])?;
-    linear(&y, w.get(&format!("{a}.wo_b.weight"))?)
+    let y = ops::matmul(w.dots(), &grouped, &wa)?
+        .transpose(0, 1)?
+        .reshape([n, g * r])?;
+    w.linear(&y, &format!("{a}.wo_b.weight"))
 }

@@ -14,12 +14,12 @@ use crate::model::precision::Dots;
 use crate::model::MoeStrategy;
 
 use super::attention::{self as attn, and, Keys};
-use super::weights::{linear, Rope, Weights};
+use super::weights::{Rope, Weights};
 
 /// The graph of a cache-free forward over `t` tokens.
 pub fn build_stateless(cfg: &V4Config, t: usize) -> Result<Graph> {
     let b = GraphBuilder::new(format!("v4_stateless_t{t}"));
-    let w = Weights::declare(&b, cfg, 1, Dots::Widen)?;
+    let w = Weights::declare(&b, cfg, 1, DType::F32, Dots::Widen)?;
     let ids = b.input("input_ids", InputRole::Metadata, [t], DType::I32)?;
     let positions = b.iota([t], DType::I32, 0)?;
     let main = Rope::new(cfg.rope_dim, &cfg.main_rope, &positions)?;
@@ -139,8 +139,12 @@ fn pool(
     let windows = x.dim(0) / rate;
     let used = windows * rate;
     let series = if overlap { 2 } else { 1 };
-    let kv = linear(x, w.get(&format!("{prefix}.wkv.weight"))?)?.narrow(0, 0, used)?;
-    let gate = linear(x, w.get(&format!("{prefix}.wgate.weight"))?)?.narrow(0, 0, used)?;
+    let kv = w
+        .linear(x, &format!("{prefix}.wkv.weight"))?
+        .narrow(0, 0, used)?;
+    let gate = w
+        .linear(x, &format!("{prefix}.wgate.weight"))?
+        .narrow(0, 0, used)?;
     let kv = kv.reshape([windows, rate, series * width])?;
     let gate = gate
         .reshape([windows, rate, series * width])?

@@ -14,7 +14,7 @@ mod weights;
 
 use crate::config::v4::V4Config;
 use crate::error::Result;
-use crate::graph::Tensor;
+use crate::graph::{DType, Tensor};
 use crate::model::{ops, MoeStrategy};
 
 use weights::Weights;
@@ -32,7 +32,10 @@ fn hidden(
     mut attention: impl FnMut(usize, &Tensor) -> Result<Tensor>,
 ) -> Result<Tensor> {
     let (n, streams, h) = (ids.dim(0), cfg.hc_mult, cfg.hidden_size);
-    let x = w.get("embed.weight")?.index_select(ids, 0)?;
+    let x = w
+        .get("embed.weight")?
+        .index_select(ids, 0)?
+        .to_dtype(DType::F32)?;
     let mut s = x.unsqueeze(1)?.broadcast_as([n, streams, h])?;
     for l in 0..cfg.num_hidden_layers {
         let p = format!("layers.{l}");
@@ -59,5 +62,5 @@ fn hidden(
 /// The logits of final hidden states `x` (`[n, vocab]`, or a rank's vocabulary rows' columns
 /// under tensor parallelism).
 fn head(w: &Weights, x: &Tensor) -> Result<Tensor> {
-    x.matmul(&w.get("head.weight")?.t()?)
+    w.linear(x, "head.weight")
 }

@@ -12,7 +12,7 @@ use crate::model::precision::Dots;
 use crate::model::MoeStrategy;
 
 use super::shard::{self, FP4_SCALE_SUFFIX};
-use super::weights::{linear, Weights};
+use super::weights::Weights;
 
 /// One layer's MoE over `x` (`[t, h]`): the routed experts (by score or by token id, evaluated
 /// as `strategy` says) and the shared expert, each `down(silu(min(gate, L)) * clamp(up, -L,
@@ -29,7 +29,7 @@ pub(super) fn moe(
     let f = format!("layers.{l}.ffn");
     let t = x.dim(0);
     let (e, k) = (cfg.n_routed_experts, cfg.num_experts_per_tok);
-    let logits = linear(x, w.get(&format!("{f}.gate.weight"))?)?;
+    let logits = w.linear(x, &format!("{f}.gate.weight"))?;
     let scores = match cfg.scoring {
         // sqrt(softplus(l)), softplus as max(l, 0) + log(1 + exp(-|l|)).
         V4Scoring::SqrtSoftplus => {
@@ -53,14 +53,14 @@ pub(super) fn moe(
         .affine(cfg.routed_scaling_factor, 0.0)?;
     let limit = cfg.swiglu_limit;
     let shared = format!("{f}.shared_experts");
-    let gate = linear(x, w.get(&format!("{shared}.w1.weight"))?)?;
-    let up = linear(x, w.get(&format!("{shared}.w3.weight"))?)?;
+    let gate = w.linear(x, &format!("{shared}.w1.weight"))?;
+    let up = w.linear(x, &format!("{shared}.w3.weight"))?;
     // A rank's shared expert is its share of the channels, its routed experts its `e /
     // ranks` from its first (an input, see `super::shard`): both sums are partial. Another
     // rank's expert runs here as the rank's first, with weight 0.
-    let shared = linear(
+    let shared = w.linear(
         &clamped_swiglu(&gate, &up, limit)?,
-        w.get(&format!("{shared}.w2.weight"))?,
+        &format!("{shared}.w2.weight"),
     )?;
     let local = e / w.ranks();
     let (chosen, weights) = match w.first_expert()? {

@@ -46,7 +46,7 @@ use crate::model::{
 };
 
 use super::attention::{self as attn, and, Keys};
-use super::weights::{linear, Rope, Weights};
+use super::weights::{Rope, Weights};
 
 /// Every layer's window of shared K=V, per sequence.
 pub const SWA_RING: &str = "swa_ring";
@@ -78,9 +78,13 @@ pub struct V4Step {
     pub sampler: Sampler,
     /// How the routed experts are evaluated.
     pub moe: MoeStrategy,
-    /// How FP4 experts multiply: [`Dots::Widen`] (dequantized to f32, the CPU's), or a
-    /// device's [`Dots::Split`] (dequantized to bf16, exact for E2M1 times a power of two, and
-    /// multiplied at the matmul units' bf16 rate into f32).
+    /// The dtype the matrices are held in (f32 or bf16; the other weights are f32, see
+    /// [`super::tensors::V4TensorKind`]).
+    pub weights: DType,
+    /// How bf16 matrices and FP4 experts multiply: [`Dots::Widen`] (widened, FP4 dequantized,
+    /// to f32: the CPU's), or a device's [`Dots::Split`] (the f32 activations split in two
+    /// bf16 parts against the bf16 weights, FP4 dequantized to bf16, which is exact for E2M1
+    /// times a power of two, multiplied at the matmul units' bf16 rate into f32).
     pub dots: Dots,
 }
 
@@ -327,6 +331,7 @@ pub fn build_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<
         logits: want,
         sampler,
         moe,
+        weights,
         dots,
     } = *spec;
     let block = cache.block_size;
@@ -358,7 +363,7 @@ pub fn build_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<
         }
     };
     let b = GraphBuilder::new(name);
-    let w = Weights::declare(&b, cfg, spec.ranks, dots)?;
+    let w = Weights::declare(&b, cfg, spec.ranks, weights, dots)?;
     let meta =
         |name: &str, shape: Vec<usize>| b.input(name, InputRole::Metadata, shape, DType::I32);
     let ids = meta(inputs::INPUT_IDS, vec![n])?;
@@ -638,9 +643,9 @@ fn compressed(
     let place = p.rem(&p.full_like(m as f64)?)?;
     let mut source = Vec::new();
     for (prefix, _) in &compressors {
-        source.push(linear(x, w.get(&format!("{prefix}.wkv.weight"))?)?);
+        source.push(w.linear(x, &format!("{prefix}.wkv.weight"))?);
         let ape = w.get(&format!("{prefix}.ape"))?.index_select(&place, 0)?;
-        source.push(linear(x, w.get(&format!("{prefix}.wgate.weight"))?)?.add(&ape)?);
+        source.push(w.linear(x, &format!("{prefix}.wgate.weight"))?.add(&ape)?);
     }
     let fresh = b.cat(&source.iter().collect::<Vec<_>>(), 1)?;
 

@@ -17,11 +17,19 @@ use crate::error::{Error, Result};
 use crate::graph::DType;
 use crate::weights::{scale_name, Checkpoint, Conversion};
 
-/// What a tensor holds, which decides the stored dtypes it may have.
+/// What a tensor holds, which decides the stored dtypes it may have and the dtype it is held in.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum V4TensorKind {
-    /// Weights and parameters: f32, bf16 or f16, or a 2-D weight in FP8 (E4M3) with its block
-    /// scales (`X.scale` beside `X.weight`), dequantized to f32 when read.
+    /// A matrix the activations are multiplied by (a projection, a shared or unquantized
+    /// routed expert, the embedding, the LM head): stored as f32, bf16 or f16, or in FP8 (E4M3)
+    /// with its block scales (`X.scale` beside `X.weight`); held in the weights' dtype (`--dtype`:
+    /// f32 or bf16), FP8 ones dequantized into it.
+    Matrix,
+    /// Parameters held in f32 whatever the weights' dtype: vectors (norms, sinks, `ape`, the
+    /// router's bias), the router's matrix and the indexer's head weights (they decide which
+    /// experts and which compressed entries a token sees, and transformers keeps routers in
+    /// f32 too), and the hyper-connections' small mixing matrices. Stored as f32, bf16 or f16
+    /// (FP8 accepted for a 2-D one, dequantized to f32).
     Float,
     /// A hash layer's `tid2eid` table: expert ids, an integer dtype.
     ExpertIds,
@@ -42,10 +50,12 @@ pub struct V4Tensor {
 }
 
 impl V4TensorKind {
-    /// The dtype a rank's graph input of this kind is held in: floats in f32 (an FP4 expert's
-    /// scales too), expert ids in i32, FP4 codes as bytes.
-    pub fn dtype(self) -> DType {
+    /// The dtype a rank's graph input of this kind is held in when the weights are held in
+    /// `weights`: matrices in it, other floats in f32 (an FP4 expert's scales too), expert ids
+    /// in i32, FP4 codes as bytes.
+    pub fn dtype(self, weights: DType) -> DType {
         match self {
+            V4TensorKind::Matrix => weights,
             V4TensorKind::Float => DType::F32,
             V4TensorKind::ExpertIds => DType::I32,
             V4TensorKind::Fp4 => DType::U8,
@@ -54,12 +64,20 @@ impl V4TensorKind {
 }
 
 impl V4Tensor {
-    fn float(name: String, shape: Vec<usize>) -> Self {
+    fn new(name: String, shape: Vec<usize>, kind: V4TensorKind) -> Self {
         V4Tensor {
             names: vec![name],
             shape,
-            kind: V4TensorKind::Float,
+            kind,
         }
+    }
+
+    fn float(name: String, shape: Vec<usize>) -> Self {
+        V4Tensor::new(name, shape, V4TensorKind::Float)
+    }
+
+    fn matrix(name: String, shape: Vec<usize>) -> Self {
+        V4Tensor::new(name, shape, V4TensorKind::Matrix)
     }
 }
 
@@ -69,14 +87,14 @@ pub fn expected(cfg: &V4Config) -> Vec<V4Tensor> {
     let (heads, d) = (cfg.num_attention_heads, cfg.head_dim);
     let mix = (2 + n) * n;
     let mut out = vec![
-        V4Tensor::float("embed.weight".into(), vec![v, h]),
+        V4Tensor::matrix("embed.weight".into(), vec![v, h]),
         V4Tensor::float("norm.weight".into(), vec![h]),
         V4Tensor::float("hc_head_fn".into(), vec![n, n * h]),
         V4Tensor::float("hc_head_base".into(), vec![n]),
         V4Tensor::float("hc_head_scale".into(), vec![1]),
     ];
     if !cfg.tie_word_embeddings {
-        out.push(V4Tensor::float("head.weight".into(), vec![v, h]));
+        out.push(V4Tensor::matrix("head.weight".into(), vec![v, h]));
     }
     for l in 0..cfg.num_hidden_layers {
         let p = format!("layers.{l}");
@@ -91,52 +109,58 @@ pub fn expected(cfg: &V4Config) -> Vec<V4Tensor> {
         // Attention: q through its latent, the one K=V head, the grouped output projection.
         let a = format!("{p}.attn");
         let q = cfg.q_lora_rank;
-        t(format!("{a}.wq_a.weight"), vec![q, h]);
-        t(format!("{a}.q_norm.weight"), vec![q]);
-        t(format!("{a}.wq_b.weight"), vec![heads * d, q]);
-        t(format!("{a}.wkv.weight"), vec![d, h]);
-        t(
-            format!("{a}.wo_a.weight"),
-            vec![cfg.o_groups * cfg.o_lora_rank, heads * d / cfg.o_groups],
-        );
-        t(
-            format!("{a}.wo_b.weight"),
-            vec![h, cfg.o_groups * cfg.o_lora_rank],
-        );
-        t(format!("{a}.attn_sink"), vec![heads]);
+        let matrix = |name: String, shape: Vec<usize>| (name, shape, V4TensorKind::Matrix);
+        let float = |name: String, shape: Vec<usize>| (name, shape, V4TensorKind::Float);
+        let mut attention = vec![
+            matrix(format!("{a}.wq_a.weight"), vec![q, h]),
+            float(format!("{a}.q_norm.weight"), vec![q]),
+            matrix(format!("{a}.wq_b.weight"), vec![heads * d, q]),
+            matrix(format!("{a}.wkv.weight"), vec![d, h]),
+            matrix(
+                format!("{a}.wo_a.weight"),
+                vec![cfg.o_groups * cfg.o_lora_rank, heads * d / cfg.o_groups],
+            ),
+            matrix(
+                format!("{a}.wo_b.weight"),
+                vec![h, cfg.o_groups * cfg.o_lora_rank],
+            ),
+            float(format!("{a}.attn_sink"), vec![heads]),
+        ];
         // The compressors: CSA's project to two series (2d), HCA's to one; CSA's indexer has
         // its own, at index_head_dim.
         let compressor = |prefix: &str, width: usize, rate: usize, series: usize| {
             vec![
-                (format!("{prefix}.wkv.weight"), vec![series * width, h]),
-                (format!("{prefix}.wgate.weight"), vec![series * width, h]),
-                (format!("{prefix}.ape"), vec![rate, series * width]),
-                (format!("{prefix}.norm.weight"), vec![width]),
+                matrix(format!("{prefix}.wkv.weight"), vec![series * width, h]),
+                matrix(format!("{prefix}.wgate.weight"), vec![series * width, h]),
+                float(format!("{prefix}.ape"), vec![rate, series * width]),
+                float(format!("{prefix}.norm.weight"), vec![width]),
             ]
         };
-        let mut extra = Vec::new();
         match cfg.attention[l] {
             V4Attention::Sliding => {}
             V4Attention::HeavilyCompressed => {
-                extra.extend(compressor(&format!("{a}.compressor"), d, cfg.hca_rate, 1));
+                attention.extend(compressor(&format!("{a}.compressor"), d, cfg.hca_rate, 1));
             }
             V4Attention::CompressedSparse => {
-                extra.extend(compressor(&format!("{a}.compressor"), d, cfg.csa_rate, 2));
+                attention.extend(compressor(&format!("{a}.compressor"), d, cfg.csa_rate, 2));
                 if let Some(ix) = cfg.indexer {
                     let i = format!("{a}.indexer");
-                    extra.extend(compressor(
+                    attention.extend(compressor(
                         &format!("{i}.compressor"),
                         ix.head_dim,
                         cfg.csa_rate,
                         2,
                     ));
-                    extra.push((format!("{i}.wq_b.weight"), vec![ix.heads * ix.head_dim, q]));
-                    extra.push((format!("{i}.weights_proj.weight"), vec![ix.heads, h]));
+                    attention.push(matrix(
+                        format!("{i}.wq_b.weight"),
+                        vec![ix.heads * ix.head_dim, q],
+                    ));
+                    attention.push(float(format!("{i}.weights_proj.weight"), vec![ix.heads, h]));
                 }
             }
         }
-        for (name, shape) in extra {
-            t(name, shape);
+        for (name, shape, kind) in attention {
+            out.push(V4Tensor::new(name, shape, kind));
         }
         // MoE: the router (its correction bias, or a hash layer's table), the experts, the
         // shared expert.
@@ -146,19 +170,20 @@ pub fn expected(cfg: &V4Config) -> Vec<V4Tensor> {
             cfg.num_experts_per_tok,
             cfg.moe_intermediate_size,
         );
-        t(format!("{f}.gate.weight"), vec![e, h]);
+        out.push(V4Tensor::float(format!("{f}.gate.weight"), vec![e, h]));
         if cfg.routing[l] == V4Routing::TopK {
-            t(format!("{f}.gate.bias"), vec![e]);
+            out.push(V4Tensor::float(format!("{f}.gate.bias"), vec![e]));
         }
         let expert_kind = match cfg.experts {
-            V4Experts::Float => V4TensorKind::Float,
+            V4Experts::Float => V4TensorKind::Matrix,
             V4Experts::Fp4 => V4TensorKind::Fp4,
         };
         // One shared expert as wide as a routed one (transformers' `DeepseekV4MLP` reads
         // `moe_intermediate_size`).
-        t(format!("{f}.shared_experts.w1.weight"), vec![m, h]);
-        t(format!("{f}.shared_experts.w2.weight"), vec![h, m]);
-        t(format!("{f}.shared_experts.w3.weight"), vec![m, h]);
+        let shared = format!("{f}.shared_experts");
+        out.push(V4Tensor::matrix(format!("{shared}.w1.weight"), vec![m, h]));
+        out.push(V4Tensor::matrix(format!("{shared}.w2.weight"), vec![h, m]));
+        out.push(V4Tensor::matrix(format!("{shared}.w3.weight"), vec![m, h]));
         for x in 0..e {
             for (proj, shape) in [("w1", [m, h]), ("w2", [h, m]), ("w3", [m, h])] {
                 out.push(V4Tensor {
@@ -216,7 +241,7 @@ pub fn check(cfg: &V4Config, ckpt: &Checkpoint) -> Result<usize> {
                 ckpt.check(&scale, &[out, inputs / FP4_GROUP])?;
                 seen.insert(scale);
             }
-            V4TensorKind::Float if dtype == "F8_E4M3" => {
+            V4TensorKind::Matrix | V4TensorKind::Float if dtype == "F8_E4M3" => {
                 ckpt.check(name, &t.shape)?;
                 let Some(block) = cfg.fp8_block else {
                     return Err(Error::Weights(format!(
@@ -279,13 +304,14 @@ pub fn check(cfg: &V4Config, ckpt: &Checkpoint) -> Result<usize> {
 }
 
 /// Reads every tensor of [`expected`] from `ckpt` (after [`check`]), keyed by its published
-/// name, the name the graphs' weight inputs take: floats as f32 (FP8 weights dequantized with
-/// their block scales), `tid2eid` as i32, and an FP4 expert as stored, its codes (u8) under its
-/// name and its scales (f32) under `X.scale`.
-pub fn load(cfg: &V4Config, ckpt: &Checkpoint) -> Result<HashMap<String, Tensor>> {
+/// name, the name the graphs' weight inputs take, in the dtype [`V4TensorKind::dtype`] gives
+/// it for weights held in `weights`: matrices in `weights` and other floats in f32 (FP8 ones
+/// dequantized with their block scales), `tid2eid` as i32, and an FP4 expert as stored, its
+/// codes (u8) under its name and its scales (f32) under `X.scale`.
+pub fn load(cfg: &V4Config, ckpt: &Checkpoint, weights: DType) -> Result<HashMap<String, Tensor>> {
     check(cfg, ckpt)?;
-    let conv = Conversion {
-        dtype: DType::F32,
+    let conversion = |kind: V4TensorKind| Conversion {
+        dtype: kind.dtype(weights),
         fp8_block: cfg.fp8_block,
     };
     let mut out = HashMap::new();
@@ -297,7 +323,9 @@ pub fn load(cfg: &V4Config, ckpt: &Checkpoint) -> Result<HashMap<String, Tensor>
             .unwrap_or(&t.names[0]);
         let name = t.names[0].clone();
         let value = match t.kind {
-            V4TensorKind::Float => ckpt.tensor(stored, &t.shape, &conv)?,
+            kind @ (V4TensorKind::Matrix | V4TensorKind::Float) => {
+                ckpt.tensor(stored, &t.shape, &conversion(kind))?
+            }
             V4TensorKind::ExpertIds => ckpt.tensor_i32(stored, &t.shape)?,
             V4TensorKind::Fp4 => {
                 let (codes, scales) = ckpt.fp4(stored, [t.shape[0], t.shape[1]])?;

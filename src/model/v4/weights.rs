@@ -23,18 +23,20 @@ pub(super) struct Weights {
 }
 
 impl Weights {
-    /// Declares every weight a rank of a `ranks`-way split of `cfg` holds on `b` (f32,
-    /// `tid2eid` i32, FP4 experts' codes u8), and with more than one rank the rank's offsets;
-    /// the FP4 experts multiply as `dots` says.
+    /// Declares every weight a rank of a `ranks`-way split of `cfg` holds on `b` (matrices in
+    /// `dtype`, other floats f32, `tid2eid` i32, FP4 experts' codes u8: see
+    /// [`super::tensors::V4TensorKind::dtype`]), and with more than one rank the rank's
+    /// offsets; reduced-precision matrices (bf16 ones, FP4 experts) multiply as `dots` says.
     pub(super) fn declare(
         b: &GraphBuilder,
         cfg: &V4Config,
         ranks: usize,
+        dtype: DType,
         dots: Dots,
     ) -> Result<Self> {
         let mut inputs = HashMap::new();
         for t in shard::rank_tensors(cfg, ranks)? {
-            let dtype = t.kind.dtype();
+            let dtype = t.kind.dtype(dtype);
             let x = b.input(t.name.clone(), InputRole::Weight, t.shape, dtype)?;
             inputs.insert(t.name, x);
         }
@@ -49,9 +51,15 @@ impl Weights {
         })
     }
 
-    /// How a matmul with a reduced-precision weight (an FP4 expert) multiplies.
+    /// How a matmul with a reduced-precision weight (a bf16 matrix, an FP4 expert) multiplies.
     pub(super) fn dots(&self) -> Dots {
         self.dots
+    }
+
+    /// `x @ w^T` for weight `name` ([`ops::linear`] under [`Weights::dots`]): an f32 product
+    /// for an f32 weight, and for a bf16 one the CPU's widened or a device's split dot.
+    pub(super) fn linear(&self, x: &Tensor, name: &str) -> Result<Tensor> {
+        ops::linear(self.dots, x, self.get(name)?)
     }
 
     /// The tensor-parallel degree.
@@ -95,11 +103,6 @@ impl Weights {
             .get(name)
             .ok_or_else(|| Error::shape("weight", format!("no V4 weight `{name}`")))
     }
-}
-
-/// `x @ w^T` ([`ops::linear`]); the weights are f32 so far, so every product is an f32 one.
-pub(super) fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    ops::linear(Dots::Widen, x, w)
 }
 
 /// cos and sin (`[n, rope_dim / 2]`) of one RoPE at some positions (`[n]` i32).
