@@ -42,8 +42,8 @@ pub(crate) struct GenerateArgs {
     #[arg(long, default_value_t = 0)]
     seed: u32,
     /// Tokens to draft a step with the model's multi-token-prediction layer and verify in one
-    /// forward pass (speculative decoding; greedy only for now, the CPU backend only); 0 off.
-    /// Prints the acceptance to stderr.
+    /// forward pass (speculative decoding: greedy, or sampled by rejection sampling; the CPU
+    /// backend only); 0 off. Prints the acceptance to stderr.
     #[arg(long, default_value_t = 0)]
     speculative_tokens: usize,
     /// Print `{"token_ids": [...], "text": "..."}` instead of the text.
