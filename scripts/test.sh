@@ -98,19 +98,20 @@ for fixture in tiny-v4 tiny-v4-fp8; do
     done
 done
 # DeepSeek-V4 with its matrices in bf16 (--dtype bf16, the device's split dots), in XLA against
-# our CPU backend: tiny-v4 at --tp 1, and tiny-v4-fp8 at --tp 2 also against transformers,
-# since bf16 holds its FP8 (power-of-two block scales) and bf16 tensors exactly. The tolerance
-# is 1e-3: where XLA's f32 activations and ours differ in their last bits, the split's bf16
-# high part can round the other way (measured up to 2.2e-4 on the prefill logits; tests/v4.rs
-# holds the runners to transformers' own bf16 drift).
-for run in tiny-v4:1 tiny-v4-fp8:2; do
-    IFS=: read -r fixture tp <<< "$run"
+# our CPU backend: tiny-v4 at --tp 1 with bf16 cache roots too, and tiny-v4-fp8 at --tp 2 also
+# against transformers, since bf16 holds its FP8 (power-of-two block scales) and bf16 tensors
+# exactly. The tolerance is 1e-3 (and a bf16 root's one ulp): where XLA's f32 activations and
+# ours differ in their last bits, the split's bf16 high part, or a cache row, can round the
+# other way (measured up to 2.2e-4 on the prefill logits; tests/v4.rs holds the runners to
+# transformers' own bf16 drift).
+for run in "tiny-v4:1:bf16" "tiny-v4-fp8:2:f32"; do
+    IFS=: read -r fixture tp kv <<< "$run"
     ids=$(.venv/bin/python -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['token_ids'])))" "fixtures/$fixture/reference.json")
     target/release/deepinfer lower --model "fixtures/$fixture" --out "$out/$fixture-bf16-tp$tp" --tp "$tp" \
-        --dtype bf16 --batch-sizes 1,2,4,8 --ctx 64 --inputs-from-token-ids "$ids" > /dev/null
+        --dtype bf16 --kv-dtype "$kv" --batch-sizes 1,2,4,8 --ctx 64 --inputs-from-token-ids "$ids" > /dev/null
     reference=()
     [ "$fixture" = tiny-v4-fp8 ] && reference=(--reference "fixtures/$fixture/reference.json")
-    echo "== XLA conformance: $fixture --dtype bf16 --tp $tp"
+    echo "== XLA conformance: $fixture --dtype bf16 --kv-dtype $kv --tp $tp"
     .venv/bin/python scripts/xla_check.py "$out/$fixture-bf16-tp$tp" --tol 1e-3 "${reference[@]}" || status=1
 done
 # Reduced precision, in XLA against our CPU backend and against transformers: bf16 weights and
@@ -197,12 +198,12 @@ echo "== XLA conformance: tests/conformance"
 # compiles (whole, they are over its instruction budget); V2-Lite whole and at --tp 2.
 # V4-Flash again at 131,072 positions: CSA's selection over 32,768 compressed entries, which a
 # sort would exceed neuronx-cc's 16,384 with (it masks by threshold instead); and as it fits one
-# trn1.32xlarge (`deepinfer plan`): its matrices in bf16, 4 sequences.
+# trn1.32xlarge (`deepinfer plan`): its matrices and cache in bf16, 8 sequences.
 for run in deepseek-v2-lite:: deepseek-v2-lite::2 "deepseek-v2-lite:--quantize experts-int4:" \
     "deepseek-v2-lite:--split-sampler:" \
     deepseek-v2::32 deepseek-v3::32 deepseek-v3.2::32 deepseek-v4-flash::32 \
     "deepseek-v4-flash:--max-len 131072 --max-batch 1:32" \
-    "deepseek-v4-flash:--dtype bf16 --max-batch 4:32"; do
+    "deepseek-v4-flash:--dtype bf16 --kv-dtype bf16 --max-batch 8:32"; do
     IFS=: read -r config allow tp <<< "$run"
     tp=${tp:-1}
     echo "== lower --check neuron: fixtures/configs/$config.json --tp $tp $allow"

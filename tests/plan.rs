@@ -467,8 +467,8 @@ fn human_output_is_a_table() {
 /// DeepSeek-V4-Flash as published (FP8 weights, FP4 experts) on one trn1.32xlarge at its
 /// deployment degree, as the runner holds it (FP4 experts as stored, the model read whole into
 /// host memory before each rank's share is cut): with its matrices in f32 it does not fit, for
-/// HBM and for host RAM; in bf16 it fits at 4 sequences; a dtype the V4 graphs do not compute
-/// in is refused.
+/// HBM and for host RAM; in bf16 (weights and cache) it fits at 8 sequences; a dtype the V4
+/// graphs do not compute in is refused.
 #[test]
 fn v4_flash_as_published_on_trn1_32xlarge() {
     let v = plan(
@@ -486,8 +486,8 @@ fn v4_flash_as_published_on_trn1_32xlarge() {
     );
     let host = &v["host"];
     assert!(u(host, "held_whole") > u(host, "largest_shard"), "{host}");
-    // Its matrices in bf16, 4 sequences (fewer buckets, a smaller cache): it fits, host RAM
-    // while loading included.
+    // Its matrices and caches in bf16, 8 sequences (fewer buckets, a smaller cache): it fits,
+    // host RAM while loading included.
     let v = plan(
         "deepseek-v4-flash.json",
         &[
@@ -497,16 +497,23 @@ fn v4_flash_as_published_on_trn1_32xlarge() {
             "32",
             "--dtype",
             "bf16",
+            "--kv-dtype",
+            "bf16",
             "--max-batch",
-            "4",
+            "8",
         ],
     );
     assert_eq!(v["fits"], true, "{v}");
-    assert_eq!(v["dtype"], "bf16", "{v}");
+    assert_eq!(
+        (&v["dtype"], &v["kv_dtype"]),
+        (&"bf16".into(), &"bf16".into()),
+        "{v}"
+    );
     let flash = config("deepseek-v4-flash.json");
     for (flag, dtype, why) in [
-        ("--dtype", "f16", "with its matrices in f32 or bf16"),
-        ("--kv-dtype", "bf16", "its caches in f32"),
+        ("--dtype", "f16", "its caches in f32 or bf16"),
+        ("--kv-dtype", "f16", "its caches in f32 or bf16"),
+        ("--quantize", "experts-int4", "routed experts as published"),
     ] {
         assert_bad_input(
             &deepinfer(&["plan", "--config", &flash, flag, dtype]),

@@ -641,8 +641,8 @@ fn a_v4_flash_token_costs_a_tenth_of_a_v32_token() {
     }
 }
 
-/// `deepinfer lower` on a V4 directory refuses what its graphs cannot do yet, naming it: a
-/// reduced-precision cache, and a degree that does not divide the model.
+/// `deepinfer lower` on a V4 directory refuses what its graphs cannot do yet, naming it: an
+/// f16 cache, and a degree that does not divide the model.
 #[test]
 fn lowering_v4_refuses_what_it_cannot_do_yet() {
     use deepinfer::export::{lower_sharded, LowerOptions};
@@ -653,7 +653,7 @@ fn lowering_v4_refuses_what_it_cannot_do_yet() {
         ctx: 64,
         inputs_from_token_ids: None,
         precision: PrecisionChoice {
-            kv_dtype: DTypeChoice::Exactly(DType::BF16),
+            kv_dtype: DTypeChoice::Exactly(DType::F16),
             ..PrecisionChoice::default()
         },
         dots: Dots::Widen,
@@ -661,7 +661,7 @@ fn lowering_v4_refuses_what_it_cannot_do_yet() {
     };
     let dir = common::fixture_dir("tiny-v4");
     let err = lower_sharded(&dir, &out, &opts, 1).unwrap_err().to_string();
-    assert!(err.contains("caches are f32 so far"), "{err}");
+    assert!(err.contains("caches are held in f32 or bf16"), "{err}");
     opts.precision = PrecisionChoice::default();
     let err = lower_sharded(&dir, &out, &opts, 3).unwrap_err().to_string();
     assert!(
@@ -714,15 +714,17 @@ fn match_transformers(fixture: &str, names: &[&str], precision: &Precision) {
 #[test]
 fn bf16_matrices_drift_no_more_than_transformers_bf16() {
     for fixture in [F32, FP8_FP4] {
-        bf16_within_the_peers_drift(fixture);
+        bf16_within_the_peers_drift(fixture, DType::F32);
     }
+    bf16_within_the_peers_drift(F32, DType::BF16);
 }
 
-fn bf16_within_the_peers_drift(fixture: &str) {
+fn bf16_within_the_peers_drift(fixture: &str, kv_cache: DType) {
     let f32_ref: V4Reference = common::reference_file(fixture, "reference.json");
     let peer: V4Reference = common::reference_file(fixture, "reference-bf16.json");
     let names = ["cpu", "nrt-sim", "nrt-sim --tp 2 --split-sampler"];
-    for (name, served) in through_the_runners(fixture, &names, &bf16()) {
+    let precision = Precision { kv_cache, ..bf16() };
+    for (name, served) in through_the_runners(fixture, &names, &precision) {
         let drift = served.worst(&f32_ref);
         let agree = served.argmax_agreement(&f32_ref);
         // The peer on exactly the rows served.
@@ -735,8 +737,9 @@ fn bf16_within_the_peers_drift(fixture: &str) {
         let peer_drift = peer_rows.worst(&f32_ref);
         let peer_agree = peer_rows.argmax_agreement(&f32_ref);
         eprintln!(
-            "{fixture} (bf16) through the {name} runner: max |logit - f32| {drift:.3e} vs \
-             transformers-bf16 {peer_drift:.3e}; argmax agreement {agree:.4} vs {peer_agree:.4}"
+            "{fixture} (bf16, {kv_cache} cache) through the {name} runner: max |logit - f32| \
+             {drift:.3e} vs transformers-bf16 {peer_drift:.3e}; argmax agreement {agree:.4} vs \
+             {peer_agree:.4}"
         );
         assert!(
             drift <= peer_drift,
@@ -801,7 +804,7 @@ fn through_the_runners(
             prefill_seqs: 2,
         },
         moe: None,
-        kv_dtype: DType::F32,
+        kv_dtype: precision.kv_cache,
         tp,
         speculative_tokens: 0,
     };

@@ -16,7 +16,7 @@ use crate::backend::cpu::{self, Group, DEFAULT_COLLECTIVE_TIMEOUT};
 use crate::config::v4::V4Config;
 use crate::deployment::RunnerConfig;
 use crate::error::{Error, Result};
-use crate::graph::DType;
+use crate::host::candle_dtype;
 use crate::model::v4::step::{build_step, cache_roots, V4Step};
 use crate::model::v4::{shard, tensors};
 use crate::model::{CacheLayout, LogitsOutput, MoeStrategy, Sampler};
@@ -57,7 +57,7 @@ pub(super) fn lower(
     }
     // The scratch block and two sequences at full length (the packed prefill's inputs).
     let blocks = 2 * (opts.ctx / block) + 1;
-    let layout = CacheLayout::new(block, blocks, DType::F32, max_batch);
+    let layout = CacheLayout::new(block, blocks, precision.kv_cache, max_batch);
     std::fs::create_dir_all(out).map_err(io_err(out))?;
     let t = rc.buckets.prefill_chunk;
     let mut graphs = Vec::new();
@@ -111,7 +111,7 @@ pub(super) fn lower(
     let empty = cache_roots(cfg, &layout)?
         .into_iter()
         .map(|r| {
-            let zeros = CTensor::zeros(r.shape().to_vec(), candle_core::DType::F32, &Device::Cpu);
+            let zeros = CTensor::zeros(r.shape().to_vec(), candle_dtype(r.dtype), &Device::Cpu);
             Ok((r.name, zeros?))
         })
         .collect::<Result<Vec<_>>>()?;

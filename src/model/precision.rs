@@ -180,10 +180,9 @@ pub struct PrecisionChoice {
 
 impl PrecisionChoice {
     /// The dtypes to serve a DeepSeek-V4 model in: its matrices in f32 (`auto`, whatever the
-    /// checkpoint holds: FP8 ones are dequantized) or bf16, everything else and the caches in
-    /// f32 (see [`crate::model::v4::tensors::V4TensorKind`]). Other choices are refused: f16
-    /// weights, a reduced-precision cache (its compressor state and pooled entries are
-    /// accumulated across steps) and `--quantize` (FP4 experts are read as published).
+    /// checkpoint holds: FP8 ones are dequantized) or bf16, everything else in f32 (see
+    /// [`crate::model::v4::tensors::V4TensorKind`]), and its caches in f32 (`auto`) or bf16.
+    /// Other choices are refused: f16, and `--quantize` (FP4 experts are read as published).
     pub fn v4(&self) -> Result<Precision> {
         let weights = match self.dtype {
             DTypeChoice::Auto | DTypeChoice::Exactly(DType::F32) => DType::F32,
@@ -194,15 +193,15 @@ impl PrecisionChoice {
                 )))
             }
         };
-        if !matches!(
-            self.kv_dtype,
-            DTypeChoice::Auto | DTypeChoice::Exactly(DType::F32)
-        ) {
-            return Err(Error::InvalidInput(format!(
-                "--kv-dtype {}: DeepSeek-V4's caches are f32 so far (issue 43)",
-                self.kv_dtype
-            )));
-        }
+        let kv_cache = match self.kv_dtype {
+            DTypeChoice::Auto | DTypeChoice::Exactly(DType::F32) => DType::F32,
+            DTypeChoice::Exactly(DType::BF16) => DType::BF16,
+            DTypeChoice::Exactly(other) => {
+                return Err(Error::InvalidInput(format!(
+                    "--kv-dtype {other}: DeepSeek-V4's caches are held in f32 or bf16"
+                )))
+            }
+        };
         if self.quantize != Quantize::None {
             return Err(Error::InvalidInput(format!(
                 "--quantize {}: DeepSeek-V4's routed experts are read as published (FP4 or \
@@ -211,7 +210,7 @@ impl PrecisionChoice {
             )));
         }
         Ok(Precision {
-            kv_cache: DType::F32,
+            kv_cache,
             ..Precision::all(weights)
         })
     }

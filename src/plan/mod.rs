@@ -434,7 +434,7 @@ impl Plan {
 
     /// [`Plan::compute`] for a DeepSeek-V4 model, as its runner holds it: its matrices in
     /// `--dtype` (f32, the default, or bf16; FP8 ones dequantized at load), its other weights
-    /// in f32, FP4 experts as published, the cache in f32
+    /// in f32, FP4 experts as published, the cache in `--kv-dtype` (f32 or bf16)
     /// ([`crate::model::PrecisionChoice::v4`]); read whole into host memory before each rank's
     /// share is cut from it.
     fn compute_v4(cfg: &ModelConfig, v4: &V4Config, opts: &PlanOptions) -> Result<Plan> {
@@ -443,16 +443,17 @@ impl Plan {
             WeightDType::Float(DType::BF16) => Some(DType::BF16),
             WeightDType::Float(_) | WeightDType::Fp8 => None,
         };
-        let kv_ok = match opts.kv_dtype {
-            DTypeChoice::Auto => true,
-            DTypeChoice::Exactly(d) => d == DType::F32,
+        let kv_dtype = match opts.kv_dtype {
+            DTypeChoice::Auto => Some(DType::F32),
+            DTypeChoice::Exactly(d) => Some(d).filter(|d| matches!(d, DType::F32 | DType::BF16)),
         };
-        let Some(matrices) = matrices.filter(|_| kv_ok && opts.experts == Experts::AsWeights)
+        let (Some(matrices), Some(kv_dtype), Experts::AsWeights) =
+            (matrices, kv_dtype, opts.experts)
         else {
             return Err(Error::InvalidInput(
-                "DeepSeek-V4 is served with its matrices in f32 or bf16 (FP8 ones dequantized \
-                 at load), FP4 experts as published and its caches in f32: plan it with \
-                 --dtype f32 or bf16 and without --kv-dtype or --quantize"
+                "DeepSeek-V4 is served with its matrices and its caches in f32 or bf16 (FP8 \
+                 weights dequantized at load) and its routed experts as published: plan it \
+                 with --dtype and --kv-dtype f32 or bf16, without --quantize"
                     .into(),
             ));
         };
@@ -467,7 +468,7 @@ impl Plan {
                 V4Experts::Fp4 => Experts::Fp4,
                 V4Experts::Float => Experts::AsWeights,
             },
-            kv_dtype: DType::F32,
+            kv_dtype,
             entries,
             precision: Precision {
                 weights: matrices,
@@ -731,12 +732,13 @@ fn check_options(cfg: &ModelConfig, opts: &PlanOptions) -> Result<()> {
     if opts.instances == 0 {
         return Err(Error::InvalidInput("--instances must be at least 1".into()));
     }
-    if opts.experts != Experts::AsWeights && cfg.routing.is_none() {
-        return Err(Error::InvalidInput(
-            "--quantize experts-int8: this model has no routed experts (config.json sets no \
-             n_routed_experts)"
-                .into(),
-        ));
+    // A V4 model's routed experts are read as published (`Plan::compute_v4` says so).
+    if opts.experts != Experts::AsWeights && cfg.routing.is_none() && cfg.v4.is_none() {
+        return Err(Error::InvalidInput(format!(
+            "--quantize {}: this model has no routed experts (config.json sets no \
+             n_routed_experts)",
+            opts.experts
+        )));
     }
     check_tp(cfg, opts.tp, opts.instance, opts.instances)
 }
