@@ -34,20 +34,9 @@ from pathlib import Path
 
 import torch
 import transformers
-from transformers import DeepseekV4ForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import make_v4_fixture as base  # noqa: E402  (tiny-v4's forwards and cached greedy decode)
-
-
-def load_bf16(fixture):
-    model, info = DeepseekV4ForCausalLM.from_pretrained(
-        fixture, dtype=torch.bfloat16, attn_implementation="eager", experts_implementation="eager",
-        output_loading_info=True,
-    )
-    problems = {k: v for k, v in info.items() if v}
-    assert not problems, f"{fixture}: loading problems {problems}"
-    return model.eval()
+import make_v4_fixture as base  # noqa: E402  (tiny-v4's loading, forwards and cached greedy decode)
 
 
 def rows_of(model, reference):
@@ -67,7 +56,7 @@ def main():
     parser.add_argument("--fixture", default="fixtures/tiny-v4", type=Path)
     args = parser.parse_args()
     reference = json.loads((args.fixture / "reference.json").read_text())
-    model = load_bf16(args.fixture)
+    model = base.load_reference_model(args.fixture, dtype=torch.bfloat16)
     kept_f32 = sorted(
         name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.dtype != torch.bfloat16
     )

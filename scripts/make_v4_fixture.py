@@ -454,9 +454,9 @@ def check_checkpoint(out):
     return found
 
 
-def load_reference_model(out):
+def load_reference_model(out, dtype=torch.float32):
     model, info = DeepseekV4ForCausalLM.from_pretrained(
-        out, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager",
+        out, dtype=dtype, attn_implementation="eager", experts_implementation="eager",
         output_loading_info=True,
     )
     problems = {k: v for k, v in info.items() if v}
