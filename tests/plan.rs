@@ -511,9 +511,10 @@ fn v4_flash_as_published_on_trn1_32xlarge() {
     );
     let flash = config("deepseek-v4-flash.json");
     for (flag, dtype, why) in [
-        ("--dtype", "f16", "its caches in f32 or bf16"),
-        ("--kv-dtype", "f16", "its caches in f32 or bf16"),
-        ("--quantize", "experts-int4", "routed experts as published"),
+        ("--dtype", "f16", "weights are held in f32 or bf16"),
+        ("--dtype", "fp8", "dequantized at load"),
+        ("--kv-dtype", "f16", "caches are held in f32 or bf16"),
+        ("--quantize", "experts-int4", "read as published"),
     ] {
         assert_bad_input(
             &deepinfer(&["plan", "--config", &flash, flag, dtype]),

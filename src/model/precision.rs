@@ -184,24 +184,15 @@ impl PrecisionChoice {
     /// [`crate::model::v4::tensors::V4TensorKind`]), and its caches in f32 (`auto`) or bf16.
     /// Other choices are refused: f16, and `--quantize` (FP4 experts are read as published).
     pub fn v4(&self) -> Result<Precision> {
-        let weights = match self.dtype {
-            DTypeChoice::Auto | DTypeChoice::Exactly(DType::F32) => DType::F32,
-            DTypeChoice::Exactly(DType::BF16) => DType::BF16,
-            DTypeChoice::Exactly(other) => {
-                return Err(Error::InvalidInput(format!(
-                    "--dtype {other}: DeepSeek-V4's weights are held in f32 or bf16"
-                )))
-            }
+        let f32_or_bf16 = |choice: DTypeChoice, flag: &str, what: &str| match choice {
+            DTypeChoice::Auto | DTypeChoice::Exactly(DType::F32) => Ok(DType::F32),
+            DTypeChoice::Exactly(DType::BF16) => Ok(DType::BF16),
+            DTypeChoice::Exactly(other) => Err(Error::InvalidInput(format!(
+                "{flag} {other}: DeepSeek-V4's {what} are held in f32 or bf16"
+            ))),
         };
-        let kv_cache = match self.kv_dtype {
-            DTypeChoice::Auto | DTypeChoice::Exactly(DType::F32) => DType::F32,
-            DTypeChoice::Exactly(DType::BF16) => DType::BF16,
-            DTypeChoice::Exactly(other) => {
-                return Err(Error::InvalidInput(format!(
-                    "--kv-dtype {other}: DeepSeek-V4's caches are held in f32 or bf16"
-                )))
-            }
-        };
+        let weights = f32_or_bf16(self.dtype, "--dtype", "weights")?;
+        let kv_cache = f32_or_bf16(self.kv_dtype, "--kv-dtype", "caches")?;
         if self.quantize != Quantize::None {
             return Err(Error::InvalidInput(format!(
                 "--quantize {}: DeepSeek-V4's routed experts are read as published (FP4 or \

@@ -75,7 +75,7 @@ use crate::config::ModelConfig;
 use crate::deployment::{Buckets, Limits, DEFAULT_HBM_UTILIZATION};
 use crate::error::{Error, Result};
 use crate::graph::DType;
-use crate::model::{DTypeChoice, Dots, Precision, Quantize};
+use crate::model::{DTypeChoice, Dots, Precision, PrecisionChoice, Quantize};
 
 pub use self::bytes::WeightFormat;
 pub use self::instance::Instance;
@@ -434,29 +434,28 @@ impl Plan {
 
     /// [`Plan::compute`] for a DeepSeek-V4 model, as its runner holds it: its matrices in
     /// `--dtype` (f32, the default, or bf16; FP8 ones dequantized at load), its other weights
-    /// in f32, FP4 experts as published, the cache in `--kv-dtype` (f32 or bf16)
-    /// ([`crate::model::PrecisionChoice::v4`]); read whole into host memory before each rank's
-    /// share is cut from it.
+    /// in f32, FP4 experts as published, the cache in `--kv-dtype` (f32 or bf16), as the
+    /// runner's [`PrecisionChoice::v4`] decides; read whole into host memory before each
+    /// rank's share is cut from it.
     fn compute_v4(cfg: &ModelConfig, v4: &V4Config, opts: &PlanOptions) -> Result<Plan> {
-        let matrices = match opts.dtype {
-            WeightDType::Auto | WeightDType::Float(DType::F32) => Some(DType::F32),
-            WeightDType::Float(DType::BF16) => Some(DType::BF16),
-            WeightDType::Float(_) | WeightDType::Fp8 => None,
+        let dtype = match opts.dtype {
+            WeightDType::Auto => DTypeChoice::Auto,
+            WeightDType::Float(d) => DTypeChoice::Exactly(d),
+            WeightDType::Fp8 => {
+                return Err(Error::InvalidInput(
+                    "--dtype fp8: DeepSeek-V4's FP8 weights are dequantized at load, held in \
+                     f32 or bf16"
+                        .into(),
+                ))
+            }
         };
-        let kv_dtype = match opts.kv_dtype {
-            DTypeChoice::Auto => Some(DType::F32),
-            DTypeChoice::Exactly(d) => Some(d).filter(|d| matches!(d, DType::F32 | DType::BF16)),
-        };
-        let (Some(matrices), Some(kv_dtype), Experts::AsWeights) =
-            (matrices, kv_dtype, opts.experts)
-        else {
-            return Err(Error::InvalidInput(
-                "DeepSeek-V4 is served with its matrices and its caches in f32 or bf16 (FP8 \
-                 weights dequantized at load) and its routed experts as published: plan it \
-                 with --dtype and --kv-dtype f32 or bf16, without --quantize"
-                    .into(),
-            ));
-        };
+        let precision = PrecisionChoice {
+            dtype,
+            kv_dtype: opts.kv_dtype,
+            quantize: quantize_of(opts.experts),
+        }
+        .v4()?;
+        let (matrices, kv_dtype) = (precision.weights, precision.kv_cache);
         let entries = bytes::entries_v4(v4, opts.tp, matrices)?;
         // Every tensor as held, plus the largest one being read from the checkpoint.
         let whole = bytes::entries_v4(v4, 1, matrices)?;
@@ -471,9 +470,8 @@ impl Plan {
             kv_dtype,
             entries,
             precision: Precision {
-                weights: matrices,
                 dots: Dots::DEVICE,
-                ..Precision::F32
+                ..precision
             },
             held_whole,
         };
