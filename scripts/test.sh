@@ -14,7 +14,7 @@
 #    Then tensor parallelism: every fixture lowered for 2 and 4 ranks (`lower --tp N`: one HLO
 #    module per graph, one inputs file per rank) runs in XLA with 2 and 4 replicas; every rank
 #    must match our CPU backend and the decode logits transformers' reference. Then the split
-#    decode graphs of --split-sampler (tiny-v3, --tp 1 and 2).
+#    decode graphs of --split-sampler (tiny-v3, --tp 1 and 2; tiny-v4, --tp 2).
 #    Then the conformance suite's cases (tests/conformance/*.json) run as our emitted HLO in XLA and
 #    must match numpy's expected values, as they do on the CPU backend, emit -> import -> CPU and
 #    nrt-sim in step 1 (scripts/xla_conformance.py).
@@ -170,10 +170,10 @@ for tp in 2 4; do
     done
 done
 # Split sampling (--split-sampler): each decode batch as its forward graph (to the logits) and
-# its sampling graph (reading them), at --tp 1 and 2; the sampled rows draw through the masks,
-# biases and penalties as in the fused graph.
-for tp in 1 2; do
-    fixture=tiny-v3
+# its sampling graph (reading them), tiny-v3 at --tp 1 and 2 and tiny-v4 at --tp 2; the sampled
+# rows draw through the masks, biases and penalties as in the fused graph.
+for run in tiny-v3:1 tiny-v3:2 tiny-v4:2; do
+    IFS=: read -r fixture tp <<< "$run"
     ids=$(.venv/bin/python -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['token_ids'])))" "fixtures/$fixture/reference.json")
     target/release/deepinfer lower --model "fixtures/$fixture" --out "$out/$fixture-split-tp$tp" --dtype f32 \
         --tp "$tp" --batch-sizes 1,4 --ctx 64 --inputs-from-token-ids "$ids" --split-sampler > /dev/null

@@ -4,7 +4,10 @@
 //! outputs of one real step when token ids are given, so that `scripts/xla_check.py` runs them
 //! in XLA and checks their logits against transformers'. V4 graphs hold their matrices in
 //! `--dtype` (f32 or bf16), multiply them as `--dots` says, return every fed token's logits
-//! and end in the full sampler, as the runners' do. Under `--tp N` each rank's
+//! and end in the full sampler, as the runners' do; with `--split-sampler`, each decode graph
+//! ends at the logits and is followed by its sampling graph, as a split capture compiles
+//! them. A decode step's rows all feed sequence A (so each row's logits are transformers'),
+//! row 0 greedy and the others through the sampler's filters, biases and masks. Under `--tp N` each rank's
 //! inputs are its cut of the weights ([`crate::model::v4::shard`]), as for MLA models.
 
 use std::collections::HashMap;
@@ -19,12 +22,15 @@ use crate::error::{Error, Result};
 use crate::host::candle_dtype;
 use crate::model::v4::step::{build_step, cache_roots, V4Step};
 use crate::model::v4::{shard, tensors};
-use crate::model::{CacheLayout, LogitsOutput, MoeStrategy, Sampler};
-use crate::runner::step::{self, DecodeRow, LogitControls, PrefillChunk, SamplingParams};
+use crate::model::{self, CacheLayout, LogitsOutput, MoeStrategy, Sampler, WeightSpecs};
+use crate::runner::step::{
+    self, DecodeRow, HostArray, HostData, LogitControls, PrefillChunk, SamplingParams,
+};
 use crate::weights::Checkpoint;
 
 use super::{
-    bind, io_err, write_graph, write_manifest, write_step, LowerOptions, Manifest, PACKED_SEQS,
+    bind, io_err, probe_controls, probe_mask, probe_sampling, write_graph, write_manifest,
+    write_step, LowerOptions, Manifest, PACKED_SEQS,
 };
 
 /// Lowers V4 model `cfg` (from `model_dir`) into `out`.
@@ -35,13 +41,6 @@ pub(super) fn lower(
     opts: &LowerOptions,
     ranks: usize,
 ) -> Result<Manifest> {
-    if opts.split_sampler {
-        return Err(Error::InvalidInput(
-            "lower --split-sampler does not write DeepSeek-V4's split decode graphs yet (the \
-             runners build them)"
-                .into(),
-        ));
-    }
     if let Some(why) = shard::indivisible(cfg, ranks) {
         return Err(Error::InvalidInput(why));
     }
@@ -76,6 +75,10 @@ pub(super) fn lower(
         };
         graphs.push((build_step(cfg, &layout, &spec)?, "prefill", t, seqs));
     }
+    // A split decode step's sampling graph is every model's ([`model::build_sample`]): it
+    // reads only the carried logits and the sampling inputs.
+    let model_cfg = cfg.clone().into_model_config();
+    let specs = WeightSpecs::sharded(&model_cfg, &precision.with_dots(opts.dots), ranks)?;
     for &b in &opts.batch_sizes {
         let spec = V4Step {
             rows: b,
@@ -84,12 +87,19 @@ pub(super) fn lower(
             decode: true,
             ranks,
             logits: LogitsOutput::AllPositions,
-            sampler: Sampler::Full,
+            sampler: match opts.split_sampler {
+                true => Sampler::Deferred,
+                false => Sampler::Full,
+            },
             moe: MoeStrategy::Gather,
             weights: precision.weights,
             dots: opts.dots,
         };
         graphs.push((build_step(cfg, &layout, &spec)?, "decode", b, b));
+        if opts.split_sampler {
+            let sample = model::build_sample(&model_cfg, &specs, &layout, b)?;
+            graphs.push((sample, "sample", b, b));
+        }
     }
     let mut manifest = Manifest::new(ranks, cfg.vocab_size);
     for (g, kind, rows, seqs) in &graphs {
@@ -143,6 +153,9 @@ pub(super) fn lower(
         .collect();
     let half_root = named_roots(&empty, &outs)?;
     let mut after_prompt = None;
+    // A split decode step's logits, from its forward graph to its sampling graph.
+    let mut carried: Option<CTensor> = None;
+    let allowed = probe_mask(vocab);
     for ((g, kind, rows, seqs), entry) in graphs.iter().zip(manifest.graphs.iter_mut()) {
         let pad = |real: Vec<Option<usize>>| {
             let n = real.len();
@@ -168,24 +181,40 @@ pub(super) fn lower(
             _ => {
                 // Every row feeds the prompt's next token to sequence A: the same values to
                 // the same slots, so each row's logits are transformers' at that position.
+                // Row 0 is greedy; the others draw through the sampler's filters, biases and
+                // masks (its logits output is before them).
                 let root = after_prompt.as_ref().ok_or_else(|| {
                     Error::Internal("the decode graphs come after the prefill".into())
                 })?;
                 let rows_in: Vec<DecodeRow> = (0..*rows)
-                    .map(|_| DecodeRow {
+                    .map(|i| DecodeRow {
                         token: last[0],
                         position: prompt.len(),
                         blocks: &a,
-                        sampling: SamplingParams::GREEDY,
+                        sampling: probe_sampling(i),
                         controls: LogitControls {
                             state_row: A_STATE,
-                            ..LogitControls::NONE
+                            ..probe_controls(i, prompt.len(), &allowed)
                         },
                     })
                     .collect();
+                let mut m = step::decode_step(&rows_in, *rows, opts.ctx, block, vocab)?;
+                if *kind == "sample" {
+                    // The logits its forward graph (the graph before it) returned.
+                    let logits = carried.take().ok_or_else(|| {
+                        Error::Internal(format!("{}: no forward graph before it", g.name()))
+                    })?;
+                    m.push(HostArray {
+                        name: model::STEP_LOGITS,
+                        shape: logits.dims().to_vec(),
+                        data: HostData::F32(logits.flatten_all()?.to_vec1()?),
+                    });
+                    write_step(g, &weights, &m, root, out, entry)?;
+                    continue;
+                }
                 entry.reference_positions = Some(vec![Some(prompt.len()); *rows]);
-                let m = step::decode_step(&rows_in, *rows, opts.ctx, block, vocab)?;
-                write_step(g, &weights, &m, root, out, entry)?;
+                let outs = write_step(g, &weights, &m, root, out, entry)?;
+                carried = outs.get(model::STEP_LOGITS).cloned();
             }
         }
     }

@@ -157,11 +157,35 @@ impl<'a> Weights<'a> {
         local_len: usize,
     ) -> Result<(Tensor, Tensor)> {
         let start = self.get(shard::SHARD_OFFSETS)?.narrow(0, which, 1)?;
-        let local = ids.broadcast_sub(&start)?;
-        let lo = local.ge(&local.full_like(0.0)?)?;
-        let mine = lo.where_cond(&local.lt(&local.full_like(local_len as f64)?)?, &lo)?;
-        Ok((mine.where_cond(&local, &local.full_like(0.0)?)?, mine))
+        local_indices(ids, &start, local_len)
     }
+}
+
+/// For each of the `ids` (i32 indices into an axis split across the ranks, `local_len` a rank,
+/// this rank's share starting at `start`, `[1]` i32): the index into this rank's share (0 where
+/// the id is another rank's) and whether it is this rank's.
+pub(crate) fn local_indices(
+    ids: &Tensor,
+    start: &Tensor,
+    local_len: usize,
+) -> Result<(Tensor, Tensor)> {
+    let local = ids.broadcast_sub(start)?;
+    let lo = local.ge(&local.full_like(0.0)?)?;
+    let mine = lo.where_cond(&local.lt(&local.full_like(local_len as f64)?)?, &lo)?;
+    Ok((mine.where_cond(&local, &local.full_like(0.0)?)?, mine))
+}
+
+/// The f32 rows of the embedding `table` for `ids` (`[n]` i32). With `first` (`[1]` i32: the
+/// vocabulary row this rank's share of the table starts at), an id of another rank's rows
+/// gives zeros: a partial embedding, which the caller all-reduces.
+pub(crate) fn embed_rows(table: &Tensor, ids: &Tensor, first: Option<&Tensor>) -> Result<Tensor> {
+    let Some(first) = first else {
+        return table.index_select(ids, 0)?.to_dtype(DType::F32);
+    };
+    let (local, mine) = local_indices(ids, first, table.dim(0))?;
+    let x = table.index_select(&local, 0)?.to_dtype(DType::F32)?;
+    let mine = mine.unsqueeze(1)?.broadcast_as(x.shape().clone())?;
+    mine.where_cond(&x, &x.full_like(0.0)?)
 }
 
 /// The paged KV-cache geometry a graph is built for.
@@ -482,13 +506,13 @@ fn embed(w: &Weights, ids: &Tensor) -> Result<Tensor> {
 /// all-reduce fills them in.
 fn embed_in(w: &Weights, name: &str, ids: &Tensor) -> Result<Tensor> {
     let table = w.get(name)?;
-    if w.ranks() == 1 {
-        return table.index_select(ids, 0)?.to_dtype(DType::F32);
+    match w.ranks() {
+        1 => embed_rows(&table, ids, None),
+        _ => {
+            let first = w.get(shard::SHARD_OFFSETS)?.narrow(0, 0, 1)?;
+            w.complete(embed_rows(&table, ids, Some(&first))?)
+        }
     }
-    let (local, mine) = w.local_ids(ids, 0, table.dim(0))?;
-    let x = table.index_select(&local, 0)?.to_dtype(DType::F32)?;
-    let mine = mine.unsqueeze(1)?.broadcast_as(x.shape().clone())?;
-    w.complete(mine.where_cond(&x, &x.full_like(0.0)?)?)
 }
 
 /// The logits of the hidden states `x` (`[n, hidden]`) over the part of the vocabulary this

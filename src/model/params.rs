@@ -229,6 +229,9 @@ struct Stream {
     /// This rank and the rank count (0 of 1: the whole model).
     rank: usize,
     ranks: usize,
+    /// A DeepSeek-V4 model's reader of this rank's tensors (its graph inputs are cut from
+    /// the published tensors by [`shard_v4`], not by [`shard::split_of`]).
+    v4: Option<Arc<shard_v4::RankReader>>,
 }
 
 impl ModelWeights {
@@ -357,21 +360,27 @@ impl ModelWeights {
 
     /// The parameters of a checkpoint in `precision`, read only when [`ModelWeights::fetch`]
     /// asks for one (a device runner uploading at capture): the host holds at most one tensor
-    /// as read and one shard of it at a time, not the model. Every tensor the model needs is
+    /// as read and one shard of it at a time (a DeepSeek-V4 rank's routed experts of one
+    /// projection, which it stacks), not the model. Every tensor the model needs is
     /// checked now (present, of the right shape), so a broken checkpoint fails here, naming
     /// the tensor, not halfway through a capture.
     pub fn stream(cfg: &ModelConfig, ckpt: Arc<Checkpoint>, precision: &Precision) -> Result<Self> {
-        // A V4 model's tensors are read whole into host memory so far (a rank's cut is taken
-        // from them, see `shard_v4`); streaming them rank by rank comes with its FP8/FP4 forms.
-        if cfg.v4.is_some() {
-            return ModelWeights::load(cfg, &ckpt, precision);
-        }
         let specs = WeightSpecs::new(cfg, precision);
-        for name in specs.names() {
-            for (source, shape) in checkpoint_tensors(&specs, name, 0, 1) {
-                ckpt.check(&source, &shape)?;
+        let v4 = match &cfg.v4 {
+            Some(v4) => {
+                tensors_v4::check(v4, &ckpt)?;
+                let reader = shard_v4::RankReader::new(v4, 1, 0, precision.weights)?;
+                Some(Arc::new(reader))
             }
-        }
+            None => {
+                for name in specs.names() {
+                    for (source, shape) in checkpoint_tensors(&specs, name, 0, 1) {
+                        ckpt.check(&source, &shape)?;
+                    }
+                }
+                None
+            }
+        };
         Ok(ModelWeights {
             stream: Some(Stream {
                 ckpt,
@@ -379,6 +388,7 @@ impl ModelWeights {
                 whole: specs.clone(),
                 rank: 0,
                 ranks: 1,
+                v4,
             }),
             ..ModelWeights::held(specs)
         })
@@ -395,6 +405,9 @@ impl ModelWeights {
         let Some(st) = &self.stream else {
             return Ok(vec![(name.to_string(), self.get(name)?.clone())]);
         };
+        if let Some(reader) = &st.v4 {
+            return reader.read(&st.ckpt, name)?.ok_or_else(missing);
+        }
         if name == shard::SHARD_OFFSETS {
             let t = shard_offsets(&st.cfg, st.rank, st.ranks)?;
             return Ok(vec![(name.to_string(), t)]);
@@ -488,6 +501,26 @@ impl ModelWeights {
                     .into(),
             ));
         }
+        if let Some(st) = &self.stream {
+            let v4 = match &cfg.v4 {
+                Some(v4) => Some(Arc::new(shard_v4::RankReader::new(
+                    v4,
+                    ranks,
+                    rank,
+                    self.specs.precision.weights,
+                )?)),
+                None => None,
+            };
+            return Ok(ModelWeights {
+                stream: Some(Stream {
+                    rank,
+                    ranks,
+                    v4,
+                    ..st.clone()
+                }),
+                ..ModelWeights::held(WeightSpecs::sharded(cfg, &self.specs.precision, ranks)?)
+            });
+        }
         if let Some(v4) = &cfg.v4 {
             return ModelWeights::v4_rank(
                 cfg,
@@ -499,16 +532,6 @@ impl ModelWeights {
             );
         }
         let specs = WeightSpecs::sharded(cfg, &self.specs.precision, ranks)?;
-        if let Some(st) = &self.stream {
-            return Ok(ModelWeights {
-                stream: Some(Stream {
-                    rank,
-                    ranks,
-                    ..st.clone()
-                }),
-                ..ModelWeights::held(specs)
-            });
-        }
         let mut tensors = HashMap::with_capacity(self.tensors.len() + 1);
         for (name, t) in &self.tensors {
             let shard = match shard::split_of(name) {

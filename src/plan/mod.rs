@@ -301,20 +301,15 @@ pub struct HostPeak {
     pub quantize_staging: u64,
     /// Ranks one instance loads at once (each on its own thread).
     pub ranks_at_once: u64,
-    /// The whole model as held, when the runner reads it all before cutting the ranks' shares
-    /// (DeepSeek-V4 so far; `largest_shard` is then a whole rank's weights); else 0.
-    pub held_whole: u64,
     /// The instance's RAM.
     pub ram: u64,
 }
 
 impl HostPeak {
-    /// The peak: the model held whole (if it is), and each rank loading at once holding the
-    /// three.
+    /// The peak: each rank loading at once holding the three.
     pub fn peak(&self) -> u64 {
-        self.held_whole
-            + self.ranks_at_once
-                * (self.largest_checkpoint_tensor + self.largest_shard + self.quantize_staging)
+        self.ranks_at_once
+            * (self.largest_checkpoint_tensor + self.largest_shard + self.quantize_staging)
     }
 }
 
@@ -327,8 +322,6 @@ struct Stored {
     entries: Vec<bytes::Entry>,
     /// The graphs' precision (for the NEFF estimates).
     precision: Precision,
-    /// Bytes the host holds whole before cutting the ranks' shares (DeepSeek-V4), else 0.
-    held_whole: u64,
 }
 
 /// A computed plan: per-rank bytes against the budget.
@@ -427,7 +420,6 @@ impl Plan {
             kv_dtype,
             entries,
             precision,
-            held_whole: 0,
         };
         Plan::assemble(cfg, opts, stored)
     }
@@ -435,8 +427,8 @@ impl Plan {
     /// [`Plan::compute`] for a DeepSeek-V4 model, as its runner holds it: its matrices in
     /// `--dtype` (f32, the default, or bf16; FP8 ones dequantized at load), its other weights
     /// in f32, FP4 experts as published, the cache in `--kv-dtype` (f32 or bf16), as the
-    /// runner's [`PrecisionChoice::v4`] decides; read whole into host memory before each
-    /// rank's share is cut from it.
+    /// runner's [`PrecisionChoice::v4`] decides; each rank's share read from the checkpoint
+    /// one tensor at a time, as for MLA models.
     fn compute_v4(cfg: &ModelConfig, v4: &V4Config, opts: &PlanOptions) -> Result<Plan> {
         let dtype = match opts.dtype {
             WeightDType::Auto => DTypeChoice::Auto,
@@ -457,10 +449,6 @@ impl Plan {
         .v4()?;
         let (matrices, kv_dtype) = (precision.weights, precision.kv_cache);
         let entries = bytes::entries_v4(v4, opts.tp, matrices)?;
-        // Every tensor as held, plus the largest one being read from the checkpoint.
-        let whole = bytes::entries_v4(v4, 1, matrices)?;
-        let reading = whole.iter().map(|e| e.checkpoint_bytes).max().unwrap_or(0);
-        let held_whole = reading + whole.iter().map(bytes::Entry::total_bytes).sum::<u64>();
         let stored = Stored {
             weights: WeightFormat::Float(matrices),
             experts: match v4.experts {
@@ -473,7 +461,6 @@ impl Plan {
                 dots: Dots::DEVICE,
                 ..precision
             },
-            held_whole,
         };
         Plan::assemble(cfg, opts, stored)
     }
@@ -495,7 +482,6 @@ impl Plan {
             kv_dtype,
             entries,
             precision,
-            held_whole,
         } = stored;
         let tp = opts.tp;
         let mut rc = limits.runner_config(cfg)?;
@@ -542,17 +528,10 @@ impl Plan {
             c.kv_cache = kv_blocks as u64 * block_bytes + fixed_cache;
         }
 
-        let largest_shard = match held_whole {
-            // Each rank's share is cut from the held model all at once.
-            0 => (0..tp)
-                .flat_map(|r| entries.iter().map(move |e| e.shard_bytes(tp, r)))
-                .max()
-                .unwrap_or(0),
-            _ => (0..tp)
-                .map(|r| bytes::rank_bytes(&entries, tp, r))
-                .max()
-                .unwrap_or(0),
-        };
+        let largest_shard = (0..tp)
+            .flat_map(|r| entries.iter().map(move |e| e.shard_bytes(tp, r)))
+            .max()
+            .unwrap_or(0);
         let quantize_staging = match (experts, &cfg.routing) {
             (Experts::Int8 | Experts::Int4, Some(_)) => {
                 (cfg.moe_intermediate_size * cfg.hidden_size * 4) as u64
@@ -560,19 +539,14 @@ impl Plan {
             _ => 0,
         };
         let host = HostPeak {
-            // Read into the model held whole, if it is (counted there), not per rank.
-            largest_checkpoint_tensor: match held_whole {
-                0 => entries
-                    .iter()
-                    .map(|e| e.checkpoint_bytes)
-                    .max()
-                    .unwrap_or(0),
-                _ => 0,
-            },
+            largest_checkpoint_tensor: entries
+                .iter()
+                .map(|e| e.checkpoint_bytes)
+                .max()
+                .unwrap_or(0),
             largest_shard,
             quantize_staging,
             ranks_at_once: tp.div_ceil(opts.instances.max(1)) as u64,
-            held_whole,
             ram: opts.instance.host_ram(),
         };
         Ok(Plan {

@@ -234,7 +234,6 @@ fn to_json(
             "largest_shard": plan.host.largest_shard,
             "quantize_staging": plan.host.quantize_staging,
             "ranks_at_once": plan.host.ranks_at_once,
-            "held_whole": plan.host.held_whole,
             "ram": plan.host.ram,
             "fits": plan.host.peak() <= plan.host.ram,
         },
@@ -357,22 +356,11 @@ fn print_table(
         ))?;
     }
     emit(&format!(
-        "host RAM while loading: {} peak ({}{} ranks at once, each: largest checkpoint tensor {} \
-         + {} {}{}) of {}",
+        "host RAM while loading: {} peak ({} ranks at once, each: largest checkpoint tensor {} \
+         + largest shard {}{}) of {}",
         plan::human_bytes(plan.host.peak()),
-        match plan.host.held_whole {
-            0 => String::new(),
-            n => format!(
-                "the model held whole first, {}, then its ",
-                plan::human_bytes(n)
-            ),
-        },
         plan.host.ranks_at_once,
         plan::human_bytes(plan.host.largest_checkpoint_tensor),
-        match plan.host.held_whole {
-            0 => "largest shard",
-            _ => "all its weights",
-        },
         plan::human_bytes(plan.host.largest_shard),
         if plan.host.quantize_staging > 0 {
             format!(

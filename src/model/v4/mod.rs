@@ -14,7 +14,7 @@ mod weights;
 
 use crate::config::v4::V4Config;
 use crate::error::Result;
-use crate::graph::{DType, Tensor};
+use crate::graph::Tensor;
 use crate::model::{ops, MoeStrategy};
 
 use weights::Weights;
@@ -32,10 +32,7 @@ fn hidden(
     mut attention: impl FnMut(usize, &Tensor) -> Result<Tensor>,
 ) -> Result<Tensor> {
     let (n, streams, h) = (ids.dim(0), cfg.hc_mult, cfg.hidden_size);
-    let x = w
-        .get("embed.weight")?
-        .index_select(ids, 0)?
-        .to_dtype(DType::F32)?;
+    let x = w.embed(ids)?;
     let mut s = x.unsqueeze(1)?.broadcast_as([n, streams, h])?;
     for l in 0..cfg.num_hidden_layers {
         let p = format!("layers.{l}");

@@ -8,10 +8,11 @@
 //! Split: the attention heads (`wq_b` and `attn_sink` by head, `wo_a` by output group, `wo_b`
 //! by its groups' columns; with more ranks than groups, as V4-Flash's 8 groups at `--tp 32`, a
 //! rank projects its heads' part of its group, a partial sum like the rest), the routed experts (whole experts, `n_routed_experts / ranks` a
-//! rank), the shared expert (by intermediate channel) and the LM head (by vocabulary row). The
-//! single K=V head, the compressors, the indexer, the router, the hyper-connections, the norms
-//! and the embedding are the same on every rank: they are per token, not per head. A rank's
-//! attention output and expert sum are partial; the graph all-reduces them.
+//! rank), the shared expert (by intermediate channel), and the embedding and the LM head (by
+//! vocabulary row: a rank looks up the ids its rows hold, and the all-reduce fills in the
+//! others). The single K=V head, the compressors, the indexer, the router, the
+//! hyper-connections and the norms are the same on every rank: they are per token, not per
+//! head. A rank's attention output and expert sum are partial; the graph all-reduces them.
 
 use std::collections::HashMap;
 
@@ -20,7 +21,8 @@ use candle_core::Tensor as CTensor;
 use crate::config::v4::{V4Config, FP4_GROUP};
 use crate::error::{Error, Result};
 use crate::model::shard::SHARD_OFFSETS;
-use crate::weights::scale_name;
+use crate::graph::DType;
+use crate::weights::{scale_name, Checkpoint};
 
 use super::tensors::{self, V4Tensor, V4TensorKind};
 
@@ -190,7 +192,7 @@ fn split_of(name: &str) -> V4Split {
     ];
     let cols = [".shared_experts.w2.weight"];
     match name {
-        "head.weight" => V4Split::Rows,
+        "head.weight" | "embed.weight" => V4Split::Rows,
         _ if name.ends_with(".attn.wo_a.weight") => V4Split::OutputA,
         _ if name.ends_with(".attn.wo_b.weight") => V4Split::OutputB,
         _ if rows.iter().any(|s| name.ends_with(s)) => V4Split::Rows,
@@ -221,49 +223,169 @@ pub fn rank_weights(
     rank: usize,
 ) -> Result<HashMap<String, CTensor>> {
     let per_rank = cfg.n_routed_experts / ranks.max(1);
-    let get = |name: &str| {
+    let mut get = |name: &str| {
         full.get(name)
+            .cloned()
             .ok_or_else(|| Error::Weights(format!("tensor `{name}` is missing")))
     };
     let mut out = HashMap::new();
     for t in rank_tensors(cfg, ranks)? {
-        let value = match &t.split {
-            V4Split::Whole => get(&t.name)?.clone(),
-            V4Split::Rows => get(&t.name)?.narrow(0, rank * t.shape[0], t.shape[0])?,
-            V4Split::Cols => get(&t.name)?.narrow(1, rank * t.shape[1], t.shape[1])?,
-            // With more ranks than groups, `ranks / groups` ranks share a group: rank r has
-            // group r / share, and within it the columns of its heads, r % share.
-            V4Split::OutputA => {
-                let (group, within) = group_of(cfg, ranks, rank);
-                get(&t.name)?
-                    .narrow(0, group * t.shape[0], t.shape[0])?
-                    .narrow(1, within * t.shape[1], t.shape[1])?
-            }
-            V4Split::OutputB => {
-                let (group, _) = group_of(cfg, ranks, rank);
-                get(&t.name)?.narrow(1, group * t.shape[1], t.shape[1])?
-            }
+        let value = match full.get(&t.name) {
             // Stacked already (`full` is an unsplit rank's tensors): the rank's experts.
-            V4Split::Experts { .. } if full.contains_key(&t.name) => {
-                get(&t.name)?.narrow(0, rank * per_rank, per_rank)?
+            Some(stacked) if matches!(t.split, V4Split::Experts { .. }) => {
+                stacked.narrow(0, rank * per_rank, per_rank)?
             }
-            V4Split::Experts { published } => {
-                let experts = (rank * per_rank..(rank + 1) * per_rank)
-                    .map(|e| get(&published.replace("{}", &e.to_string())).cloned())
-                    .collect::<Result<Vec<_>>>()?;
-                CTensor::stack(&experts, 0)?
-            }
+            _ => cut(cfg, &t, ranks, rank, &mut get)?,
         };
         out.insert(t.name, value.contiguous()?);
     }
     if ranks > 1 {
-        let first_row = rank * cfg.vocab_size / ranks;
-        // MLA's order ([`SHARD_OFFSETS`]): the first vocabulary row, then the first expert.
-        let offsets = vec![first_row as i32, (rank * per_rank) as i32];
-        let offsets = CTensor::from_vec(offsets, 2, &candle_core::Device::Cpu)?;
-        out.insert(SHARD_OFFSETS.to_string(), offsets);
+        out.insert(SHARD_OFFSETS.to_string(), offsets(cfg, ranks, rank)?);
     }
     Ok(out)
+}
+
+/// Rank `rank`'s copy of `t` (one of [`rank_tensors`]' for `ranks`), cut from the published
+/// tensors `get` gives by name.
+fn cut(
+    cfg: &V4Config,
+    t: &RankTensor,
+    ranks: usize,
+    rank: usize,
+    get: &mut dyn FnMut(&str) -> Result<CTensor>,
+) -> Result<CTensor> {
+    Ok(match &t.split {
+        V4Split::Whole => get(&t.name)?,
+        V4Split::Rows => get(&t.name)?.narrow(0, rank * t.shape[0], t.shape[0])?,
+        V4Split::Cols => get(&t.name)?.narrow(1, rank * t.shape[1], t.shape[1])?,
+        // With more ranks than groups, `ranks / groups` ranks share a group: rank r has
+        // group r / share, and within it the columns of its heads, r % share.
+        V4Split::OutputA => {
+            let (group, within) = group_of(cfg, ranks, rank);
+            get(&t.name)?
+                .narrow(0, group * t.shape[0], t.shape[0])?
+                .narrow(1, within * t.shape[1], t.shape[1])?
+        }
+        V4Split::OutputB => {
+            let (group, _) = group_of(cfg, ranks, rank);
+            get(&t.name)?.narrow(1, group * t.shape[1], t.shape[1])?
+        }
+        V4Split::Experts { published } => {
+            let per_rank = t.shape[0];
+            let experts = (rank * per_rank..(rank + 1) * per_rank)
+                .map(|e| get(&published.replace("{}", &e.to_string())))
+                .collect::<Result<Vec<_>>>()?;
+            CTensor::stack(&experts, 0)?
+        }
+    })
+}
+
+/// Rank `rank`'s [`SHARD_OFFSETS`] input in a `ranks`-way split: MLA's order, its first
+/// vocabulary row, then its first routed expert.
+fn offsets(cfg: &V4Config, ranks: usize, rank: usize) -> Result<CTensor> {
+    let first_row = rank * cfg.vocab_size / ranks;
+    let first_expert = rank * cfg.n_routed_experts / ranks;
+    let offsets = vec![first_row as i32, first_expert as i32];
+    Ok(CTensor::from_vec(
+        offsets,
+        2,
+        &candle_core::Device::Cpu,
+    )?)
+}
+
+/// Reads one rank's tensors from a checkpoint one graph input at a time, as a device runner
+/// uploads them: the host holds the published tensors of one input (one tensor, or the rank's
+/// experts of one projection) and the rank's cut of them, never the model. Built once per rank
+/// (it indexes the model's tensors by name).
+#[derive(Debug)]
+pub struct RankReader {
+    cfg: V4Config,
+    ranks: usize,
+    rank: usize,
+    /// The rank's graph inputs, by name.
+    inputs: HashMap<String, RankTensor>,
+    /// Every published tensor, by each of its names (and an FP4 expert's by its scales').
+    published: HashMap<String, usize>,
+    tensors: Vec<V4Tensor>,
+    /// The dtype the rank's matrices are held in.
+    weights: DType,
+}
+
+impl RankReader {
+    /// The reader of rank `rank` of a `ranks`-way split of `cfg`, its matrices held in
+    /// `weights`. Fails on a degree that does not divide the model.
+    pub fn new(cfg: &V4Config, ranks: usize, rank: usize, weights: DType) -> Result<Self> {
+        let inputs = rank_tensors(cfg, ranks)?
+            .into_iter()
+            .map(|t| (t.name.clone(), t))
+            .collect();
+        let tensors = tensors::expected(cfg);
+        let mut published = HashMap::new();
+        for (i, t) in tensors.iter().enumerate() {
+            for name in &t.names {
+                published.insert(name.clone(), i);
+            }
+            if t.kind == V4TensorKind::Fp4 {
+                published.insert(scale_name(&t.names[0]), i);
+            }
+        }
+        Ok(RankReader {
+            cfg: cfg.clone(),
+            ranks,
+            rank,
+            inputs,
+            published,
+            tensors,
+            weights,
+        })
+    }
+
+    /// Graph input `name` of this rank, read from `ckpt` (checked by [`tensors::check`])
+    /// now, with the input made together with it: an FP4 expert projection's codes and its
+    /// scales (`..._scale`) come together, whichever is asked for. `None` if the rank has no
+    /// such input.
+    pub fn read(&self, ckpt: &Checkpoint, name: &str) -> Result<Option<Vec<(String, CTensor)>>> {
+        if name == SHARD_OFFSETS {
+            return match self.ranks {
+                1 => Ok(None),
+                _ => Ok(Some(vec![(
+                    name.to_string(),
+                    offsets(&self.cfg, self.ranks, self.rank)?,
+                )])),
+            };
+        }
+        let param = name.strip_suffix(FP4_SCALE_SUFFIX).unwrap_or(name);
+        let scales = format!("{param}{FP4_SCALE_SUFFIX}");
+        let made: Vec<&RankTensor> = [param, scales.as_str()]
+            .into_iter()
+            .filter_map(|n| self.inputs.get(n))
+            .collect();
+        if !made.iter().any(|t| t.name == name) {
+            return Ok(None);
+        }
+        // What a read gives beside what was asked (an FP4 expert's scales with its codes).
+        let mut read: HashMap<String, CTensor> = HashMap::new();
+        let mut get = |published: &str| -> Result<CTensor> {
+            if let Some(t) = read.remove(published) {
+                return Ok(t);
+            }
+            let t = self
+                .published
+                .get(published)
+                .map(|&i| &self.tensors[i])
+                .ok_or_else(|| Error::Weights(format!("tensor `{published}` is missing")))?;
+            read.extend(tensors::read(&self.cfg, ckpt, t, self.weights)?);
+            read.remove(published)
+                .ok_or_else(|| Error::Weights(format!("tensor `{published}` is missing")))
+        };
+        made.into_iter()
+            .map(|t| {
+                let value = cut(&self.cfg, t, self.ranks, self.rank, &mut get)?.contiguous()?;
+                Ok((t.name.clone(), value))
+            })
+            .collect::<Result<Vec<_>>>()
+            .map(Some)
+    }
 }
 
 #[cfg(test)]
@@ -309,6 +431,7 @@ mod tests {
         assert_eq!(one["layers.2.ffn.experts.w2"], [8, 64, 32]);
         assert!(!four.keys().any(|k| k.contains(".experts.0.")));
         assert_eq!(four["head.weight"], [128, 64]);
+        assert_eq!(four["embed.weight"], [128, 64]);
         assert_eq!(
             four["layers.1.attn.wkv.weight"],
             one["layers.1.attn.wkv.weight"]

@@ -304,38 +304,47 @@ pub fn check(cfg: &V4Config, ckpt: &Checkpoint) -> Result<usize> {
 }
 
 /// Reads every tensor of [`expected`] from `ckpt` (after [`check`]), keyed by its published
-/// name, the name the graphs' weight inputs take, in the dtype [`V4TensorKind::dtype`] gives
-/// it for weights held in `weights`: matrices in `weights` and other floats in f32 (FP8 ones
-/// dequantized with their block scales), `tid2eid` as i32, and an FP4 expert as stored, its
-/// codes (u8) under its name and its scales (f32) under `X.scale`.
+/// name, the name the graphs' weight inputs take, as [`read`] gives each.
 pub fn load(cfg: &V4Config, ckpt: &Checkpoint, weights: DType) -> Result<HashMap<String, Tensor>> {
     check(cfg, ckpt)?;
-    let conversion = |kind: V4TensorKind| Conversion {
-        dtype: kind.dtype(weights),
-        fp8_block: cfg.fp8_block,
-    };
     let mut out = HashMap::new();
     for t in expected(cfg) {
-        let stored = t
-            .names
-            .iter()
-            .find(|n| ckpt.contains(n))
-            .unwrap_or(&t.names[0]);
-        let name = t.names[0].clone();
-        let value = match t.kind {
-            kind @ (V4TensorKind::Matrix | V4TensorKind::Float) => {
-                ckpt.tensor(stored, &t.shape, &conversion(kind))?
-            }
-            V4TensorKind::ExpertIds => ckpt.tensor_i32(stored, &t.shape)?,
-            V4TensorKind::Fp4 => {
-                let (codes, scales) = ckpt.fp4(stored, [t.shape[0], t.shape[1]])?;
-                out.insert(scale_name(&name), scales);
-                codes
-            }
-        };
-        out.insert(name, value);
+        out.extend(read(cfg, ckpt, &t, weights)?);
     }
     Ok(out)
+}
+
+/// Reads tensor `t` of [`expected`] from `ckpt` (under whichever of its names `ckpt` holds),
+/// keyed by its published name, in the dtype [`V4TensorKind::dtype`] gives it for weights held
+/// in `weights`: matrices in `weights` and other floats in f32 (FP8 ones dequantized with
+/// their block scales), `tid2eid` as i32, and an FP4 expert as stored, its codes (u8) under
+/// its name and its scales (f32) under `X.scale`.
+pub fn read(
+    cfg: &V4Config,
+    ckpt: &Checkpoint,
+    t: &V4Tensor,
+    weights: DType,
+) -> Result<Vec<(String, Tensor)>> {
+    let stored = t
+        .names
+        .iter()
+        .find(|n| ckpt.contains(n))
+        .unwrap_or(&t.names[0]);
+    let name = t.names[0].clone();
+    let conversion = Conversion {
+        dtype: t.kind.dtype(weights),
+        fp8_block: cfg.fp8_block,
+    };
+    Ok(match t.kind {
+        V4TensorKind::Matrix | V4TensorKind::Float => {
+            vec![(name, ckpt.tensor(stored, &t.shape, &conversion)?)]
+        }
+        V4TensorKind::ExpertIds => vec![(name, ckpt.tensor_i32(stored, &t.shape)?)],
+        V4TensorKind::Fp4 => {
+            let (codes, scales) = ckpt.fp4(stored, [t.shape[0], t.shape[1]])?;
+            vec![(scale_name(&name), scales), (name, codes)]
+        }
+    })
 }
 
 #[cfg(test)]

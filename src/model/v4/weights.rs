@@ -10,7 +10,7 @@ use crate::graph::{DType, GraphBuilder, InputRole, ReduceOp, Tensor};
 use crate::model::precision::Dots;
 use crate::model::shard::SHARD_OFFSETS;
 use crate::model::vocab::VocabSlice;
-use crate::model::{ops, rope};
+use crate::model::{embed_rows, ops, rope};
 
 use super::shard;
 
@@ -75,8 +75,20 @@ impl Weights {
         }
     }
 
-    /// The part of the vocabulary this rank's LM head rows cover (the embedding is whole on
-    /// every rank).
+    /// The f32 embeddings of `ids` (`[n]` i32). Split by vocabulary, a rank looks up the ids
+    /// its rows hold and the all-reduce fills in the others.
+    pub(super) fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        let table = self.get("embed.weight")?;
+        match self.ranks {
+            1 => embed_rows(table, ids, None),
+            _ => {
+                let first = self.get(SHARD_OFFSETS)?.narrow(0, 0, 1)?;
+                self.complete(embed_rows(table, ids, Some(&first))?)
+            }
+        }
+    }
+
+    /// The part of the vocabulary this rank's embedding and LM head rows cover.
     pub(super) fn vocab_slice(&self, cfg: &V4Config) -> Result<VocabSlice> {
         Ok(match self.ranks {
             1 => VocabSlice::Whole,
