@@ -198,12 +198,13 @@ echo "== XLA conformance: tests/conformance"
 # compiles (whole, they are over its instruction budget); V2-Lite whole and at --tp 2.
 # V4-Flash again at 131,072 positions: CSA's selection over 32,768 compressed entries, which a
 # sort would exceed neuronx-cc's 16,384 with (it masks by threshold instead); and as it fits one
-# trn1.32xlarge (`deepinfer plan`): its matrices and cache in bf16, 8 sequences.
+# trn1.32xlarge (`deepinfer plan`): its matrices and cache in bf16, 16 sequences, with the
+# split decode graphs of --split-sampler.
 for run in deepseek-v2-lite:: deepseek-v2-lite::2 "deepseek-v2-lite:--quantize experts-int4:" \
     "deepseek-v2-lite:--split-sampler:" \
     deepseek-v2::32 deepseek-v3::32 deepseek-v3.2::32 deepseek-v4-flash::32 \
     "deepseek-v4-flash:--max-len 131072 --max-batch 1:32" \
-    "deepseek-v4-flash:--dtype bf16 --kv-dtype bf16 --max-batch 8:32"; do
+    "deepseek-v4-flash:--dtype bf16 --kv-dtype bf16 --max-batch 16 --split-sampler:32"; do
     IFS=: read -r config allow tp <<< "$run"
     tp=${tp:-1}
     echo "== lower --check neuron: fixtures/configs/$config.json --tp $tp $allow"

@@ -558,5 +558,8 @@ fn v4_pro_does_not_fit_one_trn2_48xlarge() {
     );
     assert!(v["shortfalls"].to_string().contains("of HBM"), "{v}");
     assert_eq!(v["host"]["fits"], true, "{v}");
-    assert!(v["suggestions"].as_array().is_some_and(Vec::is_empty), "{v}");
+    assert!(
+        v["suggestions"].as_array().is_some_and(Vec::is_empty),
+        "{v}"
+    );
 }

@@ -821,7 +821,15 @@ fn through_the_runners(
             split_sampler,
             ..DeviceOptions::sim()
         };
-        let mut d = DeviceRunner::new(cfg.clone(), weights(), rc(tp), lib, opts).unwrap();
+        // Read as a device runner reads them: each rank's share from the checkpoint, one
+        // tensor at a time, as it uploads.
+        let streamed = ModelWeights::stream(
+            &cfg,
+            std::sync::Arc::new(Checkpoint::open(&dir).unwrap()),
+            precision,
+        )
+        .unwrap();
+        let mut d = DeviceRunner::new(cfg.clone(), streamed, rc(tp), lib, opts).unwrap();
         d.capture(&rc(tp).buckets).unwrap();
         Box::new(d) as Box<dyn Runner>
     };

@@ -20,8 +20,8 @@ use candle_core::Tensor as CTensor;
 
 use crate::config::v4::{V4Config, FP4_GROUP};
 use crate::error::{Error, Result};
-use crate::model::shard::SHARD_OFFSETS;
 use crate::graph::DType;
+use crate::model::shard::SHARD_OFFSETS;
 use crate::weights::{scale_name, Checkpoint};
 
 use super::tensors::{self, V4Tensor, V4TensorKind};
@@ -286,11 +286,7 @@ fn offsets(cfg: &V4Config, ranks: usize, rank: usize) -> Result<CTensor> {
     let first_row = rank * cfg.vocab_size / ranks;
     let first_expert = rank * cfg.n_routed_experts / ranks;
     let offsets = vec![first_row as i32, first_expert as i32];
-    Ok(CTensor::from_vec(
-        offsets,
-        2,
-        &candle_core::Device::Cpu,
-    )?)
+    Ok(CTensor::from_vec(offsets, 2, &candle_core::Device::Cpu)?)
 }
 
 /// Reads one rank's tensors from a checkpoint one graph input at a time, as a device runner
