@@ -753,15 +753,7 @@ pub fn lower_sharded(
                     cfg.vocab_size,
                 )?;
                 if *kind == "sample" {
-                    // The logits its forward graph (the graph before it) returned.
-                    let logits = carried.take().ok_or_else(|| {
-                        Error::Internal(format!("{}: no forward graph before it", g.name()))
-                    })?;
-                    meta.push(HostArray {
-                        name: model::STEP_LOGITS,
-                        shape: logits.dims().to_vec(),
-                        data: HostData::F32(logits.flatten_all()?.to_vec1()?),
-                    });
+                    meta.push(carried_logits(g, carried.take())?);
                     write_step(g, runner.rank_weights(), &meta, &root, out, entry)?;
                     continue;
                 }
@@ -776,6 +768,18 @@ pub fn lower_sharded(
         }
     }
     write_manifest(out, manifest)
+}
+
+/// The input a split step's sampling graph `g` reads: the logits its forward graph (the graph
+/// before it) returned, `carried`.
+fn carried_logits(g: &Graph, carried: Option<CTensor>) -> Result<HostArray> {
+    let logits = carried
+        .ok_or_else(|| Error::Internal(format!("{}: no forward graph before it", g.name())))?;
+    Ok(HostArray {
+        name: model::STEP_LOGITS,
+        shape: logits.dims().to_vec(),
+        data: HostData::F32(logits.flatten_all()?.to_vec1()?),
+    })
 }
 
 /// Writes `out/manifest.json`.

@@ -23,14 +23,12 @@ use crate::host::candle_dtype;
 use crate::model::v4::step::{build_step, cache_roots, V4Step};
 use crate::model::v4::{shard, tensors};
 use crate::model::{self, CacheLayout, LogitsOutput, MoeStrategy, Sampler, WeightSpecs};
-use crate::runner::step::{
-    self, DecodeRow, HostArray, HostData, LogitControls, PrefillChunk, SamplingParams,
-};
+use crate::runner::step::{self, DecodeRow, LogitControls, PrefillChunk, SamplingParams};
 use crate::weights::Checkpoint;
 
 use super::{
-    bind, io_err, probe_controls, probe_mask, probe_sampling, write_graph, write_manifest,
-    write_step, LowerOptions, Manifest, PACKED_SEQS,
+    bind, carried_logits, io_err, probe_controls, probe_mask, probe_sampling, write_graph,
+    write_manifest, write_step, LowerOptions, Manifest, PACKED_SEQS,
 };
 
 /// Lowers V4 model `cfg` (from `model_dir`) into `out`.
@@ -200,15 +198,7 @@ pub(super) fn lower(
                     .collect();
                 let mut m = step::decode_step(&rows_in, *rows, opts.ctx, block, vocab)?;
                 if *kind == "sample" {
-                    // The logits its forward graph (the graph before it) returned.
-                    let logits = carried.take().ok_or_else(|| {
-                        Error::Internal(format!("{}: no forward graph before it", g.name()))
-                    })?;
-                    m.push(HostArray {
-                        name: model::STEP_LOGITS,
-                        shape: logits.dims().to_vec(),
-                        data: HostData::F32(logits.flatten_all()?.to_vec1()?),
-                    });
+                    m.push(carried_logits(g, carried.take())?);
                     write_step(g, &weights, &m, root, out, entry)?;
                     continue;
                 }
