@@ -82,9 +82,9 @@ for fixture in tiny-v3 tiny-v2-lite tiny-v2-group tiny-v32; do
     echo "== XLA conformance: $fixture"
     .venv/bin/python scripts/xla_check.py "$out/$fixture" --reference "fixtures/$fixture/reference.json" || status=1
 done
-# DeepSeek-V4's step graphs (f32, ending at the logits so far): the unpacked and packed
-# prefill and each decode batch, unsplit and split two ways, in XLA against our CPU backend and
-# transformers.
+# DeepSeek-V4's step graphs in f32 (`auto` would hold tiny-v4-fp8's bf16 checkpoint in bf16,
+# below): the unpacked and packed prefill and each decode batch, unsplit and split two ways, in
+# XLA against our CPU backend and transformers.
 # tiny-v4-fp8 is the same architecture stored as DeepSeek-V4-Flash is published (FP8 weights,
 # FP4 experts): its experts' E2M1 codes are dequantized by the lowered HLO itself, which only
 # XLA executes (nrt-sim and our importer read the tagged run back as one op).
@@ -92,7 +92,7 @@ for fixture in tiny-v4 tiny-v4-fp8; do
     ids=$(.venv/bin/python -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['token_ids'])))" "fixtures/$fixture/reference.json")
     for tp in 1 2; do
         target/release/deepinfer lower --model "fixtures/$fixture" --out "$out/$fixture-tp$tp" --tp "$tp" \
-            --batch-sizes 1,2,4,8 --ctx 64 --inputs-from-token-ids "$ids" > /dev/null
+            --dtype f32 --batch-sizes 1,2,4,8 --ctx 64 --inputs-from-token-ids "$ids" > /dev/null
         echo "== XLA conformance: $fixture --tp $tp"
         .venv/bin/python scripts/xla_check.py "$out/$fixture-tp$tp" --reference "fixtures/$fixture/reference.json" || status=1
     done
@@ -193,18 +193,18 @@ echo "== XLA conformance: tiny-v3 cut to 501 tokens (--tp 4 --split-sampler, pad
 echo "== XLA conformance: tests/conformance"
 .venv/bin/python scripts/make_conformance.py --check > /dev/null || status=1
 .venv/bin/python scripts/xla_conformance.py tests/conformance "$out/conformance" || status=1
-# V2, V3 and V4-Flash (as published: FP4 experts, dequantized to bf16 on the device) as
-# deployed: split over a trn1.32xlarge's 32 NeuronCores, each rank's graph is what neuronx-cc
+# V2, V3 and V4-Flash (as published: FP4 experts, dequantized to bf16 on the device; its other
+# matrices and caches in bf16, `auto` for its bf16 checkpoint) as deployed: split over a trn1.32xlarge's 32 NeuronCores, each rank's graph is what neuronx-cc
 # compiles (whole, they are over its instruction budget); V2-Lite whole and at --tp 2.
 # V4-Flash again at 131,072 positions: CSA's selection over 32,768 compressed entries, which a
 # sort would exceed neuronx-cc's 16,384 with (it masks by threshold instead); and as it fits one
-# trn1.32xlarge (`deepinfer plan`): its matrices and cache in bf16, 16 sequences, with the
-# split decode graphs of --split-sampler.
+# trn1.32xlarge (`deepinfer plan`): 16 sequences, with the split decode graphs of
+# --split-sampler.
 for run in deepseek-v2-lite:: deepseek-v2-lite::2 "deepseek-v2-lite:--quantize experts-int4:" \
     "deepseek-v2-lite:--split-sampler:" \
     deepseek-v2::32 deepseek-v3::32 deepseek-v3.2::32 deepseek-v4-flash::32 \
     "deepseek-v4-flash:--max-len 131072 --max-batch 1:32" \
-    "deepseek-v4-flash:--dtype bf16 --kv-dtype bf16 --max-batch 16 --split-sampler:32"; do
+    "deepseek-v4-flash:--max-batch 16 --split-sampler:32"; do
     IFS=: read -r config allow tp <<< "$run"
     tp=${tp:-1}
     echo "== lower --check neuron: fixtures/configs/$config.json --tp $tp $allow"

@@ -247,7 +247,10 @@ impl Checkpoint {
             Encoding::Blocks(_) => Some(DType::BF16),
             _ => None,
         };
+        // The embedding's, under MLA's name or DeepSeek-V4's: a V4 checkpoint keeps its
+        // hyper-connections and sinks in f32 beside bf16 matrices, so any tensor would not do.
         self.entry("model.embed_tokens.weight")
+            .or_else(|| self.entry("embed.weight"))
             .and_then(of)
             .or_else(|| self.tensors.values().find_map(of))
     }

@@ -467,12 +467,20 @@ fn human_output_is_a_table() {
 /// DeepSeek-V4-Flash as published (FP8 weights, FP4 experts) on one trn1.32xlarge at its
 /// deployment degree, as the runner holds it (FP4 experts as stored, each rank's share read
 /// one tensor at a time): with its matrices in f32 it does not fit its HBM; in bf16 (weights
-/// and cache) it fits at 16 sequences; a dtype the V4 graphs do not compute in is refused.
+/// and cache, the default) it fits at 16 sequences; a dtype the V4 graphs do not compute in is
+/// refused.
 #[test]
 fn v4_flash_as_published_on_trn1_32xlarge() {
     let v = plan(
         "deepseek-v4-flash.json",
-        &["--instance", "trn1.32xlarge", "--tp", "32"],
+        &[
+            "--instance",
+            "trn1.32xlarge",
+            "--tp",
+            "32",
+            "--dtype",
+            "f32",
+        ],
     );
     assert_eq!(v["quantize"], "fp4", "{v}");
     assert_eq!(v["fits"], false, "{v}");
@@ -487,8 +495,9 @@ fn v4_flash_as_published_on_trn1_32xlarge() {
     // largest, the embedding or the LM head whole in f32, about 2 GiB), not the model.
     let host = &v["host"];
     assert!(u(host, "peak") < 80 << 30, "{host}");
-    // Its matrices and caches in bf16, 16 sequences (fewer buckets, a smaller cache): it fits,
-    // host RAM while loading included.
+    // Its matrices and caches in bf16 (what `auto` holds a bf16 checkpoint in, as
+    // config.json's torch_dtype says V4-Flash is), 16 sequences (fewer buckets, a smaller
+    // cache): it fits, host RAM while loading included.
     let v = plan(
         "deepseek-v4-flash.json",
         &[
@@ -496,10 +505,6 @@ fn v4_flash_as_published_on_trn1_32xlarge() {
             "trn1.32xlarge",
             "--tp",
             "32",
-            "--dtype",
-            "bf16",
-            "--kv-dtype",
-            "bf16",
             "--max-batch",
             "16",
         ],

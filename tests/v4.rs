@@ -767,14 +767,16 @@ fn the_runners_serve_the_fp8_and_fp4_checkpoint() {
     match_transformers(FP8_FP4, &["cpu"], &bf16());
 }
 
-/// `--dtype bf16` for a V4 model: its matrices in bf16, everything else in f32.
+/// `--dtype bf16 --kv-dtype f32` for a V4 model: its matrices in bf16, everything else, the
+/// caches included, in f32.
 fn bf16() -> Precision {
     use deepinfer::model::{DTypeChoice, PrecisionChoice};
     PrecisionChoice {
         dtype: DTypeChoice::Exactly(DType::BF16),
+        kv_dtype: DTypeChoice::Exactly(DType::F32),
         ..PrecisionChoice::default()
     }
-    .v4()
+    .v4(None)
     .unwrap()
 }
 

@@ -118,12 +118,7 @@ pub(super) fn model_config(raw: &RawConfig) -> Result<ModelConfig> {
         eos_token_ids: raw.eos_token_id.clone().unwrap_or_default(),
         fp8_block: quantization::fp8_block(raw.quantization_config.as_ref())?,
         indexer,
-        saved_dtype: match raw.dtype.as_deref().or(raw.torch_dtype.as_deref()) {
-            Some("float32") => Some(DType::F32),
-            Some("bfloat16") => Some(DType::BF16),
-            Some("float16") => Some(DType::F16),
-            _ => None,
-        },
+        saved_dtype: saved_dtype(raw.dtype.as_deref().or(raw.torch_dtype.as_deref())),
         num_nextn_predict_layers: raw.num_nextn_predict_layers.unwrap_or(0),
         draft_layers: 0,
         draft_shares_embeddings: false,
@@ -211,4 +206,15 @@ pub(super) fn required_positive(key: &str, size: Option<Option<usize>>) -> Resul
         return Err(invalid(key, n, "must be at least 1"));
     }
     Ok(n)
+}
+
+/// The float dtype `dtype` (transformers 5) or `torch_dtype` (transformers 4) names, when it
+/// is f32, bf16 or f16: what the weights were saved in.
+pub(super) fn saved_dtype(name: Option<&str>) -> Option<DType> {
+    match name {
+        Some("float32") => Some(DType::F32),
+        Some("bfloat16") => Some(DType::BF16),
+        Some("float16") => Some(DType::F16),
+        _ => None,
+    }
 }

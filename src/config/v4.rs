@@ -25,9 +25,10 @@ use serde_json::{Map, Value};
 use super::messages::{invalid, missing_because, unsupported};
 use super::quantization;
 use super::raw::{self, RawRope};
-use super::resolve::required_positive;
+use super::resolve::{required_positive, saved_dtype};
 use super::{value, Architecture, ModelConfig, RopeConfig, YarnConfig};
 use crate::error::{Error, Result};
+use crate::graph::DType;
 
 /// A layer's attention (`layer_types`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -180,6 +181,10 @@ pub struct V4Config {
     pub bos_token_id: Option<u32>,
     /// `eos_token_id`, empty when absent.
     pub eos_token_ids: Vec<u32>,
+    /// `dtype` (or `torch_dtype`) when it names f32, bf16 or f16: what the unquantized weights
+    /// were saved in (bf16 in the published checkpoints), which `--dtype auto` follows when
+    /// only config.json is at hand.
+    pub saved_dtype: Option<DType>,
 }
 
 /// The keys of a V4 `config.json` deepinfer reads (see [`super::raw`] for the conventions).
@@ -277,6 +282,10 @@ struct RawV4 {
     bos_token_id: Option<u32>,
     #[serde(deserialize_with = "value::token_ids")]
     eos_token_id: Option<Vec<u32>>,
+    #[serde(deserialize_with = "value::string")]
+    torch_dtype: Option<String>,
+    #[serde(deserialize_with = "value::string")]
+    dtype: Option<String>,
 }
 
 /// transformers 5.25's `DeepseekV4Config` defaults for the keys that do not fix a shape.
@@ -460,6 +469,7 @@ fn resolve(raw: &RawV4) -> Result<V4Config> {
         tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
         bos_token_id: raw.bos_token_id,
         eos_token_ids: raw.eos_token_id.clone().unwrap_or_default(),
+        saved_dtype: saved_dtype(raw.dtype.as_deref().or(raw.torch_dtype.as_deref())),
     })
 }
 
@@ -830,7 +840,7 @@ impl V4Config {
             eos_token_ids: self.eos_token_ids.clone(),
             fp8_block: None,
             indexer: None,
-            saved_dtype: None,
+            saved_dtype: self.saved_dtype,
             num_nextn_predict_layers: self.num_nextn_predict_layers,
             draft_layers: 0,
             draft_shares_embeddings: false,

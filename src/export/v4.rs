@@ -42,7 +42,13 @@ pub(super) fn lower(
     if let Some(why) = shard::indivisible(cfg, ranks) {
         return Err(Error::InvalidInput(why));
     }
-    let precision = opts.precision.v4()?;
+    // The checkpoint when inputs are written (`auto` follows what it saved), else config.json.
+    let checkpoint = match &opts.inputs_from_token_ids {
+        Some(_) => Some(Checkpoint::open(model_dir)?),
+        None => None,
+    };
+    let saved = checkpoint.as_ref().and_then(Checkpoint::float_dtype);
+    let precision = opts.precision.v4(saved.or(cfg.saved_dtype))?;
     let max_batch = opts.batch_sizes.iter().copied().max().unwrap_or(1);
     let rc = RunnerConfig::for_limits(max_batch, opts.ctx);
     let block = rc.block_size;
@@ -103,7 +109,7 @@ pub(super) fn lower(
     for (g, kind, rows, seqs) in &graphs {
         write_graph(g, kind, *rows, *seqs, opts.ctx, None, out, &mut manifest)?;
     }
-    let Some(tokens) = &opts.inputs_from_token_ids else {
+    let (Some(tokens), Some(checkpoint)) = (&opts.inputs_from_token_ids, &checkpoint) else {
         return write_manifest(out, manifest);
     };
     if tokens.len() < 2 || tokens.len() > opts.ctx.min(t + 1) {
@@ -112,7 +118,7 @@ pub(super) fn lower(
             opts.ctx.min(t + 1)
         )));
     }
-    let full = tensors::load(cfg, &Checkpoint::open(model_dir)?, precision.weights)?;
+    let full = tensors::load(cfg, checkpoint, precision.weights)?;
     let weights = (0..ranks)
         .map(|r| shard::rank_weights(cfg, &full, ranks, r))
         .collect::<Result<Vec<_>>>()?;

@@ -179,20 +179,27 @@ pub struct PrecisionChoice {
 }
 
 impl PrecisionChoice {
-    /// The dtypes to serve a DeepSeek-V4 model in: its matrices in f32 (`auto`, whatever the
-    /// checkpoint holds: FP8 ones are dequantized) or bf16, everything else in f32 (see
-    /// [`crate::model::v4::tensors::V4TensorKind`]), and its caches in f32 (`auto`) or bf16.
-    /// Other choices are refused: f16, and `--quantize` (FP4 experts are read as published).
-    pub fn v4(&self) -> Result<Precision> {
-        let f32_or_bf16 = |choice: DTypeChoice, flag: &str, what: &str| match choice {
-            DTypeChoice::Auto | DTypeChoice::Exactly(DType::F32) => Ok(DType::F32),
-            DTypeChoice::Exactly(DType::BF16) => Ok(DType::BF16),
+    /// The dtypes to serve a DeepSeek-V4 model saved in `saved` (its unquantized weights'
+    /// dtype, `None` if unknown) in: its matrices in f32 or bf16, everything else in f32 (see
+    /// [`crate::model::v4::tensors::V4TensorKind`]), its caches in f32 or bf16. `auto` holds
+    /// the matrices in bf16 when the checkpoint saved them so (as the published ones do: their
+    /// FP8 matrices, a power-of-two scale times an E4M3 value, are exact in bf16), else in f32,
+    /// and the caches in the matrices' dtype, as MLA models' `auto` does. Other choices are
+    /// refused: f16, and `--quantize` (FP4 experts are read as published).
+    pub fn v4(&self, saved: Option<DType>) -> Result<Precision> {
+        let auto_weights = match saved {
+            Some(DType::BF16) => DType::BF16,
+            _ => DType::F32,
+        };
+        let f32_or_bf16 = |choice: DTypeChoice, auto: DType, flag: &str, what: &str| match choice {
+            DTypeChoice::Auto => Ok(auto),
+            DTypeChoice::Exactly(d @ (DType::F32 | DType::BF16)) => Ok(d),
             DTypeChoice::Exactly(other) => Err(Error::InvalidInput(format!(
                 "{flag} {other}: DeepSeek-V4's {what} are held in f32 or bf16"
             ))),
         };
-        let weights = f32_or_bf16(self.dtype, "--dtype", "weights")?;
-        let kv_cache = f32_or_bf16(self.kv_dtype, "--kv-dtype", "caches")?;
+        let weights = f32_or_bf16(self.dtype, auto_weights, "--dtype", "weights")?;
+        let kv_cache = f32_or_bf16(self.kv_dtype, weights, "--kv-dtype", "caches")?;
         if self.quantize != Quantize::None {
             return Err(Error::InvalidInput(format!(
                 "--quantize {}: DeepSeek-V4's routed experts are read as published (FP4 or \
@@ -212,7 +219,7 @@ impl PrecisionChoice {
     /// an odd expert width).
     pub fn resolve(&self, saved: Option<DType>, cfg: &ModelConfig) -> Result<Precision> {
         if cfg.v4.is_some() {
-            return self.v4();
+            return self.v4(saved);
         }
         let weights = match self.dtype {
             DTypeChoice::Exactly(d) => d,
@@ -361,6 +368,32 @@ mod tests {
             quantize: quantize.parse()?,
         }
         .resolve(Some(saved), &cfg)
+    }
+
+    /// DeepSeek-V4's `auto`: its matrices in bf16 from a bf16 checkpoint (the published FP8
+    /// ones included), else f32 (an f16 one too: V4 holds no f16); the caches as the matrices.
+    #[test]
+    fn v4_auto_follows_a_bf16_checkpoint_and_the_cache_follows_the_matrices() {
+        let choice = |dtype: &str, kv: &str| PrecisionChoice {
+            dtype: dtype.parse().unwrap(),
+            kv_dtype: kv.parse().unwrap(),
+            quantize: Quantize::None,
+        };
+        let auto = choice("auto", "auto");
+        for (saved, held) in [
+            (Some(DType::BF16), DType::BF16),
+            (Some(DType::F32), DType::F32),
+            (Some(DType::F16), DType::F32),
+            (None, DType::F32),
+        ] {
+            assert_eq!(auto.v4(saved).unwrap(), Precision::all(held), "{saved:?}");
+        }
+        let p = choice("auto", "f32").v4(Some(DType::BF16)).unwrap();
+        assert_eq!((p.weights, p.kv_cache), (DType::BF16, DType::F32));
+        let p = choice("f32", "auto").v4(Some(DType::BF16)).unwrap();
+        assert_eq!(p, Precision::all(DType::F32));
+        let err = choice("f16", "auto").v4(None).unwrap_err().to_string();
+        assert!(err.contains("--dtype f16"), "{err}");
     }
 
     #[test]

@@ -446,7 +446,7 @@ impl Plan {
             kv_dtype: opts.kv_dtype,
             quantize: quantize_of(opts.experts),
         }
-        .v4()?;
+        .v4(opts.saved_dtype.or(v4.saved_dtype))?;
         let (matrices, kv_dtype) = (precision.weights, precision.kv_cache);
         let entries = bytes::entries_v4(v4, opts.tp, matrices)?;
         let stored = Stored {
