@@ -7,8 +7,9 @@
 //! and end in the full sampler, as the runners' do; with `--split-sampler`, each decode graph
 //! ends at the logits and is followed by its sampling graph, as a split capture compiles
 //! them. A decode step's rows all feed sequence A (so each row's logits are transformers'),
-//! row 0 greedy and the others through the sampler's filters, biases and masks. Under `--tp N` each rank's
-//! inputs are its cut of the weights ([`crate::model::v4::shard`]), as for MLA models.
+//! row 0 greedy and the others through the sampler's filters, biases and masks. Under `--tp N`
+//! each rank's inputs are its cut of the weights ([`crate::model::v4::shard`]), as for MLA
+//! models.
 
 use std::collections::HashMap;
 use std::path::Path;

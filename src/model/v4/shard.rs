@@ -7,12 +7,16 @@
 //!
 //! Split: the attention heads (`wq_b` and `attn_sink` by head, `wo_a` by output group, `wo_b`
 //! by its groups' columns; with more ranks than groups, as V4-Flash's 8 groups at `--tp 32`, a
-//! rank projects its heads' part of its group, a partial sum like the rest), the routed experts (whole experts, `n_routed_experts / ranks` a
-//! rank), the shared expert (by intermediate channel), and the embedding and the LM head (by
-//! vocabulary row: a rank looks up the ids its rows hold, and the all-reduce fills in the
-//! others). The single K=V head, the compressors, the indexer, the router, the
-//! hyper-connections and the norms are the same on every rank: they are per token, not per
-//! head. A rank's attention output and expert sum are partial; the graph all-reduces them.
+//! rank projects its heads' part of its group, a partial sum like the rest), the routed
+//! experts (whole experts, `n_routed_experts / ranks` a rank), the shared expert (by
+//! intermediate channel), and the embedding and the LM head (by vocabulary row: a rank looks
+//! up the ids its rows hold, and the all-reduce fills in the others). The single K=V head, the
+//! compressors, the indexer, the router, the hyper-connections and the norms are the same on
+//! every rank: they are per token, not per head. A rank's attention output and expert sum are
+//! partial; the graph all-reduces them.
+//!
+//! A device runner reads a rank's share straight from the checkpoint ([`RankReader`]); the
+//! CPU runner and `lower` cut it from the model read whole ([`rank_weights`]).
 
 use std::collections::HashMap;
 
