@@ -533,7 +533,8 @@ fn v4_flash_as_published_on_trn1_32xlarge() {
 /// does not fit one trn2.48xlarge at its most ranks, `--tp 64`, even in bf16 at one sequence
 /// and 16-token prefill chunks: its weights alone take over 90% of a core's budget (FP4
 /// experts as stored, plus the per-token tensors every rank holds whole). More ranks than 64
-/// are not offered (`--tp` stops there), so nothing is suggested.
+/// are not offered (`--tp` stops there), and its FP4 experts take no `--quantize`, so nothing
+/// is suggested.
 #[test]
 fn v4_pro_does_not_fit_one_trn2_48xlarge() {
     let v = plan(
@@ -567,4 +568,11 @@ fn v4_pro_does_not_fit_one_trn2_48xlarge() {
         v["suggestions"].as_array().is_some_and(Vec::is_empty),
         "{v}"
     );
+    // Its experts are FP4 as published: no `--quantize` is tried or offered.
+    let s = v["suggestion"].as_str().expect("a suggestion");
+    assert!(
+        s.contains("does not fit one trn2.48xlarge at any --tp,"),
+        "{s}"
+    );
+    assert!(!s.contains("int8") && !s.contains("4-bit"), "{s}");
 }

@@ -178,11 +178,26 @@ fn first_fit(
     Ok(None)
 }
 
-/// The one-line suggestion `deepinfer plan` prints for `opts`: `None` when the plan fits.
-pub fn summary(opts: &PlanOptions, fits: bool, suggestions: &[Suggestion]) -> Option<String> {
+/// The one-line suggestion `deepinfer plan` prints for a model of `cfg` planned with `opts`:
+/// `None` when the plan fits.
+pub fn summary(
+    cfg: &ModelConfig,
+    opts: &PlanOptions,
+    fits: bool,
+    suggestions: &[Suggestion],
+) -> Option<String> {
     if fits {
         return None;
     }
+    // What [`suggest`] tried: `--quantize` only for a model whose routed experts it applies to
+    // (not DeepSeek-V4's, read as published).
+    let (tried, others) = match cfg.routing.is_some() {
+        true => (
+            ", with or without experts-int8",
+            "more instances, a larger instance type, 4-bit experts",
+        ),
+        false => ("", "more instances, a larger instance type"),
+    };
     let on = if opts.instances > 1 {
         format!("{} x {}", opts.instances, opts.instance)
     } else {
@@ -193,11 +208,11 @@ pub fn summary(opts: &PlanOptions, fits: bool, suggestions: &[Suggestion]) -> Op
             format!("fits {on} with {}", s.describe_flags_only())
         }
         [] => format!(
-            "does not fit {on} at any --tp, with or without experts-int8, and no alternative \
-             planned here fits (more instances, a larger instance type, 4-bit experts)"
+            "does not fit {on} at any --tp{tried}, and no alternative planned here fits \
+             ({others})"
         ),
         alternatives => format!(
-            "does not fit {on} at any --tp, with or without experts-int8; it would fit {}",
+            "does not fit {on} at any --tp{tried}; it would fit {}",
             alternatives
                 .iter()
                 .map(Suggestion::describe)

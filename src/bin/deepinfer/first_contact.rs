@@ -354,7 +354,9 @@ fn plan_step(ctx: &mut Ctx) -> Result<Outcome> {
         let p = Plan::compute(&ctx.cfg, &opts)?;
         let suggestion = match p.fits() {
             true => None,
-            false => plan::suggest::summary(&opts, false, &plan::suggest(&ctx.cfg, &opts)?),
+            false => {
+                plan::suggest::summary(&ctx.cfg, &opts, false, &plan::suggest(&ctx.cfg, &opts)?)
+            }
         };
         let top = p.per_core().iter().map(|c| c.total()).max().unwrap_or(0);
         writeln!(

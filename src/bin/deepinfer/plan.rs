@@ -129,7 +129,7 @@ pub(crate) fn run(args: PlanArgs) -> Result<ExitCode> {
         Err(e) => return Err(e.into()),
     };
     let suggestions = plan::suggest(&cfg, &opts)?;
-    let summary = plan::suggest::summary(&opts, plan.fits(), &suggestions);
+    let summary = plan::suggest::summary(&cfg, &opts, plan.fits(), &suggestions);
     if args.json {
         emit(&to_json(&cfg, &opts, &plan, &suggestions, summary.as_deref()).to_string())?;
     } else {
