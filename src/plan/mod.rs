@@ -425,9 +425,9 @@ impl Plan {
     }
 
     /// [`Plan::compute`] for a DeepSeek-V4 model, as its runner holds it: its matrices in
-    /// `--dtype` (f32, the default, or bf16; FP8 ones dequantized at load), its other weights
-    /// in f32, FP4 experts as published, the cache in `--kv-dtype` (f32 or bf16), as the
-    /// runner's [`PrecisionChoice::v4`] decides; each rank's share read from the checkpoint
+    /// `--dtype` (f32 or bf16, `auto` following the checkpoint; FP8 ones dequantized at load),
+    /// its other weights in f32, FP4 experts as published, the cache in `--kv-dtype` (f32 or
+    /// bf16), as the runner's [`PrecisionChoice::v4`] decides; each rank's share read from the checkpoint
     /// one tensor at a time, as for MLA models.
     fn compute_v4(cfg: &ModelConfig, v4: &V4Config, opts: &PlanOptions) -> Result<Plan> {
         let dtype = match opts.dtype {
