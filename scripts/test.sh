@@ -202,12 +202,14 @@ echo "== XLA conformance: tests/conformance"
 # V4-Flash again at 131,072 positions: CSA's selection over 32,768 compressed entries, which a
 # sort would exceed neuronx-cc's 16,384 with (it masks by threshold instead); and as it fits one
 # trn1.32xlarge (`deepinfer plan`): 16 sequences, with the split decode graphs of
-# --split-sampler.
+# --split-sampler. V3 again with speculative decoding's graphs (its MTP layer's draft graphs
+# per prefill and decode bucket, and each decode bucket's verify graph).
 for run in deepseek-v2-lite:: deepseek-v2-lite::2 "deepseek-v2-lite:--quantize experts-int4:" \
     "deepseek-v2-lite:--split-sampler:" \
     deepseek-v2::32 deepseek-v3::32 deepseek-v3.2::32 deepseek-v4-flash::32 \
     "deepseek-v4-flash:--max-len 131072 --max-batch 1:32" \
-    "deepseek-v4-flash:--max-batch 16 --split-sampler:32"; do
+    "deepseek-v4-flash:--max-batch 16 --split-sampler:32" \
+    "deepseek-v3:--max-batch 8 --speculative-tokens 2:32"; do
     IFS=: read -r config allow tp <<< "$run"
     tp=${tp:-1}
     echo "== lower --check neuron: fixtures/configs/$config.json --tp $tp $allow"

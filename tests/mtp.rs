@@ -11,7 +11,7 @@ use deepinfer::config::ModelConfig;
 use deepinfer::deployment::RunnerConfig;
 use deepinfer::model::{LogitsOutput, ModelWeights, Precision};
 use deepinfer::runner::step::{DraftChunk, LogitControls, PrefillChunk, SamplingParams};
-use deepinfer::runner::{CpuRunner, Runner, Step, StepOutput};
+use deepinfer::runner::{self, Backend, CpuRunner, Runner, Step, StepOutput};
 use deepinfer::weights::Checkpoint;
 use serde::Deserialize;
 
@@ -195,6 +195,67 @@ fn the_default_models_mtp_layer_drafts_as_its_reference() {
         "{rate} against the reference's {}",
         r.agreement_with_main_argmax
     );
+}
+
+/// The same trained layer on nrt-sim (the device runner): its draft graphs give the
+/// reference's drafts. The held-out text prefilled in one chunk, then drafted over in one
+/// chunk of 255 rows (more than a decode batch: the prefill bucket's `Draft` graph, whose
+/// proposal is its last row's), and again as 255 chunks of one row each (the decode buckets'
+/// `DecodeDraft` graph, eight rows a graph, each row attending to the MTP layer's cache rows
+/// the rows before it wrote in the same graph or an earlier one), whose proposals are every
+/// row's.
+#[test]
+fn the_default_models_mtp_layer_drafts_as_its_reference_on_nrt_sim() {
+    let dir = fixture_dir("default-model");
+    let r: HeldoutReference = common::reference_file("default-model", "mtp-heldout.json");
+    let ckpt = Checkpoint::open(&dir).unwrap();
+    let mut cfg = ModelConfig::from_file(&dir.join("config.json"))
+        .unwrap()
+        .with_draft_layer()
+        .unwrap();
+    deepinfer::model::mtp::share_absent_embeddings(&mut cfg, &ckpt);
+    let weights = ModelWeights::load(&cfg, &ckpt, &Precision::F32).unwrap();
+    let s = r.token_ids.len();
+    let mut rc = RunnerConfig::for_limits(8, 512);
+    rc.buckets.prefill_chunk = s;
+    rc.speculative_tokens = 1;
+    let mut runner = runner::open_with_weights(Backend::Sim, cfg, weights, rc).unwrap();
+    let blocks: Vec<u32> = (1..=s.div_ceil(16) as u32).collect();
+    let rows: Vec<usize> = (0..s - 1).collect();
+    let prefill = |runner: &mut Box<dyn Runner>| {
+        runner
+            .prefill(&chunk(&r.token_ids, 0, &blocks), LogitsOutput::None)
+            .unwrap();
+    };
+    prefill(&mut runner);
+    let whole = runner
+        .replay(&Step::Draft {
+            chunks: &[DraftChunk {
+                next_tokens: &r.token_ids[1..],
+                start: 0,
+                blocks: &blocks,
+                hidden_rows: &rows,
+            }],
+            logits: LogitsOutput::None,
+        })
+        .unwrap();
+    assert_eq!(whole.next_tokens, vec![r.mtp_argmax[s - 2]]);
+    prefill(&mut runner);
+    let singles: Vec<DraftChunk<'_>> = (0..s - 1)
+        .map(|i| DraftChunk {
+            next_tokens: &r.token_ids[i + 1..i + 2],
+            start: i,
+            blocks: &blocks,
+            hidden_rows: &rows[i..i + 1],
+        })
+        .collect();
+    let each = runner
+        .replay(&Step::Draft {
+            chunks: &singles,
+            logits: LogitsOutput::None,
+        })
+        .unwrap();
+    assert_eq!(each.next_tokens, r.mtp_argmax);
 }
 
 #[test]

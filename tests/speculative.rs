@@ -11,11 +11,11 @@ mod common;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use common::{drafting_runner, fixture_dir, Intercept};
+use common::{drafting_runner, drafting_runner_on, fixture_dir, Intercept};
 use deepinfer::engine::grammar::{GrammarCompiler, ResponseFormat};
 use deepinfer::engine::speculative::SpeculativeStats;
 use deepinfer::engine::{Event, GenerationParams, RequestId, Scheduler, TokenLogprobs};
-use deepinfer::runner::{Runner, Step, StepOutput};
+use deepinfer::runner::{Backend, Runner, Step, StepOutput};
 use deepinfer::tokenizer::Tokenizer;
 
 const FIXTURE: &str = "tiny-v3-mtp";
@@ -183,6 +183,49 @@ fn drafting_at_tp_2_gives_what_one_rank_gives_without_drafting() {
             assert_eq!(g, w, "tp 2, K = {k}, request {i}");
         }
         assert!(stats.drafted > 0, "tp 2, K = {k}: {stats:?}");
+    }
+}
+
+/// On nrt-sim (the device runner over libnrt's API): verify steps run on the decode buckets'
+/// graphs, a sequence's positions as rows, and drafts on the draft graphs, both more than the
+/// largest batch (8 rows) holds split into several graphs; every draft rolled back (the random
+/// layer), or two in three accepted (the oracle). Greedy tokens are those without drafting.
+#[test]
+fn drafting_on_nrt_sim_gives_what_each_gives_without_drafting() {
+    let prompts = prompts();
+    let (want, _) = run(&mut scheduler(0, 4), &prompts);
+    let truth: Vec<Vec<u32>> = prompts
+        .iter()
+        .zip(&want)
+        .map(|((p, _), w)| p.iter().chain(w).copied().collect())
+        .collect();
+    for (k, chunk, tp) in [(1, 16, 1), (2, 4, 1), (2, 16, 2)] {
+        let sim = || drafting_runner_on(Backend::Sim, FIXTURE, k, tp, (8, 96), chunk);
+        let (got, stats) = run(
+            &mut Scheduler::new(sim(), None, Vec::new()).unwrap(),
+            &prompts,
+        );
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(
+                g, w,
+                "nrt-sim, K = {k}, chunk {chunk}, tp {tp}, request {i}"
+            );
+        }
+        assert!(stats.drafted > 0, "nrt-sim, K = {k}: {stats:?}");
+        let mut s = Scheduler::new(oracle(sim(), truth.clone()), None, Vec::new()).unwrap();
+        s.set_prefix_caching(false).unwrap();
+        let (got, stats) = run(&mut s, &prompts);
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            assert_eq!(
+                g, w,
+                "nrt-sim oracle, K = {k}, chunk {chunk}, tp {tp}, request {i}"
+            );
+        }
+        assert!(
+            stats.accepted > 0 && stats.tokens_per_row_step() > 1.2,
+            "nrt-sim oracle, K = {k}: {stats:?}"
+        );
+        assert_eq!(s.blocks_in_use(), 0, "nrt-sim, K = {k}: blocks leaked");
     }
 }
 

@@ -17,7 +17,7 @@ mod common;
 
 use std::collections::HashMap;
 
-use common::{drafting_runner, fixture_dir, Intercept, RunnerExt};
+use common::{drafting_runner_on, fixture_dir, Intercept, RunnerExt};
 use deepinfer::config::ModelConfig;
 use deepinfer::deployment::RunnerConfig;
 use deepinfer::engine::speculative::SpeculativeStats;
@@ -25,7 +25,7 @@ use deepinfer::engine::{Event, GenerationParams, RequestId, Scheduler};
 use deepinfer::model::LogitsOutput;
 use deepinfer::model::{ModelWeights, Precision};
 use deepinfer::runner::step::{LogitControls, PrefillChunk, SamplingParams};
-use deepinfer::runner::{CpuRunner, Runner, Step, StepOutput};
+use deepinfer::runner::{Backend, CpuRunner, Runner, Step, StepOutput};
 use deepinfer::weights::Checkpoint;
 use statrs::distribution::{ChiSquared, ContinuousCDF};
 
@@ -41,6 +41,9 @@ struct Case {
     /// Whether the drafts are each row's last token repeated (see [`runner`]) rather than the
     /// MTP layer's.
     repeat_drafts: bool,
+    /// Where the model runs: the CPU, or nrt-sim (the device runner, which verifies on its
+    /// decode buckets' graphs).
+    backend: Backend,
 }
 
 /// The default model drafting with its trained MTP layer from the start of its held-out text,
@@ -65,6 +68,7 @@ fn trained_case() -> Case {
             repetition_penalty: 1.2,
         },
         repeat_drafts: false,
+        backend: Backend::Cpu,
     }
 }
 
@@ -75,7 +79,7 @@ fn trained_case() -> Case {
 /// the drafts before them.
 fn runner(case: &Case, k: usize, tp: usize) -> Box<dyn Runner> {
     // Batches of 32 and long packed prefills: the requests are many and short.
-    let inner = drafting_runner(case.fixture, k, tp, (32, 256), 256);
+    let inner = drafting_runner_on(case.backend, case.fixture, k, tp, (32, 256), 256);
     if !case.repeat_drafts {
         return inner;
     }
@@ -357,7 +361,7 @@ impl Target {
 /// tokens against the target; returns them.
 fn assert_case(case: &Case, k: usize, lens: &[usize], target: &mut Target) -> Vec<[u32; 3]> {
     let (draws, stats) = generate(case, k, 1, REQUESTS);
-    let what = format!("{}, K = {k}", case.fixture);
+    let what = format!("{} on {}, K = {k}", case.fixture, case.backend);
     eprintln!("{what}: {stats:?}");
     if k > 0 {
         // Both branches of the rejection sampler ran, many times.
@@ -403,13 +407,32 @@ fn a_verify_step_counts_the_drafts_before_each_position() {
             repetition_penalty: 1.0,
         },
         repeat_drafts: true,
+        backend: Backend::Cpu,
     };
     let mut target = Target::of(&case);
-    for k in [0, 2] {
+    let sim = Case {
+        backend: Backend::Sim,
+        ..case.clone()
+    };
+    for (case, k) in [(&case, 0), (&case, 2), (&sim, 2)] {
         // The random model's law of three tokens is too wide to bin; its repeats are not.
-        let draws = assert_case(&case, k, &[2], &mut target);
-        assert_repeats_as_the_target(&format!("K = {k}"), &draws, &mut target);
+        let draws = assert_case(case, k, &[2], &mut target);
+        let what = format!("K = {k} on {}", case.backend);
+        assert_repeats_as_the_target(&what, &draws, &mut target);
     }
+}
+
+/// On nrt-sim a verify step of sampled rows runs on a decode bucket's `Verify` graph (the
+/// rejection sampler over a sequence's positions as rows, `seq_ids` and `last_index` naming
+/// its chunks), its drafts on the draft graphs: the same law.
+#[test]
+fn sampled_drafting_on_nrt_sim_keeps_the_targets_distribution() {
+    let case = Case {
+        backend: Backend::Sim,
+        ..trained_case()
+    };
+    let mut target = Target::of(&case);
+    assert_case(&case, 2, &[2, 3], &mut target);
 }
 
 /// Each chunk of a verify step leaves its row of the sampling-state root counting what the

@@ -219,12 +219,29 @@ impl Buckets {
                 )
             })
         };
+        // A drafting model's speculative graphs: each decode bucket's verify graph for sampled
+        // rows and its draft graph, and each prefill bucket's draft graph.
+        let drafts: Vec<(StepKind, GraphSpec)> = match cfg.draft_layers {
+            0 => Vec::new(),
+            _ => out
+                .iter()
+                .filter(|(kind, _)| *kind == StepKind::Prefill)
+                .map(|(_, spec)| (StepKind::Draft, *spec))
+                .chain(variant(StepKind::Verify, Sampler::Rejection))
+                .chain(variant(StepKind::DecodeDraft, Sampler::Full))
+                .map(|(kind, spec)| {
+                    let logits = kind.device_logits();
+                    (kind, GraphSpec { logits, ..spec })
+                })
+                .collect(),
+        };
         if split_sampler {
             out.extend(variant(StepKind::Sample, Sampler::Full));
             out.extend(variant(StepKind::Argmax, Sampler::Greedy));
         } else {
             out.extend(variant(StepKind::Greedy, Sampler::Greedy));
         }
+        out.extend(drafts);
         out
     }
 
@@ -354,8 +371,17 @@ pub(crate) enum StepKind {
     /// [`StepKind::Greedy`] of a split decode step: an argmax of the logits its `Decode` graph
     /// left, in place of its `Sample` graph.
     Argmax,
-    /// The MTP layer's draft graph ([`crate::model::mtp::build_draft`]): prefill-shaped.
+    /// The MTP layer's draft graph ([`crate::model::mtp::build_draft`]): prefill-shaped, a
+    /// prefill bucket's (what drafts over a prefilled chunk's positions).
     Draft,
+    /// A decode bucket's verify graph for sampled rows ([`crate::model::Sampler::Rejection`]
+    /// at the end of [`crate::model::build_decode`]): every row one position of a sequence's
+    /// last token and drafts. Greedy rows verify on the bucket's `Decode` or `Greedy` graph,
+    /// whose argmax per row is already what verifying needs.
+    Verify,
+    /// A decode bucket's draft graph ([`crate::model::mtp::build_decode_draft`]): the MTP
+    /// layer over the positions a verify step kept, and each chained draft.
+    DecodeDraft,
 }
 
 impl StepKind {
@@ -364,10 +390,13 @@ impl StepKind {
     /// every request. The cost model counts these outputs too.
     pub(crate) fn device_logits(self) -> LogitsOutput {
         match self {
-            StepKind::Decode | StepKind::Greedy => LogitsOutput::Sampled,
-            StepKind::Prefill | StepKind::Draft => LogitsOutput::AllPositions,
-            // They read their forward graph's logits, which stay where they are.
-            StepKind::Sample | StepKind::Argmax => LogitsOutput::None,
+            StepKind::Decode | StepKind::Greedy | StepKind::Verify => LogitsOutput::Sampled,
+            StepKind::Prefill => LogitsOutput::AllPositions,
+            // They read their forward graph's logits, which stay where they are; drafts are
+            // proposals, whose logits nobody reads.
+            StepKind::Sample | StepKind::Argmax | StepKind::Draft | StepKind::DecodeDraft => {
+                LogitsOutput::None
+            }
         }
     }
 
@@ -402,6 +431,8 @@ impl StepKind {
             StepKind::Sample => model::build_sample(cfg, specs, layout, spec.rows),
             StepKind::Argmax => model::build_argmax(cfg, specs, spec.rows),
             StepKind::Draft => model::mtp::build_draft(cfg, specs, layout, spec),
+            StepKind::Verify => model::build_decode(cfg, specs, layout, spec),
+            StepKind::DecodeDraft => model::mtp::build_decode_draft(cfg, specs, layout, spec),
         }
     }
 }

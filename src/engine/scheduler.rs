@@ -954,6 +954,12 @@ impl<R: Runner> Scheduler<R> {
     /// alike).
     fn verifiable_drafts(&mut self, i: usize) -> usize {
         let max_len = self.max_len();
+        // A device verifies a sequence's positions within one decode graph (see
+        // `runner::DeviceRunner`'s speculative steps): no more than its largest live batch.
+        let fits = match self.runner.live_buckets() {
+            Some(live) => live.max_decode_batch().saturating_sub(1),
+            None => usize::MAX,
+        };
         let seq = &mut self.running[i];
         let room = max_len.saturating_sub(seq.tokens.len());
         let left = seq
@@ -965,7 +971,7 @@ impl<R: Runner> Scheduler<R> {
             Some(b) if b > 0 => b - 1,
             _ => usize::MAX,
         };
-        let mut n = seq.drafts.len().min(room).min(left).min(banned);
+        let mut n = seq.drafts.len().min(room).min(left).min(banned).min(fits);
         while n > 0
             && self
                 .blocks

@@ -677,7 +677,7 @@ pub fn build_decode(
         Sampler::Full => format!("decode_b{rows}_c{ctx}"),
         Sampler::Greedy => format!("decode_greedy_b{rows}_c{ctx}"),
         Sampler::Deferred => format!("decode_logits_b{rows}_c{ctx}"),
-        Sampler::Rejection => format!("decode_rejection_b{rows}_c{ctx}"),
+        Sampler::Rejection => format!("verify_b{rows}_c{ctx}"),
     };
     let b = GraphBuilder::new(name);
     let w = Weights::new(&b, specs);
@@ -733,10 +733,16 @@ pub(crate) fn decode_tail(
         // step (benches/LOG.md, "Step overhead outside the matmuls").
         Sampler::Greedy => Ok((Some(vocab.argmax(logits)?), state.clone())),
         Sampler::Deferred => Ok((None, state.clone())),
-        Sampler::Rejection => Err(Error::shape(
-            "bucket",
-            "only a verify graph samples by rejection, not a decode graph",
-        )),
+        // A decode-shaped verify step (a device's, see `StepKind::Verify`): every row one
+        // position of a chunk, the rows of a chunk consecutive, `seq_ids` naming each row's
+        // chunk and `last_index` each chunk's last row.
+        Sampler::Rejection => {
+            let last_index = b.metadata(inputs::LAST_INDEX, [rows], DType::I32)?;
+            let seq_ids = b.metadata(inputs::SEQ_IDS, [rows], DType::I32)?;
+            let fed = (input_ids, positions, state);
+            let (next, state) = verify_tail(b, logits, vocab, fed, &last_index, Some(&seq_ids))?;
+            Ok((Some(next), state))
+        }
     }
 }
 
@@ -887,7 +893,10 @@ pub fn build_prefill(
         let (next, state) = match spec.sampler {
             // Every position's argmax, the token counts left alone (as a greedy decode step).
             Sampler::Greedy => (vocab.argmax(&logits)?, s.state.clone()),
-            _ => verify_tail(&b, &logits, &vocab, &s, &last_index, seq_ids.as_ref())?,
+            _ => {
+                let fed = (&s.input_ids, &s.positions, &s.state);
+                verify_tail(&b, &logits, &vocab, fed, &last_index, seq_ids.as_ref())?
+            }
         };
         b.output("next_tokens", &next)?;
         if spec.logits != LogitsOutput::None {
@@ -919,7 +928,8 @@ pub fn build_prefill(
 }
 
 /// The rejection sampler at the end of a verify graph ([`Sampler::Rejection`]) over every
-/// position's `logits` (`[t, this rank's vocabulary slice]`) of chunks that end at rows
+/// position's `logits` (`[t, this rank's vocabulary slice]`) of the tokens fed (their ids,
+/// positions, and the sampling-state root before the step) in chunks that end at rows
 /// `last_index`, token `i` being chunk `seq_ids[i]`'s (all the one chunk's without
 /// `seq_ids`): each position's token, verifying the token fed after it in its chunk as a draft
 /// ([`sampling::verify`]), and the sampling-state root's new value.
@@ -934,11 +944,10 @@ fn verify_tail(
     b: &GraphBuilder,
     logits: &Tensor,
     vocab: &VocabSlice,
-    s: &StepInputs,
+    (ids, positions, state): (&Tensor, &Tensor, &Tensor),
     last_index: &Tensor,
     seq_ids: Option<&Tensor>,
 ) -> Result<(Tensor, Tensor)> {
-    let (ids, state) = (&s.input_ids, &s.state);
     let t = ids.dim(0);
     let chunk = match seq_ids {
         Some(c) => c.clone(),
@@ -974,15 +983,7 @@ fn verify_tail(
         .matmul(&logits::one_hot(ids, width)?)?;
     let counts = old.narrow(1, 0, width)?.add(&fed)?;
     let prompt = old.narrow(1, width, width)?;
-    let next = sample_rows(
-        b,
-        logits,
-        vocab,
-        &s.positions,
-        &counts,
-        &prompt,
-        Some(&drafts),
-    )?;
+    let next = sample_rows(b, logits, vocab, positions, &counts, &prompt, Some(&drafts))?;
     // Each chunk's first position whose token is not its draft: where the chunk stops.
     let accepted = has_draft.where_cond(&next.eq(&drafts)?, &has_draft)?;
     let never = col.lt(&col)?;

@@ -31,13 +31,14 @@
 
 use crate::config::ModelConfig;
 use crate::error::{Error, Result};
-use crate::graph::{DType, Graph, GraphBuilder, InputRole};
+use crate::graph::{DType, Graph, GraphBuilder, InputRole, Tensor};
 use crate::weights::Checkpoint;
 
+use super::attention::{self, Roots};
 use super::{
-    attention, check_spec, chunk_visibility, decoder_layer, embed_in, head_logits, inputs,
-    metadata, ops, step_inputs, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, WeightSpecs,
-    Weights, INDEX_ROOT, KV_ROOT, STEP_LOGITS,
+    check_spec, chunk_visibility, decoder_layer, embed_in, head_logits, inputs, metadata, ops,
+    step_inputs, AttnFn, CacheLayout, GraphSpec, LogitsOutput, ModelWeights, StepInputs,
+    WeightSpecs, Weights, INDEX_ROOT, KV_ROOT, STEP_LOGITS,
 };
 
 /// The main model's last hidden states (after its final norm): a step graph's output when the
@@ -56,13 +57,7 @@ pub fn build_draft(
     cache: &CacheLayout,
     spec: &GraphSpec,
 ) -> Result<Graph> {
-    check_spec(spec, cache)?;
-    if cfg.draft_layers == 0 {
-        return Err(Error::shape(
-            "bucket",
-            "a draft graph of a model loaded without its MTP layer",
-        ));
-    }
+    check_draft(cfg, spec, cache)?;
     let (t, seqs, ctx) = (spec.rows, spec.seqs.max(1), spec.ctx);
     if seqs > t {
         return Err(Error::shape(
@@ -75,36 +70,7 @@ pub fn build_draft(
     let s = step_inputs(&b, cfg, cache, t, seqs, ctx)?;
     let last_index = metadata(&b, inputs::LAST_INDEX, vec![seqs], DType::I32)?;
     let (visible, _) = chunk_visibility(&b, &s.positions, seqs, ctx)?;
-    let hidden = b.input(
-        HIDDEN,
-        InputRole::Carried,
-        vec![t, cfg.hidden_size],
-        DType::F32,
-    )?;
-    let layer = cfg.num_hidden_layers;
-    let p = format!("model.layers.{layer}");
-    let eps = cfg.rms_norm_eps;
-    let (embedding, head) = embeddings(cfg, layer);
-    let e = embed_in(&w, &embedding, &s.input_ids)?;
-    let e = ops::rms_norm(&e, &w.get(&format!("{p}.enorm.weight"))?, eps)?;
-    let h = ops::rms_norm(&hidden, &w.get(&format!("{p}.hnorm.weight"))?, eps)?;
-    let x = ops::linear(
-        w.dots(),
-        &b.cat(&[&e, &h], 1)?,
-        &w.get(&format!("{p}.eh_proj.weight"))?,
-    )?;
-    let step = s.attn_step(&visible);
-    let (x, roots) = decoder_layer(
-        cfg,
-        &w,
-        layer,
-        x,
-        &s.roots,
-        &step,
-        attention::prefill,
-        spec.moe,
-    )?;
-    let normed = ops::rms_norm(&x, &w.get(&format!("{p}.shared_head.norm.weight"))?, eps)?;
+    let (normed, head, roots) = mtp_layer(cfg, &b, &w, &s, &visible, attention::prefill, spec)?;
     let last_logits = head_logits(&w, &head, &normed.index_select(&last_index, 0)?)?;
     b.output("next_tokens", &w.vocab_slice()?.argmax(&last_logits)?)?;
     match spec.logits {
@@ -112,7 +78,88 @@ pub fn build_draft(
         LogitsOutput::Sampled => b.output(STEP_LOGITS, &last_logits)?,
         LogitsOutput::AllPositions => b.output(STEP_LOGITS, &head_logits(&w, &head, &normed)?)?,
     }
-    b.output(DRAFT_HIDDEN, &normed)?;
+    draft_outputs(b, &s, &normed, &roots)
+}
+
+/// The draft graph in a decode bucket's shape, what a device replays after a verify step and
+/// while chaining: `spec.rows` rows, each with its own block table and context length (as
+/// [`super::build_decode`]'s), so the rows of one sequence at consecutive positions attend as
+/// a chunk would (each row's cache row is written before any row reads the cache). Its
+/// `next_tokens` are every row's proposal (`[rows]`); a chunk's is its last row's.
+pub fn build_decode_draft(
+    cfg: &ModelConfig,
+    specs: &WeightSpecs,
+    cache: &CacheLayout,
+    spec: &GraphSpec,
+) -> Result<Graph> {
+    check_draft(cfg, spec, cache)?;
+    let (rows, ctx) = (spec.rows, spec.ctx);
+    let b = GraphBuilder::new(format!("draft_b{rows}_c{ctx}"));
+    let w = Weights::new(&b, specs);
+    let s = step_inputs(&b, cfg, cache, rows, rows, ctx)?;
+    let context_lens = metadata(&b, inputs::CONTEXT_LENS, vec![rows], DType::I32)?;
+    let visible = b
+        .iota([rows, ctx], DType::I32, 1)?
+        .lt(&context_lens.unsqueeze(1)?)?;
+    let (normed, head, roots) = mtp_layer(cfg, &b, &w, &s, &visible, attention::decode, spec)?;
+    let logits = head_logits(&w, &head, &normed)?;
+    b.output("next_tokens", &w.vocab_slice()?.argmax(&logits)?)?;
+    if spec.logits != LogitsOutput::None {
+        b.output(STEP_LOGITS, &logits)?;
+    }
+    draft_outputs(b, &s, &normed, &roots)
+}
+
+/// Fails unless `cfg` drafts and `spec` fits `cache`.
+fn check_draft(cfg: &ModelConfig, spec: &GraphSpec, cache: &CacheLayout) -> Result<()> {
+    check_spec(spec, cache)?;
+    match cfg.draft_layers {
+        0 => Err(Error::shape(
+            "bucket",
+            "a draft graph of a model loaded without its MTP layer",
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// The MTP layer over the step's rows (see the module docs): its [`HIDDEN`] input, and its
+/// output after its head's norm, the head's weight name and the updated roots.
+fn mtp_layer(
+    cfg: &ModelConfig,
+    b: &GraphBuilder,
+    w: &Weights,
+    s: &StepInputs,
+    visible: &Tensor,
+    attn: AttnFn,
+    spec: &GraphSpec,
+) -> Result<(Tensor, String, Roots)> {
+    let hidden = b.input(
+        HIDDEN,
+        InputRole::Carried,
+        vec![spec.rows, cfg.hidden_size],
+        DType::F32,
+    )?;
+    let layer = cfg.num_hidden_layers;
+    let p = format!("model.layers.{layer}");
+    let eps = cfg.rms_norm_eps;
+    let (embedding, head) = embeddings(cfg, layer);
+    let e = embed_in(w, &embedding, &s.input_ids)?;
+    let e = ops::rms_norm(&e, &w.get(&format!("{p}.enorm.weight"))?, eps)?;
+    let h = ops::rms_norm(&hidden, &w.get(&format!("{p}.hnorm.weight"))?, eps)?;
+    let x = ops::linear(
+        w.dots(),
+        &b.cat(&[&e, &h], 1)?,
+        &w.get(&format!("{p}.eh_proj.weight"))?,
+    )?;
+    let step = s.attn_step(visible);
+    let (x, roots) = decoder_layer(cfg, w, layer, x, &s.roots, &step, attn, spec.moe)?;
+    let normed = ops::rms_norm(&x, &w.get(&format!("{p}.shared_head.norm.weight"))?, eps)?;
+    Ok((normed, head, roots))
+}
+
+/// A draft graph's [`DRAFT_HIDDEN`] and updated cache roots.
+fn draft_outputs(b: GraphBuilder, s: &StepInputs, normed: &Tensor, roots: &Roots) -> Result<Graph> {
+    b.output(DRAFT_HIDDEN, normed)?;
     b.output_aliased(KV_ROOT, &roots.kv, &s.roots.kv)?;
     if let (Some(new), Some(old)) = (&roots.index, &s.roots.index) {
         b.output_aliased(INDEX_ROOT, new, old)?;

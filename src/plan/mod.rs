@@ -43,6 +43,10 @@
 //! - outputs: `next_tokens` and f32 logits `[max_batch, ceil(vocab / N)]` (decode) and
 //!   `[chunk, ceil(vocab / N)]` (prefill; its `next_tokens` at the widest packing): each rank's
 //!   logits are its vocabulary slice's (`model::vocab`);
+//! - with `--speculative-tokens` (a model loaded with its MTP layer): that layer's weights and
+//!   cache rows, its draft graphs and the verify graphs, two `[batch]` chunk vectors per
+//!   context's decode buffers, and the hidden states `[max(batch, chunk), hidden]` f32 once
+//!   as an output and once as an input;
 //! - NEFF code and scratchpad: from each bucket's graph, partly computed and partly guessed,
 //!   see [`neff`].
 //!
@@ -283,8 +287,9 @@ fn cache_bytes(cfg: &ModelConfig, block_size: usize, dtype: DType) -> Result<(u6
         let block = (cost.bytes_per_token * block_size as f64).ceil() as u64;
         return Ok((block, cost.bytes_per_sequence));
     }
+    // A drafting model's MTP layer keeps its rows in the same root (`cached_layers`).
     let block = (block_size
-        * cfg.num_hidden_layers
+        * cfg.cached_layers()
         * (cfg.kv_cache_width() + cfg.index_cache_width())) as u64
         * dtype.size_in_bytes() as u64;
     Ok((block, 0))
@@ -675,7 +680,9 @@ fn metadata_and_outputs(
         .iter()
         .map(|&ctx| {
             let width = ctx / block_size;
-            let decode = 8 * b * 4 + b * width * 4;
+            // A drafting model's verify graphs add `seq_ids` and `last_index` (`[batch]`).
+            let chunks = if cfg.draft_layers > 0 { 2 * b * 4 } else { 0 };
+            let decode = 8 * b * 4 + b * width * 4 + chunks;
             // At the packing of the largest chunk: `seq_ids` only when it packs.
             let s = buckets.packed_seqs(t, ctx);
             let seq_ids = if s > 1 { t * 4 } else { 0 };
@@ -689,8 +696,14 @@ fn metadata_and_outputs(
         .map(|&c| buckets.packed_seqs(t, c))
         .max()
         .unwrap_or(1);
-    let outputs = b * 4 + b * vocab * 4 + packed * 4 + t * vocab * 4;
-    (metadata as u64, outputs as u64)
+    // A drafting model's hidden states, at the most rows a step has: the step graphs' output
+    // and the draft graphs' input (`runner::device`'s `speculative`).
+    let hidden = match cfg.draft_layers {
+        0 => 0,
+        _ => b.max(t) * cfg.hidden_size * 4,
+    };
+    let outputs = b * 4 + b * vocab * 4 + packed * 4 + t * vocab * 4 + hidden;
+    ((metadata + hidden) as u64, outputs as u64)
 }
 
 /// Checks the instance count, utilization and `--tp` against the model and the instance.

@@ -329,45 +329,6 @@ impl CpuRunner {
         ))
     }
 
-    /// The [`mtp::HIDDEN`] input of a draft step of `chunks` padded to `t` rows: each row's
-    /// hidden state from the previous step's (zeros for padding).
-    fn draft_hidden(&self, chunks: &[DraftChunk<'_>], t: usize) -> Result<HostArray> {
-        let width = self.cfg.hidden_size;
-        let Some(last) = &self.hidden else {
-            return Err(Error::InvalidInput(
-                "a draft step needs the hidden states of a step before it, and the runner's \
-                 last step returned none (is the model loaded with its MTP layer?)"
-                    .into(),
-            ));
-        };
-        let rows = last.len() / width;
-        if let Some(c) = chunks
-            .iter()
-            .find(|c| c.hidden_rows.len() != c.next_tokens.len())
-        {
-            return Err(Error::InvalidInput(format!(
-                "a draft chunk of {} rows names {} hidden rows",
-                c.next_tokens.len(),
-                c.hidden_rows.len()
-            )));
-        }
-        let mut data = vec![0.0f32; t * width];
-        let wanted = chunks.iter().flat_map(|c| c.hidden_rows.iter().copied());
-        for (i, r) in wanted.enumerate() {
-            if r >= rows {
-                return Err(Error::InvalidInput(format!(
-                    "a draft row reads hidden row {r} of a step that returned {rows}"
-                )));
-            }
-            data[i * width..(i + 1) * width].copy_from_slice(&last[r * width..(r + 1) * width]);
-        }
-        Ok(HostArray {
-            name: mtp::HIDDEN,
-            shape: vec![t, width],
-            data: HostData::F32(data),
-        })
-    }
-
     /// Runs `prepared`'s graph and keeps the first `real_samples` sampled tokens and
     /// `real_logits` logits rows (the rest are padding).
     fn execute(
@@ -509,7 +470,13 @@ impl Runner for CpuRunner {
                 let (t, seqs, ctx) = self.speculative_shape(&prefill)?;
                 let graph = self.graph(StepKind::Draft, t, seqs, ctx, *logits, Sampler::Full)?;
                 let mut meta = step::prefill_step(&prefill, t, seqs, ctx, block_size, vocab)?;
-                meta.push(self.draft_hidden(chunks, t)?);
+                let width = self.cfg.hidden_size;
+                meta.push(step::draft_hidden(
+                    self.hidden.as_deref(),
+                    width,
+                    chunks,
+                    t,
+                )?);
                 let real = match logits {
                     LogitsOutput::AllPositions => chunks.iter().map(|c| c.next_tokens.len()).sum(),
                     _ => chunks.len(),

@@ -101,6 +101,23 @@ fn check_instances(backend: Backend, limits: &Limits) -> Result<()> {
     Ok(())
 }
 
+/// On a device, a sequence's last token and its `--speculative-tokens` drafts verify as rows
+/// of one decode graph (see `DeviceRunner`'s speculative steps): they must fit the largest
+/// batch bucket.
+fn check_device_drafts(backend: Backend, rc: &RunnerConfig) -> Result<()> {
+    let k = rc.speculative_tokens;
+    let batch = rc.buckets.max_batch();
+    if backend == Backend::Cpu || k < batch {
+        return Ok(());
+    }
+    Err(Error::InvalidInput(format!(
+        "--speculative-tokens {k} on --backend {backend}: a sequence verifies its last token and \
+         its drafts as rows of one decode graph, and the largest holds {batch} (--max-batch): \
+         use --speculative-tokens {} or less, or a larger --max-batch",
+        batch.saturating_sub(1)
+    )))
+}
+
 /// The model's configuration, weights and runner configuration within `limits` for `backend`:
 /// on a device, checked against the memory plan before the checkpoint is read, and streamed
 /// (each rank's shards go from the checkpoint to its core at capture, no host copy).
@@ -112,15 +129,10 @@ fn load(
     let source = ModelSource::new(model)?;
     let mut cfg = source.config()?;
     if limits.speculative_tokens > 0 {
-        if backend != Backend::Cpu {
-            return Err(Error::InvalidInput(format!(
-                "--speculative-tokens runs on the CPU backend only for now, not --backend \
-                 {backend}"
-            )));
-        }
         cfg = cfg.with_draft_layer()?;
     }
     let mut runner_cfg = limits.runner_config(&cfg)?;
+    check_device_drafts(backend, &runner_cfg)?;
     if backend != Backend::Cpu {
         let quantize = limits.precision.quantize;
         if quantize.is_cpu_only() {
@@ -328,6 +340,7 @@ fn open_captured(
     runner_cfg: RunnerConfig,
     compiler: CompilerConfig,
 ) -> Result<Box<dyn Runner>> {
+    check_device_drafts(backend, &runner_cfg)?;
     let buckets = runner_cfg.buckets.clone();
     let mut runner: Box<dyn Runner> = match backend {
         Backend::Cpu => Box::new(CpuRunner::new(cfg, weights, runner_cfg)?),

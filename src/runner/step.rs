@@ -467,6 +467,50 @@ impl StepArrays {
         Ok(())
     }
 
+    /// Appends `array` after the last fill's: a draft step's [`crate::model::mtp::HIDDEN`]
+    /// input (see [`draft_hidden`]).
+    pub fn push(&mut self, array: HostArray) {
+        self.arrays.push(array);
+    }
+
+    /// Appends, after a decode fill of a verify step's rows ([`verify_rows`]), the chunk
+    /// arrays a decode-shaped verify graph reads (`model::Sampler::Rejection` in
+    /// `model::build_decode`): `seq_ids`, each row's chunk, and `last_index`, each chunk's last
+    /// row, for chunks of `lens` positions padded to `batch` rows. Each padding row is a chunk
+    /// of its own, so it verifies nothing.
+    pub fn push_chunks(&mut self, lens: &[usize], batch: usize) -> Result<()> {
+        let n: usize = lens.iter().sum();
+        if n > batch || lens.contains(&0) {
+            return Err(Error::Internal(format!(
+                "verify chunks of {lens:?} positions do not fit a batch of {batch}"
+            )));
+        }
+        let i = self.arrays.len();
+        let chunks = lens.len();
+        self.i32s(
+            i,
+            inputs::SEQ_IDS,
+            &[batch],
+            lens.iter()
+                .enumerate()
+                .flat_map(|(c, &len)| std::iter::repeat_n(c as i32, len))
+                .chain((chunks..chunks + batch - n).map(|c| c as i32)),
+        );
+        self.i32s(
+            i + 1,
+            inputs::LAST_INDEX,
+            &[batch],
+            lens.iter()
+                .scan(0i32, |end, &len| {
+                    *end += len as i32;
+                    Some(*end - 1)
+                })
+                .chain((n..batch).map(|r| r as i32))
+                .chain(std::iter::repeat_n(0, n - chunks)),
+        );
+        Ok(())
+    }
+
     /// Fills the metadata of a decode step for `rows`, padded to `batch` rows and a context of
     /// `ctx`. On error the arrays are left unspecified.
     pub fn fill_decode(
@@ -772,6 +816,110 @@ fn block_row(blocks: &[u32], width: usize) -> impl Iterator<Item = i32> + '_ {
             SCRATCH_BLOCK as i32,
             width.saturating_sub(blocks.len()),
         ))
+}
+
+/// A verify step's chunks as decode rows, one per position, chunk after chunk: each with its
+/// chunk's sampling and controls and its own mask (a chunk's mask holds one per position). A
+/// device verifies on a decode bucket's graph (see `StepKind::Verify`): rows of one sequence at
+/// consecutive positions attend as its chunk would.
+pub fn verify_rows<'a>(chunks: &[PrefillChunk<'a>], vocab: usize) -> Result<Vec<DecodeRow<'a>>> {
+    let words = vocab.div_ceil(32);
+    let mut rows = Vec::with_capacity(chunks.iter().map(|c| c.tokens.len()).sum());
+    for c in chunks {
+        if c.controls
+            .allowed
+            .is_some_and(|m| m.len() != c.tokens.len() * words)
+        {
+            return Err(Error::Internal(format!(
+                "a verify chunk of {} positions needs a mask of {words} words each",
+                c.tokens.len()
+            )));
+        }
+        rows.extend(c.tokens.iter().enumerate().map(|(j, &token)| DecodeRow {
+            token,
+            position: c.start + j,
+            blocks: c.blocks,
+            sampling: c.sampling,
+            controls: LogitControls {
+                allowed: c.controls.allowed.map(|m| &m[j * words..(j + 1) * words]),
+                ..c.controls
+            },
+        }));
+    }
+    Ok(rows)
+}
+
+/// A draft step's chunks as decode rows, one per row: each row's next token at the row's own
+/// position, greedy without controls (a draft graph samples nothing).
+pub fn draft_rows<'a>(chunks: &[DraftChunk<'a>]) -> Vec<DecodeRow<'a>> {
+    chunks
+        .iter()
+        .flat_map(|c| {
+            c.next_tokens
+                .iter()
+                .enumerate()
+                .map(|(j, &token)| DecodeRow {
+                    token,
+                    position: c.start + j,
+                    blocks: c.blocks,
+                    sampling: SamplingParams::GREEDY,
+                    controls: LogitControls::NONE,
+                })
+        })
+        .collect()
+}
+
+/// The [`crate::model::mtp::HIDDEN`] input of a draft step of `chunks` padded to `t` rows:
+/// each row's hidden state from `last`, the hidden states (`width` wide, row-major) the
+/// runner's previous step returned (`None`: it returned none); zeros for padding.
+pub fn draft_hidden(
+    last: Option<&[f32]>,
+    width: usize,
+    chunks: &[DraftChunk<'_>],
+    t: usize,
+) -> Result<HostArray> {
+    let Some(last) = last else {
+        return Err(Error::InvalidInput(
+            "a draft step needs the hidden states of a step before it, and the runner's last \
+             step returned none (is the model loaded with its MTP layer?)"
+                .into(),
+        ));
+    };
+    let rows = last.len() / width.max(1);
+    if let Some(c) = chunks
+        .iter()
+        .find(|c| c.hidden_rows.len() != c.next_tokens.len())
+    {
+        return Err(Error::InvalidInput(format!(
+            "a draft chunk of {} rows names {} hidden rows",
+            c.next_tokens.len(),
+            c.hidden_rows.len()
+        )));
+    }
+    let wanted: Vec<usize> = chunks
+        .iter()
+        .flat_map(|c| c.hidden_rows.iter().copied())
+        .collect();
+    if wanted.len() > t {
+        return Err(Error::Internal(format!(
+            "{} draft rows do not fit a step of {t}",
+            wanted.len()
+        )));
+    }
+    let mut data = vec![0.0f32; t * width];
+    for (i, &r) in wanted.iter().enumerate() {
+        if r >= rows {
+            return Err(Error::InvalidInput(format!(
+                "a draft row reads hidden row {r} of a step that returned {rows}"
+            )));
+        }
+        data[i * width..(i + 1) * width].copy_from_slice(&last[r * width..(r + 1) * width]);
+    }
+    Ok(HostArray {
+        name: crate::model::mtp::HIDDEN,
+        shape: vec![t, width],
+        data: HostData::F32(data),
+    })
 }
 
 /// The metadata of a decode step for `rows`, padded to `batch` rows and a context of `ctx`.

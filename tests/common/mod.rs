@@ -317,6 +317,19 @@ pub fn drafting_runner(
     name: &str,
     k: usize,
     tp: usize,
+    limits: (usize, usize),
+    chunk: usize,
+) -> Box<dyn Runner> {
+    drafting_runner_on(Backend::Cpu, name, k, tp, limits, chunk)
+}
+
+/// [`drafting_runner`] on `backend` (nrt-sim: every bucket's graphs captured, speculative ones
+/// included).
+pub fn drafting_runner_on(
+    backend: Backend,
+    name: &str,
+    k: usize,
+    tp: usize,
     (max_batch, max_len): (usize, usize),
     chunk: usize,
 ) -> Box<dyn Runner> {
@@ -332,5 +345,5 @@ pub fn drafting_runner(
     rc.buckets.prefill_chunk = chunk;
     rc.speculative_tokens = k;
     rc.tp = tp;
-    runner::open_with_weights(Backend::Cpu, cfg, weights, rc).unwrap()
+    runner::open_with_weights(backend, cfg, weights, rc).unwrap()
 }

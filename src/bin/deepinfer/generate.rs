@@ -68,9 +68,11 @@ pub(crate) fn run(args: GenerateArgs) -> Result<()> {
         ),
         (None, None, _) => bail!("pass --prompt or --token-ids"),
     };
+    // One sequence; with speculation a device verifies its last token and drafts as rows of
+    // one decode graph, so the batch buckets reach that many rows.
     let limits = Limits {
         speculative_tokens: args.speculative_tokens,
-        ..Limits::new(1, prompt.len() + args.max_tokens)
+        ..Limits::new(1 + args.speculative_tokens, prompt.len() + args.max_tokens)
     };
     let mut runner = args.model.open(&dir, &limits)?;
     let eos: Vec<u32> = match &tokenizer {

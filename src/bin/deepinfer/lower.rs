@@ -50,6 +50,11 @@ pub(crate) struct LowerArgs {
     /// With --check: most sequences one prefill step packs, as serve.
     #[arg(long, default_value_t = deepinfer::deployment::DEFAULT_PREFILL_SEQS, requires = "check")]
     max_prefill_seqs: usize,
+    /// With --check: tokens drafted a sequence per decode step with the model's MTP layer, as
+    /// serve: the graphs such a capture adds are checked too (each decode bucket's verify and
+    /// draft graphs, each prefill bucket's draft graph).
+    #[arg(long, default_value_t = 0, requires = "check")]
+    speculative_tokens: usize,
     /// With --check: the Neuron runtime library version the graphs will run on (as `deepinfer
     /// doctor` reports it, e.g. 2.30.50). Tensors of 4 GiB or more are accepted from 2.30.50
     /// (SDK 2.28); without this flag they are violations.
@@ -153,8 +158,12 @@ fn check(args: &LowerArgs, dir: &Path) -> Result<()> {
     } else {
         dir.join("config.json")
     };
-    let cfg = ModelConfig::from_file(&config)?;
+    let mut cfg = ModelConfig::from_file(&config)?;
+    if args.speculative_tokens > 0 {
+        cfg = cfg.with_draft_layer()?;
+    }
     let limits = args.precision.apply(&Limits {
+        speculative_tokens: args.speculative_tokens,
         prefill_chunk: Some(args.prefill_chunk),
         prefill_seqs: Some(args.max_prefill_seqs),
         tp: args.tp,

@@ -67,6 +67,10 @@ pub(crate) struct PlanArgs {
     /// Share of each core's HBM the plan may fill.
     #[arg(long, default_value_t = deepinfer::deployment::DEFAULT_HBM_UTILIZATION)]
     hbm_utilization: f64,
+    /// Tokens drafted a sequence per decode step with the model's MTP layer, as for `serve`:
+    /// the layer's weights, cache rows and draft and verify graphs are planned too.
+    #[arg(long, default_value_t = 0)]
+    speculative_tokens: usize,
     /// Print the plan as one JSON object.
     #[arg(long)]
     json: bool,
@@ -101,7 +105,10 @@ pub(crate) fn run(args: PlanArgs) -> Result<ExitCode> {
             (dir.join("config.json"), saved)
         }
     };
-    let cfg = ModelConfig::from_file(&config_path)?;
+    let mut cfg = ModelConfig::from_file(&config_path)?;
+    if args.speculative_tokens > 0 {
+        cfg = cfg.with_draft_layer()?;
+    }
     let opts = PlanOptions {
         instance: args.instance,
         instances: args.instances,

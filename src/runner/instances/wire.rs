@@ -206,6 +206,8 @@ impl StepMessage<'_> {
             StepKind::Greedy => 3,
             StepKind::Argmax => 4,
             StepKind::Draft => 5,
+            StepKind::Verify => 6,
+            StepKind::DecodeDraft => 7,
         });
         o.u32(self.rows)?;
         o.u32(self.seqs)?;
@@ -251,6 +253,8 @@ impl StepMessage<'_> {
             3 => StepKind::Greedy,
             4 => StepKind::Argmax,
             5 => StepKind::Draft,
+            6 => StepKind::Verify,
+            7 => StepKind::DecodeDraft,
             k => return Err(malformed(format!("step kind {k}"))),
         };
         let (rows, seqs, ctx) = (i.u32()?, i.u32()?, i.u32()?);

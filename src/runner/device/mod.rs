@@ -98,7 +98,9 @@ use crate::host::{tensor_from_bytes, with_tensor_bytes};
 use crate::model::{
     self, CacheLayout, Dots, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, WeightSpecs,
 };
-use crate::model::{inputs, shard};
+use crate::model::{inputs, mtp, shard};
+
+mod speculative;
 
 /// How a device runner turns a lowered graph into the bytes `nrt_load` takes: always the compile
 /// driver ([`compile_all`]) and its NEFF cache, with one compiler or the other.
@@ -260,6 +262,10 @@ struct RankState {
     decode_logits: Tensor,
     prefill_next: Tensor,
     prefill_logits: Tensor,
+    /// Where a drafting model's step graphs leave their hidden states ([`mtp::HIDDEN`], or a
+    /// draft graph's [`mtp::DRAFT_HIDDEN`]), at the most rows a step has; the next draft step
+    /// reads them back through the host (see `speculative`).
+    hidden_out: Option<Tensor>,
     /// The cache roots (the KV root, and V3.2's state root) by graph input name.
     roots: Vec<(&'static str, Tensor)>,
     weights: HashMap<String, Tensor>,
@@ -278,6 +284,8 @@ struct GraphLoader {
     ctx: Vec<usize>,
     /// This rank's vocabulary slice's width.
     vocab: usize,
+    /// The model's hidden size (a hidden-state row's f32 values).
+    hidden: usize,
 }
 
 /// Every local rank's capture. The first rank's state is the runner's own (replay executes
@@ -683,6 +691,9 @@ pub struct DeviceRunner {
     background: Option<Background>,
     /// Where the replays so far spent their time.
     timing: ReplayTiming,
+    /// The last step's hidden states (`[rows, hidden]`, row-major) when the model drafts:
+    /// what the next draft step reads (see `speculative`).
+    hidden: Option<Vec<f32>>,
 }
 
 /// Where a device runner's replays spent their time: in all, and waiting for the NeuronCores
@@ -795,10 +806,29 @@ impl RankLoader<'_> {
             roots.push((spec.name, root));
         }
 
+        let max_batch = rc.buckets.batch.iter().copied().max().unwrap_or(1);
+        // A drafting model's draft graphs read their hidden states from the host (see
+        // `speculative`): one buffer for every bucket, at the most rows a step has.
+        let hidden_rows = max_batch.max(rc.buckets.prefill_chunk);
+        let hidden_bytes = hidden_rows * self.cfg.hidden_size * 4;
+        let drafting = self.cfg.draft_layers > 0;
+        let hidden_in = match drafting {
+            true => Some(MetaBuf {
+                name: mtp::HIDDEN,
+                tensor: Tensor::device(rt, nc, hidden_bytes, "draft/hidden").map_err(dev(CAP))?,
+                row_bytes: self.cfg.hidden_size * 4,
+                ones: Arc::new(AtomicUsize::new(0)),
+            }),
+            false => None,
+        };
+        let hidden_out = match drafting {
+            true => Some(Tensor::device(rt, nc, hidden_bytes, "hidden").map_err(dev(CAP))?),
+            false => None,
+        };
+
         // Metadata buffers per ctx bucket, at the largest batch (decode) / the largest chunk
         // packing the most sequences (prefill: every smaller prefill graph's inputs are
         // prefixes of its, and only it and the other packed graphs read `seq_ids`).
-        let max_batch = rc.buckets.batch.iter().copied().max().unwrap_or(1);
         let mut decode_meta = Vec::with_capacity(rc.buckets.ctx.len());
         let mut prefill_meta = Vec::with_capacity(rc.buckets.ctx.len());
         for &ctx in &rc.buckets.ctx {
@@ -822,16 +852,15 @@ impl RankLoader<'_> {
                         name: format!("{kind:?} rows {rows} seqs {seqs} ctx {ctx}"),
                         msg: "no captured graph".into(),
                     })?;
-                // A split decode step's sampling inputs are its sampling graph's.
-                let sample = graphs
-                    .iter()
-                    .find(|(k, s, _)| {
-                        kind == StepKind::Decode
-                            && *k == StepKind::Sample
-                            && s.rows == rows
-                            && s.ctx == ctx
-                    })
-                    .map(|(_, _, g)| g);
+                // The bucket's other graphs' inputs too: a split decode step's sampling
+                // graph's, a verify graph's chunk arrays.
+                let siblings = graphs.iter().filter(|(k, s, _)| {
+                    kind == StepKind::Decode
+                        && *k != StepKind::Decode
+                        && k.is_decode()
+                        && s.rows == rows
+                        && s.ctx == ctx
+                });
                 let prefix = match kind.is_decode() {
                     true => "decode",
                     false => "prefill",
@@ -840,7 +869,7 @@ impl RankLoader<'_> {
                 let decls = g
                     .inputs()
                     .iter()
-                    .chain(sample.iter().flat_map(|g| g.inputs()));
+                    .chain(siblings.flat_map(|(_, _, g)| g.inputs()));
                 for decl in decls.filter(|d| d.role == InputRole::Metadata) {
                     if bufs.iter().any(|b| b.name == decl.name) {
                         continue;
@@ -861,6 +890,7 @@ impl RankLoader<'_> {
                         ones: Arc::new(AtomicUsize::new(0)),
                     });
                 }
+                bufs.extend(hidden_in.iter().cloned());
                 out.push(bufs);
             }
         }
@@ -892,6 +922,7 @@ impl RankLoader<'_> {
             decode_logits,
             prefill_next,
             prefill_logits,
+            hidden_out,
             roots,
             weights,
             loader: GraphLoader {
@@ -901,6 +932,7 @@ impl RankLoader<'_> {
                 tp: rc.tp,
                 ctx: rc.buckets.ctx.clone(),
                 vocab,
+                hidden: self.cfg.hidden_size,
             },
         };
         for (done, &(i, neff)) in neffs.iter().enumerate() {
@@ -931,6 +963,13 @@ impl RankState {
         let (decode_meta, prefill_meta) = (&self.decode_meta, &self.prefill_meta);
         let (decode_next, decode_logits) = (&self.decode_next, &self.decode_logits);
         let (prefill_next, prefill_logits) = (&self.prefill_next, &self.prefill_logits);
+        let hidden_out = |rows: usize, graph: &str| match &self.hidden_out {
+            Some(t) => first_bytes(t, rows * self.loader.hidden * 4, graph),
+            None => Err(Error::Binding {
+                name: mtp::HIDDEN.into(),
+                msg: format!("graph `{graph}`: the runner holds no hidden states (no MTP layer)"),
+            }),
+        };
         let root_named = |name: &str, graph: &str| {
             roots
                 .iter()
@@ -980,6 +1019,16 @@ impl RankState {
                 InputRole::Carried if decl.name == model::STEP_LOGITS => {
                     first_bytes(decode_logits, spec.rows * vocab * 4, name)?
                 }
+                // The hidden states a draft step drafts from, written from the host.
+                InputRole::Carried if decl.name == mtp::HIDDEN => {
+                    let buf = meta.iter().find(|b| b.name == mtp::HIDDEN).ok_or_else(|| {
+                        Error::Binding {
+                            name: decl.name.clone(),
+                            msg: format!("graph `{name}`: no hidden-state buffer"),
+                        }
+                    })?;
+                    first_bytes(&buf.tensor, want, name)?
+                }
                 InputRole::Carried => {
                     return Err(Error::Binding {
                         name: decl.name.clone(),
@@ -1022,10 +1071,11 @@ impl RankState {
                 (k, "next_tokens") if k.is_decode() => {
                     first_bytes(decode_next, spec.rows * 4, name)?
                 }
-                (StepKind::Decode | StepKind::Greedy, "logits") => {
+                (StepKind::Decode | StepKind::Greedy | StepKind::Verify, "logits") => {
                     first_bytes(decode_logits, spec.rows * vocab * 4, name)?
                 }
-                (StepKind::Prefill, "next_tokens") => {
+                (_, mtp::HIDDEN | mtp::DRAFT_HIDDEN) => hidden_out(spec.rows, name)?,
+                (StepKind::Prefill | StepKind::Draft, "next_tokens") => {
                     first_bytes(prefill_next, spec.seqs * 4, name)?
                 }
                 (StepKind::Prefill, "logits") => {
@@ -1171,6 +1221,7 @@ impl DeviceRunner {
             live,
             background: None,
             timing: ReplayTiming::default(),
+            hidden: None,
         })
     }
 
@@ -2302,21 +2353,28 @@ impl Runner for DeviceRunner {
         logits: LogitsOutput,
         masks: LateMasks<'_>,
     ) -> Result<StepOutput> {
-        match self.opts.split_sampler && self.opts.metadata == MetadataSource::Host {
+        let out = match self.opts.split_sampler && self.opts.metadata == MetadataSource::Host {
             true => self.timed(|r| r.replay_split_with_masks(rows, logits, masks)),
             false => super::replay_after_masks(self, rows, logits, masks),
-        }
+        }?;
+        self.keep_hidden(rows.len(), false)?;
+        Ok(out)
     }
 
     fn replay(&mut self, step: &Step<'_>) -> Result<StepOutput> {
         self.timed(|r| match *step {
-            Step::Prefill { chunks, logits } => r.replay_prefill(chunks, logits),
-            Step::Decode { rows, logits } => r.replay_decode(rows, logits),
-            // Draft and verify graphs are not captured on a device yet: the engine speculates
-            // only on the CPU.
-            Step::Draft { .. } | Step::Verify { .. } => Err(Error::InvalidInput(
-                "speculative decoding's draft steps run on the CPU backend only for now".into(),
-            )),
+            Step::Prefill { chunks, logits } => {
+                let out = r.replay_prefill(chunks, logits)?;
+                r.keep_hidden(chunks.iter().map(|c| c.tokens.len()).sum(), false)?;
+                Ok(out)
+            }
+            Step::Decode { rows, logits } => {
+                let out = r.replay_decode(rows, logits)?;
+                r.keep_hidden(rows.len(), false)?;
+                Ok(out)
+            }
+            Step::Verify { chunks, logits } => r.replay_verify(chunks, logits),
+            Step::Draft { chunks, logits } => r.replay_draft(chunks, logits),
         })
     }
 
