@@ -31,8 +31,9 @@
 # 4. The server end to end (tests/server, pytest): the official `openai` client drives a live
 #    `deepinfer serve` on the default model; transformers' tokenizer and `deepinfer generate`
 #    are the references. Installed into .venv from PyPI with the rest. Twice: with automatic
-#    prefix caching (the default) and with --no-prefix-caching; and the structured-output
-#    tests once more on nrt-sim with --split-sampler.
+#    prefix caching (the default) and with --no-prefix-caching; the structured-output
+#    tests once more on nrt-sim with --split-sampler and with --speculative-tokens 2; and the
+#    speculative-decoding tests on nrt-sim.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -232,6 +233,11 @@ DEEPINFER_TEST_SERVE_ARGS="--backend sim --split-sampler" .venv/bin/python -m py
 echo "== server end to end, --speculative-tokens 2 (structured outputs)"
 DEEPINFER_TEST_SERVE_ARGS="--speculative-tokens 2" .venv/bin/python -m pytest -q \
     tests/server/test_structured_outputs.py || status=1
+# Speculative decoding on nrt-sim: verify steps on the decode buckets' graphs, drafts on the
+# draft graphs; greedy answers are the CLI's without drafting, sampled ones verify drafts.
+echo "== server end to end, --backend sim (speculative decoding)"
+DEEPINFER_TEST_SERVE_ARGS="--backend sim" .venv/bin/python -m pytest -q \
+    tests/server/test_speculative.py || status=1
 echo "== server end to end, --no-prefix-caching (tests/server)"
 DEEPINFER_TEST_SERVE_ARGS=--no-prefix-caching .venv/bin/python -m pytest tests/server -q \
     --ignore=tests/server/test_backpressure.py --ignore=tests/server/test_connections.py \

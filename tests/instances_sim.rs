@@ -177,6 +177,36 @@ fn child_two_instances() {
     );
     drop(leader);
     follower.join().unwrap().unwrap();
+    // Speculative decoding (`--speculative-tokens 1`): the follower loads the MTP layer and
+    // captures the draft and verify graphs from the launch, and runs every verify and draft
+    // step the leader sends; the leader drafts from the hidden states of its first rank.
+    let (addr, follower) = start_follower(fixture_dir("tiny-v3-mtp"), 2);
+    let lead = Limits {
+        speculative_tokens: 1,
+        ..limits(RankSpan { first: 0, count: 2 }, vec![addr])
+    };
+    let leader = runner::open(Backend::Sim, &fixture_dir("tiny-v3-mtp"), &lead).unwrap();
+    let mut s = engine::Scheduler::new(leader, None, Vec::new()).unwrap();
+    let n = r.greedy.generated_token_ids.len();
+    s.add(0, prompt.clone(), engine::GenerationParams::greedy(n))
+        .unwrap();
+    let mut got = Vec::new();
+    while !s.is_idle() {
+        for o in s.step() {
+            match o.event {
+                engine::Event::Token(t) => got.push(t.token),
+                engine::Event::Failed { message, .. } => panic!("{message}"),
+                _ => {}
+            }
+        }
+    }
+    assert_eq!(
+        got, r.greedy.generated_token_ids,
+        "drafting over two instances"
+    );
+    assert!(s.speculative_stats().drafted > 0);
+    drop(s);
+    follower.join().unwrap().unwrap();
 }
 
 #[test]

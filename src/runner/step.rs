@@ -17,6 +17,14 @@ pub fn slot(table: &[u32], block_size: usize, pos: usize) -> Result<i32> {
     Ok((*block as usize * block_size + pos % block_size) as i32)
 }
 
+/// The name of a staged host array named `name`: a metadata input's
+/// ([`inputs::by_name`]), or the hidden states a draft step reads
+/// ([`crate::model::mtp::HIDDEN`], written from the host like metadata).
+pub(crate) fn staged_name(name: &str) -> Option<&'static str> {
+    use crate::model::mtp::HIDDEN;
+    inputs::by_name(name).or((name == HIDDEN).then_some(HIDDEN))
+}
+
 /// Host data of one metadata input.
 #[derive(Debug, Clone, PartialEq)]
 pub enum HostData {

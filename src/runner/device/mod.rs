@@ -50,6 +50,14 @@
 //! per context bucket): the forward pass writes every input both graphs read, and the sampling
 //! graph's step copies only the masks.
 //!
+//! # Speculative decoding
+//!
+//! A model loaded with its MTP layer (`--speculative-tokens`) captures more graphs per bucket
+//! (each decode bucket's verify and draft graphs, each prefill bucket's draft graph; see
+//! `Buckets::capture_specs`) and two more persistent buffers, the hidden states out of every
+//! step graph and into every draft graph. How verify and draft steps take the buckets' shapes
+//! is in the `speculative` submodule's docs.
+//!
 //! # Background compiling
 //!
 //! neuronx-cc takes minutes to hours per graph. With [`DeviceOptions::background_compile`]

@@ -19,7 +19,7 @@
 //! Hidden states go through the host: after every step of a drafting model the runner reads
 //! the rows' hidden states back from the first rank (every rank holds the same), and a draft
 //! step writes those its rows draft from into every rank's hidden-state buffer, as the CPU
-//! runner does. That costs a step `rows x hidden x 4` bytes each way (57 KB a row for
+//! runner does. That costs a step `rows x hidden x 4` bytes each way (28 KB a row for
 //! DeepSeek-V3); gathering them on the device instead is left for later.
 
 use std::ops::Range;

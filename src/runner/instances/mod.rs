@@ -110,6 +110,10 @@ pub struct Launch {
     /// `--split-sampler`: the followers capture the same split decode graphs.
     #[serde(default)]
     pub split_sampler: bool,
+    /// `--speculative-tokens`: the followers load the MTP layer and capture the same draft and
+    /// verify graphs.
+    #[serde(default)]
+    pub speculative_tokens: usize,
 }
 
 impl Launch {
@@ -130,6 +134,7 @@ impl Launch {
             quantize: limits.precision.quantize.to_string(),
             compile_timeout_secs: limits.compile_timeout.map(|d| d.as_secs()),
             split_sampler: limits.split_sampler,
+            speculative_tokens: limits.speculative_tokens,
         }
     }
 
@@ -157,6 +162,7 @@ impl Launch {
             tp: self.tp,
             ranks: Some(ranks),
             split_sampler: self.split_sampler,
+            speculative_tokens: self.speculative_tokens,
             ..Limits::new(self.max_batch, self.max_len)
         })
     }

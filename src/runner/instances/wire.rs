@@ -263,7 +263,7 @@ impl StepMessage<'_> {
         let mut arrays = Vec::with_capacity(n.min(64));
         for _ in 0..n {
             let name = i.str()?;
-            let name = crate::model::inputs::by_name(&name)
+            let name = super::super::step::staged_name(&name)
                 .ok_or_else(|| malformed(format!("no metadata input is named `{name}`")))?;
             let dims = i.u32()?;
             let shape = (0..dims).map(|_| i.u32()).collect::<Result<Vec<_>>>()?;
