@@ -158,12 +158,8 @@ struct HeldoutReference {
     agreement_with_main_argmax: f64,
 }
 
-/// The default model's trained MTP layer (`scripts/train_mtp.py`), which ships no embedding or
-/// head of its own and so drafts with the main model's: its greedy drafts over the held-out
-/// text are those of the Python reference forward, and agree with the main model's own next
-/// tokens as often as the reference measured.
-#[test]
-fn the_default_models_mtp_layer_drafts_as_its_reference() {
+/// The default model's held-out reference, and the model loaded with its MTP layer in f32.
+fn default_model_drafting() -> (HeldoutReference, ModelConfig, ModelWeights) {
     let dir = fixture_dir("default-model");
     let r: HeldoutReference = common::reference_file("default-model", "mtp-heldout.json");
     let ckpt = Checkpoint::open(&dir).unwrap();
@@ -172,8 +168,18 @@ fn the_default_models_mtp_layer_drafts_as_its_reference() {
         .with_draft_layer()
         .unwrap();
     deepinfer::model::mtp::share_absent_embeddings(&mut cfg, &ckpt);
-    assert!(cfg.draft_shares_embeddings);
     let weights = ModelWeights::load(&cfg, &ckpt, &Precision::F32).unwrap();
+    (r, cfg, weights)
+}
+
+/// The default model's trained MTP layer (`scripts/train_mtp.py`), which ships no embedding or
+/// head of its own and so drafts with the main model's: its greedy drafts over the held-out
+/// text are those of the Python reference forward, and agree with the main model's own next
+/// tokens as often as the reference measured.
+#[test]
+fn the_default_models_mtp_layer_drafts_as_its_reference() {
+    let (r, cfg, weights) = default_model_drafting();
+    assert!(cfg.draft_shares_embeddings);
     let s = r.token_ids.len();
     let mut rc = RunnerConfig::for_limits(1, 512);
     rc.buckets.prefill_chunk = s;
@@ -206,15 +212,7 @@ fn the_default_models_mtp_layer_drafts_as_its_reference() {
 /// row's.
 #[test]
 fn the_default_models_mtp_layer_drafts_as_its_reference_on_nrt_sim() {
-    let dir = fixture_dir("default-model");
-    let r: HeldoutReference = common::reference_file("default-model", "mtp-heldout.json");
-    let ckpt = Checkpoint::open(&dir).unwrap();
-    let mut cfg = ModelConfig::from_file(&dir.join("config.json"))
-        .unwrap()
-        .with_draft_layer()
-        .unwrap();
-    deepinfer::model::mtp::share_absent_embeddings(&mut cfg, &ckpt);
-    let weights = ModelWeights::load(&cfg, &ckpt, &Precision::F32).unwrap();
+    let (r, cfg, weights) = default_model_drafting();
     let s = r.token_ids.len();
     let mut rc = RunnerConfig::for_limits(8, 512);
     rc.buckets.prefill_chunk = s;

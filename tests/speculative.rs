@@ -114,6 +114,15 @@ fn prompts() -> Vec<(Vec<u32>, usize)> {
     .collect()
 }
 
+/// Each prompt followed by its answer: what the oracle proposes from.
+fn whole_sequences(prompts: &[(Vec<u32>, usize)], answers: &[Vec<u32>]) -> Vec<Vec<u32>> {
+    prompts
+        .iter()
+        .zip(answers)
+        .map(|((p, _), a)| p.iter().chain(a).copied().collect())
+        .collect()
+}
+
 #[test]
 fn one_sequence_drafting_gives_transformers_greedy_tokens() {
     let r = common::reference("tiny-v3");
@@ -146,11 +155,7 @@ fn batches_drafting_give_what_each_gives_without_drafting() {
 fn accepted_drafts_give_what_each_gives_without_drafting() {
     let prompts = prompts();
     let (want, _) = run(&mut scheduler(0, 4), &prompts);
-    let truth: Vec<Vec<u32>> = prompts
-        .iter()
-        .zip(&want)
-        .map(|((p, _), w)| p.iter().chain(w).copied().collect())
-        .collect();
+    let truth = whole_sequences(&prompts, &want);
     for (k, chunk) in [(1, 4), (2, 7), (4, 64)] {
         let oracle = oracle(fixture_runner(k, chunk), truth.clone());
         let mut s = Scheduler::new(oracle, None, Vec::new()).unwrap();
@@ -194,11 +199,7 @@ fn drafting_at_tp_2_gives_what_one_rank_gives_without_drafting() {
 fn drafting_on_nrt_sim_gives_what_each_gives_without_drafting() {
     let prompts = prompts();
     let (want, _) = run(&mut scheduler(0, 4), &prompts);
-    let truth: Vec<Vec<u32>> = prompts
-        .iter()
-        .zip(&want)
-        .map(|((p, _), w)| p.iter().chain(w).copied().collect())
-        .collect();
+    let truth = whole_sequences(&prompts, &want);
     for (k, chunk, tp) in [(1, 16, 1), (2, 4, 1), (2, 16, 2)] {
         let sim = || drafting_runner_on(Backend::Sim, FIXTURE, k, tp, (8, 96), chunk);
         let (got, stats) = run(
@@ -260,11 +261,7 @@ fn drafting_rows_report_the_log_probabilities_of_each_position() {
     let prompts = prompts();
     let want = run_logprobs(&mut scheduler(0, 4), &prompts);
     let (tokens, _) = run(&mut scheduler(0, 4), &prompts);
-    let truth: Vec<Vec<u32>> = prompts
-        .iter()
-        .zip(&tokens)
-        .map(|((p, _), w)| p.iter().chain(w).copied().collect())
-        .collect();
+    let truth = whole_sequences(&prompts, &tokens);
     let mut s = Scheduler::new(oracle(fixture_runner(2, 4), truth), None, Vec::new()).unwrap();
     s.set_prefix_caching(false).unwrap();
     let got = run_logprobs(&mut s, &prompts);
