@@ -14,7 +14,8 @@
 #    Then tensor parallelism: every fixture lowered for 2 and 4 ranks (`lower --tp N`: one HLO
 #    module per graph, one inputs file per rank) runs in XLA with 2 and 4 replicas; every rank
 #    must match our CPU backend and the decode logits transformers' reference. Then the split
-#    decode graphs of --split-sampler (tiny-v3, --tp 1 and 2; tiny-v4, --tp 2).
+#    decode graphs of --split-sampler (tiny-v3, --tp 1 and 2; tiny-v4, --tp 2), and speculative
+#    decoding's verify and draft graphs (tiny-v3-mtp, --tp 1 and 2).
 #    Then the conformance suite's cases (tests/conformance/*.json) run as our emitted HLO in XLA and
 #    must match numpy's expected values, as they do on the CPU backend, emit -> import -> CPU and
 #    nrt-sim in step 1 (scripts/xla_conformance.py).
@@ -183,6 +184,18 @@ for run in tiny-v3:1 tiny-v3:2 tiny-v4:2; do
         --tp "$tp" --batch-sizes 1,4 --ctx 64 --inputs-from-token-ids "$ids" --split-sampler > /dev/null
     echo "== XLA conformance: $fixture (--split-sampler --tp $tp)"
     .venv/bin/python scripts/xla_check.py "$out/$fixture-split-tp$tp" --reference "fixtures/$fixture/reference.json" || status=1
+done
+# Speculative decoding's graphs (--speculative-tokens): tiny-v3 with an MTP layer, at --tp 1
+# and 2, its prefill and decode graphs (which then return their hidden states), each decode
+# batch's verify graph (the rejection sampler over chunks of a last token and two drafts, one
+# row a position) and draft graph, and the chunk's draft graph. The main model's logits
+# against tiny-v3's reference (the MTP layer does not change them).
+ids=$(.venv/bin/python -c "import json,sys; print(','.join(map(str, json.load(open(sys.argv[1]))['token_ids'])))" fixtures/tiny-v3/reference.json)
+for tp in 1 2; do
+    target/release/deepinfer lower --model fixtures/tiny-v3-mtp --out "$out/tiny-v3-mtp-tp$tp" --dtype f32 \
+        --tp "$tp" --batch-sizes 1,4 --ctx 64 --inputs-from-token-ids "$ids" --speculative-tokens 2 > /dev/null
+    echo "== XLA conformance: tiny-v3-mtp (--speculative-tokens 2 --tp $tp)"
+    .venv/bin/python scripts/xla_check.py "$out/tiny-v3-mtp-tp$tp" --reference fixtures/tiny-v3/reference.json || status=1
 done
 # A vocabulary --tp does not divide is padded (src/model/shard.rs): tiny-v3 cut to 501 tokens
 # (scripts/cut_vocab.py; its logits are the reference's first 501) at --tp 4, split sampling,

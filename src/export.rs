@@ -44,11 +44,12 @@ use crate::graph::stats::{stats, GraphStats};
 use crate::graph::{Graph, InputRole};
 use crate::model::cost::{decode_floor, DecodeFloor};
 use crate::model::{
-    self, shard, Dots, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, PrecisionChoice,
+    self, mtp, shard, Dots, GraphSpec, LogitsOutput, ModelWeights, MoeStrategy, PrecisionChoice,
     Sampler, WeightSpecs,
 };
 use crate::runner::step::{
-    self, DecodeRow, HostArray, HostData, LogitControls, PrefillChunk, SamplingParams,
+    self, DecodeRow, DraftChunk, HostArray, HostData, LogitControls, PrefillChunk, SamplingParams,
+    StepArrays,
 };
 use crate::runner::{CpuRunner, Runner, Step};
 use crate::weights::Checkpoint;
@@ -76,6 +77,10 @@ pub struct LowerOptions {
     /// `--split-sampler`: each decode batch as the two graphs a split capture compiles (the
     /// forward pass to the logits, then the sampling graph reading them) instead of one.
     pub split_sampler: bool,
+    /// `--speculative-tokens`: the model with its MTP layer, and speculative decoding's graphs
+    /// besides: each decode batch's verify and draft graphs and the prefill chunk's draft
+    /// graph (see `runner::DeviceRunner`'s speculative steps).
+    pub speculative: bool,
 }
 
 /// One parameter in the manifest.
@@ -440,8 +445,10 @@ fn bind(
                         }
                     })?;
                     let t = host_tensor(a)?;
+                    // Carried logits are each rank's vocabulary slice; carried hidden states
+                    // are whole on every rank.
                     match d.role {
-                        InputRole::Carried if ranks > 1 => {
+                        InputRole::Carried if ranks > 1 && d.name == model::STEP_LOGITS => {
                             let width = t.dim(1)? / ranks;
                             t.narrow(1, r * width, width)?.contiguous()?
                         }
@@ -532,7 +539,7 @@ pub fn lower_sharded(
     if let Some(cfg) = V4Config::from_file_if_v4(&model_dir.join("config.json"))? {
         return v4::lower(&cfg, model_dir, out, opts, ranks);
     }
-    let cfg = ModelConfig::from_file(&model_dir.join("config.json"))?;
+    let mut cfg = ModelConfig::from_file(&model_dir.join("config.json"))?;
     shard::validate(&cfg, ranks)?;
     let max_batch = opts.batch_sizes.iter().copied().max().unwrap_or(1);
     // Statistics need only config.json; the weights are read when inputs are written.
@@ -540,6 +547,12 @@ pub fn lower_sharded(
         Some(_) => Some(Checkpoint::open(model_dir)?),
         None => None,
     };
+    if opts.speculative {
+        cfg = cfg.with_draft_layer()?;
+        if let Some(c) = &checkpoint {
+            mtp::share_absent_embeddings(&mut cfg, c);
+        }
+    }
     let saved = match &checkpoint {
         Some(c) => c.float_dtype(),
         None => cfg.saved_dtype,
@@ -613,6 +626,48 @@ pub fn lower_sharded(
         }
     }
 
+    // A drafting model's speculative graphs: each decode batch's verify graph (the rejection
+    // sampler over a sequence's positions as rows) and draft graph, and the chunk's draft graph.
+    if cfg.draft_layers > 0 {
+        for &b in &opts.batch_sizes {
+            let spec = GraphSpec {
+                rows: b,
+                seqs: b,
+                ctx: opts.ctx,
+                logits: StepKind::Verify.device_logits(),
+                moe: moe(b),
+                sampler: Sampler::Rejection,
+            };
+            graphs.push((
+                StepKind::Verify.build(&cfg, &specs, &layout, &spec)?,
+                "verify",
+                b,
+                b,
+            ));
+            let spec = GraphSpec {
+                logits: StepKind::DecodeDraft.device_logits(),
+                sampler: Sampler::Full,
+                ..spec
+            };
+            graphs.push((
+                StepKind::DecodeDraft.build(&cfg, &specs, &layout, &spec)?,
+                "draft",
+                b,
+                b,
+            ));
+        }
+        let spec = GraphSpec {
+            rows: t,
+            seqs: 1,
+            ctx: opts.ctx,
+            logits: StepKind::Draft.device_logits(),
+            moe: moe(t),
+            sampler: Sampler::Full,
+        };
+        let g = StepKind::Draft.build(&cfg, &specs, &layout, &spec)?;
+        graphs.push((g, "draft_prefill", t, 1));
+    }
+
     let mut manifest = Manifest::new(ranks, cfg.vocab_size);
     for (g, kind, rows, seqs) in &graphs {
         let floor =
@@ -630,12 +685,24 @@ pub fn lower_sharded(
         let weights = ModelWeights::load(&cfg, checkpoint, &precision)?;
         let mut runner = CpuRunner::new(cfg.clone(), weights, rc.clone())?;
         let (prompt, last) = tokens.split_at(tokens.len() - 1);
+        if cfg.draft_layers > 0 && prompt.len() + SPECULATIVE_FED > opts.ctx {
+            return Err(Error::InvalidInput(format!(
+                "with --speculative-tokens the verify graphs feed {SPECULATIVE_FED} positions \
+                 after the prompt: at most {} tokens fit --ctx {}",
+                opts.ctx + 1 - SPECULATIVE_FED,
+                opts.ctx
+            )));
+        }
         // A fresh cache: the unpacked prefill and the decode use the blocks after the scratch
         // block, the packed prefill's second sequence the ones after those.
         let per_seq = prompt.len().div_ceil(rc.block_size) as u32;
         let first = step::SCRATCH_BLOCK + 1;
         let blocks: Vec<u32> =
             (first..first + tokens.len().div_ceil(rc.block_size) as u32).collect();
+        // The verify graphs' rows reach further (their extra block, if any, is one the packed
+        // prefill's second sequence holds: written and read alike by both executors).
+        let fed = prompt.len() + SPECULATIVE_FED;
+        let spec_blocks: Vec<u32> = (first..first + fed.div_ceil(rc.block_size) as u32).collect();
         let next = first + blocks.len() as u32;
         let other: Vec<u32> = (next..next + per_seq).collect();
         let chunk = PrefillChunk {
@@ -706,15 +773,30 @@ pub fn lower_sharded(
         let root = snapshot(runner.roots())?;
         // A split decode step's logits, from its forward graph to its sampling graph.
         let mut carried: Option<CTensor> = None;
+        // The unpacked prefill's hidden states, which the draft graphs draft from.
+        let mut hidden: Option<Vec<f32>> = None;
         for ((g, kind, rows, seqs), entry) in graphs.iter().zip(manifest.graphs.iter_mut()) {
-            if *kind == "prefill" && *seqs == 1 {
+            if matches!(*kind, "verify" | "draft" | "draft_prefill") {
+                let speculative = Speculative {
+                    cfg: &cfg,
+                    prompt,
+                    last: last[0],
+                    blocks: &spec_blocks,
+                    hidden: hidden.as_deref(),
+                    block_size: rc.block_size,
+                    ctx: opts.ctx,
+                };
+                let (meta, positions) = speculative.metadata(kind, *rows)?;
+                entry.reference_positions = positions;
+                write_step(g, runner.rank_weights(), &meta, &root, out, entry)?;
+            } else if *kind == "prefill" && *seqs == 1 {
                 let positions = (0..prompt.len()).map(Some);
                 entry.reference_positions = Some(
                     positions
                         .chain(std::iter::repeat_n(None, t - prompt.len()))
                         .collect(),
                 );
-                write_step(
+                let outs = write_step(
                     g,
                     runner.rank_weights(),
                     &prefill_meta,
@@ -722,6 +804,10 @@ pub fn lower_sharded(
                     out,
                     entry,
                 )?;
+                hidden = match outs.get(mtp::HIDDEN) {
+                    Some(h) => Some(h.flatten_all()?.to_vec1::<f32>()?),
+                    None => None,
+                };
             } else if *kind == "prefill" {
                 entry.reference_positions = Some(packed_rows.clone());
                 write_step(
@@ -768,6 +854,103 @@ pub fn lower_sharded(
         }
     }
     write_manifest(out, manifest)
+}
+
+/// Which position of the reference each output row is, if any (`ManifestGraph`'s field).
+type ReferencePositions = Option<Vec<Option<usize>>>;
+
+/// The positions a lowered verify step feeds each sequence: its last token and two drafts.
+const SPECULATIVE_FED: usize = 3;
+
+/// What the speculative graphs' lowered inputs are made of: the prompt the prefill cached, the
+/// token after it, the blocks holding them and the prefill's hidden states.
+struct Speculative<'a> {
+    cfg: &'a ModelConfig,
+    prompt: &'a [u32],
+    last: u32,
+    blocks: &'a [u32],
+    hidden: Option<&'a [f32]>,
+    block_size: usize,
+    ctx: usize,
+}
+
+impl Speculative<'_> {
+    /// The metadata of graph `kind` of `rows` rows, and its rows' positions transformers'
+    /// reference knows (a verify graph's first row: the decode step's).
+    ///
+    /// - `verify`: chunks of the last token and two drafts (the prompt's first and last
+    ///   tokens), as many as fit the rows, every chunk the same tokens (so that their cache
+    ///   writes agree) under its own probe sampler and controls, the first greedy.
+    /// - `draft`: the MTP layer over the prompt's last `rows` positions (one chunk).
+    /// - `draft_prefill`: over every position of the prompt.
+    fn metadata(
+        &self,
+        kind: &str,
+        rows: usize,
+    ) -> Result<(Vec<HostArray>, ReferencePositions)> {
+        let (n, vocab, width) = (self.prompt.len(), self.cfg.vocab_size, self.cfg.hidden_size);
+        let fed = [self.last, self.prompt[0], self.prompt[n - 1]];
+        let tokens: Vec<u32> = self.prompt.iter().copied().chain([self.last]).collect();
+        let mut arrays = StepArrays::default();
+        match kind {
+            "verify" => {
+                let lens: Vec<usize> = (0..rows)
+                    .step_by(SPECULATIVE_FED)
+                    .map(|r| SPECULATIVE_FED.min(rows - r))
+                    .collect();
+                let masks: Vec<Vec<u32>> = lens
+                    .iter()
+                    .map(|&len| probe_mask(vocab).repeat(len))
+                    .collect();
+                let chunks: Vec<PrefillChunk<'_>> = lens
+                    .iter()
+                    .zip(&masks)
+                    .enumerate()
+                    .map(|(i, (&len, mask))| PrefillChunk {
+                        tokens: &fed[..len],
+                        start: n,
+                        blocks: self.blocks,
+                        sampling: probe_sampling(i),
+                        controls: probe_controls(i, n, mask),
+                    })
+                    .collect();
+                let decode_rows = step::verify_rows(&chunks, vocab)?;
+                arrays.fill_decode(&decode_rows, rows, self.ctx, self.block_size, vocab)?;
+                arrays.push_chunks(&lens, rows)?;
+                let positions = std::iter::once(Some(n))
+                    .chain(std::iter::repeat_n(None, rows - 1))
+                    .collect();
+                return Ok((arrays.arrays().to_vec(), Some(positions)));
+            }
+            "draft" => {
+                let from = n.saturating_sub(rows);
+                let hidden_rows: Vec<usize> = (from..n).collect();
+                let chunk = DraftChunk {
+                    next_tokens: &tokens[from + 1..=n],
+                    start: from,
+                    blocks: self.blocks,
+                    hidden_rows: &hidden_rows,
+                };
+                let chunks = [chunk];
+                let decode_rows = step::draft_rows(&chunks);
+                arrays.fill_decode(&decode_rows, rows, self.ctx, self.block_size, vocab)?;
+                arrays.push(step::draft_hidden(self.hidden, width, &chunks, rows)?);
+            }
+            _ => {
+                let hidden_rows: Vec<usize> = (0..n).collect();
+                let chunks = [DraftChunk {
+                    next_tokens: &tokens[1..],
+                    start: 0,
+                    blocks: self.blocks,
+                    hidden_rows: &hidden_rows,
+                }];
+                let prefill = [chunks[0].as_prefill()];
+                arrays.fill_prefill(&prefill, rows, 1, self.ctx, self.block_size, vocab)?;
+                arrays.push(step::draft_hidden(self.hidden, width, &chunks, rows)?);
+            }
+        }
+        Ok((arrays.arrays().to_vec(), None))
+    }
 }
 
 /// The input a split step's sampling graph `g` reads: the logits its forward graph (the graph

@@ -22,6 +22,7 @@ fn decode_reads_stay_near_the_floor_on_published_configs() {
             precision: PrecisionChoice::default(),
             dots: Dots::DEVICE,
             split_sampler: false,
+            speculative: false,
         };
         let m = lower(&dir, &dir.join("out"), &opts).unwrap();
         let floored: Vec<_> = m.costs.iter().filter(|c| c.floor.is_some()).collect();

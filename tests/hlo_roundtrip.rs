@@ -34,6 +34,7 @@ fn emit_import_run_is_bit_identical_for_every_fixture_graph() {
             },
             dots: Dots::DEVICE,
             split_sampler: false,
+            speculative: false,
         };
         let manifest = lower(&fixture_dir(name), &out, &opts).unwrap();
         // Prefill, packed prefill of two sequences, four decode batches.
@@ -123,6 +124,7 @@ fn no_graph_transposes_an_operand_of_a_dot() {
                 precision,
                 dots: Dots::DEVICE,
                 split_sampler: false,
+                speculative: false,
             };
             let manifest = lower(&fixture_dir(name), &out, &opts).unwrap();
             for g in &manifest.graphs {
@@ -179,6 +181,7 @@ fn corrupt_or_foreign_modules_are_errors_not_panics() {
         precision: PrecisionChoice::default(),
         dots: Dots::DEVICE,
         split_sampler: false,
+        speculative: false,
     };
     let manifest = lower(&fixture_dir("tiny-v3"), &out, &opts).unwrap();
     let bytes = std::fs::read(out.join(&manifest.graphs[1].hlo)).unwrap();
@@ -203,6 +206,7 @@ fn emitting_the_same_graph_twice_gives_the_same_bytes() {
         precision: PrecisionChoice::default(),
         dots: Dots::DEVICE,
         split_sampler: false,
+        speculative: false,
     };
     let first = lower(&fixture_dir("tiny-v3"), &out.join("a"), &opts).unwrap();
     lower(&fixture_dir("tiny-v3"), &out.join("b"), &opts).unwrap();

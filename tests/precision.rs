@@ -331,6 +331,7 @@ fn quantizing_a_model_without_routed_experts_is_refused_before_loading() {
         },
         dots: Dots::DEVICE,
         split_sampler: false,
+        speculative: false,
     };
     let err = lower(&dir, &dir.join("out"), &opts)
         .unwrap_err()

@@ -53,6 +53,7 @@ fn tp_modules_name_the_replica_group_and_import_to_the_same_collectives() {
             precision: PrecisionChoice::default(),
             dots: Dots::DEVICE,
             split_sampler: false,
+            speculative: false,
         };
         let manifest = lower_sharded(&fixture_dir("tiny-v3"), &out, &opts, ranks).unwrap();
         assert_eq!(manifest.tp, ranks);
@@ -105,6 +106,7 @@ fn tp_inputs_per_rank_reproduce_the_outputs_through_emit_and_import() {
             precision: PrecisionChoice::default(),
             dots: Dots::DEVICE,
             split_sampler: false,
+            speculative: false,
         };
         let manifest = lower_sharded(&fixture_dir(name), &out, &opts, ranks).unwrap();
         assert_eq!(

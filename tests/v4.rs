@@ -658,6 +658,7 @@ fn lowering_v4_refuses_what_it_cannot_do_yet() {
         },
         dots: Dots::Widen,
         split_sampler: false,
+        speculative: false,
     };
     let dir = common::fixture_dir("tiny-v4");
     let err = lower_sharded(&dir, &out, &opts, 1).unwrap_err().to_string();

@@ -373,6 +373,7 @@ pub fn lowered_tiny_v3() -> &'static (PathBuf, Manifest) {
                 precision: Default::default(),
                 dots: deepinfer::model::Dots::DEVICE,
                 split_sampler: false,
+                speculative: false,
             },
         )
         .expect("lower tiny-v3");

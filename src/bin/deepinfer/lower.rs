@@ -50,10 +50,11 @@ pub(crate) struct LowerArgs {
     /// With --check: most sequences one prefill step packs, as serve.
     #[arg(long, default_value_t = deepinfer::deployment::DEFAULT_PREFILL_SEQS, requires = "check")]
     max_prefill_seqs: usize,
-    /// With --check: tokens drafted a sequence per decode step with the model's MTP layer, as
-    /// serve: the graphs such a capture adds are checked too (each decode bucket's verify and
-    /// draft graphs, each prefill bucket's draft graph).
-    #[arg(long, default_value_t = 0, requires = "check")]
+    /// Tokens drafted a sequence per decode step with the model's MTP layer, as serve: the
+    /// model is lowered with that layer, and speculative decoding's graphs too (each decode
+    /// batch's verify and draft graphs and the prefill chunk's draft graph; with --check, every
+    /// bucket's, as a capture compiles them).
+    #[arg(long, default_value_t = 0)]
     speculative_tokens: usize,
     /// With --check: the Neuron runtime library version the graphs will run on (as `deepinfer
     /// doctor` reports it, e.g. 2.30.50). Tensors of 4 GiB or more are accepted from 2.30.50
@@ -222,6 +223,7 @@ pub(crate) fn run(args: LowerArgs) -> Result<()> {
         precision: args.precision.choice(),
         dots: args.dots,
         split_sampler: args.split_sampler,
+        speculative: args.speculative_tokens > 0,
     };
     let manifest = export::lower_sharded(&dir, &out, &opts, args.tp)?;
     if args.compile {
