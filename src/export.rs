@@ -883,11 +883,7 @@ impl Speculative<'_> {
     ///   writes agree) under its own probe sampler and controls, the first greedy.
     /// - `draft`: the MTP layer over the prompt's last `rows` positions (one chunk).
     /// - `draft_prefill`: over every position of the prompt.
-    fn metadata(
-        &self,
-        kind: &str,
-        rows: usize,
-    ) -> Result<(Vec<HostArray>, ReferencePositions)> {
+    fn metadata(&self, kind: &str, rows: usize) -> Result<(Vec<HostArray>, ReferencePositions)> {
         let (n, vocab, width) = (self.prompt.len(), self.cfg.vocab_size, self.cfg.hidden_size);
         let fed = [self.last, self.prompt[0], self.prompt[n - 1]];
         let tokens: Vec<u32> = self.prompt.iter().copied().chain([self.last]).collect();
