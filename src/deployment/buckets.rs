@@ -172,7 +172,9 @@ impl Buckets {
     /// (`Sampler::Deferred`) followed by the sampling graphs, one per decode bucket (the same
     /// NEFF for every context of a batch size: callers keep one per name). Then each decode
     /// bucket's greedy variant ([`StepKind::Greedy`] or, split, [`StepKind::Argmax`]), which
-    /// callers keep only where [`keep_paying_greedy`] says it pays. The device runner, the
+    /// callers keep only where [`keep_paying_greedy`] says it pays. A model loaded with its MTP
+    /// layer (`cfg.draft_layers > 0`, speculative decoding) adds each prefill bucket's draft
+    /// graph and each decode bucket's verify and draft graphs last. The device runner, the
     /// memory plan and `lower --check neuron` all build this list, so what is planned and
     /// checked is what is captured.
     pub(crate) fn capture_specs(

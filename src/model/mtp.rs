@@ -11,9 +11,11 @@
 //! decoder layer (MLA and MoE, with its own KV cache at position `i`) and reads logits through
 //! its own head (`shared_head.norm`, `shared_head.head`): a guess at the token at `i + 2`.
 //!
-//! The draft graph is prefill-shaped: chunks of rows of one or more sequences (every row a
-//! position whose hidden state and next token are known), causal within a sequence over the
-//! MTP layer's cached context, exactly as [`super::build_prefill`]'s chunks are. Its KV lives
+//! The draft graph is prefill-shaped ([`build_draft`]): chunks of rows of one or more sequences
+//! (every row a position whose hidden state and next token are known), causal within a
+//! sequence over the MTP layer's cached context, exactly as [`super::build_prefill`]'s chunks
+//! are. A device also replays it in a decode bucket's shape ([`build_decode_draft`]: a row per
+//! position, each with its sequence's block table), after verify steps and while chaining. Its KV lives
 //! in the same KV root as the decoder's, as layer `num_hidden_layers` (the root is that much
 //! wider when [`ModelConfig::draft_layers`] is set), written in place like every layer's.
 //!
