@@ -1023,6 +1023,62 @@ mod tests {
         );
     }
 
+    /// A decode-shaped verify step's chunk arrays: each row's chunk, each chunk's last row,
+    /// and every padding row a chunk of its own that ends at itself.
+    #[test]
+    fn verify_chunks_name_each_rows_chunk_and_each_chunks_last_row() {
+        let mut s = StepArrays::default();
+        s.push_chunks(&[3, 1, 2], 8).unwrap();
+        let a = s.arrays();
+        assert_eq!(a[0].name, inputs::SEQ_IDS);
+        assert_eq!(a[0].data, HostData::I32(vec![0, 0, 0, 1, 2, 2, 3, 4]));
+        assert_eq!(a[1].name, inputs::LAST_INDEX);
+        assert_eq!(a[1].data, HostData::I32(vec![2, 3, 5, 6, 7, 0, 0, 0]));
+        assert!(
+            s.push_chunks(&[3, 6], 8).is_err(),
+            "more rows than the batch"
+        );
+        assert!(s.push_chunks(&[2, 0], 8).is_err(), "an empty chunk");
+    }
+
+    /// A verify chunk's positions as rows: consecutive positions, each with its own mask.
+    #[test]
+    fn verify_rows_give_each_position_its_own_mask() {
+        let blocks = [3u32];
+        let mask = [1u32, 2, 3, 4];
+        let chunk = PrefillChunk {
+            tokens: &[7, 8],
+            start: 5,
+            blocks: &blocks,
+            sampling: SamplingParams::GREEDY,
+            controls: LogitControls {
+                allowed: Some(&mask),
+                ..LogitControls::NONE
+            },
+        };
+        let rows = verify_rows(std::slice::from_ref(&chunk), 64).unwrap();
+        let got: Vec<_> = rows
+            .iter()
+            .map(|r| (r.token, r.position, r.controls.allowed))
+            .collect();
+        assert_eq!(
+            got,
+            [(7, 5, Some(&mask[..2])), (8, 6, Some(&mask[2..]))],
+            "64 tokens are two mask words"
+        );
+        let short = PrefillChunk {
+            controls: LogitControls {
+                allowed: Some(&mask[..2]),
+                ..LogitControls::NONE
+            },
+            ..chunk
+        };
+        assert!(
+            verify_rows(&[short], 64).is_err(),
+            "one mask for two positions"
+        );
+    }
+
     /// A refill keeps an all-ones allowed-token array only while it is one: whatever the
     /// order of masked and unmasked decode and prefill steps, the staging arrays equal a fresh
     /// fill's.
