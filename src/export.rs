@@ -930,7 +930,7 @@ impl Speculative<'_> {
                 let chunks = [chunk];
                 let decode_rows = step::draft_rows(&chunks);
                 arrays.fill_decode(&decode_rows, rows, self.ctx, self.block_size, vocab)?;
-                arrays.push(step::draft_hidden(self.hidden, width, &chunks, rows)?);
+                arrays.push_draft_hidden(self.hidden, width, &chunks, rows)?;
             }
             _ => {
                 let hidden_rows: Vec<usize> = (0..n).collect();
@@ -942,7 +942,7 @@ impl Speculative<'_> {
                 }];
                 let prefill = [chunks[0].as_prefill()];
                 arrays.fill_prefill(&prefill, rows, 1, self.ctx, self.block_size, vocab)?;
-                arrays.push(step::draft_hidden(self.hidden, width, &chunks, rows)?);
+                arrays.push_draft_hidden(self.hidden, width, &chunks, rows)?;
             }
         }
         Ok((arrays.arrays().to_vec(), None))

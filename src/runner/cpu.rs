@@ -36,7 +36,7 @@ use crate::model::{
     WeightSpecs,
 };
 
-use super::step::{self, DraftChunk, HostArray, HostData, PrefillChunk};
+use super::step::{self, DraftChunk, HostArray, HostData, PrefillChunk, StepArrays};
 use super::{Backend, DecodeCosts, Runner, Step, StepOutput};
 
 /// The CPU graph runner for one model.
@@ -469,19 +469,15 @@ impl Runner for CpuRunner {
                     chunks.iter().map(DraftChunk::as_prefill).collect();
                 let (t, seqs, ctx) = self.speculative_shape(&prefill)?;
                 let graph = self.graph(StepKind::Draft, t, seqs, ctx, *logits, Sampler::Full)?;
-                let mut meta = step::prefill_step(&prefill, t, seqs, ctx, block_size, vocab)?;
+                let mut meta = StepArrays::default();
+                meta.fill_prefill(&prefill, t, seqs, ctx, block_size, vocab)?;
                 let width = self.cfg.hidden_size;
-                meta.push(step::draft_hidden(
-                    self.hidden.as_deref(),
-                    width,
-                    chunks,
-                    t,
-                )?);
+                meta.push_draft_hidden(self.hidden.as_deref(), width, chunks, t)?;
                 let real = match logits {
                     LogitsOutput::AllPositions => chunks.iter().map(|c| c.next_tokens.len()).sum(),
                     _ => chunks.len(),
                 };
-                self.execute(&graph, &meta, chunks.len(), real)
+                self.execute(&graph, meta.arrays(), chunks.len(), real)
             }
             Step::Decode { rows, logits } => {
                 // Checked against the buckets (the runner's limits), run at its own size.

@@ -329,6 +329,7 @@ pub fn open_with_weights(
     weights: ModelWeights,
     runner_cfg: RunnerConfig,
 ) -> Result<Box<dyn Runner>> {
+    check_device_drafts(backend, &runner_cfg)?;
     open_captured(backend, cfg, weights, runner_cfg, CompilerConfig::default())
 }
 
@@ -340,7 +341,6 @@ fn open_captured(
     runner_cfg: RunnerConfig,
     compiler: CompilerConfig,
 ) -> Result<Box<dyn Runner>> {
-    check_device_drafts(backend, &runner_cfg)?;
     let buckets = runner_cfg.buckets.clone();
     let mut runner: Box<dyn Runner> = match backend {
         Backend::Cpu => Box::new(CpuRunner::new(cfg, weights, runner_cfg)?),

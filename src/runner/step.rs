@@ -212,6 +212,9 @@ impl<'a> DraftChunk<'a> {
 pub struct StepArrays {
     arrays: Vec<HostArray>,
     unmasked: bool,
+    /// Arrays a shorter fill left over, kept for the next longer one to refill (a decode
+    /// step's after a verify step's chunk arrays or a draft step's hidden states).
+    spare: Vec<HostArray>,
 }
 
 impl StepArrays {
@@ -270,6 +273,15 @@ impl StepArrays {
         self.unmasked = unmasked;
     }
 
+    /// Keeps the first `n` arrays, setting the others aside for a later fill.
+    fn truncate(&mut self, n: usize) {
+        while self.arrays.len() > n {
+            if let Some(a) = self.arrays.pop() {
+                self.spare.push(a);
+            }
+        }
+    }
+
     /// Array `i`, named `name` with `shape`, emptied and typed like `empty`, ready to be filled.
     fn slot(
         &mut self,
@@ -279,11 +291,12 @@ impl StepArrays {
         empty: HostData,
     ) -> &mut HostData {
         if self.arrays.len() <= i {
-            self.arrays.push(HostArray {
+            let array = self.spare.pop().unwrap_or_else(|| HostArray {
                 name,
                 shape: Vec::new(),
                 data: empty.clone(),
             });
+            self.arrays.push(array);
         }
         let a = &mut self.arrays[i];
         a.name = name;
@@ -475,10 +488,57 @@ impl StepArrays {
         Ok(())
     }
 
-    /// Appends `array` after the last fill's: a draft step's [`crate::model::mtp::HIDDEN`]
-    /// input (see [`draft_hidden`]).
-    pub fn push(&mut self, array: HostArray) {
-        self.arrays.push(array);
+    /// Appends, after a fill of a draft step's rows, the [`crate::model::mtp::HIDDEN`] input of
+    /// `chunks` padded to `t` rows: each row's hidden state from `last`, the hidden states
+    /// (`width` wide, row-major) the runner's previous step returned (`None`: it returned
+    /// none); zeros for padding.
+    pub fn push_draft_hidden(
+        &mut self,
+        last: Option<&[f32]>,
+        width: usize,
+        chunks: &[DraftChunk<'_>],
+        t: usize,
+    ) -> Result<()> {
+        let Some(last) = last else {
+            return Err(Error::InvalidInput(
+                "a draft step needs the hidden states of a step before it, and the runner's \
+                 last step returned none (is the model loaded with its MTP layer?)"
+                    .into(),
+            ));
+        };
+        let rows = last.len() / width.max(1);
+        if let Some(c) = chunks
+            .iter()
+            .find(|c| c.hidden_rows.len() != c.next_tokens.len())
+        {
+            return Err(Error::InvalidInput(format!(
+                "a draft chunk of {} rows names {} hidden rows",
+                c.next_tokens.len(),
+                c.hidden_rows.len()
+            )));
+        }
+        let wanted = || chunks.iter().flat_map(|c| c.hidden_rows.iter().copied());
+        let n = wanted().count();
+        if n > t {
+            return Err(Error::Internal(format!(
+                "{n} draft rows do not fit a step of {t}"
+            )));
+        }
+        if let Some(r) = wanted().find(|&r| r >= rows) {
+            return Err(Error::InvalidInput(format!(
+                "a draft row reads hidden row {r} of a step that returned {rows}"
+            )));
+        }
+        let i = self.arrays.len();
+        let hidden = crate::model::mtp::HIDDEN;
+        if let HostData::F32(v) = self.slot(i, hidden, &[t, width], HostData::F32(Vec::new())) {
+            v.reserve(t * width);
+            for r in wanted() {
+                v.extend_from_slice(&last[r * width..(r + 1) * width]);
+            }
+            v.resize(t * width, 0.0);
+        }
+        Ok(())
     }
 
     /// Appends, after a decode fill of a verify step's rows ([`verify_rows`]), the chunk
@@ -602,7 +662,7 @@ impl StepArrays {
                 .chain(std::iter::repeat_n(LogitControls::NONE, pad)),
             vocab,
         )?;
-        self.arrays.truncate(17);
+        self.truncate(17);
         Ok(())
     }
 
@@ -753,7 +813,7 @@ impl StepArrays {
                 .chain(std::iter::repeat_n(LogitControls::NONE, spare)),
             vocab,
         )?;
-        self.arrays.truncate(next + 13);
+        self.truncate(next + 13);
         Ok(())
     }
 
@@ -807,7 +867,7 @@ impl StepArrays {
                 .chain(std::iter::repeat_n(LogitControls::NONE, pad)),
             vocab,
         )?;
-        self.arrays.truncate(next + 12);
+        self.truncate(next + 12);
         Ok(())
     }
 }
@@ -875,59 +935,6 @@ pub fn draft_rows<'a>(chunks: &[DraftChunk<'a>]) -> Vec<DecodeRow<'a>> {
                 })
         })
         .collect()
-}
-
-/// The [`crate::model::mtp::HIDDEN`] input of a draft step of `chunks` padded to `t` rows:
-/// each row's hidden state from `last`, the hidden states (`width` wide, row-major) the
-/// runner's previous step returned (`None`: it returned none); zeros for padding.
-pub fn draft_hidden(
-    last: Option<&[f32]>,
-    width: usize,
-    chunks: &[DraftChunk<'_>],
-    t: usize,
-) -> Result<HostArray> {
-    let Some(last) = last else {
-        return Err(Error::InvalidInput(
-            "a draft step needs the hidden states of a step before it, and the runner's last \
-             step returned none (is the model loaded with its MTP layer?)"
-                .into(),
-        ));
-    };
-    let rows = last.len() / width.max(1);
-    if let Some(c) = chunks
-        .iter()
-        .find(|c| c.hidden_rows.len() != c.next_tokens.len())
-    {
-        return Err(Error::InvalidInput(format!(
-            "a draft chunk of {} rows names {} hidden rows",
-            c.next_tokens.len(),
-            c.hidden_rows.len()
-        )));
-    }
-    let wanted: Vec<usize> = chunks
-        .iter()
-        .flat_map(|c| c.hidden_rows.iter().copied())
-        .collect();
-    if wanted.len() > t {
-        return Err(Error::Internal(format!(
-            "{} draft rows do not fit a step of {t}",
-            wanted.len()
-        )));
-    }
-    let mut data = vec![0.0f32; t * width];
-    for (i, &r) in wanted.iter().enumerate() {
-        if r >= rows {
-            return Err(Error::InvalidInput(format!(
-                "a draft row reads hidden row {r} of a step that returned {rows}"
-            )));
-        }
-        data[i * width..(i + 1) * width].copy_from_slice(&last[r * width..(r + 1) * width]);
-    }
-    Ok(HostArray {
-        name: crate::model::mtp::HIDDEN,
-        shape: vec![t, width],
-        data: HostData::F32(data),
-    })
 }
 
 /// The metadata of a decode step for `rows`, padded to `batch` rows and a context of `ctx`.
@@ -1021,6 +1028,48 @@ mod tests {
             s.fill_decode(&[row(1, 40)], 4, 32, 16, 64).is_err(),
             "beyond the context bucket"
         );
+    }
+
+    /// A draft step's hidden states: the rows each draft row names, zeros for padding, in
+    /// the buffer the last such step used (a decode fill in between sets it aside, it is not
+    /// dropped).
+    #[test]
+    fn draft_hidden_states_are_the_named_rows_in_a_kept_buffer() {
+        let blocks = [3u32];
+        let last = [1.0f32, 2.0, 3.0, 4.0, 5.0, 6.0];
+        let chunk = DraftChunk {
+            next_tokens: &[7, 8],
+            start: 4,
+            blocks: &blocks,
+            hidden_rows: &[2, 0],
+        };
+        let rows = draft_rows(std::slice::from_ref(&chunk));
+        let mut s = StepArrays::default();
+        let fill = |s: &mut StepArrays| {
+            s.fill_decode(&rows, 4, 32, 16, 64).unwrap();
+            s.push_draft_hidden(Some(&last), 2, std::slice::from_ref(&chunk), 4)
+                .unwrap();
+            s.arrays().last().cloned().unwrap()
+        };
+        let first = fill(&mut s);
+        let ptr = |s: &StepArrays| ptrs(s).last().copied();
+        let at = ptr(&s);
+        assert_eq!(first.name, crate::model::mtp::HIDDEN);
+        assert_eq!(first.shape, [4, 2]);
+        assert_eq!(
+            first.data,
+            HostData::F32(vec![5.0, 6.0, 1.0, 2.0, 0.0, 0.0, 0.0, 0.0])
+        );
+        s.fill_decode(&rows, 4, 32, 16, 64).unwrap();
+        assert_eq!(s.arrays().len(), 17, "a decode fill has no hidden states");
+        assert_eq!(fill(&mut s), first);
+        assert_eq!(ptr(&s), at, "the hidden-state buffer is reused");
+        let far = DraftChunk {
+            hidden_rows: &[3, 0],
+            ..chunk.clone()
+        };
+        assert!(s.push_draft_hidden(Some(&last), 2, &[far], 4).is_err());
+        assert!(s.push_draft_hidden(None, 2, &[chunk], 4).is_err());
     }
 
     /// A decode-shaped verify step's chunk arrays: each row's chunk, each chunk's last row,

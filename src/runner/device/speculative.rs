@@ -59,10 +59,11 @@ impl DeviceRunner {
         if self.cfg.draft_layers == 0 {
             return Ok(());
         }
-        let mut kept = match append {
-            true => self.hidden.take().unwrap_or_default(),
-            false => Vec::new(),
-        };
+        // The last step's buffer, refilled in place.
+        let mut kept = self.hidden.take().unwrap_or_default();
+        if !append {
+            kept.clear();
+        }
         let st = self.captured()?;
         let out = st.first.hidden_out.as_ref().ok_or_else(|| {
             Error::Internal("a drafting model's runner without a hidden-state output".into())
@@ -190,10 +191,10 @@ impl DeviceRunner {
             let vocab = self.cfg.vocab_size;
             let (batch, ctx) = self.live.decode_bucket(&rows, vocab)?;
             let width = self.cfg.hidden_size;
-            let hidden = step::draft_hidden(last.as_deref(), width, part, batch)?;
             self.staging
                 .fill_decode(&rows, batch, ctx, self.layout.block_size, vocab)?;
-            self.staging.push(hidden);
+            self.staging
+                .push_draft_hidden(last.as_deref(), width, part, batch)?;
             let key = (StepKind::DecodeDraft, batch, batch, ctx);
             let proposals = self.finish_step(key, &[], rows.len(), MetaWrites::All)?;
             // Each chunk's proposal is its last row's.
@@ -220,10 +221,10 @@ impl DeviceRunner {
     ) -> Result<StepOutput> {
         let vocab = self.cfg.vocab_size;
         let (t, seqs, ctx) = self.live.prefill_bucket(prefill, vocab)?;
-        let hidden = step::draft_hidden(last, self.cfg.hidden_size, chunks, t)?;
         self.staging
             .fill_prefill(prefill, t, seqs, ctx, self.layout.block_size, vocab)?;
-        self.staging.push(hidden);
+        self.staging
+            .push_draft_hidden(last, self.cfg.hidden_size, chunks, t)?;
         let key = (StepKind::Draft, t, seqs, ctx);
         let out = self.finish_step(key, &[], chunks.len(), MetaWrites::All)?;
         self.keep_hidden(total, false)?;
