@@ -109,10 +109,6 @@ def narrow_edges(dtype):
 # fixed). Each one is a bug to fix, not a tolerance.
 CPU_NAN_MAX = "candle's maximum/minimum keep the first operand when the second is NaN (`if a < b {b} else {a}`); XLA and numpy propagate NaN"
 CPU_NAN_REDUCE = "candle's max/min reduction skips a NaN unless it is the first element of the row; XLA's reduce and numpy propagate it"
-CPU_INT_SUM = (
-    "candle sums integers with `+`, which panics on overflow when overflow checks are on (the test profile; nrt-sim "
-    "reports the panic as NRT_FAILURE) and wraps only in release builds; HLO's add wraps"
-)
 XLA_ONE_TUPLE = (
     "the harness path, not the module: jax's HLO -> StableHLO conversion (xla_computation_to_mlir_module) returns a "
     "one-element root tuple as a plain array but keeps the alias at output {0}, which XLA then rejects (RET_CHECK "
@@ -574,8 +570,6 @@ def reduce_cases():
             c.input("x", x)
             c.output(c.op(op, "x", dim=1), "y")
             cases.append(c)
-            if op == "reduce_sum":
-                c.known(cpu=CPU_INT_SUM, hlo_cpu=CPU_INT_SUM, nrt_sim=CPU_INT_SUM)
     for op, dtype, init in (("reduce_max", I32, "i32::MIN"), ("reduce_min", U32, "u32::MAX")):
         c = Case(fam, f"{op[7:]}_{dtype}_empty_dim", f"{op} over a {dtype} dimension of size 0 gives the init value, {init}")
         c.input("x", np.zeros((2, 0), dtype=NP_DTYPE[dtype]))

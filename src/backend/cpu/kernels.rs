@@ -438,6 +438,65 @@ pub(crate) fn int_binary<T: WrappingInt>(op: BinaryOp, a: &[T], b: &[T]) -> Vec<
     a.iter().zip(b).map(|(&x, &y)| T::apply(op, x, y)).collect()
 }
 
+/// An integer sum over one dimension that wraps on overflow, as HLO's integer `add` does.
+/// candle sums integers with `+`, which panics on overflow where overflow checks are on (debug
+/// and test builds) and wraps only in release builds: a graph's result must not depend on the
+/// build profile.
+pub(crate) struct IntSum {
+    /// The dimension summed away.
+    pub dim: usize,
+}
+
+impl IntSum {
+    fn apply<T: WrappingInt + Default>(&self, data: &[T], l: &Layout) -> Vec<T> {
+        let values = IntOperand::new(data, l).into_vec(l.shape().elem_count());
+        let dims = l.dims();
+        let n = dims[self.dim];
+        let inner: usize = dims[self.dim + 1..].iter().product();
+        let outer: usize = dims[..self.dim].iter().product();
+        let mut out = vec![T::default(); outer * inner];
+        for o in 0..outer {
+            for k in 0..n {
+                let row = &values[(o * n + k) * inner..][..inner];
+                let acc = &mut out[o * inner..][..inner];
+                for (a, &v) in acc.iter_mut().zip(row) {
+                    *a = T::apply(BinaryOp::Add, *a, v);
+                }
+            }
+        }
+        out
+    }
+}
+
+impl CustomOp1 for IntSum {
+    fn name(&self) -> &'static str {
+        "int-sum"
+    }
+
+    fn cpu_fwd(&self, x: &CpuStorage, l: &Layout) -> candle_core::Result<(CpuStorage, Shape)> {
+        if self.dim >= l.dims().len() {
+            return Err(candle_core::Error::Msg(format!(
+                "int-sum over dim {} of a rank-{} value",
+                self.dim,
+                l.dims().len()
+            )));
+        }
+        let out = match x {
+            CpuStorage::I32(v) => CpuStorage::I32(self.apply(v, l)),
+            CpuStorage::U32(v) => CpuStorage::U32(self.apply(v, l)),
+            x => {
+                return Err(candle_core::Error::Msg(format!(
+                    "int-sum of {:?}",
+                    x.dtype()
+                )))
+            }
+        };
+        let mut dims = l.dims().to_vec();
+        dims.remove(self.dim);
+        Ok((out, Shape::from(dims)))
+    }
+}
+
 /// An operand of [`IntBinary`] as stored: contiguous, one value broadcast everywhere (a
 /// constant, the common case), or anything else (gathered through its layout).
 enum IntOperand<'a, T> {

@@ -380,6 +380,9 @@ fn run_planned(
                     ReduceOp::Sum if x.dtype() == CDType::F32 && *dim + 1 < x.rank() => x
                         .contiguous()?
                         .apply_op1_no_bwd(&kernels::AxisSum { dim: *dim })?,
+                    ReduceOp::Sum if matches!(x.dtype(), CDType::I32 | CDType::U32) => {
+                        x.apply_op1_no_bwd(&kernels::IntSum { dim: *dim })?
+                    }
                     ReduceOp::Sum => x.sum(*dim)?,
                     // candle refuses an empty max/min; HLO's reduce gives its init value.
                     _ if x.elem_count() == 0 => empty_reduce(*op, node.dtype, node.shape.dims())?,
