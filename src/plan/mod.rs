@@ -374,13 +374,32 @@ pub struct Plan {
     per_core: Vec<CoreBytes>,
 }
 
+/// Whether a plan builds every bucket's graph to count its NEFF ([`neff::estimate`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Graphs {
+    Measured,
+    Skipped,
+}
+
 impl Plan {
     /// The plan for `cfg` under `opts`, or an error naming the option that cannot work (a
     /// `--tp` that does not divide the model or exceeds the cores, a bad dtype).
     pub fn compute(cfg: &ModelConfig, opts: &PlanOptions) -> Result<Plan> {
+        Plan::compute_with(cfg, opts, Graphs::Measured)
+    }
+
+    /// [`Plan::compute`] without building the graphs: every rank's NEFF code and scratchpad
+    /// counted as nothing. Since they only ever add to a rank's bytes (and take from what
+    /// `--kv-blocks auto` finds), a configuration whose bound does not fit does not fit, which
+    /// [`suggest()`] tells in milliseconds where building each bucket's graph takes seconds.
+    pub fn lower_bound(cfg: &ModelConfig, opts: &PlanOptions) -> Result<Plan> {
+        Plan::compute_with(cfg, opts, Graphs::Skipped)
+    }
+
+    fn compute_with(cfg: &ModelConfig, opts: &PlanOptions, graphs: Graphs) -> Result<Plan> {
         check_options(cfg, opts)?;
         if let Some(v4) = &cfg.v4 {
-            return Plan::compute_v4(cfg, v4, opts);
+            return Plan::compute_v4(cfg, v4, opts, graphs);
         }
         let saved = opts.saved_dtype.or(cfg.saved_dtype);
         let block = cfg.fp8_block.unwrap_or([128, 128]);
@@ -426,7 +445,7 @@ impl Plan {
             entries,
             precision,
         };
-        Plan::assemble(cfg, opts, stored)
+        Plan::assemble(cfg, opts, stored, graphs)
     }
 
     /// [`Plan::compute`] for a DeepSeek-V4 model, as its runner holds it: its matrices in
@@ -434,7 +453,12 @@ impl Plan {
     /// its other weights in f32, FP4 experts as published, the cache in `--kv-dtype` (f32 or
     /// bf16), as the runner's [`PrecisionChoice::v4`] decides; each rank's share read from the checkpoint
     /// one tensor at a time, as for MLA models.
-    fn compute_v4(cfg: &ModelConfig, v4: &V4Config, opts: &PlanOptions) -> Result<Plan> {
+    fn compute_v4(
+        cfg: &ModelConfig,
+        v4: &V4Config,
+        opts: &PlanOptions,
+        graphs: Graphs,
+    ) -> Result<Plan> {
         let dtype = match opts.dtype {
             WeightDType::Auto => DTypeChoice::Auto,
             WeightDType::Float(d) => DTypeChoice::Exactly(d),
@@ -467,11 +491,16 @@ impl Plan {
                 ..precision
             },
         };
-        Plan::assemble(cfg, opts, stored)
+        Plan::assemble(cfg, opts, stored, graphs)
     }
 
     /// The plan of weights `stored`: the buckets, per-rank bytes and the host's peak.
-    fn assemble(cfg: &ModelConfig, opts: &PlanOptions, stored: Stored) -> Result<Plan> {
+    fn assemble(
+        cfg: &ModelConfig,
+        opts: &PlanOptions,
+        stored: Stored,
+        graphs: Graphs,
+    ) -> Result<Plan> {
         let limits = Limits {
             kv_blocks: match opts.kv_blocks {
                 KvBlocks::Exactly(n) => Some(n),
@@ -496,7 +525,16 @@ impl Plan {
         let block_size = rc.block_size;
         let min_kv_blocks = buckets.max_len().div_ceil(block_size) + 1;
 
-        let est = neff::estimate(cfg, &precision, &rc, opts.instance, opts.split_sampler)?;
+        let est = match graphs {
+            Graphs::Measured => {
+                neff::estimate(cfg, &precision, &rc, opts.instance, opts.split_sampler)?
+            }
+            Graphs::Skipped => neff::NeffEstimate {
+                code: 0,
+                scratchpad: 0,
+                graphs: Vec::new(),
+            },
+        };
         let (metadata, outputs) = metadata_and_outputs(cfg, &buckets, block_size, tp);
         let (block_bytes, sequence_bytes) = cache_bytes(cfg, block_size, kv_dtype)?;
         // Per-sequence state (V4's rings) for every batch slot and the scratch row.

@@ -96,10 +96,10 @@ impl Suggestion {
 /// `--tp` / `--quantize` (/ `--kv-blocks auto`) on the same instances does; otherwise every
 /// alternative of the module docs that fits.
 pub fn suggest(cfg: &ModelConfig, opts: &PlanOptions) -> Result<Vec<Suggestion>> {
-    let asked = Plan::compute(cfg, opts)?;
-    if asked.fits() {
+    if fitting(cfg, opts)?.is_some() {
         return Ok(Vec::new());
     }
+    let asked = Plan::lower_bound(cfg, opts)?;
     let mut experts = vec![opts.experts];
     if opts.experts == Experts::AsWeights && cfg.routing.is_some() {
         // int8 helps float weights; fp8 experts are already one byte.
@@ -139,6 +139,16 @@ pub fn suggest(cfg: &ModelConfig, opts: &PlanOptions) -> Result<Vec<Suggestion>>
     Ok(out)
 }
 
+/// The plan of `opts` when it fits; its graphs are built only when the plan without them
+/// fits ([`Plan::lower_bound`]).
+fn fitting(cfg: &ModelConfig, opts: &PlanOptions) -> Result<Option<Plan>> {
+    if !Plan::lower_bound(cfg, opts)?.fits() {
+        return Ok(None);
+    }
+    let plan = Plan::compute(cfg, opts)?;
+    Ok(plan.fits().then_some(plan))
+}
+
 /// The first plan that fits on `instances` x `instance`: KV as asked before `--kv-blocks auto`,
 /// then `experts` in order, then the smallest `--tp` (one rank past the instances before them).
 fn first_fit(
@@ -168,8 +178,7 @@ fn first_fit(
                     kv_blocks,
                     ..opts.clone()
                 };
-                let plan = Plan::compute(cfg, &o)?;
-                if plan.fits() {
+                if let Some(plan) = fitting(cfg, &o)? {
                     return Ok(Some(Suggestion::from_plan(&plan, kv_blocks)));
                 }
             }
