@@ -3,7 +3,7 @@
 #
 # 0. Installs the Python test dependencies into .venv (below) and writes the 4-layer
 #    V2-Lite-shaped GGUF files tests/gguf_v2lite.rs loads (scripts/v2lite_gguf.py).
-# 1. `cargo test --workspace`: everything in Rust (parity with transformers on the committed
+# 1. `cargo test --release --workspace`: everything in Rust (parity with transformers on the committed
 #    fixtures, the CLI, the graph, the compile driver, ...); then `scripts/check_links.py`,
 #    every relative link and anchor in README.md, benches/ and docs/; then
 #    `scripts/trn1-first-contact.sh --sim`, the trn1 first-contact command on nrt-sim.
@@ -46,8 +46,10 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 status=0
 
-# Every test binary first, so that nothing below shares the disk with a half-linked build.
-cargo test --workspace --no-run
+# Every test binary first, so that nothing below shares the disk with a half-linked build. In
+# release: the one build then serves the tests and the commands below (a debug test build and a
+# release build took 11 minutes on CI's 2 cores), and the heavy tests run several times faster.
+cargo test --release --workspace --no-run
 # The 4-layer DeepSeek-V2-Lite-shaped GGUF files tests/gguf_v2lite.rs compares with llama.cpp's
 # committed greedy tokens and logits (fixtures/gguf/v2lite-4l-*.reference.json): written from
 # a seed by the gguf PyPI package (about 15 s each), tested and deleted one at a time, since
@@ -56,15 +58,15 @@ for type in q8_0 q4_k_m; do
     echo "== V2-Lite-shaped GGUF file $type (scripts/v2lite_gguf.py write --layers 4)"
     file="target/v2lite-gguf/v2lite-4l-$type.gguf"
     .venv/bin/python scripts/v2lite_gguf.py write --layers 4 --type "$type" --out "$file" > /dev/null
-    cargo test --workspace --test gguf_v2lite -- "$type"
+    cargo test --release --workspace --test gguf_v2lite -- "$type"
     rm -f "$file"
 done
 # Everything else in Rust (the GGUF tests, all named v2lite_4_layer_*, ran above).
-cargo test --workspace -- --skip v2lite_4_layer_
+cargo test --release --workspace -- --skip v2lite_4_layer_
 # The conformance suite's cases as our emitted HLO, for XLA in step 2 (scripts/xla_conformance.py).
-DEEPINFER_CONFORMANCE_OUT="$out/conformance" cargo test --workspace --quiet --test conformance
-# A clean clone (CI) has no further use for the test build: 3 GB of disk the release build and
-# the steps below may need.
+DEEPINFER_CONFORMANCE_OUT="$out/conformance" cargo test --release --workspace --quiet --test conformance
+# A clean clone (CI) has no further use for clippy's and rustdoc's builds (.ci/run): disk the
+# steps below may need.
 if [ -n "${CI:-}" ]; then
     rm -rf target/debug
 fi
