@@ -376,6 +376,7 @@ fn assert_case(case: &Case, k: usize, lens: &[usize], target: &mut Target) -> Ve
 
 #[test]
 fn sampled_drafting_keeps_the_targets_distribution() {
+    let _heavy = common::cpu_heavy();
     let case = trained_case();
     let mut target = Target::of(&case);
     // Without drafting first: the reference itself is right.
@@ -393,6 +394,7 @@ fn sampled_drafting_keeps_the_targets_distribution() {
 /// position, after the first and a draft fed in the same step.
 #[test]
 fn a_verify_step_counts_the_drafts_before_each_position() {
+    let _heavy = common::cpu_heavy();
     let case = Case {
         fixture: "tiny-v3-mtp",
         prompt: (1..13).collect(),
@@ -427,6 +429,7 @@ fn a_verify_step_counts_the_drafts_before_each_position() {
 /// its chunks), its drafts on the draft graphs: the same law.
 #[test]
 fn sampled_drafting_on_nrt_sim_keeps_the_targets_distribution() {
+    let _heavy = common::cpu_heavy();
     let case = Case {
         backend: Backend::Sim,
         ..trained_case()
@@ -441,6 +444,7 @@ fn sampled_drafting_on_nrt_sim_keeps_the_targets_distribution() {
 /// Checked on the counts themselves, over seeds that accept none, one and both drafts.
 #[test]
 fn a_verify_step_counts_only_the_tokens_it_keeps() {
+    let _heavy = common::cpu_heavy();
     let case = Case {
         repeat_drafts: false,
         ..trained_case()

@@ -20,6 +20,19 @@ pub use compare::{max_abs, max_abs_diff, max_abs_diff_f64, max_abs_diff_rows};
 /// The tiny checkpoints `scripts/make_fixtures.py` writes, with transformers' outputs.
 pub const FIXTURES: &[&str] = &["tiny-v3", "tiny-v2-lite", "tiny-v2-group", "tiny-v32"];
 
+/// Held by a test that keeps the CPU backend busy for a long time, so the binary's other such
+/// tests wait rather than run beside it. candle's one CPU thread pool is shared by the whole
+/// process and its idle workers spin: two such tests side by side on a two-core machine took
+/// 1.8 times as long as one after the other (`tests/speculative_sampling.rs`: 255 s against
+/// 143 s in release).
+pub fn cpu_heavy() -> std::sync::MutexGuard<'static, ()> {
+    static HEAVY: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    // A test that panicked holding it leaves nothing to repair.
+    HEAVY
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 pub fn fixture_dir(name: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))
         .join("fixtures")
