@@ -126,9 +126,9 @@ pub struct V4Config {
     pub rope_dim: usize,
     /// `q_lora_rank`.
     pub q_lora_rank: usize,
-    /// Each layer's attention.
+    /// Each layer's attention: the decoder's, then the MTP layers in use ([`V4Config::with_draft_layer`]).
     pub attention: Vec<V4Attention>,
-    /// Each layer's expert selection.
+    /// Each layer's expert selection, as [`V4Config::attention`].
     pub routing: Vec<V4Routing>,
     /// CSA's compress rate.
     pub csa_rate: usize,
@@ -170,6 +170,9 @@ pub struct V4Config {
     pub max_position_embeddings: usize,
     /// `num_nextn_predict_layers`: MTP layers in the checkpoint.
     pub num_nextn_predict_layers: usize,
+    /// The MTP layers in use (0 or 1): the layers after the decoder's in
+    /// [`V4Config::attention`] and [`V4Config::routing`], published as `mtp.{k}.*`.
+    pub draft_layers: usize,
     /// `quantization_config.weight_block_size`: the `[rows, cols]` block of an FP8
     /// checkpoint's weight scales, `None` for a checkpoint without FP8 weights.
     pub fp8_block: Option<[usize; 2]>,
@@ -329,9 +332,38 @@ impl V4Config {
         resolve(&raw)
     }
 
-    /// The layers whose attention is `kind`.
+    /// The decoder's layers whose attention is `kind`.
     pub fn layers_of(&self, kind: V4Attention) -> impl Iterator<Item = usize> + '_ {
         (0..self.num_hidden_layers).filter(move |&l| self.attention[l] == kind)
+    }
+
+    /// `self` with its first MTP layer in use, as layer `num_hidden_layers`: a full V4 block
+    /// with sliding-window attention only (its `compress_ratios` entry is 0: DeepSeek's
+    /// inference code, vLLM's and SGLang's V4 MTP modules) and scored top-k routing (it is never
+    /// among the first `num_hash_layers`). Fails when the checkpoint ships no MTP layer.
+    pub fn with_draft_layer(&self) -> Result<Self> {
+        if self.num_nextn_predict_layers == 0 {
+            return Err(Error::Config(
+                "this checkpoint has no multi-token-prediction layer to draft with                  (`num_nextn_predict_layers` is 0 in config.json, so there are no `mtp.0.*`                  tensors); serve it without speculative decoding"
+                    .into(),
+            ));
+        }
+        let mut cfg = self.clone();
+        if cfg.draft_layers == 0 {
+            cfg.draft_layers = 1;
+            cfg.attention.push(V4Attention::Sliding);
+            cfg.routing.push(V4Routing::TopK);
+        }
+        Ok(cfg)
+    }
+
+    /// Layer `l`'s published prefix: `layers.{l}` for the decoder's, `mtp.{k}` for the `k`-th
+    /// MTP layer (layer `num_hidden_layers + k`).
+    pub fn layer_prefix(&self, l: usize) -> String {
+        match l.checked_sub(self.num_hidden_layers) {
+            Some(k) => format!("mtp.{k}"),
+            None => format!("layers.{l}"),
+        }
     }
 }
 
@@ -464,6 +496,7 @@ fn resolve(raw: &RawV4) -> Result<V4Config> {
         compress_rope,
         max_position_embeddings,
         num_nextn_predict_layers: raw.num_nextn_predict_layers.unwrap_or(1),
+        draft_layers: 0,
         fp8_block,
         experts,
         tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),

@@ -11,9 +11,9 @@ use crate::model::{indexer, ops};
 
 use super::weights::{Rope, Weights};
 
-/// Layer `l`'s attention prefix in the published names.
-pub(super) fn prefix(l: usize) -> String {
-    format!("layers.{l}.attn")
+/// Layer `l`'s attention prefix in the published names ([`V4Config::layer_prefix`]).
+pub(super) fn prefix(cfg: &V4Config, l: usize) -> String {
+    format!("{}.attn", cfg.layer_prefix(l))
 }
 
 /// A layer's queries: the normalised latent `q_res` (`[n, q_lora_rank]`, which the indexer
@@ -25,7 +25,7 @@ pub(super) fn queries(
     x: &Tensor,
     rope: &Rope,
 ) -> Result<(Tensor, Tensor)> {
-    let a = prefix(l);
+    let a = prefix(cfg, l);
     let (n, heads, d) = (x.dim(0), cfg.num_attention_heads / w.ranks(), cfg.head_dim);
     let eps = cfg.rms_norm_eps;
     let q_res = ops::rms_norm(
@@ -49,7 +49,7 @@ pub(super) fn key_value(
     x: &Tensor,
     rope: &Rope,
 ) -> Result<Tensor> {
-    let a = prefix(l);
+    let a = prefix(cfg, l);
     let (n, d) = (x.dim(0), cfg.head_dim);
     let kv = ops::rms_norm(
         &w.linear(x, &format!("{a}.wkv.weight"))?,
@@ -147,7 +147,7 @@ pub(super) fn index_scores(
     let ix = cfg
         .indexer
         .ok_or_else(|| Error::shape("indexer", "a CSA layer without an indexer"))?;
-    let i = format!("{}.indexer", prefix(l));
+    let i = format!("{}.indexer", prefix(cfg, l));
     let n = x.dim(0);
     let q = w
         .linear(q_res, &format!("{i}.wq_b.weight"))?
@@ -200,7 +200,7 @@ pub(super) fn attend(
         scores.push(visible.where_cond(&s, &s.full_like(f64::NEG_INFINITY)?)?);
     }
     scores.push(
-        w.get(&format!("{}.attn_sink", prefix(l)))?
+        w.get(&format!("{}.attn_sink", prefix(cfg, l)))?
             .reshape([1, heads, 1])?
             .broadcast_as([n, heads, 1])?,
     );
@@ -229,7 +229,7 @@ pub(super) fn output(
     out: &Tensor,
     rope: &Rope,
 ) -> Result<Tensor> {
-    let a = prefix(l);
+    let a = prefix(cfg, l);
     let (n, heads, d) = (out.dim(0), out.dim(1), cfg.head_dim);
     let out = rope.apply(out, true)?;
     let g = super::shard::local_groups(cfg, w.ranks());

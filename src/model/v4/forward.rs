@@ -8,10 +8,10 @@
 //! output is `logits` (`[t, vocab]`).
 
 use crate::config::v4::{V4Attention, V4Config};
-use crate::error::Result;
+use crate::error::{Error, Result};
 use crate::graph::{DType, Graph, GraphBuilder, InputRole, Literal, Tensor};
 use crate::model::precision::Dots;
-use crate::model::MoeStrategy;
+use crate::model::{ops, MoeStrategy};
 
 use super::attention::{self as attn, and, Keys};
 use super::weights::{Rope, Weights};
@@ -28,6 +28,54 @@ pub fn build_stateless(cfg: &V4Config, t: usize) -> Result<Graph> {
         attention(cfg, &w, l, x, &main, &compress)
     })?;
     b.output("logits", &super::head(&w, &x)?)?;
+    b.finish()
+}
+
+/// The graph of a cache-free forward over `t` tokens and of the MTP layer over its first
+/// `t - 1` positions (`cfg` with its MTP layer in use: [`V4Config::with_draft_layer`]): row `i`
+/// reads the main model's streams at `i` and the token at `i + 1`, at position `i`, attending
+/// to rows `0..=i` within the window, and predicts the token at `i + 2` (teacher forcing, the
+/// reference the MTP step graphs are checked against). Outputs `logits` (`[t, vocab]`),
+/// `draft_logits` (`[t - 1, vocab]`) and `draft_streams` (`[t - 1, hc_mult * hidden]`, the
+/// block's output streams, what chaining reads).
+pub fn build_stateless_draft(cfg: &V4Config, t: usize) -> Result<Graph> {
+    if t < 2 {
+        return Err(Error::shape(
+            "tokens",
+            format!("an MTP forward needs 2 or more tokens, not {t}"),
+        ));
+    }
+    let b = GraphBuilder::new(format!("v4_stateless_draft_t{t}"));
+    let w = Weights::declare(&b, cfg, 1, DType::F32, Dots::Widen)?;
+    let ids = b.input("input_ids", InputRole::Metadata, [t], DType::I32)?;
+    let ropes = |n: usize| -> Result<(Rope, Rope)> {
+        let positions = b.iota([n], DType::I32, 0)?;
+        Ok((
+            Rope::new(cfg.rope_dim, &cfg.main_rope, &positions)?,
+            Rope::new(cfg.rope_dim, &cfg.compress_rope, &positions)?,
+        ))
+    };
+    let (main, compress) = ropes(t)?;
+    let streams = super::streams(cfg, &w, &ids, MoeStrategy::Gather, |l, x| {
+        attention(cfg, &w, l, x, &main, &compress)
+    })?;
+    let collapsed = super::hyper::hyper_head(cfg, &w, "hc_head", &streams)?;
+    let x = ops::rms_norm(&collapsed, w.get("norm.weight")?, cfg.rms_norm_eps)?;
+    b.output("logits", &super::head(&w, &x)?)?;
+    let (main, compress) = ropes(t - 1)?;
+    let (normed, out) = super::mtp::draft(
+        cfg,
+        &w,
+        &streams.narrow(0, 0, t - 1)?,
+        &ids.narrow(0, 1, t - 1)?,
+        MoeStrategy::Gather,
+        |l, x| attention(cfg, &w, l, x, &main, &compress),
+    )?;
+    b.output("draft_logits", &super::head(&w, &normed)?)?;
+    b.output(
+        "draft_streams",
+        &out.reshape([t - 1, cfg.hc_mult * cfg.hidden_size])?,
+    )?;
     b.finish()
 }
 
@@ -75,7 +123,7 @@ fn compressed(
 ) -> Result<Option<(Keys, Tensor)>> {
     let b = x.builder();
     let t = x.dim(0);
-    let a = attn::prefix(l);
+    let a = attn::prefix(cfg, l);
     let csa = cfg.attention[l] == V4Attention::CompressedSparse;
     let rate = if csa { cfg.csa_rate } else { cfg.hca_rate };
     let windows = t / rate;

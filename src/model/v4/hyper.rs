@@ -54,14 +54,20 @@ pub(super) fn expand(post: &Tensor, comb: &Tensor, y: &Tensor, streams: &Tensor)
     out.broadcast_as([t, n, h])?.add(&mixed)
 }
 
-/// The final collapse of the streams (`hc_head_*`: a `pre` only).
-pub(super) fn hyper_head(cfg: &V4Config, w: &Weights, streams: &Tensor) -> Result<Tensor> {
+/// The final collapse of the streams (`{prefix}_fn`, `_base`, `_scale`: a `pre` only), with
+/// the main model's hyper-head (`hc_head`) or an MTP layer's own (`mtp.0.hc_head`).
+pub(super) fn hyper_head(
+    cfg: &V4Config,
+    w: &Weights,
+    prefix: &str,
+    streams: &Tensor,
+) -> Result<Tensor> {
     let (t, n, h) = (streams.dim(0), cfg.hc_mult, cfg.hidden_size);
     let flat = ops::rms_norm_unweighted(&streams.reshape([t, n * h])?, cfg.rms_norm_eps)?;
-    let mixes = flat.matmul(&w.get("hc_head_fn")?.t()?)?;
+    let mixes = flat.matmul(&w.get(&format!("{prefix}_fn"))?.t()?)?;
     let pre = mixes
-        .broadcast_mul(&w.get("hc_head_scale")?.reshape([1, 1])?)?
-        .broadcast_add(&w.get("hc_head_base")?.reshape([1, n])?)?
+        .broadcast_mul(&w.get(&format!("{prefix}_scale"))?.reshape([1, 1])?)?
+        .broadcast_add(&w.get(&format!("{prefix}_base"))?.reshape([1, n])?)?
         .sigmoid()?
         .affine(1.0, cfg.hc_eps)?;
     pre.unsqueeze(2)?.broadcast_mul(streams)?.sum(1)

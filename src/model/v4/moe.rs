@@ -26,7 +26,7 @@ pub(super) fn moe(
     strategy: MoeStrategy,
 ) -> Result<Tensor> {
     let b = x.builder();
-    let f = format!("layers.{l}.ffn");
+    let f = format!("{}.ffn", cfg.layer_prefix(l));
     let t = x.dim(0);
     let (e, k) = (cfg.n_routed_experts, cfg.num_experts_per_tok);
     let logits = w.linear(x, &format!("{f}.gate.weight"))?;
@@ -77,7 +77,7 @@ pub(super) fn moe(
         }
     };
     let experts = Experts {
-        layer: format!("layers.{l}"),
+        layer: cfg.layer_prefix(l),
         limit,
     };
     let routed = match strategy {

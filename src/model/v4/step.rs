@@ -629,7 +629,7 @@ fn compressed(
         cfg.head_dim,
         cfg.indexer.map(|ix| ix.head_dim).unwrap_or_default(),
     );
-    let a = attn::prefix(l);
+    let a = attn::prefix(cfg, l);
     let compressor = format!("{a}.compressor");
     let index_compressor = format!("{a}.indexer.compressor");
     let mut compressors = vec![(compressor.as_str(), d)];

@@ -6,7 +6,10 @@
 //! (`conversion_mapping.py`, `"deepseek_v4"`); the shapes follow `modeling_deepseek_v4.py`. One
 //! name has two spellings: the attention's key/value norm is `attn.kv_norm.weight` in DeepSeek's
 //! inference code and `attn.norm.weight` where transformers writes it back; either is accepted.
-//! The multi-token-prediction layers (`mtp.*`) belong to issue 44 and are not checked here.
+//! The multi-token-prediction layers (`mtp.{k}.*`) are listed and checked when in use
+//! ([`V4Config::with_draft_layer`]): a full block under the decoder layers' names, and the MTP
+//! layer's own `e_proj`, `h_proj`, `enorm`, `hnorm`, `norm` and `hc_head_*` (DeepSeek-V4's
+//! `MTPBlock`; the embedding and head are the main model's). Others are left unread.
 
 use std::collections::HashMap;
 
@@ -81,7 +84,7 @@ impl V4Tensor {
     }
 }
 
-/// Every tensor of a V4 model of `cfg` (MTP layers aside), in a fixed order.
+/// Every tensor of a V4 model of `cfg` (with the MTP layers in use), in a fixed order.
 pub fn expected(cfg: &V4Config) -> Vec<V4Tensor> {
     let (h, v, n) = (cfg.hidden_size, cfg.vocab_size, cfg.hc_mult);
     let (heads, d) = (cfg.num_attention_heads, cfg.head_dim);
@@ -96,8 +99,11 @@ pub fn expected(cfg: &V4Config) -> Vec<V4Tensor> {
     if !cfg.tie_word_embeddings {
         out.push(V4Tensor::matrix("head.weight".into(), vec![v, h]));
     }
-    for l in 0..cfg.num_hidden_layers {
-        let p = format!("layers.{l}");
+    for l in 0..cfg.num_hidden_layers + cfg.draft_layers {
+        let p = cfg.layer_prefix(l);
+        if l >= cfg.num_hidden_layers {
+            out.extend(draft_tensors(cfg, &p));
+        }
         let mut t = |name: String, shape: Vec<usize>| out.push(V4Tensor::float(name, shape));
         t(format!("{p}.attn_norm.weight"), vec![h]);
         t(format!("{p}.ffn_norm.weight"), vec![h]);
@@ -209,9 +215,25 @@ pub fn expected(cfg: &V4Config) -> Vec<V4Tensor> {
     out
 }
 
+/// An MTP layer's own tensors besides its block (prefix `p`, `mtp.{k}`): the two projections
+/// of its inputs, their norms, its hyper-head and final norm.
+fn draft_tensors(cfg: &V4Config, p: &str) -> Vec<V4Tensor> {
+    let (h, n) = (cfg.hidden_size, cfg.hc_mult);
+    vec![
+        V4Tensor::matrix(format!("{p}.e_proj.weight"), vec![h, h]),
+        V4Tensor::matrix(format!("{p}.h_proj.weight"), vec![h, h]),
+        V4Tensor::float(format!("{p}.enorm.weight"), vec![h]),
+        V4Tensor::float(format!("{p}.hnorm.weight"), vec![h]),
+        V4Tensor::float(format!("{p}.norm.weight"), vec![h]),
+        V4Tensor::float(format!("{p}.hc_head_fn"), vec![n, n * h]),
+        V4Tensor::float(format!("{p}.hc_head_base"), vec![n]),
+        V4Tensor::float(format!("{p}.hc_head_scale"), vec![1]),
+    ]
+}
+
 /// Checks `ckpt` against [`expected`]: every tensor present under one of its names, with its
 /// shape and a dtype its kind allows (an FP8 weight and an FP4 expert with their scales), and
-/// no other tensor (MTP layers aside). Returns how many tensors of [`expected`] were checked.
+/// no other tensor (MTP layers not in use aside). Returns how many tensors of [`expected`] were checked.
 /// The error names the tensor, and for a tensor the config does not explain, what in the
 /// config to look at.
 pub fn check(cfg: &V4Config, ckpt: &Checkpoint) -> Result<usize> {
@@ -292,7 +314,7 @@ pub fn check(cfg: &V4Config, ckpt: &Checkpoint) -> Result<usize> {
     if let Some(other) = ckpt
         .names()
         .into_iter()
-        .find(|n| !seen.contains(n) && !n.starts_with("mtp."))
+        .find(|n| !seen.contains(n) && !unused_draft_layer(cfg, n))
     {
         return Err(Error::Weights(format!(
             "tensor `{other}` is not a parameter of the model config.json describes (check \
@@ -301,6 +323,15 @@ pub fn check(cfg: &V4Config, ckpt: &Checkpoint) -> Result<usize> {
         )));
     }
     Ok(tensors.len())
+}
+
+/// Whether `name` belongs to an MTP layer `cfg` does not use (left unread).
+fn unused_draft_layer(cfg: &V4Config, name: &str) -> bool {
+    let Some(rest) = name.strip_prefix("mtp.") else {
+        return false;
+    };
+    let k = rest.split('.').next().and_then(|k| k.parse::<usize>().ok());
+    k.is_none_or(|k| k >= cfg.draft_layers)
 }
 
 /// Reads every tensor of [`expected`] from `ckpt` (after [`check`]), keyed by its published
