@@ -11,7 +11,7 @@ use crate::config::v4::{V4Attention, V4Config};
 use crate::error::{Error, Result};
 use crate::graph::{DType, Graph, GraphBuilder, InputRole, Literal, Tensor};
 use crate::model::precision::Dots;
-use crate::model::{ops, MoeStrategy};
+use crate::model::MoeStrategy;
 
 use super::attention::{self as attn, and, Keys};
 use super::weights::{Rope, Weights};
@@ -59,9 +59,10 @@ pub fn build_stateless_draft(cfg: &V4Config, t: usize) -> Result<Graph> {
     let streams = super::streams(cfg, &w, &ids, MoeStrategy::Gather, |l, x| {
         attention(cfg, &w, l, x, &main, &compress)
     })?;
-    let collapsed = super::hyper::hyper_head(cfg, &w, "hc_head", &streams)?;
-    let x = ops::rms_norm(&collapsed, w.get("norm.weight")?, cfg.rms_norm_eps)?;
-    b.output("logits", &super::head(&w, &x)?)?;
+    b.output(
+        "logits",
+        &super::head(&w, &super::collapse(cfg, &w, &streams)?)?,
+    )?;
     let (main, compress) = ropes(t - 1)?;
     let (normed, out) = super::mtp::draft(
         cfg,

@@ -30,8 +30,13 @@ fn hidden(
     moe: MoeStrategy,
     attention: impl FnMut(usize, &Tensor) -> Result<Tensor>,
 ) -> Result<Tensor> {
-    let s = streams(cfg, w, ids, moe, attention)?;
-    let x = hyper::hyper_head(cfg, w, "hc_head", &s)?;
+    collapse(cfg, w, &streams(cfg, w, ids, moe, attention)?)
+}
+
+/// The final hidden states of the decoder's output streams: the hyper-head, then the final
+/// norm.
+fn collapse(cfg: &V4Config, w: &Weights, streams: &Tensor) -> Result<Tensor> {
+    let x = hyper::hyper_head(cfg, w, "hc_head", streams)?;
     ops::rms_norm(&x, w.get("norm.weight")?, cfg.rms_norm_eps)
 }
 

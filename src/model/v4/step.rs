@@ -6,7 +6,7 @@
 //!
 //! | root | rows | per row, for each layer that has it |
 //! |---|---|---|
-//! | [`SWA_RING`] | `sliding_window` per sequence state row | a position's shared K=V (`head_dim`), every layer |
+//! | [`SWA_RING`] | `sliding_window` per sequence state row | a position's shared K=V (`head_dim`), every layer (the MTP layer's too, when in use) |
 //! | [`CSA_RING`] / [`HCA_RING`] | `2 x rate` (CSA) or `rate` (HCA) per sequence state row | a position's compressor value and gate (`ape` added), CSA's indexer's too |
 //! | [`CSA_ROOT`] / [`HCA_ROOT`] | entry rows, one per `min(rate, block)` token slots, plus a dump row | a window's pooled entry (`head_dim`) and, CSA, its index key |
 //!
@@ -39,6 +39,7 @@
 use crate::config::v4::{V4Attention, V4Config};
 use crate::error::{Error, Result};
 use crate::graph::{DType, Graph, GraphBuilder, InputRole, Literal, Tensor};
+use crate::model::mtp::{DRAFT_HIDDEN, HIDDEN};
 use crate::model::ops::{div_const, mul_const};
 use crate::model::{
     decode_tail, inputs, prefill_tail, sampling_root, slots_at, step_outputs, CacheLayout, Dots,
@@ -179,7 +180,8 @@ impl Layout {
         let mut roots = vec![RootSpec {
             name: SWA_RING,
             rows: states * cfg.sliding_window,
-            cols: cfg.num_hidden_layers * cfg.head_dim,
+            // Every layer's, the MTP layer in use included.
+            cols: cfg.attention.len() * cfg.head_dim,
             dtype,
         }];
         let kinds = [
@@ -320,19 +322,29 @@ struct Step {
     compress: Rope,
 }
 
-/// The step graph of `spec` over `cfg`'s cache roots under `cache`.
-pub fn build_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<Graph> {
+/// What every V4 step graph declares: the weights, the step's metadata and cache roots, and
+/// the per-token view of them its layers read.
+struct Declared {
+    b: GraphBuilder,
+    w: Weights,
+    ids: Tensor,
+    layout: Layout,
+    step: Step,
+    /// A prefill's chunk ends (`last_index`) and, packed, which chunk each token is.
+    chunks: Option<(Tensor, Option<Tensor>)>,
+    /// The layout's roots as declared (the sampling-state root aside).
+    roots: Vec<(&'static str, Tensor)>,
+}
+
+/// Declares graph `name`'s inputs for `spec` over `cfg`'s cache roots under `cache` (see the
+/// module docs), after checking `spec`'s sizes.
+fn declare(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step, name: String) -> Result<Declared> {
     let V4Step {
         rows: n,
         seqs,
         ctx,
         decode,
-        ranks: _,
-        logits: want,
-        sampler,
-        moe,
-        weights,
-        dots,
+        ..
     } = *spec;
     let block = cache.block_size;
     if n == 0 || seqs == 0 || seqs > n || (decode && seqs != n) || !ctx.is_multiple_of(block) {
@@ -346,24 +358,8 @@ pub fn build_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<
         ));
     }
     let layout = Layout::new(cfg, cache)?;
-    let name = match (decode, sampler) {
-        (true, Sampler::Full) => format!("v4_decode_b{n}_c{ctx}"),
-        (true, Sampler::Greedy) => format!("v4_decode_greedy_b{n}_c{ctx}"),
-        (true, Sampler::Deferred) => format!("v4_decode_logits_b{n}_c{ctx}"),
-        (false, Sampler::Full) => format!("v4_prefill_t{n}_s{seqs}_c{ctx}"),
-        // No verify graph: V4 has no draft layer yet (`ModelConfig::with_draft_layer`).
-        (_, sampler) => {
-            return Err(Error::shape(
-                "bucket",
-                format!(
-                    "a V4 {} graph does not sample with {sampler:?}",
-                    if decode { "decode" } else { "prefill" }
-                ),
-            ))
-        }
-    };
     let b = GraphBuilder::new(name);
-    let w = Weights::declare(&b, cfg, spec.ranks, weights, dots)?;
+    let w = Weights::declare(&b, cfg, spec.ranks, spec.weights, spec.dots)?;
     let meta =
         |name: &str, shape: Vec<usize>| b.input(name, InputRole::Metadata, shape, DType::I32);
     let ids = meta(inputs::INPUT_IDS, vec![n])?;
@@ -408,12 +404,11 @@ pub fn build_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<
             (seq_ids, chunk_start, last_row)
         }
     };
-    let mut old = Vec::with_capacity(layout.roots.len());
+    let mut roots = Vec::with_capacity(layout.roots.len());
     for r in &layout.roots {
         let t = b.input(r.name, InputRole::CacheRoot, r.shape().to_vec(), r.dtype)?;
-        old.push((r.name, t));
+        roots.push((r.name, t));
     }
-    let mut roots = Roots(old.clone());
     let step = Step {
         tables: seq_tables.index_select(&seq_ids, 0)?,
         seq_tables,
@@ -429,9 +424,66 @@ pub fn build_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<
         positions,
         slots,
     };
-    let x = super::hidden(cfg, &w, &ids, moe, |l, x| {
+    Ok(Declared {
+        b,
+        w,
+        ids,
+        layout,
+        step,
+        chunks,
+        roots,
+    })
+}
+
+/// The step graph of `spec` over `cfg`'s cache roots under `cache`. With `cfg`'s MTP layer in
+/// use ([`V4Config::with_draft_layer`]) it also returns every fed token's residual streams
+/// before the hyper-head as [`HIDDEN`] (`[n, hc_mult * hidden]`), what the draft graphs read.
+pub fn build_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<Graph> {
+    let V4Step {
+        rows: n,
+        ctx,
+        decode,
+        logits: want,
+        sampler,
+        moe,
+        ..
+    } = *spec;
+    let name = match (decode, sampler) {
+        (true, Sampler::Full) => format!("v4_decode_b{n}_c{ctx}"),
+        (true, Sampler::Greedy) => format!("v4_decode_greedy_b{n}_c{ctx}"),
+        (true, Sampler::Deferred) => format!("v4_decode_logits_b{n}_c{ctx}"),
+        (false, Sampler::Full) => format!("v4_prefill_t{n}_s{}_c{ctx}", spec.seqs),
+        // No verify graph yet: the MTP layer is not served (`ModelConfig::with_draft_layer`).
+        (_, sampler) => {
+            return Err(Error::shape(
+                "bucket",
+                format!(
+                    "a V4 {} graph does not sample with {sampler:?}",
+                    if decode { "decode" } else { "prefill" }
+                ),
+            ))
+        }
+    };
+    let Declared {
+        b,
+        w,
+        ids,
+        layout,
+        step,
+        chunks,
+        roots: old,
+    } = declare(cfg, cache, spec, name)?;
+    let mut roots = Roots(old.clone());
+    let streams = super::streams(cfg, &w, &ids, moe, |l, x| {
         attention(cfg, &w, l, layout.layers[l], x, &step, &mut roots)
     })?;
+    if cfg.draft_layers > 0 {
+        b.output(
+            HIDDEN,
+            &streams.reshape([n, cfg.hc_mult * cfg.hidden_size])?,
+        )?;
+    }
+    let x = super::collapse(cfg, &w, &streams)?;
     let vocab = w.vocab_slice(cfg)?;
     let sampling = sampling_root(cfg.vocab_size, cache);
     let state = b.input(
@@ -473,6 +525,72 @@ pub fn build_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<
         b.output_aliased(*name, roots.get(name)?, input)?;
     }
     b.output_aliased(sampling.name, &new_state, &state)?;
+    b.finish()
+}
+
+/// The MTP layer's step graph ([`super::mtp`]) over `spec`'s rows, `cfg` with the layer in use:
+/// row `i` is a position whose main-model streams ([`HIDDEN`], `[n, hc_mult * hidden]`, what
+/// [`build_step`] returned for it) and next token (`input_ids`) are known, at that position.
+/// Its K=V goes to the sliding-window ring as any layer's does (the MTP layer's own columns of
+/// [`SWA_RING`]), so chunks and decode rows of one sequence attend as one forward over its
+/// rows would ([`super::forward::build_stateless_draft`]). Outputs: `next_tokens` (each decode
+/// row's proposal, or each prefill chunk's last row's), [`STEP_LOGITS`] as `spec.logits` asks,
+/// [`DRAFT_HIDDEN`] (the block's output streams, what a chained draft reads) and the updated
+/// roots; the sampling-state root is not an input (a draft samples by argmax).
+pub fn build_draft_step(cfg: &V4Config, cache: &CacheLayout, spec: &V4Step) -> Result<Graph> {
+    if cfg.draft_layers == 0 {
+        return Err(Error::shape(
+            "bucket",
+            "a draft graph of a DeepSeek-V4 model loaded without its MTP layer",
+        ));
+    }
+    let V4Step {
+        rows: n,
+        seqs,
+        ctx,
+        decode,
+        moe,
+        ..
+    } = *spec;
+    let name = match decode {
+        true => format!("v4_draft_b{n}_c{ctx}"),
+        false => format!("v4_draft_t{n}_s{seqs}_c{ctx}"),
+    };
+    let Declared {
+        b,
+        w,
+        ids,
+        layout,
+        step,
+        chunks,
+        roots: old,
+    } = declare(cfg, cache, spec, name)?;
+    let width = cfg.hc_mult * cfg.hidden_size;
+    let hidden = b.input(HIDDEN, InputRole::Carried, [n, width], DType::F32)?;
+    let mut roots = Roots(old.clone());
+    let (normed, out) = super::mtp::draft(
+        cfg,
+        &w,
+        &hidden.reshape([n, cfg.hc_mult, cfg.hidden_size])?,
+        &ids,
+        moe,
+        |l, x| attention(cfg, &w, l, layout.layers[l], x, &step, &mut roots),
+    )?;
+    let logits = super::head(&w, &normed)?;
+    let proposed = match &chunks {
+        None => logits.clone(),
+        Some((last_index, _)) => logits.index_select(last_index, 0)?,
+    };
+    b.output("next_tokens", &w.vocab_slice(cfg)?.argmax(&proposed)?)?;
+    match spec.logits {
+        LogitsOutput::None => {}
+        LogitsOutput::Sampled => b.output(STEP_LOGITS, &proposed)?,
+        LogitsOutput::AllPositions => b.output(STEP_LOGITS, &logits)?,
+    }
+    b.output(DRAFT_HIDDEN, &out.reshape([n, width])?)?;
+    for (name, input) in &old {
+        b.output_aliased(*name, roots.get(name)?, input)?;
+    }
     b.finish()
 }
 
