@@ -11,7 +11,7 @@ graph, and every real row of the packed prefill graph (two sequences in one step
 
 Why: neuronx-cc's front end is XLA's, so a module XLA parses and runs identically is the closest
 check of our lowering that needs no Trainium. Each module runs in a child process, because a
-malformed module can abort jaxlib (SIGABRT) instead of raising.
+malformed module can abort jaxlib (SIGABRT) instead of raising; up to --jobs of them at once.
 
 Tensor parallelism: when the manifest says `"tp": N` with N > 1 (`deepinfer lower --tp N`),
 each module is compiled with N replicas (`CompileOptions.num_replicas = N`, replica r on CPU
@@ -117,8 +117,8 @@ def replica_env(replicas: int) -> dict:
     The child also compiles with LLVM's optimizations off (`--xla_backend_optimization_level=0`,
     unless XLA_FLAGS already sets a level): what is checked is the module's meaning, which XLA's
     HLO passes and code generation keep at every level, not the speed of the code XLA makes for
-    a tiny model; it takes a V4 step graph's compile from about 13 s to 11 (measured on this
-    project's 2-core CI machine, where the compiles are most of the XLA conformance's time)."""
+    a tiny model; it takes a V4 step graph's compile from about 13 s to 11 (measured on a 2-core
+    machine like CI's, where the compiles are most of the XLA conformance's time)."""
     env = dict(os.environ)
     flags = env.get("XLA_FLAGS", "")
     if "--xla_backend_optimization_level" not in flags:

@@ -22,9 +22,7 @@ use deepinfer::model::v4::{shard, tensors};
 use deepinfer::model::{
     CacheLayout, Dots, LogitsOutput, ModelWeights, MoeStrategy, Precision, Sampler,
 };
-use deepinfer::runner::step::{
-    self, DecodeRow, HostData, LogitControls, PrefillChunk, SamplingParams,
-};
+use deepinfer::runner::step::{self, DecodeRow, LogitControls, PrefillChunk, SamplingParams};
 use deepinfer::runner::{self, Backend, DeviceOptions, DeviceRunner, Runner, Step};
 use deepinfer::weights::Checkpoint;
 
@@ -232,15 +230,7 @@ impl Cache {
         let cfg = config_of(fixture);
         let blocks = 8 * CTX / BLOCK + 1;
         let layout = CacheLayout::new(BLOCK, blocks, DType::F32, 8);
-        let roots = cache_roots(&cfg, &layout)
-            .unwrap()
-            .into_iter()
-            .map(|r| {
-                let zeros =
-                    CTensor::zeros(r.shape().to_vec(), candle_core::DType::F32, &Device::Cpu);
-                (r.name.to_string(), zeros.unwrap())
-            })
-            .collect();
+        let roots = common::zero_roots(cache_roots(&cfg, &layout).unwrap());
         // Out of order: 1, 1 + 37, 1 + 74, ... (mod the usable blocks), never 0.
         let usable = (blocks - 1) as u32;
         let free = (0..usable).map(|i| 1 + (i * 37) % usable).rev().collect();
@@ -338,16 +328,9 @@ impl Cache {
                         // A copy per rank: the CPU backend updates a root in place.
                         InputRole::CacheRoot => self.roots[&d.name].copy().unwrap(),
                         InputRole::Weight => weights[&d.name].clone(),
-                        _ => {
-                            let a = meta.iter().find(|a| a.name == d.name).expect("metadata");
-                            let shape = a.shape.as_slice();
-                            match &a.data {
-                                HostData::I32(v) => CTensor::from_slice(v, shape, &Device::Cpu),
-                                HostData::F32(v) => CTensor::from_slice(v, shape, &Device::Cpu),
-                                HostData::U32(v) => CTensor::from_slice(v, shape, &Device::Cpu),
-                            }
-                            .unwrap()
-                        }
+                        _ => common::host_tensor(
+                            meta.iter().find(|a| a.name == d.name).expect("metadata"),
+                        ),
                     })
                     .collect()
             })

@@ -18,9 +18,7 @@ use deepinfer::model::v4::forward::build_stateless_draft;
 use deepinfer::model::v4::step::{build_draft_step, build_step, cache_roots, V4Step};
 use deepinfer::model::v4::{shard, tensors};
 use deepinfer::model::{CacheLayout, Dots, LogitsOutput, MoeStrategy, Sampler};
-use deepinfer::runner::step::{
-    self, DecodeRow, HostData, LogitControls, PrefillChunk, SamplingParams,
-};
+use deepinfer::runner::step::{self, DecodeRow, LogitControls, PrefillChunk, SamplingParams};
 use deepinfer::weights::Checkpoint;
 
 const FIXTURE: &str = "tiny-v4-mtp";
@@ -192,15 +190,7 @@ impl Steps {
     fn new(cfg: &V4Config, seqs: usize) -> Self {
         let per_seq = CTX / BLOCK;
         let layout = CacheLayout::new(BLOCK, seqs * per_seq + 1, DType::F32, seqs);
-        let roots = cache_roots(cfg, &layout)
-            .unwrap()
-            .into_iter()
-            .map(|r| {
-                let zeros =
-                    CTensor::zeros(r.shape().to_vec(), candle_core::DType::F32, &Device::Cpu);
-                (r.name.to_string(), zeros.unwrap())
-            })
-            .collect();
+        let roots = common::zero_roots(cache_roots(cfg, &layout).unwrap());
         let full = weights(cfg, &common::fixture_dir(FIXTURE));
         let total = (seqs * per_seq) as u32;
         Steps {
@@ -240,21 +230,7 @@ impl Steps {
                     v.resize(rows * width, 0.0);
                     CTensor::from_vec(v, (rows, width), &Device::Cpu).unwrap()
                 }
-                _ => {
-                    let a = meta.iter().find(|a| a.name == d.name).expect("metadata");
-                    match &a.data {
-                        HostData::I32(v) => {
-                            CTensor::from_slice(v, a.shape.as_slice(), &Device::Cpu)
-                        }
-                        HostData::F32(v) => {
-                            CTensor::from_slice(v, a.shape.as_slice(), &Device::Cpu)
-                        }
-                        HostData::U32(v) => {
-                            CTensor::from_slice(v, a.shape.as_slice(), &Device::Cpu)
-                        }
-                    }
-                    .unwrap()
-                }
+                _ => common::host_tensor(meta.iter().find(|a| a.name == d.name).expect("metadata")),
             })
             .collect();
         let outs = cpu::run(graph, &inputs).unwrap();
@@ -289,10 +265,7 @@ impl Steps {
             start,
             blocks: &self.blocks[seq],
             sampling: SamplingParams::GREEDY,
-            controls: LogitControls {
-                state_row: seq as u32 + 1,
-                ..LogitControls::NONE
-            },
+            controls: controls(seq),
         };
         let meta = step::prefill_step(&[chunk], rows, 1, CTX, BLOCK, self.cfg.vocab_size).unwrap();
         self.outputs(graph, &meta, hidden, rows, tokens.len())
@@ -312,10 +285,7 @@ impl Steps {
             position,
             blocks: &self.blocks[seq],
             sampling: SamplingParams::GREEDY,
-            controls: LogitControls {
-                state_row: seq as u32 + 1,
-                ..LogitControls::NONE
-            },
+            controls: controls(seq),
         };
         let meta = step::decode_step(&[row], 1, CTX, BLOCK, self.cfg.vocab_size).unwrap();
         self.outputs(graph, &meta, Some(&[hidden.to_vec()]), 1, 1)
@@ -337,6 +307,14 @@ impl Steps {
             .or_else(|| out.remove(DRAFT_HIDDEN))
             .unwrap();
         (logits, rows_of(kept))
+    }
+}
+
+/// Sequence `seq`'s rings are in state row `seq + 1` (row 0 is the scratch padding writes).
+fn controls(seq: usize) -> LogitControls<'static> {
+    LogitControls {
+        state_row: seq as u32 + 1,
+        ..LogitControls::NONE
     }
 }
 

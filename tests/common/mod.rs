@@ -20,6 +20,36 @@ pub use compare::{max_abs, max_abs_diff, max_abs_diff_f64, max_abs_diff_rows};
 /// The tiny checkpoints `scripts/make_fixtures.py` writes, with transformers' outputs.
 pub const FIXTURES: &[&str] = &["tiny-v3", "tiny-v2-lite", "tiny-v2-group", "tiny-v32"];
 
+/// Zero-filled f32 CPU tensors for cache roots `specs`, by name: a fresh cache for tests that
+/// run step graphs themselves.
+pub fn zero_roots(
+    specs: Vec<deepinfer::model::RootSpec>,
+) -> std::collections::HashMap<String, candle_core::Tensor> {
+    specs
+        .into_iter()
+        .map(|r| {
+            let zeros = candle_core::Tensor::zeros(
+                r.shape().to_vec(),
+                candle_core::DType::F32,
+                &candle_core::Device::Cpu,
+            );
+            (r.name.to_string(), zeros.unwrap())
+        })
+        .collect()
+}
+
+/// A step array the runner fills (`runner::step`) as the CPU tensor a graph input takes.
+pub fn host_tensor(a: &deepinfer::runner::step::HostArray) -> candle_core::Tensor {
+    use deepinfer::runner::step::HostData;
+    let (shape, cpu) = (a.shape.as_slice(), &candle_core::Device::Cpu);
+    match &a.data {
+        HostData::I32(v) => candle_core::Tensor::from_slice(v, shape, cpu),
+        HostData::F32(v) => candle_core::Tensor::from_slice(v, shape, cpu),
+        HostData::U32(v) => candle_core::Tensor::from_slice(v, shape, cpu),
+    }
+    .unwrap()
+}
+
 /// Held by a test that keeps the CPU backend busy for a long time, so the binary's other such
 /// tests wait rather than run beside it. candle's one CPU thread pool is shared by the whole
 /// process and its idle workers spin: two such tests side by side on a two-core machine took
