@@ -96,10 +96,11 @@ impl Suggestion {
 /// `--tp` / `--quantize` (/ `--kv-blocks auto`) on the same instances does; otherwise every
 /// alternative of the module docs that fits.
 pub fn suggest(cfg: &ModelConfig, opts: &PlanOptions) -> Result<Vec<Suggestion>> {
-    if fitting(cfg, opts)?.is_some() {
+    // The graphs are built only when the plan without them fits (see `fitting`).
+    let asked = Plan::lower_bound(cfg, opts)?;
+    if asked.fits() && Plan::compute(cfg, opts)?.fits() {
         return Ok(Vec::new());
     }
-    let asked = Plan::lower_bound(cfg, opts)?;
     let mut experts = vec![opts.experts];
     if opts.experts == Experts::AsWeights && cfg.routing.is_some() {
         // int8 helps float weights; fp8 experts are already one byte.

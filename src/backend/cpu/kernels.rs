@@ -449,7 +449,15 @@ pub(crate) struct IntSum {
 
 impl IntSum {
     fn apply<T: WrappingInt + Default>(&self, data: &[T], l: &Layout) -> Vec<T> {
-        let values = IntOperand::new(data, l).into_vec(l.shape().elem_count());
+        // A contiguous operand (the usual case) is read where it is, not copied.
+        let owned;
+        let values: &[T] = match IntOperand::new(data, l) {
+            IntOperand::Slice(s) => s,
+            other => {
+                owned = other.into_vec(l.shape().elem_count());
+                &owned
+            }
+        };
         let dims = l.dims();
         let n = dims[self.dim];
         let inner: usize = dims[self.dim + 1..].iter().product();
